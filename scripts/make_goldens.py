@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Golden cases from diffusers itself, for meshdit's numerical tests.
+
+Builds randomly initialised diffusers FluxTransformer2DModel instances, saves them with
+save_pretrained (the real diffusers checkpoint layout), draws inputs, runs diffusers' forward in
+float32, and writes tests/data/<case>/{config.json, weights, inputs.safetensors,
+expected.safetensors, versions.txt}. Needs a venv with torch, diffusers and safetensors
+(CI never runs this; the outputs are committed, < 2 MB in all).
+
+usage: python3 scripts/make_goldens.py [--out tests/data]
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+import diffusers
+import safetensors
+from diffusers import FluxTransformer2DModel
+from safetensors.torch import save_file
+
+
+def perturb_norms(model, gen):
+    # RMSNorm weights start at 1; make them non-trivial so a wrong weight use shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name and name.endswith("weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def grid_ids(n, naxes=3):
+    w = int(-(-n ** 0.5 // 1))
+    ids = torch.zeros(n, naxes)
+    for s in range(n):
+        ids[s, 1] = s // w
+        ids[s, 2] = s % w
+    return ids
+
+
+def euler(model, inputs, steps):
+    """Flow-matching Euler over sigmas 1 -> 0, as `meshdit run --steps N` does."""
+    x = inputs["hidden_states"].clone()
+    b = x.shape[0]
+    for i in range(steps):
+        sig, nxt = 1.0 - i / steps, 1.0 - (i + 1) / steps
+        kw = dict(inputs)
+        kw["hidden_states"] = x
+        kw["timestep"] = torch.full((b,), sig, dtype=torch.float32)
+        v = model(**kw, return_dict=False)[0]
+        x = x + (nxt - sig) * v
+    return x
+
+
+def write_case(out_dir, name, model, inputs, note, dtype=None, max_shard_size=None, steps=0):
+    d = os.path.join(out_dir, name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    if dtype is not None:
+        model = model.to(dtype)
+    kw = {"safe_serialization": True}
+    if max_shard_size:
+        kw["max_shard_size"] = max_shard_size
+    model.save_pretrained(d, **kw)
+    # Reload exactly what was saved and run it in float32 (bf16 values upcast, not re-rounded).
+    ref = FluxTransformer2DModel.from_pretrained(d, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = ref(**inputs, return_dict=False)[0]
+        expected = {"sample": out.contiguous()}
+        if steps:
+            expected_steps = {"sample": euler(ref, inputs, steps).contiguous()}
+    save_file({k: v.contiguous() for k, v in inputs.items()}, os.path.join(d, "inputs.safetensors"))
+    save_file(expected, os.path.join(d, "expected.safetensors"))
+    if steps:
+        save_file(expected_steps, os.path.join(d, f"expected_steps{steps}.safetensors"))
+    with open(os.path.join(d, "versions.txt"), "w") as fp:
+        fp.write(f"diffusers {diffusers.__version__}\ntorch {torch.__version__}\n"
+                 f"safetensors {safetensors.__version__}\npython {sys.version.split()[0]}\n{note}\n")
+    files = sorted(os.listdir(d))
+    print(f"{name}: {files}")
+    return d
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "data"))
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+
+    # 1. diffusers' own tiny test config: heads 2 x 16, axes [4,4,8], 1+1 layers, 16 image + 48
+    #    text tokens, batch 1, random-normal ids (like diffusers' tester), timestep 1.0.
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    cfg = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+               pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+    m = FluxTransformer2DModel(**cfg).eval()
+    perturb_norms(m, gen)
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 4, generator=gen),
+        "encoder_hidden_states": torch.randn(1, 48, 32, generator=gen),
+        "pooled_projections": torch.randn(1, 32, generator=gen),
+        "img_ids": torch.randn(16, 3, generator=gen),
+        "txt_ids": torch.randn(48, 3, generator=gen),
+        "timestep": torch.tensor([1.0]),
+    }
+    write_case(args.out, "flux_tiny", m, inputs,
+               "diffusers tiny Flux test config; ids random normal; timestep 1.0; "
+               "expected_steps2 = 2-step flow-matching Euler", steps=2)
+
+    # 2. guidance embeds, batch 2, heads 4 x 8, 2+2 layers, odd token counts (37 image, 11 text).
+    torch.manual_seed(1)
+    gen = torch.Generator().manual_seed(1)
+    cfg = dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=2,
+               attention_head_dim=8, num_attention_heads=4, joint_attention_dim=24,
+               pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=[2, 2, 4])
+    m = FluxTransformer2DModel(**cfg).eval()
+    perturb_norms(m, gen)
+    txt_ids = torch.zeros(11, 3)
+    txt_ids[:, 0] = torch.arange(11, dtype=torch.float32)
+    inputs = {
+        "hidden_states": torch.randn(2, 37, 8, generator=gen),
+        "encoder_hidden_states": torch.randn(2, 11, 24, generator=gen),
+        "pooled_projections": torch.randn(2, 16, generator=gen),
+        "img_ids": grid_ids(37),
+        "txt_ids": txt_ids,
+        "timestep": torch.tensor([0.7, 0.3]),
+        "guidance": torch.tensor([3.5, 2.0]),
+    }
+    write_case(args.out, "flux_guidance", m, inputs,
+               "guidance_embeds, batch 2, heads 4 x 8, 2+2 layers, 37 image + 11 text tokens")
+
+    # 3. bf16 weights saved as 2 shards with an index; expected = diffusers on the same bf16
+    #    values upcast to float32.
+    torch.manual_seed(2)
+    gen = torch.Generator().manual_seed(2)
+    cfg = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=2,
+               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+               pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+    m = FluxTransformer2DModel(**cfg).eval()
+    perturb_norms(m, gen)
+    inputs = {
+        "hidden_states": torch.randn(1, 24, 4, generator=gen),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=gen),
+        "pooled_projections": torch.randn(1, 32, generator=gen),
+        "img_ids": grid_ids(24),
+        "txt_ids": torch.zeros(8, 3),
+        "timestep": torch.tensor([0.5]),
+    }
+    d = write_case(args.out, "flux_bf16_sharded", m, inputs,
+                   "bf16 weights in 2 shards + index; expected from the bf16 values upcast to f32",
+                   dtype=torch.bfloat16, max_shard_size="100KB")
+    shards = [f for f in os.listdir(d) if f.endswith(".safetensors") and f.startswith("diffusion")]
+    assert len(shards) == 2, shards
+    with open(os.path.join(d, "diffusion_pytorch_model.safetensors.index.json")) as fp:
+        assert len(set(json.load(fp)["weight_map"].values())) == 2
+
+
+if __name__ == "__main__":
+    main()

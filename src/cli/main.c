@@ -1,0 +1,596 @@
+/*
+ * main.c — the `meshdit` command: gen | inputs | run | compare | inspect (contract: DESIGN.md §4).
+ *
+ * The only code that calls MPI_Init/Finalize and exit(). Library failures come back as status
+ * codes; this file prints one line per failure ("meshdit: error: ...") from rank 0 and exits
+ * non-zero. Exit codes: 0 success, 1 failure or comparison beyond tolerance, 2 usage error.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "models/model.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+
+static int g_rank = 0, g_world = 1;
+
+static void usage(FILE *fp) {
+    fprintf(fp,
+            "usage: meshdit <command> [options]\n"
+            "  gen     --model flux (--preset tiny|medium|narrow | --config FILE) --out DIR\n"
+            "          [--seed N] [--dtype f32|bf16|f16] [--shards K]\n"
+            "  inputs  --checkpoint DIR --out FILE [--seed N] [--img-tokens N] [--txt-tokens N]\n"
+            "          [--batch N] [--timestep T] [--guidance G]\n"
+            "  run     --checkpoint DIR --inputs FILE --out FILE [--steps N] [--repeat N]\n"
+            "          [--tp T --ring R --ulysses U] [--mesh-order tp,ring,ulysses]\n"
+            "          [--report FILE.json] [--quiet]\n"
+            "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
+            "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n");
+}
+
+static int fail_exit(mdt_status st) {
+    if (g_rank == 0) {
+        if (getenv("MESHDIT_DEBUG"))
+            fprintf(stderr, "meshdit: error: %s [%s, %s]\n", mdt_last_error(),
+                    mdt_status_str(st), mdt_last_error_where());
+        else
+            fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
+    }
+    return 1;
+}
+
+static int usage_exit(const char *fmt, const char *arg) {
+    if (g_rank == 0) {
+        fprintf(stderr, "meshdit: usage error: ");
+        fprintf(stderr, fmt, arg);
+        fprintf(stderr, "\n");
+        usage(stderr);
+    }
+    return 2;
+}
+
+/* ---- option parsing: --key value pairs after the command ---- */
+typedef struct opts {
+    int n;
+    const char *keys[32], *vals[32];
+    int used[32];
+    const char *pos[4];
+    int npos;
+} opts;
+
+static int parse_opts(int argc, char **argv, opts *o, const char *const *flags) {
+    memset(o, 0, sizeof *o);
+    for (int i = 0; i < argc; i++) {
+        if (strncmp(argv[i], "--", 2) == 0) {
+            if (o->n == 32)
+                return usage_exit("too many options%s", "");
+            int is_flag = 0;
+            for (int f = 0; flags && flags[f]; f++)
+                is_flag |= strcmp(argv[i] + 2, flags[f]) == 0;
+            o->keys[o->n] = argv[i] + 2;
+            if (is_flag) {
+                o->vals[o->n++] = "1";
+                continue;
+            }
+            if (i + 1 >= argc)
+                return usage_exit("option %s needs a value", argv[i]);
+            o->vals[o->n++] = argv[++i];
+        } else {
+            if (o->npos == 4)
+                return usage_exit("unexpected argument '%s'", argv[i]);
+            o->pos[o->npos++] = argv[i];
+        }
+    }
+    return 0;
+}
+
+static const char *opt_str(opts *o, const char *key, const char *def) {
+    for (int i = 0; i < o->n; i++)
+        if (strcmp(o->keys[i], key) == 0) {
+            o->used[i] = 1;
+            return o->vals[i];
+        }
+    return def;
+}
+
+static int opt_int(opts *o, const char *key, long long def, long long lo, long long hi,
+                   long long *out) {
+    const char *v = opt_str(o, key, NULL);
+    if (!v) {
+        *out = def;
+        return 0;
+    }
+    char *end;
+    long long x = strtoll(v, &end, 10);
+    if (*v == 0 || *end != 0 || x < lo || x > hi) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "--%s must be an integer in [%lld, %lld], got '%%s'", key, lo,
+                 hi);
+        return usage_exit(msg, v);
+    }
+    *out = x;
+    return 0;
+}
+
+static int opt_double(opts *o, const char *key, double def, double *out) {
+    const char *v = opt_str(o, key, NULL);
+    if (!v) {
+        *out = def;
+        return 0;
+    }
+    char *end;
+    *out = strtod(v, &end);
+    if (*v == 0 || *end != 0 || !isfinite(*out))
+        return usage_exit("bad number '%s'", v);
+    return 0;
+}
+
+static int opts_check_unused(opts *o) {
+    for (int i = 0; i < o->n; i++)
+        if (!o->used[i])
+            return usage_exit("unknown option --%s", o->keys[i]);
+    return 0;
+}
+
+static mdt_status read_file_text(const char *path, char **out) {
+    cJSON *j;
+    MDT_TRY(mdt_config_load(path, &j));
+    *out = cJSON_Print(j);
+    cJSON_Delete(j);
+    return *out ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+}
+
+/* ---- gen ---- */
+static int cmd_gen(int argc, char **argv) {
+    opts o;
+    long long seed, shards;
+    int rc = parse_opts(argc, argv, &o, NULL);
+    if (rc)
+        return rc;
+    const char *model = opt_str(&o, "model", "flux"), *preset = opt_str(&o, "preset", NULL);
+    const char *cfg = opt_str(&o, "config", NULL), *out = opt_str(&o, "out", NULL);
+    const char *dts = opt_str(&o, "dtype", "f32");
+    if ((rc = opt_int(&o, "seed", 0, 0, INT64_MAX, &seed)) ||
+        (rc = opt_int(&o, "shards", 1, 1, 99999, &shards)) || (rc = opts_check_unused(&o)))
+        return rc;
+    if (!out)
+        return usage_exit("gen needs --out DIR%s", "");
+    if (!!preset == !!cfg)
+        return usage_exit("gen needs exactly one of --preset NAME or --config FILE%s", "");
+    mdt_dtype dt = strcmp(dts, "f32") == 0    ? MDT_F32
+                   : strcmp(dts, "bf16") == 0 ? MDT_BF16
+                   : strcmp(dts, "f16") == 0  ? MDT_F16
+                                              : MDT_DTYPE_COUNT;
+    if (dt == MDT_DTYPE_COUNT)
+        return usage_exit("--dtype must be f32, bf16 or f16, got '%s'", dts);
+    char *text = NULL;
+    mdt_status st;
+    if (preset) {
+        const mdt_family *fam = mdt_family_by_name(model);
+        if (!fam)
+            return usage_exit("unknown --model '%s' (supported: flux)", model);
+        const char *p = fam->preset(preset);
+        if (!p)
+            return usage_exit("unknown --preset '%s' (tiny, medium, narrow)", preset);
+        st = mdt_model_gen(p, (uint64_t)seed, dt, (int)shards, out);
+    } else {
+        st = read_file_text(cfg, &text);
+        if (st == MDT_OK)
+            st = mdt_model_gen(text, (uint64_t)seed, dt, (int)shards, out);
+        cJSON_free(text);
+    }
+    if (st != MDT_OK)
+        return fail_exit(st);
+    printf("wrote %s (seed %lld, %s, %lld shard%s)\n", out, seed, dts, shards,
+           shards > 1 ? "s" : "");
+    return 0;
+}
+
+/* ---- inputs ---- */
+static int cmd_inputs(int argc, char **argv) {
+    opts o;
+    long long seed, img, txt, batch;
+    double t, g;
+    int rc = parse_opts(argc, argv, &o, NULL);
+    if (rc)
+        return rc;
+    const char *ck = opt_str(&o, "checkpoint", NULL), *out = opt_str(&o, "out", NULL);
+    if ((rc = opt_int(&o, "seed", 0, 0, INT64_MAX, &seed)) ||
+        (rc = opt_int(&o, "img-tokens", 16, 1, 1 << 24, &img)) ||
+        (rc = opt_int(&o, "txt-tokens", 8, 1, 1 << 24, &txt)) ||
+        (rc = opt_int(&o, "batch", 1, 1, 4096, &batch)) ||
+        (rc = opt_double(&o, "timestep", 1.0, &t)) ||
+        (rc = opt_double(&o, "guidance", 3.5, &g)) || (rc = opts_check_unused(&o)))
+        return rc;
+    if (!ck || !out)
+        return usage_exit("inputs needs --checkpoint DIR and --out FILE%s", "");
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", ck);
+    cJSON *cfg = NULL;
+    mdt_model *m = NULL;
+    mdt_tensor_set *set = NULL;
+    mdt_status st = mdt_config_load(path, &cfg);
+    if (st == MDT_OK)
+        st = mdt_model_describe(cfg, &m);
+    if (st == MDT_OK)
+        st = mdt_tensor_set_create(&set);
+    if (st == MDT_OK) {
+        mdt_inputs_params p = {(uint64_t)seed, batch, img, txt, t, g};
+        st = m->fam->make_inputs(m->impl, &p, set);
+    }
+    if (st == MDT_OK)
+        st = mdt_tensor_set_save(set, out);
+    mdt_tensor_set_free(set);
+    mdt_model_free(m);
+    cJSON_Delete(cfg);
+    if (st != MDT_OK)
+        return fail_exit(st);
+    printf("wrote %s (seed %lld, batch %lld, %lld image + %lld text tokens)\n", out, seed, batch,
+           img, txt);
+    return 0;
+}
+
+/* ---- run ---- */
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void fmt_bytes(double b, char *buf, size_t cap) {
+    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int i = 0;
+    while (b >= 1024.0 && i < 4)
+        b /= 1024.0, i++;
+    snprintf(buf, cap, "%.2f %s", b, u[i]);
+}
+
+static long max_rss_kib(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_maxrss;
+}
+
+static mdt_status write_report(const char *path, const mdt_model *m, const mdt_load_params *lp,
+                               double load_s, double step_s, int steps, const mdt_counters *per) {
+    cJSON *r = cJSON_CreateObject();
+    cJSON *ranks = cJSON_AddArrayToObject(r, "ranks");
+    cJSON *rk = cJSON_CreateObject();
+    cJSON_AddItemToArray(ranks, rk);
+    cJSON_AddStringToObject(r, "model", m->fam->name);
+    cJSON_AddNumberToObject(r, "world", g_world);
+    cJSON *lay = cJSON_AddObjectToObject(r, "layout");
+    cJSON_AddNumberToObject(lay, "tp", lp->tp);
+    cJSON_AddNumberToObject(lay, "ring", lp->ring);
+    cJSON_AddNumberToObject(lay, "ulysses", lp->ulysses);
+    cJSON_AddNumberToObject(r, "load_seconds", load_s);
+    cJSON_AddNumberToObject(r, "step_seconds_median", step_s);
+    cJSON_AddNumberToObject(r, "steps", steps);
+    cJSON_AddNumberToObject(rk, "rank", g_rank);
+    cJSON_AddNumberToObject(rk, "weight_bytes", (double)m->weight_bytes);
+    cJSON_AddNumberToObject(rk, "peak_bytes", (double)mdt_mem_peak());
+    cJSON_AddNumberToObject(rk, "max_rss_kib", (double)max_rss_kib());
+    cJSON_AddNumberToObject(rk, "bytes_read", (double)per->bytes_read);
+    cJSON *fl = cJSON_AddObjectToObject(rk, "flops_per_step");
+    cJSON_AddNumberToObject(fl, "linear", per->flops[MDT_FLOP_LINEAR]);
+    cJSON_AddNumberToObject(fl, "attention", per->flops[MDT_FLOP_ATTN]);
+    cJSON_AddNumberToObject(fl, "other", per->flops[MDT_FLOP_OTHER]);
+    cJSON *at = cJSON_AddObjectToObject(rk, "attention_per_step");
+    cJSON_AddNumberToObject(at, "calls", (double)per->attn_calls);
+    cJSON_AddNumberToObject(at, "query_rows_x_heads", (double)per->attn_query_rows);
+    cJSON_AddNumberToObject(at, "kv_rows_x_heads", (double)per->attn_kv_rows);
+    char *txt = cJSON_Print(r);
+    cJSON_Delete(r);
+    if (!txt)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    FILE *fp = fopen(path, "w");
+    int bad = !fp || fputs(txt, fp) < 0;
+    if (fp)
+        bad |= fclose(fp) != 0;
+    cJSON_free(txt);
+    return bad ? MDT_FAIL(MDT_E_IO, "%s: cannot write the report", path) : MDT_OK;
+}
+
+static int cmd_run(int argc, char **argv) {
+    static const char *const flags[] = {"quiet", NULL};
+    opts o;
+    long long tp, ring, uly, steps, repeat;
+    int rc = parse_opts(argc, argv, &o, flags);
+    if (rc)
+        return rc;
+    const char *ck = opt_str(&o, "checkpoint", NULL), *inp = opt_str(&o, "inputs", NULL);
+    const char *out = opt_str(&o, "out", NULL), *report = opt_str(&o, "report", NULL);
+    const char *order = opt_str(&o, "mesh-order", "tp,ring,ulysses");
+    int quiet = opt_str(&o, "quiet", NULL) != NULL;
+    if ((rc = opt_int(&o, "tp", 1, 1, 4096, &tp)) || (rc = opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
+        (rc = opt_int(&o, "ulysses", 1, 1, 4096, &uly)) ||
+        (rc = opt_int(&o, "steps", 0, 0, 100000, &steps)) ||
+        (rc = opt_int(&o, "repeat", 1, 1, 100000, &repeat)) || (rc = opts_check_unused(&o)))
+        return rc;
+    if (!ck || !inp || !out)
+        return usage_exit("run needs --checkpoint DIR --inputs FILE --out FILE%s", "");
+    if (strcmp(order, "tp,ring,ulysses") != 0 && strcmp(order, "ring,ulysses,tp") != 0 &&
+        strcmp(order, "tp,ulysses,ring") != 0 && strcmp(order, "ring,tp,ulysses") != 0 &&
+        strcmp(order, "ulysses,tp,ring") != 0 && strcmp(order, "ulysses,ring,tp") != 0)
+        return usage_exit("--mesh-order must be a permutation of tp,ring,ulysses, got '%s'",
+                          order);
+    if (tp * ring * uly != g_world) {
+        MDT_FAIL(MDT_E_INVALID, "layout tp=%lld x ring=%lld x ulysses=%lld needs %lld ranks, but "
+                                "%d were launched",
+                 tp, ring, uly, tp * ring * uly, g_world);
+        return fail_exit(MDT_E_INVALID);
+    }
+    mdt_load_params lp = mdt_load_params_default();
+    lp.checkpoint_dir = ck, lp.tp = (int)tp, lp.ring = (int)ring, lp.ulysses = (int)uly;
+    mdt_model *m = NULL;
+    mdt_tensor_set *in = NULL, *res = NULL;
+    mdt_status st;
+    double t0 = mdt_now();
+    st = mdt_model_load(&lp, &m);
+    double load_s = mdt_now() - t0;
+    if (st == MDT_OK)
+        st = mdt_tensor_set_load(inp, &in);
+    if (st != MDT_OK)
+        goto done;
+    const mdt_family *fam = m->fam;
+    int nsteps = steps > 0 ? (int)steps : (int)repeat;
+    double *times = calloc((size_t)nsteps, sizeof(double));
+    mdt_counters per = {0};
+    mdt_tensor *lat = NULL, *tst = NULL;
+    if (!times) {
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        goto done;
+    }
+    if (steps > 0) {
+        lat = mdt_tensor_set_get(in, fam->latent_input);
+        tst = mdt_tensor_set_get(in, fam->timestep_input);
+        if (!lat || lat->dtype != MDT_F32 || !tst || tst->dtype != MDT_F32) {
+            st = MDT_FAIL(MDT_E_INVALID, "inputs: --steps needs F32 '%s' and '%s'",
+                          fam->latent_input, fam->timestep_input);
+            free(times);
+            goto done;
+        }
+    }
+    for (int i = 0; i < nsteps && st == MDT_OK; i++) {
+        /* flow-matching Euler: sigma_i = 1 - i/N, x <- x + (sigma_{i+1} - sigma_i) v */
+        double sig = 1.0 - (double)i / (double)nsteps, sig_next = 1.0 - (double)(i + 1) / nsteps;
+        if (tst)
+            for (int64_t b = 0; b < mdt_tensor_numel(tst); b++)
+                ((float *)tst->data)[b] = (float)sig;
+        mdt_tensor_set_free(res);
+        res = NULL;
+        st = mdt_tensor_set_create(&res);
+        if (st != MDT_OK)
+            break;
+        mdt_counters_reset();
+        double ts = mdt_now();
+        st = mdt_model_forward(m, in, res);
+        times[i] = mdt_now() - ts;
+        per = *mdt_counters_get();
+        if (st != MDT_OK)
+            break;
+        if (lat) {
+            mdt_tensor *v = mdt_tensor_set_get(res, fam->output);
+            if (!v || mdt_tensor_numel(v) != mdt_tensor_numel(lat)) {
+                st = MDT_FAIL(MDT_E_INVALID, "the model output '%s' does not match the shape of "
+                                             "'%s'; cannot sample",
+                              fam->output, fam->latent_input);
+                break;
+            }
+            float *x = lat->data;
+            const float *vv = v->data;
+            for (int64_t j = 0; j < mdt_tensor_numel(lat); j++)
+                x[j] += (float)(sig_next - sig) * vv[j];
+        }
+        if (!quiet && g_rank == 0 && steps > 0)
+            fprintf(stderr, "\rstep %d/%d  %.3f s", i + 1, nsteps, times[i]);
+    }
+    if (!quiet && g_rank == 0 && steps > 0)
+        fprintf(stderr, "\n");
+    if (st == MDT_OK && lat) {
+        /* the sampler's result is the final latent, under the model's output name */
+        mdt_tensor_set_free(res);
+        res = NULL;
+        st = mdt_tensor_set_create(&res);
+        if (st == MDT_OK)
+            st = mdt_tensor_set_add_copy(res, fam->output, lat);
+    }
+    if (st == MDT_OK && g_rank == 0)
+        st = mdt_tensor_set_save(res, out);
+    double med = median(times, nsteps);
+    free(times);
+    if (st == MDT_OK && report)
+        st = write_report(report, m, &lp, load_s, med, nsteps, &per);
+    if (st == MDT_OK && !quiet && g_rank == 0) {
+        char wb[32], pb[32];
+        fmt_bytes((double)m->weight_bytes, wb, sizeof wb);
+        fmt_bytes((double)mdt_mem_peak(), pb, sizeof pb);
+        double tot = per.flops[MDT_FLOP_LINEAR] + per.flops[MDT_FLOP_ATTN] +
+                     per.flops[MDT_FLOP_OTHER];
+        printf("plan: model %s, world %d, tp %lld x ring %lld x ulysses %lld (mesh %s)\n",
+               fam->name, g_world, tp, ring, uly, order);
+        printf("rank 0: weights %s resident, peak memory %s, checkpoint bytes read %lld\n", wb, pb,
+               (long long)per.bytes_read);
+        printf("rank 0 per forward: %.3f GFLOP (linear %.3f, attention %.3f, other %.3f), "
+               "attention %lld query rows x heads over %lld kv rows x heads\n",
+               tot * 1e-9, per.flops[MDT_FLOP_LINEAR] * 1e-9, per.flops[MDT_FLOP_ATTN] * 1e-9,
+               per.flops[MDT_FLOP_OTHER] * 1e-9, (long long)per.attn_query_rows,
+               (long long)per.attn_kv_rows);
+        printf("load %.3f s; %s %d: median %.4f s per %s (%.2f GFLOP/s); wrote %s\n", load_s,
+               steps > 0 ? "steps" : "forwards", nsteps, med, steps > 0 ? "step" : "forward",
+               med > 0 ? tot / med * 1e-9 : 0.0, out);
+    }
+done:
+    mdt_tensor_set_free(res);
+    mdt_tensor_set_free(in);
+    mdt_model_free(m);
+    return st == MDT_OK ? 0 : fail_exit(st);
+}
+
+/* ---- compare ---- */
+static int cmd_compare(int argc, char **argv) {
+    opts o;
+    double tol;
+    int rc = parse_opts(argc, argv, &o, NULL);
+    if (rc)
+        return rc;
+    if ((rc = opt_double(&o, "tol", 1e-4, &tol)) || (rc = opts_check_unused(&o)))
+        return rc;
+    if (o.npos != 2)
+        return usage_exit("compare needs two files: A.safetensors B.safetensors%s", "");
+    mdt_tensor_set *a = NULL, *b = NULL;
+    mdt_status st = mdt_tensor_set_load(o.pos[0], &a);
+    if (st == MDT_OK)
+        st = mdt_tensor_set_load(o.pos[1], &b);
+    if (st != MDT_OK) {
+        mdt_tensor_set_free(a);
+        return fail_exit(st);
+    }
+    int bad = 0;
+    char s1[96], s2[96];
+    for (int i = 0; i < mdt_tensor_set_count(b); i++) {
+        const char *name;
+        mdt_tensor *tb = mdt_tensor_set_at(b, i, &name), *ta = mdt_tensor_set_get(a, name);
+        if (!ta) {
+            printf("%-24s MISSING in %s\n", name, o.pos[0]);
+            bad = 1;
+            continue;
+        }
+        int same = ta->ndim == tb->ndim;
+        for (int d = 0; same && d < ta->ndim; d++)
+            same = ta->shape[d] == tb->shape[d];
+        if (!same || !mdt_dtype_is_float(ta->dtype) || !mdt_dtype_is_float(tb->dtype)) {
+            printf("%-24s SHAPE/DTYPE MISMATCH %s %s vs %s %s\n", name,
+                   mdt_shape_str(ta->ndim, ta->shape, s1, 96), mdt_dtype_name(ta->dtype),
+                   mdt_shape_str(tb->ndim, tb->shape, s2, 96), mdt_dtype_name(tb->dtype));
+            bad = 1;
+            continue;
+        }
+        int64_t n = mdt_tensor_numel(ta);
+        float *fa = malloc(sizeof(float) * (size_t)(n ? n : 1)),
+              *fb = malloc(sizeof(float) * (size_t)(n ? n : 1));
+        if (!fa || !fb) {
+            free(fa), free(fb);
+            mdt_tensor_set_free(a), mdt_tensor_set_free(b);
+            return fail_exit(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+        }
+        mdt_convert_to_f32(ta->dtype, ta->data, fa, n);
+        mdt_convert_to_f32(tb->dtype, tb->data, fb, n);
+        double maxd = 0, maxb = 0;
+        int nonfinite = 0;
+        for (int64_t j = 0; j < n; j++) {
+            double d = fabs((double)fa[j] - fb[j]);
+            nonfinite |= !isfinite(fa[j]) || !isfinite(fb[j]);
+            maxd = d > maxd ? d : maxd;
+            maxb = fabs(fb[j]) > maxb ? fabs(fb[j]) : maxb;
+        }
+        free(fa), free(fb);
+        double rel = maxb > 0 ? maxd / maxb : maxd;
+        int ok = !nonfinite && rel <= tol;
+        printf("%-24s %s max|a-b| %.3e  max|b| %.3e  rel %.3e  %s (tol %.1e)\n", name,
+               mdt_shape_str(tb->ndim, tb->shape, s1, 96), maxd, maxb, rel,
+               ok ? "OK" : (nonfinite ? "NONFINITE" : "FAIL"), tol);
+        bad |= !ok;
+    }
+    mdt_tensor_set_free(a);
+    mdt_tensor_set_free(b);
+    return bad;
+}
+
+/* ---- inspect ---- */
+static int cmd_inspect(int argc, char **argv) {
+    opts o;
+    long long tp, ring, uly;
+    int rc = parse_opts(argc, argv, &o, NULL);
+    if (rc)
+        return rc;
+    const char *ck = opt_str(&o, "checkpoint", NULL), *cfgp = opt_str(&o, "config", NULL);
+    if ((rc = opt_int(&o, "tp", 1, 1, 4096, &tp)) || (rc = opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
+        (rc = opt_int(&o, "ulysses", 1, 1, 4096, &uly)) || (rc = opts_check_unused(&o)))
+        return rc;
+    if (!!ck == !!cfgp)
+        return usage_exit("inspect needs exactly one of --checkpoint DIR or --config FILE%s", "");
+    mdt_ckpt *c = NULL;
+    cJSON *cfg = NULL;
+    mdt_model *m = NULL;
+    mdt_status st = ck ? mdt_ckpt_open(ck, &c) : mdt_config_load(cfgp, &cfg);
+    if (st == MDT_OK)
+        st = mdt_model_describe(ck ? c->config : cfg, &m);
+    if (st != MDT_OK)
+        goto done;
+    printf("model %s (%s), %d tensors; layout tp %lld x ring %lld x ulysses %lld\n", m->fam->name,
+           m->fam->class_name, m->table.n, tp, ring, uly);
+    printf("%-64s %-14s %-26s %-14s %s\n", "tensor", "shape", "tp style", "local", "stored");
+    double total = 0, local_total = 0;
+    for (int i = 0; i < m->table.n && st == MDT_OK; i++) {
+        const mdt_weight_spec *w = &m->table.specs[i];
+        int64_t loc[2];
+        char s1[64], s2[64];
+        st = mdt_shard_local_shape(w, (int)tp, loc);
+        if (st != MDT_OK)
+            break;
+        const char *stored = "-";
+        const mdt_ckpt_ref *ref;
+        if (c)
+            stored = mdt_ckpt_find(c, w->name, &ref) == MDT_OK ? mdt_dtype_name(ref->entry->dtype)
+                                                              : "MISSING";
+        total += (double)w->shape[0] * (w->ndim > 1 ? (double)w->shape[1] : 1.0);
+        local_total += (double)loc[0] * (w->ndim > 1 ? (double)loc[1] : 1.0);
+        printf("%-64s %-14s %-26s %-14s %s\n", w->name, mdt_shape_str(w->ndim, w->shape, s1, 64),
+               mdt_tp_style_name(w->style), mdt_shape_str(w->ndim, loc, s2, 64), stored);
+    }
+    if (st == MDT_OK) {
+        char b1[32], b2[32];
+        fmt_bytes(total * 4, b1, sizeof b1);
+        fmt_bytes(local_total * 4, b2, sizeof b2);
+        printf("parameters %.0f (%s in f32); per rank at tp=%lld: %.0f (%s in f32)\n", total, b1,
+               tp, local_total, b2);
+    }
+done:
+    mdt_model_free(m);
+    cJSON_Delete(cfg);
+    mdt_ckpt_close(c);
+    return st == MDT_OK ? 0 : fail_exit(st);
+}
+
+int main(int argc, char **argv) {
+    if (MPI_Init(&argc, &argv) != MPI_SUCCESS) {
+        fprintf(stderr, "meshdit: error: MPI_Init failed\n");
+        return 1;
+    }
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_world);
+    if (g_world > 1)
+        mdt_log_set_rank(g_rank);
+    int rc;
+    if (argc < 2 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0) {
+        usage(argc < 2 ? stderr : stdout);
+        rc = argc < 2 ? 2 : 0;
+    } else if (strcmp(argv[1], "gen") == 0) {
+        rc = cmd_gen(argc - 2, argv + 2);
+    } else if (strcmp(argv[1], "inputs") == 0) {
+        rc = cmd_inputs(argc - 2, argv + 2);
+    } else if (strcmp(argv[1], "run") == 0) {
+        rc = cmd_run(argc - 2, argv + 2);
+    } else if (strcmp(argv[1], "compare") == 0) {
+        rc = cmd_compare(argc - 2, argv + 2);
+    } else if (strcmp(argv[1], "inspect") == 0) {
+        rc = cmd_inspect(argc - 2, argv + 2);
+    } else if (strcmp(argv[1], "--version") == 0) {
+        printf("meshdit %d.%d.%d\n", MDT_VERSION_MAJOR, MDT_VERSION_MINOR, MDT_VERSION_PATCH);
+        rc = 0;
+    } else {
+        rc = usage_exit("unknown command '%s'", argv[1]);
+    }
+    MPI_Finalize();
+    return rc;
+}

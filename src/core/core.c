@@ -1,0 +1,234 @@
+/*
+ * core.c — implementation of the status/message, log, allocator, arena, timer and counters of
+ * core.h. Single-threaded use per rank except the error message, which is thread-local; the
+ * memory counters use relaxed atomics so kernels may allocate from worker threads.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "core.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <time.h>
+
+static _Thread_local char tl_msg[2048];
+static _Thread_local char tl_where[128];
+
+const char *mdt_status_str(mdt_status s) {
+    switch (s) {
+    case MDT_OK: return "MDT_OK";
+    case MDT_E_INVALID: return "MDT_E_INVALID";
+    case MDT_E_IO: return "MDT_E_IO";
+    case MDT_E_FORMAT: return "MDT_E_FORMAT";
+    case MDT_E_NOMEM: return "MDT_E_NOMEM";
+    case MDT_E_MPI: return "MDT_E_MPI";
+    case MDT_E_UNSUPPORTED: return "MDT_E_UNSUPPORTED";
+    case MDT_E_NOTFOUND: return "MDT_E_NOTFOUND";
+    }
+    return "MDT_E_UNKNOWN";
+}
+
+const char *mdt_last_error(void) { return tl_msg; }
+const char *mdt_last_error_where(void) { return tl_where; }
+void mdt_error_clear(void) { tl_msg[0] = 0, tl_where[0] = 0; }
+
+mdt_status mdt_fail_at(mdt_status code, const char *file, int line, const char *fmt, ...) {
+    const char *base = strrchr(file, '/');
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(tl_msg, sizeof tl_msg, fmt, ap);
+    va_end(ap);
+    snprintf(tl_where, sizeof tl_where, "%s:%d", base ? base + 1 : file, line);
+    return code;
+}
+
+mdt_status mdt_fail_prefix(mdt_status code, const char *fmt, ...) {
+    char prefix[512], old[sizeof tl_msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(prefix, sizeof prefix, fmt, ap);
+    va_end(ap);
+    memcpy(old, tl_msg, sizeof old);
+    snprintf(tl_msg, sizeof tl_msg, "%.500s: %.1500s", prefix, old);
+    return code;
+}
+
+/* ---- log ---- */
+static mdt_log_level g_level = MDT_LOG_WARN;
+static int g_rank = -1;
+void mdt_log_set_level(mdt_log_level lvl) { g_level = lvl; }
+void mdt_log_set_rank(int rank) { g_rank = rank; }
+void mdt_log(mdt_log_level lvl, const char *fmt, ...) {
+    static const char *names[] = {"error", "warning", "info", "debug"};
+    char buf[2048];
+    va_list ap;
+    if (lvl > g_level)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (g_rank >= 0)
+        fprintf(stderr, "meshdit[%d]: %s: %s\n", g_rank, names[lvl], buf);
+    else
+        fprintf(stderr, "meshdit: %s: %s\n", names[lvl], buf);
+}
+
+/* ---- allocator: a 64-byte header before each block records its size ---- */
+static _Atomic int64_t g_live, g_peak, g_count;
+enum { HDR = 64 };
+
+void *mdt_alloc(size_t nbytes) {
+    void *raw = NULL;
+    if (nbytes > (size_t)INT64_MAX - HDR || posix_memalign(&raw, HDR, nbytes + HDR) != 0)
+        return NULL;
+    *(int64_t *)raw = (int64_t)nbytes;
+    int64_t live = atomic_fetch_add_explicit(&g_live, (int64_t)nbytes, memory_order_relaxed) +
+                   (int64_t)nbytes;
+    int64_t peak = atomic_load_explicit(&g_peak, memory_order_relaxed);
+    while (live > peak &&
+           !atomic_compare_exchange_weak_explicit(&g_peak, &peak, live, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+    }
+    atomic_fetch_add_explicit(&g_count, 1, memory_order_relaxed);
+    return (char *)raw + HDR;
+}
+
+void *mdt_calloc(size_t nbytes) {
+    void *p = mdt_alloc(nbytes);
+    if (p)
+        memset(p, 0, nbytes);
+    return p;
+}
+
+void mdt_free(void *p) {
+    if (!p)
+        return;
+    char *raw = (char *)p - HDR;
+    atomic_fetch_sub_explicit(&g_live, *(int64_t *)raw, memory_order_relaxed);
+    free(raw);
+}
+
+int64_t mdt_mem_live(void) { return atomic_load(&g_live); }
+int64_t mdt_mem_peak(void) { return atomic_load(&g_peak); }
+void mdt_mem_reset_peak(void) { atomic_store(&g_peak, atomic_load(&g_live)); }
+int64_t mdt_mem_alloc_count(void) { return atomic_load(&g_count); }
+
+/* ---- arena ---- */
+struct mdt_arena_chunk {
+    struct mdt_arena_chunk *next;
+    size_t cap;
+    char *data;
+};
+
+void mdt_arena_init(mdt_arena *a) { memset(a, 0, sizeof *a); }
+
+static struct mdt_arena_chunk *chunk_new(size_t cap) {
+    struct mdt_arena_chunk *c = mdt_alloc(sizeof *c);
+    if (!c)
+        return NULL;
+    c->data = mdt_alloc(cap);
+    if (!c->data) {
+        mdt_free(c);
+        return NULL;
+    }
+    c->cap = cap, c->next = NULL;
+    return c;
+}
+
+float *mdt_arena_floats(mdt_arena *a, int64_t n) {
+    size_t need = ((size_t)(n > 0 ? n : 1) * sizeof(float) + 63u) & ~(size_t)63u;
+    struct mdt_arena_chunk *last = a->chunks;
+    while (last && last->next)
+        last = last->next;
+    if (!last || a->used_in_last + need > last->cap) {
+        size_t cap = need > ((size_t)1 << 24) ? need : ((size_t)1 << 24);
+        struct mdt_arena_chunk *c = chunk_new(cap);
+        if (!c) {
+            MDT_FAIL(MDT_E_NOMEM, "out of memory allocating %zu activation bytes", cap);
+            return NULL;
+        }
+        if (last)
+            last->next = c;
+        else
+            a->chunks = c;
+        last = c;
+        a->used_in_last = 0;
+    }
+    float *p = (float *)(last->data + a->used_in_last);
+    a->used_in_last += need;
+    a->in_use += (int64_t)need;
+    if (a->in_use > a->high_water)
+        a->high_water = a->in_use;
+    return p;
+}
+
+mdt_status mdt_arena_reset(mdt_arena *a) {
+    if (a->chunks && a->chunks->next) {
+        /* More than one chunk: replace them by one chunk of the high-water size. */
+        mdt_arena_release(a);
+        struct mdt_arena_chunk *c = chunk_new((size_t)a->high_water);
+        if (!c)
+            return MDT_FAIL(MDT_E_NOMEM, "out of memory allocating %lld activation bytes",
+                            (long long)a->high_water);
+        a->chunks = c;
+    }
+    a->used_in_last = 0;
+    a->in_use = 0;
+    return MDT_OK;
+}
+
+void mdt_arena_release(mdt_arena *a) {
+    struct mdt_arena_chunk *c = a->chunks;
+    while (c) {
+        struct mdt_arena_chunk *n = c->next;
+        mdt_free(c->data);
+        mdt_free(c);
+        c = n;
+    }
+    a->chunks = NULL;
+    a->used_in_last = 0;
+    a->in_use = 0;
+}
+
+/* ---- timer ---- */
+double mdt_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- counters ---- */
+static mdt_counters g_counters;
+mdt_counters *mdt_counters_get(void) { return &g_counters; }
+void mdt_counters_reset(void) { memset(&g_counters, 0, sizeof g_counters); }
+
+/* ---- RNG ---- */
+void mdt_rng_seed(mdt_rng *r, uint64_t seed) {
+    r->state = seed ^ 0x9e3779b97f4a7c15ull;
+    r->has_spare = 0;
+    r->spare = 0.0;
+}
+
+uint64_t mdt_rng_u64(mdt_rng *r) {
+    uint64_t z = (r->state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+double mdt_rng_uniform(mdt_rng *r) { return (double)(mdt_rng_u64(r) >> 11) * 0x1.0p-53; }
+
+double mdt_rng_normal(mdt_rng *r) {
+    if (r->has_spare) {
+        r->has_spare = 0;
+        return r->spare;
+    }
+    double u1 = mdt_rng_uniform(r), u2 = mdt_rng_uniform(r);
+    if (u1 < 1e-300)
+        u1 = 1e-300;
+    double rad = sqrt(-2.0 * log(u1)), th = 6.283185307179586 * u2;
+    r->spare = rad * sin(th);
+    r->has_spare = 1;
+    return rad * cos(th);
+}

@@ -1,0 +1,107 @@
+/*
+ * core.h — status and thread-local errors, logging, accounting allocator, timers, counters.
+ *
+ * Everything else in meshdit depends on this module; it depends on nothing but libc.
+ * MDT_FAIL records a message with file:line and returns the code; MDT_TRY passes a failure up.
+ * The allocator counts live and peak bytes per process (one rank = one process), which is what
+ * the plan report and the memory tests read. Counters of FLOPs and bytes moved live here too, so
+ * that kernels and collectives can add to them without depending on the report code.
+ */
+#ifndef MDT_CORE_H
+#define MDT_CORE_H
+
+#include "meshdit.h"
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+
+/* Records a formatted message and its source location for this thread; returns `code`. */
+mdt_status mdt_fail_at(mdt_status code, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Prefixes the current message with "prefix: " (adds context on the way up). Returns `code`. */
+mdt_status mdt_fail_prefix(mdt_status code, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Clears the thread-local message. */
+void mdt_error_clear(void);
+
+#define MDT_FAIL(code, ...) mdt_fail_at((code), __FILE__, __LINE__, __VA_ARGS__)
+
+#define MDT_TRY(expr)                                                                              \
+    do {                                                                                           \
+        mdt_status mdt_try_s_ = (expr);                                                            \
+        if (mdt_try_s_ != MDT_OK)                                                                  \
+            return mdt_try_s_;                                                                     \
+    } while (0)
+
+/* Jumps to the local `fail:` label with `st` set, for functions that must clean up. */
+#define MDT_CHECK(expr)                                                                            \
+    do {                                                                                           \
+        st = (expr);                                                                               \
+        if (st != MDT_OK)                                                                          \
+            goto fail;                                                                             \
+    } while (0)
+
+/* ---- logging (stderr; rank prefix set by the command) ---- */
+typedef enum { MDT_LOG_ERROR = 0, MDT_LOG_WARN, MDT_LOG_INFO, MDT_LOG_DEBUG } mdt_log_level;
+void mdt_log_set_level(mdt_log_level lvl);
+void mdt_log_set_rank(int rank);
+void mdt_log(mdt_log_level lvl, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ---- accounting allocator: 64-byte aligned, counts live/peak bytes ---- */
+void *mdt_alloc(size_t nbytes);  /* uninitialised; NULL on failure (no message set) */
+void *mdt_calloc(size_t nbytes); /* zeroed */
+void mdt_free(void *p);          /* NULL ok */
+int64_t mdt_mem_live(void);
+int64_t mdt_mem_peak(void);
+void mdt_mem_reset_peak(void); /* peak := live */
+int64_t mdt_mem_alloc_count(void); /* number of successful allocations since start */
+
+/* ---- a bump arena for per-step activations: reset each step, grows only on first use ---- */
+typedef struct mdt_arena {
+    struct mdt_arena_chunk *chunks;
+    size_t used_in_last;
+    int64_t high_water; /* most bytes handed out between two resets */
+    int64_t in_use;
+} mdt_arena;
+void mdt_arena_init(mdt_arena *a);
+/* 64-byte aligned block of n floats; NULL (with message) on allocation failure. */
+float *mdt_arena_floats(mdt_arena *a, int64_t n);
+/* Forgets every block handed out; merges chunks into one of the high-water size so that the
+ * next step allocates nothing. */
+mdt_status mdt_arena_reset(mdt_arena *a);
+void mdt_arena_release(mdt_arena *a);
+
+/* ---- timers ---- */
+double mdt_now(void); /* monotonic seconds */
+
+/* ---- counters (per process) ---- */
+typedef enum {
+    MDT_FLOP_LINEAR = 0,
+    MDT_FLOP_ATTN,
+    MDT_FLOP_OTHER,
+    MDT_FLOP_KIND_COUNT
+} mdt_flop_kind;
+typedef struct mdt_counters {
+    double flops[MDT_FLOP_KIND_COUNT];
+    int64_t attn_query_rows; /* query rows x heads summed over attention calls */
+    int64_t attn_kv_rows;    /* key rows x heads summed over attention calls */
+    int64_t attn_calls;
+    int64_t bytes_read;      /* checkpoint bytes read from disk */
+} mdt_counters;
+mdt_counters *mdt_counters_get(void);
+void mdt_counters_reset(void);
+
+
+
+/* ---- deterministic RNG (splitmix64 stream + Box-Muller), same numbers on every platform ---- */
+typedef struct mdt_rng {
+    uint64_t state;
+    int has_spare;
+    double spare;
+} mdt_rng;
+void mdt_rng_seed(mdt_rng *r, uint64_t seed);
+uint64_t mdt_rng_u64(mdt_rng *r);
+double mdt_rng_uniform(mdt_rng *r); /* [0, 1) */
+double mdt_rng_normal(mdt_rng *r);  /* N(0, 1) */
+#endif /* MDT_CORE_H */

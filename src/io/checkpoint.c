@@ -1,0 +1,307 @@
+/*
+ * checkpoint.c — see checkpoint.h. Shard names from the index are file names inside the
+ * checkpoint directory: a name with '/' or a leading '.' is refused (no path escapes).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "checkpoint.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static char *path_join(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = mdt_alloc(n);
+    if (p)
+        snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+static int file_exists(const char *path) {
+    struct stat sb;
+    return stat(path, &sb) == 0;
+}
+
+/* Reads a whole small text file (JSON) into a NUL-terminated buffer. */
+static mdt_status read_text(const char *path, char **out) {
+    *out = NULL;
+    FILE *fp = fopen(path, "rb");
+    if (!fp)
+        return MDT_FAIL(errno == ENOENT ? MDT_E_NOTFOUND : MDT_E_IO, "%s: cannot open: %s", path,
+                        strerror(errno));
+    if (fseek(fp, 0, SEEK_END) != 0) {
+        fclose(fp);
+        return MDT_FAIL(MDT_E_IO, "%s: cannot seek", path);
+    }
+    long len = ftell(fp);
+    if (len < 0 || len > 256L * 1024 * 1024) {
+        fclose(fp);
+        return MDT_FAIL(MDT_E_FORMAT, "%s: unreasonable size for a JSON file", path);
+    }
+    rewind(fp);
+    char *buf = mdt_alloc((size_t)len + 1);
+    if (!buf) {
+        fclose(fp);
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    }
+    size_t got = fread(buf, 1, (size_t)len, fp);
+    fclose(fp);
+    if (got != (size_t)len) {
+        mdt_free(buf);
+        return MDT_FAIL(MDT_E_IO, "%s: short read", path);
+    }
+    buf[len] = 0;
+    *out = buf;
+    return MDT_OK;
+}
+
+static mdt_status parse_json_file(const char *path, cJSON **out) {
+    char *txt;
+    *out = NULL;
+    MDT_TRY(read_text(path, &txt));
+    const char *endp = NULL;
+    cJSON *j = cJSON_ParseWithOpts(txt, &endp, 1);
+    if (!j) {
+        long at = endp ? (long)(endp - txt) : -1;
+        mdt_free(txt);
+        return MDT_FAIL(MDT_E_FORMAT, "%s: invalid JSON near byte %ld", path, at);
+    }
+    mdt_free(txt);
+    if (!cJSON_IsObject(j)) {
+        cJSON_Delete(j);
+        return MDT_FAIL(MDT_E_FORMAT, "%s: top level is not a JSON object", path);
+    }
+    *out = j;
+    return MDT_OK;
+}
+
+mdt_status mdt_config_load(const char *path, cJSON **out) { return parse_json_file(path, out); }
+
+static int cmp_ref(const void *a, const void *b) {
+    return strcmp(((const mdt_ckpt_ref *)a)->name, ((const mdt_ckpt_ref *)b)->name);
+}
+
+static mdt_status add_file(mdt_ckpt *c, const char *fname, int *idx) {
+    for (int i = 0; i < c->nfiles; i++) {
+        const char *p = c->files[i]->path;
+        const char *base = strrchr(p, '/');
+        if (strcmp(base ? base + 1 : p, fname) == 0) {
+            *idx = i;
+            return MDT_OK;
+        }
+    }
+    if (!fname[0] || strchr(fname, '/') || fname[0] == '.')
+        return MDT_FAIL(MDT_E_FORMAT, "%s/%s: shard name '%.200s' is not a plain file name",
+                        c->dir, MDT_CKPT_INDEX, fname);
+    char *path = path_join(c->dir, fname);
+    if (!path)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    if (!file_exists(path)) {
+        mdt_status st = MDT_FAIL(MDT_E_NOTFOUND,
+                                 "%s: shard named by %s is missing from the checkpoint directory",
+                                 path, MDT_CKPT_INDEX);
+        mdt_free(path);
+        return st;
+    }
+    mdt_st_file **nf = mdt_alloc(sizeof(*nf) * (size_t)(c->nfiles + 1));
+    if (!nf) {
+        mdt_free(path);
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    }
+    if (c->nfiles)
+        memcpy(nf, c->files, sizeof(*nf) * (size_t)c->nfiles);
+    mdt_free(c->files);
+    c->files = nf;
+    mdt_status st = mdt_st_open(path, &c->files[c->nfiles]);
+    mdt_free(path);
+    MDT_TRY(st);
+    *idx = c->nfiles++;
+    return MDT_OK;
+}
+
+static mdt_status open_index(mdt_ckpt *c, const char *index_path) {
+    cJSON *idx = NULL;
+    mdt_status st;
+    MDT_TRY(parse_json_file(index_path, &idx));
+    const cJSON *wm = cJSON_GetObjectItemCaseSensitive(idx, "weight_map");
+    if (!cJSON_IsObject(wm))
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: 'weight_map' is missing or not an object",
+                           index_path));
+    int n = cJSON_GetArraySize(wm);
+    c->refs = mdt_calloc(sizeof(mdt_ckpt_ref) * (size_t)(n ? n : 1));
+    if (!c->refs)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    const cJSON *kv;
+    cJSON_ArrayForEach(kv, wm) {
+        if (!cJSON_IsString(kv))
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: weight_map['%.200s'] is not a string",
+                               index_path, kv->string));
+        int fi;
+        MDT_CHECK(add_file(c, kv->valuestring, &fi));
+        const mdt_st_entry *e = mdt_st_find(c->files[fi], kv->string);
+        if (!e)
+            MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND,
+                               "%s: tensor '%.200s': the index maps it to this shard, which lacks "
+                               "it",
+                               c->files[fi]->path, kv->string));
+        c->refs[c->n].name = e->name;
+        c->refs[c->n].file = c->files[fi];
+        c->refs[c->n].entry = e;
+        c->n++;
+    }
+    cJSON_Delete(idx);
+    return MDT_OK;
+fail:
+    cJSON_Delete(idx);
+    return st;
+}
+
+mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out) {
+    mdt_status st;
+    char *p = NULL;
+    *out = NULL;
+    mdt_ckpt *c = mdt_calloc(sizeof *c);
+    if (!c)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    size_t dl = strlen(dir);
+    while (dl > 1 && dir[dl - 1] == '/')
+        dl--;
+    c->dir = mdt_alloc(dl + 1);
+    if (!c->dir)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    memcpy(c->dir, dir, dl);
+    c->dir[dl] = 0;
+
+    p = path_join(c->dir, "config.json");
+    if (!p)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    if (!file_exists(p))
+        MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND, "%s: no config.json (not a diffusers checkpoint "
+                                           "directory?)",
+                           c->dir));
+    MDT_CHECK(parse_json_file(p, &c->config));
+    mdt_free(p);
+
+    p = path_join(c->dir, MDT_CKPT_INDEX);
+    if (!p)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    if (file_exists(p)) {
+        MDT_CHECK(open_index(c, p));
+    } else {
+        int fi;
+        mdt_free(p);
+        p = path_join(c->dir, MDT_CKPT_WEIGHTS);
+        if (!p)
+            MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+        if (!file_exists(p))
+            MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND, "%s: neither %s nor %s is present", c->dir,
+                               MDT_CKPT_WEIGHTS, MDT_CKPT_INDEX));
+        MDT_CHECK(add_file(c, MDT_CKPT_WEIGHTS, &fi));
+        const mdt_st_file *f = c->files[fi];
+        c->refs = mdt_calloc(sizeof(mdt_ckpt_ref) * (size_t)(f->n ? f->n : 1));
+        if (!c->refs)
+            MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+        for (int i = 0; i < f->n; i++) {
+            c->refs[i].name = f->entries[i].name;
+            c->refs[i].file = f;
+            c->refs[i].entry = &f->entries[i];
+        }
+        c->n = f->n;
+    }
+    mdt_free(p);
+    qsort(c->refs, (size_t)c->n, sizeof *c->refs, cmp_ref);
+    *out = c;
+    return MDT_OK;
+fail:
+    mdt_free(p);
+    mdt_ckpt_close(c);
+    return st;
+}
+
+void mdt_ckpt_close(mdt_ckpt *c) {
+    if (!c)
+        return;
+    for (int i = 0; i < c->nfiles; i++)
+        mdt_st_close(c->files[i]);
+    mdt_free(c->files);
+    mdt_free(c->refs);
+    cJSON_Delete(c->config);
+    mdt_free(c->dir);
+    mdt_free(c);
+}
+
+mdt_status mdt_ckpt_find(const mdt_ckpt *c, const char *name, const mdt_ckpt_ref **out) {
+    mdt_ckpt_ref key = {.name = name};
+    *out = bsearch(&key, c->refs, (size_t)c->n, sizeof key, cmp_ref);
+    if (!*out)
+        return MDT_FAIL(MDT_E_NOTFOUND, "%s: tensor '%s' is required by the model but missing "
+                                        "from the checkpoint",
+                        c->dir, name);
+    return MDT_OK;
+}
+
+/* ---- config accessors ---- */
+mdt_status mdt_cfg_int(const cJSON *cfg, const char *key, int required, int64_t def, int64_t *out) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
+    if (!j || cJSON_IsNull(j)) {
+        if (required)
+            return MDT_FAIL(MDT_E_INVALID, "config.json: required key '%s' is missing", key);
+        *out = def;
+        return MDT_OK;
+    }
+    if (!cJSON_IsNumber(j) || floor(j->valuedouble) != j->valuedouble ||
+        fabs(j->valuedouble) > 9007199254740992.0)
+        return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must be an integer", key);
+    *out = (int64_t)j->valuedouble;
+    return MDT_OK;
+}
+
+mdt_status mdt_cfg_bool(const cJSON *cfg, const char *key, int def, int *out) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
+    if (!j || cJSON_IsNull(j)) {
+        *out = def;
+        return MDT_OK;
+    }
+    if (!cJSON_IsBool(j))
+        return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must be true or false", key);
+    *out = cJSON_IsTrue(j);
+    return MDT_OK;
+}
+
+mdt_status mdt_cfg_double(const cJSON *cfg, const char *key, double def, double *out) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
+    if (!j || cJSON_IsNull(j)) {
+        *out = def;
+        return MDT_OK;
+    }
+    if (!cJSON_IsNumber(j))
+        return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must be a number", key);
+    *out = j->valuedouble;
+    return MDT_OK;
+}
+
+mdt_status mdt_cfg_int_array(const cJSON *cfg, const char *key, int64_t *vals, int *n) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
+    int cap = *n;
+    *n = 0;
+    if (!j || cJSON_IsNull(j))
+        return MDT_OK;
+    if (!cJSON_IsArray(j) || cJSON_GetArraySize(j) > cap)
+        return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must be an array of at most %d integers",
+                        key, cap);
+    const cJSON *v;
+    cJSON_ArrayForEach(v, j) {
+        if (!cJSON_IsNumber(v) || floor(v->valuedouble) != v->valuedouble)
+            return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must hold integers", key);
+        vals[(*n)++] = (int64_t)v->valuedouble;
+    }
+    return MDT_OK;
+}
+
+const char *mdt_cfg_str(const cJSON *cfg, const char *key) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
+    return cJSON_IsString(j) ? j->valuestring : NULL;
+}

@@ -1,0 +1,56 @@
+/*
+ * checkpoint.h — a diffusers checkpoint directory: config.json plus either one
+ * `diffusion_pytorch_model.safetensors` or shards listed by
+ * `diffusion_pytorch_model.safetensors.index.json` (`weight_map`: tensor name -> shard file).
+ *
+ * Opening reads config.json and every shard's header (validated by safetensors.c), never tensor
+ * data; lookups map a tensor name to (file, entry) so a caller can read any byte range of it.
+ * Also: typed config.json accessors with errors that name the key. No MPI, no model knowledge.
+ */
+#ifndef MDT_CHECKPOINT_H
+#define MDT_CHECKPOINT_H
+
+#include "io/safetensors.h"
+
+typedef struct cJSON cJSON;
+
+#define MDT_CKPT_WEIGHTS "diffusion_pytorch_model.safetensors"
+#define MDT_CKPT_INDEX "diffusion_pytorch_model.safetensors.index.json"
+
+typedef struct mdt_ckpt_ref {
+    const char *name; /* borrowed from the entry */
+    const mdt_st_file *file;
+    const mdt_st_entry *entry;
+} mdt_ckpt_ref;
+
+typedef struct mdt_ckpt {
+    char *dir;
+    cJSON *config;
+    int nfiles;
+    mdt_st_file **files;
+    int n;
+    mdt_ckpt_ref *refs; /* sorted by name */
+} mdt_ckpt;
+
+/* Opens `dir`. Errors: MDT_E_NOTFOUND (no config.json, no weights, a shard the index names but
+ * the disk lacks, a tensor the index maps to a shard that lacks it), MDT_E_FORMAT (bad JSON or
+ * safetensors), MDT_E_IO. */
+mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out);
+void mdt_ckpt_close(mdt_ckpt *c);
+/* Finds `name`; MDT_E_NOTFOUND with a message naming the tensor and the directory. */
+mdt_status mdt_ckpt_find(const mdt_ckpt *c, const char *name, const mdt_ckpt_ref **out);
+
+/* Reads config.json only (for `inspect` on a config without weights). */
+mdt_status mdt_config_load(const char *path, cJSON **out);
+
+/* Typed accessors: `def` is used when the key is absent or null (required = 0); with
+ * required = 1 a missing key is an error. A present key of the wrong type is always an error. */
+mdt_status mdt_cfg_int(const cJSON *cfg, const char *key, int required, int64_t def, int64_t *out);
+mdt_status mdt_cfg_bool(const cJSON *cfg, const char *key, int def, int *out);
+mdt_status mdt_cfg_double(const cJSON *cfg, const char *key, double def, double *out);
+/* Integer array; `*n` in: capacity, out: count. Missing key -> count 0. */
+mdt_status mdt_cfg_int_array(const cJSON *cfg, const char *key, int64_t *vals, int *n);
+/* String value or NULL when absent. */
+const char *mdt_cfg_str(const cJSON *cfg, const char *key);
+
+#endif /* MDT_CHECKPOINT_H */

@@ -1,0 +1,481 @@
+/*
+ * safetensors.c — see safetensors.h. Parsing uses cJSON; integers are read from `valuedouble`
+ * (exact to 2^53, cJSON's valueint saturates at INT_MAX) and rejected when not integral.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "safetensors.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static char *dup_str(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = mdt_alloc(n);
+    if (d)
+        memcpy(d, s, n);
+    return d;
+}
+
+/* A JSON number that is an exact non-negative integer below 2^53. */
+static int json_uint(const cJSON *j, int64_t *out) {
+    if (!cJSON_IsNumber(j))
+        return 0;
+    double d = j->valuedouble;
+    if (!(d >= 0.0) || d > 9007199254740992.0 || floor(d) != d)
+        return 0;
+    *out = (int64_t)d;
+    return 1;
+}
+
+static int cmp_entry_name(const void *a, const void *b) {
+    return strcmp(((const mdt_st_entry *)a)->name, ((const mdt_st_entry *)b)->name);
+}
+static int cmp_entry_ptr_begin(const void *a, const void *b) {
+    const mdt_st_entry *x = *(const mdt_st_entry *const *)a, *y = *(const mdt_st_entry *const *)b;
+    if (x->begin != y->begin)
+        return x->begin < y->begin ? -1 : 1;
+    return x->end < y->end ? -1 : (x->end > y->end);
+}
+
+static mdt_status pread_all(int fd, void *dst, int64_t nbytes, int64_t off, const char *path,
+                            const char *what) {
+    char *p = dst;
+    while (nbytes > 0) {
+        size_t chunk = nbytes > (1 << 30) ? (size_t)1 << 30 : (size_t)nbytes;
+        ssize_t r = pread(fd, p, chunk, (off_t)off);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return MDT_FAIL(MDT_E_IO, "%s: %s: read failed: %s", path, what, strerror(errno));
+        if (r == 0)
+            return MDT_FAIL(MDT_E_IO, "%s: %s: file ends early (truncated after open?)", path,
+                            what);
+        p += r, nbytes -= r, off += r;
+    }
+    return MDT_OK;
+}
+
+static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e,
+                              int64_t data_size) {
+    const char *nm = item->string;
+    char what[600];
+    snprintf(what, sizeof what, "%s: tensor '%.500s'", f->path, nm);
+    if (!cJSON_IsObject(item))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: entry is not a JSON object", what);
+    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(item, "dtype");
+    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(item, "shape");
+    const cJSON *off = cJSON_GetObjectItemCaseSensitive(item, "data_offsets");
+    if (!cJSON_IsString(dt))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: missing or non-string 'dtype'", what);
+    e->dtype = mdt_dtype_parse(dt->valuestring);
+    if (e->dtype == MDT_DTYPE_COUNT)
+        return MDT_FAIL(MDT_E_FORMAT, "%s: unknown or unsupported dtype '%.32s'", what,
+                        dt->valuestring);
+    if (!cJSON_IsArray(sh))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: missing or non-array 'shape'", what);
+    int nd = cJSON_GetArraySize(sh);
+    if (nd > MDT_MAX_DIMS)
+        return MDT_FAIL(MDT_E_FORMAT, "%s: rank %d exceeds the supported %d", what, nd,
+                        MDT_MAX_DIMS);
+    e->ndim = nd;
+    int64_t numel = 1;
+    int overflow = 0;
+    for (int i = 0; i < nd; i++) {
+        int64_t d;
+        if (!json_uint(cJSON_GetArrayItem(sh, i), &d))
+            return MDT_FAIL(MDT_E_FORMAT, "%s: shape[%d] is not a non-negative integer", what, i);
+        e->shape[i] = d;
+        if (d != 0 && numel > INT64_MAX / 16 / d)
+            overflow = 1;
+        else
+            numel *= d;
+    }
+    if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2 ||
+        !json_uint(cJSON_GetArrayItem(off, 0), &e->begin) ||
+        !json_uint(cJSON_GetArrayItem(off, 1), &e->end))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: 'data_offsets' must be two non-negative integers",
+                        what);
+    if (e->end < e->begin)
+        return MDT_FAIL(MDT_E_FORMAT, "%s: data_offsets [%lld, %lld] end before they begin", what,
+                        (long long)e->begin, (long long)e->end);
+    if (e->end > data_size)
+        return MDT_FAIL(MDT_E_FORMAT,
+                        "%s: data_offsets [%lld, %lld] run past the end of the data section "
+                        "(%lld bytes; file truncated?)",
+                        what, (long long)e->begin, (long long)e->end, (long long)data_size);
+    char sbuf[160];
+    if (overflow || numel * (int64_t)mdt_dtype_size(e->dtype) != e->end - e->begin)
+        return MDT_FAIL(MDT_E_FORMAT,
+                        "%s: data_offsets [%lld, %lld] hold %lld bytes but shape %s of %s needs "
+                        "%lld",
+                        what, (long long)e->begin, (long long)e->end,
+                        (long long)(e->end - e->begin),
+                        mdt_shape_str(e->ndim, e->shape, sbuf, sizeof sbuf),
+                        mdt_dtype_name(e->dtype),
+                        overflow ? -1LL : (long long)(numel * (int64_t)mdt_dtype_size(e->dtype)));
+    return MDT_OK;
+}
+
+static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item) {
+    if (!cJSON_IsObject(item))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ is not a JSON object", f->path);
+    int n = cJSON_GetArraySize(item);
+    f->meta_keys = mdt_calloc(sizeof(char *) * (size_t)(n + 1));
+    f->meta_vals = mdt_calloc(sizeof(char *) * (size_t)(n + 1));
+    if (!f->meta_keys || !f->meta_vals)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    const cJSON *kv;
+    cJSON_ArrayForEach(kv, item) {
+        if (!cJSON_IsString(kv))
+            return MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ value for '%.200s' is not a string",
+                            f->path, kv->string);
+        f->meta_keys[f->n_meta] = dup_str(kv->string);
+        f->meta_vals[f->n_meta] = dup_str(kv->valuestring);
+        if (!f->meta_keys[f->n_meta] || !f->meta_vals[f->n_meta])
+            return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        f->n_meta++;
+    }
+    return MDT_OK;
+}
+
+/* Checks that the entries tile the data section: sorted by offset, each begins where the previous
+ * ended (zero-size tensors may sit anywhere inside), and the last ends at the end of the file. */
+static mdt_status check_tiling(mdt_st_file *f, int64_t data_size) {
+    mdt_status st = MDT_OK;
+    const mdt_st_entry **by_off = mdt_alloc(sizeof(*by_off) * (size_t)(f->n ? f->n : 1));
+    if (!by_off)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    for (int i = 0; i < f->n; i++)
+        by_off[i] = &f->entries[i];
+    qsort(by_off, (size_t)f->n, sizeof *by_off, cmp_entry_ptr_begin);
+    int64_t pos = 0;
+    const mdt_st_entry *prev = NULL;
+    for (int i = 0; i < f->n; i++) {
+        const mdt_st_entry *e = by_off[i];
+        if (e->begin == e->end && e->begin <= pos)
+            continue; /* empty tensor */
+        if (e->begin < pos) {
+            st = MDT_FAIL(MDT_E_FORMAT,
+                          "%s: tensor '%.200s': data_offsets [%lld, %lld] overlap tensor '%.200s' "
+                          "[%lld, %lld]",
+                          f->path, e->name, (long long)e->begin, (long long)e->end,
+                          prev ? prev->name : "?", prev ? (long long)prev->begin : 0LL,
+                          (long long)pos);
+            goto done;
+        }
+        if (e->begin > pos) {
+            st = MDT_FAIL(MDT_E_FORMAT,
+                          "%s: tensor '%.200s': data_offsets begin at %lld, leaving a hole after "
+                          "byte %lld of the data section",
+                          f->path, e->name, (long long)e->begin, (long long)pos);
+            goto done;
+        }
+        pos = e->end;
+        prev = e;
+    }
+    if (pos != data_size)
+        st = MDT_FAIL(MDT_E_FORMAT,
+                      "%s: tensors cover %lld bytes but the data section has %lld (trailing or "
+                      "missing bytes)",
+                      f->path, (long long)pos, (long long)data_size);
+done:
+    mdt_free(by_off);
+    return st;
+}
+
+mdt_status mdt_st_open(const char *path, mdt_st_file **out) {
+    mdt_status st = MDT_OK;
+    char *hdr = NULL;
+    cJSON *root = NULL;
+    *out = NULL;
+    mdt_st_file *f = mdt_calloc(sizeof *f);
+    if (!f)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    f->fd = -1;
+    f->path = dup_str(path);
+    if (!f->path)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    f->fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (f->fd < 0)
+        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: cannot open: %s", path, strerror(errno)));
+    struct stat sb;
+    if (fstat(f->fd, &sb) != 0 || !S_ISREG(sb.st_mode))
+        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: not a regular file", path));
+    f->file_size = (int64_t)sb.st_size;
+    if (f->file_size < 8)
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                           "%s: %lld bytes is too short for a safetensors file (needs an 8-byte "
+                           "header length)",
+                           path, (long long)f->file_size));
+    unsigned char lenb[8];
+    MDT_CHECK(pread_all(f->fd, lenb, 8, 0, path, "header length"));
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--)
+        hlen = (hlen << 8) | lenb[i];
+    if (hlen > (uint64_t)MDT_ST_MAX_HEADER)
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header length %llu exceeds the 100 MB limit", path,
+                           (unsigned long long)hlen));
+    if ((int64_t)hlen > f->file_size - 8)
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                           "%s: header length %llu runs past the end of the file (%lld bytes; "
+                           "truncated?)",
+                           path, (unsigned long long)hlen, (long long)f->file_size));
+    if (hlen < 2)
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header of %llu bytes cannot hold a JSON object",
+                           path, (unsigned long long)hlen));
+    f->data_start = 8 + (int64_t)hlen;
+    hdr = mdt_alloc((size_t)hlen + 1);
+    if (!hdr)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "%s: out of memory for header", path));
+    MDT_CHECK(pread_all(f->fd, hdr, (int64_t)hlen, 8, path, "header"));
+    hdr[hlen] = 0;
+    if (hdr[0] != '{' || memchr(hdr, 0, hlen))
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header is not a JSON object (must start with '{')",
+                           path));
+    const char *endp = NULL;
+    root = cJSON_ParseWithLengthOpts(hdr, hlen, &endp, 0);
+    if (!root || !cJSON_IsObject(root))
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header is not valid JSON (near byte %lld)", path,
+                           endp ? (long long)(endp - hdr) : -1LL));
+    for (const char *p = endp; p && p < hdr + hlen; p++)
+        if (*p != ' ')
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                               "%s: header has bytes other than space padding after the JSON",
+                               path));
+    int64_t data_size = f->file_size - f->data_start;
+    int nitems = cJSON_GetArraySize(root);
+    f->entries = mdt_calloc(sizeof(mdt_st_entry) * (size_t)(nitems ? nitems : 1));
+    if (!f->entries)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    const cJSON *item;
+    int saw_meta = 0;
+    cJSON_ArrayForEach(item, root) {
+        if (strcmp(item->string, "__metadata__") == 0) {
+            if (saw_meta++)
+                MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: duplicate __metadata__", path));
+            MDT_CHECK(parse_metadata(f, item));
+            continue;
+        }
+        mdt_st_entry *e = &f->entries[f->n];
+        e->name = dup_str(item->string);
+        if (!e->name)
+            MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+        f->n++;
+        MDT_CHECK(parse_entry(f, item, e, data_size));
+    }
+    qsort(f->entries, (size_t)f->n, sizeof *f->entries, cmp_entry_name);
+    for (int i = 1; i < f->n; i++)
+        if (strcmp(f->entries[i - 1].name, f->entries[i].name) == 0)
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: tensor '%.200s' appears twice in the header",
+                               path, f->entries[i].name));
+    MDT_CHECK(check_tiling(f, data_size));
+    cJSON_Delete(root);
+    mdt_free(hdr);
+    *out = f;
+    return MDT_OK;
+fail:
+    cJSON_Delete(root);
+    mdt_free(hdr);
+    mdt_st_close(f);
+    return st;
+}
+
+void mdt_st_close(mdt_st_file *f) {
+    if (!f)
+        return;
+    if (f->fd >= 0)
+        close(f->fd);
+    for (int i = 0; i < f->n; i++)
+        mdt_free(f->entries[i].name);
+    for (int i = 0; i < f->n_meta; i++)
+        mdt_free(f->meta_keys[i]), mdt_free(f->meta_vals[i]);
+    mdt_free(f->meta_keys);
+    mdt_free(f->meta_vals);
+    mdt_free(f->entries);
+    mdt_free(f->path);
+    mdt_free(f);
+}
+
+const mdt_st_entry *mdt_st_find(const mdt_st_file *f, const char *name) {
+    mdt_st_entry key;
+    key.name = (char *)(uintptr_t)name;
+    return bsearch(&key, f->entries, (size_t)f->n, sizeof key, cmp_entry_name);
+}
+
+const char *mdt_st_meta(const mdt_st_file *f, const char *key) {
+    for (int i = 0; i < f->n_meta; i++)
+        if (strcmp(f->meta_keys[i], key) == 0)
+            return f->meta_vals[i];
+    return NULL;
+}
+
+mdt_status mdt_st_read_range(const mdt_st_file *f, const mdt_st_entry *e, int64_t offset,
+                             int64_t nbytes, void *dst) {
+    if (offset < 0 || nbytes < 0 || offset + nbytes > e->end - e->begin)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "%s: tensor '%s': byte range [%lld, %lld) lies outside its %lld bytes",
+                        f->path, e->name, (long long)offset, (long long)(offset + nbytes),
+                        (long long)(e->end - e->begin));
+    char what[300];
+    snprintf(what, sizeof what, "tensor '%.200s'", e->name);
+    MDT_TRY(pread_all(f->fd, dst, nbytes, f->data_start + e->begin + offset, f->path, what));
+    mdt_counters_get()->bytes_read += nbytes;
+    return MDT_OK;
+}
+
+mdt_status mdt_st_read_f32(const mdt_st_file *f, const mdt_st_entry *e, int64_t elem_off, int64_t n,
+                           float *dst) {
+    size_t es = mdt_dtype_size(e->dtype);
+    if (!mdt_dtype_is_float(e->dtype))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: tensor '%s': dtype %s is not a float type", f->path,
+                        e->name, mdt_dtype_name(e->dtype));
+    if (e->dtype == MDT_F32)
+        return mdt_st_read_range(f, e, elem_off * 4, n * 4, dst);
+    /* Other dtypes go through a bounded bounce buffer: memory stays O(chunk), not O(tensor). */
+    enum { CHUNK = 1 << 16 };
+    void *buf = mdt_alloc(CHUNK * es);
+    if (!buf)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    mdt_status st = MDT_OK;
+    for (int64_t i = 0; i < n && st == MDT_OK; i += CHUNK) {
+        int64_t m = n - i < CHUNK ? n - i : CHUNK;
+        st = mdt_st_read_range(f, e, (elem_off + i) * (int64_t)es, m * (int64_t)es, buf);
+        if (st == MDT_OK)
+            st = mdt_convert_to_f32(e->dtype, buf, dst + i, m);
+    }
+    mdt_free(buf);
+    return st;
+}
+
+/* ---- writer ---- */
+static mdt_status write_all(int fd, const void *src, size_t n, const char *path) {
+    const char *p = src;
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0)
+            return MDT_FAIL(MDT_E_IO, "%s: write failed: %s", path, strerror(errno));
+        p += w, n -= (size_t)w;
+    }
+    return MDT_OK;
+}
+
+mdt_status mdt_st_write(const char *path, int n, const char *const *names,
+                        const mdt_tensor *const *tensors, const char *const *meta) {
+    mdt_status st = MDT_OK;
+    char *json = NULL, *tmp = NULL;
+    int fd = -1;
+    cJSON *root = cJSON_CreateObject();
+    if (!root)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    if (meta && meta[0]) {
+        cJSON *m = cJSON_AddObjectToObject(root, "__metadata__");
+        for (int i = 0; m && meta[i] && meta[i + 1]; i += 2)
+            cJSON_AddStringToObject(m, meta[i], meta[i + 1]);
+    }
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        const mdt_tensor *t = tensors[i];
+        cJSON *e = cJSON_AddObjectToObject(root, names[i]);
+        if (!e)
+            MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+        cJSON_AddStringToObject(e, "dtype", mdt_dtype_name(t->dtype));
+        cJSON *sh = cJSON_AddArrayToObject(e, "shape");
+        for (int d = 0; d < t->ndim; d++)
+            cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)t->shape[d]));
+        cJSON *of = cJSON_AddArrayToObject(e, "data_offsets");
+        int64_t nb = mdt_tensor_nbytes(t);
+        cJSON_AddItemToArray(of, cJSON_CreateNumber((double)off));
+        cJSON_AddItemToArray(of, cJSON_CreateNumber((double)(off + nb)));
+        off += nb;
+    }
+    json = cJSON_PrintUnformatted(root);
+    if (!json)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    size_t jl = strlen(json), padded = (jl + 7) & ~(size_t)7; /* data starts 8-aligned */
+    size_t plen = strlen(path);
+    tmp = mdt_alloc(plen + 16);
+    if (!tmp)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    snprintf(tmp, plen + 16, "%s.tmp.XXXXXX", path);
+    fd = mkstemp(tmp);
+    if (fd < 0)
+        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: cannot create a temporary file: %s", path,
+                           strerror(errno)));
+    unsigned char lenb[8];
+    for (int i = 0; i < 8; i++)
+        lenb[i] = (unsigned char)(((uint64_t)padded >> (8 * i)) & 0xffu);
+    MDT_CHECK(write_all(fd, lenb, 8, path));
+    MDT_CHECK(write_all(fd, json, jl, path));
+    MDT_CHECK(write_all(fd, "        ", padded - jl, path));
+    for (int i = 0; i < n; i++)
+        MDT_CHECK(write_all(fd, tensors[i]->data, (size_t)mdt_tensor_nbytes(tensors[i]), path));
+    if (fsync(fd) != 0)
+        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: fsync failed: %s", path, strerror(errno)));
+    if (close(fd) != 0) {
+        fd = -1;
+        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: close failed: %s", path, strerror(errno)));
+    }
+    fd = -1;
+    if (rename(tmp, path) != 0)
+        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: rename failed: %s", path, strerror(errno)));
+    mdt_free(tmp);
+    cJSON_free(json);
+    cJSON_Delete(root);
+    return MDT_OK;
+fail:
+    if (fd >= 0)
+        close(fd);
+    if (tmp && tmp[0])
+        unlink(tmp);
+    mdt_free(tmp);
+    cJSON_free(json);
+    cJSON_Delete(root);
+    return st;
+}
+
+/* ---- public whole-file helpers on mdt_tensor_set ---- */
+mdt_status mdt_tensor_set_load(const char *path, mdt_tensor_set **out) {
+    mdt_st_file *f = NULL;
+    mdt_tensor_set *set = NULL;
+    mdt_status st;
+    *out = NULL;
+    MDT_TRY(mdt_st_open(path, &f));
+    MDT_CHECK(mdt_tensor_set_create(&set));
+    for (int i = 0; i < f->n; i++) {
+        const mdt_st_entry *e = &f->entries[i];
+        mdt_tensor *t;
+        MDT_CHECK(mdt_tensor_set_add(set, e->name, e->dtype, e->ndim, e->shape, &t));
+        MDT_CHECK(mdt_st_read_range(f, e, 0, e->end - e->begin, t->data));
+    }
+    mdt_st_close(f);
+    *out = set;
+    return MDT_OK;
+fail:
+    mdt_st_close(f);
+    mdt_tensor_set_free(set);
+    return st;
+}
+
+mdt_status mdt_tensor_set_save(const mdt_tensor_set *set, const char *path) {
+    int n = mdt_tensor_set_count(set);
+    const char **names = mdt_alloc(sizeof(char *) * (size_t)(n ? n : 1));
+    const mdt_tensor **ts = mdt_alloc(sizeof(mdt_tensor *) * (size_t)(n ? n : 1));
+    mdt_status st = MDT_OK;
+    if (!names || !ts)
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    for (int i = 0; st == MDT_OK && i < n; i++)
+        ts[i] = mdt_tensor_set_at(set, i, &names[i]);
+    if (st == MDT_OK)
+        st = mdt_st_write(path, n, names, ts, NULL);
+    mdt_free(names);
+    mdt_free((void *)ts);
+    return st;
+}

@@ -1,0 +1,60 @@
+/*
+ * safetensors.h — validated safetensors reader (header index + ranged reads) and atomic writer.
+ *
+ * The reader checks everything the format promises before any tensor byte is used: 8-byte
+ * little-endian header length, header <= 100 MB, a JSON object, known dtypes, shapes, offsets
+ * inside the data section that tile it exactly (no overlap, no hole, nothing past the end),
+ * byte size = product(shape) x element size, `__metadata__` with string values only.
+ * Reads are pread()s of any byte range of one tensor, so a rank can read just its shard.
+ * No MPI, no model knowledge here.
+ */
+#ifndef MDT_SAFETENSORS_H
+#define MDT_SAFETENSORS_H
+
+#include "tensor/tensor.h"
+
+#define MDT_ST_MAX_HEADER 100000000LL
+
+typedef struct mdt_st_entry {
+    char *name;
+    mdt_dtype dtype;
+    int ndim;
+    int64_t shape[MDT_MAX_DIMS];
+    int64_t begin, end; /* byte offsets relative to the data section */
+} mdt_st_entry;
+
+typedef struct mdt_st_file {
+    char *path;
+    int fd;
+    int64_t file_size;
+    int64_t data_start; /* 8 + header length */
+    int n;
+    mdt_st_entry *entries; /* sorted by name */
+    int n_meta;
+    char **meta_keys, **meta_vals;
+} mdt_st_file;
+
+/* Opens and validates `path`. Errors name the file, the tensor and the problem:
+ * MDT_E_IO (cannot open/read), MDT_E_FORMAT (anything malformed). */
+mdt_status mdt_st_open(const char *path, mdt_st_file **out);
+void mdt_st_close(mdt_st_file *f);
+/* Entry called `name`, or NULL. */
+const mdt_st_entry *mdt_st_find(const mdt_st_file *f, const char *name);
+/* Value of __metadata__[key], or NULL. */
+const char *mdt_st_meta(const mdt_st_file *f, const char *key);
+
+/* Reads `nbytes` bytes starting `offset` bytes into tensor `e` into dst. The range must lie inside
+ * the tensor. MDT_E_IO on a short read (file changed or truncated after open). */
+mdt_status mdt_st_read_range(const mdt_st_file *f, const mdt_st_entry *e, int64_t offset,
+                             int64_t nbytes, void *dst);
+/* Reads elements [elem_off, elem_off + n) of float tensor `e` and converts them to f32 into dst.
+ * Reads through a bounded buffer for non-f32 dtypes (never the whole tensor at once). */
+mdt_status mdt_st_read_f32(const mdt_st_file *f, const mdt_st_entry *e, int64_t elem_off, int64_t n,
+                           float *dst);
+
+/* Writes tensors atomically (temporary file in the same directory, fsync, rename).
+ * `meta` is an optional NULL-terminated list of key, value, key, value, ... strings. */
+mdt_status mdt_st_write(const char *path, int n, const char *const *names,
+                        const mdt_tensor *const *tensors, const char *const *meta);
+
+#endif /* MDT_SAFETENSORS_H */

@@ -1,0 +1,166 @@
+/*
+ * cpu.c — the fast CPU kernels of cpu.h. GEMMs go to OpenBLAS (one thread per rank); the
+ * elementwise passes are fused loops the compiler vectorises; attention streams key tiles with an
+ * online softmax (running max m, denominator l, rescaled accumulator) and does its two products
+ * per tile with sgemm.
+ */
+#include "cpu.h"
+
+#include "core/core.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <string.h>
+
+void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
+                    int64_t ldy, int64_t M, int64_t K, int64_t N) {
+    if (M == 0 || N == 0)
+        return;
+    float beta = 0.0f;
+    if (b) {
+        for (int64_t i = 0; i < M; i++)
+            memcpy(y + i * ldy, b, sizeof(float) * (size_t)N);
+        beta = 1.0f;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)N, (int)K, 1.0f, x, (int)ldx,
+                w, (int)K, beta, y, (int)ldy);
+    mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
+}
+
+void mdt_cpu_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, float eps,
+                                const float *shift, const float *scale) {
+    for (int64_t i = 0; i < M; i++) {
+        const float *xr = x + i * C;
+        float *yr = y + i * C;
+        float sum = 0.0f;
+        for (int64_t c = 0; c < C; c++)
+            sum += xr[c];
+        float mean = sum / (float)C, var = 0.0f;
+        for (int64_t c = 0; c < C; c++)
+            var += (xr[c] - mean) * (xr[c] - mean);
+        float inv = 1.0f / sqrtf(var / (float)C + eps);
+        if (shift && scale)
+            for (int64_t c = 0; c < C; c++)
+                yr[c] = (xr[c] - mean) * inv * (1.0f + scale[c]) + shift[c];
+        else
+            for (int64_t c = 0; c < C; c++)
+                yr[c] = (xr[c] - mean) * inv;
+    }
+    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 8.0 * (double)M * (double)C;
+}
+
+void mdt_cpu_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, int64_t D,
+                           const float *norm_w, float eps, const float *cos_t, const float *sin_t,
+                           float *dst, int64_t Sdst, int64_t s0) {
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *x = src + s * ld + h * D;
+            float *o = dst + (h * Sdst + s0 + s) * D;
+            float inv = 1.0f;
+            if (norm_w) {
+                float ms = 0.0f;
+                for (int64_t d = 0; d < D; d++)
+                    ms += x[d] * x[d];
+                inv = 1.0f / sqrtf(ms / (float)D + eps);
+                for (int64_t d = 0; d < D; d++)
+                    o[d] = x[d] * inv * norm_w[d];
+            } else {
+                memcpy(o, x, sizeof(float) * (size_t)D);
+            }
+            if (cos_t) {
+                const float *c = cos_t + s * D, *sn = sin_t + s * D;
+                for (int64_t m = 0; m < D; m += 2) {
+                    float re = o[m], im = o[m + 1];
+                    o[m] = re * c[m] - im * sn[m];
+                    o[m + 1] = im * c[m + 1] + re * sn[m + 1];
+                }
+            }
+        }
+    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 8.0 * (double)S * (double)H * (double)D;
+}
+
+void mdt_cpu_gelu_tanh(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        x[i] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    }
+    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 10.0 * (double)n;
+}
+
+void mdt_cpu_silu(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        x[i] = x[i] / (1.0f + expf(-x[i]));
+    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 5.0 * (double)n;
+}
+
+void mdt_cpu_gate_residual(float *x, const float *y, int64_t ldy, const float *gate, int64_t M,
+                           int64_t C) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t c = 0; c < C; c++)
+            x[i * C + c] += gate[c] * y[i * ldy + c];
+    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 2.0 * (double)M * (double)C;
+}
+
+int64_t mdt_cpu_attention_ws_floats(int64_t D) {
+    /* scores [BQ, BK] + accumulator [BQ, D] + running max and denominator [BQ] each */
+    return (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK + (int64_t)MDT_ATTN_BQ * D + 2 * MDT_ATTN_BQ;
+}
+
+void mdt_cpu_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
+                       float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
+                       float scale, float *ws) {
+    float *sc = ws;                                          /* [BQ, BK] */
+    float *acc = sc + (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK;    /* [BQ, D] */
+    float *mx = acc + (int64_t)MDT_ATTN_BQ * D;              /* [BQ] */
+    float *den = mx + MDT_ATTN_BQ;                           /* [BQ] */
+    if (sk_valid > Sk)
+        sk_valid = Sk;
+    for (int64_t h = 0; h < H; h++) {
+        const float *qh = q + h * Sq * D, *kh = k + h * Sk * D, *vh = v + h * Sk * D;
+        for (int64_t i0 = 0; i0 < Sq; i0 += MDT_ATTN_BQ) {
+            int64_t bq = Sq - i0 < MDT_ATTN_BQ ? Sq - i0 : MDT_ATTN_BQ;
+            for (int64_t i = 0; i < bq; i++)
+                mx[i] = -INFINITY, den[i] = 0.0f;
+            memset(acc, 0, sizeof(float) * (size_t)(bq * D));
+            for (int64_t j0 = 0; j0 < sk_valid; j0 += MDT_ATTN_BK) {
+                int64_t bk = sk_valid - j0 < MDT_ATTN_BK ? sk_valid - j0 : MDT_ATTN_BK;
+                /* scores [bq, bk] = scale * Q_tile . K_tile^T */
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)bq, (int)bk, (int)D,
+                            scale, qh + i0 * D, (int)D, kh + j0 * D, (int)D, 0.0f, sc,
+                            MDT_ATTN_BK);
+                for (int64_t i = 0; i < bq; i++) {
+                    float *row = sc + i * MDT_ATTN_BK;
+                    float m = mx[i];
+                    for (int64_t j = 0; j < bk; j++)
+                        m = row[j] > m ? row[j] : m;
+                    float corr = expf(mx[i] - m), sum = 0.0f;
+                    for (int64_t j = 0; j < bk; j++) {
+                        row[j] = expf(row[j] - m);
+                        sum += row[j];
+                    }
+                    den[i] = den[i] * corr + sum;
+                    mx[i] = m;
+                    if (corr != 1.0f)
+                        for (int64_t d = 0; d < D; d++)
+                            acc[i * D + d] *= corr;
+                }
+                /* acc [bq, D] += P [bq, bk] . V_tile [bk, D] */
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)bq, (int)D, (int)bk,
+                            1.0f, sc, MDT_ATTN_BK, vh + j0 * D, (int)D, 1.0f, acc, (int)D);
+            }
+            for (int64_t i = 0; i < bq; i++) {
+                float inv = den[i] > 0.0f ? 1.0f / den[i] : 0.0f;
+                float *o = out + (i0 + i) * ld_out + h * D;
+                for (int64_t d = 0; d < D; d++)
+                    o[d] = acc[i * D + d] * inv;
+                if (lse)
+                    lse[h * Sq + i0 + i] = mx[i] + logf(den[i]);
+            }
+        }
+    }
+    mdt_counters *c = mdt_counters_get();
+    c->flops[MDT_FLOP_ATTN] += 4.0 * (double)H * (double)Sq * (double)sk_valid * (double)D;
+    c->attn_query_rows += H * Sq;
+    c->attn_kv_rows += H * sk_valid;
+    c->attn_calls++;
+}

@@ -1,0 +1,45 @@
+/*
+ * cpu.h — fast CPU kernels: BLAS GEMMs, fused elementwise passes and tiled online-softmax
+ * attention. Each has a counterpart in kernels/ref that the unit tests compare against.
+ *
+ * Kernels never allocate: scratch comes from the caller (see mdt_cpu_attention_ws_floats).
+ * Kernels add their FLOPs to the per-process counters (core.h).
+ */
+#ifndef MDT_KERNELS_CPU_H
+#define MDT_KERNELS_CPU_H
+
+#include <stdint.h>
+
+/* y[M, N] = x[M, K] . w[N, K]^T (+ b[N]); x rows have stride ldx (>= K), y rows ldy (>= N). */
+void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
+                    int64_t ldy, int64_t M, int64_t K, int64_t N);
+/* y[M, C] = LayerNorm(x[M, C]) (no affine), then, if shift/scale are given, y*(1+scale)+shift. */
+void mdt_cpu_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, float eps,
+                                const float *shift, const float *scale);
+/* Per-token, per-head preparation of attention operands from a projection output:
+ * src rows [S, ld] hold heads [H, D] starting at column 0; dst is head-major [H, Sdst, D] and
+ * rows s land at dst row s0 + s. If `norm_w` is given: RMSNorm over D with that weight (eps);
+ * if `cos_t`/`sin_t` [S, D] are given: interleaved-pair RoPE (after the norm). */
+void mdt_cpu_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, int64_t D,
+                           const float *norm_w, float eps, const float *cos_t, const float *sin_t,
+                           float *dst, int64_t Sdst, int64_t s0);
+void mdt_cpu_gelu_tanh(float *x, int64_t n);
+void mdt_cpu_silu(float *x, int64_t n);
+/* x[M, C] += gate[C] * y[M, C]; y rows have stride ldy. */
+void mdt_cpu_gate_residual(float *x, const float *y, int64_t ldy, const float *gate, int64_t M,
+                           int64_t C);
+
+/* Tiles of the online-softmax attention. */
+#define MDT_ATTN_BQ 64
+#define MDT_ATTN_BK 256
+/* Floats of scratch one mdt_cpu_attention call needs for head dim D. */
+int64_t mdt_cpu_attention_ws_floats(int64_t D);
+/* Attention over H heads of one batch element, tiled so memory is O(tile), never Sq x Sk:
+ * q [H, Sq, D], k/v [H, Sk, D] head-major; out token-major: row i, head h at
+ * out[i*ld_out + h*D]; lse [H, Sq] natural-log softmax denominators (NULL: not wanted). Only the
+ * first `sk_valid` keys are attended (padded keys beyond it are masked). */
+void mdt_cpu_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
+                       float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
+                       float scale, float *ws);
+
+#endif /* MDT_KERNELS_CPU_H */

@@ -1,0 +1,32 @@
+/*
+ * ref.h — slow, readable reference kernels: the oracle the unit tests hold the fast kernels to.
+ *
+ * Plain loops, double accumulation where it costs nothing in clarity, no BLAS, no tiling. Never
+ * called by the model code. Shapes are row-major; [M, K] means M rows of K floats.
+ */
+#ifndef MDT_KERNELS_REF_H
+#define MDT_KERNELS_REF_H
+
+#include <stdint.h>
+
+/* y[M, N] = x[M, K] . w[N, K]^T (+ b[N] if b) */
+void mdt_ref_linear(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t K,
+                    int64_t N);
+/* y[M, C] = LayerNorm(x) without affine (biased variance) */
+void mdt_ref_layernorm(const float *x, float *y, int64_t M, int64_t C, float eps);
+/* y[M, D] = x / sqrt(mean(x^2) + eps) * w[D] */
+void mdt_ref_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_t D, float eps);
+/* x = x * (1 + scale[C]) + shift[C] for every row of x[M, C] */
+void mdt_ref_modulate(float *x, const float *shift, const float *scale, int64_t M, int64_t C);
+void mdt_ref_gelu_tanh(float *x, int64_t n);
+void mdt_ref_silu(float *x, int64_t n);
+/* Interleaved-pair RoPE on x[S, H, D] with cos/sin[S, D] (each pair's value repeated twice):
+ * out[2m] = x[2m] cos - x[2m+1] sin, out[2m+1] = x[2m+1] cos + x[2m] sin. */
+void mdt_ref_rope_interleaved(float *x, const float *cos_t, const float *sin_t, int64_t S,
+                              int64_t H, int64_t D);
+/* Attention of one head: q[Sq, D], k/v[Sk, D] -> out[Sq, D], lse[Sq] (natural log of the softmax
+ * denominator of the scaled scores; may be NULL). Materialises the Sq x Sk scores. */
+void mdt_ref_attention(const float *q, const float *k, const float *v, float *out, float *lse,
+                       int64_t Sq, int64_t Sk, int64_t D, float scale);
+
+#endif /* MDT_KERNELS_REF_H */

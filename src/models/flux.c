@@ -1,0 +1,593 @@
+/*
+ * flux.c — diffusers' FluxTransformer2DModel: config, weight table with TP styles, CP plan,
+ * forward, and random inputs. Semantics follow diffusers exactly (see
+ * shared/reference/parallel-semantics.md §8.1): timestep x1000, sinusoid cos-then-sin,
+ * RoPE interleaved pairs from cat(txt_ids, img_ids) in float64 then float32, text first in the
+ * joint sequence, AdaLayerNormZero chunk order (shift, scale, gate) x2, AdaLayerNormContinuous
+ * scale-then-shift, LayerNorm eps 1e-6 without affine, per-head RMSNorm eps 1e-6, GELU(tanh).
+ *
+ * Not here: parallel execution (the forward runs the local shard it is given; the mesh and the
+ * collectives arrive with the parallel issues), bf16 compute.
+ */
+#include "models/model.h"
+
+#include "kernels/cpu/cpu.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <string.h>
+
+enum { FLUX_MAX_AXES = 4 };
+static const float k_eps = 1e-6f;
+
+typedef struct flux_lin {
+    const float *w, *b;
+    int64_t in, out;
+} flux_lin;
+
+typedef struct flux_double {
+    flux_lin norm1, norm1_ctx;
+    flux_lin to_q, to_k, to_v, add_q, add_k, add_v, to_out, to_add_out;
+    flux_lin ff0, ff2, ffc0, ffc2;
+    const float *norm_q, *norm_k, *norm_added_q, *norm_added_k;
+} flux_double;
+
+typedef struct flux_single {
+    flux_lin norm, to_q, to_k, to_v, proj_mlp, proj_out;
+    const float *norm_q, *norm_k;
+} flux_single;
+
+typedef struct flux {
+    int64_t patch, in_ch, out_ch, layers, single_layers, head_dim, heads, joint_dim, pooled_dim;
+    int guidance;
+    int naxes;
+    int64_t axes[FLUX_MAX_AXES];
+    int64_t inner, mlp_hidden;
+    flux_lin x_emb, ctx_emb, t_lin1, t_lin2, g_lin1, g_lin2, p_lin1, p_lin2, norm_out, proj_out;
+    flux_double *dbl;
+    flux_single *sgl;
+    /* storage for the block arrays (the impl is a flat zeroed struct) */
+    flux_double dbl_store[64];
+    flux_single sgl_store[128];
+} flux;
+
+static const mdt_cp_plan k_flux_cp_plan = {
+    .nsplit = 4,
+    .split = {{"hidden_states", 1}, {"encoder_hidden_states", 1}, {"img_ids", 0}, {"txt_ids", 0}},
+    .ngather = 1,
+    .gather = {{"sample", 1}},
+};
+
+/* ---- weight table ---- */
+static mdt_status add_lin(mdt_wtable *t, flux_lin *l, const char *name, int64_t out, int64_t in,
+                          mdt_tp_style style) {
+    char nm[MDT_NAME_MAX];
+    l->in = in, l->out = out;
+    snprintf(nm, sizeof nm, "%s.weight", name);
+    MDT_TRY(mdt_wtable_add(t, nm, 2, out, in, style, &l->w));
+    /* colwise-like styles shard the bias with the output; rowwise adds it once after reducing */
+    mdt_tp_style bstyle = mdt_tp_shard_dim(style) == 0 ? style : MDT_TP_REPLICATED;
+    snprintf(nm, sizeof nm, "%s.bias", name);
+    return mdt_wtable_add(t, nm, 1, out, 0, bstyle, &l->b);
+}
+
+static mdt_status add_vec(mdt_wtable *t, const float **v, const char *name, int64_t n) {
+    return mdt_wtable_add(t, name, 1, n, 0, MDT_TP_REPLICATED, v);
+}
+
+static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
+    flux *f = impl;
+    int64_t ax[FLUX_MAX_AXES] = {0};
+    int nax = FLUX_MAX_AXES;
+    MDT_TRY(mdt_cfg_int(cfg, "patch_size", 0, 1, &f->patch));
+    MDT_TRY(mdt_cfg_int(cfg, "in_channels", 0, 64, &f->in_ch));
+    MDT_TRY(mdt_cfg_int(cfg, "out_channels", 0, 0, &f->out_ch));
+    MDT_TRY(mdt_cfg_int(cfg, "num_layers", 0, 19, &f->layers));
+    MDT_TRY(mdt_cfg_int(cfg, "num_single_layers", 0, 38, &f->single_layers));
+    MDT_TRY(mdt_cfg_int(cfg, "attention_head_dim", 0, 128, &f->head_dim));
+    MDT_TRY(mdt_cfg_int(cfg, "num_attention_heads", 0, 24, &f->heads));
+    MDT_TRY(mdt_cfg_int(cfg, "joint_attention_dim", 0, 4096, &f->joint_dim));
+    MDT_TRY(mdt_cfg_int(cfg, "pooled_projection_dim", 0, 768, &f->pooled_dim));
+    MDT_TRY(mdt_cfg_bool(cfg, "guidance_embeds", 0, &f->guidance));
+    MDT_TRY(mdt_cfg_int_array(cfg, "axes_dims_rope", ax, &nax));
+    if (nax == 0) {
+        ax[0] = 16, ax[1] = 56, ax[2] = 56;
+        nax = 3;
+    }
+    if (f->out_ch == 0)
+        f->out_ch = f->in_ch;
+    if (f->patch < 1 || f->in_ch < 1 || f->out_ch < 1 || f->layers < 0 || f->single_layers < 0 ||
+        f->head_dim < 2 || f->heads < 1 || f->joint_dim < 1 || f->pooled_dim < 1)
+        return MDT_FAIL(MDT_E_INVALID, "config.json: Flux sizes must be positive");
+    if (f->layers > 64 || f->single_layers > 128)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: at most 64 double and 128 single blocks");
+    int64_t axsum = 0;
+    for (int i = 0; i < nax; i++) {
+        if (ax[i] <= 0 || ax[i] % 2)
+            return MDT_FAIL(MDT_E_INVALID, "config.json: axes_dims_rope[%d] = %lld must be even "
+                                           "and positive",
+                            i, (long long)ax[i]);
+        axsum += ax[i];
+    }
+    if (axsum != f->head_dim)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "config.json: axes_dims_rope sum to %lld but attention_head_dim is %lld",
+                        (long long)axsum, (long long)f->head_dim);
+    f->naxes = nax;
+    memcpy(f->axes, ax, sizeof ax);
+    f->inner = f->heads * f->head_dim;
+    f->mlp_hidden = 4 * f->inner;
+    f->dbl = f->dbl_store;
+    f->sgl = f->sgl_store;
+
+    const int64_t C = f->inner, M = f->mlp_hidden, D = f->head_dim;
+    char nm[MDT_NAME_MAX];
+    MDT_TRY(add_lin(t, &f->t_lin1, "time_text_embed.timestep_embedder.linear_1", C, 256,
+                    MDT_TP_REPLICATED));
+    MDT_TRY(add_lin(t, &f->t_lin2, "time_text_embed.timestep_embedder.linear_2", C, C,
+                    MDT_TP_REPLICATED));
+    if (f->guidance) {
+        MDT_TRY(add_lin(t, &f->g_lin1, "time_text_embed.guidance_embedder.linear_1", C, 256,
+                        MDT_TP_REPLICATED));
+        MDT_TRY(add_lin(t, &f->g_lin2, "time_text_embed.guidance_embedder.linear_2", C, C,
+                        MDT_TP_REPLICATED));
+    }
+    MDT_TRY(add_lin(t, &f->p_lin1, "time_text_embed.text_embedder.linear_1", C, f->pooled_dim,
+                    MDT_TP_REPLICATED));
+    MDT_TRY(add_lin(t, &f->p_lin2, "time_text_embed.text_embedder.linear_2", C, C,
+                    MDT_TP_REPLICATED));
+    MDT_TRY(add_lin(t, &f->ctx_emb, "context_embedder", C, f->joint_dim, MDT_TP_REPLICATED));
+    MDT_TRY(add_lin(t, &f->x_emb, "x_embedder", C, f->in_ch, MDT_TP_REPLICATED));
+    for (int64_t i = 0; i < f->layers; i++) {
+        flux_double *b = &f->dbl[i];
+        const struct {
+            flux_lin *l;
+            const char *sfx;
+            int64_t out, in;
+            mdt_tp_style st;
+        } lins[] = {
+            {&b->norm1, "norm1.linear", 6 * C, C, MDT_TP_REPLICATED_INPUT_ROWWISE},
+            {&b->norm1_ctx, "norm1_context.linear", 6 * C, C, MDT_TP_REPLICATED_INPUT_ROWWISE},
+            {&b->to_q, "attn.to_q", C, C, MDT_TP_COLWISE},
+            {&b->to_k, "attn.to_k", C, C, MDT_TP_COLWISE},
+            {&b->to_v, "attn.to_v", C, C, MDT_TP_COLWISE},
+            {&b->to_out, "attn.to_out.0", C, C, MDT_TP_ROWWISE},
+            {&b->add_q, "attn.add_q_proj", C, C, MDT_TP_COLWISE},
+            {&b->add_k, "attn.add_k_proj", C, C, MDT_TP_COLWISE},
+            {&b->add_v, "attn.add_v_proj", C, C, MDT_TP_COLWISE},
+            {&b->to_add_out, "attn.to_add_out", C, C, MDT_TP_ROWWISE},
+            {&b->ff0, "ff.net.0.proj", M, C, MDT_TP_COLWISE},
+            {&b->ff2, "ff.net.2", C, M, MDT_TP_ROWWISE},
+            {&b->ffc0, "ff_context.net.0.proj", M, C, MDT_TP_COLWISE},
+            {&b->ffc2, "ff_context.net.2", C, M, MDT_TP_ROWWISE},
+        };
+        for (size_t j = 0; j < sizeof lins / sizeof lins[0]; j++) {
+            snprintf(nm, sizeof nm, "transformer_blocks.%lld.%s", (long long)i, lins[j].sfx);
+            MDT_TRY(add_lin(t, lins[j].l, nm, lins[j].out, lins[j].in, lins[j].st));
+        }
+        const struct {
+            const float **v;
+            const char *sfx;
+        } vecs[] = {{&b->norm_q, "attn.norm_q.weight"},
+                    {&b->norm_k, "attn.norm_k.weight"},
+                    {&b->norm_added_q, "attn.norm_added_q.weight"},
+                    {&b->norm_added_k, "attn.norm_added_k.weight"}};
+        for (size_t j = 0; j < sizeof vecs / sizeof vecs[0]; j++) {
+            snprintf(nm, sizeof nm, "transformer_blocks.%lld.%s", (long long)i, vecs[j].sfx);
+            MDT_TRY(add_vec(t, vecs[j].v, nm, D));
+        }
+    }
+    for (int64_t i = 0; i < f->single_layers; i++) {
+        flux_single *b = &f->sgl[i];
+        const struct {
+            flux_lin *l;
+            const char *sfx;
+            int64_t out, in;
+            mdt_tp_style st;
+        } lins[] = {
+            {&b->norm, "norm.linear", 3 * C, C, MDT_TP_REPLICATED_INPUT_ROWWISE},
+            {&b->to_q, "attn.to_q", C, C, MDT_TP_COLWISE},
+            {&b->to_k, "attn.to_k", C, C, MDT_TP_COLWISE},
+            {&b->to_v, "attn.to_v", C, C, MDT_TP_COLWISE},
+            {&b->proj_mlp, "proj_mlp", M, C, MDT_TP_COLWISE},
+            {&b->proj_out, "proj_out", C, C + M, MDT_TP_PACKED_ROWWISE},
+        };
+        for (size_t j = 0; j < sizeof lins / sizeof lins[0]; j++) {
+            snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.%s", (long long)i,
+                     lins[j].sfx);
+            MDT_TRY(add_lin(t, lins[j].l, nm, lins[j].out, lins[j].in, lins[j].st));
+        }
+        /* proj_out's input is [attn heads | mlp hidden]: two blocks, each sharded on its own */
+        mdt_weight_spec *po = &t->specs[t->n - 2];
+        po->nblocks = 2, po->blocks[0] = C, po->blocks[1] = M;
+        snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.attn.norm_q.weight", (long long)i);
+        MDT_TRY(add_vec(t, &b->norm_q, nm, D));
+        snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.attn.norm_k.weight", (long long)i);
+        MDT_TRY(add_vec(t, &b->norm_k, nm, D));
+    }
+    MDT_TRY(add_lin(t, &f->norm_out, "norm_out.linear", 2 * C, C,
+                    MDT_TP_REPLICATED_INPUT_ROWWISE));
+    MDT_TRY(add_lin(t, &f->proj_out, "proj_out", f->patch * f->patch * f->out_ch, C,
+                    MDT_TP_REPLICATED));
+    return MDT_OK;
+}
+
+/* ---- input validation ---- */
+static mdt_status get_input(const mdt_tensor_set *in, const char *name, int ndim,
+                            const int64_t *shape, mdt_arena *a, float **out) {
+    char s1[96], s2[96];
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    if (!t)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' is missing (Flux needs it)", name);
+    int same = t->ndim == ndim;
+    for (int i = 0; same && i < ndim; i++)
+        same = shape[i] < 0 || t->shape[i] == shape[i];
+    if (!same)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has shape %s, expected %s", name,
+                        mdt_shape_str(t->ndim, t->shape, s1, 96), mdt_shape_str(ndim, shape, s2, 96));
+    if (!mdt_dtype_is_float(t->dtype))
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has dtype %s, expected a float type",
+                        name, mdt_dtype_name(t->dtype));
+    int64_t n = mdt_tensor_numel(t);
+    *out = mdt_arena_floats(a, n);
+    if (!*out)
+        return MDT_E_NOMEM;
+    MDT_TRY(mdt_convert_to_f32(t->dtype, t->data, *out, n));
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite((*out)[i]))
+            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
+                            name, (long long)i);
+    return MDT_OK;
+}
+
+/* The sequence length of an input (dim `dim` of `name`), or -1 when absent. */
+static int64_t input_dim(const mdt_tensor_set *in, const char *name, int dim) {
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    return t && t->ndim > dim ? t->shape[dim] : -1;
+}
+
+/* ---- pieces of the forward ---- */
+
+/* e [B, 256] = [cos(t f), sin(t f)], f_i = exp(-ln(1e4) i / 128), t already x1000 (float32 math
+ * like torch's get_timestep_embedding). */
+static void timestep_proj(const float *t, int64_t B, float *e) {
+    for (int64_t b = 0; b < B; b++)
+        for (int i = 0; i < 128; i++) {
+            float fr = expf(-logf(10000.0f) * (float)i / 128.0f);
+            float arg = t[b] * fr;
+            e[b * 256 + i] = cosf(arg);
+            e[b * 256 + 128 + i] = sinf(arg);
+        }
+}
+
+/* y[M, out] = lin2(SiLU(lin1(x[M, in]))) with scratch h[M, lin1.out] */
+static void mlp2(const flux_lin *l1, const flux_lin *l2, const float *x, int64_t M, float *h,
+                 float *y) {
+    mdt_cpu_linear(x, l1->in, l1->w, l1->b, h, l1->out, M, l1->in, l1->out);
+    mdt_cpu_silu(h, M * l1->out);
+    mdt_cpu_linear(h, l2->in, l2->w, l2->b, y, l2->out, M, l2->in, l2->out);
+}
+
+/* cos/sin [S, D] for ids [S, naxes]: per axis width d, pair j has frequency 1/1e4^(2j/d); each
+ * value repeated for the two channels of its pair. Angles in float64 like diffusers on CPU/CUDA. */
+static void rope_tables(const flux *f, const float *ids, int64_t S, float *cos_t, float *sin_t) {
+    const int64_t D = f->head_dim;
+    for (int64_t s = 0; s < S; s++) {
+        int64_t off = 0;
+        for (int a = 0; a < f->naxes; a++) {
+            int64_t d = f->axes[a];
+            for (int64_t j = 0; j < d / 2; j++) {
+                double fr = 1.0 / pow(10000.0, (double)(2 * j) / (double)d);
+                double ang = (double)ids[s * f->naxes + a] * fr;
+                float c = (float)cos(ang), sn = (float)sin(ang);
+                cos_t[s * D + off + 2 * j] = cos_t[s * D + off + 2 * j + 1] = c;
+                sin_t[s * D + off + 2 * j] = sin_t[s * D + off + 2 * j + 1] = sn;
+            }
+            off += d;
+        }
+    }
+}
+
+typedef struct flux_act {
+    int64_t B, Si, St, S;
+    const float *silu_temb; /* [B, C] */
+    const float *cos_t, *sin_t; /* [S, D], text rows first */
+    float *q, *k, *v;       /* [B, H, S, D] head-major */
+    float *ws;              /* attention scratch */
+} flux_act;
+
+/* Projects rows of `src` [B, n, C] into head-major q/k/v at sequence offset s0 (per batch),
+ * applying the per-head RMSNorm to q and k and RoPE (rows s0.. of the tables) to both. */
+static void project_qkv(const flux *f, const flux_act *A, const float *src, int64_t n, int64_t s0,
+                        const flux_lin *lq, const flux_lin *lk, const flux_lin *lv,
+                        const float *nq, const float *nk, float *tmp) {
+    const int64_t C = f->inner, H = f->heads, D = f->head_dim, S = A->S;
+    const flux_lin *lins[3] = {lq, lk, lv};
+    float *dst[3] = {A->q, A->k, A->v};
+    const float *norms[3] = {nq, nk, NULL};
+    for (int j = 0; j < 3; j++) {
+        mdt_cpu_linear(src, C, lins[j]->w, lins[j]->b, tmp, C, A->B * n, C, C); // [B*n, C]
+        for (int64_t b = 0; b < A->B; b++)
+            mdt_cpu_heads_prepare(tmp + b * n * C, C, n, H, D, norms[j], k_eps,
+                                  j < 2 ? A->cos_t + s0 * D : NULL,
+                                  j < 2 ? A->sin_t + s0 * D : NULL, dst[j] + b * H * S * D, S,
+                                  s0); // [H, S, D] rows s0..s0+n
+    }
+}
+
+/* Joint attention over all S rows; out [B, S, ld] token-major, heads at columns [0, C). */
+static void attend(const flux *f, const flux_act *A, float *out, int64_t ld) {
+    const int64_t H = f->heads, D = f->head_dim, S = A->S;
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int64_t b = 0; b < A->B; b++)
+        mdt_cpu_attention(A->q + b * H * S * D, A->k + b * H * S * D, A->v + b * H * S * D,
+                          out + b * S * ld, ld, NULL, H, S, S, S, D, scale, A->ws); // [S, H*D]
+}
+
+/* x [B, n, C] += gate * FF(LN(x) * (1 + scale) + shift), the mlp half of a double block. */
+static void ff_residual(const flux *f, const flux_act *A, float *x, int64_t n, const float *mod,
+                        const flux_lin *l0, const flux_lin *l2, float *nbuf, float *hbuf,
+                        float *ybuf) {
+    const int64_t C = f->inner, B = A->B;
+    for (int64_t b = 0; b < B; b++)
+        mdt_cpu_layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
+                                   mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
+    mdt_cpu_linear(nbuf, C, l0->w, l0->b, hbuf, l0->out, B * n, C, l0->out); // [B*n, 4C]
+    mdt_cpu_gelu_tanh(hbuf, B * n * l0->out);
+    mdt_cpu_linear(hbuf, l0->out, l2->w, l2->b, ybuf, C, B * n, l2->in, C); // [B*n, C]
+    for (int64_t b = 0; b < B; b++)
+        mdt_cpu_gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
+}
+
+static mdt_status double_block(const flux *f, const flux_double *blk, const flux_act *A, float *x,
+                               float *c, mdt_arena *ar) {
+    const int64_t C = f->inner, B = A->B, Si = A->Si, St = A->St, S = A->S;
+    float *mod = mdt_arena_floats(ar, B * 6 * C);      // [B, 6C] image modulation
+    float *cmod = mdt_arena_floats(ar, B * 6 * C);     // [B, 6C] text modulation
+    float *nx = mdt_arena_floats(ar, B * Si * C);      // [B, Si, C]
+    float *nc = mdt_arena_floats(ar, B * St * C);      // [B, St, C]
+    float *tmp = mdt_arena_floats(ar, B * S * C);      // [B*max(Si,St), C] projection scratch
+    float *ao = mdt_arena_floats(ar, B * S * C);       // [B, S, C] attention output
+    float *hb = mdt_arena_floats(ar, B * S * f->mlp_hidden); // [B*n, 4C]
+    if (!mod || !cmod || !nx || !nc || !tmp || !ao || !hb)
+        return MDT_E_NOMEM;
+    mdt_cpu_linear(A->silu_temb, C, blk->norm1.w, blk->norm1.b, mod, 6 * C, B, C, 6 * C);
+    mdt_cpu_linear(A->silu_temb, C, blk->norm1_ctx.w, blk->norm1_ctx.b, cmod, 6 * C, B, C, 6 * C);
+    for (int64_t b = 0; b < B; b++) {
+        mdt_cpu_layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, k_eps, mod + b * 6 * C,
+                                   mod + b * 6 * C + C); // [Si, C]
+        mdt_cpu_layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, k_eps,
+                                   cmod + b * 6 * C, cmod + b * 6 * C + C); // [St, C]
+    }
+    /* joint sequence: text rows [0, St), image rows [St, S) */
+    project_qkv(f, A, nc, St, 0, &blk->add_q, &blk->add_k, &blk->add_v, blk->norm_added_q,
+                blk->norm_added_k, tmp);
+    project_qkv(f, A, nx, Si, St, &blk->to_q, &blk->to_k, &blk->to_v, blk->norm_q, blk->norm_k,
+                tmp);
+    attend(f, A, ao, C); // [B, S, C]
+    for (int64_t b = 0; b < B; b++) {
+        mdt_cpu_linear(ao + (b * S + St) * C, C, blk->to_out.w, blk->to_out.b, tmp, C, Si, C,
+                       C); // [Si, C]
+        mdt_cpu_gate_residual(x + b * Si * C, tmp, C, mod + b * 6 * C + 2 * C, Si, C);
+        mdt_cpu_linear(ao + b * S * C, C, blk->to_add_out.w, blk->to_add_out.b, tmp, C, St, C,
+                       C); // [St, C]
+        mdt_cpu_gate_residual(c + b * St * C, tmp, C, cmod + b * 6 * C + 2 * C, St, C);
+    }
+    ff_residual(f, A, x, Si, mod, &blk->ff0, &blk->ff2, nx, hb, tmp);
+    ff_residual(f, A, c, St, cmod, &blk->ffc0, &blk->ffc2, nc, hb, tmp);
+    return MDT_OK;
+}
+
+/* h [B, S, C] += gate * proj_out([attn(n) | GELU(proj_mlp(n))]), n = LN(h)(1+scale)+shift */
+static mdt_status single_block(const flux *f, const flux_single *blk, const flux_act *A, float *h,
+                               mdt_arena *ar) {
+    const int64_t C = f->inner, M = f->mlp_hidden, B = A->B, S = A->S, W = C + M;
+    float *mod = mdt_arena_floats(ar, B * 3 * C); // [B, 3C] shift, scale, gate
+    float *n = mdt_arena_floats(ar, B * S * C);   // [B, S, C]
+    float *cat = mdt_arena_floats(ar, B * S * W); // [B, S, C + 4C] = [attn | mlp]
+    float *tmp = mdt_arena_floats(ar, B * S * C); // [B*S, C]
+    if (!mod || !n || !cat || !tmp)
+        return MDT_E_NOMEM;
+    mdt_cpu_linear(A->silu_temb, C, blk->norm.w, blk->norm.b, mod, 3 * C, B, C, 3 * C);
+    for (int64_t b = 0; b < B; b++)
+        mdt_cpu_layernorm_modulate(h + b * S * C, n + b * S * C, S, C, k_eps, mod + b * 3 * C,
+                                   mod + b * 3 * C + C); // [S, C]
+    mdt_cpu_linear(n, C, blk->proj_mlp.w, blk->proj_mlp.b, cat + C, W, B * S, C, M); // [B*S, M]
+    for (int64_t r = 0; r < B * S; r++)
+        mdt_cpu_gelu_tanh(cat + r * W + C, M);
+    project_qkv(f, A, n, S, 0, &blk->to_q, &blk->to_k, &blk->to_v, blk->norm_q, blk->norm_k, tmp);
+    attend(f, A, cat, W); // columns [0, C) of cat
+    mdt_cpu_linear(cat, W, blk->proj_out.w, blk->proj_out.b, tmp, C, B * S, W, C); // [B*S, C]
+    for (int64_t b = 0; b < B; b++)
+        mdt_cpu_gate_residual(h + b * S * C, tmp + b * S * C, C, mod + b * 3 * C + 2 * C, S, C);
+    return MDT_OK;
+}
+
+static mdt_status flux_forward(void *impl, mdt_arena *ar, const mdt_tensor_set *in,
+                               mdt_tensor_set *out) {
+    const flux *f = impl;
+    const int64_t C = f->inner, D = f->head_dim, H = f->heads;
+    flux_act A = {0};
+    A.B = input_dim(in, "hidden_states", 0);
+    A.Si = input_dim(in, "hidden_states", 1);
+    A.St = input_dim(in, "encoder_hidden_states", 1);
+    if (A.B < 1 || A.Si < 1)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: 'hidden_states' must be [B, S_img, %lld] with "
+                                       "B, S_img >= 1",
+                        (long long)f->in_ch);
+    if (A.St < 1)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] "
+                                       "with S_txt >= 1",
+                        (long long)f->joint_dim);
+    const int64_t B = A.B, Si = A.Si, St = A.St, S = Si + St;
+    A.S = S;
+    float *hs, *ehs, *pooled, *ts, *img_ids, *txt_ids, *g = NULL;
+    MDT_TRY(get_input(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, ar, &hs));
+    MDT_TRY(get_input(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, ar, &ehs));
+    MDT_TRY(get_input(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ar, &pooled));
+    MDT_TRY(get_input(in, "timestep", 1, (int64_t[]){B}, ar, &ts));
+    /* diffusers accepts 3-D ids (deprecated) and uses batch 0; so do we */
+    int img3 = input_dim(in, "img_ids", 2) >= 0, txt3 = input_dim(in, "txt_ids", 2) >= 0;
+    MDT_TRY(get_input(in, "img_ids", img3 ? 3 : 2,
+                      img3 ? (int64_t[]){-1, Si, f->naxes} : (int64_t[]){Si, f->naxes}, ar,
+                      &img_ids));
+    MDT_TRY(get_input(in, "txt_ids", txt3 ? 3 : 2,
+                      txt3 ? (int64_t[]){-1, St, f->naxes} : (int64_t[]){St, f->naxes}, ar,
+                      &txt_ids));
+    if (f->guidance)
+        MDT_TRY(get_input(in, "guidance", 1, (int64_t[]){B}, ar, &g));
+
+    /* conditioning: temb [B, C] = time(t) (+ guidance(g)) + text(pooled) */
+    float *e256 = mdt_arena_floats(ar, B * 256);       // [B, 256]
+    float *hsc = mdt_arena_floats(ar, B * C);          // [B, C] scratch
+    float *temb = mdt_arena_floats(ar, B * C);         // [B, C]
+    float *tmp = mdt_arena_floats(ar, B * C);          // [B, C]
+    float *ids = mdt_arena_floats(ar, S * f->naxes);   // [S, axes] text first
+    float *cos_t = mdt_arena_floats(ar, S * D);        // [S, D]
+    float *sin_t = mdt_arena_floats(ar, S * D);        // [S, D]
+    float *x = mdt_arena_floats(ar, B * Si * C);       // [B, Si, C]
+    float *c = mdt_arena_floats(ar, B * St * C);       // [B, St, C]
+    A.q = mdt_arena_floats(ar, B * H * S * D);         // [B, H, S, D]
+    A.k = mdt_arena_floats(ar, B * H * S * D);         // [B, H, S, D]
+    A.v = mdt_arena_floats(ar, B * H * S * D);         // [B, H, S, D]
+    A.ws = mdt_arena_floats(ar, mdt_cpu_attention_ws_floats(D));
+    if (!e256 || !hsc || !temb || !tmp || !ids || !cos_t || !sin_t || !x || !c || !A.q || !A.k ||
+        !A.v || !A.ws)
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < B; b++)
+        ts[b] = ts[b] * 1000.0f;
+    timestep_proj(ts, B, e256);
+    mlp2(&f->t_lin1, &f->t_lin2, e256, B, hsc, temb); // [B, C]
+    if (f->guidance) {
+        for (int64_t b = 0; b < B; b++)
+            g[b] = g[b] * 1000.0f;
+        timestep_proj(g, B, e256);
+        mlp2(&f->g_lin1, &f->g_lin2, e256, B, hsc, tmp); // [B, C]
+        for (int64_t i = 0; i < B * C; i++)
+            temb[i] += tmp[i];
+    }
+    mlp2(&f->p_lin1, &f->p_lin2, pooled, B, hsc, tmp); // [B, C]
+    for (int64_t i = 0; i < B * C; i++)
+        temb[i] += tmp[i];
+    memcpy(hsc, temb, sizeof(float) * (size_t)(B * C));
+    mdt_cpu_silu(hsc, B * C); // [B, C] SiLU(temb), the input of every AdaLN projection
+    A.silu_temb = hsc;
+
+    memcpy(ids, txt_ids, sizeof(float) * (size_t)(St * f->naxes));
+    memcpy(ids + St * f->naxes, img_ids, sizeof(float) * (size_t)(Si * f->naxes));
+    rope_tables(f, ids, S, cos_t, sin_t); // [S, D]
+    A.cos_t = cos_t, A.sin_t = sin_t;
+
+    mdt_cpu_linear(hs, f->in_ch, f->x_emb.w, f->x_emb.b, x, C, B * Si, f->in_ch, C); // [B,Si,C]
+    mdt_cpu_linear(ehs, f->joint_dim, f->ctx_emb.w, f->ctx_emb.b, c, C, B * St, f->joint_dim,
+                   C); // [B, St, C]
+
+    for (int64_t i = 0; i < f->layers; i++)
+        MDT_TRY(double_block(f, &f->dbl[i], &A, x, c, ar));
+
+    float *h = mdt_arena_floats(ar, B * S * C); // [B, S, C] = cat(c, x) per batch
+    if (!h)
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < B; b++) {
+        memcpy(h + b * S * C, c + b * St * C, sizeof(float) * (size_t)(St * C));
+        memcpy(h + (b * S + St) * C, x + b * Si * C, sizeof(float) * (size_t)(Si * C));
+    }
+    for (int64_t i = 0; i < f->single_layers; i++)
+        MDT_TRY(single_block(f, &f->sgl[i], &A, h, ar));
+
+    /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */
+    float *emb = mdt_arena_floats(ar, B * 2 * C); // [B, 2C]
+    float *xn = mdt_arena_floats(ar, B * Si * C); // [B, Si, C]
+    if (!emb || !xn)
+        return MDT_E_NOMEM;
+    mdt_cpu_linear(A.silu_temb, C, f->norm_out.w, f->norm_out.b, emb, 2 * C, B, C, 2 * C);
+    for (int64_t b = 0; b < B; b++)
+        mdt_cpu_layernorm_modulate(h + (b * S + St) * C, xn + b * Si * C, Si, C, k_eps,
+                                   emb + b * 2 * C + C, emb + b * 2 * C); // [Si, C]
+    const int64_t O = f->proj_out.out;
+    mdt_tensor *o;
+    MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Si, O}, &o));
+    mdt_cpu_linear(xn, C, f->proj_out.w, f->proj_out.b, o->data, O, B * Si, C, O); // [B, Si, O]
+    return MDT_OK;
+}
+
+/* ---- random inputs ---- */
+static mdt_status add_normal(mdt_tensor_set *out, const char *name, int ndim, const int64_t *shape,
+                             mdt_rng *rng) {
+    mdt_tensor *t;
+    MDT_TRY(mdt_tensor_set_add(out, name, MDT_F32, ndim, shape, &t));
+    float *d = t->data;
+    for (int64_t i = 0; i < mdt_tensor_numel(t); i++)
+        d[i] = (float)mdt_rng_normal(rng);
+    return MDT_OK;
+}
+
+static mdt_status flux_make_inputs(const void *impl, const mdt_inputs_params *p,
+                                   mdt_tensor_set *out) {
+    const flux *f = impl;
+    mdt_rng rng;
+    mdt_tensor *t;
+    const int64_t B = p->batch > 0 ? p->batch : 1;
+    const int64_t Si = p->img_tokens > 0 ? p->img_tokens : 16;
+    const int64_t St = p->txt_tokens > 0 ? p->txt_tokens : 8;
+    mdt_rng_seed(&rng, p->seed);
+    MDT_TRY(add_normal(out, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, &rng));
+    MDT_TRY(add_normal(out, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, &rng));
+    MDT_TRY(add_normal(out, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, &rng));
+    MDT_TRY(mdt_tensor_set_add(out, "timestep", MDT_F32, 1, (int64_t[]){B}, &t));
+    for (int64_t b = 0; b < B; b++)
+        ((float *)t->data)[b] = (float)p->timestep;
+    /* image ids: the latent grid (0, row, col) of a near-square layout, as Flux pipelines build */
+    int64_t w = (int64_t)ceil(sqrt((double)Si));
+    MDT_TRY(mdt_tensor_set_add(out, "img_ids", MDT_F32, 2, (int64_t[]){Si, f->naxes}, &t));
+    for (int64_t s = 0; s < Si; s++)
+        for (int a = 0; a < f->naxes; a++)
+            ((float *)t->data)[s * f->naxes + a] = a == 1 ? (float)(s / w) : a == 2 ? (float)(s % w)
+                                                                                    : 0.0f;
+    MDT_TRY(mdt_tensor_set_add(out, "txt_ids", MDT_F32, 2, (int64_t[]){St, f->naxes}, &t));
+    if (f->guidance) {
+        MDT_TRY(mdt_tensor_set_add(out, "guidance", MDT_F32, 1, (int64_t[]){B}, &t));
+        for (int64_t b = 0; b < B; b++)
+            ((float *)t->data)[b] = (float)p->guidance;
+    }
+    return MDT_OK;
+}
+
+static const char *flux_preset(const char *name) {
+    if (strcmp(name, "tiny") == 0) /* diffusers' own test config */
+        return "{\n  \"_class_name\": \"FluxTransformer2DModel\",\n  \"patch_size\": 1,\n"
+               "  \"in_channels\": 4,\n  \"out_channels\": null,\n  \"num_layers\": 1,\n"
+               "  \"num_single_layers\": 1,\n  \"attention_head_dim\": 16,\n"
+               "  \"num_attention_heads\": 2,\n  \"joint_attention_dim\": 32,\n"
+               "  \"pooled_projection_dim\": 32,\n  \"guidance_embeds\": false,\n"
+               "  \"axes_dims_rope\": [4, 4, 8]\n}\n";
+    if (strcmp(name, "medium") == 0) /* the benchmark shape: inner 1024, 8 heads, 2 + 4 blocks */
+        return "{\n  \"_class_name\": \"FluxTransformer2DModel\",\n  \"patch_size\": 1,\n"
+               "  \"in_channels\": 64,\n  \"out_channels\": null,\n  \"num_layers\": 2,\n"
+               "  \"num_single_layers\": 4,\n  \"attention_head_dim\": 128,\n"
+               "  \"num_attention_heads\": 8,\n  \"joint_attention_dim\": 4096,\n"
+               "  \"pooled_projection_dim\": 768,\n  \"guidance_embeds\": true,\n"
+               "  \"axes_dims_rope\": [16, 56, 56]\n}\n";
+    if (strcmp(name, "narrow") == 0) /* long-sequence memory checks: 1 head of 16, 1 + 1 blocks */
+        return "{\n  \"_class_name\": \"FluxTransformer2DModel\",\n  \"patch_size\": 1,\n"
+               "  \"in_channels\": 4,\n  \"out_channels\": null,\n  \"num_layers\": 1,\n"
+               "  \"num_single_layers\": 1,\n  \"attention_head_dim\": 16,\n"
+               "  \"num_attention_heads\": 1,\n  \"joint_attention_dim\": 8,\n"
+               "  \"pooled_projection_dim\": 8,\n  \"guidance_embeds\": false,\n"
+               "  \"axes_dims_rope\": [4, 4, 8]\n}\n";
+    return NULL;
+}
+
+const mdt_family mdt_family_flux = {
+    .name = "flux",
+    .class_name = "FluxTransformer2DModel",
+    .impl_size = sizeof(flux),
+    .configure = flux_configure,
+    .forward = flux_forward,
+    .make_inputs = flux_make_inputs,
+    .preset = flux_preset,
+    .cp_plan = &k_flux_cp_plan,
+    .latent_input = "hidden_states",
+    .timestep_input = "timestep",
+    .output = "sample",
+};

@@ -1,0 +1,78 @@
+/*
+ * model.h — what a model family provides and what the generic loader does with it.
+ *
+ * A family is data plus functions: it parses config.json into its own config, appends its
+ * weight table (name, full shape, TP style, bind target) and names its CP plan; the generic code
+ * (loader, gen, inspect, report) only reads those tables. Adding a model never touches the loader.
+ * Weights live in one buffer per rank; activations in a per-model arena reset each forward.
+ */
+#ifndef MDT_MODEL_H
+#define MDT_MODEL_H
+
+#include "io/checkpoint.h"
+#include "parallel/plan.h"
+
+typedef struct mdt_wtable {
+    int n, cap;
+    mdt_weight_spec *specs;
+    const float ***bind; /* bind[i]: where the loader stores the pointer to tensor i's data */
+    int *required;       /* 0 for tensors a config may omit (none in Flux) */
+} mdt_wtable;
+
+/* Appends a tensor of rank 1 or 2 (shape[1] ignored for rank 1). */
+mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0, int64_t d1,
+                          mdt_tp_style style, const float **bind);
+void mdt_wtable_free(mdt_wtable *t);
+
+/* Parameters of `meshdit inputs`; a family reads the fields it understands. */
+typedef struct mdt_inputs_params {
+    uint64_t seed;
+    int64_t batch;
+    int64_t img_tokens, txt_tokens;
+    double timestep, guidance;
+} mdt_inputs_params;
+
+typedef struct mdt_family {
+    const char *name;       /* "flux" */
+    const char *class_name; /* diffusers _class_name */
+    size_t impl_size;       /* bytes of the family's private state (zeroed) */
+    /* Parses `config` into impl and appends the weight table. */
+    mdt_status (*configure)(void *impl, const cJSON *config, mdt_wtable *t);
+    /* One forward on this rank; allocates activations from `arena` only. */
+    mdt_status (*forward)(void *impl, mdt_arena *arena, const mdt_tensor_set *in,
+                          mdt_tensor_set *out);
+    /* Random inputs for `meshdit inputs`. */
+    mdt_status (*make_inputs)(const void *impl, const mdt_inputs_params *p, mdt_tensor_set *out);
+    /* config.json text of a named preset ("tiny", "medium"), or NULL. */
+    const char *(*preset)(const char *name);
+    const mdt_cp_plan *cp_plan;
+    const char *latent_input;   /* input the sampler integrates (Flux: hidden_states) */
+    const char *timestep_input; /* input the sampler sets to sigma (Flux: timestep) */
+    const char *output;         /* forward output (Flux: sample) */
+} mdt_family;
+
+/* The family named in config.json (`_class_name`), or by name ("flux"). */
+mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out);
+const mdt_family *mdt_family_by_name(const char *name);
+
+struct mdt_model {
+    const mdt_family *fam;
+    void *impl;
+    cJSON *config;
+    mdt_wtable table;
+    float *weights;       /* one buffer for every resident tensor, f32 */
+    int64_t weight_bytes; /* resident weight bytes on this rank */
+    mdt_arena arena;
+};
+
+/* Creates a model from a config only (no weights; used by gen and inspect). */
+mdt_status mdt_model_describe(const cJSON *config, mdt_model **out);
+
+/* Writes a random-weight checkpoint in diffusers layout into `dir` (created if absent):
+ * config.json (the given text), weights as one file or `shards` files plus an index, stored in
+ * `dtype` (F32, BF16 or F16). Values: weights N(0, 1/in), biases N(0, 0.02^2), norm weights
+ * 1 + N(0, 0.1^2), from `seed`. */
+mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype, int shards,
+                         const char *dir);
+
+#endif /* MDT_MODEL_H */

@@ -1,0 +1,64 @@
+/*
+ * plan.h — parallel plans as data, and the pure shard maths that turns them into slices.
+ *
+ * A model's weight table lists, per checkpoint tensor, its full shape and TP style; its CP plan
+ * lists which inputs split on the sequence and which outputs gather. The functions here map
+ * (style, degree T, coordinate k) to local shapes and index ranges, and (length S, degree P,
+ * chunk c) to sequence chunks. No MPI and no I/O: testable by looping over coordinates.
+ */
+#ifndef MDT_PLAN_H
+#define MDT_PLAN_H
+
+#include "core/core.h"
+
+typedef enum mdt_tp_style {
+    MDT_TP_REPLICATED = 0,          /* every rank holds the whole tensor */
+    MDT_TP_COLWISE,                 /* shard dim 0 (output features; a colwise bias too) */
+    MDT_TP_ROWWISE,                 /* shard dim 1 (input features); all-reduce, bias once */
+    MDT_TP_PACKED_COLWISE,          /* dim 0 holds blocks; shard each block */
+    MDT_TP_PACKED_ROWWISE,          /* dim 1 holds blocks; shard each block */
+    MDT_TP_REPLICATED_INPUT_ROWWISE /* rowwise on a replicated input the rank slices itself */
+} mdt_tp_style;
+
+const char *mdt_tp_style_name(mdt_tp_style s);
+
+#define MDT_MAX_BLOCKS 8
+#define MDT_NAME_MAX 160
+
+typedef struct mdt_weight_spec {
+    char name[MDT_NAME_MAX];
+    int ndim;
+    int64_t shape[2];
+    mdt_tp_style style;
+    int nblocks;                    /* packed styles: blocks along the shard dim */
+    int64_t blocks[MDT_MAX_BLOCKS]; /* absolute block sizes, summing to the shard dim */
+} mdt_weight_spec;
+
+/* Dimension a style shards (0 or 1), or -1 for replicated. */
+int mdt_tp_shard_dim(mdt_tp_style s);
+
+/* Ranges along the shard dim that coordinate k of T owns: per block b of size s_b at offset o_b,
+ * [o_b + k s_b/T, o_b + (k+1) s_b/T). `starts`/`lens` hold MDT_MAX_BLOCKS entries; `*n` gets the
+ * count (1 for replicated: the whole dim 0). MDT_E_INVALID (naming the tensor and the numbers)
+ * if a block is not divisible by T or k is out of range. */
+mdt_status mdt_shard_ranges(const mdt_weight_spec *w, int T, int k, int64_t *starts, int64_t *lens,
+                            int *n);
+/* Local shape of w on a rank of a degree-T group (same on every coordinate). */
+mdt_status mdt_shard_local_shape(const mdt_weight_spec *w, int T, int64_t local[2]);
+
+/* Sequence chunk c of P over length S: the first S mod P chunks get one extra row. */
+void mdt_split_range(int64_t S, int P, int c, int64_t *start, int64_t *len);
+
+/* A model's CP plan: inputs split on entry (name, dim), outputs gathered on exit. */
+typedef struct mdt_cp_split {
+    const char *input;
+    int dim;
+} mdt_cp_split;
+typedef struct mdt_cp_plan {
+    int nsplit;
+    mdt_cp_split split[8];
+    int ngather;
+    mdt_cp_split gather[4];
+} mdt_cp_plan;
+
+#endif /* MDT_PLAN_H */
