@@ -109,9 +109,9 @@ mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out);
 void mdt_model_free(mdt_model *m);
 
 /* Runs one forward. `inputs` uses the reference implementation's argument names (e.g. Flux:
- * hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids[, guidance]).
- * Adds the outputs (Flux: "sample") to `outputs` (created by the caller).
- * Errors: MDT_E_INVALID naming the tensor and the expectation for a bad input. */
+ * hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids[,
+ * guidance]). Adds the outputs (Flux: "sample") to `outputs` (created by the caller). Errors:
+ * MDT_E_INVALID naming the tensor and the expectation for a bad input. */
 mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_tensor_set *outputs);
 
 /* Model family name ("flux"). */

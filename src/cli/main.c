@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 static int g_rank = 0, g_world = 1;
 
@@ -35,8 +36,8 @@ static void usage(FILE *fp) {
 static int fail_exit(mdt_status st) {
     if (g_rank == 0) {
         if (getenv("MESHDIT_DEBUG"))
-            fprintf(stderr, "meshdit: error: %s [%s, %s]\n", mdt_last_error(),
-                    mdt_status_str(st), mdt_last_error_where());
+            fprintf(stderr, "meshdit: error: %s [%s, %s]\n", mdt_last_error(), mdt_status_str(st),
+                    mdt_last_error_where());
         else
             fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
     }
@@ -203,8 +204,8 @@ static int cmd_inputs(int argc, char **argv) {
         (rc = opt_int(&o, "img-tokens", 16, 1, 1 << 24, &img)) ||
         (rc = opt_int(&o, "txt-tokens", 8, 1, 1 << 24, &txt)) ||
         (rc = opt_int(&o, "batch", 1, 1, 4096, &batch)) ||
-        (rc = opt_double(&o, "timestep", 1.0, &t)) ||
-        (rc = opt_double(&o, "guidance", 3.5, &g)) || (rc = opts_check_unused(&o)))
+        (rc = opt_double(&o, "timestep", 1.0, &t)) || (rc = opt_double(&o, "guidance", 3.5, &g)) ||
+        (rc = opts_check_unused(&o)))
         return rc;
     if (!ck || !out)
         return usage_exit("inputs needs --checkpoint DIR and --out FILE%s", "");
@@ -310,7 +311,8 @@ static int cmd_run(int argc, char **argv) {
     const char *out = opt_str(&o, "out", NULL), *report = opt_str(&o, "report", NULL);
     const char *order = opt_str(&o, "mesh-order", "tp,ring,ulysses");
     int quiet = opt_str(&o, "quiet", NULL) != NULL;
-    if ((rc = opt_int(&o, "tp", 1, 1, 4096, &tp)) || (rc = opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
+    if ((rc = opt_int(&o, "tp", 1, 1, 4096, &tp)) ||
+        (rc = opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
         (rc = opt_int(&o, "ulysses", 1, 1, 4096, &uly)) ||
         (rc = opt_int(&o, "steps", 0, 0, 100000, &steps)) ||
         (rc = opt_int(&o, "repeat", 1, 1, 100000, &repeat)) || (rc = opts_check_unused(&o)))
@@ -320,12 +322,12 @@ static int cmd_run(int argc, char **argv) {
     if (strcmp(order, "tp,ring,ulysses") != 0 && strcmp(order, "ring,ulysses,tp") != 0 &&
         strcmp(order, "tp,ulysses,ring") != 0 && strcmp(order, "ring,tp,ulysses") != 0 &&
         strcmp(order, "ulysses,tp,ring") != 0 && strcmp(order, "ulysses,ring,tp") != 0)
-        return usage_exit("--mesh-order must be a permutation of tp,ring,ulysses, got '%s'",
-                          order);
+        return usage_exit("--mesh-order must be a permutation of tp,ring,ulysses, got '%s'", order);
     if (tp * ring * uly != g_world) {
-        MDT_FAIL(MDT_E_INVALID, "layout tp=%lld x ring=%lld x ulysses=%lld needs %lld ranks, but "
-                                "%d were launched",
-                 tp, ring, uly, tp * ring * uly, g_world);
+        (void)MDT_FAIL(MDT_E_INVALID,
+                       "layout tp=%lld x ring=%lld x ulysses=%lld needs %lld ranks, but "
+                       "%d were launched",
+                       tp, ring, uly, tp * ring * uly, g_world);
         return fail_exit(MDT_E_INVALID);
     }
     mdt_load_params lp = mdt_load_params_default();
@@ -336,6 +338,8 @@ static int cmd_run(int argc, char **argv) {
     double t0 = mdt_now();
     st = mdt_model_load(&lp, &m);
     double load_s = mdt_now() - t0;
+    const int64_t load_bytes = mdt_counters_get()->bytes_read;
+    const int progress = !quiet && g_rank == 0 && steps > 0 && isatty(STDERR_FILENO);
     if (st == MDT_OK)
         st = mdt_tensor_set_load(inp, &in);
     if (st != MDT_OK)
@@ -375,13 +379,15 @@ static int cmd_run(int argc, char **argv) {
         st = mdt_model_forward(m, in, res);
         times[i] = mdt_now() - ts;
         per = *mdt_counters_get();
+        per.bytes_read = load_bytes;
         if (st != MDT_OK)
             break;
         if (lat) {
             mdt_tensor *v = mdt_tensor_set_get(res, fam->output);
             if (!v || mdt_tensor_numel(v) != mdt_tensor_numel(lat)) {
-                st = MDT_FAIL(MDT_E_INVALID, "the model output '%s' does not match the shape of "
-                                             "'%s'; cannot sample",
+                st = MDT_FAIL(MDT_E_INVALID,
+                              "the model output '%s' does not match the shape of "
+                              "'%s'; cannot sample",
                               fam->output, fam->latent_input);
                 break;
             }
@@ -390,10 +396,10 @@ static int cmd_run(int argc, char **argv) {
             for (int64_t j = 0; j < mdt_tensor_numel(lat); j++)
                 x[j] += (float)(sig_next - sig) * vv[j];
         }
-        if (!quiet && g_rank == 0 && steps > 0)
+        if (progress)
             fprintf(stderr, "\rstep %d/%d  %.3f s", i + 1, nsteps, times[i]);
     }
-    if (!quiet && g_rank == 0 && steps > 0)
+    if (progress)
         fprintf(stderr, "\n");
     if (st == MDT_OK && lat) {
         /* the sampler's result is the final latent, under the model's output name */
@@ -413,8 +419,8 @@ static int cmd_run(int argc, char **argv) {
         char wb[32], pb[32];
         fmt_bytes((double)m->weight_bytes, wb, sizeof wb);
         fmt_bytes((double)mdt_mem_peak(), pb, sizeof pb);
-        double tot = per.flops[MDT_FLOP_LINEAR] + per.flops[MDT_FLOP_ATTN] +
-                     per.flops[MDT_FLOP_OTHER];
+        double tot =
+            per.flops[MDT_FLOP_LINEAR] + per.flops[MDT_FLOP_ATTN] + per.flops[MDT_FLOP_OTHER];
         printf("plan: model %s, world %d, tp %lld x ring %lld x ulysses %lld (mesh %s)\n",
                fam->name, g_world, tp, ring, uly, order);
         printf("rank 0: weights %s resident, peak memory %s, checkpoint bytes read %lld\n", wb, pb,
@@ -513,7 +519,8 @@ static int cmd_inspect(int argc, char **argv) {
     if (rc)
         return rc;
     const char *ck = opt_str(&o, "checkpoint", NULL), *cfgp = opt_str(&o, "config", NULL);
-    if ((rc = opt_int(&o, "tp", 1, 1, 4096, &tp)) || (rc = opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
+    if ((rc = opt_int(&o, "tp", 1, 1, 4096, &tp)) ||
+        (rc = opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
         (rc = opt_int(&o, "ulysses", 1, 1, 4096, &uly)) || (rc = opts_check_unused(&o)))
         return rc;
     if (!!ck == !!cfgp)
@@ -541,7 +548,7 @@ static int cmd_inspect(int argc, char **argv) {
         const mdt_ckpt_ref *ref;
         if (c)
             stored = mdt_ckpt_find(c, w->name, &ref) == MDT_OK ? mdt_dtype_name(ref->entry->dtype)
-                                                              : "MISSING";
+                                                               : "MISSING";
         total += (double)w->shape[0] * (w->ndim > 1 ? (double)w->shape[1] : 1.0);
         local_total += (double)loc[0] * (w->ndim > 1 ? (double)loc[1] : 1.0);
         printf("%-64s %-14s %-26s %-14s %s\n", w->name, mdt_shape_str(w->ndim, w->shape, s1, 64),

@@ -33,14 +33,13 @@ const char *mdt_last_error(void) { return tl_msg; }
 const char *mdt_last_error_where(void) { return tl_where; }
 void mdt_error_clear(void) { tl_msg[0] = 0, tl_where[0] = 0; }
 
-mdt_status mdt_fail_at(mdt_status code, const char *file, int line, const char *fmt, ...) {
+void mdt_fail_at(const char *file, int line, const char *fmt, ...) {
     const char *base = strrchr(file, '/');
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(tl_msg, sizeof tl_msg, fmt, ap);
     va_end(ap);
     snprintf(tl_where, sizeof tl_where, "%s:%d", base ? base + 1 : file, line);
-    return code;
 }
 
 mdt_status mdt_fail_prefix(mdt_status code, const char *fmt, ...) {
@@ -83,12 +82,11 @@ void *mdt_alloc(size_t nbytes) {
     if (nbytes > (size_t)INT64_MAX - HDR || posix_memalign(&raw, HDR, nbytes + HDR) != 0)
         return NULL;
     *(int64_t *)raw = (int64_t)nbytes;
-    int64_t live = atomic_fetch_add_explicit(&g_live, (int64_t)nbytes, memory_order_relaxed) +
-                   (int64_t)nbytes;
+    int64_t live =
+        atomic_fetch_add_explicit(&g_live, (int64_t)nbytes, memory_order_relaxed) + (int64_t)nbytes;
     int64_t peak = atomic_load_explicit(&g_peak, memory_order_relaxed);
-    while (live > peak &&
-           !atomic_compare_exchange_weak_explicit(&g_peak, &peak, live, memory_order_relaxed,
-                                                  memory_order_relaxed)) {
+    while (live > peak && !atomic_compare_exchange_weak_explicit(
+                              &g_peak, &peak, live, memory_order_relaxed, memory_order_relaxed)) {
     }
     atomic_fetch_add_explicit(&g_count, 1, memory_order_relaxed);
     return (char *)raw + HDR;
@@ -142,10 +140,10 @@ float *mdt_arena_floats(mdt_arena *a, int64_t n) {
     while (last && last->next)
         last = last->next;
     if (!last || a->used_in_last + need > last->cap) {
-        size_t cap = need > ((size_t)1 << 24) ? need : ((size_t)1 << 24);
+        size_t cap = need > ((size_t)1 << 20) ? need : ((size_t)1 << 20);
         struct mdt_arena_chunk *c = chunk_new(cap);
         if (!c) {
-            MDT_FAIL(MDT_E_NOMEM, "out of memory allocating %zu activation bytes", cap);
+            (void)MDT_FAIL(MDT_E_NOMEM, "out of memory allocating %zu activation bytes", cap);
             return NULL;
         }
         if (last)
@@ -155,7 +153,7 @@ float *mdt_arena_floats(mdt_arena *a, int64_t n) {
         last = c;
         a->used_in_last = 0;
     }
-    float *p = (float *)(last->data + a->used_in_last);
+    float *p = (float *)(void *)(last->data + a->used_in_last);
     a->used_in_last += need;
     a->in_use += (int64_t)need;
     if (a->in_use > a->high_water)

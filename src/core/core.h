@@ -16,16 +16,17 @@
 #include <stdint.h>
 #include <stdio.h>
 
-/* Records a formatted message and its source location for this thread; returns `code`. */
-mdt_status mdt_fail_at(mdt_status code, const char *file, int line, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
+/* Records a formatted message and its source location for this thread. */
+void mdt_fail_at(const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 /* Prefixes the current message with "prefix: " (adds context on the way up). Returns `code`. */
 mdt_status mdt_fail_prefix(mdt_status code, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 /* Clears the thread-local message. */
 void mdt_error_clear(void);
 
-#define MDT_FAIL(code, ...) mdt_fail_at((code), __FILE__, __LINE__, __VA_ARGS__)
+/* Records the message and evaluates to `code` (visible to static analysis as that constant). */
+#define MDT_FAIL(code, ...) (mdt_fail_at(__FILE__, __LINE__, __VA_ARGS__), (mdt_status)(code))
 
 #define MDT_TRY(expr)                                                                              \
     do {                                                                                           \
@@ -54,7 +55,7 @@ void *mdt_calloc(size_t nbytes); /* zeroed */
 void mdt_free(void *p);          /* NULL ok */
 int64_t mdt_mem_live(void);
 int64_t mdt_mem_peak(void);
-void mdt_mem_reset_peak(void); /* peak := live */
+void mdt_mem_reset_peak(void);     /* peak := live */
 int64_t mdt_mem_alloc_count(void); /* number of successful allocations since start */
 
 /* ---- a bump arena for per-step activations: reset each step, grows only on first use ---- */
@@ -87,12 +88,10 @@ typedef struct mdt_counters {
     int64_t attn_query_rows; /* query rows x heads summed over attention calls */
     int64_t attn_kv_rows;    /* key rows x heads summed over attention calls */
     int64_t attn_calls;
-    int64_t bytes_read;      /* checkpoint bytes read from disk */
+    int64_t bytes_read; /* checkpoint bytes read from disk */
 } mdt_counters;
 mdt_counters *mdt_counters_get(void);
 void mdt_counters_reset(void);
-
-
 
 /* ---- deterministic RNG (splitmix64 stream + Box-Muller), same numbers on every platform ---- */
 typedef struct mdt_rng {
@@ -104,4 +103,4 @@ void mdt_rng_seed(mdt_rng *r, uint64_t seed);
 uint64_t mdt_rng_u64(mdt_rng *r);
 double mdt_rng_uniform(mdt_rng *r); /* [0, 1) */
 double mdt_rng_normal(mdt_rng *r);  /* N(0, 1) */
-#endif /* MDT_CORE_H */
+#endif                              /* MDT_CORE_H */

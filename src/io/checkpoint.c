@@ -94,8 +94,8 @@ static mdt_status add_file(mdt_ckpt *c, const char *fname, int *idx) {
         }
     }
     if (!fname[0] || strchr(fname, '/') || fname[0] == '.')
-        return MDT_FAIL(MDT_E_FORMAT, "%s/%s: shard name '%.200s' is not a plain file name",
-                        c->dir, MDT_CKPT_INDEX, fname);
+        return MDT_FAIL(MDT_E_FORMAT, "%s/%s: shard name '%.200s' is not a plain file name", c->dir,
+                        MDT_CKPT_INDEX, fname);
     char *path = path_join(c->dir, fname);
     if (!path)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
@@ -106,13 +106,13 @@ static mdt_status add_file(mdt_ckpt *c, const char *fname, int *idx) {
         mdt_free(path);
         return st;
     }
-    mdt_st_file **nf = mdt_alloc(sizeof(*nf) * (size_t)(c->nfiles + 1));
+    mdt_st_file **nf = mdt_alloc(sizeof(mdt_st_file *) * (size_t)(c->nfiles + 1));
     if (!nf) {
         mdt_free(path);
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     }
     if (c->nfiles)
-        memcpy(nf, c->files, sizeof(*nf) * (size_t)c->nfiles);
+        memcpy(nf, c->files, sizeof(mdt_st_file *) * (size_t)c->nfiles);
     mdt_free(c->files);
     c->files = nf;
     mdt_status st = mdt_st_open(path, &c->files[c->nfiles]);
@@ -128,8 +128,8 @@ static mdt_status open_index(mdt_ckpt *c, const char *index_path) {
     MDT_TRY(parse_json_file(index_path, &idx));
     const cJSON *wm = cJSON_GetObjectItemCaseSensitive(idx, "weight_map");
     if (!cJSON_IsObject(wm))
-        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: 'weight_map' is missing or not an object",
-                           index_path));
+        MDT_CHECK(
+            MDT_FAIL(MDT_E_FORMAT, "%s: 'weight_map' is missing or not an object", index_path));
     int n = cJSON_GetArraySize(wm);
     c->refs = mdt_calloc(sizeof(mdt_ckpt_ref) * (size_t)(n ? n : 1));
     if (!c->refs)
@@ -137,8 +137,8 @@ static mdt_status open_index(mdt_ckpt *c, const char *index_path) {
     const cJSON *kv;
     cJSON_ArrayForEach(kv, wm) {
         if (!cJSON_IsString(kv))
-            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: weight_map['%.200s'] is not a string",
-                               index_path, kv->string));
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: weight_map['%.200s'] is not a string", index_path,
+                               kv->string));
         int fi;
         MDT_CHECK(add_file(c, kv->valuestring, &fi));
         const mdt_st_entry *e = mdt_st_find(c->files[fi], kv->string);
@@ -179,8 +179,9 @@ mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out) {
     if (!p)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
     if (!file_exists(p))
-        MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND, "%s: no config.json (not a diffusers checkpoint "
-                                           "directory?)",
+        MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND,
+                           "%s: no config.json (not a diffusers checkpoint "
+                           "directory?)",
                            c->dir));
     MDT_CHECK(parse_json_file(p, &c->config));
     mdt_free(p);
@@ -237,8 +238,9 @@ mdt_status mdt_ckpt_find(const mdt_ckpt *c, const char *name, const mdt_ckpt_ref
     mdt_ckpt_ref key = {.name = name};
     *out = bsearch(&key, c->refs, (size_t)c->n, sizeof key, cmp_ref);
     if (!*out)
-        return MDT_FAIL(MDT_E_NOTFOUND, "%s: tensor '%s' is required by the model but missing "
-                                        "from the checkpoint",
+        return MDT_FAIL(MDT_E_NOTFOUND,
+                        "%s: tensor '%s' is required by the model but missing "
+                        "from the checkpoint",
                         c->dir, name);
     return MDT_OK;
 }

@@ -99,8 +99,7 @@ static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e
     if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2 ||
         !json_uint(cJSON_GetArrayItem(off, 0), &e->begin) ||
         !json_uint(cJSON_GetArrayItem(off, 1), &e->end))
-        return MDT_FAIL(MDT_E_FORMAT, "%s: 'data_offsets' must be two non-negative integers",
-                        what);
+        return MDT_FAIL(MDT_E_FORMAT, "%s: 'data_offsets' must be two non-negative integers", what);
     if (e->end < e->begin)
         return MDT_FAIL(MDT_E_FORMAT, "%s: data_offsets [%lld, %lld] end before they begin", what,
                         (long long)e->begin, (long long)e->end);
@@ -111,14 +110,13 @@ static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e
                         what, (long long)e->begin, (long long)e->end, (long long)data_size);
     char sbuf[160];
     if (overflow || numel * (int64_t)mdt_dtype_size(e->dtype) != e->end - e->begin)
-        return MDT_FAIL(MDT_E_FORMAT,
-                        "%s: data_offsets [%lld, %lld] hold %lld bytes but shape %s of %s needs "
-                        "%lld",
-                        what, (long long)e->begin, (long long)e->end,
-                        (long long)(e->end - e->begin),
-                        mdt_shape_str(e->ndim, e->shape, sbuf, sizeof sbuf),
-                        mdt_dtype_name(e->dtype),
-                        overflow ? -1LL : (long long)(numel * (int64_t)mdt_dtype_size(e->dtype)));
+        return MDT_FAIL(
+            MDT_E_FORMAT,
+            "%s: data_offsets [%lld, %lld] hold %lld bytes but shape %s of %s needs "
+            "%lld",
+            what, (long long)e->begin, (long long)e->end, (long long)(e->end - e->begin),
+            mdt_shape_str(e->ndim, e->shape, sbuf, sizeof sbuf), mdt_dtype_name(e->dtype),
+            overflow ? -1LL : (long long)(numel * (int64_t)mdt_dtype_size(e->dtype)));
     return MDT_OK;
 }
 
@@ -148,12 +146,13 @@ static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item) {
  * ended (zero-size tensors may sit anywhere inside), and the last ends at the end of the file. */
 static mdt_status check_tiling(mdt_st_file *f, int64_t data_size) {
     mdt_status st = MDT_OK;
-    const mdt_st_entry **by_off = mdt_alloc(sizeof(*by_off) * (size_t)(f->n ? f->n : 1));
+    const mdt_st_entry **by_off =
+        mdt_alloc(sizeof(const mdt_st_entry *) * (size_t)(f->n ? f->n : 1));
     if (!by_off)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     for (int i = 0; i < f->n; i++)
         by_off[i] = &f->entries[i];
-    qsort(by_off, (size_t)f->n, sizeof *by_off, cmp_entry_ptr_begin);
+    qsort(by_off, (size_t)f->n, sizeof(const mdt_st_entry *), cmp_entry_ptr_begin);
     int64_t pos = 0;
     const mdt_st_entry *prev = NULL;
     for (int i = 0; i < f->n; i++) {
@@ -227,8 +226,8 @@ mdt_status mdt_st_open(const char *path, mdt_st_file **out) {
                            "truncated?)",
                            path, (unsigned long long)hlen, (long long)f->file_size));
     if (hlen < 2)
-        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header of %llu bytes cannot hold a JSON object",
-                           path, (unsigned long long)hlen));
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header of %llu bytes cannot hold a JSON object", path,
+                           (unsigned long long)hlen));
     f->data_start = 8 + (int64_t)hlen;
     hdr = mdt_alloc((size_t)hlen + 1);
     if (!hdr)
@@ -236,8 +235,8 @@ mdt_status mdt_st_open(const char *path, mdt_st_file **out) {
     MDT_CHECK(pread_all(f->fd, hdr, (int64_t)hlen, 8, path, "header"));
     hdr[hlen] = 0;
     if (hdr[0] != '{' || memchr(hdr, 0, hlen))
-        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header is not a JSON object (must start with '{')",
-                           path));
+        MDT_CHECK(
+            MDT_FAIL(MDT_E_FORMAT, "%s: header is not a JSON object (must start with '{')", path));
     const char *endp = NULL;
     root = cJSON_ParseWithLengthOpts(hdr, hlen, &endp, 0);
     if (!root || !cJSON_IsObject(root))
@@ -303,8 +302,7 @@ void mdt_st_close(mdt_st_file *f) {
 }
 
 const mdt_st_entry *mdt_st_find(const mdt_st_file *f, const char *name) {
-    mdt_st_entry key;
-    key.name = (char *)(uintptr_t)name;
+    mdt_st_entry key = {.name = (char *)(uintptr_t)name};
     return bsearch(&key, f->entries, (size_t)f->n, sizeof key, cmp_entry_name);
 }
 
@@ -407,8 +405,8 @@ mdt_status mdt_st_write(const char *path, int n, const char *const *names,
     snprintf(tmp, plen + 16, "%s.tmp.XXXXXX", path);
     fd = mkstemp(tmp);
     if (fd < 0)
-        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: cannot create a temporary file: %s", path,
-                           strerror(errno)));
+        MDT_CHECK(
+            MDT_FAIL(MDT_E_IO, "%s: cannot create a temporary file: %s", path, strerror(errno)));
     unsigned char lenb[8];
     for (int i = 0; i < 8; i++)
         lenb[i] = (unsigned char)(((uint64_t)padded >> (8 * i)) & 0xffu);

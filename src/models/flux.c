@@ -104,8 +104,9 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     int64_t axsum = 0;
     for (int i = 0; i < nax; i++) {
         if (ax[i] <= 0 || ax[i] % 2)
-            return MDT_FAIL(MDT_E_INVALID, "config.json: axes_dims_rope[%d] = %lld must be even "
-                                           "and positive",
+            return MDT_FAIL(MDT_E_INVALID,
+                            "config.json: axes_dims_rope[%d] = %lld must be even "
+                            "and positive",
                             i, (long long)ax[i]);
         axsum += ax[i];
     }
@@ -134,8 +135,8 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     }
     MDT_TRY(add_lin(t, &f->p_lin1, "time_text_embed.text_embedder.linear_1", C, f->pooled_dim,
                     MDT_TP_REPLICATED));
-    MDT_TRY(add_lin(t, &f->p_lin2, "time_text_embed.text_embedder.linear_2", C, C,
-                    MDT_TP_REPLICATED));
+    MDT_TRY(
+        add_lin(t, &f->p_lin2, "time_text_embed.text_embedder.linear_2", C, C, MDT_TP_REPLICATED));
     MDT_TRY(add_lin(t, &f->ctx_emb, "context_embedder", C, f->joint_dim, MDT_TP_REPLICATED));
     MDT_TRY(add_lin(t, &f->x_emb, "x_embedder", C, f->in_ch, MDT_TP_REPLICATED));
     for (int64_t i = 0; i < f->layers; i++) {
@@ -193,8 +194,7 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
             {&b->proj_out, "proj_out", C, C + M, MDT_TP_PACKED_ROWWISE},
         };
         for (size_t j = 0; j < sizeof lins / sizeof lins[0]; j++) {
-            snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.%s", (long long)i,
-                     lins[j].sfx);
+            snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.%s", (long long)i, lins[j].sfx);
             MDT_TRY(add_lin(t, lins[j].l, nm, lins[j].out, lins[j].in, lins[j].st));
         }
         /* proj_out's input is [attn heads | mlp hidden]: two blocks, each sharded on its own */
@@ -205,8 +205,7 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
         snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.attn.norm_k.weight", (long long)i);
         MDT_TRY(add_vec(t, &b->norm_k, nm, D));
     }
-    MDT_TRY(add_lin(t, &f->norm_out, "norm_out.linear", 2 * C, C,
-                    MDT_TP_REPLICATED_INPUT_ROWWISE));
+    MDT_TRY(add_lin(t, &f->norm_out, "norm_out.linear", 2 * C, C, MDT_TP_REPLICATED_INPUT_ROWWISE));
     MDT_TRY(add_lin(t, &f->proj_out, "proj_out", f->patch * f->patch * f->out_ch, C,
                     MDT_TP_REPLICATED));
     return MDT_OK;
@@ -224,7 +223,8 @@ static mdt_status get_input(const mdt_tensor_set *in, const char *name, int ndim
         same = shape[i] < 0 || t->shape[i] == shape[i];
     if (!same)
         return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has shape %s, expected %s", name,
-                        mdt_shape_str(t->ndim, t->shape, s1, 96), mdt_shape_str(ndim, shape, s2, 96));
+                        mdt_shape_str(t->ndim, t->shape, s1, 96),
+                        mdt_shape_str(ndim, shape, s2, 96));
     if (!mdt_dtype_is_float(t->dtype))
         return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has dtype %s, expected a float type",
                         name, mdt_dtype_name(t->dtype));
@@ -290,17 +290,17 @@ static void rope_tables(const flux *f, const float *ids, int64_t S, float *cos_t
 
 typedef struct flux_act {
     int64_t B, Si, St, S;
-    const float *silu_temb; /* [B, C] */
+    const float *silu_temb;     /* [B, C] */
     const float *cos_t, *sin_t; /* [S, D], text rows first */
-    float *q, *k, *v;       /* [B, H, S, D] head-major */
-    float *ws;              /* attention scratch */
+    float *q, *k, *v;           /* [B, H, S, D] head-major */
+    float *ws;                  /* attention scratch */
 } flux_act;
 
 /* Projects rows of `src` [B, n, C] into head-major q/k/v at sequence offset s0 (per batch),
  * applying the per-head RMSNorm to q and k and RoPE (rows s0.. of the tables) to both. */
 static void project_qkv(const flux *f, const flux_act *A, const float *src, int64_t n, int64_t s0,
-                        const flux_lin *lq, const flux_lin *lk, const flux_lin *lv,
-                        const float *nq, const float *nk, float *tmp) {
+                        const flux_lin *lq, const flux_lin *lk, const flux_lin *lv, const float *nq,
+                        const float *nk, float *tmp) {
     const int64_t C = f->inner, H = f->heads, D = f->head_dim, S = A->S;
     const flux_lin *lins[3] = {lq, lk, lv};
     float *dst[3] = {A->q, A->k, A->v};
@@ -332,7 +332,7 @@ static void ff_residual(const flux *f, const flux_act *A, float *x, int64_t n, c
     for (int64_t b = 0; b < B; b++)
         mdt_cpu_layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
                                    mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
-    mdt_cpu_linear(nbuf, C, l0->w, l0->b, hbuf, l0->out, B * n, C, l0->out); // [B*n, 4C]
+    mdt_cpu_linear(nbuf, C, l0->w, l0->b, hbuf, l0->out, B * n, C, l0->out);          // [B*n, 4C]
     mdt_cpu_gelu_tanh(hbuf, B * n * l0->out);
     mdt_cpu_linear(hbuf, l0->out, l2->w, l2->b, ybuf, C, B * n, l2->in, C); // [B*n, C]
     for (int64_t b = 0; b < B; b++)
@@ -342,12 +342,12 @@ static void ff_residual(const flux *f, const flux_act *A, float *x, int64_t n, c
 static mdt_status double_block(const flux *f, const flux_double *blk, const flux_act *A, float *x,
                                float *c, mdt_arena *ar) {
     const int64_t C = f->inner, B = A->B, Si = A->Si, St = A->St, S = A->S;
-    float *mod = mdt_arena_floats(ar, B * 6 * C);      // [B, 6C] image modulation
-    float *cmod = mdt_arena_floats(ar, B * 6 * C);     // [B, 6C] text modulation
-    float *nx = mdt_arena_floats(ar, B * Si * C);      // [B, Si, C]
-    float *nc = mdt_arena_floats(ar, B * St * C);      // [B, St, C]
-    float *tmp = mdt_arena_floats(ar, B * S * C);      // [B*max(Si,St), C] projection scratch
-    float *ao = mdt_arena_floats(ar, B * S * C);       // [B, S, C] attention output
+    float *mod = mdt_arena_floats(ar, B * 6 * C);            // [B, 6C] image modulation
+    float *cmod = mdt_arena_floats(ar, B * 6 * C);           // [B, 6C] text modulation
+    float *nx = mdt_arena_floats(ar, B * Si * C);            // [B, Si, C]
+    float *nc = mdt_arena_floats(ar, B * St * C);            // [B, St, C]
+    float *tmp = mdt_arena_floats(ar, B * S * C);            // [B*max(Si,St), C] projection scratch
+    float *ao = mdt_arena_floats(ar, B * S * C);             // [B, S, C] attention output
     float *hb = mdt_arena_floats(ar, B * S * f->mlp_hidden); // [B*n, 4C]
     if (!mod || !cmod || !nx || !nc || !tmp || !ao || !hb)
         return MDT_E_NOMEM;
@@ -356,8 +356,8 @@ static mdt_status double_block(const flux *f, const flux_double *blk, const flux
     for (int64_t b = 0; b < B; b++) {
         mdt_cpu_layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, k_eps, mod + b * 6 * C,
                                    mod + b * 6 * C + C); // [Si, C]
-        mdt_cpu_layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, k_eps,
-                                   cmod + b * 6 * C, cmod + b * 6 * C + C); // [St, C]
+        mdt_cpu_layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, k_eps, cmod + b * 6 * C,
+                                   cmod + b * 6 * C + C); // [St, C]
     }
     /* joint sequence: text rows [0, St), image rows [St, S) */
     project_qkv(f, A, nc, St, 0, &blk->add_q, &blk->add_k, &blk->add_v, blk->norm_added_q,
@@ -391,7 +391,7 @@ static mdt_status single_block(const flux *f, const flux_single *blk, const flux
     mdt_cpu_linear(A->silu_temb, C, blk->norm.w, blk->norm.b, mod, 3 * C, B, C, 3 * C);
     for (int64_t b = 0; b < B; b++)
         mdt_cpu_layernorm_modulate(h + b * S * C, n + b * S * C, S, C, k_eps, mod + b * 3 * C,
-                                   mod + b * 3 * C + C); // [S, C]
+                                   mod + b * 3 * C + C);                             // [S, C]
     mdt_cpu_linear(n, C, blk->proj_mlp.w, blk->proj_mlp.b, cat + C, W, B * S, C, M); // [B*S, M]
     for (int64_t r = 0; r < B * S; r++)
         mdt_cpu_gelu_tanh(cat + r * W + C, M);
@@ -412,12 +412,14 @@ static mdt_status flux_forward(void *impl, mdt_arena *ar, const mdt_tensor_set *
     A.Si = input_dim(in, "hidden_states", 1);
     A.St = input_dim(in, "encoder_hidden_states", 1);
     if (A.B < 1 || A.Si < 1)
-        return MDT_FAIL(MDT_E_INVALID, "inputs: 'hidden_states' must be [B, S_img, %lld] with "
-                                       "B, S_img >= 1",
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'hidden_states' must be [B, S_img, %lld] with "
+                        "B, S_img >= 1",
                         (long long)f->in_ch);
     if (A.St < 1)
-        return MDT_FAIL(MDT_E_INVALID, "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] "
-                                       "with S_txt >= 1",
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] "
+                        "with S_txt >= 1",
                         (long long)f->joint_dim);
     const int64_t B = A.B, Si = A.Si, St = A.St, S = Si + St;
     A.S = S;
@@ -438,18 +440,18 @@ static mdt_status flux_forward(void *impl, mdt_arena *ar, const mdt_tensor_set *
         MDT_TRY(get_input(in, "guidance", 1, (int64_t[]){B}, ar, &g));
 
     /* conditioning: temb [B, C] = time(t) (+ guidance(g)) + text(pooled) */
-    float *e256 = mdt_arena_floats(ar, B * 256);       // [B, 256]
-    float *hsc = mdt_arena_floats(ar, B * C);          // [B, C] scratch
-    float *temb = mdt_arena_floats(ar, B * C);         // [B, C]
-    float *tmp = mdt_arena_floats(ar, B * C);          // [B, C]
-    float *ids = mdt_arena_floats(ar, S * f->naxes);   // [S, axes] text first
-    float *cos_t = mdt_arena_floats(ar, S * D);        // [S, D]
-    float *sin_t = mdt_arena_floats(ar, S * D);        // [S, D]
-    float *x = mdt_arena_floats(ar, B * Si * C);       // [B, Si, C]
-    float *c = mdt_arena_floats(ar, B * St * C);       // [B, St, C]
-    A.q = mdt_arena_floats(ar, B * H * S * D);         // [B, H, S, D]
-    A.k = mdt_arena_floats(ar, B * H * S * D);         // [B, H, S, D]
-    A.v = mdt_arena_floats(ar, B * H * S * D);         // [B, H, S, D]
+    float *e256 = mdt_arena_floats(ar, B * 256);     // [B, 256]
+    float *hsc = mdt_arena_floats(ar, B * C);        // [B, C] scratch
+    float *temb = mdt_arena_floats(ar, B * C);       // [B, C]
+    float *tmp = mdt_arena_floats(ar, B * C);        // [B, C]
+    float *ids = mdt_arena_floats(ar, S * f->naxes); // [S, axes] text first
+    float *cos_t = mdt_arena_floats(ar, S * D);      // [S, D]
+    float *sin_t = mdt_arena_floats(ar, S * D);      // [S, D]
+    float *x = mdt_arena_floats(ar, B * Si * C);     // [B, Si, C]
+    float *c = mdt_arena_floats(ar, B * St * C);     // [B, St, C]
+    A.q = mdt_arena_floats(ar, B * H * S * D);       // [B, H, S, D]
+    A.k = mdt_arena_floats(ar, B * H * S * D);       // [B, H, S, D]
+    A.v = mdt_arena_floats(ar, B * H * S * D);       // [B, H, S, D]
     A.ws = mdt_arena_floats(ar, mdt_cpu_attention_ws_floats(D));
     if (!e256 || !hsc || !temb || !tmp || !ids || !cos_t || !sin_t || !x || !c || !A.q || !A.k ||
         !A.v || !A.ws)
@@ -540,10 +542,11 @@ static mdt_status flux_make_inputs(const void *impl, const mdt_inputs_params *p,
     /* image ids: the latent grid (0, row, col) of a near-square layout, as Flux pipelines build */
     int64_t w = (int64_t)ceil(sqrt((double)Si));
     MDT_TRY(mdt_tensor_set_add(out, "img_ids", MDT_F32, 2, (int64_t[]){Si, f->naxes}, &t));
-    for (int64_t s = 0; s < Si; s++)
+    for (int64_t s = 0; s < Si; s++) {
+        const int64_t row = s / w, col = s % w;
         for (int a = 0; a < f->naxes; a++)
-            ((float *)t->data)[s * f->naxes + a] = a == 1 ? (float)(s / w) : a == 2 ? (float)(s % w)
-                                                                                    : 0.0f;
+            ((float *)t->data)[s * f->naxes + a] = a == 1 ? (float)row : a == 2 ? (float)col : 0.0f;
+    }
     MDT_TRY(mdt_tensor_set_add(out, "txt_ids", MDT_F32, 2, (int64_t[]){St, f->naxes}, &t));
     if (f->guidance) {
         MDT_TRY(mdt_tensor_set_add(out, "guidance", MDT_F32, 1, (int64_t[]){B}, &t));

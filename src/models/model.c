@@ -72,8 +72,9 @@ mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out) {
                                        "this?)");
     *out = mdt_family_by_name(cls);
     if (!*out)
-        return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: model class '%s' is not supported "
-                                           "(supported: FluxTransformer2DModel)",
+        return MDT_FAIL(MDT_E_UNSUPPORTED,
+                        "config.json: model class '%s' is not supported "
+                        "(supported: FluxTransformer2DModel)",
                         cls);
     return MDT_OK;
 }
@@ -127,8 +128,8 @@ mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
         total += (spec_numel(&m->table.specs[i]) + 15) & ~(int64_t)15; /* 64-byte aligned slots */
     m->weights = mdt_alloc((size_t)(total > 0 ? total : 1) * sizeof(float));
     if (!m->weights)
-        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory for %lld weight bytes",
-                           (long long)total * 4));
+        MDT_CHECK(
+            MDT_FAIL(MDT_E_NOMEM, "out of memory for %lld weight bytes", (long long)total * 4));
     m->weight_bytes = total * 4;
     float *slot = m->weights;
     for (int i = 0; i < m->table.n; i++) {
@@ -140,7 +141,8 @@ mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
         for (int d = 0; same && d < w->ndim; d++)
             same = e->shape[d] == w->shape[d];
         if (!same)
-            MDT_CHECK(MDT_FAIL(MDT_E_INVALID, "%s: tensor '%s': shape %s but config.json implies %s",
+            MDT_CHECK(MDT_FAIL(MDT_E_INVALID,
+                               "%s: tensor '%s': shape %s but config.json implies %s",
                                ref->file->path, w->name, mdt_shape_str(e->ndim, e->shape, sb1, 96),
                                mdt_shape_str(w->ndim, w->shape, sb2, 96)));
         if (!mdt_dtype_is_float(e->dtype))
@@ -151,8 +153,8 @@ mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
         slot += (spec_numel(w) + 15) & ~(int64_t)15;
     }
     if (ck->n > m->table.n)
-        mdt_log(MDT_LOG_WARN, "%s: %d tensors in the checkpoint are not used by the model",
-                ck->dir, ck->n - m->table.n);
+        mdt_log(MDT_LOG_WARN, "%s: %d tensors in the checkpoint are not used by the model", ck->dir,
+                ck->n - m->table.n);
     mdt_ckpt_close(ck);
     *out = m;
     return MDT_OK;
@@ -232,7 +234,7 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
     MDT_CHECK(write_text(path, config_text));
 
     ts = mdt_calloc(sizeof *ts * (size_t)n);
-    tp = mdt_calloc(sizeof *tp * (size_t)n);
+    tp = mdt_calloc(sizeof(const mdt_tensor *) * (size_t)n);
     names = mdt_calloc(sizeof *names * (size_t)n);
     if (!ts || !tp || !names)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));

@@ -11,9 +11,9 @@ static const struct {
     const char *name;
     size_t size;
 } k_dtypes[MDT_DTYPE_COUNT] = {
-    [MDT_F32] = {"F32", 4}, [MDT_F16] = {"F16", 2}, [MDT_BF16] = {"BF16", 2},
-    [MDT_F64] = {"F64", 8}, [MDT_I64] = {"I64", 8}, [MDT_I32] = {"I32", 4},
-    [MDT_I16] = {"I16", 2}, [MDT_I8] = {"I8", 1},   [MDT_U8] = {"U8", 1},
+    [MDT_F32] = {"F32", 4},   [MDT_F16] = {"F16", 2}, [MDT_BF16] = {"BF16", 2},
+    [MDT_F64] = {"F64", 8},   [MDT_I64] = {"I64", 8}, [MDT_I32] = {"I32", 4},
+    [MDT_I16] = {"I16", 2},   [MDT_I8] = {"I8", 1},   [MDT_U8] = {"U8", 1},
     [MDT_BOOL] = {"BOOL", 1},
 };
 
@@ -116,8 +116,7 @@ mdt_status mdt_convert_to_f32(mdt_dtype dt, const void *src, float *dst, int64_t
             dst[i] = (float)s[i];
         return MDT_OK;
     }
-    default:
-        return MDT_FAIL(MDT_E_UNSUPPORTED, "cannot convert %s to F32", mdt_dtype_name(dt));
+    default: return MDT_FAIL(MDT_E_UNSUPPORTED, "cannot convert %s to F32", mdt_dtype_name(dt));
     }
 }
 
@@ -139,8 +138,7 @@ mdt_status mdt_convert_from_f32(mdt_dtype dt, const float *src, void *dst, int64
             d[i] = mdt_f32_to_f16(src[i]);
         return MDT_OK;
     }
-    default:
-        return MDT_FAIL(MDT_E_UNSUPPORTED, "cannot convert F32 to %s", mdt_dtype_name(dt));
+    default: return MDT_FAIL(MDT_E_UNSUPPORTED, "cannot convert F32 to %s", mdt_dtype_name(dt));
     }
 }
 

@@ -109,10 +109,10 @@ int64_t mdt_cpu_attention_ws_floats(int64_t D) {
 void mdt_cpu_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
                        float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
                        float scale, float *ws) {
-    float *sc = ws;                                          /* [BQ, BK] */
-    float *acc = sc + (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK;    /* [BQ, D] */
-    float *mx = acc + (int64_t)MDT_ATTN_BQ * D;              /* [BQ] */
-    float *den = mx + MDT_ATTN_BQ;                           /* [BQ] */
+    float *sc = ws;                                       /* [BQ, BK] */
+    float *acc = sc + (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK; /* [BQ, D] */
+    float *mx = acc + (int64_t)MDT_ATTN_BQ * D;           /* [BQ] */
+    float *den = mx + MDT_ATTN_BQ;                        /* [BQ] */
     if (sk_valid > Sk)
         sk_valid = Sk;
     for (int64_t h = 0; h < H; h++) {
@@ -126,8 +126,7 @@ void mdt_cpu_attention(const float *q, const float *k, const float *v, float *ou
                 int64_t bk = sk_valid - j0 < MDT_ATTN_BK ? sk_valid - j0 : MDT_ATTN_BK;
                 /* scores [bq, bk] = scale * Q_tile . K_tile^T */
                 cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)bq, (int)bk, (int)D,
-                            scale, qh + i0 * D, (int)D, kh + j0 * D, (int)D, 0.0f, sc,
-                            MDT_ATTN_BK);
+                            scale, qh + i0 * D, (int)D, kh + j0 * D, (int)D, 0.0f, sc, MDT_ATTN_BK);
                 for (int64_t i = 0; i < bq; i++) {
                     float *row = sc + i * MDT_ATTN_BK;
                     float m = mx[i];

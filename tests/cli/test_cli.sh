@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# test_cli.sh — the meshdit command end to end: every diffusers golden case, the sampler, gen and
+# inputs, and every error class a user can hit from the command line (exit status, one message
+# line naming the file/tensor/problem, and no output file left behind).
+set -u
+BIN=${BIN:-build/meshdit}
+DATA=${DATA:-tests/data}
+T=$(mktemp -d /tmp/mdt_cli_XXXXXX)
+trap 'rm -rf "$T"' EXIT
+pass=0 fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
+
+# expect_error NAME RC PATTERN... -- CMD...: exit status RC, exactly one stderr line matching
+# every PATTERN, and no $T/out.safetensors afterwards.
+expect_error() {
+    local name=$1 want=$2; shift 2
+    local pats=()
+    while [ "$1" != "--" ]; do pats+=("$1"); shift; done
+    shift
+    rm -f "$T/out.safetensors"
+    "$@" >"$T/stdout" 2>"$T/stderr"
+    local rc=$?
+    local lines; lines=$(grep -c . "$T/stderr")
+    [ "$rc" = "$want" ] || { bad "$name: exit $rc, wanted $want ($(head -c 300 "$T/stderr"))"; return; }
+    [ "$want" = 2 ] || [ "$lines" = 1 ] || { bad "$name: $lines stderr lines: $(cat "$T/stderr")"; return; }
+    for p in "${pats[@]}"; do
+        grep -q -- "$p" "$T/stderr" || { bad "$name: message lacks '$p': $(cat "$T/stderr")"; return; }
+    done
+    [ ! -e "$T/out.safetensors" ] || { bad "$name: left an output file"; return; }
+    ls "$T" | grep -q '\.tmp\.' && { bad "$name: left a temporary file"; return; }
+    ok
+}
+
+run_case() { # case-dir expected-file [extra run args]
+    local dir=$1 exp=$2; shift 2
+    if "$BIN" run --checkpoint "$dir" --inputs "$dir/inputs.safetensors" --out "$T/o.safetensors" \
+        --quiet "$@" && "$BIN" compare "$T/o.safetensors" "$exp" --tol 1e-4 >"$T/cmp"; then
+        ok
+    else
+        bad "golden $(basename "$dir") $(basename "$exp"): $(cat "$T/cmp" 2>/dev/null)"
+    fi
+}
+
+# ---- goldens from diffusers ----
+for d in "$DATA"/*/; do
+    d=${d%/}
+    [ -f "$d/expected.safetensors" ] || continue
+    run_case "$d" "$d/expected.safetensors"
+done
+run_case "$DATA/flux_tiny" "$DATA/flux_tiny/expected_steps2.safetensors" --steps 2
+# negative control: the 2-step result is not the 1-forward result
+if "$BIN" compare "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/expected_steps2.safetensors" >/dev/null; then
+    bad "compare accepted different tensors"
+else ok; fi
+
+# ---- gen / inputs / run / inspect on the built-in tiny model ----
+if "$BIN" gen --model flux --preset tiny --seed 1 --out "$T/tiny" >/dev/null &&
+   "$BIN" gen --model flux --preset tiny --seed 1 --dtype bf16 --shards 2 --out "$T/tiny_bf16" >/dev/null &&
+   "$BIN" inputs --checkpoint "$T/tiny" --seed 2 --img-tokens 9 --txt-tokens 5 --batch 2 --out "$T/in.safetensors" >/dev/null &&
+   "$BIN" run --checkpoint "$T/tiny" --inputs "$T/in.safetensors" --out "$T/a.safetensors" --report "$T/r.json" >"$T/run.txt" &&
+   "$BIN" run --checkpoint "$T/tiny_bf16" --inputs "$T/in.safetensors" --out "$T/b.safetensors" --quiet &&
+   "$BIN" compare "$T/b.safetensors" "$T/a.safetensors" --tol 5e-2 >/dev/null &&
+   grep -q '"weight_bytes"' "$T/r.json" && grep -q 'per forward' "$T/run.txt" &&
+   [ -f "$T/tiny_bf16/diffusion_pytorch_model.safetensors.index.json" ]; then ok
+else bad "gen/inputs/run/report pipeline"; fi
+if "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp 2 >"$T/insp" &&
+   grep -q 'single_transformer_blocks.0.proj_out.weight.*packed-rowwise.*\[32, 80\]' "$T/insp"; then ok
+else bad "inspect shows packed proj_out shard"; fi
+
+# ---- errors from the command line ----
+cp -r "$DATA/flux_tiny" "$T/trunc"
+truncate -s -100 "$T/trunc/diffusion_pytorch_model.safetensors"
+expect_error truncated 1 "diffusion_pytorch_model.safetensors" "truncated" -- \
+    "$BIN" run --checkpoint "$T/trunc" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+cp -r "$DATA/flux_tiny" "$T/hlen"
+printf '\xff\xff\xff\x00\x00\x00\x00\x00' | dd of="$T/hlen/diffusion_pytorch_model.safetensors" conv=notrunc status=none
+expect_error header-length 1 "diffusion_pytorch_model.safetensors" "header length" -- \
+    "$BIN" run --checkpoint "$T/hlen" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+cp -r "$DATA/flux_bf16_sharded" "$T/noshard"
+rm "$T/noshard/diffusion_pytorch_model-00002-of-00002.safetensors"
+expect_error missing-shard 1 "diffusion_pytorch_model-00002-of-00002.safetensors" "missing" -- \
+    "$BIN" run --checkpoint "$T/noshard" --inputs "$DATA/flux_bf16_sharded/inputs.safetensors" --out "$T/out.safetensors"
+cp -r "$DATA/flux_tiny" "$T/lies"
+sed -i 's/"guidance_embeds": false/"guidance_embeds": true/' "$T/lies/config.json"
+expect_error missing-tensor 1 "guidance_embedder.linear_1.weight" "missing from the checkpoint" -- \
+    "$BIN" run --checkpoint "$T/lies" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+cp -r "$DATA/flux_tiny" "$T/shape"
+sed -i 's/"pooled_projection_dim": 32/"pooled_projection_dim": 16/' "$T/shape/config.json"
+expect_error shape-mismatch 1 "text_embedder.linear_1.weight" "config.json implies" -- \
+    "$BIN" run --checkpoint "$T/shape" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+expect_error wrong-inputs 1 "hidden_states" "expected \\[2, 37, 4\\]" -- \
+    "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_guidance/inputs.safetensors" --out "$T/out.safetensors"
+expect_error no-checkpoint 1 "config.json" -- \
+    "$BIN" run --checkpoint "$T/nowhere" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+expect_error layout-vs-world 1 "needs 2 ranks" -- \
+    "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --tp 2
+expect_error inspect-tp3 1 "tp=3 does not divide" -- "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp 3
+expect_error unknown-command 2 "unknown command" -- "$BIN" frobnicate
+expect_error unknown-option 2 "unknown option --bogus" -- "$BIN" run --checkpoint x --inputs y --out "$T/out.safetensors" --bogus 1
+expect_error bad-number 2 "--steps" -- "$BIN" run --checkpoint x --inputs y --out "$T/out.safetensors" --steps -3
+
+echo "test_cli.sh: $pass passed, $fail failed"
+[ "$fail" = 0 ]

@@ -1,0 +1,260 @@
+/*
+ * test_io.c — safetensors reader/writer, dtype conversion and checkpoint directories.
+ * Every malformed-file class the format can present gets its own file and must fail with
+ * MDT_E_FORMAT/NOTFOUND and a message naming the file, the tensor and the problem.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "harness.h"
+#include "io/checkpoint.h"
+
+#include <cjson/cJSON.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static char g_dir[256];
+
+static const char *tpath(const char *name) {
+    static char buf[8][512];
+    static int k;
+    k = (k + 1) % 8;
+    snprintf(buf[k], sizeof buf[k], "%s/%s", g_dir, name);
+    return buf[k];
+}
+
+/* Writes an 8-byte length (`hlen_override` if >= 0, else the header's), the header, then
+ * `ndata` bytes of data. */
+static void write_raw(const char *path, const char *header, long long hlen_override, long ndata) {
+    FILE *fp = fopen(path, "wb");
+    uint64_t hl = hlen_override >= 0 ? (uint64_t)hlen_override : strlen(header);
+    for (int i = 0; i < 8; i++)
+        fputc((int)((hl >> (8 * i)) & 0xff), fp);
+    fwrite(header, 1, strlen(header), fp);
+    for (long i = 0; i < ndata; i++)
+        fputc((int)(i & 0xff), fp);
+    fclose(fp);
+}
+
+static void test_dtypes(void) {
+    /* bf16/f16 -> f32 is exact; f32 -> bf16/f16 rounds to nearest even; specials survive */
+    int exact = 1;
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = mdt_bf16_to_f32((uint16_t)h);
+        if (isnan(f))
+            continue;
+        exact &= mdt_f32_to_bf16(f) == h;
+        float g = mdt_f16_to_f32((uint16_t)h);
+        if (!isnan(g))
+            exact &= mdt_f32_to_f16(g) == h;
+    }
+    EXPECT(exact, "bf16/f16 round trips are not exact");
+    EXPECT(mdt_f32_to_bf16(1.0f + 0x1p-8f) == 0x3f80, "bf16 tie rounds to even (down)");
+    EXPECT(mdt_f32_to_bf16(1.0f + 0x1p-7f + 0x1p-8f) == 0x3f82, "bf16 tie rounds to even (up)");
+    EXPECT(mdt_f16_to_f32(0x3c00) == 1.0f && mdt_f16_to_f32(0x0001) == 0x1p-24f, "f16 decode");
+    EXPECT(mdt_f32_to_f16(65520.0f) == 0x7c00 && mdt_f32_to_f16(65504.0f) == 0x7bff,
+           "f16 overflow boundary");
+    EXPECT(isnan(mdt_bf16_to_f32(mdt_f32_to_bf16(NAN))), "bf16 keeps NaN");
+    EXPECT(mdt_dtype_parse("BF16") == MDT_BF16 && mdt_dtype_parse("Q4") == MDT_DTYPE_COUNT,
+           "dtype names");
+}
+
+static void test_roundtrip(void) {
+    mdt_tensor_set *s, *r = NULL;
+    mdt_tensor *a, *b, *e;
+    EXPECT_OK(mdt_tensor_set_create(&s));
+    EXPECT_OK(mdt_tensor_set_add(s, "a", MDT_F32, 2, (int64_t[]){3, 5}, &a));
+    EXPECT_OK(mdt_tensor_set_add(s, "b.bf", MDT_BF16, 1, (int64_t[]){7}, &b));
+    EXPECT_OK(mdt_tensor_set_add(s, "empty", MDT_F32, 2, (int64_t[]){0, 4}, &e));
+    EXPECT_ERR(mdt_tensor_set_add(s, "a", MDT_F32, 1, (int64_t[]){1}, NULL), MDT_E_INVALID,
+               "already");
+    for (int i = 0; i < 15; i++)
+        ((float *)a->data)[i] = (float)i * 0.5f;
+    for (int i = 0; i < 7; i++)
+        ((uint16_t *)b->data)[i] = mdt_f32_to_bf16((float)i - 3.0f);
+    EXPECT_OK(mdt_tensor_set_save(s, tpath("rt.safetensors")));
+    EXPECT_OK(mdt_tensor_set_load(tpath("rt.safetensors"), &r));
+    if (r) {
+        mdt_tensor *ra = mdt_tensor_set_get(r, "a"), *rb = mdt_tensor_set_get(r, "b.bf");
+        EXPECT(ra && ra->shape[1] == 5 && memcmp(ra->data, a->data, 60) == 0, "F32 round trip");
+        EXPECT(rb && rb->dtype == MDT_BF16 && memcmp(rb->data, b->data, 14) == 0,
+               "BF16 round trip");
+        EXPECT(mdt_tensor_set_get(r, "empty") != NULL, "empty tensor round trip");
+    }
+    mdt_tensor_set_free(r);
+    /* ranged reads and conversion of a slice */
+    mdt_st_file *f = NULL;
+    EXPECT_OK(mdt_st_open(tpath("rt.safetensors"), &f));
+    if (f) {
+        const mdt_st_entry *ea = mdt_st_find(f, "a"), *eb = mdt_st_find(f, "b.bf");
+        float buf[4];
+        EXPECT_OK(mdt_st_read_range(f, ea, 4 * 6, 8, buf));
+        EXPECT(buf[0] == 3.0f && buf[1] == 3.5f, "ranged read of elements 6, 7");
+        EXPECT_OK(mdt_st_read_f32(f, eb, 2, 3, buf));
+        EXPECT(buf[0] == -1.0f && buf[2] == 1.0f, "bf16 slice converted");
+        EXPECT_ERR(mdt_st_read_range(f, ea, 56, 8, buf), MDT_E_INVALID, "outside");
+        EXPECT(f->data_start % 8 == 0, "writer aligns the data section to 8 bytes");
+        mdt_st_close(f);
+    }
+    /* atomic write: a failing write leaves nothing behind */
+    EXPECT_ERR(mdt_tensor_set_save(s, "/nonexistent-dir/x.safetensors"), MDT_E_IO, "x.safetensors");
+    mdt_tensor_set_free(s);
+}
+
+static void expect_bad(const char *name, const char *header, long long hlen, long ndata,
+                       mdt_status code, const char *what) {
+    mdt_st_file *f = NULL;
+    write_raw(tpath(name), header, hlen, ndata);
+    EXPECT_ERR(mdt_st_open(tpath(name), &f), code, name, what);
+    EXPECT(f == NULL, "no file handle on failure");
+}
+
+static void test_malformed(void) {
+    const char *ok = "{\"w\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16]}}";
+    mdt_st_file *f = NULL;
+    write_raw(tpath("ok.safetensors"), ok, -1, 16);
+    EXPECT_OK(mdt_st_open(tpath("ok.safetensors"), &f));
+    mdt_st_close(f);
+    /* truncated: the data section is shorter than the offsets say */
+    expect_bad("trunc.safetensors", ok, -1, 10, MDT_E_FORMAT, "'w'");
+    expect_bad("trunc2.safetensors", ok, -1, 10, MDT_E_FORMAT, "past the end");
+    /* a file shorter than the 8-byte length */
+    FILE *fp = fopen(tpath("tiny.safetensors"), "wb");
+    fputs("abc", fp);
+    fclose(fp);
+    EXPECT_ERR(mdt_st_open(tpath("tiny.safetensors"), &f), MDT_E_FORMAT, "too short");
+    expect_bad("hlen.safetensors", ok, 5000, 16, MDT_E_FORMAT, "header length");
+    expect_bad("hcap.safetensors", ok, 200000000, 16, MDT_E_FORMAT, "100 MB");
+    expect_bad("notobj.safetensors", "[1, 2, 3]", -1, 0, MDT_E_FORMAT, "JSON object");
+    expect_bad("badjson.safetensors", "{\"w\": {", -1, 0, MDT_E_FORMAT, "not valid JSON");
+    expect_bad("dtype.safetensors",
+               "{\"w\":{\"dtype\":\"Q4_K\",\"shape\":[2],\"data_offsets\":[0,1]}}", -1, 1,
+               MDT_E_FORMAT, "unknown or unsupported dtype");
+    expect_bad("size.safetensors",
+               "{\"w\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,16]}}", -1, 16,
+               MDT_E_FORMAT, "needs 24");
+    expect_bad("overlap.safetensors",
+               "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+               "\"b\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[8,24]}}",
+               -1, 24, MDT_E_FORMAT, "overlap");
+    expect_bad("hole.safetensors",
+               "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+               "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[12,20]}}",
+               -1, 20, MDT_E_FORMAT, "hole");
+    expect_bad("oob.safetensors",
+               "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[100,108]}}", -1, 8,
+               MDT_E_FORMAT, "past the end");
+    expect_bad("trailing.safetensors", ok, -1, 20, MDT_E_FORMAT, "trailing");
+    expect_bad("reversed.safetensors",
+               "{\"a\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[8,0]}}", -1, 8,
+               MDT_E_FORMAT, "end before");
+    expect_bad("negshape.safetensors",
+               "{\"a\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", -1, 8,
+               MDT_E_FORMAT, "shape[0]");
+    expect_bad("fracoff.safetensors",
+               "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8.5]}}", -1, 8,
+               MDT_E_FORMAT, "data_offsets");
+    expect_bad("meta.safetensors",
+               "{\"__metadata__\":{\"k\":3},\"a\":{\"dtype\":\"F32\",\"shape\":[2],"
+               "\"data_offsets\":[0,8]}}",
+               -1, 8, MDT_E_FORMAT, "__metadata__");
+    expect_bad("dup.safetensors",
+               "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+               "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
+               -1, 8, MDT_E_FORMAT, "twice");
+    expect_bad("huge.safetensors",
+               "{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,4294967296],"
+               "\"data_offsets\":[0,8]}}",
+               -1, 8, MDT_E_FORMAT, "'a'");
+    /* metadata strings are kept; padding spaces after the JSON are allowed */
+    write_raw(tpath("meta_ok.safetensors"),
+              "{\"__metadata__\":{\"format\":\"pt\"},\"a\":{\"dtype\":\"F32\",\"shape\":[2],"
+              "\"data_offsets\":[0,8]}}      ",
+              -1, 8);
+    EXPECT_OK(mdt_st_open(tpath("meta_ok.safetensors"), &f));
+    if (f) {
+        EXPECT(mdt_st_meta(f, "format") && strcmp(mdt_st_meta(f, "format"), "pt") == 0,
+               "metadata read");
+        mdt_st_close(f);
+    }
+    EXPECT_ERR(mdt_st_open(tpath("does-not-exist.safetensors"), &f), MDT_E_IO, "cannot open");
+}
+
+static void write_text(const char *path, const char *text) {
+    FILE *fp = fopen(path, "w");
+    fputs(text, fp);
+    fclose(fp);
+}
+
+static void test_checkpoint_dirs(void) {
+    const char *cfg = "{\"_class_name\": \"FluxTransformer2DModel\", \"num_layers\": 3}";
+    char d[400], p[600];
+    mdt_ckpt *c = NULL;
+    const mdt_ckpt_ref *ref;
+    /* single file */
+    snprintf(d, sizeof d, "%s/single", g_dir);
+    mkdir(d, 0777);
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_NOTFOUND, "config.json");
+    snprintf(p, sizeof p, "%s/config.json", d);
+    write_text(p, cfg);
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_NOTFOUND, "neither");
+    snprintf(p, sizeof p, "%s/diffusion_pytorch_model.safetensors", d);
+    write_raw(p, "{\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", -1, 8);
+    EXPECT_OK(mdt_ckpt_open(d, &c));
+    if (c) {
+        int64_t v = 0;
+        EXPECT_OK(mdt_cfg_int(c->config, "num_layers", 1, 0, &v));
+        EXPECT(v == 3, "config value");
+        EXPECT_OK(mdt_ckpt_find(c, "w", &ref));
+        EXPECT_ERR(mdt_ckpt_find(c, "missing.weight", &ref), MDT_E_NOTFOUND, "missing.weight",
+                   "missing from the checkpoint");
+        EXPECT_ERR(mdt_cfg_int(c->config, "_class_name", 0, 0, &v), MDT_E_INVALID, "_class_name",
+                   "integer");
+        mdt_ckpt_close(c);
+    }
+    /* sharded */
+    snprintf(d, sizeof d, "%s/sharded", g_dir);
+    mkdir(d, 0777);
+    snprintf(p, sizeof p, "%s/config.json", d);
+    write_text(p, cfg);
+    snprintf(p, sizeof p, "%s/s1.safetensors", d);
+    write_raw(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", -1, 8);
+    snprintf(p, sizeof p, "%s/s2.safetensors", d);
+    write_raw(p, "{\"b\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]}}", -1, 4);
+    snprintf(p, sizeof p, "%s/diffusion_pytorch_model.safetensors.index.json", d);
+    write_text(p,
+               "{\"metadata\": {\"total_size\": 12}, \"weight_map\": {\"a\": \"s1.safetensors\", "
+               "\"b\": \"s2.safetensors\"}}");
+    EXPECT_OK(mdt_ckpt_open(d, &c));
+    if (c) {
+        EXPECT(c->nfiles == 2 && c->n == 2, "two shards, two tensors");
+        EXPECT(mdt_ckpt_find(c, "b", &ref) == MDT_OK && ref->entry->dtype == MDT_BF16,
+               "tensor from shard 2");
+        mdt_ckpt_close(c);
+    }
+    write_text(p, "{\"weight_map\": {\"a\": \"s1.safetensors\", \"b\": \"s3.safetensors\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_NOTFOUND, "s3.safetensors", "missing");
+    write_text(p, "{\"weight_map\": {\"a\": \"s1.safetensors\", \"c\": \"s2.safetensors\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_NOTFOUND, "s2.safetensors", "'c'", "lacks");
+    write_text(p, "{\"weight_map\": {\"a\": \"../single/diffusion_pytorch_model.safetensors\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT, "not a plain file name");
+    write_text(p, "{\"weight_map\": [1, 2]}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT, "weight_map");
+    write_text(p, "{\"weight_map\": ");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT, "invalid JSON");
+}
+
+int main(void) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_io_XXXXXX");
+    if (!mkdtemp(g_dir))
+        return 1;
+    test_dtypes();
+    test_roundtrip();
+    test_malformed();
+    test_checkpoint_dirs();
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", g_dir);
+    TEST_END();
+}

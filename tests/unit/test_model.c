@@ -1,0 +1,159 @@
+/*
+ * test_model.c — the generic loader and the Flux model through the public API: generated
+ * checkpoints in every storage form give the same forward, bad checkpoints and bad inputs give
+ * errors naming the tensor, and repeated forwards allocate nothing new (the arena is reused).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "harness.h"
+#include "models/model.h"
+
+#include <stdlib.h>
+
+static char g_dir[256];
+
+static const char *sub(const char *name) {
+    static char buf[4][512];
+    static int k;
+    k = (k + 1) % 4;
+    snprintf(buf[k], sizeof buf[k], "%s/%s", g_dir, name);
+    return buf[k];
+}
+
+static void write_text(const char *path, const char *text) {
+    FILE *fp = fopen(path, "w");
+    fputs(text, fp);
+    fclose(fp);
+}
+
+static mdt_tensor_set *inputs_for(mdt_model *m, int64_t img, int64_t txt, int64_t batch) {
+    mdt_tensor_set *in;
+    mdt_inputs_params p = {7, batch, img, txt, 0.6, 3.5};
+    mdt_tensor_set_create(&in);
+    EXPECT_OK(m->fam->make_inputs(m->impl, &p, in));
+    return in;
+}
+
+static float *forward_copy(const char *dir, const mdt_tensor_set *in, int64_t *n) {
+    mdt_load_params lp = mdt_load_params_default();
+    mdt_model *m = NULL;
+    mdt_tensor_set *out = NULL;
+    float *res = NULL;
+    lp.checkpoint_dir = dir;
+    EXPECT_OK(mdt_model_load(&lp, &m));
+    if (!m)
+        return NULL;
+    mdt_tensor_set_create(&out);
+    EXPECT_OK(mdt_model_forward(m, in, out));
+    mdt_tensor *s = mdt_tensor_set_get(out, "sample");
+    if (s) {
+        *n = mdt_tensor_numel(s);
+        res = malloc(sizeof(float) * (size_t)*n);
+        memcpy(res, s->data, sizeof(float) * (size_t)*n);
+    }
+    mdt_tensor_set_free(out);
+    mdt_model_free(m);
+    return res;
+}
+
+int main(void) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_model_XXXXXX");
+    if (!mkdtemp(g_dir))
+        return 1;
+    const mdt_family *fam = mdt_family_by_name("flux");
+    const char *tiny = fam->preset("tiny");
+    EXPECT_OK(mdt_model_gen(tiny, 3, MDT_F32, 1, sub("f32")));
+    EXPECT_OK(mdt_model_gen(tiny, 3, MDT_F32, 3, sub("f32x3")));
+    EXPECT_OK(mdt_model_gen(tiny, 3, MDT_BF16, 2, sub("bf16x2")));
+    EXPECT_OK(mdt_model_gen(tiny, 3, MDT_F16, 1, sub("f16")));
+
+    /* same seed -> same values; shards change nothing; bf16/f16 storage rounds only */
+    mdt_load_params lp = mdt_load_params_default();
+    mdt_model *m = NULL;
+    char f32dir[512], f32x3dir[512];
+    snprintf(f32dir, sizeof f32dir, "%s", sub("f32"));
+    snprintf(f32x3dir, sizeof f32x3dir, "%s", sub("f32x3"));
+    lp.checkpoint_dir = f32dir;
+    EXPECT_OK(mdt_model_load(&lp, &m));
+    if (!m)
+        TEST_END();
+    mdt_tensor_set *in = inputs_for(m, 13, 5, 2);
+    int64_t n1 = 0, n2 = 0, n3 = 0, n4 = 0;
+    float *a = forward_copy(sub("f32"), in, &n1), *b = forward_copy(sub("f32x3"), in, &n2);
+    float *c = forward_copy(sub("bf16x2"), in, &n3), *d = forward_copy(sub("f16"), in, &n4);
+    EXPECT(a && b && n1 == n2 && memcmp(a, b, sizeof(float) * (size_t)n1) == 0,
+           "3-shard checkpoint gives bit-identical output");
+    EXPECT(c && n3 == n1 && t_rel_err(c, a, n1, 0) < 5e-2 && t_rel_err(c, a, n1, 0) > 1e-6,
+           "bf16 storage: close to f32 but rounded (%.3e)", c ? t_rel_err(c, a, n1, 0) : -1.0);
+    EXPECT(d && n4 == n1 && t_rel_err(d, a, n1, 0) < 5e-3, "f16 storage close to f32");
+    EXPECT(n1 == 2 * 13 * 4, "output [2, 13, 4]");
+
+    /* repeated forwards: the arena is reused; per-call allocations are only the output's */
+    mdt_tensor_set *o1, *o2, *o3;
+    mdt_tensor_set_create(&o1), mdt_tensor_set_create(&o2), mdt_tensor_set_create(&o3);
+    EXPECT_OK(mdt_model_forward(m, in, o1));
+    int64_t c0 = mdt_mem_alloc_count();
+    EXPECT_OK(mdt_model_forward(m, in, o2));
+    int64_t c1 = mdt_mem_alloc_count();
+    EXPECT_OK(mdt_model_forward(m, in, o3));
+    int64_t c2 = mdt_mem_alloc_count();
+    EXPECT(c1 - c0 == c2 - c1 && c2 - c1 <= 5, "allocations per forward: %lld then %lld",
+           (long long)(c1 - c0), (long long)(c2 - c1));
+    EXPECT(memcmp(mdt_tensor_set_get(o1, "sample")->data, mdt_tensor_set_get(o3, "sample")->data,
+                  sizeof(float) * (size_t)n1) == 0,
+           "forward is deterministic");
+    mdt_tensor_set_free(o1), mdt_tensor_set_free(o2), mdt_tensor_set_free(o3);
+
+    /* bad inputs: one message naming the tensor and the expectation */
+    mdt_tensor_set *bad, *out;
+    mdt_tensor_set_create(&out);
+    mdt_tensor_set_create(&bad);
+    EXPECT_ERR(mdt_model_forward(m, bad, out), MDT_E_INVALID, "hidden_states");
+    for (int i = 0; i < mdt_tensor_set_count(in); i++) {
+        const char *nm;
+        mdt_tensor *t = mdt_tensor_set_at(in, i, &nm);
+        if (strcmp(nm, "pooled_projections") != 0)
+            mdt_tensor_set_add_copy(bad, nm, t);
+    }
+    EXPECT_ERR(mdt_model_forward(m, bad, out), MDT_E_INVALID, "pooled_projections", "missing");
+    mdt_tensor *pp;
+    mdt_tensor_set_add(bad, "pooled_projections", MDT_F32, 2, (int64_t[]){2, 31}, &pp);
+    EXPECT_ERR(mdt_model_forward(m, bad, out), MDT_E_INVALID, "pooled_projections", "[2, 31]",
+               "[2, 32]");
+    mdt_tensor *ts = mdt_tensor_set_get(in, "timestep");
+    ((float *)ts->data)[1] = NAN;
+    EXPECT_ERR(mdt_model_forward(m, in, out), MDT_E_INVALID, "timestep", "NaN");
+    mdt_tensor_set_free(bad), mdt_tensor_set_free(out), mdt_tensor_set_free(in);
+    mdt_model_free(m);
+    free(a), free(b), free(c), free(d);
+
+    /* checkpoints that lie: the config needs a tensor the weights lack; a shape disagrees */
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s", tiny);
+    char *g = strstr(cfg, "\"guidance_embeds\": false");
+    memcpy(g, "\"guidance_embeds\": true ", 24);
+    write_text(sub("f32/config.json"), cfg);
+    EXPECT_ERR(mdt_model_load(&lp, &m), MDT_E_NOTFOUND,
+               "time_text_embed.guidance_embedder.linear_1.weight", "missing");
+    snprintf(cfg, sizeof cfg, "%s", tiny);
+    g = strstr(cfg, "\"joint_attention_dim\": 32");
+    memcpy(g, "\"joint_attention_dim\": 16", 25);
+    write_text(sub("f32/config.json"), cfg);
+    EXPECT_ERR(mdt_model_load(&lp, &m), MDT_E_INVALID, "context_embedder.weight", "[32, 32]",
+               "[32, 16]");
+    write_text(sub("f32/config.json"), "{\"_class_name\": \"SD3Transformer2DModel\"}");
+    EXPECT_ERR(mdt_model_load(&lp, &m), MDT_E_UNSUPPORTED, "SD3Transformer2DModel");
+    write_text(sub("f32/config.json"), "{\"_class_name\": \"FluxTransformer2DModel\", "
+                                       "\"attention_head_dim\": 16, \"axes_dims_rope\": [4, 4]}");
+    EXPECT_ERR(mdt_model_load(&lp, &m), MDT_E_INVALID, "axes_dims_rope", "16");
+    lp.checkpoint_dir = f32x3dir;
+    lp.tp = 2;
+    EXPECT_ERR(mdt_model_load(&lp, &m), MDT_E_UNSUPPORTED, "tp=2");
+    EXPECT(m == NULL, "no model on failure");
+
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", g_dir);
+    EXPECT(mdt_mem_live() == 0, "everything freed: %lld bytes live", (long long)mdt_mem_live());
+    TEST_END();
+}
