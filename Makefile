@@ -10,7 +10,7 @@ PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 
 WARN     := -Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla
-OPT      := -O2 -march=x86-64-v3 -mtune=generic
+OPT      := -O3 -march=x86-64-v3 -mtune=generic
 ifeq ($(DEBUG),1)
 OPT      := -O0 -g3
 endif
@@ -32,7 +32,7 @@ TEST_SRC := $(wildcard tests/unit/test_*.c)
 TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] bench/*.c)
 
-.PHONY: all test check format format-check cppcheck tidy demo clean goldens
+.PHONY: all test check format format-check cppcheck tidy demo clean goldens bench
 
 all: $(BUILD)/meshdit $(TEST_BIN)
 
@@ -70,6 +70,13 @@ tidy:
 	clang-tidy --quiet $(filter %.c,$(ALL_SRC)) -- -std=c11 -Iinclude -Isrc $(PKG_CFLAGS)
 
 check: format-check cppcheck tidy
+
+BENCH_BIN := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
+$(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/libmeshdit.a
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+bench: $(BUILD)/meshdit $(BENCH_BIN)
 
 goldens:
 	python3 scripts/make_goldens.py

@@ -1,0 +1,51 @@
+/*
+ * bench_sgemm.c — this machine's single-thread sgemm rate at the GEMM shapes of the medium Flux
+ * forward (M = 1280 tokens, K/N in {1024, 4096, 5120}), so a forward's achieved GFLOP/s can be
+ * read as a fraction of the limit. Prints one line per shape and the median over shapes.
+ * usage: build/bench/bench_sgemm [repeats]
+ */
+#include "core/core.h"
+
+#include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    int reps = argc > 1 ? atoi(argv[1]) : 5;
+    const int shapes[][3] = {{1280, 1024, 1024}, {1280, 4096, 1024}, {1280, 1024, 4096},
+                             {1280, 1024, 5120}, {1024, 6144, 1024}};
+    enum { NS = sizeof shapes / sizeof shapes[0] };
+    double rates[NS];
+    if (reps < 1)
+        reps = 1;
+    for (int s = 0; s < NS; s++) {
+        int M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+        float *a = malloc(sizeof(float) * (size_t)M * K), *b = malloc(sizeof(float) * (size_t)N * K),
+              *c = malloc(sizeof(float) * (size_t)M * N);
+        for (long i = 0; i < (long)M * K; i++)
+            a[i] = (float)(i % 17) * 0.01f;
+        for (long i = 0; i < (long)N * K; i++)
+            b[i] = (float)(i % 13) * 0.01f;
+        double *t = malloc(sizeof(double) * (size_t)reps);
+        for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
+            double t0 = mdt_now();
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K, 0.0f,
+                        c, N);
+            if (r >= 0)
+                t[r] = mdt_now() - t0;
+        }
+        qsort(t, (size_t)reps, sizeof(double), cmp);
+        rates[s] = 2.0 * M * N * K / t[reps / 2] * 1e-9;
+        printf("sgemm M=%d N=%d K=%d: median %.4f s, %.1f GFLOP/s\n", M, N, K, t[reps / 2],
+               rates[s]);
+        free(a), free(b), free(c), free(t);
+    }
+    qsort(rates, NS, sizeof(double), cmp);
+    printf("sgemm median rate: %.1f GFLOP/s\n", rates[NS / 2]);
+    return 0;
+}
