@@ -17,15 +17,19 @@ static int cmp(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 5;
-    const int shapes[][3] = {{1280, 1024, 1024}, {1280, 4096, 1024}, {1280, 1024, 4096},
-                             {1280, 1024, 5120}, {1024, 6144, 1024}};
+    const int shapes[][3] = {{1280, 1024, 1024},
+                             {1280, 4096, 1024},
+                             {1280, 1024, 4096},
+                             {1280, 1024, 5120},
+                             {1024, 6144, 1024}};
     enum { NS = sizeof shapes / sizeof shapes[0] };
     double rates[NS];
     if (reps < 1)
         reps = 1;
     for (int s = 0; s < NS; s++) {
         int M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
-        float *a = malloc(sizeof(float) * (size_t)M * K), *b = malloc(sizeof(float) * (size_t)N * K),
+        float *a = malloc(sizeof(float) * (size_t)M * K),
+              *b = malloc(sizeof(float) * (size_t)N * K),
               *c = malloc(sizeof(float) * (size_t)M * N);
         for (long i = 0; i < (long)M * K; i++)
             a[i] = (float)(i % 17) * 0.01f;
@@ -34,8 +38,8 @@ int main(int argc, char **argv) {
         double *t = malloc(sizeof(double) * (size_t)reps);
         for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
             double t0 = mdt_now();
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K, 0.0f,
-                        c, N);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, K, b, K, 0.0f, c,
+                        N);
             if (r >= 0)
                 t[r] = mdt_now() - t0;
         }

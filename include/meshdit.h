@@ -92,20 +92,42 @@ mdt_status mdt_tensor_set_load(const char *path, mdt_tensor_set **out);
  * A failed write leaves no file at `path` (and an old file there untouched). */
 mdt_status mdt_tensor_set_save(const mdt_tensor_set *set, const char *path);
 
+/* The device mesh: world = tp x ring x ulysses ranks over MPI_COMM_WORLD (MPI must be
+ * initialised by the caller). `order` is a permutation of "tp,ring,ulysses", outermost first
+ * (NULL = that default: Ulysses groups on contiguous ranks). Collective; the same verdict on
+ * every rank. MDT_E_INVALID if tp x ring x ulysses differs from the world size. */
+typedef struct mdt_mesh mdt_mesh;
+mdt_status mdt_mesh_create_world(int tp, int ring, int ulysses, const char *order, mdt_mesh **out);
+void mdt_mesh_free(mdt_mesh *m);
+int mdt_mesh_rank(const mdt_mesh *m); /* world rank (0 for NULL) */
+int mdt_mesh_size(const mdt_mesh *m); /* world size (1 for NULL) */
+
 /* A loaded model (weights resident on this rank, ready for forward). */
 typedef struct mdt_model mdt_model;
 
 typedef struct mdt_load_params {
     const char *checkpoint_dir; /* diffusers layout: config.json + safetensors (+ index.json) */
-    int tp, ring, ulysses;      /* parallel degrees (1 = off); only 1,1,1 before the mesh lands */
+    mdt_mesh *mesh;             /* borrowed; NULL = single rank. Weights are read shard-on-read */
 } mdt_load_params;
 
 mdt_load_params mdt_load_params_default(void);
 
-/* Loads config and weights. Weights in F32/BF16/F16 are converted to f32 on load.
- * Errors: MDT_E_IO, MDT_E_FORMAT (malformed checkpoint), MDT_E_NOTFOUND (missing tensor/shard),
- * MDT_E_INVALID (shape mismatch, bad config), MDT_E_UNSUPPORTED (unknown model family). */
+/* Loads config and weights: with a mesh, each rank reads from disk only the bytes of its TP
+ * shards (converted to f32 after slicing). Collective over the mesh; every rank returns the same
+ * status (a failing rank's message is reported by all). Errors: MDT_E_IO, MDT_E_FORMAT (malformed
+ * checkpoint), MDT_E_NOTFOUND (missing tensor/shard), MDT_E_INVALID (shape mismatch, bad config,
+ * layout the model cannot take), MDT_E_UNSUPPORTED (unknown model family, or a parallel axis this
+ * build does not implement yet -- never run silently on fewer axes). */
 mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out);
+/* In-memory path: a model loaded whole (mesh NULL, every rank holding every weight) is sharded
+ * for `mesh`: the state of TP coordinate 0 is broadcast so ranks agree, each rank keeps its
+ * slices and frees the rest. Fails on a model that was loaded sharded (parallelism was already
+ * applied at load time). Collective. */
+mdt_status mdt_model_parallelize(mdt_model *m, mdt_mesh *mesh);
+/* Gathers the TP shards back into full tensors and writes an ordinary single-file checkpoint
+ * (config.json + diffusion_pytorch_model.safetensors, in each tensor's stored dtype) to `dir` on
+ * world rank 0. Collective. */
+mdt_status mdt_model_gather(mdt_model *m, const char *dir);
 void mdt_model_free(mdt_model *m);
 
 /* Runs one forward. `inputs` uses the reference implementation's argument names (e.g. Flux:

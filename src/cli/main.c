@@ -260,34 +260,70 @@ static long max_rss_kib(void) {
     return ru.ru_maxrss;
 }
 
-static mdt_status write_report(const char *path, const mdt_model *m, const mdt_load_params *lp,
-                               double load_s, double step_s, int steps, const mdt_counters *per) {
+/* What one rank did, gathered to rank 0 for the plan report. */
+typedef struct rank_facts {
+    int rank, t, r, u, cp_index;
+    int64_t heads_local, weight_bytes, peak_bytes, max_rss_kib, bytes_read;
+    double flops[MDT_FLOP_KIND_COUNT];
+    int64_t attn_calls, attn_q, attn_kv;
+    int64_t coll[MDT_COLL_KIND_COUNT];
+} rank_facts;
+
+static mdt_status write_report(const char *path, const mdt_model *m, const char *order,
+                               double load_s, double step_s, int steps, const rank_facts *rf) {
     cJSON *r = cJSON_CreateObject();
-    cJSON *ranks = cJSON_AddArrayToObject(r, "ranks");
-    cJSON *rk = cJSON_CreateObject();
-    cJSON_AddItemToArray(ranks, rk);
     cJSON_AddStringToObject(r, "model", m->fam->name);
     cJSON_AddNumberToObject(r, "world", g_world);
     cJSON *lay = cJSON_AddObjectToObject(r, "layout");
-    cJSON_AddNumberToObject(lay, "tp", lp->tp);
-    cJSON_AddNumberToObject(lay, "ring", lp->ring);
-    cJSON_AddNumberToObject(lay, "ulysses", lp->ulysses);
+    cJSON_AddNumberToObject(lay, "tp", m->mesh ? m->mesh->T : 1);
+    cJSON_AddNumberToObject(lay, "ring", m->mesh ? m->mesh->R : 1);
+    cJSON_AddNumberToObject(lay, "ulysses", m->mesh ? m->mesh->U : 1);
+    cJSON_AddStringToObject(lay, "mesh_order", order);
     cJSON_AddNumberToObject(r, "load_seconds", load_s);
     cJSON_AddNumberToObject(r, "step_seconds_median", step_s);
     cJSON_AddNumberToObject(r, "steps", steps);
-    cJSON_AddNumberToObject(rk, "rank", g_rank);
-    cJSON_AddNumberToObject(rk, "weight_bytes", (double)m->weight_bytes);
-    cJSON_AddNumberToObject(rk, "peak_bytes", (double)mdt_mem_peak());
-    cJSON_AddNumberToObject(rk, "max_rss_kib", (double)max_rss_kib());
-    cJSON_AddNumberToObject(rk, "bytes_read", (double)per->bytes_read);
-    cJSON *fl = cJSON_AddObjectToObject(rk, "flops_per_step");
-    cJSON_AddNumberToObject(fl, "linear", per->flops[MDT_FLOP_LINEAR]);
-    cJSON_AddNumberToObject(fl, "attention", per->flops[MDT_FLOP_ATTN]);
-    cJSON_AddNumberToObject(fl, "other", per->flops[MDT_FLOP_OTHER]);
-    cJSON *at = cJSON_AddObjectToObject(rk, "attention_per_step");
-    cJSON_AddNumberToObject(at, "calls", (double)per->attn_calls);
-    cJSON_AddNumberToObject(at, "query_rows_x_heads", (double)per->attn_query_rows);
-    cJSON_AddNumberToObject(at, "kv_rows_x_heads", (double)per->attn_kv_rows);
+    cJSON *ranks = cJSON_AddArrayToObject(r, "ranks");
+    for (int i = 0; i < g_world; i++) {
+        const rank_facts *f = &rf[i];
+        cJSON *rk = cJSON_CreateObject();
+        cJSON_AddItemToArray(ranks, rk);
+        cJSON_AddNumberToObject(rk, "rank", f->rank);
+        cJSON *co = cJSON_AddObjectToObject(rk, "coords");
+        cJSON_AddNumberToObject(co, "tp", f->t);
+        cJSON_AddNumberToObject(co, "ring", f->r);
+        cJSON_AddNumberToObject(co, "ulysses", f->u);
+        cJSON_AddNumberToObject(co, "cp_index", f->cp_index);
+        cJSON_AddNumberToObject(rk, "heads_local", (double)f->heads_local);
+        cJSON_AddNumberToObject(rk, "weight_bytes", (double)f->weight_bytes);
+        cJSON_AddNumberToObject(rk, "peak_bytes", (double)f->peak_bytes);
+        cJSON_AddNumberToObject(rk, "max_rss_kib", (double)f->max_rss_kib);
+        cJSON_AddNumberToObject(rk, "bytes_read", (double)f->bytes_read);
+        cJSON *fl = cJSON_AddObjectToObject(rk, "flops_per_step");
+        cJSON_AddNumberToObject(fl, "linear", f->flops[MDT_FLOP_LINEAR]);
+        cJSON_AddNumberToObject(fl, "attention", f->flops[MDT_FLOP_ATTN]);
+        cJSON_AddNumberToObject(fl, "other", f->flops[MDT_FLOP_OTHER]);
+        cJSON *at = cJSON_AddObjectToObject(rk, "attention_per_step");
+        cJSON_AddNumberToObject(at, "calls", (double)f->attn_calls);
+        cJSON_AddNumberToObject(at, "query_rows_x_heads", (double)f->attn_q);
+        cJSON_AddNumberToObject(at, "kv_rows_x_heads", (double)f->attn_kv);
+        cJSON *cb = cJSON_AddObjectToObject(rk, "bytes_sent_per_step");
+        for (int k = 0; k < MDT_COLL_KIND_COUNT; k++)
+            cJSON_AddNumberToObject(cb, mdt_coll_kind_name((mdt_coll_kind)k), (double)f->coll[k]);
+    }
+    if (g_rank == 0) { /* per tensor: style, local shape, bytes read (rank 0's view) */
+        cJSON *tens = cJSON_AddArrayToObject(r, "tensors_rank0");
+        for (int i = 0; i < m->table.n; i++) {
+            const mdt_weight_spec *w = &m->table.specs[i];
+            cJSON *t = cJSON_CreateObject();
+            cJSON_AddItemToArray(tens, t);
+            cJSON_AddStringToObject(t, "name", w->name);
+            cJSON_AddStringToObject(t, "style", mdt_tp_style_name(w->style));
+            cJSON *ls = cJSON_AddArrayToObject(t, "local_shape");
+            for (int d = 0; d < w->ndim; d++)
+                cJSON_AddItemToArray(ls, cJSON_CreateNumber((double)m->ws[i].local[d]));
+            cJSON_AddNumberToObject(t, "bytes_read", (double)m->ws[i].bytes_read);
+        }
+    }
     char *txt = cJSON_Print(r);
     cJSON_Delete(r);
     if (!txt)
@@ -298,6 +334,33 @@ static mdt_status write_report(const char *path, const mdt_model *m, const mdt_l
         bad |= fclose(fp) != 0;
     cJSON_free(txt);
     return bad ? MDT_FAIL(MDT_E_IO, "%s: cannot write the report", path) : MDT_OK;
+}
+
+static void print_plan(const mdt_model *m, const char *order, const rank_facts *rf, double load_s,
+                       double med, int nsteps, int sampling, const char *out) {
+    char wb[32], pb[32];
+    printf("plan: model %s, world %d = tp %d x ring %d x ulysses %d (mesh order %s)\n",
+           m->fam->name, g_world, m->mesh ? m->mesh->T : 1, m->mesh ? m->mesh->R : 1,
+           m->mesh ? m->mesh->U : 1, order);
+    double tot0 = 0;
+    for (int i = 0; i < g_world; i++) {
+        const rank_facts *f = &rf[i];
+        double tot = f->flops[MDT_FLOP_LINEAR] + f->flops[MDT_FLOP_ATTN] + f->flops[MDT_FLOP_OTHER];
+        if (i == 0)
+            tot0 = tot;
+        fmt_bytes((double)f->weight_bytes, wb, sizeof wb);
+        fmt_bytes((double)f->peak_bytes, pb, sizeof pb);
+        printf(
+            "rank %d (tp %d, ring %d, ulysses %d): %lld heads, weights %s, peak %s, read %lld B; "
+            "per forward %.3f GFLOP (linear %.3f, attn %.3f), attn %lld q-rows x heads, "
+            "allreduce %lld B\n",
+            f->rank, f->t, f->r, f->u, (long long)f->heads_local, wb, pb, (long long)f->bytes_read,
+            tot * 1e-9, f->flops[MDT_FLOP_LINEAR] * 1e-9, f->flops[MDT_FLOP_ATTN] * 1e-9,
+            (long long)f->attn_q, (long long)f->coll[MDT_COLL_ALLREDUCE]);
+    }
+    printf("load %.3f s; %s %d: median %.4f s per %s (rank 0: %.2f GFLOP/s); wrote %s\n", load_s,
+           sampling ? "steps" : "forwards", nsteps, med, sampling ? "step" : "forward",
+           med > 0 ? tot0 / med * 1e-9 : 0.0, out);
 }
 
 static int cmd_run(int argc, char **argv) {
@@ -319,35 +382,29 @@ static int cmd_run(int argc, char **argv) {
         return rc;
     if (!ck || !inp || !out)
         return usage_exit("run needs --checkpoint DIR --inputs FILE --out FILE%s", "");
-    if (strcmp(order, "tp,ring,ulysses") != 0 && strcmp(order, "ring,ulysses,tp") != 0 &&
-        strcmp(order, "tp,ulysses,ring") != 0 && strcmp(order, "ring,tp,ulysses") != 0 &&
-        strcmp(order, "ulysses,tp,ring") != 0 && strcmp(order, "ulysses,ring,tp") != 0)
-        return usage_exit("--mesh-order must be a permutation of tp,ring,ulysses, got '%s'", order);
-    if (tp * ring * uly != g_world) {
-        (void)MDT_FAIL(MDT_E_INVALID,
-                       "layout tp=%lld x ring=%lld x ulysses=%lld needs %lld ranks, but "
-                       "%d were launched",
-                       tp, ring, uly, tp * ring * uly, g_world);
-        return fail_exit(MDT_E_INVALID);
-    }
-    mdt_load_params lp = mdt_load_params_default();
-    lp.checkpoint_dir = ck, lp.tp = (int)tp, lp.ring = (int)ring, lp.ulysses = (int)uly;
+    mdt_mesh *mesh = NULL;
     mdt_model *m = NULL;
     mdt_tensor_set *in = NULL, *res = NULL;
-    mdt_status st;
+    rank_facts *all = NULL;
+    double *times = NULL;
+    mdt_status st = mdt_mesh_create_world((int)tp, (int)ring, (int)uly, order, &mesh);
+    if (st != MDT_OK)
+        return fail_exit(st); /* same verdict on every rank: nothing to agree on */
+    mdt_load_params lp = mdt_load_params_default();
+    lp.checkpoint_dir = ck, lp.mesh = mesh;
     double t0 = mdt_now();
     st = mdt_model_load(&lp, &m);
     double load_s = mdt_now() - t0;
-    const int64_t load_bytes = mdt_counters_get()->bytes_read;
-    const int progress = !quiet && g_rank == 0 && steps > 0 && isatty(STDERR_FILENO);
     if (st == MDT_OK)
-        st = mdt_tensor_set_load(inp, &in);
+        st = mdt_mesh_agree(mesh, mdt_tensor_set_load(inp, &in));
     if (st != MDT_OK)
         goto done;
     const mdt_family *fam = m->fam;
-    int nsteps = steps > 0 ? (int)steps : (int)repeat;
-    double *times = calloc((size_t)nsteps, sizeof(double));
+    const int nsteps = steps > 0 ? (int)steps : (int)repeat;
+    const int progress = !quiet && g_rank == 0 && steps > 0 && isatty(STDERR_FILENO);
+    times = calloc((size_t)nsteps, sizeof(double));
     mdt_counters per = {0};
+    int64_t coll[MDT_COLL_KIND_COUNT] = {0};
     mdt_tensor *lat = NULL, *tst = NULL;
     if (!times) {
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
@@ -359,7 +416,6 @@ static int cmd_run(int argc, char **argv) {
         if (!lat || lat->dtype != MDT_F32 || !tst || tst->dtype != MDT_F32) {
             st = MDT_FAIL(MDT_E_INVALID, "inputs: --steps needs F32 '%s' and '%s'",
                           fam->latent_input, fam->timestep_input);
-            free(times);
             goto done;
         }
     }
@@ -374,12 +430,16 @@ static int cmd_run(int argc, char **argv) {
         st = mdt_tensor_set_create(&res);
         if (st != MDT_OK)
             break;
+        int64_t c0[MDT_COLL_KIND_COUNT];
+        memcpy(c0, mesh->bytes_sent, sizeof c0);
         mdt_counters_reset();
+        MPI_Barrier(MPI_COMM_WORLD);
         double ts = mdt_now();
         st = mdt_model_forward(m, in, res);
         times[i] = mdt_now() - ts;
         per = *mdt_counters_get();
-        per.bytes_read = load_bytes;
+        for (int k = 0; k < MDT_COLL_KIND_COUNT; k++)
+            coll[k] = mesh->bytes_sent[k] - c0[k];
         if (st != MDT_OK)
             break;
         if (lat) {
@@ -401,6 +461,7 @@ static int cmd_run(int argc, char **argv) {
     }
     if (progress)
         fprintf(stderr, "\n");
+    st = mdt_mesh_agree(mesh, st);
     if (st == MDT_OK && lat) {
         /* the sampler's result is the final latent, under the model's output name */
         mdt_tensor_set_free(res);
@@ -411,33 +472,42 @@ static int cmd_run(int argc, char **argv) {
     }
     if (st == MDT_OK && g_rank == 0)
         st = mdt_tensor_set_save(res, out);
+    st = mdt_mesh_agree(mesh, st);
+    if (st != MDT_OK)
+        goto done;
+    /* per-rank facts to rank 0 */
     double med = median(times, nsteps);
-    free(times);
-    if (st == MDT_OK && report)
-        st = write_report(report, m, &lp, load_s, med, nsteps, &per);
-    if (st == MDT_OK && !quiet && g_rank == 0) {
-        char wb[32], pb[32];
-        fmt_bytes((double)m->weight_bytes, wb, sizeof wb);
-        fmt_bytes((double)mdt_mem_peak(), pb, sizeof pb);
-        double tot =
-            per.flops[MDT_FLOP_LINEAR] + per.flops[MDT_FLOP_ATTN] + per.flops[MDT_FLOP_OTHER];
-        printf("plan: model %s, world %d, tp %lld x ring %lld x ulysses %lld (mesh %s)\n",
-               fam->name, g_world, tp, ring, uly, order);
-        printf("rank 0: weights %s resident, peak memory %s, checkpoint bytes read %lld\n", wb, pb,
-               (long long)per.bytes_read);
-        printf("rank 0 per forward: %.3f GFLOP (linear %.3f, attention %.3f, other %.3f), "
-               "attention %lld query rows x heads over %lld kv rows x heads\n",
-               tot * 1e-9, per.flops[MDT_FLOP_LINEAR] * 1e-9, per.flops[MDT_FLOP_ATTN] * 1e-9,
-               per.flops[MDT_FLOP_OTHER] * 1e-9, (long long)per.attn_query_rows,
-               (long long)per.attn_kv_rows);
-        printf("load %.3f s; %s %d: median %.4f s per %s (%.2f GFLOP/s); wrote %s\n", load_s,
-               steps > 0 ? "steps" : "forwards", nsteps, med, steps > 0 ? "step" : "forward",
-               med > 0 ? tot / med * 1e-9 : 0.0, out);
+    rank_facts mine = {0};
+    int64_t heads = 0;
+    mdt_cfg_int(m->config, "num_attention_heads", 0, 0, &heads);
+    mine.rank = g_rank, mine.t = mesh->t, mine.r = mesh->r, mine.u = mesh->u;
+    mine.cp_index = mesh->cp_index;
+    mine.heads_local = heads / mesh->T;
+    mine.weight_bytes = m->weight_bytes, mine.peak_bytes = mdt_mem_peak();
+    mine.max_rss_kib = max_rss_kib(), mine.bytes_read = m->bytes_read;
+    memcpy(mine.flops, per.flops, sizeof mine.flops);
+    mine.attn_calls = per.attn_calls, mine.attn_q = per.attn_query_rows;
+    mine.attn_kv = per.attn_kv_rows;
+    memcpy(mine.coll, coll, sizeof coll);
+    all = calloc((size_t)g_world, sizeof *all);
+    if (!all) {
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        goto done;
     }
+    MPI_Gather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, 0,
+               MPI_COMM_WORLD);
+    if (g_rank == 0 && report)
+        st = write_report(report, m, order, load_s, med, nsteps, all);
+    st = mdt_mesh_agree(mesh, st);
+    if (st == MDT_OK && !quiet && g_rank == 0)
+        print_plan(m, order, all, load_s, med, nsteps, steps > 0, out);
 done:
+    free(all);
+    free(times);
     mdt_tensor_set_free(res);
     mdt_tensor_set_free(in);
     mdt_model_free(m);
+    mdt_mesh_free(mesh);
     return st == MDT_OK ? 0 : fail_exit(st);
 }
 

@@ -290,69 +290,96 @@ static void rope_tables(const flux *f, const float *ids, int64_t S, float *cos_t
 
 typedef struct flux_act {
     int64_t B, Si, St, S;
-    const float *silu_temb;     /* [B, C] */
+    int T, k;                   /* TP degree and shard index */
+    mdt_mesh *mesh;             /* NULL when T = 1 */
+    int64_t Cl, Ml, Hl;         /* local widths: C/T, 4C/T, heads/T */
+    const float *silu_temb;     /* [B, C] replicated */
     const float *cos_t, *sin_t; /* [S, D], text rows first */
-    float *q, *k, *v;           /* [B, H, S, D] head-major */
+    float *q, *k_, *v;          /* [B, H/T, S, D] head-major */
     float *ws;                  /* attention scratch */
 } flux_act;
 
-/* Projects rows of `src` [B, n, C] into head-major q/k/v at sequence offset s0 (per batch),
- * applying the per-head RMSNorm to q and k and RoPE (rows s0.. of the tables) to both. */
+/* Rowwise linear (plain, packed or replicated-input): y [M, out] = sum over the TP group of
+ * x_local [M, K_local] . W_local^T, then the full bias once (after the all-reduce, so every TP
+ * peer adds it to the same bit-identical sum). */
+static mdt_status row_linear(const flux_act *A, const flux_lin *l, const float *x, int64_t ldx,
+                             int64_t K_local, float *y, int64_t M) {
+    mdt_cpu_linear(x, ldx, l->w, NULL, y, l->out, M, K_local, l->out); // [M, out] partial
+    if (A->T > 1)
+        MDT_TRY(mdt_allreduce_sum(A->mesh, A->mesh->tp, y, M * l->out));
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < l->out; j++)
+            y[i * l->out + j] += l->b[j];
+    return MDT_OK;
+}
+
+/* AdaLN projection of the replicated SiLU(temb) [B, C]: this rank multiplies input features
+ * [k C/T, (k+1) C/T) by its weight columns; y [B, out] after the all-reduce. */
+static mdt_status adaln(const flux *f, const flux_act *A, const flux_lin *l, float *y) {
+    return row_linear(A, l, A->silu_temb + (int64_t)A->k * A->Cl, f->inner, A->Cl, y, A->B);
+}
+
+/* Projects rows of `src` [B, n, C] with the colwise (local heads) q/k/v weights into head-major
+ * [B, H/T, S, D] at sequence offset s0, applying the per-head RMSNorm to q and k and RoPE (rows
+ * s0.. of the tables) to both. */
 static void project_qkv(const flux *f, const flux_act *A, const float *src, int64_t n, int64_t s0,
                         const flux_lin *lq, const flux_lin *lk, const flux_lin *lv, const float *nq,
                         const float *nk, float *tmp) {
-    const int64_t C = f->inner, H = f->heads, D = f->head_dim, S = A->S;
+    const int64_t C = f->inner, H = A->Hl, D = f->head_dim, S = A->S, Cl = A->Cl;
     const flux_lin *lins[3] = {lq, lk, lv};
-    float *dst[3] = {A->q, A->k, A->v};
+    float *dst[3] = {A->q, A->k_, A->v};
     const float *norms[3] = {nq, nk, NULL};
     for (int j = 0; j < 3; j++) {
-        mdt_cpu_linear(src, C, lins[j]->w, lins[j]->b, tmp, C, A->B * n, C, C); // [B*n, C]
+        mdt_cpu_linear(src, C, lins[j]->w, lins[j]->b, tmp, Cl, A->B * n, C, Cl); // [B*n, C/T]
         for (int64_t b = 0; b < A->B; b++)
-            mdt_cpu_heads_prepare(tmp + b * n * C, C, n, H, D, norms[j], k_eps,
+            mdt_cpu_heads_prepare(tmp + b * n * Cl, Cl, n, H, D, norms[j], k_eps,
                                   j < 2 ? A->cos_t + s0 * D : NULL,
                                   j < 2 ? A->sin_t + s0 * D : NULL, dst[j] + b * H * S * D, S,
-                                  s0); // [H, S, D] rows s0..s0+n
+                                  s0); // [H/T, S, D] rows s0..s0+n
     }
 }
 
-/* Joint attention over all S rows; out [B, S, ld] token-major, heads at columns [0, C). */
+/* Joint attention over all S rows on the local heads; out [B, S, ld] token-major, the heads at
+ * columns [0, C/T). */
 static void attend(const flux *f, const flux_act *A, float *out, int64_t ld) {
-    const int64_t H = f->heads, D = f->head_dim, S = A->S;
+    const int64_t H = A->Hl, D = f->head_dim, S = A->S;
     const float scale = 1.0f / sqrtf((float)D);
     for (int64_t b = 0; b < A->B; b++)
-        mdt_cpu_attention(A->q + b * H * S * D, A->k + b * H * S * D, A->v + b * H * S * D,
-                          out + b * S * ld, ld, NULL, H, S, S, S, D, scale, A->ws); // [S, H*D]
+        mdt_cpu_attention(A->q + b * H * S * D, A->k_ + b * H * S * D, A->v + b * H * S * D,
+                          out + b * S * ld, ld, NULL, H, S, S, S, D, scale, A->ws); // [S, C/T]
 }
 
-/* x [B, n, C] += gate * FF(LN(x) * (1 + scale) + shift), the mlp half of a double block. */
-static void ff_residual(const flux *f, const flux_act *A, float *x, int64_t n, const float *mod,
-                        const flux_lin *l0, const flux_lin *l2, float *nbuf, float *hbuf,
-                        float *ybuf) {
-    const int64_t C = f->inner, B = A->B;
+/* x [B, n, C] += gate * FF(LN(x) (1 + scale) + shift), the mlp half of a double block:
+ * net.0 colwise (local 4C/T features), GELU, net.2 rowwise + all-reduce. */
+static mdt_status ff_residual(const flux *f, const flux_act *A, float *x, int64_t n,
+                              const float *mod, const flux_lin *l0, const flux_lin *l2, float *nbuf,
+                              float *hbuf, float *ybuf) {
+    const int64_t C = f->inner, B = A->B, Ml = A->Ml;
     for (int64_t b = 0; b < B; b++)
         mdt_cpu_layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
                                    mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
-    mdt_cpu_linear(nbuf, C, l0->w, l0->b, hbuf, l0->out, B * n, C, l0->out);          // [B*n, 4C]
-    mdt_cpu_gelu_tanh(hbuf, B * n * l0->out);
-    mdt_cpu_linear(hbuf, l0->out, l2->w, l2->b, ybuf, C, B * n, l2->in, C); // [B*n, C]
+    mdt_cpu_linear(nbuf, C, l0->w, l0->b, hbuf, Ml, B * n, C, Ml);                    // [B*n, 4C/T]
+    mdt_cpu_gelu_tanh(hbuf, B * n * Ml);
+    MDT_TRY(row_linear(A, l2, hbuf, Ml, Ml, ybuf, B * n)); // [B*n, C]
     for (int64_t b = 0; b < B; b++)
         mdt_cpu_gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
+    return MDT_OK;
 }
 
 static mdt_status double_block(const flux *f, const flux_double *blk, const flux_act *A, float *x,
                                float *c, mdt_arena *ar) {
-    const int64_t C = f->inner, B = A->B, Si = A->Si, St = A->St, S = A->S;
-    float *mod = mdt_arena_floats(ar, B * 6 * C);            // [B, 6C] image modulation
-    float *cmod = mdt_arena_floats(ar, B * 6 * C);           // [B, 6C] text modulation
-    float *nx = mdt_arena_floats(ar, B * Si * C);            // [B, Si, C]
-    float *nc = mdt_arena_floats(ar, B * St * C);            // [B, St, C]
-    float *tmp = mdt_arena_floats(ar, B * S * C);            // [B*max(Si,St), C] projection scratch
-    float *ao = mdt_arena_floats(ar, B * S * C);             // [B, S, C] attention output
-    float *hb = mdt_arena_floats(ar, B * S * f->mlp_hidden); // [B*n, 4C]
+    const int64_t C = f->inner, B = A->B, Si = A->Si, St = A->St, S = A->S, Cl = A->Cl;
+    float *mod = mdt_arena_floats(ar, B * 6 * C);    // [B, 6C] image modulation
+    float *cmod = mdt_arena_floats(ar, B * 6 * C);   // [B, 6C] text modulation
+    float *nx = mdt_arena_floats(ar, B * Si * C);    // [B, Si, C]
+    float *nc = mdt_arena_floats(ar, B * St * C);    // [B, St, C]
+    float *tmp = mdt_arena_floats(ar, B * S * C);    // [B*max(Si,St), C] projection scratch
+    float *ao = mdt_arena_floats(ar, B * S * Cl);    // [B, S, C/T] attention output
+    float *hb = mdt_arena_floats(ar, B * S * A->Ml); // [B*n, 4C/T]
     if (!mod || !cmod || !nx || !nc || !tmp || !ao || !hb)
         return MDT_E_NOMEM;
-    mdt_cpu_linear(A->silu_temb, C, blk->norm1.w, blk->norm1.b, mod, 6 * C, B, C, 6 * C);
-    mdt_cpu_linear(A->silu_temb, C, blk->norm1_ctx.w, blk->norm1_ctx.b, cmod, 6 * C, B, C, 6 * C);
+    MDT_TRY(adaln(f, A, &blk->norm1, mod));      // [B, 6C]
+    MDT_TRY(adaln(f, A, &blk->norm1_ctx, cmod)); // [B, 6C]
     for (int64_t b = 0; b < B; b++) {
         mdt_cpu_layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, k_eps, mod + b * 6 * C,
                                    mod + b * 6 * C + C); // [Si, C]
@@ -364,50 +391,51 @@ static mdt_status double_block(const flux *f, const flux_double *blk, const flux
                 blk->norm_added_k, tmp);
     project_qkv(f, A, nx, Si, St, &blk->to_q, &blk->to_k, &blk->to_v, blk->norm_q, blk->norm_k,
                 tmp);
-    attend(f, A, ao, C); // [B, S, C]
+    attend(f, A, ao, Cl); // [B, S, C/T]
     for (int64_t b = 0; b < B; b++) {
-        mdt_cpu_linear(ao + (b * S + St) * C, C, blk->to_out.w, blk->to_out.b, tmp, C, Si, C,
-                       C); // [Si, C]
+        MDT_TRY(row_linear(A, &blk->to_out, ao + (b * S + St) * Cl, Cl, Cl, tmp, Si)); // [Si, C]
         mdt_cpu_gate_residual(x + b * Si * C, tmp, C, mod + b * 6 * C + 2 * C, Si, C);
-        mdt_cpu_linear(ao + b * S * C, C, blk->to_add_out.w, blk->to_add_out.b, tmp, C, St, C,
-                       C); // [St, C]
+        MDT_TRY(row_linear(A, &blk->to_add_out, ao + b * S * Cl, Cl, Cl, tmp, St)); // [St, C]
         mdt_cpu_gate_residual(c + b * St * C, tmp, C, cmod + b * 6 * C + 2 * C, St, C);
     }
-    ff_residual(f, A, x, Si, mod, &blk->ff0, &blk->ff2, nx, hb, tmp);
-    ff_residual(f, A, c, St, cmod, &blk->ffc0, &blk->ffc2, nc, hb, tmp);
-    return MDT_OK;
+    MDT_TRY(ff_residual(f, A, x, Si, mod, &blk->ff0, &blk->ff2, nx, hb, tmp));
+    return ff_residual(f, A, c, St, cmod, &blk->ffc0, &blk->ffc2, nc, hb, tmp);
 }
 
 /* h [B, S, C] += gate * proj_out([attn(n) | GELU(proj_mlp(n))]), n = LN(h)(1+scale)+shift */
 static mdt_status single_block(const flux *f, const flux_single *blk, const flux_act *A, float *h,
                                mdt_arena *ar) {
-    const int64_t C = f->inner, M = f->mlp_hidden, B = A->B, S = A->S, W = C + M;
+    const int64_t C = f->inner, Cl = A->Cl, Ml = A->Ml, B = A->B, S = A->S, W = Cl + Ml;
     float *mod = mdt_arena_floats(ar, B * 3 * C); // [B, 3C] shift, scale, gate
     float *n = mdt_arena_floats(ar, B * S * C);   // [B, S, C]
-    float *cat = mdt_arena_floats(ar, B * S * W); // [B, S, C + 4C] = [attn | mlp]
+    float *cat = mdt_arena_floats(ar, B * S * W); // [B, S, (C + 4C)/T] = [attn | mlp] local
     float *tmp = mdt_arena_floats(ar, B * S * C); // [B*S, C]
     if (!mod || !n || !cat || !tmp)
         return MDT_E_NOMEM;
-    mdt_cpu_linear(A->silu_temb, C, blk->norm.w, blk->norm.b, mod, 3 * C, B, C, 3 * C);
+    MDT_TRY(adaln(f, A, &blk->norm, mod)); // [B, 3C]
     for (int64_t b = 0; b < B; b++)
         mdt_cpu_layernorm_modulate(h + b * S * C, n + b * S * C, S, C, k_eps, mod + b * 3 * C,
-                                   mod + b * 3 * C + C);                             // [S, C]
-    mdt_cpu_linear(n, C, blk->proj_mlp.w, blk->proj_mlp.b, cat + C, W, B * S, C, M); // [B*S, M]
+                                   mod + b * 3 * C + C); // [S, C]
+    mdt_cpu_linear(n, C, blk->proj_mlp.w, blk->proj_mlp.b, cat + Cl, W, B * S, C,
+                   Ml); // [B*S, 4C/T] in columns [C/T, W)
     for (int64_t r = 0; r < B * S; r++)
-        mdt_cpu_gelu_tanh(cat + r * W + C, M);
+        mdt_cpu_gelu_tanh(cat + r * W + Cl, Ml);
     project_qkv(f, A, n, S, 0, &blk->to_q, &blk->to_k, &blk->to_v, blk->norm_q, blk->norm_k, tmp);
-    attend(f, A, cat, W); // columns [0, C) of cat
-    mdt_cpu_linear(cat, W, blk->proj_out.w, blk->proj_out.b, tmp, C, B * S, W, C); // [B*S, C]
+    attend(f, A, cat, W); // columns [0, C/T) of cat
+    /* packed rowwise: the local weight columns are [attn block k | mlp block k], like cat */
+    MDT_TRY(row_linear(A, &blk->proj_out, cat, W, W, tmp, B * S)); // [B*S, C]
     for (int64_t b = 0; b < B; b++)
         mdt_cpu_gate_residual(h + b * S * C, tmp + b * S * C, C, mod + b * 3 * C + 2 * C, S, C);
     return MDT_OK;
 }
 
-static mdt_status flux_forward(void *impl, mdt_arena *ar, const mdt_tensor_set *in,
-                               mdt_tensor_set *out) {
-    const flux *f = impl;
-    const int64_t C = f->inner, D = f->head_dim, H = f->heads;
+static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
+    const flux *f = m->impl;
+    mdt_arena *ar = &m->arena;
+    const int64_t C = f->inner, D = f->head_dim, H = f->heads / m->T;
     flux_act A = {0};
+    A.T = m->T, A.k = m->tp_index, A.mesh = m->mesh;
+    A.Cl = C / m->T, A.Ml = f->mlp_hidden / m->T, A.Hl = H;
     A.B = input_dim(in, "hidden_states", 0);
     A.Si = input_dim(in, "hidden_states", 1);
     A.St = input_dim(in, "encoder_hidden_states", 1);
@@ -449,11 +477,11 @@ static mdt_status flux_forward(void *impl, mdt_arena *ar, const mdt_tensor_set *
     float *sin_t = mdt_arena_floats(ar, S * D);      // [S, D]
     float *x = mdt_arena_floats(ar, B * Si * C);     // [B, Si, C]
     float *c = mdt_arena_floats(ar, B * St * C);     // [B, St, C]
-    A.q = mdt_arena_floats(ar, B * H * S * D);       // [B, H, S, D]
-    A.k = mdt_arena_floats(ar, B * H * S * D);       // [B, H, S, D]
-    A.v = mdt_arena_floats(ar, B * H * S * D);       // [B, H, S, D]
+    A.q = mdt_arena_floats(ar, B * H * S * D);       // [B, H/T, S, D]
+    A.k_ = mdt_arena_floats(ar, B * H * S * D);      // [B, H/T, S, D]
+    A.v = mdt_arena_floats(ar, B * H * S * D);       // [B, H/T, S, D]
     A.ws = mdt_arena_floats(ar, mdt_cpu_attention_ws_floats(D));
-    if (!e256 || !hsc || !temb || !tmp || !ids || !cos_t || !sin_t || !x || !c || !A.q || !A.k ||
+    if (!e256 || !hsc || !temb || !tmp || !ids || !cos_t || !sin_t || !x || !c || !A.q || !A.k_ ||
         !A.v || !A.ws)
         return MDT_E_NOMEM;
     for (int64_t b = 0; b < B; b++)
@@ -502,7 +530,7 @@ static mdt_status flux_forward(void *impl, mdt_arena *ar, const mdt_tensor_set *
     float *xn = mdt_arena_floats(ar, B * Si * C); // [B, Si, C]
     if (!emb || !xn)
         return MDT_E_NOMEM;
-    mdt_cpu_linear(A.silu_temb, C, f->norm_out.w, f->norm_out.b, emb, 2 * C, B, C, 2 * C);
+    MDT_TRY(adaln(f, &A, &f->norm_out, emb)); // [B, 2C]
     for (int64_t b = 0; b < B; b++)
         mdt_cpu_layernorm_modulate(h + (b * S + St) * C, xn + b * Si * C, Si, C, k_eps,
                                    emb + b * 2 * C + C, emb + b * 2 * C); // [Si, C]
@@ -510,6 +538,15 @@ static mdt_status flux_forward(void *impl, mdt_arena *ar, const mdt_tensor_set *
     mdt_tensor *o;
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Si, O}, &o));
     mdt_cpu_linear(xn, C, f->proj_out.w, f->proj_out.b, o->data, O, B * Si, C, O); // [B, Si, O]
+    return MDT_OK;
+}
+
+static mdt_status flux_check_layout(const void *impl, int T, int R, int U) {
+    const flux *f = impl;
+    (void)R, (void)U;
+    if (f->heads % T != 0)
+        return MDT_FAIL(MDT_E_INVALID, "tp=%d does not divide %lld attention heads", T,
+                        (long long)f->heads);
     return MDT_OK;
 }
 
@@ -586,6 +623,7 @@ const mdt_family mdt_family_flux = {
     .class_name = "FluxTransformer2DModel",
     .impl_size = sizeof(flux),
     .configure = flux_configure,
+    .check_layout = flux_check_layout,
     .forward = flux_forward,
     .make_inputs = flux_make_inputs,
     .preset = flux_preset,

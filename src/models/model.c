@@ -8,11 +8,13 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <string.h>
 #include <sys/stat.h>
 
 extern const mdt_family mdt_family_flux;
+static mdt_status write_text(const char *path, const char *text);
 static const mdt_family *const k_families[] = {&mdt_family_flux};
 enum { N_FAMILIES = sizeof k_families / sizeof k_families[0] };
 
@@ -106,55 +108,226 @@ fail:
 }
 
 mdt_load_params mdt_load_params_default(void) {
-    mdt_load_params p = {NULL, 1, 1, 1};
+    mdt_load_params p = {NULL, NULL};
     return p;
+}
+
+mdt_status mdt_model_check_layout(const mdt_model *m, int T, int R, int U) {
+    if (m->fam->check_layout)
+        MDT_TRY(m->fam->check_layout(m->impl, T, R, U));
+    int64_t st[MDT_MAX_BLOCKS], ln[MDT_MAX_BLOCKS];
+    int n;
+    for (int i = 0; i < m->table.n; i++)
+        MDT_TRY(mdt_shard_ranges(&m->table.specs[i], T, 0, st, ln, &n));
+    return MDT_OK;
+}
+
+void mdt_shard_copy(const mdt_weight_spec *w, int T, int k, float *full, float *local,
+                    int to_local) {
+    int64_t st[MDT_MAX_BLOCKS], ln[MDT_MAX_BLOCKS];
+    int n;
+    if (mdt_shard_ranges(w, T, k, st, ln, &n) != MDT_OK)
+        return; /* callers check the layout first */
+    const int dim = T > 1 ? mdt_tp_shard_dim(w->style) : -1;
+    const int64_t rows = w->shape[0], cols = w->ndim > 1 ? w->shape[1] : 1;
+    if (dim < 0) {
+        if (to_local)
+            memcpy(local, full, sizeof(float) * (size_t)(rows * cols));
+        else
+            memcpy(full, local, sizeof(float) * (size_t)(rows * cols));
+        return;
+    }
+    if (dim == 0) { /* whole rows: one contiguous run per block */
+        int64_t off = 0;
+        for (int b = 0; b < n; b++) {
+            float *f = full + st[b] * cols, *l = local + off * cols;
+            size_t bytes = sizeof(float) * (size_t)(ln[b] * cols);
+            if (to_local)
+                memcpy(l, f, bytes);
+            else
+                memcpy(f, l, bytes);
+            off += ln[b];
+        }
+        return;
+    }
+    int64_t lcols = 0;
+    for (int b = 0; b < n; b++)
+        lcols += ln[b];
+    for (int64_t r = 0; r < rows; r++) { /* dim 1: per row, one piece per block */
+        int64_t off = 0;
+        for (int b = 0; b < n; b++) {
+            float *f = full + r * cols + st[b], *l = local + r * lcols + off;
+            if (to_local)
+                memcpy(l, f, sizeof(float) * (size_t)ln[b]);
+            else
+                memcpy(f, l, sizeof(float) * (size_t)ln[b]);
+            off += ln[b];
+        }
+    }
+}
+
+/* Reads this rank's shard of `w` straight into `dst` (f32), touching only its bytes for
+ * replicated and dim-0 tensors; dim-1 pieces go through a bounded window when they are small. */
+static mdt_status read_shard(const mdt_ckpt_ref *ref, const mdt_weight_spec *w, int T, int k,
+                             float *dst) {
+    int64_t st[MDT_MAX_BLOCKS], ln[MDT_MAX_BLOCKS];
+    int n;
+    MDT_TRY(mdt_shard_ranges(w, T, k, st, ln, &n));
+    const mdt_st_file *f = ref->file;
+    const mdt_st_entry *e = ref->entry;
+    const int dim = T > 1 ? mdt_tp_shard_dim(w->style) : -1;
+    const int64_t rows = w->shape[0], cols = w->ndim > 1 ? w->shape[1] : 1;
+    if (dim < 0)
+        return mdt_st_read_f32(f, e, 0, rows * cols, dst);
+    if (dim == 0) {
+        int64_t off = 0;
+        for (int b = 0; b < n; b++) {
+            MDT_TRY(mdt_st_read_f32(f, e, st[b] * cols, ln[b] * cols, dst + off * cols));
+            off += ln[b];
+        }
+        return MDT_OK;
+    }
+    int64_t lcols = 0, minpiece = INT64_MAX;
+    for (int b = 0; b < n; b++)
+        lcols += ln[b], minpiece = ln[b] < minpiece ? ln[b] : minpiece;
+    const size_t es = mdt_dtype_size(e->dtype);
+    if (minpiece * (int64_t)es >= 16384) { /* large pieces: read exactly them */
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t off = 0;
+            for (int b = 0; b < n; b++) {
+                MDT_TRY(mdt_st_read_f32(f, e, r * cols + st[b], ln[b], dst + r * lcols + off));
+                off += ln[b];
+            }
+        }
+        return MDT_OK;
+    }
+    /* small pieces: read windows of whole rows (<= 4 MiB) and keep this rank's pieces; the
+     * pieces of a row share pages with the other ranks' pieces anyway */
+    const int64_t row_bytes = cols * (int64_t)es;
+    int64_t win = ((int64_t)4 << 20) / row_bytes;
+    if (win < 1)
+        win = 1;
+    if (win > rows)
+        win = rows;
+    unsigned char *buf = mdt_alloc((size_t)(win * row_bytes));
+    if (!buf)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    mdt_status s = MDT_OK;
+    for (int64_t r0 = 0; r0 < rows && s == MDT_OK; r0 += win) {
+        int64_t nr = rows - r0 < win ? rows - r0 : win;
+        s = mdt_st_read_range(f, e, r0 * row_bytes, nr * row_bytes, buf);
+        for (int64_t r = 0; r < nr && s == MDT_OK; r++) {
+            int64_t off = 0;
+            for (int b = 0; b < n && s == MDT_OK; b++) {
+                s = mdt_convert_to_f32(e->dtype, buf + (size_t)(r * row_bytes) + st[b] * es,
+                                       dst + (r0 + r) * lcols + off, ln[b]);
+                off += ln[b];
+            }
+        }
+    }
+    mdt_free(buf);
+    return s;
+}
+
+static int64_t slot_floats(int64_t n) { return (n + 15) & ~(int64_t)15; /* 64-byte slots */ }
+
+/* Allocates the weights buffer for degree T and points every tensor's state at its slot. */
+static mdt_status alloc_weights(mdt_model *m, int T, float **buf_out, mdt_wstate *ws) {
+    int64_t total = 0, bytes = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        int64_t loc[2];
+        MDT_TRY(mdt_shard_local_shape(&m->table.specs[i], T, loc));
+        ws[i].local[0] = loc[0], ws[i].local[1] = m->table.specs[i].ndim > 1 ? loc[1] : 1;
+        total += slot_floats(ws[i].local[0] * ws[i].local[1]);
+        bytes += ws[i].local[0] * ws[i].local[1] * 4;
+    }
+    float *buf = mdt_alloc(sizeof(float) * (size_t)(total > 0 ? total : 1));
+    if (!buf)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory for %lld weight bytes", (long long)total * 4);
+    float *slot = buf;
+    for (int i = 0; i < m->table.n; i++) {
+        ws[i].data = slot;
+        slot += slot_floats(ws[i].local[0] * ws[i].local[1]);
+    }
+    *buf_out = buf;
+    m->weight_bytes = bytes;
+    return MDT_OK;
+}
+
+static void bind_all(mdt_model *m) {
+    for (int i = 0; i < m->table.n; i++)
+        *m->table.bind[i] = m->ws[i].data;
+}
+
+static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, int T, int k) {
+    char sb1[96], sb2[96];
+    m->ws = mdt_calloc(sizeof(mdt_wstate) * (size_t)(m->table.n ? m->table.n : 1));
+    if (!m->ws)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    /* every planned tensor must exist with the config's shape before any byte is read */
+    for (int i = 0; i < m->table.n; i++) {
+        const mdt_weight_spec *w = &m->table.specs[i];
+        const mdt_ckpt_ref *ref;
+        MDT_TRY(mdt_ckpt_find(ck, w->name, &ref));
+        const mdt_st_entry *e = ref->entry;
+        int same = e->ndim == w->ndim;
+        for (int d = 0; same && d < w->ndim; d++)
+            same = e->shape[d] == w->shape[d];
+        if (!same)
+            return MDT_FAIL(MDT_E_INVALID, "%s: tensor '%s': shape %s but config.json implies %s",
+                            ref->file->path, w->name, mdt_shape_str(e->ndim, e->shape, sb1, 96),
+                            mdt_shape_str(w->ndim, w->shape, sb2, 96));
+        if (!mdt_dtype_is_float(e->dtype))
+            return MDT_FAIL(MDT_E_INVALID, "%s: tensor '%s': dtype %s is not a float type",
+                            ref->file->path, w->name, mdt_dtype_name(e->dtype));
+        m->ws[i].stored = e->dtype;
+    }
+    MDT_TRY(alloc_weights(m, T, &m->weights, m->ws));
+    for (int i = 0; i < m->table.n; i++) {
+        const mdt_ckpt_ref *ref;
+        MDT_TRY(mdt_ckpt_find(ck, m->table.specs[i].name, &ref));
+        int64_t before = mdt_counters_get()->bytes_read;
+        MDT_TRY(read_shard(ref, &m->table.specs[i], T, k, m->ws[i].data));
+        m->ws[i].bytes_read = mdt_counters_get()->bytes_read - before;
+        m->bytes_read += m->ws[i].bytes_read;
+    }
+    if (ck->n > m->table.n)
+        mdt_log(MDT_LOG_WARN, "%s: %d tensors in the checkpoint are not used by the model", ck->dir,
+                ck->n - m->table.n);
+    bind_all(m);
+    return MDT_OK;
+}
+
+mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh) {
+    const int T = mesh ? mesh->T : 1, k = mesh ? mesh->tp_shard_index : 0;
+    mdt_status st = mdt_model_check_layout(m, T, mesh ? mesh->R : 1, mesh ? mesh->U : 1);
+    MDT_TRY(mdt_mesh_agree(mesh, st)); /* layout verdict before any weight is read */
+    if (k >= T)                        /* only under the test-only shard-index bug switch */
+        st = MDT_FAIL(MDT_E_INVALID, "shard index %d is outside tp=%d", k, T);
+    if (st == MDT_OK)
+        st = load_local(m, ck, T, k);
+    MDT_TRY(mdt_mesh_agree(mesh, st));
+    m->mesh = mesh, m->T = T, m->tp_index = k;
+    m->sharded_at_load = T > 1;
+    return MDT_OK;
 }
 
 mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
     mdt_status st;
     mdt_ckpt *ck = NULL;
     mdt_model *m = NULL;
-    char sb1[96], sb2[96];
+    mdt_mesh *mesh = p->mesh;
     *out = NULL;
-    if (p->tp != 1 || p->ring != 1 || p->ulysses != 1)
+    if (mesh && (mesh->R > 1 || mesh->U > 1))
         return MDT_FAIL(MDT_E_UNSUPPORTED,
-                        "tp=%d ring=%d ulysses=%d requested, but this build runs single-rank only "
-                        "(refusing to run a slower layout silently)",
-                        p->tp, p->ring, p->ulysses);
-    MDT_TRY(mdt_ckpt_open(p->checkpoint_dir, &ck));
-    MDT_CHECK(mdt_model_describe(ck->config, &m));
-    int64_t total = 0;
-    for (int i = 0; i < m->table.n; i++)
-        total += (spec_numel(&m->table.specs[i]) + 15) & ~(int64_t)15; /* 64-byte aligned slots */
-    m->weights = mdt_alloc((size_t)(total > 0 ? total : 1) * sizeof(float));
-    if (!m->weights)
-        MDT_CHECK(
-            MDT_FAIL(MDT_E_NOMEM, "out of memory for %lld weight bytes", (long long)total * 4));
-    m->weight_bytes = total * 4;
-    float *slot = m->weights;
-    for (int i = 0; i < m->table.n; i++) {
-        const mdt_weight_spec *w = &m->table.specs[i];
-        const mdt_ckpt_ref *ref;
-        MDT_CHECK(mdt_ckpt_find(ck, w->name, &ref));
-        const mdt_st_entry *e = ref->entry;
-        int same = e->ndim == w->ndim;
-        for (int d = 0; same && d < w->ndim; d++)
-            same = e->shape[d] == w->shape[d];
-        if (!same)
-            MDT_CHECK(MDT_FAIL(MDT_E_INVALID,
-                               "%s: tensor '%s': shape %s but config.json implies %s",
-                               ref->file->path, w->name, mdt_shape_str(e->ndim, e->shape, sb1, 96),
-                               mdt_shape_str(w->ndim, w->shape, sb2, 96)));
-        if (!mdt_dtype_is_float(e->dtype))
-            MDT_CHECK(MDT_FAIL(MDT_E_INVALID, "%s: tensor '%s': dtype %s is not a float type",
-                               ref->file->path, w->name, mdt_dtype_name(e->dtype)));
-        MDT_CHECK(mdt_st_read_f32(ref->file, e, 0, spec_numel(w), slot));
-        *m->table.bind[i] = slot;
-        slot += (spec_numel(w) + 15) & ~(int64_t)15;
-    }
-    if (ck->n > m->table.n)
-        mdt_log(MDT_LOG_WARN, "%s: %d tensors in the checkpoint are not used by the model", ck->dir,
-                ck->n - m->table.n);
+                        "ring=%d ulysses=%d requested, but context parallelism is not implemented "
+                        "in this build (refusing to run every rank on the whole sequence)",
+                        mesh->R, mesh->U);
+    st = mdt_ckpt_open(p->checkpoint_dir, &ck);
+    if (st == MDT_OK)
+        st = mdt_model_describe(ck->config, &m);
+    MDT_CHECK(mdt_mesh_agree(mesh, st));
+    MDT_CHECK(mdt_model_load_ckpt(m, ck, mesh));
     mdt_ckpt_close(ck);
     *out = m;
     return MDT_OK;
@@ -164,12 +337,123 @@ fail:
     return st;
 }
 
+mdt_status mdt_model_parallelize(mdt_model *m, mdt_mesh *mesh) {
+    mdt_status st = MDT_OK;
+    if (m->sharded_at_load || m->mesh)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "model is already parallel: parallelism was applied at load time "
+                        "(shard-on-read); load it without a mesh to parallelize in memory");
+    if (!m->weights)
+        return MDT_FAIL(MDT_E_INVALID, "model has no weights to parallelize");
+    if (!mesh)
+        return MDT_OK;
+    if (mesh->R > 1 || mesh->U > 1)
+        return MDT_FAIL(MDT_E_UNSUPPORTED,
+                        "ring=%d ulysses=%d: context parallelism is not "
+                        "implemented in this build",
+                        mesh->R, mesh->U);
+    const int T = mesh->T, k = mesh->tp_shard_index;
+    st = mdt_model_check_layout(m, T, mesh->R, mesh->U);
+    if (st == MDT_OK && k >= T)
+        st = MDT_FAIL(MDT_E_INVALID, "shard index %d is outside tp=%d", k, T);
+    MDT_TRY(mdt_mesh_agree(mesh, st));
+    mdt_wstate *ws = mdt_calloc(sizeof(mdt_wstate) * (size_t)(m->table.n ? m->table.n : 1));
+    float *buf = NULL;
+    if (!ws)
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    if (st == MDT_OK)
+        st = alloc_weights(m, T, &buf, ws);
+    for (int i = 0; st == MDT_OK && i < m->table.n; i++) {
+        const mdt_weight_spec *w = &m->table.specs[i];
+        /* TP coordinate 0's values win, so ranks that built different states still agree */
+        st = mdt_bcast_floats(mesh, mesh->tp, 0, m->ws[i].data,
+                              m->ws[i].local[0] * m->ws[i].local[1]);
+        if (st == MDT_OK) {
+            mdt_shard_copy(w, T, k, m->ws[i].data, ws[i].data, 1);
+            ws[i].stored = m->ws[i].stored;
+        }
+    }
+    st = mdt_mesh_agree(mesh, st);
+    if (st != MDT_OK) {
+        mdt_free(buf);
+        mdt_free(ws);
+        return st;
+    }
+    mdt_free(m->weights);
+    mdt_free(m->ws);
+    m->weights = buf, m->ws = ws;
+    m->mesh = mesh, m->T = T, m->tp_index = k;
+    bind_all(m);
+    return MDT_OK;
+}
+
+mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
+    mdt_status st = MDT_OK;
+    mdt_mesh *mesh = m->mesh;
+    const int T = m->T, me = mesh ? mesh->world_rank : 0;
+    const int n = m->table.n;
+    mdt_tensor *ts = mdt_calloc(sizeof(mdt_tensor) * (size_t)(n ? n : 1));
+    const mdt_tensor **tp = mdt_calloc(sizeof(const mdt_tensor *) * (size_t)(n ? n : 1));
+    const char **names = mdt_calloc(sizeof(const char *) * (size_t)(n ? n : 1));
+    float *full = NULL, *all = NULL;
+    if (!ts || !tp || !names)
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    for (int i = 0; st == MDT_OK && i < n; i++) {
+        const mdt_weight_spec *w = &m->table.specs[i];
+        const int64_t numel = w->shape[0] * (w->ndim > 1 ? w->shape[1] : 1);
+        const int64_t lnum = m->ws[i].local[0] * m->ws[i].local[1];
+        full = mdt_alloc(sizeof(float) * (size_t)numel);
+        all = T > 1 ? mdt_alloc(sizeof(float) * (size_t)(lnum * T)) : NULL;
+        if (!full || (T > 1 && !all)) {
+            st = MDT_FAIL(MDT_E_NOMEM, "out of memory gathering '%s'", w->name);
+            break;
+        }
+        if (T > 1) { /* rank-major concatenation of the shards, then each piece to its place */
+            st = mdt_allgather_floats(mesh, mesh->tp, m->ws[i].data, all, lnum);
+            for (int r = 0; st == MDT_OK && r < T; r++)
+                mdt_shard_copy(w, T, r, full, all + r * lnum, 0);
+        } else {
+            memcpy(full, m->ws[i].data, sizeof(float) * (size_t)numel);
+        }
+        if (st == MDT_OK && me == 0) {
+            ts[i].dtype = m->ws[i].stored;
+            ts[i].ndim = w->ndim;
+            ts[i].shape[0] = w->shape[0], ts[i].shape[1] = w->shape[1];
+            ts[i].data = mdt_alloc(mdt_dtype_size(ts[i].dtype) * (size_t)numel);
+            st = ts[i].data ? mdt_convert_from_f32(ts[i].dtype, full, ts[i].data, numel)
+                            : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+            tp[i] = &ts[i];
+            names[i] = w->name;
+        }
+        mdt_free(full), mdt_free(all);
+        full = all = NULL;
+    }
+    if (st == MDT_OK && me == 0) {
+        char path[4096];
+        char *cfg = cJSON_Print(m->config);
+        if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+            st = MDT_FAIL(MDT_E_IO, "%s: cannot create directory: %s", dir, strerror(errno));
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        if (st == MDT_OK)
+            st = cfg ? write_text(path, cfg) : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        snprintf(path, sizeof path, "%s/%s", dir, MDT_CKPT_WEIGHTS);
+        if (st == MDT_OK)
+            st = mdt_st_write(path, n, names, tp, (const char *const[]){"format", "pt", NULL});
+        cJSON_free(cfg);
+    }
+    for (int i = 0; ts && i < n; i++)
+        mdt_free(ts[i].data);
+    mdt_free(ts), mdt_free((void *)tp), mdt_free((void *)names);
+    return mdt_mesh_agree(mesh, st);
+}
+
 void mdt_model_free(mdt_model *m) {
     if (!m)
         return;
     mdt_arena_release(&m->arena);
     mdt_wtable_free(&m->table);
     mdt_free(m->weights);
+    mdt_free(m->ws);
     mdt_free(m->impl);
     cJSON_Delete(m->config);
     mdt_free(m);
@@ -178,10 +462,13 @@ void mdt_model_free(mdt_model *m) {
 const char *mdt_model_family(const mdt_model *m) { return m->fam->name; }
 
 mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_tensor_set *outputs) {
+    mdt_status st;
     if (!m->weights)
         return MDT_FAIL(MDT_E_INVALID, "model has no weights (described, not loaded)");
-    MDT_TRY(mdt_arena_reset(&m->arena));
-    return m->fam->forward(m->impl, &m->arena, inputs, outputs);
+    st = mdt_arena_reset(&m->arena);
+    if (st == MDT_OK)
+        st = m->fam->forward(m, inputs, outputs);
+    return mdt_mesh_agree(m->mesh, st);
 }
 
 /* ---- gen ---- */

@@ -9,6 +9,7 @@
 #ifndef MDT_MODEL_H
 #define MDT_MODEL_H
 
+#include "comm/mesh.h"
 #include "io/checkpoint.h"
 #include "parallel/plan.h"
 
@@ -38,9 +39,11 @@ typedef struct mdt_family {
     size_t impl_size;       /* bytes of the family's private state (zeroed) */
     /* Parses `config` into impl and appends the weight table. */
     mdt_status (*configure)(void *impl, const cJSON *config, mdt_wtable *t);
-    /* One forward on this rank; allocates activations from `arena` only. */
-    mdt_status (*forward)(void *impl, mdt_arena *arena, const mdt_tensor_set *in,
-                          mdt_tensor_set *out);
+    /* Layout constraints beyond per-tensor divisibility (e.g. heads % tp), checked before any
+     * weight is read; the message names the constraint and the numbers. */
+    mdt_status (*check_layout)(const void *impl, int T, int R, int U);
+    /* One forward on this rank over its shards (m->T, m->mesh); activations from m->arena only. */
+    mdt_status (*forward)(struct mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out);
     /* Random inputs for `meshdit inputs`. */
     mdt_status (*make_inputs)(const void *impl, const mdt_inputs_params *p, mdt_tensor_set *out);
     /* config.json text of a named preset ("tiny", "medium"), or NULL. */
@@ -55,15 +58,39 @@ typedef struct mdt_family {
 mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out);
 const mdt_family *mdt_family_by_name(const char *name);
 
+/* Per-tensor state of a loaded model on this rank. */
+typedef struct mdt_wstate {
+    int64_t local[2];   /* local shape (dim 1 = 1 for rank-1 tensors) */
+    float *data;        /* slice of the weights buffer */
+    mdt_dtype stored;   /* dtype in the checkpoint (gather writes it back in this dtype) */
+    int64_t bytes_read; /* checkpoint bytes this rank read for it */
+} mdt_wstate;
+
 struct mdt_model {
     const mdt_family *fam;
     void *impl;
     cJSON *config;
     mdt_wtable table;
+    mdt_wstate *ws;       /* [table.n] */
     float *weights;       /* one buffer for every resident tensor, f32 */
-    int64_t weight_bytes; /* resident weight bytes on this rank */
+    int64_t weight_bytes; /* resident weight bytes on this rank: sum of local sizes x 4 */
+    int64_t bytes_read;   /* checkpoint bytes read by this rank */
+    mdt_mesh *mesh;       /* borrowed; NULL = single rank */
+    int T, tp_index;      /* TP degree and this rank's shard index */
+    int sharded_at_load;
     mdt_arena arena;
 };
+
+/* Loads the weights of a described model from `ck`, each rank reading only its TP shards for
+ * `mesh` (NULL: whole). Accepts ring/ulysses > 1 (the loader does not care); mdt_model_load
+ * refuses them while context parallelism is not implemented. Collective. */
+mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh);
+/* Checks a T x R x U layout against the model (heads, every sharded dim and packed block). */
+mdt_status mdt_model_check_layout(const mdt_model *m, int T, int R, int U);
+/* Moves pieces between a full tensor and the local shard of coordinate k of T:
+ * to_local = 1: local <- full; 0: full <- local (the pieces k owns). */
+void mdt_shard_copy(const mdt_weight_spec *w, int T, int k, float *full, float *local,
+                    int to_local);
 
 /* Creates a model from a config only (no weights; used by gen and inspect). */
 mdt_status mdt_model_describe(const cJSON *config, mdt_model **out);

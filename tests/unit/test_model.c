@@ -69,9 +69,8 @@ int main(void) {
     /* same seed -> same values; shards change nothing; bf16/f16 storage rounds only */
     mdt_load_params lp = mdt_load_params_default();
     mdt_model *m = NULL;
-    char f32dir[512], f32x3dir[512];
+    char f32dir[512];
     snprintf(f32dir, sizeof f32dir, "%s", sub("f32"));
-    snprintf(f32x3dir, sizeof f32x3dir, "%s", sub("f32x3"));
     lp.checkpoint_dir = f32dir;
     EXPECT_OK(mdt_model_load(&lp, &m));
     if (!m)
@@ -145,9 +144,6 @@ int main(void) {
     write_text(sub("f32/config.json"), "{\"_class_name\": \"FluxTransformer2DModel\", "
                                        "\"attention_head_dim\": 16, \"axes_dims_rope\": [4, 4]}");
     EXPECT_ERR(mdt_model_load(&lp, &m), MDT_E_INVALID, "axes_dims_rope", "16");
-    lp.checkpoint_dir = f32x3dir;
-    lp.tp = 2;
-    EXPECT_ERR(mdt_model_load(&lp, &m), MDT_E_UNSUPPORTED, "tp=2");
     EXPECT(m == NULL, "no model on failure");
 
     char cmd[300];

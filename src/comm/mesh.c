@@ -1,0 +1,213 @@
+/*
+ * mesh.c — see mesh.h. Rank layout: with order (a0, a1, a2) outermost first and degrees
+ * (d0, d1, d2), rank = c0 d1 d2 + c1 d2 + c2. Sub-communicators come from MPI_Comm_split with
+ * colour = the other coordinates and key = the coordinate along the axis, so a rank's position
+ * inside each group is its mesh coordinate.
+ */
+#include "mesh.h"
+
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const k_axis_names[MDT_AXIS_COUNT] = {"tp", "ring", "ulysses"};
+
+const char *mdt_coll_kind_name(mdt_coll_kind k) {
+    static const char *const n[MDT_COLL_KIND_COUNT] = {"allreduce", "allgather", "alltoall",
+                                                       "sendrecv", "bcast"};
+    return (unsigned)k < MDT_COLL_KIND_COUNT ? n[k] : "?";
+}
+
+mdt_status mdt_mesh_parse_order(const char *s, mdt_axis order[3]) {
+    int seen[MDT_AXIS_COUNT] = {0}, n = 0;
+    const char *p = s;
+    while (*p) {
+        const char *e = strchr(p, ',');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        int found = -1;
+        for (int a = 0; a < MDT_AXIS_COUNT; a++)
+            if (strlen(k_axis_names[a]) == len && strncmp(p, k_axis_names[a], len) == 0)
+                found = a;
+        if (found < 0)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "--mesh-order '%s': unknown axis '%.*s' (use tp, ring, "
+                            "ulysses)",
+                            s, (int)len, p);
+        if (seen[found]++ || n == 3)
+            return MDT_FAIL(MDT_E_INVALID, "--mesh-order '%s': axis '%s' appears twice", s,
+                            k_axis_names[found]);
+        order[n++] = (mdt_axis)found;
+        p = e ? e + 1 : p + len;
+    }
+    if (n != 3)
+        return MDT_FAIL(MDT_E_INVALID, "--mesh-order '%s' must name all of tp, ring, ulysses", s);
+    return MDT_OK;
+}
+
+void mdt_mesh_coords(int rank, int T, int R, int U, const mdt_axis order[3], int *t, int *r,
+                     int *u) {
+    const int deg[MDT_AXIS_COUNT] = {T, R, U};
+    int c[MDT_AXIS_COUNT] = {0}, rem = rank;
+    for (int i = 2; i >= 0; i--) { /* innermost varies fastest */
+        c[order[i]] = rem % deg[order[i]];
+        rem /= deg[order[i]];
+    }
+    *t = c[MDT_AXIS_TP], *r = c[MDT_AXIS_RING], *u = c[MDT_AXIS_ULYSSES];
+}
+
+static mdt_status mpi_check(int rc, const char *what) {
+    if (rc == MPI_SUCCESS)
+        return MDT_OK;
+    char s[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, s, &len);
+    return MDT_FAIL(MDT_E_MPI, "%s failed: %s", what, s);
+}
+
+static mdt_status split(MPI_Comm world, int colour, int key, MPI_Comm *out) {
+    MDT_TRY(mpi_check(MPI_Comm_split(world, colour, key, out), "MPI_Comm_split"));
+    return mpi_check(MPI_Comm_set_errhandler(*out, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+}
+
+static void mesh_free_comms(mdt_mesh *m) {
+    MPI_Comm *cs[] = {&m->tp, &m->ring, &m->ulysses, &m->cp, &m->world};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
+        if (*cs[i] != MPI_COMM_NULL)
+            MPI_Comm_free(cs[i]);
+}
+
+mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char *order,
+                                mdt_mesh **out) {
+    mdt_status st;
+    *out = NULL;
+    mdt_mesh *m = mdt_calloc(sizeof *m);
+    if (!m)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    m->world = m->tp = m->ring = m->ulysses = m->cp = MPI_COMM_NULL;
+    MDT_CHECK(mdt_mesh_parse_order(order ? order : "tp,ring,ulysses", m->order));
+    MDT_CHECK(mpi_check(MPI_Comm_dup(world, &m->world), "MPI_Comm_dup"));
+    MDT_CHECK(mpi_check(MPI_Comm_set_errhandler(m->world, MPI_ERRORS_RETURN), "errhandler"));
+    MPI_Comm_size(m->world, &m->world_size);
+    MPI_Comm_rank(m->world, &m->world_rank);
+    if (T < 1 || R < 1 || U < 1)
+        MDT_CHECK(
+            MDT_FAIL(MDT_E_INVALID, "tp, ring and ulysses must be >= 1 (got %d, %d, %d)", T, R, U));
+    if ((int64_t)T * R * U != m->world_size)
+        MDT_CHECK(MDT_FAIL(MDT_E_INVALID,
+                           "layout tp=%d x ring=%d x ulysses=%d needs %lld ranks, but %d were "
+                           "launched",
+                           T, R, U, (long long)T * R * U, m->world_size));
+    m->T = T, m->R = R, m->U = U;
+    mdt_mesh_coords(m->world_rank, T, R, U, m->order, &m->t, &m->r, &m->u);
+    m->cp_size = R * U;
+    m->cp_index = m->r * U + m->u;
+    /* colour = the coordinates along the other axes, key = the coordinate along this one */
+    MDT_CHECK(split(m->world, m->r * U + m->u, m->t, &m->tp));
+    MDT_CHECK(split(m->world, m->t * U + m->u, m->r, &m->ring));
+    MDT_CHECK(split(m->world, m->t * R + m->r, m->u, &m->ulysses));
+    MDT_CHECK(split(m->world, m->t, m->cp_index, &m->cp));
+    m->tp_shard_index = m->t;
+    const char *bug = getenv("MESHDIT_TEST_SHARD_INDEX");
+    if (bug && strcmp(bug, "world") == 0)
+        m->tp_shard_index = m->world_rank; /* test-only: reproduce the upstream Neuron bug */
+    *out = m;
+    return MDT_OK;
+fail:
+    mesh_free_comms(m);
+    mdt_free(m);
+    return st;
+}
+
+mdt_status mdt_mesh_create_world(int T, int R, int U, const char *order, mdt_mesh **out) {
+    return mdt_mesh_create_comm(MPI_COMM_WORLD, T, R, U, order, out);
+}
+
+void mdt_mesh_free(mdt_mesh *m) {
+    if (!m)
+        return;
+    mesh_free_comms(m);
+    mdt_free(m->scratch);
+    mdt_free(m);
+}
+
+int mdt_mesh_rank(const mdt_mesh *m) { return m ? m->world_rank : 0; }
+int mdt_mesh_size(const mdt_mesh *m) { return m ? m->world_size : 1; }
+
+mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local) {
+    if (!m || m->world_size == 1)
+        return local;
+    int mine = local == MDT_OK ? INT_MAX : m->world_rank, first = INT_MAX;
+    if (MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, m->world) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Allreduce failed");
+    if (first == INT_MAX)
+        return MDT_OK;
+    struct {
+        int code;
+        char msg[1800];
+    } pkt;
+    memset(&pkt, 0, sizeof pkt);
+    if (m->world_rank == first) {
+        pkt.code = (int)local;
+        snprintf(pkt.msg, sizeof pkt.msg, "%s", mdt_last_error());
+    }
+    if (MPI_Bcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, m->world) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Bcast failed");
+    return MDT_FAIL((mdt_status)pkt.code, "rank %d: %s", first, pkt.msg);
+}
+
+static mdt_status ensure_scratch(mdt_mesh *m, int64_t n) {
+    if (m->scratch_floats >= n)
+        return MDT_OK;
+    mdt_free(m->scratch);
+    m->scratch = mdt_alloc(sizeof(float) * (size_t)n);
+    m->scratch_floats = m->scratch ? n : 0;
+    return m->scratch ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory for collective scratch");
+}
+
+mdt_status mdt_allreduce_sum(mdt_mesh *m, MPI_Comm comm, float *buf, int64_t n) {
+    int P;
+    MPI_Comm_size(comm, &P);
+    if (P == 1 || n == 0)
+        return MDT_OK;
+    const int64_t chunk = (n + P - 1) / P, padded = chunk * P;
+    if (chunk > INT_MAX)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "all-reduce of %lld floats is too large", (long long)n);
+    MDT_TRY(ensure_scratch(m, padded + chunk));
+    float *full = m->scratch, *mine = m->scratch + padded;
+    memcpy(full, buf, sizeof(float) * (size_t)n);
+    memset(full + n, 0, sizeof(float) * (size_t)(padded - n));
+    MDT_TRY(mpi_check(MPI_Reduce_scatter_block(full, mine, (int)chunk, MPI_FLOAT, MPI_SUM, comm),
+                      "all-reduce (reduce-scatter)"));
+    MDT_TRY(mpi_check(MPI_Allgather(mine, (int)chunk, MPI_FLOAT, full, (int)chunk, MPI_FLOAT, comm),
+                      "all-reduce (all-gather)"));
+    memcpy(buf, full, sizeof(float) * (size_t)n);
+    m->bytes_sent[MDT_COLL_ALLREDUCE] += 2 * (int64_t)(P - 1) * chunk * 4;
+    return MDT_OK;
+}
+
+mdt_status mdt_bcast_floats(mdt_mesh *m, MPI_Comm comm, int root, float *buf, int64_t n) {
+    int P, me;
+    MPI_Comm_size(comm, &P);
+    MPI_Comm_rank(comm, &me);
+    if (P == 1)
+        return MDT_OK;
+    for (int64_t off = 0; off < n; off += INT_MAX / 2) {
+        int c = (int)(n - off < INT_MAX / 2 ? n - off : INT_MAX / 2);
+        MDT_TRY(mpi_check(MPI_Bcast(buf + off, c, MPI_FLOAT, root, comm), "MPI_Bcast"));
+    }
+    if (me == root)
+        m->bytes_sent[MDT_COLL_BCAST] += n * 4;
+    return MDT_OK;
+}
+
+mdt_status mdt_allgather_floats(mdt_mesh *m, MPI_Comm comm, const float *send, float *recv,
+                                int64_t n) {
+    int P;
+    MPI_Comm_size(comm, &P);
+    if (n > INT_MAX)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "all-gather of %lld floats is too large", (long long)n);
+    MDT_TRY(mpi_check(MPI_Allgather(send, (int)n, MPI_FLOAT, recv, (int)n, MPI_FLOAT, comm),
+                      "MPI_Allgather"));
+    m->bytes_sent[MDT_COLL_ALLGATHER] += (int64_t)(P - 1) * n * 4;
+    return MDT_OK;
+}

@@ -1,0 +1,69 @@
+/*
+ * mesh.h — the device mesh over MPI: world = T x R x U ranks laid out in a configurable axis
+ * order, one communicator per axis (TP, Ring, Ulysses) plus the CP-flattened group (ring-major,
+ * c = r U + u), collectives that count the bytes they send per kind, and the failure agreement
+ * that keeps ranks from hanging when one of them fails.
+ *
+ * Every shard index is a coordinate in a sub-communicator, never the world rank (the one
+ * exception is the test-only MESHDIT_TEST_SHARD_INDEX=world switch, which exists to prove the
+ * tests catch that bug). Communicators use MPI_ERRORS_RETURN; failures come back as MDT_E_MPI.
+ */
+#ifndef MDT_MESH_H
+#define MDT_MESH_H
+
+#include "core/core.h"
+
+#include <mpi.h>
+
+typedef enum mdt_axis { MDT_AXIS_TP = 0, MDT_AXIS_RING, MDT_AXIS_ULYSSES, MDT_AXIS_COUNT } mdt_axis;
+
+typedef enum mdt_coll_kind {
+    MDT_COLL_ALLREDUCE = 0,
+    MDT_COLL_ALLGATHER,
+    MDT_COLL_ALLTOALL,
+    MDT_COLL_SENDRECV,
+    MDT_COLL_BCAST,
+    MDT_COLL_KIND_COUNT
+} mdt_coll_kind;
+
+const char *mdt_coll_kind_name(mdt_coll_kind k);
+
+struct mdt_mesh {
+    MPI_Comm world, tp, ring, ulysses, cp;
+    int world_size, world_rank;
+    int T, R, U;           /* degrees */
+    int t, r, u;           /* this rank's coordinates */
+    int cp_size, cp_index; /* R U, r U + u */
+    mdt_axis order[3];     /* outermost first */
+    int tp_shard_index;    /* = t (or the world rank under the test-only bug switch) */
+    int64_t bytes_sent[MDT_COLL_KIND_COUNT];
+    float *scratch; /* collective scratch, grown on first use */
+    int64_t scratch_floats;
+};
+
+/* Parses "tp,ring,ulysses" (any permutation) into order[3]. MDT_E_INVALID naming the bad axis. */
+mdt_status mdt_mesh_parse_order(const char *s, mdt_axis order[3]);
+/* Coordinates of world rank `rank` in a T x R x U mesh with `order` (pure; no MPI). */
+void mdt_mesh_coords(int rank, int T, int R, int U, const mdt_axis order[3], int *t, int *r,
+                     int *u);
+
+/* Builds the mesh over `world` (duplicated). Fails (same verdict on every rank) if T R U differs
+ * from the world size or a degree is < 1. */
+mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char *order,
+                                mdt_mesh **out);
+
+/* Phase-boundary agreement: every rank passes its local status; if any rank failed, every rank
+ * returns that failure with the lowest failing rank's message ("rank k: ..."). Collective over
+ * the world communicator. */
+mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local);
+
+/* In-place sum over `comm` whose result is bit-identical on every member: each element is
+ * reduced by exactly one rank (reduce-scatter) and then copied to all (all-gather). */
+mdt_status mdt_allreduce_sum(mdt_mesh *m, MPI_Comm comm, float *buf, int64_t n);
+/* Broadcast of n floats from `root` of `comm`. */
+mdt_status mdt_bcast_floats(mdt_mesh *m, MPI_Comm comm, int root, float *buf, int64_t n);
+/* Rank-ordered concatenation: every member contributes n floats, recv gets size x n. */
+mdt_status mdt_allgather_floats(mdt_mesh *m, MPI_Comm comm, const float *send, float *recv,
+                                int64_t n);
+
+#endif /* MDT_MESH_H */
