@@ -30,11 +30,12 @@ LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
 CLI_OBJ  := $(BUILD)/src/cli/main.o
 TEST_SRC := $(wildcard tests/unit/test_*.c)
 TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
-ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] bench/*.c)
+MPI_TEST_BIN := $(patsubst tests/mpi/%.c,$(BUILD)/tests/mpi/%,$(wildcard tests/mpi/test_*.c))
+ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] tests/mpi/*.c bench/*.c)
 
 .PHONY: all test check format format-check cppcheck tidy demo clean goldens bench
 
-all: $(BUILD)/meshdit $(TEST_BIN)
+all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -50,6 +51,14 @@ $(BUILD)/tests/%: $(BUILD)/tests/unit/%.o $(BUILD)/libmeshdit.a
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
+$(BUILD)/tests/mpi/%: $(BUILD)/tests/mpi/%.o $(BUILD)/libmeshdit.a
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tests/mpi/%.o: tests/mpi/%.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests/unit -c $< -o $@
+
 test: all
 	@BUILD=$(BUILD) bash tests/run.sh
 
@@ -64,10 +73,10 @@ format-check:
 
 cppcheck:
 	cppcheck --quiet --error-exitcode=1 --std=c11 --enable=warning,performance,portability \
-	  --inline-suppr --suppress=missingIncludeSystem -Iinclude -Isrc src tests/unit
+	  --inline-suppr --suppress=missingIncludeSystem -Iinclude -Isrc -Itests/unit src tests/unit tests/mpi
 
 tidy:
-	clang-tidy --quiet $(filter %.c,$(ALL_SRC)) -- -std=c11 -Iinclude -Isrc $(PKG_CFLAGS)
+	clang-tidy --quiet $(filter %.c,$(ALL_SRC)) -- -std=c11 -Iinclude -Isrc -Itests/unit $(PKG_CFLAGS)
 
 check: format-check cppcheck tidy
 

@@ -30,7 +30,9 @@ static void usage(FILE *fp) {
             "          [--tp T --ring R --ulysses U] [--mesh-order tp,ring,ulysses]\n"
             "          [--report FILE.json] [--quiet]\n"
             "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
-            "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n");
+            "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n"
+            "          [--mesh-order ORDER]\n"
+            "  gather  --checkpoint DIR --out DIR [--tp T]   (under mpiexec -n T)\n");
 }
 
 static int fail_exit(mdt_status st) {
@@ -589,6 +591,7 @@ static int cmd_inspect(int argc, char **argv) {
     if (rc)
         return rc;
     const char *ck = opt_str(&o, "checkpoint", NULL), *cfgp = opt_str(&o, "config", NULL);
+    const char *order_s = opt_str(&o, "mesh-order", "tp,ring,ulysses");
     if ((rc = opt_int(&o, "tp", 1, 1, 4096, &tp)) ||
         (rc = opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
         (rc = opt_int(&o, "ulysses", 1, 1, 4096, &uly)) || (rc = opts_check_unused(&o)))
@@ -598,13 +601,19 @@ static int cmd_inspect(int argc, char **argv) {
     mdt_ckpt *c = NULL;
     cJSON *cfg = NULL;
     mdt_model *m = NULL;
-    mdt_status st = ck ? mdt_ckpt_open(ck, &c) : mdt_config_load(cfgp, &cfg);
+    mdt_axis order[3];
+    mdt_status st = mdt_mesh_parse_order(order_s, order);
+    if (st == MDT_OK)
+        st = ck ? mdt_ckpt_open(ck, &c) : mdt_config_load(cfgp, &cfg);
     if (st == MDT_OK)
         st = mdt_model_describe(ck ? c->config : cfg, &m);
+    if (st == MDT_OK)
+        st = mdt_model_check_layout(m, (int)tp, (int)ring, (int)uly);
     if (st != MDT_OK)
         goto done;
-    printf("model %s (%s), %d tensors; layout tp %lld x ring %lld x ulysses %lld\n", m->fam->name,
-           m->fam->class_name, m->table.n, tp, ring, uly);
+    printf("model %s (%s), %d tensors; layout tp %lld x ring %lld x ulysses %lld = %lld ranks "
+           "(mesh order %s)\n",
+           m->fam->name, m->fam->class_name, m->table.n, tp, ring, uly, tp * ring * uly, order_s);
     printf("%-64s %-14s %-26s %-14s %s\n", "tensor", "shape", "tp style", "local", "stored");
     double total = 0, local_total = 0;
     for (int i = 0; i < m->table.n && st == MDT_OK; i++) {
@@ -626,15 +635,53 @@ static int cmd_inspect(int argc, char **argv) {
     }
     if (st == MDT_OK) {
         char b1[32], b2[32];
+        int64_t heads = 0;
+        mdt_cfg_int(m->config, "num_attention_heads", 0, 0, &heads);
         fmt_bytes(total * 4, b1, sizeof b1);
         fmt_bytes(local_total * 4, b2, sizeof b2);
-        printf("parameters %.0f (%s in f32); per rank at tp=%lld: %.0f (%s in f32)\n", total, b1,
-               tp, local_total, b2);
+        printf("parameters %.0f (%s in f32); per rank %.0f (%s in f32)\n", total, b1, local_total,
+               b2);
+        for (long long rk = 0; rk < tp * ring * uly; rk++) {
+            int t, r, u;
+            mdt_mesh_coords((int)rk, (int)tp, (int)ring, (int)uly, order, &t, &r, &u);
+            printf("rank %lld: tp %d, ring %d, ulysses %d, cp chunk %lld of %lld; %lld local heads "
+                   "(%lld..%lld); weights %s resident\n",
+                   rk, t, r, u, (long long)r * uly + u, ring * uly, (long long)(heads / tp),
+                   (long long)t * (heads / tp), (long long)(t + 1) * (heads / tp) - 1, b2);
+        }
     }
 done:
     mdt_model_free(m);
     cJSON_Delete(cfg);
     mdt_ckpt_close(c);
+    return st == MDT_OK ? 0 : fail_exit(st);
+}
+
+/* ---- gather ---- */
+static int cmd_gather(int argc, char **argv) {
+    opts o;
+    long long tp;
+    int rc = parse_opts(argc, argv, &o, NULL);
+    if (rc)
+        return rc;
+    const char *ck = opt_str(&o, "checkpoint", NULL), *out = opt_str(&o, "out", NULL);
+    if ((rc = opt_int(&o, "tp", g_world, 1, 4096, &tp)) || (rc = opts_check_unused(&o)))
+        return rc;
+    if (!ck || !out)
+        return usage_exit("gather needs --checkpoint DIR --out DIR%s", "");
+    mdt_mesh *mesh = NULL;
+    mdt_model *m = NULL;
+    mdt_status st = mdt_mesh_create_world((int)tp, 1, 1, NULL, &mesh);
+    mdt_load_params lp = mdt_load_params_default();
+    lp.checkpoint_dir = ck, lp.mesh = mesh;
+    if (st == MDT_OK)
+        st = mdt_model_load(&lp, &m);
+    if (st == MDT_OK)
+        st = mdt_model_gather(m, out);
+    if (st == MDT_OK && g_rank == 0)
+        printf("gathered %d tensors from tp=%lld shards into %s\n", m->table.n, tp, out);
+    mdt_model_free(m);
+    mdt_mesh_free(mesh);
     return st == MDT_OK ? 0 : fail_exit(st);
 }
 
@@ -662,6 +709,8 @@ int main(int argc, char **argv) {
         rc = cmd_compare(argc - 2, argv + 2);
     } else if (strcmp(argv[1], "inspect") == 0) {
         rc = cmd_inspect(argc - 2, argv + 2);
+    } else if (strcmp(argv[1], "gather") == 0) {
+        rc = cmd_gather(argc - 2, argv + 2);
     } else if (strcmp(argv[1], "--version") == 0) {
         printf("meshdit %d.%d.%d\n", MDT_VERSION_MAJOR, MDT_VERSION_MINOR, MDT_VERSION_PATCH);
         rc = 0;

@@ -100,5 +100,39 @@ expect_error unknown-command 2 "unknown command" -- "$BIN" frobnicate
 expect_error unknown-option 2 "unknown option --bogus" -- "$BIN" run --checkpoint x --inputs y --out "$T/out.safetensors" --bogus 1
 expect_error bad-number 2 "--steps" -- "$BIN" run --checkpoint x --inputs y --out "$T/out.safetensors" --steps -3
 
+# ---- multi-rank from the command line ----
+MPIEXEC=${MPIEXEC:-$(command -v mpiexec.mpich || command -v mpiexec)}
+for n in 2 4; do
+    if timeout 300 "$MPIEXEC" -n $n "$BIN" run --checkpoint "$DATA/flux_guidance" \
+            --inputs "$DATA/flux_guidance/inputs.safetensors" --out "$T/tp$n.safetensors" --tp $n \
+            --report "$T/tp$n.json" >"$T/tp$n.txt" 2>&1 &&
+       "$BIN" compare "$T/tp$n.safetensors" "$DATA/flux_guidance/expected.safetensors" --tol 1e-4 >/dev/null &&
+       grep -q '"allreduce"' "$T/tp$n.json" && grep -q "rank $((n - 1)) (tp $((n - 1))" "$T/tp$n.txt"; then ok
+    else bad "mpiexec -n $n run --tp $n: $(tail -3 "$T/tp$n.txt")"; fi
+done
+if timeout 300 "$MPIEXEC" -n 2 "$BIN" gather --checkpoint "$DATA/flux_bf16_sharded" --out "$T/gathered" >/dev/null &&
+   "$BIN" run --checkpoint "$T/gathered" --inputs "$DATA/flux_bf16_sharded/inputs.safetensors" --out "$T/g.safetensors" --quiet &&
+   "$BIN" compare "$T/g.safetensors" "$DATA/flux_bf16_sharded/expected.safetensors" >/dev/null; then ok
+else bad "gather tp=2 shards back to a full checkpoint"; fi
+
+# mpi_error NAME N PATTERN -- ARGS...: under mpiexec -n N every rank exits non-zero, and exactly
+# one error line (rank 0's) names the problem
+mpi_error() {
+    local name=$1 n=$2 pat=$3; shift 4
+    rm -f "$T"/rc.*
+    timeout 300 "$MPIEXEC" -n "$n" bash -c '"$@"; echo $? > "'"$T"'/rc.${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}"' \
+        _ "$BIN" "$@" >"$T/stdout" 2>"$T/stderr"
+    local rcs; rcs=$(cat "$T"/rc.* 2>/dev/null | sort -u | tr '\n' ' ')
+    local lines; lines=$(grep -c 'error' "$T/stderr")
+    if [ "$(ls "$T"/rc.* 2>/dev/null | wc -l)" = "$n" ] && ! grep -qx 0 "$T"/rc.* &&
+       [ "$lines" = 1 ] && grep -q -- "$pat" "$T/stderr"; then ok
+    else bad "$name: rcs '$rcs', $lines error lines: $(head -c 400 "$T/stderr")"; fi
+}
+RUNARGS=(run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors")
+mpi_error product-vs-world 2 "needs 3 ranks" -- "${RUNARGS[@]}" --tp 3
+mpi_error heads 4 "tp=4 does not divide 2 attention heads" -- "${RUNARGS[@]}" --tp 4
+mpi_error mesh-order 2 "unknown axis 'foo'" -- "${RUNARGS[@]}" --tp 2 --mesh-order tp,foo,ulysses
+mpi_error no-silent-cp 2 "context parallelism is not implemented" -- "${RUNARGS[@]}" --ring 2
+
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]
