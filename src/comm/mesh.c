@@ -133,7 +133,7 @@ void mdt_mesh_free(mdt_mesh *m) {
 int mdt_mesh_rank(const mdt_mesh *m) { return m ? m->world_rank : 0; }
 int mdt_mesh_size(const mdt_mesh *m) { return m ? m->world_size : 1; }
 
-mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local) {
+mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local) {
     if (!m || m->world_size == 1)
         return local;
     int mine = local == MDT_OK ? INT_MAX : m->world_rank, first = INT_MAX;

@@ -55,7 +55,12 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
 /* Phase-boundary agreement: every rank passes its local status; if any rank failed, every rank
  * returns that failure with the lowest failing rank's message ("rank k: ..."). Collective over
  * the world communicator. */
-mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local);
+mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local);
+static inline mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local) {
+    mdt_status s = mdt_mesh_agree_all(m, local);
+    /* never true at run time (a local failure is always reported); it tells static analysis */
+    return (local != MDT_OK && s == MDT_OK) ? local : s;
+}
 
 /* In-place sum over `comm` whose result is bit-identical on every member: each element is
  * reduced by exactly one rank (reduce-scatter) and then copied to all (all-gather). */

@@ -256,7 +256,8 @@ static mdt_status alloc_weights(mdt_model *m, int T, float **buf_out, mdt_wstate
 
 static void bind_all(mdt_model *m) {
     for (int i = 0; i < m->table.n; i++)
-        *m->table.bind[i] = m->ws[i].data;
+        if (m->table.bind[i])
+            *m->table.bind[i] = m->ws[i].data;
 }
 
 static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, int T, int k) {
@@ -408,7 +409,7 @@ mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
             st = MDT_FAIL(MDT_E_NOMEM, "out of memory gathering '%s'", w->name);
             break;
         }
-        if (T > 1) { /* rank-major concatenation of the shards, then each piece to its place */
+        if (T > 1 && mesh) { /* rank-major concatenation of the shards, then each to its place */
             st = mdt_allgather_floats(mesh, mesh->tp, m->ws[i].data, all, lnum);
             for (int r = 0; st == MDT_OK && r < T; r++)
                 mdt_shard_copy(w, T, r, full, all + r * lnum, 0);

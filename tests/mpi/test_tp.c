@@ -16,6 +16,7 @@
 #include "harness.h"
 #include "models/model.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -74,7 +75,10 @@ static void check_loader(const char *dir, mdt_mesh *mesh) {
                     owner_of(w, T, r, &owner, &lr);
                 else if (dim == 1)
                     owner_of(w, T, c, &owner, &lc);
-                if (owner == k && memcmp(&loc[lr * lcols + lc], &full[r * cols + c], 4) != 0)
+                uint32_t x, y; /* bitwise equality, NaN payloads included */
+                memcpy(&x, &loc[lr * lcols + lc], 4);
+                memcpy(&y, &full[r * cols + c], 4);
+                if (owner == k && x != y)
                     bad_slices++;
             }
         const int64_t local_numel = m->ws[i].local[0] * m->ws[i].local[1];
@@ -178,7 +182,7 @@ static void check_forward(const char *dir, mdt_mesh *mesh) {
         EXPECT(memcmp(a->data, c->data, (size_t)n * 4) == 0,
                "in-memory parallelize differs from shard-on-read");
         /* every TP peer holds the same bits: compare with rank 0's */
-        float *r0 = malloc(sizeof(float) * (size_t)n);
+        float *r0 = malloc(sizeof(float) * (size_t)(n + 1));
         memcpy(r0, a->data, sizeof(float) * (size_t)n);
         MPI_Bcast(r0, (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD);
         int same = memcmp(r0, a->data, (size_t)n * 4) == 0, all_same = 0;
