@@ -187,43 +187,34 @@ static mdt_status read_shard(const mdt_ckpt_ref *ref, const mdt_weight_spec *w, 
         }
         return MDT_OK;
     }
-    int64_t lcols = 0, minpiece = INT64_MAX;
+    int64_t lcols = 0;
     for (int b = 0; b < n; b++)
-        lcols += ln[b], minpiece = ln[b] < minpiece ? ln[b] : minpiece;
+        lcols += ln[b];
+    /* dim 1: each row's pieces are read exactly (one pread each, never the other ranks' bytes)
+     * into a bounded buffer (<= 4 MiB of stored bytes), which is converted in one pass; the
+     * pieces of a row land side by side, which is the local layout [block0_k | block1_k | ...]. */
     const size_t es = mdt_dtype_size(e->dtype);
-    if (minpiece * (int64_t)es >= 16384) { /* large pieces: read exactly them */
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t off = 0;
-            for (int b = 0; b < n; b++) {
-                MDT_TRY(mdt_st_read_f32(f, e, r * cols + st[b], ln[b], dst + r * lcols + off));
-                off += ln[b];
-            }
-        }
-        return MDT_OK;
-    }
-    /* small pieces: read windows of whole rows (<= 4 MiB) and keep this rank's pieces; the
-     * pieces of a row share pages with the other ranks' pieces anyway */
-    const int64_t row_bytes = cols * (int64_t)es;
-    int64_t win = ((int64_t)4 << 20) / row_bytes;
+    const int64_t lrow_bytes = lcols * (int64_t)es;
+    int64_t win = ((int64_t)4 << 20) / (lrow_bytes > 0 ? lrow_bytes : 1);
     if (win < 1)
         win = 1;
     if (win > rows)
         win = rows;
-    unsigned char *buf = mdt_alloc((size_t)(win * row_bytes));
+    unsigned char *buf = mdt_alloc((size_t)(win * lrow_bytes) + 1);
     if (!buf)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     mdt_status s = MDT_OK;
     for (int64_t r0 = 0; r0 < rows && s == MDT_OK; r0 += win) {
-        int64_t nr = rows - r0 < win ? rows - r0 : win;
-        s = mdt_st_read_range(f, e, r0 * row_bytes, nr * row_bytes, buf);
-        for (int64_t r = 0; r < nr && s == MDT_OK; r++) {
-            int64_t off = 0;
+        const int64_t nr = rows - r0 < win ? rows - r0 : win;
+        unsigned char *p = buf;
+        for (int64_t r = r0; r < r0 + nr && s == MDT_OK; r++)
             for (int b = 0; b < n && s == MDT_OK; b++) {
-                s = mdt_convert_to_f32(e->dtype, buf + (size_t)(r * row_bytes) + st[b] * es,
-                                       dst + (r0 + r) * lcols + off, ln[b]);
-                off += ln[b];
+                s = mdt_st_read_range(f, e, (r * cols + st[b]) * (int64_t)es, ln[b] * (int64_t)es,
+                                      p);
+                p += ln[b] * (int64_t)es;
             }
-        }
+        if (s == MDT_OK)
+            s = mdt_convert_to_f32(e->dtype, buf, dst + r0 * lcols, nr * lcols);
     }
     mdt_free(buf);
     return s;
