@@ -25,20 +25,32 @@ for t in "$BUILD"/tests/test_*; do
     run "$t"
 done
 MPIEXEC=${MPIEXEC:-$(command -v mpiexec.mpich || command -v mpiexec)}
-echo "== mpi (tensor parallelism, shard-on-read loader)"
-for layout in "1 1 1 1 tp,ring,ulysses" "2 2 1 1 tp,ring,ulysses" "2 2 1 1 ring,ulysses,tp" \
-              "4 4 1 1 tp,ring,ulysses" "4 2 2 1 tp,ring,ulysses" "4 2 1 2 ring,ulysses,tp"; do
+echo "== mpi (tensor and context parallelism, shard-on-read loader)"
+# n T R U order: TP alone, every CP mode alone and combined with TP, both mesh orders, uneven
+# token counts (flux_guidance: 37 + 11) and head counts not divisible by T x U (U=3; tiny at T=2 U=2)
+LAYOUTS=("1 1 1 1 tp,ring,ulysses" "2 2 1 1 tp,ring,ulysses" "4 4 1 1 tp,ring,ulysses"
+         "2 1 1 2 tp,ring,ulysses" "2 1 2 1 tp,ring,ulysses" "4 1 2 2 tp,ring,ulysses"
+         "4 1 2 2 ring,ulysses,tp" "4 1 1 4 tp,ring,ulysses" "3 1 1 3 tp,ring,ulysses"
+         "3 1 3 1 tp,ring,ulysses" "4 2 1 2 tp,ring,ulysses" "4 2 1 2 ring,ulysses,tp"
+         "4 2 2 1 tp,ring,ulysses" "4 2 2 1 ring,ulysses,tp" "8 2 2 2 tp,ring,ulysses"
+         "8 2 2 2 ring,ulysses,tp")
+for layout in "${LAYOUTS[@]}"; do
     set -- $layout
-    run timeout 300 "$MPIEXEC" -n "$1" "$BUILD/tests/mpi/test_tp" tests/data "$2" "$3" "$4" "$5"
+    run timeout 600 "$MPIEXEC" -n "$1" "$BUILD/tests/mpi/test_parallel" tests/data "$2" "$3" "$4" "$5"
 done
-# negative control: with the shard index taken from the world rank (the upstream bug) on a
-# 2-axis mesh, the loader test must fail
-if MESHDIT_TEST_SHARD_INDEX=world timeout 300 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_tp" tests/data 2 2 1 \
-        tp,ring,ulysses >/dev/null 2>&1; then
-    echo "  negative control: the world-rank shard index bug went unnoticed"; total_fail=$((total_fail + 1))
-else
-    echo "  negative control: world-rank shard index caught"; total_pass=$((total_pass + 1))
-fi
+# negative controls: each switch reproduces an upstream bug; the tests must notice it
+negative() { # name env -- n T R U order
+    local name=$1 envv=$2; shift 3
+    if env "$envv" timeout 600 "$MPIEXEC" -n "$1" "$BUILD/tests/mpi/test_parallel" tests/data "$2" "$3" "$4" "$5" \
+            >/dev/null 2>&1; then
+        echo "  negative control $name: went unnoticed"; total_fail=$((total_fail + 1))
+    else
+        echo "  negative control $name: caught"; total_pass=$((total_pass + 1))
+    fi
+}
+negative "world-rank shard index, tp=2 x ring=2" MESHDIT_TEST_SHARD_INDEX=world -- 4 2 2 1 tp,ring,ulysses
+negative "world-rank shard index, tp=2 x ulysses=2" MESHDIT_TEST_SHARD_INDEX=world -- 4 2 1 2 tp,ring,ulysses
+negative "CP split skipped, ring=2 x ulysses=2" MESHDIT_TEST_SKIP_CP_SPLIT=1 -- 4 1 2 2 tp,ring,ulysses
 echo "== cli"
 run env BIN="$BUILD/meshdit" MPIEXEC="$MPIEXEC" bash tests/cli/test_cli.sh
 total_fail=$((total_fail + broken))

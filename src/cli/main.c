@@ -269,6 +269,8 @@ typedef struct rank_facts {
     double flops[MDT_FLOP_KIND_COUNT];
     int64_t attn_calls, attn_q, attn_kv;
     int64_t coll[MDT_COLL_KIND_COUNT];
+    int64_t group[MDT_GROUP_COUNT];
+    double ring_wait_s, ring_compute_s;
 } rank_facts;
 
 static mdt_status write_report(const char *path, const mdt_model *m, const char *order,
@@ -311,6 +313,12 @@ static mdt_status write_report(const char *path, const mdt_model *m, const char 
         cJSON *cb = cJSON_AddObjectToObject(rk, "bytes_sent_per_step");
         for (int k = 0; k < MDT_COLL_KIND_COUNT; k++)
             cJSON_AddNumberToObject(cb, mdt_coll_kind_name((mdt_coll_kind)k), (double)f->coll[k]);
+        cJSON *ga = cJSON_AddObjectToObject(rk, "bytes_sent_per_step_by_axis");
+        for (int g = 0; g < MDT_GROUP_COUNT; g++)
+            cJSON_AddNumberToObject(ga, mdt_group_name((mdt_group)g), (double)f->group[g]);
+        cJSON *rg = cJSON_AddObjectToObject(rk, "ring_per_step");
+        cJSON_AddNumberToObject(rg, "ring_compute_seconds", f->ring_compute_s);
+        cJSON_AddNumberToObject(rg, "ring_wait_seconds", f->ring_wait_s);
     }
     if (g_rank == 0) { /* per tensor: style, local shape, bytes read (rank 0's view) */
         cJSON *tens = cJSON_AddArrayToObject(r, "tensors_rank0");
@@ -352,13 +360,17 @@ static void print_plan(const mdt_model *m, const char *order, const rank_facts *
             tot0 = tot;
         fmt_bytes((double)f->weight_bytes, wb, sizeof wb);
         fmt_bytes((double)f->peak_bytes, pb, sizeof pb);
-        printf(
-            "rank %d (tp %d, ring %d, ulysses %d): %lld heads, weights %s, peak %s, read %lld B; "
-            "per forward %.3f GFLOP (linear %.3f, attn %.3f), attn %lld q-rows x heads, "
-            "allreduce %lld B\n",
-            f->rank, f->t, f->r, f->u, (long long)f->heads_local, wb, pb, (long long)f->bytes_read,
-            tot * 1e-9, f->flops[MDT_FLOP_LINEAR] * 1e-9, f->flops[MDT_FLOP_ATTN] * 1e-9,
-            (long long)f->attn_q, (long long)f->coll[MDT_COLL_ALLREDUCE]);
+        printf("rank %d (tp %d, ring %d, ulysses %d): %lld tp-local heads, weights %s, peak %s, "
+               "read %lld B; per forward %.3f GFLOP (linear %.3f, attn %.3f), attn %lld/%lld "
+               "q/kv rows x heads; bytes sent tp %lld, ring %lld, ulysses %lld, cp %lld",
+               f->rank, f->t, f->r, f->u, (long long)f->heads_local, wb, pb,
+               (long long)f->bytes_read, tot * 1e-9, f->flops[MDT_FLOP_LINEAR] * 1e-9,
+               f->flops[MDT_FLOP_ATTN] * 1e-9, (long long)f->attn_q, (long long)f->attn_kv,
+               (long long)f->group[MDT_GROUP_TP], (long long)f->group[MDT_GROUP_RING],
+               (long long)f->group[MDT_GROUP_ULYSSES], (long long)f->group[MDT_GROUP_CP]);
+        if (f->ring_compute_s > 0)
+            printf("; ring compute %.4f s, wait %.4f s", f->ring_compute_s, f->ring_wait_s);
+        printf("\n");
     }
     printf("load %.3f s; %s %d: median %.4f s per %s (rank 0: %.2f GFLOP/s); wrote %s\n", load_s,
            sampling ? "steps" : "forwards", nsteps, med, sampling ? "step" : "forward",
@@ -406,7 +418,7 @@ static int cmd_run(int argc, char **argv) {
     const int progress = !quiet && g_rank == 0 && steps > 0 && isatty(STDERR_FILENO);
     times = calloc((size_t)nsteps, sizeof(double));
     mdt_counters per = {0};
-    int64_t coll[MDT_COLL_KIND_COUNT] = {0};
+    int64_t coll[MDT_COLL_KIND_COUNT] = {0}, group[MDT_GROUP_COUNT] = {0};
     mdt_tensor *lat = NULL, *tst = NULL;
     if (!times) {
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
@@ -432,8 +444,9 @@ static int cmd_run(int argc, char **argv) {
         st = mdt_tensor_set_create(&res);
         if (st != MDT_OK)
             break;
-        int64_t c0[MDT_COLL_KIND_COUNT];
+        int64_t c0[MDT_COLL_KIND_COUNT], gb0[MDT_GROUP_COUNT];
         memcpy(c0, mesh->bytes_sent, sizeof c0);
+        memcpy(gb0, mesh->group_bytes, sizeof gb0);
         mdt_counters_reset();
         MPI_Barrier(MPI_COMM_WORLD);
         double ts = mdt_now();
@@ -442,6 +455,8 @@ static int cmd_run(int argc, char **argv) {
         per = *mdt_counters_get();
         for (int k = 0; k < MDT_COLL_KIND_COUNT; k++)
             coll[k] = mesh->bytes_sent[k] - c0[k];
+        for (int g = 0; g < MDT_GROUP_COUNT; g++)
+            group[g] = mesh->group_bytes[g] - gb0[g];
         if (st != MDT_OK)
             break;
         if (lat) {
@@ -491,6 +506,8 @@ static int cmd_run(int argc, char **argv) {
     mine.attn_calls = per.attn_calls, mine.attn_q = per.attn_query_rows;
     mine.attn_kv = per.attn_kv_rows;
     memcpy(mine.coll, coll, sizeof coll);
+    memcpy(mine.group, group, sizeof group);
+    mine.ring_wait_s = per.ring_wait_s, mine.ring_compute_s = per.ring_compute_s;
     all = calloc((size_t)g_world, sizeof *all);
     if (!all) {
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");

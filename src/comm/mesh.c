@@ -152,7 +152,40 @@ mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local) {
     }
     if (MPI_Bcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, m->world) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Bcast failed");
+    if (strncmp(pkt.msg, "rank ", 5) == 0) /* already agreed on at an inner phase boundary */
+        return MDT_FAIL((mdt_status)pkt.code, "%s", pkt.msg);
     return MDT_FAIL((mdt_status)pkt.code, "rank %d: %s", first, pkt.msg);
+}
+
+const char *mdt_group_name(mdt_group g) {
+    static const char *const n[MDT_GROUP_COUNT] = {"tp", "ring", "ulysses", "cp"};
+    return (unsigned)g < MDT_GROUP_COUNT ? n[g] : "?";
+}
+
+MPI_Comm mdt_mesh_comm(const mdt_mesh *m, mdt_group g) {
+    switch (g) {
+    case MDT_GROUP_TP: return m->tp;
+    case MDT_GROUP_RING: return m->ring;
+    case MDT_GROUP_ULYSSES: return m->ulysses;
+    case MDT_GROUP_CP: return m->cp;
+    case MDT_GROUP_COUNT: break;
+    }
+    return MPI_COMM_NULL;
+}
+
+int mdt_group_size(const mdt_mesh *m, mdt_group g) {
+    const int sz[MDT_GROUP_COUNT] = {m->T, m->R, m->U, m->cp_size};
+    return (unsigned)g < MDT_GROUP_COUNT ? sz[g] : 1;
+}
+
+int mdt_group_rank(const mdt_mesh *m, mdt_group g) {
+    const int rk[MDT_GROUP_COUNT] = {m->t, m->r, m->u, m->cp_index};
+    return (unsigned)g < MDT_GROUP_COUNT ? rk[g] : 0;
+}
+
+static void count(mdt_mesh *m, mdt_group g, mdt_coll_kind k, int64_t bytes) {
+    m->bytes_sent[k] += bytes;
+    m->group_bytes[g] += bytes;
 }
 
 static mdt_status ensure_scratch(mdt_mesh *m, int64_t n) {
@@ -164,13 +197,15 @@ static mdt_status ensure_scratch(mdt_mesh *m, int64_t n) {
     return m->scratch ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory for collective scratch");
 }
 
-mdt_status mdt_allreduce_sum(mdt_mesh *m, MPI_Comm comm, float *buf, int64_t n) {
-    int P;
-    MPI_Comm_size(comm, &P);
+static int fits_int(int64_t n) { return n >= 0 && n <= INT_MAX; }
+
+mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n) {
+    const int P = mdt_group_size(m, g);
+    MPI_Comm comm = mdt_mesh_comm(m, g);
     if (P == 1 || n == 0)
         return MDT_OK;
     const int64_t chunk = (n + P - 1) / P, padded = chunk * P;
-    if (chunk > INT_MAX)
+    if (!fits_int(chunk))
         return MDT_FAIL(MDT_E_UNSUPPORTED, "all-reduce of %lld floats is too large", (long long)n);
     MDT_TRY(ensure_scratch(m, padded + chunk));
     float *full = m->scratch, *mine = m->scratch + padded;
@@ -181,33 +216,106 @@ mdt_status mdt_allreduce_sum(mdt_mesh *m, MPI_Comm comm, float *buf, int64_t n) 
     MDT_TRY(mpi_check(MPI_Allgather(mine, (int)chunk, MPI_FLOAT, full, (int)chunk, MPI_FLOAT, comm),
                       "all-reduce (all-gather)"));
     memcpy(buf, full, sizeof(float) * (size_t)n);
-    m->bytes_sent[MDT_COLL_ALLREDUCE] += 2 * (int64_t)(P - 1) * chunk * 4;
+    count(m, g, MDT_COLL_ALLREDUCE, 2 * (int64_t)(P - 1) * chunk * 4);
     return MDT_OK;
 }
 
-mdt_status mdt_bcast_floats(mdt_mesh *m, MPI_Comm comm, int root, float *buf, int64_t n) {
-    int P, me;
-    MPI_Comm_size(comm, &P);
-    MPI_Comm_rank(comm, &me);
+mdt_status mdt_bcast_floats(mdt_mesh *m, mdt_group g, int root, float *buf, int64_t n) {
+    const int P = mdt_group_size(m, g);
     if (P == 1)
         return MDT_OK;
     for (int64_t off = 0; off < n; off += INT_MAX / 2) {
         int c = (int)(n - off < INT_MAX / 2 ? n - off : INT_MAX / 2);
-        MDT_TRY(mpi_check(MPI_Bcast(buf + off, c, MPI_FLOAT, root, comm), "MPI_Bcast"));
+        MDT_TRY(
+            mpi_check(MPI_Bcast(buf + off, c, MPI_FLOAT, root, mdt_mesh_comm(m, g)), "MPI_Bcast"));
     }
-    if (me == root)
-        m->bytes_sent[MDT_COLL_BCAST] += n * 4;
+    if (mdt_group_rank(m, g) == root)
+        count(m, g, MDT_COLL_BCAST, n * 4);
     return MDT_OK;
 }
 
-mdt_status mdt_allgather_floats(mdt_mesh *m, MPI_Comm comm, const float *send, float *recv,
+mdt_status mdt_allgather_floats(mdt_mesh *m, mdt_group g, const float *send, float *recv,
                                 int64_t n) {
-    int P;
-    MPI_Comm_size(comm, &P);
-    if (n > INT_MAX)
+    const int P = mdt_group_size(m, g);
+    if (!fits_int(n))
         return MDT_FAIL(MDT_E_UNSUPPORTED, "all-gather of %lld floats is too large", (long long)n);
-    MDT_TRY(mpi_check(MPI_Allgather(send, (int)n, MPI_FLOAT, recv, (int)n, MPI_FLOAT, comm),
-                      "MPI_Allgather"));
-    m->bytes_sent[MDT_COLL_ALLGATHER] += (int64_t)(P - 1) * n * 4;
+    MDT_TRY(mpi_check(
+        MPI_Allgather(send, (int)n, MPI_FLOAT, recv, (int)n, MPI_FLOAT, mdt_mesh_comm(m, g)),
+        "MPI_Allgather"));
+    count(m, g, MDT_COLL_ALLGATHER, (int64_t)(P - 1) * n * 4);
     return MDT_OK;
+}
+
+enum { MAX_GROUP = 4096 };
+
+mdt_status mdt_allgatherv_floats(mdt_mesh *m, mdt_group g, const float *send, float *recv,
+                                 const int64_t *counts) {
+    const int P = mdt_group_size(m, g), me = mdt_group_rank(m, g);
+    int cnt[MAX_GROUP], dsp[MAX_GROUP];
+    int64_t off = 0;
+    if (P > MAX_GROUP)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "group of %d ranks is too large", P);
+    for (int i = 0; i < P; i++) {
+        if (!fits_int(counts[i]) || !fits_int(off))
+            return MDT_FAIL(MDT_E_UNSUPPORTED, "all-gather of %lld floats is too large",
+                            (long long)counts[i]);
+        cnt[i] = (int)counts[i], dsp[i] = (int)off;
+        off += counts[i];
+    }
+    MDT_TRY(mpi_check(
+        MPI_Allgatherv(send, cnt[me], MPI_FLOAT, recv, cnt, dsp, MPI_FLOAT, mdt_mesh_comm(m, g)),
+        "MPI_Allgatherv"));
+    count(m, g, MDT_COLL_ALLGATHER, (int64_t)(P - 1) * counts[me] * 4);
+    return MDT_OK;
+}
+
+mdt_status mdt_allgather_i64(mdt_mesh *m, mdt_group g, int64_t v, int64_t *all) {
+    long long x = (long long)v;
+    return mpi_check(
+        MPI_Allgather(&x, 1, MPI_LONG_LONG, all, 1, MPI_LONG_LONG, mdt_mesh_comm(m, g)),
+        "length exchange (MPI_Allgather)");
+}
+
+mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, const int64_t *scounts,
+                                const int64_t *sdispls, float *recv, const int64_t *rcounts,
+                                const int64_t *rdispls) {
+    const int P = mdt_group_size(m, g), me = mdt_group_rank(m, g);
+    int sc[MAX_GROUP], sd[MAX_GROUP], rc[MAX_GROUP], rd[MAX_GROUP];
+    int64_t sent = 0;
+    if (P > MAX_GROUP)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "group of %d ranks is too large", P);
+    for (int i = 0; i < P; i++) {
+        if (!fits_int(scounts[i]) || !fits_int(sdispls[i]) || !fits_int(rcounts[i]) ||
+            !fits_int(rdispls[i]))
+            return MDT_FAIL(MDT_E_UNSUPPORTED, "all-to-all block too large for MPI int counts");
+        sc[i] = (int)scounts[i], sd[i] = (int)sdispls[i];
+        rc[i] = (int)rcounts[i], rd[i] = (int)rdispls[i];
+        if (i != me)
+            sent += scounts[i];
+    }
+    MDT_TRY(mpi_check(
+        MPI_Alltoallv(send, sc, sd, MPI_FLOAT, recv, rc, rd, MPI_FLOAT, mdt_mesh_comm(m, g)),
+        "MPI_Alltoallv"));
+    count(m, g, MDT_COLL_ALLTOALL, sent * 4);
+    return MDT_OK;
+}
+
+mdt_status mdt_ring_start(mdt_mesh *m, mdt_group g, const float *send, float *recv, int64_t n,
+                          MPI_Request req[2]) {
+    const int P = mdt_group_size(m, g), me = mdt_group_rank(m, g);
+    MPI_Comm comm = mdt_mesh_comm(m, g);
+    req[0] = req[1] = MPI_REQUEST_NULL;
+    if (!fits_int(n))
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "ring block of %lld floats is too large", (long long)n);
+    MDT_TRY(mpi_check(MPI_Irecv(recv, (int)n, MPI_FLOAT, (me + P - 1) % P, 77, comm, &req[0]),
+                      "ring MPI_Irecv"));
+    MDT_TRY(mpi_check(MPI_Isend(send, (int)n, MPI_FLOAT, (me + 1) % P, 77, comm, &req[1]),
+                      "ring MPI_Isend"));
+    count(m, g, MDT_COLL_SENDRECV, n * 4);
+    return MDT_OK;
+}
+
+mdt_status mdt_ring_wait(MPI_Request req[2]) {
+    MPI_Status st[2];
+    return mpi_check(MPI_Waitall(2, req, st), "ring MPI_Waitall");
 }

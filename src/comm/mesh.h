@@ -17,6 +17,16 @@
 
 typedef enum mdt_axis { MDT_AXIS_TP = 0, MDT_AXIS_RING, MDT_AXIS_ULYSSES, MDT_AXIS_COUNT } mdt_axis;
 
+/* The groups collectives run over: the three axes plus the CP-flattened group. */
+typedef enum mdt_group {
+    MDT_GROUP_TP = MDT_AXIS_TP,
+    MDT_GROUP_RING = MDT_AXIS_RING,
+    MDT_GROUP_ULYSSES = MDT_AXIS_ULYSSES,
+    MDT_GROUP_CP,
+    MDT_GROUP_COUNT
+} mdt_group;
+const char *mdt_group_name(mdt_group g);
+
 typedef enum mdt_coll_kind {
     MDT_COLL_ALLREDUCE = 0,
     MDT_COLL_ALLGATHER,
@@ -36,8 +46,9 @@ struct mdt_mesh {
     int cp_size, cp_index; /* R U, r U + u */
     mdt_axis order[3];     /* outermost first */
     int tp_shard_index;    /* = t (or the world rank under the test-only bug switch) */
-    int64_t bytes_sent[MDT_COLL_KIND_COUNT];
-    float *scratch; /* collective scratch, grown on first use */
+    int64_t bytes_sent[MDT_COLL_KIND_COUNT]; /* per kind, summed over groups */
+    int64_t group_bytes[MDT_GROUP_COUNT];    /* per group, summed over kinds */
+    float *scratch;                          /* collective scratch, grown on first use */
     int64_t scratch_floats;
 };
 
@@ -62,13 +73,35 @@ static inline mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local) {
     return (local != MDT_OK && s == MDT_OK) ? local : s;
 }
 
-/* In-place sum over `comm` whose result is bit-identical on every member: each element is
+/* The communicator of a group. */
+MPI_Comm mdt_mesh_comm(const mdt_mesh *m, mdt_group g);
+/* Size of a group and this rank's position in it (its coordinate). */
+int mdt_group_size(const mdt_mesh *m, mdt_group g);
+int mdt_group_rank(const mdt_mesh *m, mdt_group g);
+
+/* In-place sum over group g whose result is bit-identical on every member: each element is
  * reduced by exactly one rank (reduce-scatter) and then copied to all (all-gather). */
-mdt_status mdt_allreduce_sum(mdt_mesh *m, MPI_Comm comm, float *buf, int64_t n);
-/* Broadcast of n floats from `root` of `comm`. */
-mdt_status mdt_bcast_floats(mdt_mesh *m, MPI_Comm comm, int root, float *buf, int64_t n);
+mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n);
+/* Broadcast of n floats from member `root` of group g. */
+mdt_status mdt_bcast_floats(mdt_mesh *m, mdt_group g, int root, float *buf, int64_t n);
 /* Rank-ordered concatenation: every member contributes n floats, recv gets size x n. */
-mdt_status mdt_allgather_floats(mdt_mesh *m, MPI_Comm comm, const float *send, float *recv,
+mdt_status mdt_allgather_floats(mdt_mesh *m, mdt_group g, const float *send, float *recv,
                                 int64_t n);
+/* Member i contributes counts[i] floats; recv gets them concatenated in member order (displs =
+ * running sums of counts, computed here). */
+mdt_status mdt_allgatherv_floats(mdt_mesh *m, mdt_group g, const float *send, float *recv,
+                                 const int64_t *counts);
+/* Every member's int64 value, in member order (lengths exchanged on every call, never cached:
+ * ranks must never disagree on whether to enter a collective). */
+mdt_status mdt_allgather_i64(mdt_mesh *m, mdt_group g, int64_t v, int64_t *all);
+/* All-to-all with per-member counts and displacements (in floats). */
+mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, const int64_t *scounts,
+                                const int64_t *sdispls, float *recv, const int64_t *rcounts,
+                                const int64_t *rdispls);
+/* Ring step over group g: send n floats to member (me + 1) and receive n floats from member
+ * (me - 1), non-blocking; finish with mdt_ring_wait. */
+mdt_status mdt_ring_start(mdt_mesh *m, mdt_group g, const float *send, float *recv, int64_t n,
+                          MPI_Request req[2]);
+mdt_status mdt_ring_wait(MPI_Request req[2]);
 
 #endif /* MDT_MESH_H */

@@ -136,29 +136,49 @@ static struct mdt_arena_chunk *chunk_new(size_t cap) {
 
 float *mdt_arena_floats(mdt_arena *a, int64_t n) {
     size_t need = ((size_t)(n > 0 ? n : 1) * sizeof(float) + 63u) & ~(size_t)63u;
-    struct mdt_arena_chunk *last = a->chunks;
-    while (last && last->next)
-        last = last->next;
-    if (!last || a->used_in_last + need > last->cap) {
+    if (!a->cur) {
+        a->cur = a->chunks;
+        a->used = 0;
+    }
+    while (a->cur && a->used + need > a->cur->cap) {
+        if (!a->cur->next) {
+            size_t cap = need > ((size_t)1 << 20) ? need : ((size_t)1 << 20);
+            struct mdt_arena_chunk *c = chunk_new(cap);
+            if (!c) {
+                (void)MDT_FAIL(MDT_E_NOMEM, "out of memory allocating %zu activation bytes", cap);
+                return NULL;
+            }
+            a->cur->next = c;
+        }
+        a->cur = a->cur->next;
+        a->used = 0;
+    }
+    if (!a->cur) { /* empty arena */
         size_t cap = need > ((size_t)1 << 20) ? need : ((size_t)1 << 20);
-        struct mdt_arena_chunk *c = chunk_new(cap);
-        if (!c) {
+        a->chunks = a->cur = chunk_new(cap);
+        a->used = 0;
+        if (!a->cur) {
             (void)MDT_FAIL(MDT_E_NOMEM, "out of memory allocating %zu activation bytes", cap);
             return NULL;
         }
-        if (last)
-            last->next = c;
-        else
-            a->chunks = c;
-        last = c;
-        a->used_in_last = 0;
     }
-    float *p = (float *)(void *)(last->data + a->used_in_last);
-    a->used_in_last += need;
+    float *p = (float *)(void *)(a->cur->data + a->used);
+    a->used += need;
     a->in_use += (int64_t)need;
     if (a->in_use > a->high_water)
         a->high_water = a->in_use;
     return p;
+}
+
+mdt_arena_mark mdt_arena_mark_get(const mdt_arena *a) {
+    mdt_arena_mark mk = {a->cur, a->used, a->in_use};
+    return mk;
+}
+
+void mdt_arena_rewind(mdt_arena *a, mdt_arena_mark mk) {
+    a->cur = mk.chunk;
+    a->used = mk.used;
+    a->in_use = mk.in_use;
 }
 
 mdt_status mdt_arena_reset(mdt_arena *a) {
@@ -171,7 +191,8 @@ mdt_status mdt_arena_reset(mdt_arena *a) {
                             (long long)a->high_water);
         a->chunks = c;
     }
-    a->used_in_last = 0;
+    a->cur = NULL;
+    a->used = 0;
     a->in_use = 0;
     return MDT_OK;
 }
@@ -184,8 +205,8 @@ void mdt_arena_release(mdt_arena *a) {
         mdt_free(c);
         c = n;
     }
-    a->chunks = NULL;
-    a->used_in_last = 0;
+    a->chunks = a->cur = NULL;
+    a->used = 0;
     a->in_use = 0;
 }
 

@@ -60,14 +60,22 @@ int64_t mdt_mem_alloc_count(void); /* number of successful allocations since sta
 
 /* ---- a bump arena for per-step activations: reset each step, grows only on first use ---- */
 typedef struct mdt_arena {
-    struct mdt_arena_chunk *chunks;
-    size_t used_in_last;
-    int64_t high_water; /* most bytes handed out between two resets */
-    int64_t in_use;
+    struct mdt_arena_chunk *chunks, *cur; /* cur == NULL: before the first chunk */
+    size_t used;                          /* bytes handed out from cur */
+    int64_t in_use;                       /* bytes handed out since the reset */
+    int64_t high_water;                   /* most bytes in use at once, over all steps */
 } mdt_arena;
+typedef struct mdt_arena_mark {
+    struct mdt_arena_chunk *chunk;
+    size_t used;
+    int64_t in_use;
+} mdt_arena_mark;
 void mdt_arena_init(mdt_arena *a);
 /* 64-byte aligned block of n floats; NULL (with message) on allocation failure. */
 float *mdt_arena_floats(mdt_arena *a, int64_t n);
+/* A point to come back to: blocks handed out after it are reused once rewound (per layer). */
+mdt_arena_mark mdt_arena_mark_get(const mdt_arena *a);
+void mdt_arena_rewind(mdt_arena *a, mdt_arena_mark mk);
 /* Forgets every block handed out; merges chunks into one of the high-water size so that the
  * next step allocates nothing. */
 mdt_status mdt_arena_reset(mdt_arena *a);
@@ -88,7 +96,9 @@ typedef struct mdt_counters {
     int64_t attn_query_rows; /* query rows x heads summed over attention calls */
     int64_t attn_kv_rows;    /* key rows x heads summed over attention calls */
     int64_t attn_calls;
-    int64_t bytes_read; /* checkpoint bytes read from disk */
+    int64_t bytes_read;    /* checkpoint bytes read from disk */
+    double ring_compute_s; /* seconds attending ring blocks */
+    double ring_wait_s;    /* seconds waiting for ring transfers after computing */
 } mdt_counters;
 mdt_counters *mdt_counters_get(void);
 void mdt_counters_reset(void);

@@ -11,10 +11,12 @@
  */
 #include "models/model.h"
 
+#include "attn/attn.h"
 #include "kernels/cpu/cpu.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { FLUX_MAX_AXES = 4 };
@@ -296,7 +298,8 @@ typedef struct flux_act {
     const float *silu_temb;     /* [B, C] replicated */
     const float *cos_t, *sin_t; /* [S, D], text rows first */
     float *q, *k_, *v;          /* [B, H/T, S, D] head-major */
-    float *ws;                  /* attention scratch */
+    mdt_mesh *cp;               /* the mesh when the sequence is split (P > 1), else NULL */
+    mdt_arena *ar;              /* activations and attention scratch */
 } flux_act;
 
 /* Rowwise linear (plain, packed or replicated-input): y [M, out] = sum over the TP group of
@@ -306,7 +309,7 @@ static mdt_status row_linear(const flux_act *A, const flux_lin *l, const float *
                              int64_t K_local, float *y, int64_t M) {
     mdt_cpu_linear(x, ldx, l->w, NULL, y, l->out, M, K_local, l->out); // [M, out] partial
     if (A->T > 1)
-        MDT_TRY(mdt_allreduce_sum(A->mesh, A->mesh->tp, y, M * l->out));
+        MDT_TRY(mdt_allreduce_sum(A->mesh, MDT_GROUP_TP, y, M * l->out));
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < l->out; j++)
             y[i * l->out + j] += l->b[j];
@@ -339,14 +342,16 @@ static void project_qkv(const flux *f, const flux_act *A, const float *src, int6
     }
 }
 
-/* Joint attention over all S rows on the local heads; out [B, S, ld] token-major, the heads at
- * columns [0, C/T). */
-static void attend(const flux *f, const flux_act *A, float *out, int64_t ld) {
+/* Joint attention of the local rows over the whole sequence (spread over the CP ranks) on the
+ * local heads; out [B, S/P, ld] token-major, the heads at columns [0, C/T). */
+static mdt_status attend(const flux *f, const flux_act *A, float *out, int64_t ld) {
     const int64_t H = A->Hl, D = f->head_dim, S = A->S;
     const float scale = 1.0f / sqrtf((float)D);
     for (int64_t b = 0; b < A->B; b++)
-        mdt_cpu_attention(A->q + b * H * S * D, A->k_ + b * H * S * D, A->v + b * H * S * D,
-                          out + b * S * ld, ld, NULL, H, S, S, S, D, scale, A->ws); // [S, C/T]
+        MDT_TRY(mdt_attention(A->cp, A->ar, A->q + b * H * S * D, A->k_ + b * H * S * D,
+                              A->v + b * H * S * D, H, S, D, scale, out + b * S * ld,
+                              ld)); // [S/P, C/T]
+    return MDT_OK;
 }
 
 /* x [B, n, C] += gate * FF(LN(x) (1 + scale) + shift), the mlp half of a double block:
@@ -391,7 +396,7 @@ static mdt_status double_block(const flux *f, const flux_double *blk, const flux
                 blk->norm_added_k, tmp);
     project_qkv(f, A, nx, Si, St, &blk->to_q, &blk->to_k, &blk->to_v, blk->norm_q, blk->norm_k,
                 tmp);
-    attend(f, A, ao, Cl); // [B, S, C/T]
+    MDT_TRY(attend(f, A, ao, Cl)); // [B, S/P, C/T]
     for (int64_t b = 0; b < B; b++) {
         MDT_TRY(row_linear(A, &blk->to_out, ao + (b * S + St) * Cl, Cl, Cl, tmp, Si)); // [Si, C]
         mdt_cpu_gate_residual(x + b * Si * C, tmp, C, mod + b * 6 * C + 2 * C, Si, C);
@@ -421,7 +426,7 @@ static mdt_status single_block(const flux *f, const flux_single *blk, const flux
     for (int64_t r = 0; r < B * S; r++)
         mdt_cpu_gelu_tanh(cat + r * W + Cl, Ml);
     project_qkv(f, A, n, S, 0, &blk->to_q, &blk->to_k, &blk->to_v, blk->norm_q, blk->norm_k, tmp);
-    attend(f, A, cat, W); // columns [0, C/T) of cat
+    MDT_TRY(attend(f, A, cat, W)); // columns [0, C/T) of cat
     /* packed rowwise: the local weight columns are [attn block k | mlp block k], like cat */
     MDT_TRY(row_linear(A, &blk->proj_out, cat, W, W, tmp, B * S)); // [B*S, C]
     for (int64_t b = 0; b < B; b++)
@@ -429,60 +434,145 @@ static mdt_status single_block(const flux *f, const flux_single *blk, const flux
     return MDT_OK;
 }
 
+/* Copies rows [r0, r0 + n) of every batch element of x [B, rows, w] into dst [B, n, w]. */
+static void slice_rows(const float *x, int64_t B, int64_t rows, int64_t w, int64_t r0, int64_t n,
+                       float *dst) {
+    for (int64_t b = 0; b < B; b++)
+        memcpy(dst + b * n * w, x + (b * rows + r0) * w, sizeof(float) * (size_t)(n * w));
+}
+
+/* No silent degrade: the attention rows this rank processed in one forward must be what its
+ * layout promises (each query row once, over local heads and the rank's sequence block), and
+ * every configured axis must have moved bytes. */
+static mdt_status check_promise(const flux *f, const mdt_model *m, const flux_act *A, int64_t Si,
+                                int64_t St, const mdt_counters *c0, const int64_t *g0) {
+    const mdt_mesh *mesh = m->mesh;
+    const int R = mesh ? mesh->R : 1, U = mesh ? mesh->U : 1, P = R * U;
+    const int r = mesh ? mesh->r : 0, u = mesh ? mesh->u : 0;
+    int64_t h0, hn, L = 0, s0, n;
+    mdt_split_range(A->Hl, U, u, &h0, &hn);
+    for (int j = 0; j < U; j++) { /* my sequence block: the chunks of my Ulysses group */
+        mdt_split_range(St, P, r * U + j, &s0, &n);
+        L += n;
+        mdt_split_range(Si, P, r * U + j, &s0, &n);
+        L += n;
+    }
+    const int64_t calls = (f->layers + f->single_layers) * A->B;
+    const int64_t want_q = calls * hn * L, want_kv = calls * hn * (Si + St);
+    const mdt_counters *c1 = mdt_counters_get();
+    const int64_t got_q = c1->attn_query_rows - c0->attn_query_rows;
+    const int64_t got_kv = c1->attn_kv_rows - c0->attn_kv_rows;
+    if (got_q != want_q || got_kv != want_kv) {
+        const int64_t whole = calls * A->Hl * (Si + St);
+        const char *axis =
+            got_q == whole && P > 1               ? "the sequence split (ring x ulysses) did "
+                                                    "nothing: this rank computed the whole sequence"
+            : U > 1 && got_q == calls * A->Hl * L ? "ulysses did nothing: heads were not scattered"
+            : R > 1 && got_kv == calls * hn * L
+                ? "ring did nothing: the other ring blocks were never attended"
+                : "the layout was not applied as configured";
+        return MDT_FAIL(MDT_E_INVALID,
+                        "no silent degrade: this rank attended %lld query rows x heads and %lld "
+                        "key rows x heads per forward, but tp=%d ring=%d ulysses=%d promises %lld "
+                        "and %lld: %s",
+                        (long long)got_q, (long long)got_kv, m->T, R, U, (long long)want_q,
+                        (long long)want_kv, axis);
+    }
+    if (mesh) {
+        /* an axis owes bytes unless this rank has nothing to send on it: an empty head group
+         * (heads not divisible by U) has no ring blocks, an empty image chunk nothing to gather */
+        int64_t i0, ni;
+        mdt_split_range(Si, P, mesh->cp_index, &i0, &ni);
+        const int owes[MDT_GROUP_COUNT] = {mesh->T > 1, R > 1 && hn > 0, U > 1, P > 1 && ni > 0};
+        const int deg[MDT_GROUP_COUNT] = {mesh->T, R, U, P};
+        for (int g = 0; g < MDT_GROUP_COUNT; g++)
+            if (owes[g] && mesh->group_bytes[g] == g0[g])
+                return MDT_FAIL(MDT_E_INVALID,
+                                "no silent degrade: the %s group (degree %d) moved no bytes in a "
+                                "forward: that axis did nothing",
+                                mdt_group_name((mdt_group)g), deg[g]);
+    }
+    return MDT_OK;
+}
+
 static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
     const flux *f = m->impl;
     mdt_arena *ar = &m->arena;
+    mdt_mesh *mesh = m->mesh;
     const int64_t C = f->inner, D = f->head_dim, H = f->heads / m->T;
+    const mdt_counters c0 = *mdt_counters_get();
+    int64_t g0[MDT_GROUP_COUNT] = {0};
+    if (mesh)
+        memcpy(g0, mesh->group_bytes, sizeof g0);
     flux_act A = {0};
-    A.T = m->T, A.k = m->tp_index, A.mesh = m->mesh;
+    A.T = m->T, A.k = m->tp_index, A.mesh = mesh, A.ar = ar;
     A.Cl = C / m->T, A.Ml = f->mlp_hidden / m->T, A.Hl = H;
-    A.B = input_dim(in, "hidden_states", 0);
-    A.Si = input_dim(in, "hidden_states", 1);
-    A.St = input_dim(in, "encoder_hidden_states", 1);
-    if (A.B < 1 || A.Si < 1)
+    /* CP plan: image and text tokens (and their ids) split into P chunks, chunk = cp index */
+    int P = mesh ? mesh->cp_size : 1, chunk = mesh ? mesh->cp_index : 0;
+    const char *skip = getenv("MESHDIT_TEST_SKIP_CP_SPLIT");
+    if (skip && strcmp(skip, "1") == 0)
+        P = 1, chunk = 0; /* test-only: every rank runs the whole sequence (the upstream bug) */
+    A.cp = P > 1 ? mesh : NULL;
+    const int64_t B = input_dim(in, "hidden_states", 0);
+    const int64_t Si = input_dim(in, "hidden_states", 1);
+    const int64_t St = input_dim(in, "encoder_hidden_states", 1);
+    if (B < 1 || Si < 1)
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: 'hidden_states' must be [B, S_img, %lld] with "
                         "B, S_img >= 1",
                         (long long)f->in_ch);
-    if (A.St < 1)
+    if (St < 1)
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] "
                         "with S_txt >= 1",
                         (long long)f->joint_dim);
-    const int64_t B = A.B, Si = A.Si, St = A.St, S = Si + St;
-    A.S = S;
-    float *hs, *ehs, *pooled, *ts, *img_ids, *txt_ids, *g = NULL;
-    MDT_TRY(get_input(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, ar, &hs));
-    MDT_TRY(get_input(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, ar, &ehs));
+    float *hs_full, *ehs_full, *pooled, *ts, *img_full, *txt_full, *g = NULL;
+    MDT_TRY(get_input(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, ar, &hs_full));
+    MDT_TRY(
+        get_input(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, ar, &ehs_full));
     MDT_TRY(get_input(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ar, &pooled));
     MDT_TRY(get_input(in, "timestep", 1, (int64_t[]){B}, ar, &ts));
     /* diffusers accepts 3-D ids (deprecated) and uses batch 0; so do we */
     int img3 = input_dim(in, "img_ids", 2) >= 0, txt3 = input_dim(in, "txt_ids", 2) >= 0;
     MDT_TRY(get_input(in, "img_ids", img3 ? 3 : 2,
                       img3 ? (int64_t[]){-1, Si, f->naxes} : (int64_t[]){Si, f->naxes}, ar,
-                      &img_ids));
+                      &img_full));
     MDT_TRY(get_input(in, "txt_ids", txt3 ? 3 : 2,
                       txt3 ? (int64_t[]){-1, St, f->naxes} : (int64_t[]){St, f->naxes}, ar,
-                      &txt_ids));
+                      &txt_full));
     if (f->guidance)
         MDT_TRY(get_input(in, "guidance", 1, (int64_t[]){B}, ar, &g));
+    int64_t si0, sic, st0, stc;
+    mdt_split_range(Si, P, chunk, &si0, &sic);
+    mdt_split_range(St, P, chunk, &st0, &stc);
+    A.B = B, A.Si = sic, A.St = stc, A.S = sic + stc;
+    const int64_t S = A.S;
+    float *hs = mdt_arena_floats(ar, B * sic * f->in_ch);      // [B, Si/P, in]
+    float *ehs = mdt_arena_floats(ar, B * stc * f->joint_dim); // [B, St/P, joint]
+    float *img_ids = mdt_arena_floats(ar, sic * f->naxes);     // [Si/P, axes]
+    float *txt_ids = mdt_arena_floats(ar, stc * f->naxes);     // [St/P, axes]
+    if (!hs || !ehs || !img_ids || !txt_ids)
+        return MDT_E_NOMEM;
+    slice_rows(hs_full, B, Si, f->in_ch, si0, sic, hs);
+    slice_rows(ehs_full, B, St, f->joint_dim, st0, stc, ehs);
+    slice_rows(img_full, 1, Si, f->naxes, si0, sic, img_ids);
+    slice_rows(txt_full, 1, St, f->naxes, st0, stc, txt_ids);
 
     /* conditioning: temb [B, C] = time(t) (+ guidance(g)) + text(pooled) */
     float *e256 = mdt_arena_floats(ar, B * 256);     // [B, 256]
     float *hsc = mdt_arena_floats(ar, B * C);        // [B, C] scratch
     float *temb = mdt_arena_floats(ar, B * C);       // [B, C]
     float *tmp = mdt_arena_floats(ar, B * C);        // [B, C]
-    float *ids = mdt_arena_floats(ar, S * f->naxes); // [S, axes] text first
-    float *cos_t = mdt_arena_floats(ar, S * D);      // [S, D]
-    float *sin_t = mdt_arena_floats(ar, S * D);      // [S, D]
-    float *x = mdt_arena_floats(ar, B * Si * C);     // [B, Si, C]
-    float *c = mdt_arena_floats(ar, B * St * C);     // [B, St, C]
-    A.q = mdt_arena_floats(ar, B * H * S * D);       // [B, H/T, S, D]
-    A.k_ = mdt_arena_floats(ar, B * H * S * D);      // [B, H/T, S, D]
-    A.v = mdt_arena_floats(ar, B * H * S * D);       // [B, H/T, S, D]
-    A.ws = mdt_arena_floats(ar, mdt_cpu_attention_ws_floats(D));
+    float *ids = mdt_arena_floats(ar, S * f->naxes); // [S/P, axes] local text first
+    float *cos_t = mdt_arena_floats(ar, S * D);      // [S/P, D]
+    float *sin_t = mdt_arena_floats(ar, S * D);      // [S/P, D]
+    float *x = mdt_arena_floats(ar, B * sic * C);    // [B, Si/P, C]
+    float *c = mdt_arena_floats(ar, B * stc * C);    // [B, St/P, C]
+    A.q = mdt_arena_floats(ar, B * H * S * D);       // [B, H/T, S/P, D]
+    A.k_ = mdt_arena_floats(ar, B * H * S * D);      // [B, H/T, S/P, D]
+    A.v = mdt_arena_floats(ar, B * H * S * D);       // [B, H/T, S/P, D]
     if (!e256 || !hsc || !temb || !tmp || !ids || !cos_t || !sin_t || !x || !c || !A.q || !A.k_ ||
-        !A.v || !A.ws)
+        !A.v)
         return MDT_E_NOMEM;
     for (int64_t b = 0; b < B; b++)
         ts[b] = ts[b] * 1000.0f;
@@ -503,42 +593,70 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_cpu_silu(hsc, B * C); // [B, C] SiLU(temb), the input of every AdaLN projection
     A.silu_temb = hsc;
 
-    memcpy(ids, txt_ids, sizeof(float) * (size_t)(St * f->naxes));
-    memcpy(ids + St * f->naxes, img_ids, sizeof(float) * (size_t)(Si * f->naxes));
-    rope_tables(f, ids, S, cos_t, sin_t); // [S, D]
+    memcpy(ids, txt_ids, sizeof(float) * (size_t)(stc * f->naxes));
+    memcpy(ids + stc * f->naxes, img_ids, sizeof(float) * (size_t)(sic * f->naxes));
+    rope_tables(f, ids, S, cos_t, sin_t); // [S/P, D] for the local rows only
     A.cos_t = cos_t, A.sin_t = sin_t;
 
-    mdt_cpu_linear(hs, f->in_ch, f->x_emb.w, f->x_emb.b, x, C, B * Si, f->in_ch, C); // [B,Si,C]
-    mdt_cpu_linear(ehs, f->joint_dim, f->ctx_emb.w, f->ctx_emb.b, c, C, B * St, f->joint_dim,
-                   C); // [B, St, C]
+    mdt_cpu_linear(hs, f->in_ch, f->x_emb.w, f->x_emb.b, x, C, B * sic, f->in_ch, C); // [B,Si/P,C]
+    mdt_cpu_linear(ehs, f->joint_dim, f->ctx_emb.w, f->ctx_emb.b, c, C, B * stc, f->joint_dim,
+                   C); // [B, St/P, C]
 
-    for (int64_t i = 0; i < f->layers; i++)
+    for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
+        mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(f, &f->dbl[i], &A, x, c, ar));
+        mdt_arena_rewind(ar, mk);
+    }
 
-    float *h = mdt_arena_floats(ar, B * S * C); // [B, S, C] = cat(c, x) per batch
+    float *h = mdt_arena_floats(ar, B * S * C); // [B, S/P, C] = cat(c, x) per batch
     if (!h)
         return MDT_E_NOMEM;
     for (int64_t b = 0; b < B; b++) {
-        memcpy(h + b * S * C, c + b * St * C, sizeof(float) * (size_t)(St * C));
-        memcpy(h + (b * S + St) * C, x + b * Si * C, sizeof(float) * (size_t)(Si * C));
+        memcpy(h + b * S * C, c + b * stc * C, sizeof(float) * (size_t)(stc * C));
+        memcpy(h + (b * S + stc) * C, x + b * sic * C, sizeof(float) * (size_t)(sic * C));
     }
-    for (int64_t i = 0; i < f->single_layers; i++)
+    for (int64_t i = 0; i < f->single_layers; i++) {
+        mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(single_block(f, &f->sgl[i], &A, h, ar));
+        mdt_arena_rewind(ar, mk);
+    }
 
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */
-    float *emb = mdt_arena_floats(ar, B * 2 * C); // [B, 2C]
-    float *xn = mdt_arena_floats(ar, B * Si * C); // [B, Si, C]
+    float *emb = mdt_arena_floats(ar, B * 2 * C);  // [B, 2C]
+    float *xn = mdt_arena_floats(ar, B * sic * C); // [B, Si/P, C]
     if (!emb || !xn)
         return MDT_E_NOMEM;
     MDT_TRY(adaln(f, &A, &f->norm_out, emb)); // [B, 2C]
     for (int64_t b = 0; b < B; b++)
-        mdt_cpu_layernorm_modulate(h + (b * S + St) * C, xn + b * Si * C, Si, C, k_eps,
-                                   emb + b * 2 * C + C, emb + b * 2 * C); // [Si, C]
+        mdt_cpu_layernorm_modulate(h + (b * S + stc) * C, xn + b * sic * C, sic, C, k_eps,
+                                   emb + b * 2 * C + C, emb + b * 2 * C); // [Si/P, C]
     const int64_t O = f->proj_out.out;
+    float *ol = mdt_arena_floats(ar, B * sic * O); // [B, Si/P, O] local image rows
     mdt_tensor *o;
+    if (!ol)
+        return MDT_E_NOMEM;
+    mdt_cpu_linear(xn, C, f->proj_out.w, f->proj_out.b, ol, O, B * sic, C, O); // [B, Si/P, O]
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Si, O}, &o));
-    mdt_cpu_linear(xn, C, f->proj_out.w, f->proj_out.b, o->data, O, B * Si, C, O); // [B, Si, O]
-    return MDT_OK;
+    if (P == 1) {
+        memcpy(o->data, ol, sizeof(float) * (size_t)(B * Si * O));
+    } else { /* gather the image rows over the CP group in chunk order: [c][B][Si_c][O] */
+        int64_t counts[4096], r0, n;
+        float *all = mdt_arena_floats(ar, B * Si * O);
+        if (!all || P > 4096)
+            return MDT_E_NOMEM;
+        for (int j = 0; j < P; j++)
+            mdt_split_range(Si, P, j, &r0, &n), counts[j] = B * n * O;
+        MDT_TRY(mdt_allgatherv_floats(mesh, MDT_GROUP_CP, ol, all, counts)); // [P, B, Si_c, O]
+        const float *src = all;
+        for (int j = 0; j < P; j++) {
+            mdt_split_range(Si, P, j, &r0, &n);
+            for (int64_t b = 0; b < B; b++)
+                memcpy((float *)o->data + (b * Si + r0) * O, src + b * n * O,
+                       sizeof(float) * (size_t)(n * O));
+            src += B * n * O;
+        }
+    }
+    return check_promise(f, m, &A, Si, St, &c0, g0);
 }
 
 static mdt_status flux_check_layout(const void *impl, int T, int R, int U) {

@@ -310,11 +310,6 @@ mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
     mdt_model *m = NULL;
     mdt_mesh *mesh = p->mesh;
     *out = NULL;
-    if (mesh && (mesh->R > 1 || mesh->U > 1))
-        return MDT_FAIL(MDT_E_UNSUPPORTED,
-                        "ring=%d ulysses=%d requested, but context parallelism is not implemented "
-                        "in this build (refusing to run every rank on the whole sequence)",
-                        mesh->R, mesh->U);
     st = mdt_ckpt_open(p->checkpoint_dir, &ck);
     if (st == MDT_OK)
         st = mdt_model_describe(ck->config, &m);
@@ -339,11 +334,6 @@ mdt_status mdt_model_parallelize(mdt_model *m, mdt_mesh *mesh) {
         return MDT_FAIL(MDT_E_INVALID, "model has no weights to parallelize");
     if (!mesh)
         return MDT_OK;
-    if (mesh->R > 1 || mesh->U > 1)
-        return MDT_FAIL(MDT_E_UNSUPPORTED,
-                        "ring=%d ulysses=%d: context parallelism is not "
-                        "implemented in this build",
-                        mesh->R, mesh->U);
     const int T = mesh->T, k = mesh->tp_shard_index;
     st = mdt_model_check_layout(m, T, mesh->R, mesh->U);
     if (st == MDT_OK && k >= T)
@@ -358,7 +348,7 @@ mdt_status mdt_model_parallelize(mdt_model *m, mdt_mesh *mesh) {
     for (int i = 0; st == MDT_OK && i < m->table.n; i++) {
         const mdt_weight_spec *w = &m->table.specs[i];
         /* TP coordinate 0's values win, so ranks that built different states still agree */
-        st = mdt_bcast_floats(mesh, mesh->tp, 0, m->ws[i].data,
+        st = mdt_bcast_floats(mesh, MDT_GROUP_TP, 0, m->ws[i].data,
                               m->ws[i].local[0] * m->ws[i].local[1]);
         if (st == MDT_OK) {
             mdt_shard_copy(w, T, k, m->ws[i].data, ws[i].data, 1);
@@ -401,7 +391,7 @@ mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
             break;
         }
         if (T > 1 && mesh) { /* rank-major concatenation of the shards, then each to its place */
-            st = mdt_allgather_floats(mesh, mesh->tp, m->ws[i].data, all, lnum);
+            st = mdt_allgather_floats(mesh, MDT_GROUP_TP, m->ws[i].data, all, lnum);
             for (int r = 0; st == MDT_OK && r < T; r++)
                 mdt_shard_copy(w, T, r, full, all + r * lnum, 0);
         } else {

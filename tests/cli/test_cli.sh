@@ -132,7 +132,18 @@ RUNARGS=(run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.saf
 mpi_error product-vs-world 2 "needs 3 ranks" -- "${RUNARGS[@]}" --tp 3
 mpi_error heads 4 "tp=4 does not divide 2 attention heads" -- "${RUNARGS[@]}" --tp 4
 mpi_error mesh-order 2 "unknown axis 'foo'" -- "${RUNARGS[@]}" --tp 2 --mesh-order tp,foo,ulysses
-mpi_error no-silent-cp 2 "context parallelism is not implemented" -- "${RUNARGS[@]}" --ring 2
+export MESHDIT_TEST_SKIP_CP_SPLIT=1 # negative control: every rank computes the whole sequence
+mpi_error skipped-cp-split 2 "no silent degrade.*computed the whole sequence" -- "${RUNARGS[@]}" --ulysses 2
+unset MESHDIT_TEST_SKIP_CP_SPLIT
+for layout in "--ulysses 2" "--ring 2" "--tp 2 --ulysses 2" "--ring 2 --ulysses 2 --mesh-order ring,ulysses,tp"; do
+    n=1; for k in $layout; do case $k in [0-9]*) n=$((n * k));; esac; done
+    if timeout 300 "$MPIEXEC" -n $n "$BIN" run --checkpoint "$DATA/flux_guidance" \
+            --inputs "$DATA/flux_guidance/inputs.safetensors" --out "$T/cp.safetensors" $layout \
+            --report "$T/cp.json" >"$T/cp.txt" 2>&1 &&
+       "$BIN" compare "$T/cp.safetensors" "$DATA/flux_guidance/expected.safetensors" >/dev/null &&
+       grep -q '"ring_wait_seconds"' "$T/cp.json"; then ok
+    else bad "run $layout: $(tail -3 "$T/cp.txt")"; fi
+done
 
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]

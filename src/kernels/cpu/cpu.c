@@ -183,7 +183,5 @@ void mdt_cpu_attention(const float *q, const float *k, const float *v, float *ou
     }
     mdt_counters *c = mdt_counters_get();
     c->flops[MDT_FLOP_ATTN] += 4.0 * (double)H * (double)Sq * (double)sk_valid * (double)D;
-    c->attn_query_rows += H * Sq;
-    c->attn_kv_rows += H * sk_valid;
     c->attn_calls++;
 }

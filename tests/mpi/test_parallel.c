@@ -1,14 +1,18 @@
 /*
- * test_tp.c — tensor parallelism and the shard-on-read loader under mpiexec.
+ * test_parallel.c — tensor and context parallelism and the shard-on-read loader under mpiexec.
  *
- * usage: mpiexec -n N build/tests/mpi/test_tp DATA_DIR T R U ORDER
+ * usage: mpiexec -n N build/tests/mpi/test_parallel DATA_DIR T R U ORDER
  * Loader (any T x R x U mesh): every rank's shard of every tensor (packed proj_out included) is
  * bit-identical to the slice of the full tensor computed here by an independent element-wise
  * ownership rule; every tensor reads exactly its shard's bytes; resident weight bytes =
  * sharded/T + replicated; gather to a full checkpoint is bit-identical to the original data.
- * Forward (when R = U = 1): TP output vs the single-rank run (1e-5) and the diffusers golden
- * (1e-4); all TP peers bit-identical; the in-memory path (load whole, parallelize) gives the same
- * bits as shard-on-read; parallelize on a sharded model is refused.
+ * Forward (any layout whose TP degree divides the heads): output vs the single-rank run (1e-5)
+ * and the diffusers golden (1e-4); every rank holds bit-identical outputs; the in-memory path
+ * (load whole, parallelize) gives the same bits as shard-on-read; parallelize on a sharded model
+ * is refused. Structure: summed over the world, every (head, query row) pair was attended exactly
+ * once per attention call (each rank attends its own rows only); on a balanced generated config,
+ * each rank's linear and attention FLOPs are within 2% of the total / world, and every configured
+ * axis moved bytes.
  * Run with MESHDIT_TEST_SHARD_INDEX=world (shard index = world rank, the upstream bug) on a
  * 2-axis mesh it must fail: that is the negative control run.sh checks.
  */
@@ -16,6 +20,7 @@
 #include "harness.h"
 #include "models/model.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -169,14 +174,31 @@ static void check_forward(const char *dir, mdt_mesh *mesh) {
     EXPECT_OK(mdt_model_parallelize(mem, mesh));
     if (mesh->T > 1)
         EXPECT_ERR(mdt_model_parallelize(tp, mesh), MDT_E_INVALID, "load time");
-    mdt_tensor_set *o1 = forward(single, in), *ot = forward(tp, in), *om = forward(mem, in);
+    mdt_tensor_set *o1 = forward(single, in);
+    mdt_counters_reset();
+    mdt_tensor_set *ot = forward(tp, in);
+    {
+        long long q = mdt_counters_get()->attn_query_rows, qsum = 0;
+        MPI_Allreduce(&q, &qsum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+        int64_t heads = 0, layers = 0, singles = 0;
+        mdt_cfg_int(tp->config, "num_attention_heads", 1, 0, &heads);
+        mdt_cfg_int(tp->config, "num_layers", 1, 0, &layers);
+        mdt_cfg_int(tp->config, "num_single_layers", 1, 0, &singles);
+        const mdt_tensor *hs = mdt_tensor_set_get(in, "hidden_states");
+        const mdt_tensor *ehs = mdt_tensor_set_get(in, "encoder_hidden_states");
+        const long long want =
+            (long long)(layers + singles) * hs->shape[0] * heads * (hs->shape[1] + ehs->shape[1]);
+        EXPECT(qsum == want, "world attended %lld (head, query row) pairs, want %lld (each once)",
+               qsum, want);
+    }
+    mdt_tensor_set *om = forward(mem, in);
     const mdt_tensor *a = mdt_tensor_set_get(ot, "sample"), *b = mdt_tensor_set_get(o1, "sample");
     const mdt_tensor *c = mdt_tensor_set_get(om, "sample"), *e = mdt_tensor_set_get(exp, "sample");
     if (a && b && c && e) {
         const int64_t n = mdt_tensor_numel(a);
-        EXPECT(t_rel_err(a->data, b->data, n, 0) <= 1e-5, "tp=%d vs single rank: %.3e", mesh->T,
+        EXPECT(t_rel_err(a->data, b->data, n, 0) <= 1e-5, "%s: layout vs single rank: %.3e", dir,
                t_rel_err(a->data, b->data, n, 0));
-        EXPECT(t_rel_err(a->data, e->data, n, 0) <= 1e-4, "tp=%d vs diffusers: %.3e", mesh->T,
+        EXPECT(t_rel_err(a->data, e->data, n, 0) <= 1e-4, "%s: layout vs diffusers: %.3e", dir,
                t_rel_err(a->data, e->data, n, 0));
         EXPECT(memcmp(a->data, c->data, (size_t)n * 4) == 0,
                "in-memory parallelize differs from shard-on-read");
@@ -186,7 +208,7 @@ static void check_forward(const char *dir, mdt_mesh *mesh) {
         MPI_Bcast(r0, (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD);
         int same = memcmp(r0, a->data, (size_t)n * 4) == 0, all_same = 0;
         MPI_Allreduce(&same, &all_same, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-        EXPECT(all_same, "TP peers' outputs are not bit-identical");
+        EXPECT(all_same, "ranks' outputs are not bit-identical");
         free(r0);
     } else {
         EXPECT(0, "missing outputs");
@@ -197,13 +219,65 @@ done:
     mdt_tensor_set_free(in), mdt_tensor_set_free(exp);
 }
 
+/* A balanced generated config (8 heads of 32, 1 + 1 blocks, 256 image + 64 text tokens): each
+ * rank's linear and attention FLOPs within 2% of total / world; bytes on every configured axis. */
+static void check_balance(mdt_mesh *mesh) {
+    const char *cfg = "{\"_class_name\": \"FluxTransformer2DModel\", \"in_channels\": 16, "
+                      "\"num_layers\": 1, \"num_single_layers\": 1, \"attention_head_dim\": 32, "
+                      "\"num_attention_heads\": 8, \"joint_attention_dim\": 64, "
+                      "\"pooled_projection_dim\": 32, \"axes_dims_rope\": [8, 12, 12]}";
+    char dir[256];
+    snprintf(dir, sizeof dir, "/tmp/mdt_balance_%d_XXXXXX", (int)getppid());
+    if (g_rank == 0) {
+        if (!mkdtemp(dir))
+            dir[0] = 0;
+        EXPECT_OK(mdt_model_gen(cfg, 11, MDT_F32, 1, dir));
+    }
+    MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
+    mdt_load_params lp = mdt_load_params_default();
+    lp.checkpoint_dir = dir, lp.mesh = mesh;
+    mdt_model *m = NULL;
+    mdt_tensor_set *in = NULL, *out = NULL;
+    EXPECT_OK(mdt_model_load(&lp, &m));
+    if (m) {
+        mdt_inputs_params p = {3, 1, 256, 64, 0.5, 3.5};
+        mdt_tensor_set_create(&in), mdt_tensor_set_create(&out);
+        EXPECT_OK(m->fam->make_inputs(m->impl, &p, in));
+        int64_t g0[MDT_GROUP_COUNT];
+        memcpy(g0, mesh->group_bytes, sizeof g0);
+        mdt_counters_reset();
+        EXPECT_OK(mdt_model_forward(m, in, out));
+        double mine[2] = {mdt_counters_get()->flops[MDT_FLOP_LINEAR],
+                          mdt_counters_get()->flops[MDT_FLOP_ATTN]},
+               sum[2];
+        MPI_Allreduce(mine, sum, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+        for (int k = 0; k < 2; k++)
+            EXPECT(fabs(mine[k] - sum[k] / g_size) <= 0.02 * sum[k] / g_size,
+                   "rank %d: %s FLOPs %.4g vs total/world %.4g", g_rank, k ? "attention" : "linear",
+                   mine[k], sum[k] / g_size);
+        const int deg[MDT_GROUP_COUNT] = {mesh->T, mesh->R, mesh->U, mesh->cp_size};
+        for (int g = 0; g < MDT_GROUP_COUNT; g++)
+            EXPECT(deg[g] == 1 || mesh->group_bytes[g] > g0[g], "rank %d: no bytes on the %s group",
+                   g_rank, mdt_group_name((mdt_group)g));
+    }
+    mdt_tensor_set_free(in), mdt_tensor_set_free(out);
+    mdt_model_free(m);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (g_rank == 0 && dir[0]) {
+        char cmd[300];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "could not remove %s\n", dir);
+    }
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_size);
     if (argc != 6) {
         if (g_rank == 0)
-            fprintf(stderr, "usage: test_tp DATA_DIR T R U ORDER\n");
+            fprintf(stderr, "usage: test_parallel DATA_DIR T R U ORDER\n");
         MPI_Finalize();
         return 2;
     }
@@ -233,17 +307,19 @@ int main(int argc, char **argv) {
         const char *cases[] = {"flux_guidance", "flux_bf16_sharded", "flux_tiny"};
         for (int i = 0; i < 3; i++) {
             snprintf(d, sizeof d, "%s/%s", data, cases[i]);
-            if (i == 0 || T <= 2) /* flux_tiny and the bf16 case have 2 heads */
+            if (i == 0 || T <= 2) { /* flux_tiny and the bf16 case have 2 heads */
                 check_loader(d, mesh);
-            if (R == 1 && U == 1 && (i == 0 || T <= 2))
                 check_forward(d, mesh);
+            }
         }
+        if ((8 / T) % U == 0) /* balance needs heads divisible by T x U (8 heads) */
+            check_balance(mesh);
     }
     mdt_mesh_free(mesh);
     int fails = t_fail, any = 0;
     MPI_Allreduce(&fails, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (g_rank == 0)
-        printf("test_tp (n=%d, tp=%d ring=%d ulysses=%d, %s): ", g_size, T, R, U, argv[5]);
+        printf("test_parallel (n=%d, tp=%d ring=%d ulysses=%d, %s): ", g_size, T, R, U, argv[5]);
     if (g_rank != 0)
         t_pass = 0; /* report rank 0's count once, but every rank's failures */
     t_fail = any;

@@ -1,0 +1,178 @@
+/*
+ * attn.c — see attn.h. Layouts (one batch element):
+ *   Ulysses forward: member j receives from member i its rows (S_i of them) of head group j;
+ *     the send block for j is contiguous in head-major q ([h0_j, h0_j + hn_j) x S_local x D), the
+ *     received blocks are unpacked into [hn, L, D] with the members' rows concatenated in member
+ *     order (L = sum S_i): the sequence block of this ring coordinate.
+ *   Ring: blocks of K|V packed as [2][hn][Lmax][D] (Lmax = longest block on the ring, padded
+ *     rows masked via the kernel's valid-key count), double-buffered: block s + 1 is in flight
+ *     while block s is attended. Step s holds the block of ring member (r - s) mod R.
+ *   Ulysses inverse: the token-major block output [L, hn D] sends rows of member i back to it;
+ *     received head groups land at their columns of `out`.
+ */
+#include "attn.h"
+
+#include "kernels/cpu/cpu.h"
+#include "parallel/plan.h"
+
+#include <math.h>
+#include <string.h>
+
+enum { MAX_U = 4096 };
+
+void mdt_attn_head_group(int64_t H, int U, int j, int64_t *h0, int64_t *hn) {
+    mdt_split_range(H, U, j, h0, hn);
+}
+
+/* Merges a partial result (o [L, ld] token-major, l [hn, L]) into the running (O, Lr):
+ * O <- (e^Lr O + e^l o) / (e^Lr + e^l), Lr <- log(e^Lr + e^l), in fp32 with the max factored. */
+static void lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t ldo, const float *l,
+                      int64_t hn, int64_t L, int64_t D) {
+    for (int64_t h = 0; h < hn; h++)
+        for (int64_t i = 0; i < L; i++) {
+            const float a = Lr[h * L + i], b = l[h * L + i];
+            if (b == -INFINITY)
+                continue;
+            float *Oi = O + i * ldO + h * D;
+            const float *oi = o + i * ldo + h * D;
+            if (a == -INFINITY) {
+                memcpy(Oi, oi, sizeof(float) * (size_t)D);
+                Lr[h * L + i] = b;
+                continue;
+            }
+            const float m = a > b ? a : b, wa = expf(a - m), wb = expf(b - m),
+                        inv = 1.0f / (wa + wb);
+            for (int64_t d = 0; d < D; d++)
+                Oi[d] = (wa * Oi[d] + wb * oi[d]) * inv;
+            Lr[h * L + i] = m + logf(wa + wb);
+        }
+}
+
+/* Attention of Q [hn, L, D] over the blocks of every ring member (ring group), O [L, ldO]. */
+static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, const float *K,
+                                 const float *V, int64_t hn, int64_t L, int64_t D, float scale,
+                                 float *O, int64_t ldO, float *ws) {
+    const int R = mesh->R, r = mesh->r;
+    int64_t lens[MAX_U], Lmax = 0, total = 0;
+    MDT_TRY(mdt_allgather_i64(mesh, MDT_GROUP_RING, L, lens));
+    for (int i = 0; i < R; i++) {
+        Lmax = lens[i] > Lmax ? lens[i] : Lmax;
+        total += lens[i];
+    }
+    const int64_t blk = hn * Lmax * D; /* floats of K (or V) in a packed block */
+    float *cur = mdt_arena_floats(ar, 2 * blk), *nxt = mdt_arena_floats(ar, 2 * blk);
+    float *lse = mdt_arena_floats(ar, hn * L), *tl = mdt_arena_floats(ar, hn * L);
+    float *to = mdt_arena_floats(ar, L * hn * D);
+    if (!cur || !nxt || !lse || !tl || !to)
+        return MDT_E_NOMEM;
+    memset(cur, 0, sizeof(float) * (size_t)(2 * blk));
+    for (int64_t h = 0; h < hn; h++) { /* own block, rows padded to Lmax */
+        memcpy(cur + h * Lmax * D, K + h * L * D, sizeof(float) * (size_t)(L * D));
+        memcpy(cur + blk + h * Lmax * D, V + h * L * D, sizeof(float) * (size_t)(L * D));
+    }
+    mdt_counters *cn = mdt_counters_get();
+    for (int s = 0; s < R; s++) {
+        const int src = (r - s + R) % R;
+        MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+        if (s < R - 1) /* the next block travels while this one is computed */
+            MDT_TRY(mdt_ring_start(mesh, MDT_GROUP_RING, cur, nxt, 2 * blk, req));
+        double t0 = mdt_now();
+        if (s == 0) {
+            mdt_cpu_attention(Q, cur, cur + blk, O, ldO, lse, hn, L, Lmax, lens[src], D, scale, ws);
+        } else {
+            mdt_cpu_attention(Q, cur, cur + blk, to, hn * D, tl, hn, L, Lmax, lens[src], D, scale,
+                              ws);
+            lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
+        }
+        double t1 = mdt_now();
+        cn->ring_compute_s += t1 - t0;
+        if (s < R - 1) {
+            MDT_TRY(mdt_ring_wait(req));
+            cn->ring_wait_s += mdt_now() - t1;
+            float *t = cur;
+            cur = nxt, nxt = t;
+        }
+    }
+    cn->attn_query_rows += hn * L;
+    cn->attn_kv_rows += hn * total;
+    return MDT_OK;
+}
+
+mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const float *k,
+                         const float *v, int64_t H, int64_t S_local, int64_t D, float scale,
+                         float *out, int64_t ld_out) {
+    const int U = mesh ? mesh->U : 1, R = mesh ? mesh->R : 1;
+    mdt_arena_mark mk = mdt_arena_mark_get(ar);
+    mdt_status st = MDT_OK;
+    float *ws = mdt_arena_floats(ar, mdt_cpu_attention_ws_floats(D));
+    if (!ws)
+        return MDT_E_NOMEM;
+    if (U == 1 && R == 1) {
+        mdt_cpu_attention(q, k, v, out, ld_out, NULL, H, S_local, S_local, S_local, D, scale, ws);
+        mdt_counters *cn = mdt_counters_get();
+        cn->attn_query_rows += H * S_local;
+        cn->attn_kv_rows += H * S_local;
+        mdt_arena_rewind(ar, mk);
+        return MDT_OK;
+    }
+    if (U == 1) { /* ring only: the block is the local chunk, written straight to out */
+        st = ring_attention(mesh, ar, q, k, v, H, S_local, D, scale, out, ld_out, ws);
+        mdt_arena_rewind(ar, mk);
+        return st;
+    }
+    /* Ulysses forward: my head group over the rows of every member of my Ulysses group */
+    const int me = mesh->u;
+    int64_t lens[MAX_U], offs[MAX_U], h0[MAX_U], hc[MAX_U], L = 0;
+    int64_t sc[MAX_U], sd[MAX_U], rc[MAX_U], rd[MAX_U];
+    if (U > MAX_U)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "ulysses=%d is too large", U);
+    MDT_TRY(mdt_allgather_i64(mesh, MDT_GROUP_ULYSSES, S_local, lens));
+    for (int i = 0; i < U; i++) {
+        offs[i] = L;
+        L += lens[i];
+        mdt_attn_head_group(H, U, i, &h0[i], &hc[i]);
+    }
+    const int64_t hn = hc[me];
+    float *qkv[3], *recv = mdt_arena_floats(ar, hn * L * D);
+    for (int x = 0; x < 3; x++)
+        qkv[x] = mdt_arena_floats(ar, hn * L * D); // [hn, L, D]
+    float *ob = mdt_arena_floats(ar, L * hn * D);  // [L, hn*D] block output
+    float *back = mdt_arena_floats(ar, S_local * H * D);
+    if (!recv || !qkv[0] || !qkv[1] || !qkv[2] || !ob || !back)
+        return MDT_E_NOMEM;
+    const float *src[3] = {q, k, v};
+    for (int i = 0; i < U; i++) {
+        sc[i] = hc[i] * S_local * D, sd[i] = h0[i] * S_local * D;
+        rc[i] = hn * lens[i] * D, rd[i] = hn * offs[i] * D;
+    }
+    for (int x = 0; x < 3 && st == MDT_OK; x++) {
+        st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, src[x], sc, sd, recv, rc, rd);
+        for (int i = 0; st == MDT_OK && i < U; i++)
+            for (int64_t h = 0; h < hn; h++)
+                memcpy(qkv[x] + (h * L + offs[i]) * D, recv + rd[i] + h * lens[i] * D,
+                       sizeof(float) * (size_t)(lens[i] * D));
+    }
+    if (st == MDT_OK) {
+        if (R > 1) {
+            st = ring_attention(mesh, ar, qkv[0], qkv[1], qkv[2], hn, L, D, scale, ob, hn * D, ws);
+        } else {
+            mdt_cpu_attention(qkv[0], qkv[1], qkv[2], ob, hn * D, NULL, hn, L, L, L, D, scale, ws);
+            mdt_counters *cn = mdt_counters_get();
+            cn->attn_query_rows += hn * L;
+            cn->attn_kv_rows += hn * L;
+        }
+    }
+    /* Ulysses inverse: rows of member i go back to it; head group j lands at columns h0_j D */
+    for (int i = 0; i < U; i++) {
+        sc[i] = lens[i] * hn * D, sd[i] = offs[i] * hn * D;
+        rc[i] = S_local * hc[i] * D, rd[i] = S_local * h0[i] * D;
+    }
+    if (st == MDT_OK)
+        st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, ob, sc, sd, back, rc, rd);
+    for (int j = 0; st == MDT_OK && j < U; j++)
+        for (int64_t s = 0; s < S_local; s++)
+            memcpy(out + s * ld_out + h0[j] * D, back + rd[j] + s * hc[j] * D,
+                   sizeof(float) * (size_t)(hc[j] * D));
+    mdt_arena_rewind(ar, mk);
+    return st;
+}

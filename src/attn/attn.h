@@ -1,0 +1,32 @@
+/*
+ * attn.h — attention dispatch: this rank's local query rows attend over the whole sequence,
+ * which is spread over the context-parallel ranks: Ulysses (all-to-all over the Ulysses group:
+ * heads scattered, sequence gathered), Ring (K/V blocks passed around a P2P ring, next block in
+ * flight while the current one is computed, fp32 log-sum-exp merge), or both (unified: Ulysses
+ * transform, ring over the ring group, inverse transform). Any sequence length and head count:
+ * local lengths are exchanged on every call (never cached), ring blocks are padded to the longest
+ * with the padded keys masked, and heads are split into U groups of near-equal size (the first
+ * H mod U groups one larger; a group may be empty) instead of being padded.
+ *
+ * Not here: sequence splitting and gathering (the model's CP plan), TP (callers pass their
+ * local heads).
+ */
+#ifndef MDT_ATTN_H
+#define MDT_ATTN_H
+
+#include "comm/mesh.h"
+
+/* q, k, v: [H, S_local, D] head-major: this rank's S_local rows of its H local heads (RoPE and
+ * norms applied). out: token-major, row s at out + s*ld_out, heads at columns [0, H*D).
+ * mesh NULL (or R = U = 1): plain attention over the local rows. Scratch comes from `ar` and is
+ * given back before returning. Collective over the Ulysses and ring groups. Adds to the counters:
+ * attention FLOPs, query rows x heads (each query row once), key rows x heads attended, and ring
+ * wait vs compute seconds. */
+mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const float *k,
+                         const float *v, int64_t H, int64_t S_local, int64_t D, float scale,
+                         float *out, int64_t ld_out);
+
+/* Heads of Ulysses member j when H local heads are split over U: [*h0, *h0 + *hn). */
+void mdt_attn_head_group(int64_t H, int U, int j, int64_t *h0, int64_t *hn);
+
+#endif /* MDT_ATTN_H */
