@@ -18,7 +18,7 @@ import sys
 import torch
 import diffusers
 import safetensors
-from diffusers import FluxTransformer2DModel
+from diffusers import FluxTransformer2DModel, MiniMaxH3Transformer3DModel
 from safetensors.torch import save_file
 
 
@@ -53,7 +53,8 @@ def euler(model, inputs, steps):
     return x
 
 
-def write_case(out_dir, name, model, inputs, note, dtype=None, max_shard_size=None, steps=0):
+def write_case(out_dir, name, model, inputs, note, dtype=None, max_shard_size=None, steps=0,
+               cls=FluxTransformer2DModel):
     d = os.path.join(out_dir, name)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
@@ -64,10 +65,12 @@ def write_case(out_dir, name, model, inputs, note, dtype=None, max_shard_size=No
         kw["max_shard_size"] = max_shard_size
     model.save_pretrained(d, **kw)
     # Reload exactly what was saved and run it in float32 (bf16 values upcast, not re-rounded).
-    ref = FluxTransformer2DModel.from_pretrained(d, torch_dtype=torch.float32).eval()
+    ref = cls.from_pretrained(d, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        out = ref(**inputs, return_dict=False)[0]
-        expected = {"sample": out.contiguous()}
+        outs = ref(**inputs, return_dict=False)
+        expected = {"sample": outs[0].contiguous()}
+        if cls is MiniMaxH3Transformer3DModel:
+            expected["audio_sample"] = outs[1].contiguous()
         if steps:
             expected_steps = {"sample": euler(ref, inputs, steps).contiguous()}
     save_file({k: v.contiguous() for k, v in inputs.items()}, os.path.join(d, "inputs.safetensors"))
@@ -155,6 +158,75 @@ def main():
     assert len(shards) == 2, shards
     with open(os.path.join(d, "diffusion_pytorch_model.safetensors.index.json")) as fp:
         assert len(set(json.load(fp)["weight_map"].values())) == 2
+
+    h3_cases(args.out)
+
+
+def h3_layout(segments, timesteps):
+    """Packed MiniMax-H3 layout from (modality, timestep index, rows) segments in sequence order:
+    modality 0 video, 1 text, 2 audio. Video rows get (t, h, w) = (row, i mod 4, i mod 2) with i
+    their index among video rows; other rows (row, 0, 0)."""
+    tags, tidx, vid, aud, txt = [], [], [], [], []
+    for mod, ti, n in segments:
+        for _ in range(n):
+            row = len(tags)
+            tags.append(mod)
+            tidx.append(ti)
+            (vid if mod == 0 else txt if mod == 1 else aud).append(row)
+    S = len(tags)
+    pos = torch.zeros(S, 3, dtype=torch.long)
+    pos[:, 0] = torch.arange(S)
+    for i, row in enumerate(vid):
+        pos[row, 1] = i % 4
+        pos[row, 2] = i % 2
+    L = lambda v: torch.tensor(v, dtype=torch.long)
+    return dict(timestep=torch.tensor(timesteps, dtype=torch.float32), timestep_indices=L(tidx),
+                token_tags=L(tags), position_ids=pos, video_indices=L(vid), audio_indices=L(aud),
+                text_indices=L(txt))
+
+
+def h3_cases(out_dir):
+    # 4. MiniMax-H3, diffusers' tiny test config: 4 text + 6 audio + 8 video = 18 rows, batch 2,
+    #    timesteps [0.7, 0.3] (audio rows at index 1), latents drawn from one generator (video,
+    #    audio, text).
+    torch.manual_seed(3)
+    gen = torch.Generator().manual_seed(0)
+    cfg = dict(num_attention_heads=2, attention_head_dim=16, hidden_size=24, num_layers=2,
+               num_refiner_layers=2, ffn_dim=32, in_channels=4, audio_in_channels=6,
+               patch_size=(1, 2, 2), text_dim=8, freq_dim=8, time_embed_hidden_dim=24,
+               time_embed_dim=16, rope_freq_dim=2)
+    m = MiniMaxH3Transformer3DModel(**cfg).eval()
+    perturb_norms(m, torch.Generator().manual_seed(3))
+    inputs = {
+        "hidden_states": torch.randn(2, 8, 16, generator=gen),
+        "audio_hidden_states": torch.randn(2, 6, 6, generator=gen),
+        "encoder_hidden_states": torch.randn(2, 4, 8, generator=gen),
+    }
+    inputs.update(h3_layout([(1, 0, 4), (2, 1, 6), (0, 0, 8)], [0.7, 0.3]))
+    write_case(out_dir, "h3_tiny", m, inputs,
+               "diffusers tiny MiniMax-H3 test config; S = 18 packed rows; batch 2",
+               cls=MiniMaxH3Transformer3DModel)
+
+    # 5. heads 8 (TP=2 x U=4 valid), adaln_proj ~42% of the weights, packed length 23 (not
+    #    divisible by 4 or 8), modalities interleaved: text, conditioning video, audio, target
+    #    video; three timesteps.
+    torch.manual_seed(4)
+    gen = torch.Generator().manual_seed(4)
+    cfg = dict(num_attention_heads=8, attention_head_dim=8, hidden_size=32, num_layers=2,
+               num_refiner_layers=1, ffn_dim=48, in_channels=4, audio_in_channels=6,
+               patch_size=(1, 2, 2), text_dim=8, freq_dim=8, time_embed_hidden_dim=24,
+               time_embed_dim=16, rope_freq_dim=1)
+    m = MiniMaxH3Transformer3DModel(**cfg).eval()
+    perturb_norms(m, torch.Generator().manual_seed(4))
+    inputs = {
+        "hidden_states": torch.randn(1, 11, 16, generator=gen),
+        "audio_hidden_states": torch.randn(1, 7, 6, generator=gen),
+        "encoder_hidden_states": torch.randn(1, 5, 8, generator=gen),
+    }
+    inputs.update(h3_layout([(1, 0, 5), (0, 0, 5), (2, 1, 7), (0, 2, 6)], [0.9, 0.5, 0.2]))
+    write_case(out_dir, "h3_heads8", m, inputs,
+               "MiniMax-H3 heads 8 x 8, 2 blocks + 1 refiner, S = 23 rows interleaved, "
+               "three timesteps", cls=MiniMaxH3Transformer3DModel)
 
 
 if __name__ == "__main__":

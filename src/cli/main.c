@@ -22,10 +22,10 @@ static int g_rank = 0, g_world = 1;
 static void usage(FILE *fp) {
     fprintf(fp,
             "usage: meshdit <command> [options]\n"
-            "  gen     --model flux (--preset tiny|medium|narrow | --config FILE) --out DIR\n"
+            "  gen     --model flux|minimax-h3 (--preset NAME | --config FILE) --out DIR\n"
             "          [--seed N] [--dtype f32|bf16|f16] [--shards K]\n"
             "  inputs  --checkpoint DIR --out FILE [--seed N] [--img-tokens N] [--txt-tokens N]\n"
-            "          [--batch N] [--timestep T] [--guidance G]\n"
+            "          [--batch N] [--timestep T] [--guidance G] [--audio-tokens N]\n"
             "  run     --checkpoint DIR --inputs FILE --out FILE [--steps N] [--repeat N]\n"
             "          [--tp T --ring R --ulysses U] [--mesh-order tp,ring,ulysses]\n"
             "          [--report FILE.json] [--quiet]\n"
@@ -175,10 +175,11 @@ static int cmd_gen(int argc, char **argv) {
     if (preset) {
         const mdt_family *fam = mdt_family_by_name(model);
         if (!fam)
-            return usage_exit("unknown --model '%s' (supported: flux)", model);
+            return usage_exit("unknown --model '%s' (supported: flux, minimax-h3)", model);
         const char *p = fam->preset(preset);
         if (!p)
-            return usage_exit("unknown --preset '%s' (tiny, medium, narrow)", preset);
+            return usage_exit(
+                "unknown --preset '%s' (flux: tiny, medium, narrow; minimax-h3: tiny)", preset);
         st = mdt_model_gen(p, (uint64_t)seed, dt, (int)shards, out);
     } else {
         st = read_file_text(cfg, &text);
@@ -196,7 +197,7 @@ static int cmd_gen(int argc, char **argv) {
 /* ---- inputs ---- */
 static int cmd_inputs(int argc, char **argv) {
     opts o;
-    long long seed, img, txt, batch;
+    long long seed, img, txt, batch, audio;
     double t, g;
     int rc = parse_opts(argc, argv, &o, NULL);
     if (rc)
@@ -206,6 +207,7 @@ static int cmd_inputs(int argc, char **argv) {
         (rc = opt_int(&o, "img-tokens", 16, 1, 1 << 24, &img)) ||
         (rc = opt_int(&o, "txt-tokens", 8, 1, 1 << 24, &txt)) ||
         (rc = opt_int(&o, "batch", 1, 1, 4096, &batch)) ||
+        (rc = opt_int(&o, "audio-tokens", 6, 0, 1 << 24, &audio)) ||
         (rc = opt_double(&o, "timestep", 1.0, &t)) || (rc = opt_double(&o, "guidance", 3.5, &g)) ||
         (rc = opts_check_unused(&o)))
         return rc;
@@ -222,7 +224,13 @@ static int cmd_inputs(int argc, char **argv) {
     if (st == MDT_OK)
         st = mdt_tensor_set_create(&set);
     if (st == MDT_OK) {
-        mdt_inputs_params p = {(uint64_t)seed, batch, img, txt, t, g};
+        mdt_inputs_params p = {.seed = (uint64_t)seed,
+                               .batch = batch,
+                               .img_tokens = img,
+                               .txt_tokens = txt,
+                               .timestep = t,
+                               .guidance = g,
+                               .audio_tokens = audio};
         st = m->fam->make_inputs(m->impl, &p, set);
     }
     if (st == MDT_OK)
@@ -658,6 +666,25 @@ static int cmd_inspect(int argc, char **argv) {
         fmt_bytes(local_total * 4, b2, sizeof b2);
         printf("parameters %.0f (%s in f32); per rank %.0f (%s in f32)\n", total, b1, local_total,
                b2);
+        /* per-rank resident weights for every valid TP degree up to 16 (ring and ulysses do not
+         * shard weights: every CP rank holds its TP shard) */
+        printf("resident weights per rank by tp degree (any ring x ulysses):\n");
+        for (int T = 1; T <= 16; T++) {
+            if (mdt_model_check_layout(m, T, 1, 1) != MDT_OK)
+                continue;
+            double params = 0;
+            for (int i = 0; i < m->table.n; i++) {
+                int64_t loc[2];
+                mdt_shard_local_shape(&m->table.specs[i], T, loc);
+                params += (double)loc[0] * (m->table.specs[i].ndim > 1 ? (double)loc[1] : 1.0);
+            }
+            char f32b[32], bf16b[32];
+            fmt_bytes(params * 4, f32b, sizeof f32b);
+            fmt_bytes(params * 2, bf16b, sizeof bf16b);
+            printf("  tp=%-2d %6.3f B parameters per rank (%s f32, %s bf16)%s\n", T, params * 1e-9,
+                   f32b, bf16b, T == tp ? "  <- this layout" : "");
+        }
+        mdt_error_clear();
         for (long long rk = 0; rk < tp * ring * uly; rk++) {
             int t, r, u;
             mdt_mesh_coords((int)rk, (int)tp, (int)ring, (int)uly, order, &t, &r, &u);

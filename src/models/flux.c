@@ -213,41 +213,6 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     return MDT_OK;
 }
 
-/* ---- input validation ---- */
-static mdt_status get_input(const mdt_tensor_set *in, const char *name, int ndim,
-                            const int64_t *shape, mdt_arena *a, float **out) {
-    char s1[96], s2[96];
-    const mdt_tensor *t = mdt_tensor_set_get(in, name);
-    if (!t)
-        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' is missing (Flux needs it)", name);
-    int same = t->ndim == ndim;
-    for (int i = 0; same && i < ndim; i++)
-        same = shape[i] < 0 || t->shape[i] == shape[i];
-    if (!same)
-        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has shape %s, expected %s", name,
-                        mdt_shape_str(t->ndim, t->shape, s1, 96),
-                        mdt_shape_str(ndim, shape, s2, 96));
-    if (!mdt_dtype_is_float(t->dtype))
-        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has dtype %s, expected a float type",
-                        name, mdt_dtype_name(t->dtype));
-    int64_t n = mdt_tensor_numel(t);
-    *out = mdt_arena_floats(a, n);
-    if (!*out)
-        return MDT_E_NOMEM;
-    MDT_TRY(mdt_convert_to_f32(t->dtype, t->data, *out, n));
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite((*out)[i]))
-            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
-                            name, (long long)i);
-    return MDT_OK;
-}
-
-/* The sequence length of an input (dim `dim` of `name`), or -1 when absent. */
-static int64_t input_dim(const mdt_tensor_set *in, const char *name, int dim) {
-    const mdt_tensor *t = mdt_tensor_set_get(in, name);
-    return t && t->ndim > dim ? t->shape[dim] : -1;
-}
-
 /* ---- pieces of the forward ---- */
 
 /* e [B, 256] = [cos(t f), sin(t f)], f_i = exp(-ln(1e4) i / 128), t already x1000 (float32 math
@@ -337,8 +302,8 @@ static void project_qkv(const flux *f, const flux_act *A, const float *src, int6
         for (int64_t b = 0; b < A->B; b++)
             mdt_cpu_heads_prepare(tmp + b * n * Cl, Cl, n, H, D, norms[j], k_eps,
                                   j < 2 ? A->cos_t + s0 * D : NULL,
-                                  j < 2 ? A->sin_t + s0 * D : NULL, dst[j] + b * H * S * D, S,
-                                  s0); // [H/T, S, D] rows s0..s0+n
+                                  j < 2 ? A->sin_t + s0 * D : NULL, D, MDT_ROPE_INTERLEAVED,
+                                  dst[j] + b * H * S * D, S, s0); // [H/T, S, D] rows s0..s0+n
     }
 }
 
@@ -441,9 +406,8 @@ static void slice_rows(const float *x, int64_t B, int64_t rows, int64_t w, int64
         memcpy(dst + b * n * w, x + (b * rows + r0) * w, sizeof(float) * (size_t)(n * w));
 }
 
-/* No silent degrade: the attention rows this rank processed in one forward must be what its
- * layout promises (each query row once, over local heads and the rank's sequence block), and
- * every configured axis must have moved bytes. */
+/* No silent degrade: what this rank's attention must have processed in one forward under its
+ * layout (each query row once, over its head group and its sequence block). */
 static mdt_status check_promise(const flux *f, const mdt_model *m, const flux_act *A, int64_t Si,
                                 int64_t St, const mdt_counters *c0, const int64_t *g0) {
     const mdt_mesh *mesh = m->mesh;
@@ -457,42 +421,16 @@ static mdt_status check_promise(const flux *f, const mdt_model *m, const flux_ac
         mdt_split_range(Si, P, r * U + j, &s0, &n);
         L += n;
     }
+    int64_t i0, ni;
+    mdt_split_range(Si, P, mesh ? mesh->cp_index : 0, &i0, &ni);
     const int64_t calls = (f->layers + f->single_layers) * A->B;
-    const int64_t want_q = calls * hn * L, want_kv = calls * hn * (Si + St);
-    const mdt_counters *c1 = mdt_counters_get();
-    const int64_t got_q = c1->attn_query_rows - c0->attn_query_rows;
-    const int64_t got_kv = c1->attn_kv_rows - c0->attn_kv_rows;
-    if (got_q != want_q || got_kv != want_kv) {
-        const int64_t whole = calls * A->Hl * (Si + St);
-        const char *axis =
-            got_q == whole && P > 1               ? "the sequence split (ring x ulysses) did "
-                                                    "nothing: this rank computed the whole sequence"
-            : U > 1 && got_q == calls * A->Hl * L ? "ulysses did nothing: heads were not scattered"
-            : R > 1 && got_kv == calls * hn * L
-                ? "ring did nothing: the other ring blocks were never attended"
-                : "the layout was not applied as configured";
-        return MDT_FAIL(MDT_E_INVALID,
-                        "no silent degrade: this rank attended %lld query rows x heads and %lld "
-                        "key rows x heads per forward, but tp=%d ring=%d ulysses=%d promises %lld "
-                        "and %lld: %s",
-                        (long long)got_q, (long long)got_kv, m->T, R, U, (long long)want_q,
-                        (long long)want_kv, axis);
-    }
-    if (mesh) {
-        /* an axis owes bytes unless this rank has nothing to send on it: an empty head group
-         * (heads not divisible by U) has no ring blocks, an empty image chunk nothing to gather */
-        int64_t i0, ni;
-        mdt_split_range(Si, P, mesh->cp_index, &i0, &ni);
-        const int owes[MDT_GROUP_COUNT] = {mesh->T > 1, R > 1 && hn > 0, U > 1, P > 1 && ni > 0};
-        const int deg[MDT_GROUP_COUNT] = {mesh->T, R, U, P};
-        for (int g = 0; g < MDT_GROUP_COUNT; g++)
-            if (owes[g] && mesh->group_bytes[g] == g0[g])
-                return MDT_FAIL(MDT_E_INVALID,
-                                "no silent degrade: the %s group (degree %d) moved no bytes in a "
-                                "forward: that axis did nothing",
-                                mdt_group_name((mdt_group)g), deg[g]);
-    }
-    return MDT_OK;
+    mdt_promise p = {.want_q = calls * hn * L,
+                     .want_kv = calls * hn * (Si + St),
+                     .whole_q = calls * A->Hl * (Si + St),
+                     .unscattered_q = calls * A->Hl * L,
+                     .ringless_kv = calls * hn * L,
+                     .owes = {mesh && mesh->T > 1, R > 1 && hn > 0, U > 1, P > 1 && ni > 0}};
+    return mdt_model_check_promise(m, &p, c0, g0);
 }
 
 static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
@@ -513,9 +451,9 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     if (skip && strcmp(skip, "1") == 0)
         P = 1, chunk = 0; /* test-only: every rank runs the whole sequence (the upstream bug) */
     A.cp = P > 1 ? mesh : NULL;
-    const int64_t B = input_dim(in, "hidden_states", 0);
-    const int64_t Si = input_dim(in, "hidden_states", 1);
-    const int64_t St = input_dim(in, "encoder_hidden_states", 1);
+    const int64_t B = mdt_input_dim(in, "hidden_states", 0);
+    const int64_t Si = mdt_input_dim(in, "hidden_states", 1);
+    const int64_t St = mdt_input_dim(in, "encoder_hidden_states", 1);
     if (B < 1 || Si < 1)
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: 'hidden_states' must be [B, S_img, %lld] with "
@@ -527,21 +465,21 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
                         "with S_txt >= 1",
                         (long long)f->joint_dim);
     float *hs_full, *ehs_full, *pooled, *ts, *img_full, *txt_full, *g = NULL;
-    MDT_TRY(get_input(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, ar, &hs_full));
-    MDT_TRY(
-        get_input(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, ar, &ehs_full));
-    MDT_TRY(get_input(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ar, &pooled));
-    MDT_TRY(get_input(in, "timestep", 1, (int64_t[]){B}, ar, &ts));
+    MDT_TRY(mdt_input_f32(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, ar, &hs_full));
+    MDT_TRY(mdt_input_f32(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, ar,
+                          &ehs_full));
+    MDT_TRY(mdt_input_f32(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ar, &pooled));
+    MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ar, &ts));
     /* diffusers accepts 3-D ids (deprecated) and uses batch 0; so do we */
-    int img3 = input_dim(in, "img_ids", 2) >= 0, txt3 = input_dim(in, "txt_ids", 2) >= 0;
-    MDT_TRY(get_input(in, "img_ids", img3 ? 3 : 2,
-                      img3 ? (int64_t[]){-1, Si, f->naxes} : (int64_t[]){Si, f->naxes}, ar,
-                      &img_full));
-    MDT_TRY(get_input(in, "txt_ids", txt3 ? 3 : 2,
-                      txt3 ? (int64_t[]){-1, St, f->naxes} : (int64_t[]){St, f->naxes}, ar,
-                      &txt_full));
+    int img3 = mdt_input_dim(in, "img_ids", 2) >= 0, txt3 = mdt_input_dim(in, "txt_ids", 2) >= 0;
+    MDT_TRY(mdt_input_f32(in, "img_ids", img3 ? 3 : 2,
+                          img3 ? (int64_t[]){-1, Si, f->naxes} : (int64_t[]){Si, f->naxes}, ar,
+                          &img_full));
+    MDT_TRY(mdt_input_f32(in, "txt_ids", txt3 ? 3 : 2,
+                          txt3 ? (int64_t[]){-1, St, f->naxes} : (int64_t[]){St, f->naxes}, ar,
+                          &txt_full));
     if (f->guidance)
-        MDT_TRY(get_input(in, "guidance", 1, (int64_t[]){B}, ar, &g));
+        MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ar, &g));
     int64_t si0, sic, st0, stc;
     mdt_split_range(Si, P, chunk, &si0, &sic);
     mdt_split_range(St, P, chunk, &st0, &stc);

@@ -14,8 +14,9 @@
 #include <sys/stat.h>
 
 extern const mdt_family mdt_family_flux;
+extern const mdt_family mdt_family_minimax_h3;
 static mdt_status write_text(const char *path, const char *text);
-static const mdt_family *const k_families[] = {&mdt_family_flux};
+static const mdt_family *const k_families[] = {&mdt_family_flux, &mdt_family_minimax_h3};
 enum { N_FAMILIES = sizeof k_families / sizeof k_families[0] };
 
 mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0, int64_t d1,
@@ -76,7 +77,7 @@ mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out) {
     if (!*out)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "config.json: model class '%s' is not supported "
-                        "(supported: FluxTransformer2DModel)",
+                        "(supported: FluxTransformer2DModel, MiniMaxH3Transformer3DModel)",
                         cls);
     return MDT_OK;
 }
@@ -451,6 +452,113 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
     if (st == MDT_OK)
         st = m->fam->forward(m, inputs, outputs);
     return mdt_mesh_agree(m->mesh, st);
+}
+
+/* ---- inputs ---- */
+static mdt_status input_tensor(const mdt_tensor_set *in, const char *name, int ndim,
+                               const int64_t *shape, const mdt_tensor **out) {
+    char s1[96], s2[96];
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    if (!t)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' is missing (the model needs it)", name);
+    int same = t->ndim == ndim;
+    for (int i = 0; same && i < ndim; i++)
+        same = shape[i] < 0 || t->shape[i] == shape[i];
+    if (!same)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has shape %s, expected %s", name,
+                        mdt_shape_str(t->ndim, t->shape, s1, 96),
+                        mdt_shape_str(ndim, shape, s2, 96));
+    *out = t;
+    return MDT_OK;
+}
+
+mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
+                         mdt_arena *a, float **out) {
+    const mdt_tensor *t;
+    MDT_TRY(input_tensor(in, name, ndim, shape, &t));
+    if (t->dtype == MDT_BOOL)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has dtype BOOL, expected a number",
+                        name);
+    const int64_t n = mdt_tensor_numel(t);
+    *out = mdt_arena_floats(a, n);
+    if (!*out)
+        return MDT_E_NOMEM;
+    MDT_TRY(mdt_convert_to_f32(t->dtype, t->data, *out, n));
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite((*out)[i]))
+            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
+                            name, (long long)i);
+    return MDT_OK;
+}
+
+mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
+                         int64_t lo, int64_t hi, mdt_arena *a, int64_t **out) {
+    const mdt_tensor *t;
+    MDT_TRY(input_tensor(in, name, ndim, shape, &t));
+    const int64_t n = mdt_tensor_numel(t);
+    int64_t *v = (int64_t *)(void *)mdt_arena_floats(a, 2 * n);
+    if (!v)
+        return MDT_E_NOMEM;
+    for (int64_t i = 0; i < n; i++) {
+        switch (t->dtype) {
+        case MDT_I64: v[i] = ((const int64_t *)t->data)[i]; break;
+        case MDT_I32: v[i] = ((const int32_t *)t->data)[i]; break;
+        case MDT_I16: v[i] = ((const int16_t *)t->data)[i]; break;
+        case MDT_I8:
+            v[i] = (int64_t)(int)((const int8_t *)t->data)[i];
+            break; /* NOLINT(bugprone-signed-char-misuse) */
+        case MDT_U8: v[i] = ((const uint8_t *)t->data)[i]; break;
+        default:
+            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has dtype %s, expected integers",
+                            name, mdt_dtype_name(t->dtype));
+        }
+        if (v[i] < lo || v[i] >= hi)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "inputs: tensor '%s' element %lld is %lld, outside [%lld, %lld)", name,
+                            (long long)i, (long long)v[i], (long long)lo, (long long)hi);
+    }
+    *out = v;
+    return MDT_OK;
+}
+
+int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim) {
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    return t && t->ndim > dim ? t->shape[dim] : -1;
+}
+
+mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p, const mdt_counters *c0,
+                                   const int64_t *g0) {
+    const mdt_mesh *mesh = m->mesh;
+    const mdt_counters *c1 = mdt_counters_get();
+    const int64_t got_q = c1->attn_query_rows - c0->attn_query_rows;
+    const int64_t got_kv = c1->attn_kv_rows - c0->attn_kv_rows;
+    const int R = mesh ? mesh->R : 1, U = mesh ? mesh->U : 1;
+    if (got_q != p->want_q || got_kv != p->want_kv) {
+        const char *axis = got_q == p->whole_q && R * U > 1
+                               ? "the sequence split (ring x ulysses) did nothing: this rank "
+                                 "computed the whole sequence"
+                           : U > 1 && got_q == p->unscattered_q
+                               ? "ulysses did nothing: heads were not scattered"
+                           : R > 1 && got_kv == p->ringless_kv
+                               ? "ring did nothing: the other ring blocks were never attended"
+                               : "the layout was not applied as configured";
+        return MDT_FAIL(MDT_E_INVALID,
+                        "no silent degrade: this rank attended %lld query rows x heads and %lld "
+                        "key rows x heads per forward, but tp=%d ring=%d ulysses=%d promises %lld "
+                        "and %lld: %s",
+                        (long long)got_q, (long long)got_kv, m->T, R, U, (long long)p->want_q,
+                        (long long)p->want_kv, axis);
+    }
+    if (mesh) {
+        const int deg[MDT_GROUP_COUNT] = {mesh->T, R, U, R * U};
+        for (int g = 0; g < MDT_GROUP_COUNT; g++)
+            if (p->owes[g] && mesh->group_bytes[g] == g0[g])
+                return MDT_FAIL(MDT_E_INVALID,
+                                "no silent degrade: the %s group (degree %d) moved no bytes in a "
+                                "forward: that axis did nothing",
+                                mdt_group_name((mdt_group)g), deg[g]);
+    }
+    return MDT_OK;
 }
 
 /* ---- gen ---- */

@@ -31,6 +31,7 @@ typedef struct mdt_inputs_params {
     int64_t batch;
     int64_t img_tokens, txt_tokens;
     double timestep, guidance;
+    int64_t audio_tokens; /* MiniMax-H3 */
 } mdt_inputs_params;
 
 typedef struct mdt_family {
@@ -87,6 +88,29 @@ struct mdt_model {
 mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh);
 /* Checks a T x R x U layout against the model (heads, every sharded dim and packed block). */
 mdt_status mdt_model_check_layout(const mdt_model *m, int T, int R, int U);
+/* Inputs: the tensor `name` of `in` with shape `shape` (-1 = any) converted to f32 (any float or
+ * integer dtype) into the arena; NaN/Inf is an error naming the tensor and element. */
+mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
+                         mdt_arena *a, float **out);
+/* Integer index input (I64/I32/I16/I8/U8) with every value in [lo, hi), as int64 in the arena. */
+mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
+                         int64_t lo, int64_t hi, mdt_arena *a, int64_t **out);
+/* Dimension `dim` of input `name`, or -1 when absent. */
+int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim);
+
+/* No silent degrade: what one forward on this rank must have done under its layout. */
+typedef struct mdt_promise {
+    int64_t want_q, want_kv;   /* attention (head, query row) and (head, key row) pairs */
+    int64_t whole_q;           /* query pairs if the sequence split did nothing */
+    int64_t unscattered_q;     /* query pairs if Ulysses did not scatter heads */
+    int64_t ringless_kv;       /* key pairs if the ring passed nothing */
+    int owes[MDT_GROUP_COUNT]; /* groups that must have moved bytes */
+} mdt_promise;
+/* Compares the counters since (c0, g0) with the promise; MDT_E_INVALID naming the axis that did
+ * nothing otherwise. */
+mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p, const mdt_counters *c0,
+                                   const int64_t *g0);
+
 /* Moves pieces between a full tensor and the local shard of coordinate k of T:
  * to_local = 1: local <- full; 0: full <- local (the pieces k owns). */
 void mdt_shard_copy(const mdt_weight_spec *w, int T, int k, float *full, float *local,

@@ -116,6 +116,18 @@ mdt_status mdt_convert_to_f32(mdt_dtype dt, const void *src, float *dst, int64_t
             dst[i] = (float)s[i];
         return MDT_OK;
     }
+    case MDT_I64: { /* index-like inputs (positions) are accepted where floats are expected */
+        const int64_t *s = src;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (float)s[i];
+        return MDT_OK;
+    }
+    case MDT_I32: {
+        const int32_t *s = src;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (float)s[i];
+        return MDT_OK;
+    }
     default: return MDT_FAIL(MDT_E_UNSUPPORTED, "cannot convert %s to F32", mdt_dtype_name(dt));
     }
 }

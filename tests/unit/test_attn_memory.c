@@ -28,7 +28,12 @@ int main(void) {
     mdt_tensor_set *in, *out;
     mdt_tensor_set_create(&in);
     mdt_tensor_set_create(&out);
-    mdt_inputs_params p = {5, 1, S_img, S_txt, 1.0, 3.5};
+    mdt_inputs_params p = {.seed = 5,
+                           .batch = 1,
+                           .img_tokens = S_img,
+                           .txt_tokens = S_txt,
+                           .timestep = 1.0,
+                           .guidance = 3.5};
     EXPECT_OK(fam->make_inputs(m->impl, &p, in));
     mdt_mem_reset_peak();
     mdt_counters_reset();

@@ -56,7 +56,8 @@ static void test_heads_prepare(mdt_rng *r) {
         memcpy(tmp + s * H * D, src + s * ld, sizeof(float) * H * D); /* [S, H, D] */
     mdt_ref_rmsnorm(tmp, w, ref, S * H, D, 1e-6f);
     mdt_ref_rope_interleaved(ref, cs, sn, S, H, D);
-    mdt_cpu_heads_prepare(src, ld, S, H, D, w, 1e-6f, cs, sn, dst, Sdst, s0);
+    mdt_cpu_heads_prepare(src, ld, S, H, D, w, 1e-6f, cs, sn, D, MDT_ROPE_INTERLEAVED, dst, Sdst,
+                          s0);
     float *got = malloc(sizeof(float) * S * H * D);
     for (long s = 0; s < S; s++)
         for (long h = 0; h < H; h++)
@@ -69,9 +70,53 @@ static void test_heads_prepare(mdt_rng *r) {
             clean &= dst[h * Sdst * D + i] == 0.0f;
     EXPECT(clean, "heads_prepare wrote outside its rows");
     /* plain copy (v): no norm, no rope */
-    mdt_cpu_heads_prepare(src, ld, S, H, D, NULL, 0, NULL, NULL, dst, Sdst, 0);
+    mdt_cpu_heads_prepare(src, ld, S, H, D, NULL, 0, NULL, NULL, 0, MDT_ROPE_INTERLEAVED, dst, Sdst,
+                          0);
     EXPECT(dst[(2 * Sdst + 3) * D + 7] == src[3 * ld + 2 * D + 7], "plain head copy");
     free(src), free(w), free(cs), free(sn), free(dst), free(ref), free(tmp), free(got);
+}
+
+/* rotate-half partial RoPE (MiniMax-H3): rot = 12 of D = 16 channels, no norm */
+static void test_rope_half(mdt_rng *r) {
+    const long S = 7, H = 2, D = 16, rot = 12;
+    float *src = rnd(r, S * H * D, 1), *cs = rnd(r, S * rot, 1), *sn = rnd(r, S * rot, 1);
+    float *ref = malloc(sizeof(float) * S * H * D), *dst = malloc(sizeof(float) * S * H * D);
+    float *got = malloc(sizeof(float) * S * H * D);
+    memcpy(ref, src, sizeof(float) * S * H * D);
+    mdt_ref_rope_half(ref, cs, sn, S, H, D, rot);
+    mdt_cpu_heads_prepare(src, H * D, S, H, D, NULL, 0, cs, sn, rot, MDT_ROPE_HALF, dst, S, 0);
+    for (long s = 0; s < S; s++)
+        for (long h = 0; h < H; h++)
+            memcpy(got + (s * H + h) * D, dst + (h * S + s) * D, sizeof(float) * D);
+    EXPECT_CLOSE(got, ref, S * H * D, 1e-6);
+    EXPECT(got[15] == src[15], "channels past rot pass through");
+    /* swiglu, rmsnorm, per-row modulation and gates */
+    float *in = rnd(r, S * 2 * D, 2), *o1 = malloc(sizeof(float) * S * D),
+          *o2 = malloc(sizeof(float) * S * D);
+    mdt_cpu_swiglu(in, o1, S, D);
+    mdt_ref_swiglu(in, o2, S, D);
+    EXPECT_CLOSE(o1, o2, S * D, 1e-6);
+    float *w = rnd(r, D, 1);
+    mdt_cpu_rmsnorm(in, w, o1, S, D, 1e-5f);
+    mdt_ref_rmsnorm(in, w, o2, S, D, 1e-5f);
+    EXPECT_CLOSE(o1, o2, S * D, 1e-6);
+    float *table = rnd(r, 3 * 4 * D, 1); /* 3 rows of [shift | scale | gate | pad] */
+    int64_t idx[7] = {2, 0, 1, 1, 2, 0, 2};
+    memcpy(o1, o2, sizeof(float) * S * D);
+    mdt_cpu_modulate_rows(o1, S, D, table, 4 * D, idx, 0, D);
+    int ok = 1;
+    for (long i = 0; i < S; i++)
+        for (long c = 0; c < D; c++) {
+            float want =
+                o2[i * D + c] * (1.0f + table[idx[i] * 4 * D + D + c]) + table[idx[i] * 4 * D + c];
+            ok &= fabsf(o1[i * D + c] - want) <= 1e-6f * (1.0f + fabsf(want));
+        }
+    EXPECT(ok, "modulate_rows picks each row's table entry");
+    float *x = calloc((size_t)(S * D), sizeof(float));
+    mdt_cpu_gate_residual_rows(x, o2, D, table, 4 * D, idx, 2 * D, S, D);
+    EXPECT(x[3 * D + 5] == table[1 * 4 * D + 2 * D + 5] * o2[3 * D + 5], "gate rows");
+    free(src), free(cs), free(sn), free(ref), free(dst), free(got), free(in), free(o1), free(o2);
+    free(w), free(table), free(x);
 }
 
 static void test_activations(mdt_rng *r) {
@@ -138,6 +183,7 @@ int main(void) {
     test_norms(&r);
     test_heads_prepare(&r);
     test_activations(&r);
+    test_rope_half(&r);
     test_attention(&r);
     TEST_END();
 }

@@ -27,7 +27,12 @@ static void write_text(const char *path, const char *text) {
 
 static mdt_tensor_set *inputs_for(mdt_model *m, int64_t img, int64_t txt, int64_t batch) {
     mdt_tensor_set *in;
-    mdt_inputs_params p = {7, batch, img, txt, 0.6, 3.5};
+    mdt_inputs_params p = {.seed = 7,
+                           .batch = batch,
+                           .img_tokens = img,
+                           .txt_tokens = txt,
+                           .timestep = 0.6,
+                           .guidance = 3.5};
     mdt_tensor_set_create(&in);
     EXPECT_OK(m->fam->make_inputs(m->impl, &p, in));
     return in;

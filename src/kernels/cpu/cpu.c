@@ -73,32 +73,89 @@ void mdt_cpu_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, 
 
 void mdt_cpu_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, int64_t D,
                            const float *norm_w, float eps, const float *cos_t, const float *sin_t,
-                           float *dst, int64_t Sdst, int64_t s0) {
+                           int64_t rot, mdt_rope_kind kind, float *dst, int64_t Sdst, int64_t s0) {
     for (int64_t s = 0; s < S; s++)
         for (int64_t h = 0; h < H; h++) {
             const float *x = src + s * ld + h * D;
             float *o = dst + (h * Sdst + s0 + s) * D;
-            float inv = 1.0f;
             if (norm_w) {
                 float ms = 0.0f;
                 for (int64_t d = 0; d < D; d++)
                     ms += x[d] * x[d];
-                inv = 1.0f / sqrtf(ms / (float)D + eps);
+                const float inv = 1.0f / sqrtf(ms / (float)D + eps);
                 for (int64_t d = 0; d < D; d++)
                     o[d] = x[d] * inv * norm_w[d];
             } else {
                 memcpy(o, x, sizeof(float) * (size_t)D);
             }
-            if (cos_t) {
-                const float *c = cos_t + s * D, *sn = sin_t + s * D;
-                for (int64_t m = 0; m < D; m += 2) {
+            if (!cos_t)
+                continue;
+            const float *c = cos_t + s * rot, *sn = sin_t + s * rot;
+            if (kind == MDT_ROPE_INTERLEAVED) {
+                for (int64_t m = 0; m + 1 < rot; m += 2) {
                     float re = o[m], im = o[m + 1];
                     o[m] = re * c[m] - im * sn[m];
                     o[m + 1] = im * c[m + 1] + re * sn[m + 1];
                 }
+            } else {
+                const int64_t half = rot / 2;
+                for (int64_t m = 0; m < half; m++) {
+                    float x1 = o[m], x2 = o[m + half];
+                    o[m] = x1 * c[m] - x2 * sn[m];
+                    o[m + half] = x2 * c[m + half] + x1 * sn[m + half];
+                }
             }
         }
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 8.0 * (double)S * (double)H * (double)D;
+}
+
+void mdt_cpu_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_t C, float eps) {
+    for (int64_t i = 0; i < M; i++) {
+        const float *xr = x + i * C;
+        float *yr = y + i * C, ms = 0.0f;
+        for (int64_t c = 0; c < C; c++)
+            ms += xr[c] * xr[c];
+        const float inv = 1.0f / sqrtf(ms / (float)C + eps);
+        if (w)
+            for (int64_t c = 0; c < C; c++)
+                yr[c] = xr[c] * inv * w[c];
+        else
+            for (int64_t c = 0; c < C; c++)
+                yr[c] = xr[c] * inv;
+    }
+    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 4.0 * (double)M * (double)C;
+}
+
+void mdt_cpu_modulate_rows(float *y, int64_t M, int64_t C, const float *table, int64_t ld,
+                           const int64_t *idx, int64_t shift_off, int64_t scale_off) {
+    for (int64_t i = 0; i < M; i++) {
+        const float *sh = table + idx[i] * ld + shift_off, *sc = table + idx[i] * ld + scale_off;
+        float *yr = y + i * C;
+        for (int64_t c = 0; c < C; c++)
+            yr[c] = yr[c] * (1.0f + sc[c]) + sh[c];
+    }
+    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 3.0 * (double)M * (double)C;
+}
+
+void mdt_cpu_gate_residual_rows(float *x, const float *y, int64_t ldy, const float *table,
+                                int64_t ld, const int64_t *idx, int64_t gate_off, int64_t M,
+                                int64_t C) {
+    for (int64_t i = 0; i < M; i++) {
+        const float *g = table + idx[i] * ld + gate_off;
+        for (int64_t c = 0; c < C; c++)
+            x[i * C + c] += g[c] * y[i * ldy + c];
+    }
+    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 2.0 * (double)M * (double)C;
+}
+
+void mdt_cpu_swiglu(const float *in, float *out, int64_t M, int64_t n) {
+    for (int64_t i = 0; i < M; i++) {
+        const float *v = in + i * 2 * n, *g = v + n;
+        float *o = out + i * n;
+        for (int64_t j = 0; j < n; j++)
+            o[j] = v[j] * (g[j] / (1.0f + fast_expf(-g[j])));
+    }
+    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 6.0 * (double)M * (double)n;
 }
 
 void mdt_cpu_gelu_tanh(float *x, int64_t n) {

@@ -16,13 +16,30 @@ void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b,
 /* y[M, C] = LayerNorm(x[M, C]) (no affine), then, if shift/scale are given, y*(1+scale)+shift. */
 void mdt_cpu_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, float eps,
                                 const float *shift, const float *scale);
+/* RoPE conventions: interleaved pairs (2m, 2m+1) over all D channels (Flux), or rotate-half over
+ * the first `rot` channels with the rest passed through (MiniMax-H3: x1 | x2 halves, (-x2, x1)). */
+typedef enum { MDT_ROPE_INTERLEAVED = 0, MDT_ROPE_HALF } mdt_rope_kind;
+
 /* Per-token, per-head preparation of attention operands from a projection output:
  * src rows [S, ld] hold heads [H, D] starting at column 0; dst is head-major [H, Sdst, D] and
  * rows s land at dst row s0 + s. If `norm_w` is given: RMSNorm over D with that weight (eps);
- * if `cos_t`/`sin_t` [S, D] are given: interleaved-pair RoPE (after the norm). */
+ * if `cos_t`/`sin_t` [S, rot] are given: RoPE of kind `kind` on the first `rot` channels (after
+ * the norm; interleaved needs rot = D). */
 void mdt_cpu_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, int64_t D,
                            const float *norm_w, float eps, const float *cos_t, const float *sin_t,
-                           float *dst, int64_t Sdst, int64_t s0);
+                           int64_t rot, mdt_rope_kind kind, float *dst, int64_t Sdst, int64_t s0);
+/* y[M, C] = x / sqrt(mean(x^2) + eps) * w (w may be NULL: no weight). */
+void mdt_cpu_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_t C, float eps);
+/* Per-row modulation from a table: y[i] = y[i] * (1 + table[idx[i]][scale_off..]) +
+ * table[idx[i]][shift_off..], rows of the table `ld` floats apart. */
+void mdt_cpu_modulate_rows(float *y, int64_t M, int64_t C, const float *table, int64_t ld,
+                           const int64_t *idx, int64_t shift_off, int64_t scale_off);
+/* x[i] += table[idx[i]][gate_off..] * y[i] (y rows ldy apart). */
+void mdt_cpu_gate_residual_rows(float *x, const float *y, int64_t ldy, const float *table,
+                                int64_t ld, const int64_t *idx, int64_t gate_off, int64_t M,
+                                int64_t C);
+/* SwiGLU: out[M, n] = in[:, :n] * SiLU(in[:, n:2n]) with in [M, 2n] ([value | gate]). */
+void mdt_cpu_swiglu(const float *in, float *out, int64_t M, int64_t n);
 void mdt_cpu_gelu_tanh(float *x, int64_t n);
 void mdt_cpu_silu(float *x, int64_t n);
 /* x[M, C] += gate[C] * y[M, C]; y rows have stride ldy. */

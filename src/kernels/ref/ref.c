@@ -72,6 +72,29 @@ void mdt_ref_rope_interleaved(float *x, const float *cos_t, const float *sin_t, 
         }
 }
 
+void mdt_ref_rope_half(float *x, const float *cos_t, const float *sin_t, int64_t S, int64_t H,
+                       int64_t D, int64_t rot) {
+    const int64_t half = rot / 2;
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t h = 0; h < H; h++) {
+            float *v = x + (s * H + h) * D;
+            for (int64_t m = 0; m < half; m++) {
+                double x1 = v[m], x2 = v[m + half];
+                v[m] = (float)(x1 * cos_t[s * rot + m] - x2 * sin_t[s * rot + m]);
+                v[m + half] =
+                    (float)(x2 * cos_t[s * rot + m + half] + x1 * sin_t[s * rot + m + half]);
+            }
+        }
+}
+
+void mdt_ref_swiglu(const float *in, float *out, int64_t M, int64_t n) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < n; j++) {
+            double g = in[i * 2 * n + n + j];
+            out[i * n + j] = (float)(in[i * 2 * n + j] * g / (1.0 + exp(-g)));
+        }
+}
+
 void mdt_ref_attention(const float *q, const float *k, const float *v, float *out, float *lse,
                        int64_t Sq, int64_t Sk, int64_t D, float scale) {
     double *p = malloc(sizeof(double) * (size_t)(Sk > 0 ? Sk : 1));

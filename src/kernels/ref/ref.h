@@ -24,6 +24,13 @@ void mdt_ref_silu(float *x, int64_t n);
  * out[2m] = x[2m] cos - x[2m+1] sin, out[2m+1] = x[2m+1] cos + x[2m] sin. */
 void mdt_ref_rope_interleaved(float *x, const float *cos_t, const float *sin_t, int64_t S,
                               int64_t H, int64_t D);
+/* Rotate-half RoPE on the first `rot` channels of every head of x[S, H, D] with cos/sin[S, rot]:
+ * halves x1 = x[:rot/2], x2 = x[rot/2:rot]; out = x * cos + (-x2, x1) * sin; the rest unchanged. */
+void mdt_ref_rope_half(float *x, const float *cos_t, const float *sin_t, int64_t S, int64_t H,
+                       int64_t D, int64_t rot);
+/* out[M, n] = in[:, :n] * SiLU(in[:, n:]) for in [M, 2n]. */
+void mdt_ref_swiglu(const float *in, float *out, int64_t M, int64_t n);
+
 /* Attention of one head: q[Sq, D], k/v[Sk, D] -> out[Sq, D], lse[Sq] (natural log of the softmax
  * denominator of the scaled scores; may be NULL). Materialises the Sq x Sk scores. */
 void mdt_ref_attention(const float *q, const float *k, const float *v, float *out, float *lse,
