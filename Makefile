@@ -21,8 +21,8 @@ CFLAGS   += -Werror
 endif
 LDLIBS   += $(PKG_LIBS) -lm
 ifneq ($(SANITIZE),)
-CFLAGS   += -fsanitize=$(SANITIZE) -fno-omit-frame-pointer
-LDFLAGS  += -fsanitize=$(SANITIZE)
+CFLAGS   += -fsanitize=$(SANITIZE) -fno-sanitize-recover=all -fno-omit-frame-pointer
+LDFLAGS  += -fsanitize=$(SANITIZE) -fno-sanitize-recover=all
 endif
 
 LIB_SRC  := $(filter-out src/cli/%,$(wildcard src/*/*.c src/*/*/*.c))
@@ -31,11 +31,13 @@ CLI_OBJ  := $(BUILD)/src/cli/main.o
 TEST_SRC := $(wildcard tests/unit/test_*.c)
 TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 MPI_TEST_BIN := $(patsubst tests/mpi/%.c,$(BUILD)/tests/mpi/%,$(wildcard tests/mpi/test_*.c))
-ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] tests/mpi/*.c bench/*.c)
+FUZZ_NAMES := $(patsubst tests/fuzz/fuzz_%.c,%,$(wildcard tests/fuzz/fuzz_*.c))
+REPLAY_BIN := $(FUZZ_NAMES:%=$(BUILD)/tests/replay_%)
+ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] tests/mpi/*.c tests/fuzz/*.c bench/*.c)
 
-.PHONY: all test check format format-check cppcheck tidy demo clean goldens bench
+.PHONY: all test check format format-check cppcheck tidy demo clean goldens bench fuzz fuzz-build
 
-all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN)
+all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -58,6 +60,30 @@ $(BUILD)/tests/mpi/%: $(BUILD)/tests/mpi/%.o $(BUILD)/libmeshdit.a
 $(BUILD)/tests/mpi/%.o: tests/mpi/%.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests/unit -c $< -o $@
+
+$(BUILD)/tests/replay_%: tests/fuzz/fuzz_%.c tests/fuzz/replay.c $(BUILD)/libmeshdit.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ tests/fuzz/fuzz_$*.c tests/fuzz/replay.c $(BUILD)/libmeshdit.a $(LDLIBS)
+
+# libFuzzer targets (clang): `make fuzz FUZZ_SECONDS=N` runs each for N seconds on a copy of
+# its seed corpus; a crash leaves its input in build-fuzz/ (keep it under tests/fuzz/regress/).
+FUZZ_SECONDS ?= 60
+FUZZ_BUILD   ?= build-fuzz
+FUZZ_SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all
+fuzz-build:
+	$(MAKE) CC=clang BUILD=$(FUZZ_BUILD) OPT="-O1 -g -march=x86-64-v3" \
+	  SANITIZE=fuzzer-no-link,address,undefined $(FUZZ_BUILD)/libmeshdit.a
+	for t in $(FUZZ_NAMES); do \
+	  clang -std=c11 -O1 -g -fsanitize=fuzzer $(FUZZ_SAN) -Iinclude -Isrc $(PKG_CFLAGS) \
+	    -o $(FUZZ_BUILD)/fuzz_$$t tests/fuzz/fuzz_$$t.c $(FUZZ_BUILD)/libmeshdit.a $(LDLIBS) || exit 1; \
+	done
+
+fuzz: fuzz-build
+	for t in $(FUZZ_NAMES); do \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$t && cp tests/fuzz/corpus/$$t/* $(FUZZ_BUILD)/corpus/$$t/ && \
+	  (cd $(FUZZ_BUILD) && ./fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    -timeout=10 -rss_limit_mb=2048 corpus/$$t ../tests/fuzz/regress/$$t) || exit 1; \
+	done
 
 test: all
 	@BUILD=$(BUILD) bash tests/run.sh
@@ -91,6 +117,6 @@ goldens:
 	python3 scripts/make_goldens.py
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(FUZZ_BUILD)
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_BIN:$(BUILD)/tests/%=$(BUILD)/tests/unit/%.d)

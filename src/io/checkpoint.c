@@ -296,7 +296,8 @@ mdt_status mdt_cfg_int_array(const cJSON *cfg, const char *key, int64_t *vals, i
                         key, cap);
     const cJSON *v;
     cJSON_ArrayForEach(v, j) {
-        if (!cJSON_IsNumber(v) || floor(v->valuedouble) != v->valuedouble)
+        if (!cJSON_IsNumber(v) || floor(v->valuedouble) != v->valuedouble ||
+            fabs(v->valuedouble) > 9007199254740992.0)
             return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must hold integers", key);
         vals[(*n)++] = (int64_t)v->valuedouble;
     }

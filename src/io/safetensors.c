@@ -189,20 +189,27 @@ done:
 }
 
 mdt_status mdt_st_open(const char *path, mdt_st_file **out) {
+    *out = NULL;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return MDT_FAIL(MDT_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    return mdt_st_open_fd(fd, path, out);
+}
+
+mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
     mdt_status st = MDT_OK;
     char *hdr = NULL;
     cJSON *root = NULL;
     *out = NULL;
     mdt_st_file *f = mdt_calloc(sizeof *f);
-    if (!f)
+    if (!f) {
+        close(fd);
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    f->fd = -1;
+    }
+    f->fd = fd;
     f->path = dup_str(path);
     if (!f->path)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (f->fd < 0)
-        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: cannot open: %s", path, strerror(errno)));
     struct stat sb;
     if (fstat(f->fd, &sb) != 0 || !S_ISREG(sb.st_mode))
         MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: not a regular file", path));

@@ -37,6 +37,9 @@ typedef struct mdt_st_file {
 /* Opens and validates `path`. Errors name the file, the tensor and the problem:
  * MDT_E_IO (cannot open/read), MDT_E_FORMAT (anything malformed). */
 mdt_status mdt_st_open(const char *path, mdt_st_file **out);
+/* The same on an open descriptor (taken over: closed by mdt_st_close or on failure); `path`
+ * names it in messages. */
+mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out);
 void mdt_st_close(mdt_st_file *f);
 /* Entry called `name`, or NULL. */
 const mdt_st_entry *mdt_st_find(const mdt_st_file *f, const char *name);

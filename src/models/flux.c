@@ -101,6 +101,15 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     if (f->patch < 1 || f->in_ch < 1 || f->out_ch < 1 || f->layers < 0 || f->single_layers < 0 ||
         f->head_dim < 2 || f->heads < 1 || f->joint_dim < 1 || f->pooled_dim < 1)
         return MDT_FAIL(MDT_E_INVALID, "config.json: Flux sizes must be positive");
+    const int64_t dims[] = {f->patch,     f->in_ch,     f->out_ch,
+                            f->head_dim,  f->heads,     f->joint_dim,
+                            f->pooled_dim, (f->heads <= MDT_MAX_DIM && f->head_dim <= MDT_MAX_DIM)
+                                               ? f->heads * f->head_dim
+                                               : MDT_MAX_DIM + 1};
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        if (dims[i] > MDT_MAX_DIM)
+            return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: a Flux size of %lld exceeds %lld",
+                            (long long)dims[i], (long long)MDT_MAX_DIM);
     if (f->layers > 64 || f->single_layers > 128)
         return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: at most 64 double and 128 single blocks");
     int64_t axsum = 0;

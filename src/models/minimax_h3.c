@@ -136,6 +136,19 @@ static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
         f->rope_freq < 1 || f->patch[0] < 1 || f->patch[1] < 1 || f->patch[2] < 1)
         return MDT_FAIL(MDT_E_INVALID, "config.json: MiniMax-H3 sizes must be positive (patch_size "
                                        "three values, freq_dim even)");
+    const int64_t dims[] = {f->heads,     f->head_dim,  f->hidden,     f->ffn,
+                            f->in_ch,     f->audio_in,  f->patch[0],   f->patch[1],
+                            f->patch[2],  f->text_dim,  f->freq_dim,   f->time_hidden,
+                            f->time_embed, f->rope_freq};
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        if (dims[i] > MDT_MAX_DIM)
+            return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: a MiniMax-H3 size of %lld exceeds %lld",
+                            (long long)dims[i], (long long)MDT_MAX_DIM);
+    if (f->heads * f->head_dim > MDT_MAX_DIM || f->patch[0] * f->patch[1] > MDT_MAX_DIM ||
+        f->patch[0] * f->patch[1] * f->patch[2] > MDT_MAX_DIM ||
+        f->in_ch * f->patch[0] * f->patch[1] * f->patch[2] > MDT_MAX_DIM)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: MiniMax-H3 widths exceed %lld",
+                        (long long)MDT_MAX_DIM);
     if (6 * f->rope_freq > f->head_dim)
         return MDT_FAIL(MDT_E_INVALID,
                         "config.json: 6 x rope_freq_dim = %lld rotary channels exceed "

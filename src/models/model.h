@@ -13,6 +13,10 @@
 #include "io/checkpoint.h"
 #include "parallel/plan.h"
 
+/* Largest model dimension a config may declare (keeps every product of two dimensions far from
+ * int64 overflow; real models are below 2^16). */
+#define MDT_MAX_DIM ((int64_t)1 << 24)
+
 typedef struct mdt_wtable {
     int n, cap;
     mdt_weight_spec *specs;
