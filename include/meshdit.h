@@ -108,6 +108,8 @@ typedef struct mdt_model mdt_model;
 typedef struct mdt_load_params {
     const char *checkpoint_dir; /* diffusers layout: config.json + safetensors (+ index.json) */
     mdt_mesh *mesh;             /* borrowed; NULL = single rank. Weights are read shard-on-read */
+    int64_t max_weight_bytes;   /* > 0: refuse (MDT_E_NOMEM, before reading) a layout whose
+                                   per-rank f32 weights exceed it */
 } mdt_load_params;
 
 mdt_load_params mdt_load_params_default(void);

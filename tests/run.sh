@@ -24,6 +24,14 @@ for t in "$BUILD"/tests/test_*; do
     echo "== $(basename "$t")"
     run "$t"
 done
+echo "== fuzz corpora and saved crash inputs, replayed"
+for r in "$BUILD"/tests/replay_*; do
+    [ -x "$r" ] || continue
+    t=${r##*/replay_}
+    files=$(find tests/fuzz/corpus/"$t" tests/fuzz/regress/"$t" -type f ! -name .keep 2>/dev/null)
+    # shellcheck disable=SC2086
+    run "$r" $files
+done
 MPIEXEC=${MPIEXEC:-$(command -v mpiexec.mpich || command -v mpiexec)}
 echo "== mpi (tensor and context parallelism, shard-on-read loader)"
 # n T R U order: TP alone, every CP mode alone and combined with TP, both mesh orders, uneven
@@ -38,6 +46,7 @@ for layout in "${LAYOUTS[@]}"; do
     set -- $layout
     run timeout 600 "$MPIEXEC" -n "$1" "$BUILD/tests/mpi/test_parallel" tests/data "$2" "$3" "$4" "$5"
 done
+run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_failures" tests/data
 # negative controls: each switch reproduces an upstream bug; the tests must notice it
 negative() { # name env -- n T R U order
     local name=$1 envv=$2; shift 3

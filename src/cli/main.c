@@ -28,7 +28,7 @@ static void usage(FILE *fp) {
             "          [--batch N] [--timestep T] [--guidance G] [--audio-tokens N]\n"
             "  run     --checkpoint DIR --inputs FILE --out FILE [--steps N] [--repeat N]\n"
             "          [--tp T --ring R --ulysses U] [--mesh-order tp,ring,ulysses]\n"
-            "          [--report FILE.json] [--quiet]\n"
+            "          [--report FILE.json] [--max-memory SIZE] [--quiet]\n"
             "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
             "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n"
             "          [--mesh-order ORDER]\n"
@@ -145,6 +145,31 @@ static mdt_status read_file_text(const char *path, char **out) {
     *out = cJSON_Print(j);
     cJSON_Delete(j);
     return *out ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+}
+
+/* "512M", "8G", "1.5GiB", "1048576" -> bytes (binary units); -1 if malformed. */
+static int64_t parse_size(const char *s) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || !(v > 0))
+        return -1;
+    double mul = 1;
+    switch (*end) {
+    case 'k':
+    case 'K': mul = 1024.0, end++; break;
+    case 'm':
+    case 'M': mul = 1048576.0, end++; break;
+    case 'g':
+    case 'G': mul = 1073741824.0, end++; break;
+    case 't':
+    case 'T': mul = 1099511627776.0, end++; break;
+    default: break;
+    }
+    if (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0 || strcmp(end, "b") == 0)
+        end += strlen(end);
+    if (*end || v * mul > 9.0e18)
+        return -1;
+    return (int64_t)(v * mul);
 }
 
 /* ---- gen ---- */
@@ -395,7 +420,11 @@ static int cmd_run(int argc, char **argv) {
     const char *ck = opt_str(&o, "checkpoint", NULL), *inp = opt_str(&o, "inputs", NULL);
     const char *out = opt_str(&o, "out", NULL), *report = opt_str(&o, "report", NULL);
     const char *order = opt_str(&o, "mesh-order", "tp,ring,ulysses");
+    const char *maxmem = opt_str(&o, "max-memory", NULL);
     int quiet = opt_str(&o, "quiet", NULL) != NULL;
+    int64_t max_bytes = 0;
+    if (maxmem && (max_bytes = parse_size(maxmem)) <= 0)
+        return usage_exit("--max-memory takes a size like 512M, 8G or 1048576, got '%s'", maxmem);
     if ((rc = opt_int(&o, "tp", 1, 1, 4096, &tp)) ||
         (rc = opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
         (rc = opt_int(&o, "ulysses", 1, 1, 4096, &uly)) ||
@@ -413,7 +442,7 @@ static int cmd_run(int argc, char **argv) {
     if (st != MDT_OK)
         return fail_exit(st); /* same verdict on every rank: nothing to agree on */
     mdt_load_params lp = mdt_load_params_default();
-    lp.checkpoint_dir = ck, lp.mesh = mesh;
+    lp.checkpoint_dir = ck, lp.mesh = mesh, lp.max_weight_bytes = max_bytes;
     double t0 = mdt_now();
     st = mdt_model_load(&lp, &m);
     double load_s = mdt_now() - t0;
@@ -529,6 +558,13 @@ static int cmd_run(int argc, char **argv) {
     if (st == MDT_OK && !quiet && g_rank == 0)
         print_plan(m, order, all, load_s, med, nsteps, steps > 0, out);
 done:
+    if (st != MDT_OK && mesh && mesh->peers_stuck) {
+        /* this rank failed inside a step while its peers wait in a collective: no agreement is
+         * possible, so report from here and end the whole job */
+        fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
+        fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     free(all);
     free(times);
     mdt_tensor_set_free(res);

@@ -4,11 +4,13 @@
  * colour = the other coordinates and key = the coordinate along the axis, so a rank's position
  * inside each group is its mesh coordinate.
  */
+#define _POSIX_C_SOURCE 200809L
 #include "mesh.h"
 
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static const char *const k_axis_names[MDT_AXIS_COUNT] = {"tp", "ring", "ulysses"};
 
@@ -134,11 +136,33 @@ int mdt_mesh_rank(const mdt_mesh *m) { return m ? m->world_rank : 0; }
 int mdt_mesh_size(const mdt_mesh *m) { return m ? m->world_size : 1; }
 
 mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local) {
-    if (!m || m->world_size == 1)
+    if (!m || m->world_size == 1 || m->peers_stuck) /* stuck: the job is being ended */
         return local;
-    int mine = local == MDT_OK ? INT_MAX : m->world_rank, first = INT_MAX;
-    if (MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, m->world) != MPI_SUCCESS)
-        return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Allreduce failed");
+    int mine = local == MDT_OK ? INT_MAX : m->world_rank, first = INT_MAX, done = 0;
+    MPI_Request rq;
+    if (MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, m->world, &rq) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Iallreduce failed");
+    /* A healthy rank waits as long as its peers need (a slow load is not a failure). A failed
+     * rank waits a bounded time: peers blocked inside a step's collective never arrive, and
+     * then the caller must end the job (the command calls MPI_Abort; the library does not). */
+    const double t0 = mdt_now();
+    const char *tenv = getenv("MESHDIT_AGREE_TIMEOUT");
+    const double timeout = tenv ? atof(tenv) : 20.0;
+    while (!done) {
+        if (MPI_Test(&rq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+            return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Test failed");
+        if (done)
+            break;
+        if (local != MDT_OK && mdt_now() - t0 > timeout) {
+            m->peers_stuck = 1;
+            return mdt_fail_prefix(local,
+                                   "rank %d (the other ranks did not reach the failure "
+                                   "agreement within %.0f s)",
+                                   m->world_rank, timeout);
+        }
+        const struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
     if (first == INT_MAX)
         return MDT_OK;
     struct {

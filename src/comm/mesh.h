@@ -49,6 +49,7 @@ struct mdt_mesh {
     int64_t bytes_sent[MDT_COLL_KIND_COUNT]; /* per kind, summed over groups */
     int64_t group_bytes[MDT_GROUP_COUNT];    /* per group, summed over kinds */
     float *scratch;                          /* collective scratch, grown on first use */
+    int peers_stuck; /* a failure could not be agreed on: the job must be ended */
     int64_t scratch_floats;
 };
 
@@ -65,7 +66,9 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
 
 /* Phase-boundary agreement: every rank passes its local status; if any rank failed, every rank
  * returns that failure with the lowest failing rank's message ("rank k: ..."). Collective over
- * the world communicator. */
+ * the world communicator. A failed rank whose peers do not arrive within MESHDIT_AGREE_TIMEOUT
+ * seconds (default 20: they are blocked in a collective of a step it left) returns its own
+ * failure with m->peers_stuck set; the caller must then end the job (MPI_Abort). */
 mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local);
 static inline mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local) {
     mdt_status s = mdt_mesh_agree_all(m, local);

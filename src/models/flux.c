@@ -101,11 +101,16 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     if (f->patch < 1 || f->in_ch < 1 || f->out_ch < 1 || f->layers < 0 || f->single_layers < 0 ||
         f->head_dim < 2 || f->heads < 1 || f->joint_dim < 1 || f->pooled_dim < 1)
         return MDT_FAIL(MDT_E_INVALID, "config.json: Flux sizes must be positive");
-    const int64_t dims[] = {f->patch,     f->in_ch,     f->out_ch,
-                            f->head_dim,  f->heads,     f->joint_dim,
-                            f->pooled_dim, (f->heads <= MDT_MAX_DIM && f->head_dim <= MDT_MAX_DIM)
-                                               ? f->heads * f->head_dim
-                                               : MDT_MAX_DIM + 1};
+    const int64_t dims[] = {f->patch,
+                            f->in_ch,
+                            f->out_ch,
+                            f->head_dim,
+                            f->heads,
+                            f->joint_dim,
+                            f->pooled_dim,
+                            (f->heads <= MDT_MAX_DIM && f->head_dim <= MDT_MAX_DIM)
+                                ? f->heads * f->head_dim
+                                : MDT_MAX_DIM + 1};
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         if (dims[i] > MDT_MAX_DIM)
             return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: a Flux size of %lld exceeds %lld",
@@ -553,6 +558,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(f, &f->dbl[i], &A, x, c, ar));
         mdt_arena_rewind(ar, mk);
+        if (i == 0)
+            MDT_TRY(mdt_test_fail_point(mesh, "step")); /* test-only: fail mid-step */
     }
 
     float *h = mdt_arena_floats(ar, B * S * C); // [B, S/P, C] = cat(c, x) per batch

@@ -136,13 +136,13 @@ static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
         f->rope_freq < 1 || f->patch[0] < 1 || f->patch[1] < 1 || f->patch[2] < 1)
         return MDT_FAIL(MDT_E_INVALID, "config.json: MiniMax-H3 sizes must be positive (patch_size "
                                        "three values, freq_dim even)");
-    const int64_t dims[] = {f->heads,     f->head_dim,  f->hidden,     f->ffn,
-                            f->in_ch,     f->audio_in,  f->patch[0],   f->patch[1],
-                            f->patch[2],  f->text_dim,  f->freq_dim,   f->time_hidden,
-                            f->time_embed, f->rope_freq};
+    const int64_t dims[] = {f->heads,    f->head_dim,    f->hidden,     f->ffn,      f->in_ch,
+                            f->audio_in, f->patch[0],    f->patch[1],   f->patch[2], f->text_dim,
+                            f->freq_dim, f->time_hidden, f->time_embed, f->rope_freq};
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         if (dims[i] > MDT_MAX_DIM)
-            return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: a MiniMax-H3 size of %lld exceeds %lld",
+            return MDT_FAIL(MDT_E_UNSUPPORTED,
+                            "config.json: a MiniMax-H3 size of %lld exceeds %lld",
                             (long long)dims[i], (long long)MDT_MAX_DIM);
     if (f->heads * f->head_dim > MDT_MAX_DIM || f->patch[0] * f->patch[1] > MDT_MAX_DIM ||
         f->patch[0] * f->patch[1] * f->patch[2] > MDT_MAX_DIM ||
@@ -494,7 +494,9 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
             mdt_cpu_rmsnorm(h + bb * Sc * C, b->norm2, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
             mdt_cpu_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, aidx_l, 3 * C, 4 * C);
         }
-        MDT_TRY(ff_part(f, &A, b, n, M, y)); // [B*S/P, C]
+        if (i == 0)
+            MDT_TRY(mdt_test_fail_point(mesh, "step")); /* test-only: fail mid-step */
+        MDT_TRY(ff_part(f, &A, b, n, M, y));            // [B*S/P, C]
         for (int64_t bb = 0; bb < B; bb++)
             mdt_cpu_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, aidx_l,
                                        5 * C, Sc, C);

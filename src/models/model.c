@@ -10,6 +10,9 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -109,7 +112,7 @@ fail:
 }
 
 mdt_load_params mdt_load_params_default(void) {
-    mdt_load_params p = {NULL, NULL};
+    mdt_load_params p = {NULL, NULL, 0};
     return p;
 }
 
@@ -221,6 +224,18 @@ static mdt_status read_shard(const mdt_ckpt_ref *ref, const mdt_weight_spec *w, 
     return s;
 }
 
+mdt_status mdt_test_fail_point(const mdt_mesh *mesh, const char *phase) {
+    const char *e = getenv("MESHDIT_TEST_FAIL");
+    char ph[16];
+    int rank = -1, n = 0;
+    if (!e || sscanf(e, "%15[a-z]:%d%n", ph, &rank, &n) != 2 || strcmp(ph, phase) != 0 ||
+        rank != (mesh ? mesh->world_rank : 0))
+        return MDT_OK;
+    if (strcmp(e + n, ":kill") == 0)
+        raise(SIGKILL); /* a rank that dies */
+    return MDT_FAIL(MDT_E_IO, "injected failure during %s (MESHDIT_TEST_FAIL=%s)", phase, e);
+}
+
 static int64_t slot_floats(int64_t n) { return (n + 15) & ~(int64_t)15; /* 64-byte slots */ }
 
 /* Allocates the weights buffer for degree T and points every tensor's state at its slot. */
@@ -252,7 +267,7 @@ static void bind_all(mdt_model *m) {
             *m->table.bind[i] = m->ws[i].data;
 }
 
-static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, int T, int k) {
+static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *mesh, int T, int k) {
     char sb1[96], sb2[96];
     m->ws = mdt_calloc(sizeof(mdt_wstate) * (size_t)(m->table.n ? m->table.n : 1));
     if (!m->ws)
@@ -283,6 +298,15 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, int T, int k) {
         MDT_TRY(read_shard(ref, &m->table.specs[i], T, k, m->ws[i].data));
         m->ws[i].bytes_read = mdt_counters_get()->bytes_read - before;
         m->bytes_read += m->ws[i].bytes_read;
+        const int64_t nloc = m->ws[i].local[0] * m->ws[i].local[1];
+        for (int64_t j = 0; j < nloc; j++) /* damaged data in this rank's slice */
+            if (!isfinite(m->ws[i].data[j]))
+                return MDT_FAIL(MDT_E_FORMAT,
+                                "%s: tensor '%s': non-finite value (NaN or Inf) at element %lld of "
+                                "this rank's shard",
+                                ref->file->path, m->table.specs[i].name, (long long)j);
+        if (i == m->table.n / 2)
+            MDT_TRY(mdt_test_fail_point(mesh, "load")); /* test-only: fail mid-load */
     }
     if (ck->n > m->table.n)
         mdt_log(MDT_LOG_WARN, "%s: %d tensors in the checkpoint are not used by the model", ck->dir,
@@ -298,11 +322,46 @@ mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh)
     if (k >= T)                        /* only under the test-only shard-index bug switch */
         st = MDT_FAIL(MDT_E_INVALID, "shard index %d is outside tp=%d", k, T);
     if (st == MDT_OK)
-        st = load_local(m, ck, T, k);
+        st = load_local(m, ck, mesh, T, k);
     MDT_TRY(mdt_mesh_agree(mesh, st));
     m->mesh = mesh, m->T = T, m->tp_index = k;
     m->sharded_at_load = T > 1;
     return MDT_OK;
+}
+
+/* Resident f32 weight bytes per rank at degree T (0 if the layout is invalid). */
+static int64_t weight_bytes_at(const mdt_model *m, int T) {
+    int64_t bytes = 0, loc[2];
+    if (mdt_model_check_layout(m, T, 1, 1) != MDT_OK)
+        return 0;
+    for (int i = 0; i < m->table.n; i++) {
+        mdt_shard_local_shape(&m->table.specs[i], T, loc);
+        bytes += loc[0] * (m->table.specs[i].ndim > 1 ? loc[1] : 1) * 4;
+    }
+    return bytes;
+}
+
+/* Refuses, before any weight is read, a layout whose per-rank weights exceed the limit. */
+static mdt_status check_memory(const mdt_model *m, int T, int64_t limit) {
+    const int64_t need = weight_bytes_at(m, T);
+    if (need <= limit)
+        return MDT_OK;
+    int fit = 0;
+    for (int t = T + 1; t <= 256 && !fit; t++) {
+        const int64_t b = weight_bytes_at(m, t);
+        fit = b > 0 && b <= limit ? t : 0;
+    }
+    mdt_error_clear();
+    if (fit)
+        return MDT_FAIL(MDT_E_NOMEM,
+                        "tp=%d needs %.1f MiB of f32 weights per rank, over the --max-memory limit "
+                        "of %.1f MiB; tp=%d would need %.1f MiB",
+                        T, (double)need / 1048576.0, (double)limit / 1048576.0, fit,
+                        (double)weight_bytes_at(m, fit) / 1048576.0);
+    return MDT_FAIL(MDT_E_NOMEM,
+                    "tp=%d needs %.1f MiB of f32 weights per rank, over the --max-memory limit of "
+                    "%.1f MiB, and no valid tp fits",
+                    T, (double)need / 1048576.0, (double)limit / 1048576.0);
 }
 
 mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
@@ -314,6 +373,8 @@ mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
     st = mdt_ckpt_open(p->checkpoint_dir, &ck);
     if (st == MDT_OK)
         st = mdt_model_describe(ck->config, &m);
+    if (st == MDT_OK && p->max_weight_bytes > 0)
+        st = check_memory(m, mesh ? mesh->T : 1, p->max_weight_bytes);
     MDT_CHECK(mdt_mesh_agree(mesh, st));
     MDT_CHECK(mdt_model_load_ckpt(m, ck, mesh));
     mdt_ckpt_close(ck);

@@ -92,6 +92,11 @@ struct mdt_model {
 mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh);
 /* Checks a T x R x U layout against the model (heads, every sharded dim and packed block). */
 mdt_status mdt_model_check_layout(const mdt_model *m, int T, int R, int U);
+/* Test-only failure injection: MESHDIT_TEST_FAIL=PHASE:RANK[:kill] makes world rank RANK fail
+ * (or die by SIGKILL) at PHASE ("load": mid-load; "step": inside a forward, after its first
+ * block) so tests can check that every rank exits. MDT_OK otherwise. */
+mdt_status mdt_test_fail_point(const mdt_mesh *mesh, const char *phase);
+
 /* Inputs: the tensor `name` of `in` with shape `shape` (-1 = any) converted to f32 (any float or
  * integer dtype) into the arena; NaN/Inf is an error naming the tensor and element. */
 mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,

@@ -138,6 +138,23 @@ H3ARGS=(run --checkpoint "$DATA/h3_heads8" --inputs "$DATA/h3_heads8/inputs.safe
 mpi_error skipped-cp-split-h3 2 "no silent degrade.*computed the whole sequence" -- "${H3ARGS[@]}" --ring 2
 unset MESHDIT_TEST_SKIP_CP_SPLIT
 mpi_error h3-heads 3 "tp=3 does not divide 8 attention heads" -- "${H3ARGS[@]}" --tp 3
+# a rank that fails or dies mid-load or mid-step at 4 ranks: every rank exits non-zero within 30 s
+export MESHDIT_AGREE_TIMEOUT=5
+for inj in load:2 step:2 load:1:kill step:3:kill; do
+    rm -f "$T"/rc.*
+    start=$(date +%s)
+    MESHDIT_TEST_FAIL=$inj timeout 60 "$MPIEXEC" -n 4 bash -c '"$@"; r=$?; echo $r > "'"$T"'/rc.${PMI_RANK:-0}"; exit $r' _ \
+        "$BIN" "${H3ARGS[@]}" --tp 2 --ulysses 2 >"$T/stdout" 2>"$T/stderr"
+    rc=$? elapsed=$(( $(date +%s) - start ))
+    zero=$(cat "$T"/rc.* 2>/dev/null | grep -cx 0)
+    msgs=$(grep -c "injected failure\|Killed\|BAD TERMINATION" "$T/stderr")
+    if [ "$rc" != 0 ] && [ "$rc" != 124 ] && [ "$elapsed" -lt 30 ] && [ "$zero" = 0 ] && [ "$msgs" -ge 1 ] &&
+       { case $inj in *kill) true;; *) [ "$(grep -c 'injected failure' "$T/stderr")" = 1 ];; esac; }; then ok
+    else bad "failure $inj: mpiexec rc $rc after ${elapsed}s, $zero ranks exited 0: $(head -c 300 "$T/stderr")"; fi
+done
+unset MESHDIT_AGREE_TIMEOUT
+expect_error max-memory 1 "tp=1 needs" "max-memory" -- "$BIN" run --checkpoint "$DATA/flux_tiny" \
+    --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --max-memory 100K
 # memory at scale, on paper: the real MiniMax-H3 config (no weights) at tp=8 holds ~4.21 B
 # parameters per rank upstream; ours must be within 2% (it shards adaln_proj too)
 if "$BIN" inspect --config configs/minimax_h3.json --tp 8 --ulysses 4 >"$T/h3insp" &&
