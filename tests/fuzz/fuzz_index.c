@@ -35,11 +35,11 @@ static void setup(void) {
     unsigned char buf[256] = {0};
     size_t l1 = strlen(h1), l2 = strlen(h2);
     buf[0] = (unsigned char)l1;
-    memcpy(buf + 8, h1, l1);
+    memcpy(buf + 8, h1, l1 + 1); /* the NUL lands in the (zero) data section */
     write_file("s1.safetensors", buf, 8 + l1 + 8);
     memset(buf, 0, sizeof buf);
     buf[0] = (unsigned char)l2;
-    memcpy(buf + 8, h2, l2);
+    memcpy(buf + 8, h2, l2 + 1);
     write_file("s2.safetensors", buf, 8 + l2 + 4);
 }
 
