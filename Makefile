@@ -35,7 +35,8 @@ FUZZ_NAMES := $(patsubst tests/fuzz/fuzz_%.c,%,$(wildcard tests/fuzz/fuzz_*.c))
 REPLAY_BIN := $(FUZZ_NAMES:%=$(BUILD)/tests/replay_%)
 ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] tests/mpi/*.c tests/fuzz/*.c bench/*.c)
 
-.PHONY: all test check format format-check cppcheck tidy demo clean goldens bench fuzz fuzz-build
+.PHONY: all test check format format-check cppcheck tidy demo clean goldens bench fuzz fuzz-build \
+        valgrind test-sanitize
 
 all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN)
 
@@ -86,7 +87,24 @@ fuzz: fuzz-build
 	done
 
 test: all
-	@BUILD=$(BUILD) bash tests/run.sh
+	@BUILD=$(BUILD) SANITIZE=$(SANITIZE) bash tests/run.sh
+
+# memcheck on the single-rank golden run (and the sampler): no error, no definite leak
+valgrind: all
+	OPENBLAS_NUM_THREADS=1 valgrind --error-exitcode=3 --leak-check=full \
+	  --errors-for-leak-kinds=definite --suppressions=tests/valgrind.supp -q $(BUILD)/meshdit run \
+	  --checkpoint tests/data/flux_tiny --inputs tests/data/flux_tiny/inputs.safetensors \
+	  --out /tmp/meshdit-valgrind.safetensors --steps 2 --quiet
+	OPENBLAS_NUM_THREADS=1 valgrind --error-exitcode=3 --leak-check=full \
+	  --errors-for-leak-kinds=definite --suppressions=tests/valgrind.supp -q $(BUILD)/meshdit run \
+	  --checkpoint tests/data/h3_tiny --inputs tests/data/h3_tiny/inputs.safetensors \
+	  --out /tmp/meshdit-valgrind.safetensors --quiet
+	@echo "valgrind: memcheck clean"
+
+# the whole suite under AddressSanitizer + UndefinedBehaviorSanitizer, in its own build folder
+test-sanitize:
+	$(MAKE) BUILD=build-asan SANITIZE=address,undefined all
+	$(MAKE) BUILD=build-asan SANITIZE=address,undefined test
 
 demo: all
 	@bash scripts/demo
@@ -117,6 +135,6 @@ goldens:
 	python3 scripts/make_goldens.py
 
 clean:
-	rm -rf $(BUILD) $(FUZZ_BUILD)
+	rm -rf $(BUILD) $(FUZZ_BUILD) build-asan
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_BIN:$(BUILD)/tests/%=$(BUILD)/tests/unit/%.d)

@@ -33,6 +33,12 @@ for r in "$BUILD"/tests/replay_*; do
     run "$r" $files
 done
 MPIEXEC=${MPIEXEC:-$(command -v mpiexec.mpich || command -v mpiexec)}
+if [ -n "${SANITIZE:-}" ]; then
+    # Processes that initialise MPI leak a few hundred bytes inside MPICH's dlopen'ed transport
+    # plugins (reported from "<unknown module>", nothing LSan can suppress by name); leak checks
+    # stay on for the unit tests above, and our own accounting (mdt_mem_live) covers the rest.
+    export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+fi
 echo "== mpi (tensor and context parallelism, shard-on-read loader)"
 # n T R U order: TP alone, every CP mode alone and combined with TP, both mesh orders, uneven
 # token counts (flux_guidance: 37 + 11) and head counts not divisible by T x U (U=3; tiny at T=2 U=2)
