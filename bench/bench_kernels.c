@@ -23,13 +23,16 @@ static double median(double *t, int n) {
 }
 
 static void bench_attention(int64_t H, int64_t S, int64_t D, int reps) {
-    float *q = malloc(sizeof(float) * (size_t)(H * S * D)), *k = malloc(sizeof(float) * (size_t)(H * S * D));
-    float *v = malloc(sizeof(float) * (size_t)(H * S * D)), *o = malloc(sizeof(float) * (size_t)(H * S * D));
+    float *q = malloc(sizeof(float) * (size_t)(H * S * D)),
+          *k = malloc(sizeof(float) * (size_t)(H * S * D));
+    float *v = malloc(sizeof(float) * (size_t)(H * S * D)),
+          *o = malloc(sizeof(float) * (size_t)(H * S * D));
     float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(D));
     mdt_rng r;
     mdt_rng_seed(&r, 1);
     for (int64_t i = 0; i < H * S * D; i++)
-        q[i] = (float)mdt_rng_normal(&r), k[i] = (float)mdt_rng_normal(&r), v[i] = (float)mdt_rng_normal(&r);
+        q[i] = (float)mdt_rng_normal(&r), k[i] = (float)mdt_rng_normal(&r),
+        v[i] = (float)mdt_rng_normal(&r);
     double t[32];
     for (int i = -1; i < reps; i++) {
         double t0 = mdt_now();
@@ -69,14 +72,15 @@ static void bench_loader(const char *dir, int reps) {
             t[it] = mdt_now() - t0;
     }
     double med = median(t, reps);
-    printf("loader %s: %.1f MB stored, median %.3f s, %.2f GB/s (page cache, read + convert to f32)\n",
-           dir, (double)bytes * 1e-6, med, (double)bytes / med * 1e-9);
+    printf(
+        "loader %s: %.1f MB stored, median %.3f s, %.2f GB/s (page cache, read + convert to f32)\n",
+        dir, (double)bytes * 1e-6, med, (double)bytes / med * 1e-9);
     free(buf);
     mdt_ckpt_close(c);
 }
 
 int main(int argc, char **argv) {
-    bench_attention(8, 1280, 128, 5); /* the medium Flux forward's joint attention */
+    bench_attention(8, 1280, 128, 5);  /* the medium Flux forward's joint attention */
     bench_attention(24, 4608, 128, 1); /* FLUX.1 at 1024x1024, one layer */
     for (int i = 1; i < argc; i++)
         bench_loader(argv[i], 3);

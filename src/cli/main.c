@@ -675,6 +675,14 @@ static int cmd_inspect(int argc, char **argv) {
     printf("model %s (%s), %d tensors; layout tp %lld x ring %lld x ulysses %lld = %lld ranks "
            "(mesh order %s)\n",
            m->fam->name, m->fam->class_name, m->table.n, tp, ring, uly, tp * ring * uly, order_s);
+    const mdt_cp_plan *cp = m->fam->cp_plan;
+    printf("cp plan: split");
+    for (int i = 0; cp && i < cp->nsplit; i++)
+        printf(" %s[dim %d]", cp->split[i].input, cp->split[i].dim);
+    printf("; gather");
+    for (int i = 0; cp && i < cp->ngather; i++)
+        printf(" %s[dim %d]", cp->gather[i].input, cp->gather[i].dim);
+    printf("\n");
     printf("%-64s %-14s %-26s %-14s %s\n", "tensor", "shape", "tp style", "local", "stored");
     double total = 0, local_total = 0;
     for (int i = 0; i < m->table.n && st == MDT_OK; i++) {

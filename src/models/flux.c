@@ -22,20 +22,15 @@
 enum { FLUX_MAX_AXES = 4 };
 static const float k_eps = 1e-6f;
 
-typedef struct flux_lin {
-    const float *w, *b;
-    int64_t in, out;
-} flux_lin;
-
 typedef struct flux_double {
-    flux_lin norm1, norm1_ctx;
-    flux_lin to_q, to_k, to_v, add_q, add_k, add_v, to_out, to_add_out;
-    flux_lin ff0, ff2, ffc0, ffc2;
+    mdt_lin norm1, norm1_ctx;
+    mdt_lin to_q, to_k, to_v, add_q, add_k, add_v, to_out, to_add_out;
+    mdt_lin ff0, ff2, ffc0, ffc2;
     const float *norm_q, *norm_k, *norm_added_q, *norm_added_k;
 } flux_double;
 
 typedef struct flux_single {
-    flux_lin norm, to_q, to_k, to_v, proj_mlp, proj_out;
+    mdt_lin norm, to_q, to_k, to_v, proj_mlp, proj_out;
     const float *norm_q, *norm_k;
 } flux_single;
 
@@ -45,7 +40,7 @@ typedef struct flux {
     int naxes;
     int64_t axes[FLUX_MAX_AXES];
     int64_t inner, mlp_hidden;
-    flux_lin x_emb, ctx_emb, t_lin1, t_lin2, g_lin1, g_lin2, p_lin1, p_lin2, norm_out, proj_out;
+    mdt_lin x_emb, ctx_emb, t_lin1, t_lin2, g_lin1, g_lin2, p_lin1, p_lin2, norm_out, proj_out;
     flux_double *dbl;
     flux_single *sgl;
     /* storage for the block arrays (the impl is a flat zeroed struct) */
@@ -61,16 +56,9 @@ static const mdt_cp_plan k_flux_cp_plan = {
 };
 
 /* ---- weight table ---- */
-static mdt_status add_lin(mdt_wtable *t, flux_lin *l, const char *name, int64_t out, int64_t in,
+static mdt_status add_lin(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out, int64_t in,
                           mdt_tp_style style) {
-    char nm[MDT_NAME_MAX];
-    l->in = in, l->out = out;
-    snprintf(nm, sizeof nm, "%s.weight", name);
-    MDT_TRY(mdt_wtable_add(t, nm, 2, out, in, style, &l->w));
-    /* colwise-like styles shard the bias with the output; rowwise adds it once after reducing */
-    mdt_tp_style bstyle = mdt_tp_shard_dim(style) == 0 ? style : MDT_TP_REPLICATED;
-    snprintf(nm, sizeof nm, "%s.bias", name);
-    return mdt_wtable_add(t, nm, 1, out, 0, bstyle, &l->b);
+    return mdt_wtable_add_linear(t, l, name, out, in, style, 1); /* every Flux linear has a bias */
 }
 
 static mdt_status add_vec(mdt_wtable *t, const float **v, const char *name, int64_t n) {
@@ -158,7 +146,7 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     for (int64_t i = 0; i < f->layers; i++) {
         flux_double *b = &f->dbl[i];
         const struct {
-            flux_lin *l;
+            mdt_lin *l;
             const char *sfx;
             int64_t out, in;
             mdt_tp_style st;
@@ -197,7 +185,7 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     for (int64_t i = 0; i < f->single_layers; i++) {
         flux_single *b = &f->sgl[i];
         const struct {
-            flux_lin *l;
+            mdt_lin *l;
             const char *sfx;
             int64_t out, in;
             mdt_tp_style st;
@@ -242,7 +230,7 @@ static void timestep_proj(const float *t, int64_t B, float *e) {
 }
 
 /* y[M, out] = lin2(SiLU(lin1(x[M, in]))) with scratch h[M, lin1.out] */
-static void mlp2(const flux_lin *l1, const flux_lin *l2, const float *x, int64_t M, float *h,
+static void mlp2(const mdt_lin *l1, const mdt_lin *l2, const float *x, int64_t M, float *h,
                  float *y) {
     mdt_cpu_linear(x, l1->in, l1->w, l1->b, h, l1->out, M, l1->in, l1->out);
     mdt_cpu_silu(h, M * l1->out);
@@ -281,23 +269,14 @@ typedef struct flux_act {
     mdt_arena *ar;              /* activations and attention scratch */
 } flux_act;
 
-/* Rowwise linear (plain, packed or replicated-input): y [M, out] = sum over the TP group of
- * x_local [M, K_local] . W_local^T, then the full bias once (after the all-reduce, so every TP
- * peer adds it to the same bit-identical sum). */
-static mdt_status row_linear(const flux_act *A, const flux_lin *l, const float *x, int64_t ldx,
+static mdt_status row_linear(const flux_act *A, const mdt_lin *l, const float *x, int64_t ldx,
                              int64_t K_local, float *y, int64_t M) {
-    mdt_cpu_linear(x, ldx, l->w, NULL, y, l->out, M, K_local, l->out); // [M, out] partial
-    if (A->T > 1)
-        MDT_TRY(mdt_allreduce_sum(A->mesh, MDT_GROUP_TP, y, M * l->out));
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t j = 0; j < l->out; j++)
-            y[i * l->out + j] += l->b[j];
-    return MDT_OK;
+    return mdt_row_linear(A->mesh, A->T, l, x, ldx, K_local, y, M);
 }
 
 /* AdaLN projection of the replicated SiLU(temb) [B, C]: this rank multiplies input features
  * [k C/T, (k+1) C/T) by its weight columns; y [B, out] after the all-reduce. */
-static mdt_status adaln(const flux *f, const flux_act *A, const flux_lin *l, float *y) {
+static mdt_status adaln(const flux *f, const flux_act *A, const mdt_lin *l, float *y) {
     return row_linear(A, l, A->silu_temb + (int64_t)A->k * A->Cl, f->inner, A->Cl, y, A->B);
 }
 
@@ -305,10 +284,10 @@ static mdt_status adaln(const flux *f, const flux_act *A, const flux_lin *l, flo
  * [B, H/T, S, D] at sequence offset s0, applying the per-head RMSNorm to q and k and RoPE (rows
  * s0.. of the tables) to both. */
 static void project_qkv(const flux *f, const flux_act *A, const float *src, int64_t n, int64_t s0,
-                        const flux_lin *lq, const flux_lin *lk, const flux_lin *lv, const float *nq,
+                        const mdt_lin *lq, const mdt_lin *lk, const mdt_lin *lv, const float *nq,
                         const float *nk, float *tmp) {
     const int64_t C = f->inner, H = A->Hl, D = f->head_dim, S = A->S, Cl = A->Cl;
-    const flux_lin *lins[3] = {lq, lk, lv};
+    const mdt_lin *lins[3] = {lq, lk, lv};
     float *dst[3] = {A->q, A->k_, A->v};
     const float *norms[3] = {nq, nk, NULL};
     for (int j = 0; j < 3; j++) {
@@ -336,7 +315,7 @@ static mdt_status attend(const flux *f, const flux_act *A, float *out, int64_t l
 /* x [B, n, C] += gate * FF(LN(x) (1 + scale) + shift), the mlp half of a double block:
  * net.0 colwise (local 4C/T features), GELU, net.2 rowwise + all-reduce. */
 static mdt_status ff_residual(const flux *f, const flux_act *A, float *x, int64_t n,
-                              const float *mod, const flux_lin *l0, const flux_lin *l2, float *nbuf,
+                              const float *mod, const mdt_lin *l0, const mdt_lin *l2, float *nbuf,
                               float *hbuf, float *ybuf) {
     const int64_t C = f->inner, B = A->B, Ml = A->Ml;
     for (int64_t b = 0; b < B; b++)
@@ -591,25 +570,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         return MDT_E_NOMEM;
     mdt_cpu_linear(xn, C, f->proj_out.w, f->proj_out.b, ol, O, B * sic, C, O); // [B, Si/P, O]
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Si, O}, &o));
-    if (P == 1) {
-        memcpy(o->data, ol, sizeof(float) * (size_t)(B * Si * O));
-    } else { /* gather the image rows over the CP group in chunk order: [c][B][Si_c][O] */
-        int64_t counts[4096], r0, n;
-        float *all = mdt_arena_floats(ar, B * Si * O);
-        if (!all || P > 4096)
-            return MDT_E_NOMEM;
-        for (int j = 0; j < P; j++)
-            mdt_split_range(Si, P, j, &r0, &n), counts[j] = B * n * O;
-        MDT_TRY(mdt_allgatherv_floats(mesh, MDT_GROUP_CP, ol, all, counts)); // [P, B, Si_c, O]
-        const float *src = all;
-        for (int j = 0; j < P; j++) {
-            mdt_split_range(Si, P, j, &r0, &n);
-            for (int64_t b = 0; b < B; b++)
-                memcpy((float *)o->data + (b * Si + r0) * O, src + b * n * O,
-                       sizeof(float) * (size_t)(n * O));
-            src += B * n * O;
-        }
-    }
+    MDT_TRY(mdt_cp_gather_rows(mesh, ar, P, B, Si, O, ol, o->data)); // image rows, chunk order
     return check_promise(f, m, &A, Si, St, &c0, g0);
 }
 

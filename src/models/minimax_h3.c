@@ -32,15 +32,10 @@
 
 enum { H3_MAX_LAYERS = 128, H3_MAX_REFINER = 16, H3_MOD = 3 };
 
-typedef struct h3_lin {
-    const float *w, *b;
-    int64_t in, out;
-} h3_lin;
-
 typedef struct h3_attn_block {
     const float *norm1, *norm2, *norm_q, *norm_k;
-    h3_lin to_q, to_k, to_v, to_out, ff0, ff2;
-    h3_lin adaln; /* transformer blocks only */
+    mdt_lin to_q, to_k, to_v, to_out, ff0, ff2;
+    mdt_lin adaln; /* transformer blocks only */
 } h3_block;
 
 typedef struct h3 {
@@ -48,22 +43,14 @@ typedef struct h3 {
     int64_t text_dim, freq_dim, time_hidden, time_embed, rope_freq;
     double rope_theta, norm_eps, qk_eps, final_eps;
     int64_t A, Pv; /* attention inner width, video patch width */
-    h3_lin proj_in, audio_proj_in, ctx_emb, t_lin1, t_lin2, norm_out, proj_out, audio_proj_out;
+    mdt_lin proj_in, audio_proj_in, ctx_emb, t_lin1, t_lin2, norm_out, proj_out, audio_proj_out;
     const float *final_norm, *norm_out_w;
     h3_block ref[H3_MAX_REFINER], blk[H3_MAX_LAYERS];
 } h3;
 
-static mdt_status lin(mdt_wtable *t, h3_lin *l, const char *name, int64_t out, int64_t in,
+static mdt_status lin(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out, int64_t in,
                       mdt_tp_style st, int bias) {
-    char nm[MDT_NAME_MAX + 16]; /* mdt_wtable_add refuses names longer than MDT_NAME_MAX */
-    l->in = in, l->out = out, l->b = NULL;
-    snprintf(nm, sizeof nm, "%s.weight", name);
-    MDT_TRY(mdt_wtable_add(t, nm, 2, out, in, st, &l->w));
-    if (!bias)
-        return MDT_OK;
-    snprintf(nm, sizeof nm, "%s.bias", name);
-    return mdt_wtable_add(t, nm, 1, out, 0, mdt_tp_shard_dim(st) == 0 ? st : MDT_TP_REPLICATED,
-                          &l->b);
+    return mdt_wtable_add_linear(t, l, name, out, in, st, bias);
 }
 
 static mdt_status vec(mdt_wtable *t, const float **v, const char *prefix, const char *sfx,
@@ -78,7 +65,7 @@ static mdt_status add_block(const h3 *f, mdt_wtable *t, h3_block *b, const char 
     const int64_t C = f->hidden, A = f->A, F = f->ffn;
     MDT_TRY(vec(t, &b->norm1, pfx, "norm1.weight", C));
     const struct {
-        h3_lin *l;
+        mdt_lin *l;
         const char *sfx;
         int64_t out, in;
         mdt_tp_style st;
@@ -210,25 +197,17 @@ typedef struct h3_act {
     mdt_arena *ar;
 } h3_act;
 
-static void linear(const h3_lin *l, const float *x, int64_t M, int64_t out_local, float *y) {
+static void linear(const mdt_lin *l, const float *x, int64_t M, int64_t out_local, float *y) {
     mdt_cpu_linear(x, l->in, l->w, l->b, y, out_local, M, l->in, out_local);
 }
 
-/* rowwise: y [M, out] = sum over TP of x_local [M, K_local] . W_local^T (+ bias once) */
-static mdt_status row_linear(const h3_act *A, const h3_lin *l, const float *x, int64_t ldx,
+static mdt_status row_linear(const h3_act *A, const mdt_lin *l, const float *x, int64_t ldx,
                              int64_t K_local, float *y, int64_t M) {
-    mdt_cpu_linear(x, ldx, l->w, NULL, y, l->out, M, K_local, l->out); // [M, out] partial
-    if (A->T > 1)
-        MDT_TRY(mdt_allreduce_sum(A->mesh, MDT_GROUP_TP, y, M * l->out));
-    if (l->b)
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < l->out; j++)
-                y[i * l->out + j] += l->b[j];
-    return MDT_OK;
+    return mdt_row_linear(A->mesh, A->T, l, x, ldx, K_local, y, M);
 }
 
 /* AdaLN-style projection of SiLU(temb) [T_n, E] (replicated input, sharded features). */
-static mdt_status adaln(const h3 *f, const h3_act *A, const h3_lin *l, float *y) {
+static mdt_status adaln(const h3 *f, const h3_act *A, const mdt_lin *l, float *y) {
     const int64_t El = f->time_embed / A->T;
     return row_linear(A, l, A->silu_temb + (int64_t)A->k * El, f->time_embed, El, y, A->Tn);
 }
@@ -248,7 +227,7 @@ static mdt_status attn_part(const h3 *f, const h3_act *A, const h3_block *b, con
     float *ao = mdt_arena_floats(ar, B * S * Al);     // [B, S, A/T]
     if (!tmp || !qkv[0] || !qkv[1] || !qkv[2] || !ao)
         return MDT_E_NOMEM;
-    const h3_lin *ls[3] = {&b->to_q, &b->to_k, &b->to_v};
+    const mdt_lin *ls[3] = {&b->to_q, &b->to_k, &b->to_v};
     const float *norms[3] = {b->norm_q, b->norm_k, NULL};
     for (int j = 0; j < 3; j++) {
         linear(ls[j], n, B * S, Al, tmp); // [B*S, A/T], no bias
@@ -313,7 +292,7 @@ static mdt_status refiner(const h3 *f, h3_act *A, float *x, int64_t Nt) {
 
 /* Projects the rows of one modality that land in this rank's chunk [s0, s0 + Sc) and scatters
  * them into h [B, Sc, C]: src [B, N, in], idx [N] packed positions. */
-static mdt_status scatter_modality(const h3_act *A, const h3_lin *l, const float *src, int64_t N,
+static mdt_status scatter_modality(const h3_act *A, const mdt_lin *l, const float *src, int64_t N,
                                    const int64_t *idx, int64_t s0, float *h) {
     const int64_t B = A->B, Sc = A->Sc, in = l->in, C = l->out;
     int64_t nloc = 0;
@@ -351,24 +330,7 @@ static mdt_status gather_select(const h3_act *A, int P, const float *loc, int64_
     float *full = mdt_arena_floats(A->ar, B * S * O); // [B, S, O]
     if (!full)
         return MDT_E_NOMEM;
-    if (P == 1) {
-        memcpy(full, loc, sizeof(float) * (size_t)(B * S * O));
-    } else {
-        int64_t counts[4096], r0, n;
-        float *all = mdt_arena_floats(A->ar, B * S * O); // [P][B][S_c][O]
-        if (!all || P > 4096)
-            return MDT_E_NOMEM;
-        for (int j = 0; j < P; j++)
-            mdt_split_range(S, P, j, &r0, &n), counts[j] = B * n * O;
-        MDT_TRY(mdt_allgatherv_floats(A->cp, MDT_GROUP_CP, loc, all, counts));
-        const float *src = all;
-        for (int j = 0; j < P; j++) {
-            mdt_split_range(S, P, j, &r0, &n);
-            for (int64_t b = 0; b < B; b++)
-                memcpy(full + (b * S + r0) * O, src + b * n * O, sizeof(float) * (size_t)(n * O));
-            src += B * n * O;
-        }
-    }
+    MDT_TRY(mdt_cp_gather_rows(A->cp, A->ar, P, B, S, O, loc, full));
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < N; i++)
             memcpy(out + (b * N + i) * O, full + (b * S + idx[i]) * O, sizeof(float) * (size_t)O);
@@ -604,6 +566,15 @@ static const char *h3_preset(const char *name) {
     return NULL;
 }
 
+/* The packed sequence splits once it is built: these per-row inputs split with it (the rotary
+ * rows come from position_ids; adaln rows from timestep_indices and token_tags). */
+static const mdt_cp_plan k_h3_cp_plan = {
+    .nsplit = 3,
+    .split = {{"position_ids", 0}, {"timestep_indices", 0}, {"token_tags", 0}},
+    .ngather = 2,
+    .gather = {{"sample", 1}, {"audio_sample", 1}},
+};
+
 const mdt_family mdt_family_minimax_h3 = {
     .name = "minimax-h3",
     .class_name = "MiniMaxH3Transformer3DModel",
@@ -613,7 +584,7 @@ const mdt_family mdt_family_minimax_h3 = {
     .forward = h3_forward,
     .make_inputs = h3_make_inputs,
     .preset = h3_preset,
-    .cp_plan = NULL,
+    .cp_plan = &k_h3_cp_plan,
     .latent_input = "hidden_states",
     .timestep_input = "timestep",
     .output = "sample",

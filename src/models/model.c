@@ -6,6 +6,8 @@
 #define _POSIX_C_SOURCE 200809L
 #include "model.h"
 
+#include "kernels/cpu/cpu.h"
+
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <limits.h>
@@ -54,6 +56,19 @@ mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0,
     t->required[t->n] = 1;
     t->n++;
     return MDT_OK;
+}
+
+mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out,
+                                 int64_t in, mdt_tp_style style, int bias) {
+    char nm[MDT_NAME_MAX + 16]; /* mdt_wtable_add refuses names longer than MDT_NAME_MAX */
+    l->in = in, l->out = out, l->b = NULL;
+    snprintf(nm, sizeof nm, "%s.weight", name);
+    MDT_TRY(mdt_wtable_add(t, nm, 2, out, in, style, &l->w));
+    if (!bias)
+        return MDT_OK;
+    snprintf(nm, sizeof nm, "%s.bias", name);
+    return mdt_wtable_add(t, nm, 1, out, 0,
+                          mdt_tp_shard_dim(style) == 0 ? style : MDT_TP_REPLICATED, &l->b);
 }
 
 void mdt_wtable_free(mdt_wtable *t) {
@@ -585,6 +600,45 @@ mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, c
 int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim) {
     const mdt_tensor *t = mdt_tensor_set_get(in, name);
     return t && t->ndim > dim ? t->shape[dim] : -1;
+}
+
+mdt_status mdt_row_linear(mdt_mesh *mesh, int T, const mdt_lin *l, const float *x, int64_t ldx,
+                          int64_t K_local, float *y, int64_t M) {
+    mdt_cpu_linear(x, ldx, l->w, NULL, y, l->out, M, K_local, l->out); // [M, out] partial sum
+    if (T > 1)
+        MDT_TRY(mdt_allreduce_sum(mesh, MDT_GROUP_TP, y, M * l->out));
+    if (l->b)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < l->out; j++)
+                y[i * l->out + j] += l->b[j];
+    return MDT_OK;
+}
+
+mdt_status mdt_cp_gather_rows(mdt_mesh *mesh, mdt_arena *ar, int P, int64_t B, int64_t S, int64_t O,
+                              const float *loc, float *full) {
+    if (P == 1) {
+        memcpy(full, loc, sizeof(float) * (size_t)(B * S * O));
+        return MDT_OK;
+    }
+    int64_t counts[4096], r0, n;
+    if (P > 4096)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "a context-parallel group of %d ranks is too large", P);
+    mdt_arena_mark mk = mdt_arena_mark_get(ar);
+    float *all = mdt_arena_floats(ar, B * S * O); // [P][B][S_c][O]
+    if (!all)
+        return MDT_E_NOMEM;
+    for (int j = 0; j < P; j++)
+        mdt_split_range(S, P, j, &r0, &n), counts[j] = B * n * O;
+    MDT_TRY(mdt_allgatherv_floats(mesh, MDT_GROUP_CP, loc, all, counts));
+    const float *src = all;
+    for (int j = 0; j < P; j++) {
+        mdt_split_range(S, P, j, &r0, &n);
+        for (int64_t b = 0; b < B; b++)
+            memcpy(full + (b * S + r0) * O, src + b * n * O, sizeof(float) * (size_t)(n * O));
+        src += B * n * O;
+    }
+    mdt_arena_rewind(ar, mk);
+    return MDT_OK;
 }
 
 mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p, const mdt_counters *c0,

@@ -24,6 +24,17 @@ typedef struct mdt_wtable {
     int *required;       /* 0 for tensors a config may omit (none in Flux) */
 } mdt_wtable;
 
+/* A linear layer: the resident (local) weight [out_local, in_local], its bias, full dims. */
+typedef struct mdt_lin {
+    const float *w, *b;
+    int64_t in, out;
+} mdt_lin;
+
+/* Appends `name`.weight [out, in] with `style` and, if `bias`, `name`.bias [out] (sharded with
+ * the output for colwise styles; replicated and added once after the reduce for rowwise ones). */
+mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out,
+                                 int64_t in, mdt_tp_style style, int bias);
+
 /* Appends a tensor of rank 1 or 2 (shape[1] ignored for rank 1). */
 mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0, int64_t d1,
                           mdt_tp_style style, const float **bind);
@@ -106,6 +117,16 @@ mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, c
                          int64_t lo, int64_t hi, mdt_arena *a, int64_t **out);
 /* Dimension `dim` of input `name`, or -1 when absent. */
 int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim);
+
+/* Rowwise linear (plain, packed or replicated-input): y [M, out] = the sum over the TP group of
+ * x_local [M, K_local] . W_local^T (rows ldx apart), then the full bias once: every TP peer adds
+ * it to the same bit-identical sum. */
+mdt_status mdt_row_linear(mdt_mesh *mesh, int T, const mdt_lin *l, const float *x, int64_t ldx,
+                          int64_t K_local, float *y, int64_t M);
+/* Context-parallel output gather: every CP chunk c (rows split of S into P) holds loc [B, n_c, O];
+ * full [B, S, O] on every rank, chunks in order. Scratch from `ar`. */
+mdt_status mdt_cp_gather_rows(mdt_mesh *mesh, mdt_arena *ar, int P, int64_t B, int64_t S, int64_t O,
+                              const float *loc, float *full);
 
 /* No silent degrade: what one forward on this rank must have done under its layout. */
 typedef struct mdt_promise {
