@@ -10,7 +10,7 @@ PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 
 WARN     := -Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla
-OPT      := -O3 -march=x86-64-v3 -mtune=generic
+OPT      := -O3 -march=x86-64-v3 -mtune=generic -fno-trapping-math
 ifeq ($(DEBUG),1)
 OPT      := -O0 -g3
 endif

@@ -40,7 +40,7 @@ def main():
                               "--repeat", str(args.repeat + 1)], env=env, check=True,
                              capture_output=True, text=True).stdout
         ours.append(float(re.search(r"median ([0-9.]+) s per forward", out).group(1)))
-        gflop = float(re.search(r"per forward: ([0-9.]+) GFLOP", out).group(1))
+        gflop = float(re.search(r"per forward:? ([0-9.]+) GFLOP", out).group(1))
         ts = []
         for _ in range(args.repeat):
             t0 = time.perf_counter()

@@ -210,14 +210,30 @@ void mdt_cpu_attention(const float *q, const float *k, const float *v, float *ou
                             scale, qh + i0 * D, (int)D, kh + j0 * D, (int)D, 0.0f, sc, MDT_ATTN_BK);
                 for (int64_t i = 0; i < bq; i++) {
                     float *row = sc + i * MDT_ATTN_BK;
+                    /* max and sum over 8 independent lanes: the compiler may not reorder one
+                     * float reduction, but it vectorises eight of them */
+                    float lm[8], ls[8];
+                    int64_t j = 0;
+                    for (int l = 0; l < 8; l++)
+                        lm[l] = mx[i], ls[l] = 0.0f;
+                    for (; j + 8 <= bk; j += 8)
+                        for (int l = 0; l < 8; l++)
+                            lm[l] = row[j + l] > lm[l] ? row[j + l] : lm[l];
                     float m = mx[i];
-                    for (int64_t j = 0; j < bk; j++)
+                    for (int l = 0; l < 8; l++)
+                        m = lm[l] > m ? lm[l] : m;
+                    for (; j < bk; j++)
                         m = row[j] > m ? row[j] : m;
                     float corr = fast_expf(mx[i] - m), sum = 0.0f;
-                    for (int64_t j = 0; j < bk; j++) /* separate loops: this one vectorises */
+                    for (j = 0; j < bk; j++)
                         row[j] = fast_expf(row[j] - m);
-                    for (int64_t j = 0; j < bk; j++)
+                    for (j = 0; j + 8 <= bk; j += 8)
+                        for (int l = 0; l < 8; l++)
+                            ls[l] += row[j + l];
+                    for (; j < bk; j++)
                         sum += row[j];
+                    for (int l = 0; l < 8; l++)
+                        sum += ls[l];
                     den[i] = den[i] * corr + sum;
                     mx[i] = m;
                     if (corr != 1.0f)
