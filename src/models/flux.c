@@ -439,10 +439,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     A.T = m->T, A.k = m->tp_index, A.mesh = mesh, A.ar = ar;
     A.Cl = C / m->T, A.Ml = f->mlp_hidden / m->T, A.Hl = H;
     /* CP plan: image and text tokens (and their ids) split into P chunks, chunk = cp index */
-    int P = mesh ? mesh->cp_size : 1, chunk = mesh ? mesh->cp_index : 0;
-    const char *skip = getenv("MESHDIT_TEST_SKIP_CP_SPLIT");
-    if (skip && strcmp(skip, "1") == 0)
-        P = 1, chunk = 0; /* test-only: every rank runs the whole sequence (the upstream bug) */
+    int P, chunk;
+    mdt_model_cp_split(m, &P, &chunk);
     A.cp = P > 1 ? mesh : NULL;
     const int64_t B = mdt_input_dim(in, "hidden_states", 0);
     const int64_t Si = mdt_input_dim(in, "hidden_states", 1);

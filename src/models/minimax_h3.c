@@ -350,10 +350,8 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     h3_act A = {0};
     A.T = m->T, A.k = m->tp_index, A.mesh = mesh, A.ar = ar;
     A.Hl = f->heads / m->T, A.Al = f->A / m->T, A.Fl = f->ffn / m->T;
-    int P = mesh ? mesh->cp_size : 1, chunk = mesh ? mesh->cp_index : 0;
-    const char *skip = getenv("MESHDIT_TEST_SKIP_CP_SPLIT");
-    if (skip && strcmp(skip, "1") == 0)
-        P = 1, chunk = 0; /* test-only: every rank runs the whole sequence (the upstream bug) */
+    int P, chunk;
+    mdt_model_cp_split(m, &P, &chunk);
     A.cp = P > 1 ? mesh : NULL;
 
     const int64_t B = mdt_input_dim(in, "hidden_states", 0);

@@ -239,6 +239,13 @@ static mdt_status read_shard(const mdt_ckpt_ref *ref, const mdt_weight_spec *w, 
     return s;
 }
 
+void mdt_model_cp_split(const mdt_model *m, int *P, int *chunk) {
+    const char *skip = getenv("MESHDIT_TEST_SKIP_CP_SPLIT");
+    const int split = m->mesh && !(skip && strcmp(skip, "1") == 0);
+    *P = split ? m->mesh->cp_size : 1;
+    *chunk = split ? m->mesh->cp_index : 0;
+}
+
 mdt_status mdt_test_fail_point(const mdt_mesh *mesh, const char *phase) {
     const char *e = getenv("MESHDIT_TEST_FAIL");
     char ph[16];

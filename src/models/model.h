@@ -103,6 +103,11 @@ struct mdt_model {
 mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh);
 /* Checks a T x R x U layout against the model (heads, every sharded dim and packed block). */
 mdt_status mdt_model_check_layout(const mdt_model *m, int T, int R, int U);
+/* This rank's sequence split: P = ring x ulysses chunks, `chunk` = its CP index (P = 1, chunk 0
+ * without a mesh, or under the test-only MESHDIT_TEST_SKIP_CP_SPLIT=1, which reproduces the
+ * upstream bug of every rank computing the whole sequence so the promise check can catch it). */
+void mdt_model_cp_split(const mdt_model *m, int *P, int *chunk);
+
 /* Test-only failure injection: MESHDIT_TEST_FAIL=PHASE:RANK[:kill] makes world rank RANK fail
  * (or die by SIGKILL) at PHASE ("load": mid-load; "step": inside a forward, after its first
  * block) so tests can check that every rank exits. MDT_OK otherwise. */
