@@ -59,7 +59,7 @@ static void bench_loader(const char *dir, int reps) {
         maxn = n > maxn ? n : maxn;
         bytes += e->end - e->begin;
     }
-    float *buf = malloc(sizeof(float) * (size_t)maxn);
+    float *buf = malloc(sizeof(float) * (size_t)(maxn + 1));
     double t[32];
     for (int it = -1; it < reps; it++) {
         double t0 = mdt_now();
