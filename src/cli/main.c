@@ -7,6 +7,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "models/model.h"
+#include "models/scaling.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -20,19 +21,22 @@
 static int g_rank = 0, g_world = 1;
 
 static void usage(FILE *fp) {
-    fprintf(fp,
-            "usage: meshdit <command> [options]\n"
-            "  gen     --model flux|minimax-h3 (--preset NAME | --config FILE) --out DIR\n"
-            "          [--seed N] [--dtype f32|bf16|f16] [--shards K]\n"
-            "  inputs  --checkpoint DIR --out FILE [--seed N] [--img-tokens N] [--txt-tokens N]\n"
-            "          [--batch N] [--timestep T] [--guidance G] [--audio-tokens N]\n"
-            "  run     --checkpoint DIR --inputs FILE --out FILE [--steps N] [--repeat N]\n"
-            "          [--tp T --ring R --ulysses U] [--mesh-order tp,ring,ulysses]\n"
-            "          [--report FILE.json] [--max-memory SIZE] [--quiet]\n"
-            "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
-            "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n"
-            "          [--mesh-order ORDER]\n"
-            "  gather  --checkpoint DIR --out DIR [--tp T]   (under mpiexec -n T)\n");
+    fprintf(
+        fp,
+        "usage: meshdit <command> [options]\n"
+        "  gen     --model flux|minimax-h3 (--preset NAME | --config FILE) --out DIR\n"
+        "          [--seed N] [--dtype f32|bf16|f16] [--shards K]\n"
+        "  inputs  --checkpoint DIR --out FILE [--seed N] [--img-tokens N] [--txt-tokens N]\n"
+        "          [--batch N] [--timestep T] [--guidance G] [--audio-tokens N]\n"
+        "  run     --checkpoint DIR --inputs FILE --out FILE [--steps N] [--repeat N]\n"
+        "          [--tp T --ring R --ulysses U] [--mesh-order tp,ring,ulysses]\n"
+        "          [--report FILE.json] [--max-memory SIZE] [--quiet]\n"
+        "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
+        "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n"
+        "          [--mesh-order ORDER]\n"
+        "  gather  --checkpoint DIR --out DIR [--tp T]   (under mpiexec -n T)\n"
+        "  plan    (--checkpoint DIR | --config FILE) --devices N [--device cpu|h100|h200|trn2]\n"
+        "          [--device-mem GiB] [--tokens S] [--bytes 2|4]\n");
 }
 
 static int fail_exit(mdt_status st) {
@@ -745,6 +749,86 @@ done:
     return st == MDT_OK ? 0 : fail_exit(st);
 }
 
+/* ---- plan ---- */
+static int cmp_est(const void *a, const void *b) {
+    const mdt_estimate *x = a, *y = b;
+    if (x->valid != y->valid)
+        return y->valid - x->valid;
+    return (x->t_step > y->t_step) - (x->t_step < y->t_step);
+}
+
+static int cmd_plan(int argc, char **argv) {
+    opts o;
+    long long devices, tokens;
+    double mem_gib, elem;
+    int rc = parse_opts(argc, argv, &o, NULL);
+    if (rc)
+        return rc;
+    const char *ck = opt_str(&o, "checkpoint", NULL), *cfgp = opt_str(&o, "config", NULL);
+    const char *devname = opt_str(&o, "device", "h200");
+    if ((rc = opt_int(&o, "devices", 1, 1, 4096, &devices)) ||
+        (rc = opt_int(&o, "tokens", 4096, 1, 1 << 26, &tokens)) ||
+        (rc = opt_double(&o, "device-mem", 0, &mem_gib)) ||
+        (rc = opt_double(&o, "bytes", 2, &elem)) || (rc = opts_check_unused(&o)))
+        return rc;
+    if (!!ck == !!cfgp)
+        return usage_exit("plan needs exactly one of --checkpoint DIR or --config FILE%s", "");
+    const mdt_device *preset = mdt_device_preset(devname);
+    if (!preset)
+        return usage_exit("unknown --device '%s' (cpu, h100, h200, trn2)", devname);
+    mdt_device dev = *preset;
+    if (mem_gib > 0)
+        dev.mem_bytes = mem_gib * 1073741824.0;
+    char path[4096];
+    cJSON *cfg = NULL;
+    mdt_model *m = NULL;
+    snprintf(path, sizeof path, "%s/config.json", ck ? ck : "");
+    mdt_status st = mdt_config_load(ck ? path : cfgp, &cfg);
+    if (st == MDT_OK)
+        st = mdt_model_describe(cfg, &m);
+    if (st != MDT_OK) {
+        cJSON_Delete(cfg);
+        return fail_exit(st);
+    }
+    mdt_estimate *est = calloc(4096, sizeof *est); /* at most one per (T, R) pair */
+    int n = 0;
+    if (!est) {
+        mdt_model_free(m);
+        cJSON_Delete(cfg);
+        return fail_exit(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    }
+    for (long long T = 1; T <= devices; T++)
+        for (long long R = 1; T * R <= devices; R++)
+            if (devices % (T * R) == 0 && n < 4096)
+                mdt_estimate_layout(m, (int)T, (int)R, (int)(devices / (T * R)), tokens, elem, &dev,
+                                    &est[n++]);
+    qsort(est, (size_t)n, sizeof *est, cmp_est);
+    printf("plan: %s, %lld tokens, %lld x %s (%.0f GiB, %.0f TFLOP/s sustained, %.0f GB/s in a "
+           "node of %d, %.0f GB/s across), %.0f-byte elements; one forward per step\n",
+           m->fam->name, tokens, devices, dev.name, dev.mem_bytes / 1073741824.0, dev.flops * 1e-12,
+           dev.bw_intra * 1e-9, dev.node_size, dev.bw_inter * 1e-9, elem);
+    printf("%-16s %9s %9s %10s %10s %10s %10s %10s %9s %9s %9s\n", "tp x ring x uly", "weights",
+           "activ.", "lin TFLOP", "attn TFLOP", "tp GB", "ulysses GB", "ring GB", "compute s",
+           "comm s", "step s");
+    for (int i = 0; i < n; i++) {
+        const mdt_estimate *e = &est[i];
+        char lay[32];
+        snprintf(lay, sizeof lay, "%d x %d x %d", e->T, e->R, e->U);
+        if (!e->valid) {
+            printf("%-16s rejected: %s\n", lay, e->why);
+            continue;
+        }
+        printf("%-16s %8.2fG %8.2fG %10.2f %10.2f %10.2f %10.2f %10.2f %9.4f %9.4f %9.4f%s\n", lay,
+               e->weight_bytes / 1073741824.0, e->act_bytes / 1073741824.0, e->flops_linear * 1e-12,
+               e->flops_attn * 1e-12, e->bytes_tp * 1e-9, e->bytes_ulysses * 1e-9,
+               e->bytes_ring * 1e-9, e->t_compute, e->t_comm, e->t_step, i == 0 ? "  <- best" : "");
+    }
+    free(est);
+    mdt_model_free(m);
+    cJSON_Delete(cfg);
+    return 0;
+}
+
 /* ---- gather ---- */
 static int cmd_gather(int argc, char **argv) {
     opts o;
@@ -799,6 +883,8 @@ int main(int argc, char **argv) {
         rc = cmd_inspect(argc - 2, argv + 2);
     } else if (strcmp(argv[1], "gather") == 0) {
         rc = cmd_gather(argc - 2, argv + 2);
+    } else if (strcmp(argv[1], "plan") == 0) {
+        rc = cmd_plan(argc - 2, argv + 2);
     } else if (strcmp(argv[1], "--version") == 0) {
         printf("meshdit %d.%d.%d\n", MDT_VERSION_MAJOR, MDT_VERSION_MINOR, MDT_VERSION_PATCH);
         rc = 0;

@@ -155,6 +155,12 @@ done
 unset MESHDIT_AGREE_TIMEOUT
 expect_error max-memory 1 "tp=1 needs" "max-memory" -- "$BIN" run --checkpoint "$DATA/flux_tiny" \
     --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --max-memory 100K
+# the planner: every (tp, ring, ulysses) of 32 devices, ranked, invalid ones with their reason
+if "$BIN" plan --config configs/minimax_h3.json --devices 32 --device trn2 --tokens 37800 >"$T/plan" &&
+   grep -q "<- best" "$T/plan" && grep -q "rejected: tp=16 does not divide 56 attention heads" "$T/plan" &&
+   grep -q "rejected: needs .* GiB per device" "$T/plan" &&
+   [ "$(grep -c '^[0-9]* x [0-9]* x [0-9]* ' "$T/plan")" = 21 ]; then ok
+else bad "plan: $(head -5 "$T/plan")"; fi
 # memory at scale, on paper: the real MiniMax-H3 config (no weights) at tp=8 holds ~4.21 B
 # parameters per rank upstream; ours must be within 2% (it shards adaln_proj too)
 if "$BIN" inspect --config configs/minimax_h3.json --tp 8 --ulysses 4 >"$T/h3insp" &&
