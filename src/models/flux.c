@@ -402,7 +402,7 @@ static void slice_rows(const float *x, int64_t B, int64_t rows, int64_t w, int64
 /* No silent degrade: what this rank's attention must have processed in one forward under its
  * layout (each query row once, over its head group and its sequence block). */
 static mdt_status check_promise(const flux *f, const mdt_model *m, const flux_act *A, int64_t Si,
-                                int64_t St, const mdt_counters *c0, const int64_t *g0) {
+                                int64_t St) {
     const mdt_mesh *mesh = m->mesh;
     const int R = mesh ? mesh->R : 1, U = mesh ? mesh->U : 1, P = R * U;
     const int r = mesh ? mesh->r : 0, u = mesh ? mesh->u : 0;
@@ -423,7 +423,7 @@ static mdt_status check_promise(const flux *f, const mdt_model *m, const flux_ac
                      .unscattered_q = calls * A->Hl * L,
                      .ringless_kv = calls * hn * L,
                      .owes = {mesh && mesh->T > 1, R > 1 && hn > 0, U > 1, P > 1 && ni > 0}};
-    return mdt_model_check_promise(m, &p, c0, g0);
+    return mdt_model_check_promise(m, &p);
 }
 
 static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
@@ -431,10 +431,6 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_arena *ar = &m->arena;
     mdt_mesh *mesh = m->mesh;
     const int64_t C = f->inner, D = f->head_dim, H = f->heads / m->T;
-    const mdt_counters c0 = *mdt_counters_get();
-    int64_t g0[MDT_GROUP_COUNT] = {0};
-    if (mesh)
-        memcpy(g0, mesh->group_bytes, sizeof g0);
     flux_act A = {0};
     A.T = m->T, A.k = m->tp_index, A.mesh = mesh, A.ar = ar;
     A.Cl = C / m->T, A.Ml = f->mlp_hidden / m->T, A.Hl = H;
@@ -569,7 +565,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_cpu_linear(xn, C, f->proj_out.w, f->proj_out.b, ol, O, B * sic, C, O); // [B, Si/P, O]
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Si, O}, &o));
     MDT_TRY(mdt_cp_gather_rows(mesh, ar, P, B, Si, O, ol, o->data)); // image rows, chunk order
-    return check_promise(f, m, &A, Si, St, &c0, g0);
+    return check_promise(f, m, &A, Si, St);
 }
 
 static mdt_status flux_check_layout(const void *impl, int T, int R, int U) {

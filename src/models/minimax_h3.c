@@ -342,10 +342,6 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     const h3 *f = m->impl;
     mdt_arena *ar = &m->arena;
     mdt_mesh *mesh = m->mesh;
-    const mdt_counters c0 = *mdt_counters_get();
-    int64_t g0[MDT_GROUP_COUNT] = {0};
-    if (mesh)
-        memcpy(g0, mesh->group_bytes, sizeof g0);
     const int64_t C = f->hidden, E = f->time_embed, Fr = f->rope_freq;
     h3_act A = {0};
     A.T = m->T, A.k = m->tp_index, A.mesh = mesh, A.ar = ar;
@@ -495,7 +491,7 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
                      .ringless_kv = calls * hn * L + rq,
                      .owes = {m->T > 1, R > 1 && hn > 0 && f->layers > 0, U > 1 && f->layers > 0,
                               R * U > 1 && Sc > 0}};
-    return mdt_model_check_promise(m, &p, &c0, g0);
+    return mdt_model_check_promise(m, &p);
 }
 
 /* ---- random inputs: one packed layout [text | audio | video] ---- */

@@ -532,6 +532,10 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
     if (!m->weights)
         return MDT_FAIL(MDT_E_INVALID, "model has no weights (described, not loaded)");
     st = mdt_arena_reset(&m->arena);
+    m->fwd_c0 = *mdt_counters_get(); /* the no-silent-degrade check compares against these */
+    memset(m->fwd_g0, 0, sizeof m->fwd_g0);
+    if (m->mesh)
+        memcpy(m->fwd_g0, m->mesh->group_bytes, sizeof m->fwd_g0);
     if (st == MDT_OK)
         st = m->fam->forward(m, inputs, outputs);
     return mdt_mesh_agree(m->mesh, st);
@@ -648,8 +652,9 @@ mdt_status mdt_cp_gather_rows(mdt_mesh *mesh, mdt_arena *ar, int P, int64_t B, i
     return MDT_OK;
 }
 
-mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p, const mdt_counters *c0,
-                                   const int64_t *g0) {
+mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p) {
+    const mdt_counters *c0 = &m->fwd_c0;
+    const int64_t *g0 = m->fwd_g0;
     const mdt_mesh *mesh = m->mesh;
     const mdt_counters *c1 = mdt_counters_get();
     const int64_t got_q = c1->attn_query_rows - c0->attn_query_rows;

@@ -95,6 +95,8 @@ struct mdt_model {
     int T, tp_index;      /* TP degree and this rank's shard index */
     int sharded_at_load;
     mdt_arena arena;
+    mdt_counters fwd_c0;             /* counters when the current forward began */
+    int64_t fwd_g0[MDT_GROUP_COUNT]; /* group bytes when the current forward began */
 };
 
 /* Loads the weights of a described model from `ck`, each rank reading only its TP shards for
@@ -141,10 +143,9 @@ typedef struct mdt_promise {
     int64_t ringless_kv;       /* key pairs if the ring passed nothing */
     int owes[MDT_GROUP_COUNT]; /* groups that must have moved bytes */
 } mdt_promise;
-/* Compares the counters since (c0, g0) with the promise; MDT_E_INVALID naming the axis that did
- * nothing otherwise. */
-mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p, const mdt_counters *c0,
-                                   const int64_t *g0);
+/* Compares what this forward did (counters and group bytes since mdt_model_forward began) with
+ * the promise; MDT_E_INVALID naming the axis that did nothing otherwise. */
+mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p);
 
 /* Moves pieces between a full tensor and the local shard of coordinate k of T:
  * to_local = 1: local <- full; 0: full <- local (the pieces k owns). */
