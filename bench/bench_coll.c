@@ -42,9 +42,9 @@ int main(int argc, char **argv) {
                 else if (kind == 2)
                     mdt_allgather_floats(tp, MDT_GROUP_TP, a, b, n / size);
                 else {
-                    MPI_Request rq[2];
-                    mdt_ring_start(ring, MDT_GROUP_RING, a, b, n, rq);
-                    mdt_ring_wait(rq);
+                    mdt_ring_req rq;
+                    mdt_ring_start(ring, MDT_GROUP_RING, a, b, n, &rq);
+                    mdt_ring_wait(ring, &rq);
                 }
                 t[it] = MPI_Wtime() - t0;
             }

@@ -12,7 +12,7 @@
  */
 #include "attn.h"
 
-#include "kernels/cpu/cpu.h"
+#include "backend/backend.h"
 #include "parallel/plan.h"
 
 #include <math.h>
@@ -24,34 +24,10 @@ void mdt_attn_head_group(int64_t H, int U, int j, int64_t *h0, int64_t *hn) {
     mdt_split_range(H, U, j, h0, hn);
 }
 
-/* Merges a partial result (o [L, ld] token-major, l [hn, L]) into the running (O, Lr):
- * O <- (e^Lr O + e^l o) / (e^Lr + e^l), Lr <- log(e^Lr + e^l), in fp32 with the max factored. */
-static void lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t ldo, const float *l,
-                      int64_t hn, int64_t L, int64_t D) {
-    for (int64_t h = 0; h < hn; h++)
-        for (int64_t i = 0; i < L; i++) {
-            const float a = Lr[h * L + i], b = l[h * L + i];
-            if (b == -INFINITY)
-                continue;
-            float *Oi = O + i * ldO + h * D;
-            const float *oi = o + i * ldo + h * D;
-            if (a == -INFINITY) {
-                memcpy(Oi, oi, sizeof(float) * (size_t)D);
-                Lr[h * L + i] = b;
-                continue;
-            }
-            const float m = a > b ? a : b, wa = expf(a - m), wb = expf(b - m),
-                        inv = 1.0f / (wa + wb);
-            for (int64_t d = 0; d < D; d++)
-                Oi[d] = (wa * Oi[d] + wb * oi[d]) * inv;
-            Lr[h * L + i] = m + logf(wa + wb);
-        }
-}
-
 /* Attention of Q [hn, L, D] over the blocks of every ring member (ring group), O [L, ldO]. */
 static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, const float *K,
                                  const float *V, int64_t hn, int64_t L, int64_t D, float scale,
-                                 float *O, int64_t ldO, float *ws) {
+                                 float *O, int64_t ldO) {
     const int R = mesh->R, r = mesh->r;
     int64_t lens[MAX_U], Lmax = 0, total = 0;
     MDT_TRY(mdt_allgather_i64(mesh, MDT_GROUP_RING, L, lens));
@@ -65,29 +41,28 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
     float *to = mdt_arena_floats(ar, L * hn * D);
     if (!cur || !nxt || !lse || !tl || !to)
         return MDT_E_NOMEM;
-    memset(cur, 0, sizeof(float) * (size_t)(2 * blk));
-    for (int64_t h = 0; h < hn; h++) { /* own block, rows padded to Lmax */
-        memcpy(cur + h * Lmax * D, K + h * L * D, sizeof(float) * (size_t)(L * D));
-        memcpy(cur + blk + h * Lmax * D, V + h * L * D, sizeof(float) * (size_t)(L * D));
-    }
+    mdt_k_fill(cur, 2 * blk, 0.0f);                         /* own block, rows padded to Lmax */
+    mdt_k_copy2d(cur, Lmax * D, K, L * D, hn, L * D);       // [hn, Lmax, D] <- [hn, L, D]
+    mdt_k_copy2d(cur + blk, Lmax * D, V, L * D, hn, L * D); // [hn, Lmax, D] <- [hn, L, D]
     mdt_counters *cn = mdt_counters_get();
     for (int s = 0; s < R; s++) {
         const int src = (r - s + R) % R;
-        MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+        mdt_ring_req rq;
         if (s < R - 1) /* the next block travels while this one is computed */
-            MDT_TRY(mdt_ring_start(mesh, MDT_GROUP_RING, cur, nxt, 2 * blk, req));
+            MDT_TRY(mdt_ring_start(mesh, MDT_GROUP_RING, cur, nxt, 2 * blk, &rq));
         double t0 = mdt_now();
         if (s == 0) {
-            mdt_cpu_attention(Q, cur, cur + blk, O, ldO, lse, hn, L, Lmax, lens[src], D, scale, ws);
+            MDT_TRY(mdt_k_attention(ar, Q, cur, cur + blk, O, ldO, lse, hn, L, Lmax, lens[src], D,
+                                    scale));
         } else {
-            mdt_cpu_attention(Q, cur, cur + blk, to, hn * D, tl, hn, L, Lmax, lens[src], D, scale,
-                              ws);
-            lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
+            MDT_TRY(mdt_k_attention(ar, Q, cur, cur + blk, to, hn * D, tl, hn, L, Lmax, lens[src],
+                                    D, scale));
+            mdt_k_lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
         }
         double t1 = mdt_now();
         cn->ring_compute_s += t1 - t0;
         if (s < R - 1) {
-            MDT_TRY(mdt_ring_wait(req));
+            MDT_TRY(mdt_ring_wait(mesh, &rq));
             cn->ring_wait_s += mdt_now() - t1;
             float *t = cur;
             cur = nxt, nxt = t;
@@ -104,11 +79,9 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     const int U = mesh ? mesh->U : 1, R = mesh ? mesh->R : 1;
     mdt_arena_mark mk = mdt_arena_mark_get(ar);
     mdt_status st = MDT_OK;
-    float *ws = mdt_arena_floats(ar, mdt_cpu_attention_ws_floats(D));
-    if (!ws)
-        return MDT_E_NOMEM;
     if (U == 1 && R == 1) {
-        mdt_cpu_attention(q, k, v, out, ld_out, NULL, H, S_local, S_local, S_local, D, scale, ws);
+        MDT_TRY(mdt_k_attention(ar, q, k, v, out, ld_out, NULL, H, S_local, S_local, S_local, D,
+                                scale));
         mdt_counters *cn = mdt_counters_get();
         cn->attn_query_rows += H * S_local;
         cn->attn_kv_rows += H * S_local;
@@ -116,7 +89,7 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
         return MDT_OK;
     }
     if (U == 1) { /* ring only: the block is the local chunk, written straight to out */
-        st = ring_attention(mesh, ar, q, k, v, H, S_local, D, scale, out, ld_out, ws);
+        st = ring_attention(mesh, ar, q, k, v, H, S_local, D, scale, out, ld_out);
         mdt_arena_rewind(ar, mk);
         return st;
     }
@@ -147,16 +120,16 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     }
     for (int x = 0; x < 3 && st == MDT_OK; x++) {
         st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, src[x], sc, sd, recv, rc, rd);
-        for (int i = 0; st == MDT_OK && i < U; i++)
-            for (int64_t h = 0; h < hn; h++)
-                memcpy(qkv[x] + (h * L + offs[i]) * D, recv + rd[i] + h * lens[i] * D,
-                       sizeof(float) * (size_t)(lens[i] * D));
+        for (int i = 0; st == MDT_OK && i < U; i++) /* member i's rows of every head */
+            mdt_k_copy2d(qkv[x] + offs[i] * D, L * D, recv + rd[i], lens[i] * D, hn,
+                         lens[i] * D); // [hn, L, D] rows offs_i.. <- [hn, lens_i, D]
     }
     if (st == MDT_OK) {
         if (R > 1) {
-            st = ring_attention(mesh, ar, qkv[0], qkv[1], qkv[2], hn, L, D, scale, ob, hn * D, ws);
+            st = ring_attention(mesh, ar, qkv[0], qkv[1], qkv[2], hn, L, D, scale, ob, hn * D);
         } else {
-            mdt_cpu_attention(qkv[0], qkv[1], qkv[2], ob, hn * D, NULL, hn, L, L, L, D, scale, ws);
+            st = mdt_k_attention(ar, qkv[0], qkv[1], qkv[2], ob, hn * D, NULL, hn, L, L, L, D,
+                                 scale);
             mdt_counters *cn = mdt_counters_get();
             cn->attn_query_rows += hn * L;
             cn->attn_kv_rows += hn * L;
@@ -169,10 +142,9 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     }
     if (st == MDT_OK)
         st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, ob, sc, sd, back, rc, rd);
-    for (int j = 0; st == MDT_OK && j < U; j++)
-        for (int64_t s = 0; s < S_local; s++)
-            memcpy(out + s * ld_out + h0[j] * D, back + rd[j] + s * hc[j] * D,
-                   sizeof(float) * (size_t)(hc[j] * D));
+    for (int j = 0; st == MDT_OK && j < U; j++) /* head group j at its columns */
+        mdt_k_copy2d(out + h0[j] * D, ld_out, back + rd[j], hc[j] * D, S_local,
+                     hc[j] * D); // [S_local, H D] cols h0_j D.. <- [S_local, hc_j D]
     mdt_arena_rewind(ar, mk);
     return st;
 }

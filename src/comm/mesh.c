@@ -124,11 +124,95 @@ mdt_status mdt_mesh_create_world(int T, int R, int U, const char *order, mdt_mes
     return mdt_mesh_create_comm(MPI_COMM_WORLD, T, R, U, order, out);
 }
 
+/* ---- device buffers: host staging ---- */
+static int on_device(const void *p) {
+    const mdt_mem_source *d = mdt_mem_device();
+    return d && p && d->is_device(p);
+}
+
+static void stage_free(float *p) {
+    const mdt_mem_source *d = mdt_mem_device();
+    if (d && d->host_free)
+        d->host_free(p);
+    else
+        mdt_free(p);
+}
+
+/* Host buffer `i` (0: send side, 1: receive side) of at least n floats. */
+static float *stage_buf(mdt_mesh *m, int i, int64_t n) {
+    if (m->stage_floats[i] >= n)
+        return m->stage[i];
+    stage_free(m->stage[i]);
+    const mdt_mem_source *d = mdt_mem_device();
+    const size_t bytes = sizeof(float) * (size_t)(n > 0 ? n : 1);
+    m->stage[i] = d && d->host_alloc ? d->host_alloc(bytes) : mdt_alloc(bytes);
+    m->stage_floats[i] = m->stage[i] ? n : 0;
+    if (!m->stage[i])
+        (void)MDT_FAIL(MDT_E_NOMEM, "out of host memory for %lld bytes of collective staging",
+                       (long long)bytes);
+    return m->stage[i];
+}
+
+/* The host view of a send buffer of n floats (staged copy if it is device memory). */
+static const float *stage_in(mdt_mesh *m, const float *p, int64_t n) {
+    if (!on_device(p))
+        return p;
+    float *h = stage_buf(m, 0, n);
+    if (h && n > 0)
+        mdt_mem_device()->to_host(h, p, sizeof(float) * (size_t)n);
+    return h;
+}
+
+/* Where a receive of n floats into p lands on the host (p itself if host memory). */
+static float *stage_out(mdt_mesh *m, float *p, int64_t n) {
+    return on_device(p) ? stage_buf(m, 1, n) : p;
+}
+
+/* Moves a staged receive to its device destination. */
+static void stage_done(float *p, const float *h, int64_t n) {
+    if (p != h && n > 0)
+        mdt_mem_device()->to_device(p, h, sizeof(float) * (size_t)n);
+}
+
+mdt_status mdt_mesh_use_device_comm(mdt_mesh *m, const mdt_backend_ops *ops) {
+    mdt_status st = MDT_OK;
+    if (!ops || !ops->comm_init)
+        st = MDT_FAIL(MDT_E_UNSUPPORTED, "the device backend has no collective library");
+    MDT_TRY(mdt_mesh_agree(m, st));
+    m->dev_ops = ops;
+    for (int g = 0; g < MDT_GROUP_COUNT && st == MDT_OK; g++) {
+        const int P = mdt_group_size(m, (mdt_group)g), me = mdt_group_rank(m, (mdt_group)g);
+        unsigned char id[128] = {0};
+        if (P == 1)
+            continue;
+        if (me == 0 && ops->comm_id(id) != 0)
+            st = MDT_FAIL(MDT_E_MPI, "NCCL: ncclGetUniqueId failed");
+        st = mdt_mesh_agree(m, st);
+        if (st != MDT_OK)
+            break;
+        st = mpi_check(MPI_Bcast(id, 128, MPI_BYTE, 0, mdt_mesh_comm(m, (mdt_group)g)),
+                       "NCCL id broadcast");
+        char err[256] = "";
+        if (st == MDT_OK) {
+            m->dev_comm[g] = ops->comm_init(P, id, me, err, sizeof err);
+            if (!m->dev_comm[g])
+                st = MDT_FAIL(MDT_E_MPI, "NCCL: %s group: %s", mdt_group_name((mdt_group)g), err);
+        }
+        st = mdt_mesh_agree(m, st);
+    }
+    return st;
+}
+
 void mdt_mesh_free(mdt_mesh *m) {
     if (!m)
         return;
     mesh_free_comms(m);
     mdt_free(m->scratch);
+    for (int i = 0; i < 2; i++)
+        stage_free(m->stage[i]);
+    for (int g = 0; g < MDT_GROUP_COUNT; g++)
+        if (m->dev_comm[g])
+            m->dev_ops->comm_free(m->dev_comm[g]);
     mdt_free(m);
 }
 
@@ -234,15 +318,29 @@ mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n) {
     const int64_t chunk = (n + P - 1) / P, padded = chunk * P;
     if (!fits_int(chunk))
         return MDT_FAIL(MDT_E_UNSUPPORTED, "all-reduce of %lld floats is too large", (long long)n);
+    const int dev = on_device(buf);
+    if (dev && m->dev_comm[g]) {
+        if (m->dev_ops->comm_allreduce(m->dev_comm[g], buf, n, P) != 0)
+            return MDT_FAIL(MDT_E_MPI, "NCCL all-reduce over the %s group failed",
+                            mdt_group_name(g));
+        count(m, g, MDT_COLL_ALLREDUCE, 2 * (int64_t)(P - 1) * chunk * 4);
+        return MDT_OK;
+    }
     MDT_TRY(ensure_scratch(m, padded + chunk));
     float *full = m->scratch, *mine = m->scratch + padded;
-    memcpy(full, buf, sizeof(float) * (size_t)n);
+    if (dev)
+        mdt_mem_device()->to_host(full, buf, sizeof(float) * (size_t)n);
+    else
+        memcpy(full, buf, sizeof(float) * (size_t)n);
     memset(full + n, 0, sizeof(float) * (size_t)(padded - n));
     MDT_TRY(mpi_check(MPI_Reduce_scatter_block(full, mine, (int)chunk, MPI_FLOAT, MPI_SUM, comm),
                       "all-reduce (reduce-scatter)"));
     MDT_TRY(mpi_check(MPI_Allgather(mine, (int)chunk, MPI_FLOAT, full, (int)chunk, MPI_FLOAT, comm),
                       "all-reduce (all-gather)"));
-    memcpy(buf, full, sizeof(float) * (size_t)n);
+    if (dev)
+        mdt_mem_device()->to_device(buf, full, sizeof(float) * (size_t)n);
+    else
+        memcpy(buf, full, sizeof(float) * (size_t)n);
     count(m, g, MDT_COLL_ALLREDUCE, 2 * (int64_t)(P - 1) * chunk * 4);
     return MDT_OK;
 }
@@ -266,9 +364,14 @@ mdt_status mdt_allgather_floats(mdt_mesh *m, mdt_group g, const float *send, flo
     const int P = mdt_group_size(m, g);
     if (!fits_int(n))
         return MDT_FAIL(MDT_E_UNSUPPORTED, "all-gather of %lld floats is too large", (long long)n);
-    MDT_TRY(mpi_check(
-        MPI_Allgather(send, (int)n, MPI_FLOAT, recv, (int)n, MPI_FLOAT, mdt_mesh_comm(m, g)),
-        "MPI_Allgather"));
+    const float *hs = stage_in(m, send, n);
+    float *hr = stage_out(m, recv, n * P);
+    if (!hs || !hr)
+        return MDT_E_NOMEM;
+    MDT_TRY(
+        mpi_check(MPI_Allgather(hs, (int)n, MPI_FLOAT, hr, (int)n, MPI_FLOAT, mdt_mesh_comm(m, g)),
+                  "MPI_Allgather"));
+    stage_done(recv, hr, n * P);
     count(m, g, MDT_COLL_ALLGATHER, (int64_t)(P - 1) * n * 4);
     return MDT_OK;
 }
@@ -289,9 +392,14 @@ mdt_status mdt_allgatherv_floats(mdt_mesh *m, mdt_group g, const float *send, fl
         cnt[i] = (int)counts[i], dsp[i] = (int)off;
         off += counts[i];
     }
+    const float *hs = stage_in(m, send, counts[me]);
+    float *hr = stage_out(m, recv, off);
+    if (!hs || !hr)
+        return MDT_E_NOMEM;
     MDT_TRY(mpi_check(
-        MPI_Allgatherv(send, cnt[me], MPI_FLOAT, recv, cnt, dsp, MPI_FLOAT, mdt_mesh_comm(m, g)),
+        MPI_Allgatherv(hs, cnt[me], MPI_FLOAT, hr, cnt, dsp, MPI_FLOAT, mdt_mesh_comm(m, g)),
         "MPI_Allgatherv"));
+    stage_done(recv, hr, off);
     count(m, g, MDT_COLL_ALLGATHER, (int64_t)(P - 1) * counts[me] * 4);
     return MDT_OK;
 }
@@ -308,10 +416,12 @@ mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, con
                                 const int64_t *rdispls) {
     const int P = mdt_group_size(m, g), me = mdt_group_rank(m, g);
     int sc[MAX_GROUP], sd[MAX_GROUP], rc[MAX_GROUP], rd[MAX_GROUP];
-    int64_t sent = 0;
+    int64_t sent = 0, send_end = 0, recv_end = 0;
     if (P > MAX_GROUP)
         return MDT_FAIL(MDT_E_UNSUPPORTED, "group of %d ranks is too large", P);
     for (int i = 0; i < P; i++) {
+        send_end = sdispls[i] + scounts[i] > send_end ? sdispls[i] + scounts[i] : send_end;
+        recv_end = rdispls[i] + rcounts[i] > recv_end ? rdispls[i] + rcounts[i] : recv_end;
         if (!fits_int(scounts[i]) || !fits_int(sdispls[i]) || !fits_int(rcounts[i]) ||
             !fits_int(rdispls[i]))
             return MDT_FAIL(MDT_E_UNSUPPORTED, "all-to-all block too large for MPI int counts");
@@ -320,29 +430,64 @@ mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, con
         if (i != me)
             sent += scounts[i];
     }
-    MDT_TRY(mpi_check(
-        MPI_Alltoallv(send, sc, sd, MPI_FLOAT, recv, rc, rd, MPI_FLOAT, mdt_mesh_comm(m, g)),
-        "MPI_Alltoallv"));
+    if (on_device(send) && m->dev_comm[g]) {
+        if (m->dev_ops->comm_alltoallv(m->dev_comm[g], P, send, scounts, sdispls, recv, rcounts,
+                                       rdispls) != 0)
+            return MDT_FAIL(MDT_E_MPI, "NCCL all-to-all over the %s group failed",
+                            mdt_group_name(g));
+        count(m, g, MDT_COLL_ALLTOALL, sent * 4);
+        return MDT_OK;
+    }
+    const float *hs = stage_in(m, send, send_end);
+    float *hr = stage_out(m, recv, recv_end);
+    if (!hs || !hr)
+        return MDT_E_NOMEM;
+    MDT_TRY(
+        mpi_check(MPI_Alltoallv(hs, sc, sd, MPI_FLOAT, hr, rc, rd, MPI_FLOAT, mdt_mesh_comm(m, g)),
+                  "MPI_Alltoallv"));
+    stage_done(recv, hr, recv_end);
     count(m, g, MDT_COLL_ALLTOALL, sent * 4);
     return MDT_OK;
 }
 
 mdt_status mdt_ring_start(mdt_mesh *m, mdt_group g, const float *send, float *recv, int64_t n,
-                          MPI_Request req[2]) {
+                          mdt_ring_req *rq) {
     const int P = mdt_group_size(m, g), me = mdt_group_rank(m, g);
     MPI_Comm comm = mdt_mesh_comm(m, g);
-    req[0] = req[1] = MPI_REQUEST_NULL;
+    rq->req[0] = rq->req[1] = MPI_REQUEST_NULL;
+    rq->recv = recv, rq->host_recv = NULL, rq->n = n, rq->on_device_comm = 0, rq->group = g;
     if (!fits_int(n))
         return MDT_FAIL(MDT_E_UNSUPPORTED, "ring block of %lld floats is too large", (long long)n);
-    MDT_TRY(mpi_check(MPI_Irecv(recv, (int)n, MPI_FLOAT, (me + P - 1) % P, 77, comm, &req[0]),
+    if (on_device(send) && m->dev_comm[g]) {
+        if (m->dev_ops->comm_sendrecv(m->dev_comm[g], send, (me + 1) % P, recv, (me + P - 1) % P,
+                                      n) != 0)
+            return MDT_FAIL(MDT_E_MPI, "NCCL ring send/recv over the %s group failed",
+                            mdt_group_name(g));
+        rq->on_device_comm = 1;
+        count(m, g, MDT_COLL_SENDRECV, n * 4);
+        return MDT_OK;
+    }
+    const float *hs = stage_in(m, send, n);
+    float *hr = stage_out(m, recv, n);
+    if (!hs || !hr)
+        return MDT_E_NOMEM;
+    rq->host_recv = hr;
+    MDT_TRY(mpi_check(MPI_Irecv(hr, (int)n, MPI_FLOAT, (me + P - 1) % P, 77, comm, &rq->req[0]),
                       "ring MPI_Irecv"));
-    MDT_TRY(mpi_check(MPI_Isend(send, (int)n, MPI_FLOAT, (me + 1) % P, 77, comm, &req[1]),
+    MDT_TRY(mpi_check(MPI_Isend(hs, (int)n, MPI_FLOAT, (me + 1) % P, 77, comm, &rq->req[1]),
                       "ring MPI_Isend"));
     count(m, g, MDT_COLL_SENDRECV, n * 4);
     return MDT_OK;
 }
 
-mdt_status mdt_ring_wait(MPI_Request req[2]) {
+mdt_status mdt_ring_wait(mdt_mesh *m, mdt_ring_req *rq) {
     MPI_Status st[2];
-    return mpi_check(MPI_Waitall(2, req, st), "ring MPI_Waitall");
+    if (rq->on_device_comm)
+        return m->dev_ops->comm_wait(m->dev_comm[rq->group]) == 0
+                   ? MDT_OK
+                   : MDT_FAIL(MDT_E_MPI, "NCCL ring transfer failed");
+    MDT_TRY(mpi_check(MPI_Waitall(2, rq->req, st), "ring MPI_Waitall"));
+    if (rq->host_recv)
+        stage_done(rq->recv, rq->host_recv, rq->n);
+    return MDT_OK;
 }

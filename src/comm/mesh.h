@@ -11,6 +11,7 @@
 #ifndef MDT_MESH_H
 #define MDT_MESH_H
 
+#include "backend/ops.h"
 #include "core/core.h"
 
 #include <mpi.h>
@@ -51,7 +52,18 @@ struct mdt_mesh {
     float *scratch;                          /* collective scratch, grown on first use */
     int peers_stuck; /* a failure could not be agreed on: the job must be ended */
     int64_t scratch_floats;
+    /* Device buffers (core's mdt_mem_device): staged through these host buffers and plain MPI
+     * (the host-staged path: any number of ranks per GPU), or, once mdt_mesh_use_device_comm
+     * succeeded, moved by the backend's NCCL communicators, one per group. */
+    float *stage[2];
+    int64_t stage_floats[2];
+    const mdt_backend_ops *dev_ops;
+    void *dev_comm[MDT_GROUP_COUNT];
 };
+
+/* Bootstraps one device communicator (NCCL) per group of size > 1: the group's member 0 makes
+ * the unique id, MPI broadcasts it inside the group. Collective; same verdict on every rank. */
+mdt_status mdt_mesh_use_device_comm(mdt_mesh *m, const mdt_backend_ops *ops);
 
 /* Parses "tp,ring,ulysses" (any permutation) into order[3]. MDT_E_INVALID naming the bad axis. */
 mdt_status mdt_mesh_parse_order(const char *s, mdt_axis order[3]);
@@ -102,9 +114,18 @@ mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, con
                                 const int64_t *sdispls, float *recv, const int64_t *rcounts,
                                 const int64_t *rdispls);
 /* Ring step over group g: send n floats to member (me + 1) and receive n floats from member
- * (me - 1), non-blocking; finish with mdt_ring_wait. */
+ * (me - 1), non-blocking; finish with mdt_ring_wait. Device buffers: the send block is staged
+ * (or handed to NCCL) at start, the received one lands in `recv` at wait. */
+typedef struct mdt_ring_req {
+    MPI_Request req[2];
+    float *recv;      /* where the block must end up */
+    float *host_recv; /* staging buffer it arrives in (NULL: straight into recv) */
+    int64_t n;
+    int on_device_comm; /* moved by the device communicator of `group` */
+    int group;
+} mdt_ring_req;
 mdt_status mdt_ring_start(mdt_mesh *m, mdt_group g, const float *send, float *recv, int64_t n,
-                          MPI_Request req[2]);
-mdt_status mdt_ring_wait(MPI_Request req[2]);
+                          mdt_ring_req *rq);
+mdt_status mdt_ring_wait(mdt_mesh *m, mdt_ring_req *rq);
 
 #endif /* MDT_MESH_H */

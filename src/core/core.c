@@ -112,6 +112,11 @@ int64_t mdt_mem_peak(void) { return atomic_load(&g_peak); }
 void mdt_mem_reset_peak(void) { atomic_store(&g_peak, atomic_load(&g_live)); }
 int64_t mdt_mem_alloc_count(void) { return atomic_load(&g_count); }
 
+/* ---- device memory hooks ---- */
+static const mdt_mem_source *g_device_mem;
+const mdt_mem_source *mdt_mem_device(void) { return g_device_mem; }
+void mdt_mem_set_device(const mdt_mem_source *src) { g_device_mem = src; }
+
 /* ---- arena ---- */
 struct mdt_arena_chunk {
     struct mdt_arena_chunk *next;
@@ -121,11 +126,11 @@ struct mdt_arena_chunk {
 
 void mdt_arena_init(mdt_arena *a) { memset(a, 0, sizeof *a); }
 
-static struct mdt_arena_chunk *chunk_new(size_t cap) {
+static struct mdt_arena_chunk *chunk_new(const mdt_arena *a, size_t cap) {
     struct mdt_arena_chunk *c = mdt_alloc(sizeof *c);
     if (!c)
         return NULL;
-    c->data = mdt_alloc(cap);
+    c->data = a->src ? a->src->alloc(cap) : mdt_alloc(cap);
     if (!c->data) {
         mdt_free(c);
         return NULL;
@@ -143,9 +148,10 @@ float *mdt_arena_floats(mdt_arena *a, int64_t n) {
     while (a->cur && a->used + need > a->cur->cap) {
         if (!a->cur->next) {
             size_t cap = need > ((size_t)1 << 20) ? need : ((size_t)1 << 20);
-            struct mdt_arena_chunk *c = chunk_new(cap);
+            struct mdt_arena_chunk *c = chunk_new(a, cap);
             if (!c) {
-                (void)MDT_FAIL(MDT_E_NOMEM, "out of memory allocating %zu activation bytes", cap);
+                (void)MDT_FAIL(MDT_E_NOMEM, "out of %s memory allocating %zu activation bytes",
+                               a->src ? a->src->what : "host", cap);
                 return NULL;
             }
             a->cur->next = c;
@@ -155,10 +161,11 @@ float *mdt_arena_floats(mdt_arena *a, int64_t n) {
     }
     if (!a->cur) { /* empty arena */
         size_t cap = need > ((size_t)1 << 20) ? need : ((size_t)1 << 20);
-        a->chunks = a->cur = chunk_new(cap);
+        a->chunks = a->cur = chunk_new(a, cap);
         a->used = 0;
         if (!a->cur) {
-            (void)MDT_FAIL(MDT_E_NOMEM, "out of memory allocating %zu activation bytes", cap);
+            (void)MDT_FAIL(MDT_E_NOMEM, "out of %s memory allocating %zu activation bytes",
+                           a->src ? a->src->what : "host", cap);
             return NULL;
         }
     }
@@ -185,7 +192,7 @@ mdt_status mdt_arena_reset(mdt_arena *a) {
     if (a->chunks && a->chunks->next) {
         /* More than one chunk: replace them by one chunk of the high-water size. */
         mdt_arena_release(a);
-        struct mdt_arena_chunk *c = chunk_new((size_t)a->high_water);
+        struct mdt_arena_chunk *c = chunk_new(a, (size_t)a->high_water);
         if (!c)
             return MDT_FAIL(MDT_E_NOMEM, "out of memory allocating %lld activation bytes",
                             (long long)a->high_water);
@@ -201,7 +208,10 @@ void mdt_arena_release(mdt_arena *a) {
     struct mdt_arena_chunk *c = a->chunks;
     while (c) {
         struct mdt_arena_chunk *n = c->next;
-        mdt_free(c->data);
+        if (a->src)
+            a->src->free(c->data);
+        else
+            mdt_free(c->data);
         mdt_free(c);
         c = n;
     }

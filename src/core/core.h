@@ -59,8 +59,25 @@ void mdt_mem_reset_peak(void);     /* peak := live */
 int64_t mdt_mem_alloc_count(void); /* number of successful allocations since start */
 
 /* ---- a bump arena for per-step activations: reset each step, grows only on first use ---- */
+/* Device memory as core and comm see it: filled in by a device backend (core never calls a
+ * device API itself). Arenas with this source hand out device memory; collectives stage device
+ * buffers through host memory with it (the host-staged MPI path). */
+typedef struct mdt_mem_source {
+    void *(*alloc)(size_t bytes); /* NULL on failure */
+    void (*free)(void *p);
+    const char *what; /* "device" */
+    int (*is_device)(const void *p);
+    void (*to_host)(void *host_dst, const void *src, size_t bytes); /* synchronous */
+    void (*to_device)(void *dst, const void *host_src, size_t bytes);
+    void *(*host_alloc)(size_t bytes); /* page-locked, NULL on failure */
+    void (*host_free)(void *p);
+} mdt_mem_source;
+/* The process's device memory (NULL: none, every pointer is host memory). */
+const mdt_mem_source *mdt_mem_device(void);
+void mdt_mem_set_device(const mdt_mem_source *src);
 typedef struct mdt_arena {
     struct mdt_arena_chunk *chunks, *cur; /* cur == NULL: before the first chunk */
+    const mdt_mem_source *src;            /* NULL: host memory */
     size_t used;                          /* bytes handed out from cur */
     int64_t in_use;                       /* bytes handed out since the reset */
     int64_t high_water;                   /* most bytes in use at once, over all steps */

@@ -12,7 +12,7 @@
 #include "models/model.h"
 
 #include "attn/attn.h"
-#include "kernels/cpu/cpu.h"
+#include "backend/backend.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -232,9 +232,9 @@ static void timestep_proj(const float *t, int64_t B, float *e) {
 /* y[M, out] = lin2(SiLU(lin1(x[M, in]))) with scratch h[M, lin1.out] */
 static void mlp2(const mdt_lin *l1, const mdt_lin *l2, const float *x, int64_t M, float *h,
                  float *y) {
-    mdt_cpu_linear(x, l1->in, l1->w, l1->b, h, l1->out, M, l1->in, l1->out);
-    mdt_cpu_silu(h, M * l1->out);
-    mdt_cpu_linear(h, l2->in, l2->w, l2->b, y, l2->out, M, l2->in, l2->out);
+    mdt_k_linear(x, l1->in, l1->w, l1->wh, l1->b, h, l1->out, M, l1->in, l1->out);
+    mdt_k_silu(h, M * l1->out);
+    mdt_k_linear(h, l2->in, l2->w, l2->wh, l2->b, y, l2->out, M, l2->in, l2->out);
 }
 
 /* cos/sin [S, D] for ids [S, naxes]: per axis width d, pair j has frequency 1/1e4^(2j/d); each
@@ -291,12 +291,13 @@ static void project_qkv(const flux *f, const flux_act *A, const float *src, int6
     float *dst[3] = {A->q, A->k_, A->v};
     const float *norms[3] = {nq, nk, NULL};
     for (int j = 0; j < 3; j++) {
-        mdt_cpu_linear(src, C, lins[j]->w, lins[j]->b, tmp, Cl, A->B * n, C, Cl); // [B*n, C/T]
+        mdt_k_linear(src, C, lins[j]->w, lins[j]->wh, lins[j]->b, tmp, Cl, A->B * n, C,
+                     Cl); // [B*n, C/T]
         for (int64_t b = 0; b < A->B; b++)
-            mdt_cpu_heads_prepare(tmp + b * n * Cl, Cl, n, H, D, norms[j], k_eps,
-                                  j < 2 ? A->cos_t + s0 * D : NULL,
-                                  j < 2 ? A->sin_t + s0 * D : NULL, D, MDT_ROPE_INTERLEAVED,
-                                  dst[j] + b * H * S * D, S, s0); // [H/T, S, D] rows s0..s0+n
+            mdt_k_heads_prepare(tmp + b * n * Cl, Cl, n, H, D, norms[j], k_eps,
+                                j < 2 ? A->cos_t + s0 * D : NULL, j < 2 ? A->sin_t + s0 * D : NULL,
+                                D, MDT_ROPE_INTERLEAVED, dst[j] + b * H * S * D, S,
+                                s0); // [H/T, S, D] rows s0..s0+n
     }
 }
 
@@ -319,13 +320,13 @@ static mdt_status ff_residual(const flux *f, const flux_act *A, float *x, int64_
                               float *hbuf, float *ybuf) {
     const int64_t C = f->inner, B = A->B, Ml = A->Ml;
     for (int64_t b = 0; b < B; b++)
-        mdt_cpu_layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
-                                   mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
-    mdt_cpu_linear(nbuf, C, l0->w, l0->b, hbuf, Ml, B * n, C, Ml);                    // [B*n, 4C/T]
-    mdt_cpu_gelu_tanh(hbuf, B * n * Ml);
+        mdt_k_layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
+                                 mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
+    mdt_k_linear(nbuf, C, l0->w, l0->wh, l0->b, hbuf, Ml, B * n, C, Ml);            // [B*n, 4C/T]
+    mdt_k_gelu_rows(hbuf, Ml, B * n, Ml);
     MDT_TRY(row_linear(A, l2, hbuf, Ml, Ml, ybuf, B * n)); // [B*n, C]
     for (int64_t b = 0; b < B; b++)
-        mdt_cpu_gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
+        mdt_k_gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
     return MDT_OK;
 }
 
@@ -344,10 +345,10 @@ static mdt_status double_block(const flux *f, const flux_double *blk, const flux
     MDT_TRY(adaln(f, A, &blk->norm1, mod));      // [B, 6C]
     MDT_TRY(adaln(f, A, &blk->norm1_ctx, cmod)); // [B, 6C]
     for (int64_t b = 0; b < B; b++) {
-        mdt_cpu_layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, k_eps, mod + b * 6 * C,
-                                   mod + b * 6 * C + C); // [Si, C]
-        mdt_cpu_layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, k_eps, cmod + b * 6 * C,
-                                   cmod + b * 6 * C + C); // [St, C]
+        mdt_k_layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, k_eps, mod + b * 6 * C,
+                                 mod + b * 6 * C + C); // [Si, C]
+        mdt_k_layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, k_eps, cmod + b * 6 * C,
+                                 cmod + b * 6 * C + C); // [St, C]
     }
     /* joint sequence: text rows [0, St), image rows [St, S) */
     project_qkv(f, A, nc, St, 0, &blk->add_q, &blk->add_k, &blk->add_v, blk->norm_added_q,
@@ -357,9 +358,9 @@ static mdt_status double_block(const flux *f, const flux_double *blk, const flux
     MDT_TRY(attend(f, A, ao, Cl)); // [B, S/P, C/T]
     for (int64_t b = 0; b < B; b++) {
         MDT_TRY(row_linear(A, &blk->to_out, ao + (b * S + St) * Cl, Cl, Cl, tmp, Si)); // [Si, C]
-        mdt_cpu_gate_residual(x + b * Si * C, tmp, C, mod + b * 6 * C + 2 * C, Si, C);
+        mdt_k_gate_residual(x + b * Si * C, tmp, C, mod + b * 6 * C + 2 * C, Si, C);
         MDT_TRY(row_linear(A, &blk->to_add_out, ao + b * S * Cl, Cl, Cl, tmp, St)); // [St, C]
-        mdt_cpu_gate_residual(c + b * St * C, tmp, C, cmod + b * 6 * C + 2 * C, St, C);
+        mdt_k_gate_residual(c + b * St * C, tmp, C, cmod + b * 6 * C + 2 * C, St, C);
     }
     MDT_TRY(ff_residual(f, A, x, Si, mod, &blk->ff0, &blk->ff2, nx, hb, tmp));
     return ff_residual(f, A, c, St, cmod, &blk->ffc0, &blk->ffc2, nc, hb, tmp);
@@ -377,18 +378,17 @@ static mdt_status single_block(const flux *f, const flux_single *blk, const flux
         return MDT_E_NOMEM;
     MDT_TRY(adaln(f, A, &blk->norm, mod)); // [B, 3C]
     for (int64_t b = 0; b < B; b++)
-        mdt_cpu_layernorm_modulate(h + b * S * C, n + b * S * C, S, C, k_eps, mod + b * 3 * C,
-                                   mod + b * 3 * C + C); // [S, C]
-    mdt_cpu_linear(n, C, blk->proj_mlp.w, blk->proj_mlp.b, cat + Cl, W, B * S, C,
-                   Ml); // [B*S, 4C/T] in columns [C/T, W)
-    for (int64_t r = 0; r < B * S; r++)
-        mdt_cpu_gelu_tanh(cat + r * W + Cl, Ml);
+        mdt_k_layernorm_modulate(h + b * S * C, n + b * S * C, S, C, k_eps, mod + b * 3 * C,
+                                 mod + b * 3 * C + C); // [S, C]
+    mdt_k_linear(n, C, blk->proj_mlp.w, blk->proj_mlp.wh, blk->proj_mlp.b, cat + Cl, W, B * S, C,
+                 Ml);                        // [B*S, 4C/T] in columns [C/T, W)
+    mdt_k_gelu_rows(cat + Cl, W, B * S, Ml); // [B*S, 4C/T] in columns [C/T, W)
     project_qkv(f, A, n, S, 0, &blk->to_q, &blk->to_k, &blk->to_v, blk->norm_q, blk->norm_k, tmp);
     MDT_TRY(attend(f, A, cat, W)); // columns [0, C/T) of cat
     /* packed rowwise: the local weight columns are [attn block k | mlp block k], like cat */
     MDT_TRY(row_linear(A, &blk->proj_out, cat, W, W, tmp, B * S)); // [B*S, C]
     for (int64_t b = 0; b < B; b++)
-        mdt_cpu_gate_residual(h + b * S * C, tmp + b * S * C, C, mod + b * 3 * C + 2 * C, S, C);
+        mdt_k_gate_residual(h + b * S * C, tmp + b * S * C, C, mod + b * 3 * C + 2 * C, S, C);
     return MDT_OK;
 }
 
@@ -428,7 +428,7 @@ static mdt_status check_promise(const flux *f, const mdt_model *m, const flux_ac
 
 static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
     const flux *f = m->impl;
-    mdt_arena *ar = &m->arena;
+    mdt_arena *ar = &m->arena, *ha = &m->harena; /* activations; host-side inputs and tables */
     mdt_mesh *mesh = m->mesh;
     const int64_t C = f->inner, D = f->head_dim, H = f->heads / m->T;
     flux_act A = {0};
@@ -452,80 +452,88 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
                         "with S_txt >= 1",
                         (long long)f->joint_dim);
     float *hs_full, *ehs_full, *pooled, *ts, *img_full, *txt_full, *g = NULL;
-    MDT_TRY(mdt_input_f32(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, ar, &hs_full));
-    MDT_TRY(mdt_input_f32(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, ar,
+    MDT_TRY(mdt_input_f32(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, ha, &hs_full));
+    MDT_TRY(mdt_input_f32(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, ha,
                           &ehs_full));
-    MDT_TRY(mdt_input_f32(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ar, &pooled));
-    MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ar, &ts));
+    MDT_TRY(mdt_input_f32(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ha, &pooled));
+    MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ha, &ts));
     /* diffusers accepts 3-D ids (deprecated) and uses batch 0; so do we */
     int img3 = mdt_input_dim(in, "img_ids", 2) >= 0, txt3 = mdt_input_dim(in, "txt_ids", 2) >= 0;
     MDT_TRY(mdt_input_f32(in, "img_ids", img3 ? 3 : 2,
-                          img3 ? (int64_t[]){-1, Si, f->naxes} : (int64_t[]){Si, f->naxes}, ar,
+                          img3 ? (int64_t[]){-1, Si, f->naxes} : (int64_t[]){Si, f->naxes}, ha,
                           &img_full));
     MDT_TRY(mdt_input_f32(in, "txt_ids", txt3 ? 3 : 2,
-                          txt3 ? (int64_t[]){-1, St, f->naxes} : (int64_t[]){St, f->naxes}, ar,
+                          txt3 ? (int64_t[]){-1, St, f->naxes} : (int64_t[]){St, f->naxes}, ha,
                           &txt_full));
     if (f->guidance)
-        MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ar, &g));
+        MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ha, &g));
     int64_t si0, sic, st0, stc;
     mdt_split_range(Si, P, chunk, &si0, &sic);
     mdt_split_range(St, P, chunk, &st0, &stc);
     A.B = B, A.Si = sic, A.St = stc, A.S = sic + stc;
     const int64_t S = A.S;
-    float *hs = mdt_arena_floats(ar, B * sic * f->in_ch);      // [B, Si/P, in]
-    float *ehs = mdt_arena_floats(ar, B * stc * f->joint_dim); // [B, St/P, joint]
-    float *img_ids = mdt_arena_floats(ar, sic * f->naxes);     // [Si/P, axes]
-    float *txt_ids = mdt_arena_floats(ar, stc * f->naxes);     // [St/P, axes]
-    if (!hs || !ehs || !img_ids || !txt_ids)
+    float *hs_h = mdt_arena_floats(ha, B * sic * f->in_ch);      // [B, Si/P, in] host
+    float *ehs_h = mdt_arena_floats(ha, B * stc * f->joint_dim); // [B, St/P, joint] host
+    float *img_ids = mdt_arena_floats(ha, sic * f->naxes);       // [Si/P, axes] host
+    float *txt_ids = mdt_arena_floats(ha, stc * f->naxes);       // [St/P, axes] host
+    float *e256_h = mdt_arena_floats(ha, 2 * B * 256);           // [2, B, 256] host: t, g
+    float *ids = mdt_arena_floats(ha, (sic + stc) * f->naxes);   // [S/P, axes] text first
+    float *cos_h = mdt_arena_floats(ha, (sic + stc) * D);        // [S/P, D] host
+    float *sin_h = mdt_arena_floats(ha, (sic + stc) * D);        // [S/P, D] host
+    if (!hs_h || !ehs_h || !img_ids || !txt_ids || !e256_h || !ids || !cos_h || !sin_h)
         return MDT_E_NOMEM;
-    slice_rows(hs_full, B, Si, f->in_ch, si0, sic, hs);
-    slice_rows(ehs_full, B, St, f->joint_dim, st0, stc, ehs);
+    slice_rows(hs_full, B, Si, f->in_ch, si0, sic, hs_h);
+    slice_rows(ehs_full, B, St, f->joint_dim, st0, stc, ehs_h);
     slice_rows(img_full, 1, Si, f->naxes, si0, sic, img_ids);
     slice_rows(txt_full, 1, St, f->naxes, st0, stc, txt_ids);
-
-    /* conditioning: temb [B, C] = time(t) (+ guidance(g)) + text(pooled) */
-    float *e256 = mdt_arena_floats(ar, B * 256);     // [B, 256]
-    float *hsc = mdt_arena_floats(ar, B * C);        // [B, C] scratch
-    float *temb = mdt_arena_floats(ar, B * C);       // [B, C]
-    float *tmp = mdt_arena_floats(ar, B * C);        // [B, C]
-    float *ids = mdt_arena_floats(ar, S * f->naxes); // [S/P, axes] local text first
-    float *cos_t = mdt_arena_floats(ar, S * D);      // [S/P, D]
-    float *sin_t = mdt_arena_floats(ar, S * D);      // [S/P, D]
-    float *x = mdt_arena_floats(ar, B * sic * C);    // [B, Si/P, C]
-    float *c = mdt_arena_floats(ar, B * stc * C);    // [B, St/P, C]
-    A.q = mdt_arena_floats(ar, B * H * S * D);       // [B, H/T, S/P, D]
-    A.k_ = mdt_arena_floats(ar, B * H * S * D);      // [B, H/T, S/P, D]
-    A.v = mdt_arena_floats(ar, B * H * S * D);       // [B, H/T, S/P, D]
-    if (!e256 || !hsc || !temb || !tmp || !ids || !cos_t || !sin_t || !x || !c || !A.q || !A.k_ ||
-        !A.v)
-        return MDT_E_NOMEM;
     for (int64_t b = 0; b < B; b++)
         ts[b] = ts[b] * 1000.0f;
-    timestep_proj(ts, B, e256);
-    mlp2(&f->t_lin1, &f->t_lin2, e256, B, hsc, temb); // [B, C]
+    timestep_proj(ts, B, e256_h);
     if (f->guidance) {
         for (int64_t b = 0; b < B; b++)
             g[b] = g[b] * 1000.0f;
-        timestep_proj(g, B, e256);
-        mlp2(&f->g_lin1, &f->g_lin2, e256, B, hsc, tmp); // [B, C]
-        for (int64_t i = 0; i < B * C; i++)
-            temb[i] += tmp[i];
+        timestep_proj(g, B, e256_h + B * 256);
     }
-    mlp2(&f->p_lin1, &f->p_lin2, pooled, B, hsc, tmp); // [B, C]
-    for (int64_t i = 0; i < B * C; i++)
-        temb[i] += tmp[i];
-    memcpy(hsc, temb, sizeof(float) * (size_t)(B * C));
-    mdt_cpu_silu(hsc, B * C); // [B, C] SiLU(temb), the input of every AdaLN projection
-    A.silu_temb = hsc;
-
     memcpy(ids, txt_ids, sizeof(float) * (size_t)(stc * f->naxes));
     memcpy(ids + stc * f->naxes, img_ids, sizeof(float) * (size_t)(sic * f->naxes));
-    rope_tables(f, ids, S, cos_t, sin_t); // [S/P, D] for the local rows only
+    rope_tables(f, ids, S, cos_h, sin_h); // [S/P, D] for the local rows only (non-persistent)
+
+    /* to the backend's memory (the same pointers on the CPU backend) */
+    const float *hs = mdt_k_upload(ar, hs_h, sizeof(float) * (size_t)(B * sic * f->in_ch));
+    const float *ehs = mdt_k_upload(ar, ehs_h, sizeof(float) * (size_t)(B * stc * f->joint_dim));
+    const float *e256 = mdt_k_upload(ar, e256_h, sizeof(float) * (size_t)(2 * B * 256));
+    const float *pool = mdt_k_upload(ar, pooled, sizeof(float) * (size_t)(B * f->pooled_dim));
+    const float *cos_t = mdt_k_upload(ar, cos_h, sizeof(float) * (size_t)(S * D));
+    const float *sin_t = mdt_k_upload(ar, sin_h, sizeof(float) * (size_t)(S * D));
+    float *hsc = mdt_arena_floats(ar, B * C);     // [B, C] scratch
+    float *temb = mdt_arena_floats(ar, B * C);    // [B, C]
+    float *tmp = mdt_arena_floats(ar, B * C);     // [B, C]
+    float *x = mdt_arena_floats(ar, B * sic * C); // [B, Si/P, C]
+    float *c = mdt_arena_floats(ar, B * stc * C); // [B, St/P, C]
+    A.q = mdt_arena_floats(ar, B * H * S * D);    // [B, H/T, S/P, D]
+    A.k_ = mdt_arena_floats(ar, B * H * S * D);   // [B, H/T, S/P, D]
+    A.v = mdt_arena_floats(ar, B * H * S * D);    // [B, H/T, S/P, D]
+    if (!hs || !ehs || !e256 || !pool || !cos_t || !sin_t || !hsc || !temb || !tmp || !x || !c ||
+        !A.q || !A.k_ || !A.v)
+        return MDT_E_NOMEM;
+
+    /* conditioning: temb [B, C] = time(t) (+ guidance(g)) + text(pooled) */
+    mlp2(&f->t_lin1, &f->t_lin2, e256, B, hsc, temb); // [B, C]
+    if (f->guidance) {
+        mlp2(&f->g_lin1, &f->g_lin2, e256 + B * 256, B, hsc, tmp); // [B, C]
+        mdt_k_add(temb, tmp, B * C);
+    }
+    mlp2(&f->p_lin1, &f->p_lin2, pool, B, hsc, tmp); // [B, C]
+    mdt_k_add(temb, tmp, B * C);
+    mdt_k_copy2d(hsc, 0, temb, 0, 1, B * C);
+    mdt_k_silu(hsc, B * C); // [B, C] SiLU(temb), the input of every AdaLN projection
+    A.silu_temb = hsc;
     A.cos_t = cos_t, A.sin_t = sin_t;
 
-    mdt_cpu_linear(hs, f->in_ch, f->x_emb.w, f->x_emb.b, x, C, B * sic, f->in_ch, C); // [B,Si/P,C]
-    mdt_cpu_linear(ehs, f->joint_dim, f->ctx_emb.w, f->ctx_emb.b, c, C, B * stc, f->joint_dim,
-                   C); // [B, St/P, C]
+    mdt_k_linear(hs, f->in_ch, f->x_emb.w, f->x_emb.wh, f->x_emb.b, x, C, B * sic, f->in_ch,
+                 C); // [B, Si/P, C]
+    mdt_k_linear(ehs, f->joint_dim, f->ctx_emb.w, f->ctx_emb.wh, f->ctx_emb.b, c, C, B * stc,
+                 f->joint_dim, C); // [B, St/P, C]
 
     for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
         mdt_arena_mark mk = mdt_arena_mark_get(ar);
@@ -538,10 +546,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     float *h = mdt_arena_floats(ar, B * S * C); // [B, S/P, C] = cat(c, x) per batch
     if (!h)
         return MDT_E_NOMEM;
-    for (int64_t b = 0; b < B; b++) {
-        memcpy(h + b * S * C, c + b * stc * C, sizeof(float) * (size_t)(stc * C));
-        memcpy(h + (b * S + stc) * C, x + b * sic * C, sizeof(float) * (size_t)(sic * C));
-    }
+    mdt_k_copy2d(h, S * C, c, stc * C, B, stc * C);           // text rows of every batch
+    mdt_k_copy2d(h + stc * C, S * C, x, sic * C, B, sic * C); // image rows after them
     for (int64_t i = 0; i < f->single_layers; i++) {
         mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(single_block(f, &f->sgl[i], &A, h, ar));
@@ -555,16 +561,19 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         return MDT_E_NOMEM;
     MDT_TRY(adaln(f, &A, &f->norm_out, emb)); // [B, 2C]
     for (int64_t b = 0; b < B; b++)
-        mdt_cpu_layernorm_modulate(h + (b * S + stc) * C, xn + b * sic * C, sic, C, k_eps,
-                                   emb + b * 2 * C + C, emb + b * 2 * C); // [Si/P, C]
+        mdt_k_layernorm_modulate(h + (b * S + stc) * C, xn + b * sic * C, sic, C, k_eps,
+                                 emb + b * 2 * C + C, emb + b * 2 * C); // [Si/P, C]
     const int64_t O = f->proj_out.out;
     float *ol = mdt_arena_floats(ar, B * sic * O); // [B, Si/P, O] local image rows
+    float *of = mdt_arena_floats(ar, B * Si * O);  // [B, Si, O] all image rows
     mdt_tensor *o;
-    if (!ol)
+    if (!ol || !of)
         return MDT_E_NOMEM;
-    mdt_cpu_linear(xn, C, f->proj_out.w, f->proj_out.b, ol, O, B * sic, C, O); // [B, Si/P, O]
+    mdt_k_linear(xn, C, f->proj_out.w, f->proj_out.wh, f->proj_out.b, ol, O, B * sic, C,
+                 O); // [B, Si/P, O]
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Si, O}, &o));
-    MDT_TRY(mdt_cp_gather_rows(mesh, ar, P, B, Si, O, ol, o->data)); // image rows, chunk order
+    MDT_TRY(mdt_cp_gather_rows(mesh, ar, P, B, Si, O, ol, of)); // image rows, chunk order
+    mdt_k_to_host(o->data, of, sizeof(float) * (size_t)(B * Si * O));
     return check_promise(f, m, &A, Si, St);
 }
 

@@ -23,7 +23,7 @@
 #include "models/model.h"
 
 #include "attn/attn.h"
-#include "kernels/cpu/cpu.h"
+#include "backend/backend.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -198,7 +198,7 @@ typedef struct h3_act {
 } h3_act;
 
 static void linear(const mdt_lin *l, const float *x, int64_t M, int64_t out_local, float *y) {
-    mdt_cpu_linear(x, l->in, l->w, l->b, y, out_local, M, l->in, out_local);
+    mdt_k_linear(x, l->in, l->w, l->wh, l->b, y, out_local, M, l->in, out_local);
 }
 
 static mdt_status row_linear(const h3_act *A, const mdt_lin *l, const float *x, int64_t ldx,
@@ -232,9 +232,9 @@ static mdt_status attn_part(const h3 *f, const h3_act *A, const h3_block *b, con
     for (int j = 0; j < 3; j++) {
         linear(ls[j], n, B * S, Al, tmp); // [B*S, A/T], no bias
         for (int64_t bb = 0; bb < B; bb++)
-            mdt_cpu_heads_prepare(tmp + bb * S * Al, Al, S, H, D, norms[j], (float)f->qk_eps,
-                                  j < 2 ? cos_t : NULL, j < 2 ? sin_t : NULL, 6 * f->rope_freq,
-                                  MDT_ROPE_HALF, qkv[j] + bb * H * S * D, S, 0); // [H/T, S, D]
+            mdt_k_heads_prepare(tmp + bb * S * Al, Al, S, H, D, norms[j], (float)f->qk_eps,
+                                j < 2 ? cos_t : NULL, j < 2 ? sin_t : NULL, 6 * f->rope_freq,
+                                MDT_ROPE_HALF, qkv[j] + bb * H * S * D, S, 0); // [H/T, S, D]
     }
     const float scale = 1.0f / sqrtf((float)D);
     for (int64_t bb = 0; bb < B; bb++)
@@ -258,7 +258,7 @@ static mdt_status ff_part(const h3 *f, const h3_act *A, const h3_block *b, const
         return MDT_E_NOMEM;
     (void)f;
     linear(&b->ff0, n, M, 2 * Fl, h2);
-    mdt_cpu_swiglu(h2, h1, M, Fl);
+    mdt_k_swiglu(h2, h1, M, Fl);
     MDT_TRY(row_linear(A, &b->ff2, h1, Fl, Fl, y, M)); // [M, C]
     mdt_arena_rewind(A->ar, mk);
     return MDT_OK;
@@ -274,73 +274,91 @@ static mdt_status refiner(const h3 *f, h3_act *A, float *x, int64_t Nt) {
         return MDT_E_NOMEM;
     for (int64_t i = 0; i < f->refiner_layers; i++) {
         const h3_block *b = &f->ref[i];
-        mdt_cpu_rmsnorm(x, b->norm1, n, M, C, (float)f->norm_eps);
+        mdt_k_rmsnorm(x, b->norm1, n, M, C, (float)f->norm_eps);
         MDT_TRY(attn_part(f, A, b, n, Nt, NULL, NULL, NULL, y));
-        for (int64_t j = 0; j < M * C; j++)
-            x[j] += y[j];
-        mdt_cpu_rmsnorm(x, b->norm2, n, M, C, (float)f->norm_eps);
+        mdt_k_add(x, y, M * C);
+        mdt_k_rmsnorm(x, b->norm2, n, M, C, (float)f->norm_eps);
         MDT_TRY(ff_part(f, A, b, n, M, y));
-        for (int64_t j = 0; j < M * C; j++)
-            x[j] += y[j];
+        mdt_k_add(x, y, M * C);
     }
-    mdt_cpu_rmsnorm(x, f->final_norm, n, M, C, (float)f->final_eps);
-    memcpy(x, n, sizeof(float) * (size_t)(M * C));
+    mdt_k_rmsnorm(x, f->final_norm, n, M, C, (float)f->final_eps);
+    mdt_k_copy2d(x, 0, n, 0, 1, M * C);
     A->B = saved;
     mdt_arena_rewind(A->ar, mk);
     return MDT_OK;
 }
 
+/* Row maps of the rows of one modality that land in this rank's chunk [s0, s0 + Sc): for every
+ * batch element, source row b N + i and packed row b Sc + idx[i] - s0, uploaded to `ar`;
+ * *n = how many. Host scratch from `ha`. */
+static mdt_status chunk_rows(const h3_act *A, mdt_arena *ha, const int64_t *idx, int64_t N,
+                             int64_t s0, int64_t **src_rows, int64_t **dst_rows, int64_t *n) {
+    const int64_t B = A->B, Sc = A->Sc;
+    int64_t *sr = (int64_t *)(void *)mdt_arena_floats(ha, 2 * B * N); // [B N] host
+    int64_t *dr = (int64_t *)(void *)mdt_arena_floats(ha, 2 * B * N); // [B N] host
+    if (!sr || !dr)
+        return MDT_E_NOMEM;
+    int64_t k = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < N; i++)
+            if (idx[i] >= s0 && idx[i] < s0 + Sc)
+                sr[k] = b * N + i, dr[k] = b * Sc + idx[i] - s0, k++;
+    *src_rows = sr, *dst_rows = mdt_k_upload(A->ar, dr, sizeof(int64_t) * (size_t)(k ? k : 1));
+    *n = k;
+    return *dst_rows ? MDT_OK : MDT_E_NOMEM;
+}
+
 /* Projects the rows of one modality that land in this rank's chunk [s0, s0 + Sc) and scatters
- * them into h [B, Sc, C]: src [B, N, in], idx [N] packed positions. */
-static mdt_status scatter_modality(const h3_act *A, const mdt_lin *l, const float *src, int64_t N,
-                                   const int64_t *idx, int64_t s0, float *h) {
-    const int64_t B = A->B, Sc = A->Sc, in = l->in, C = l->out;
-    int64_t nloc = 0;
-    for (int64_t i = 0; i < N; i++)
-        nloc += idx[i] >= s0 && idx[i] < s0 + Sc;
+ * them into h [B, Sc, C]: src [B, N, in] (host input), idx [N] packed positions. */
+static mdt_status scatter_modality(const h3_act *A, mdt_arena *ha, const mdt_lin *l,
+                                   const float *src, int64_t N, const int64_t *idx, int64_t s0,
+                                   float *h) {
+    const int64_t in = l->in, C = l->out;
     mdt_arena_mark mk = mdt_arena_mark_get(A->ar);
-    float *xin = mdt_arena_floats(A->ar, B * nloc * in), *y = mdt_arena_floats(A->ar, B * nloc * C);
+    int64_t *sr, *dr, k;
+    MDT_TRY(chunk_rows(A, ha, idx, N, s0, &sr, &dr, &k));
+    float *xin_h = mdt_arena_floats(ha, k * in); // [k, in] host
+    if (!xin_h)
+        return MDT_E_NOMEM;
+    mdt_cpu_copy_rows(xin_h, in, NULL, src, in, sr, k, in);
+    const float *xin = mdt_k_upload(A->ar, xin_h, sizeof(float) * (size_t)(k * in)); // [k, in]
+    float *y = mdt_arena_floats(A->ar, k * C);                                       // [k, C]
     if (!xin || !y)
         return MDT_E_NOMEM;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t j = 0;
-        for (int64_t i = 0; i < N; i++)
-            if (idx[i] >= s0 && idx[i] < s0 + Sc)
-                memcpy(xin + (b * nloc + j++) * in, src + (b * N + i) * in,
-                       sizeof(float) * (size_t)in);
-    }
-    linear(l, xin, B * nloc, C, y); // [B*nloc, C]
-    for (int64_t b = 0; b < B; b++) {
-        int64_t j = 0;
-        for (int64_t i = 0; i < N; i++)
-            if (idx[i] >= s0 && idx[i] < s0 + Sc)
-                memcpy(h + (b * Sc + idx[i] - s0) * C, y + (b * nloc + j++) * C,
-                       sizeof(float) * (size_t)C);
-    }
+    linear(l, xin, k, C, y);                     // [k, C]
+    mdt_k_copy_rows(h, C, dr, y, C, NULL, k, C); // rows of h [B, Sc, C]
     mdt_arena_rewind(A->ar, mk);
     return MDT_OK;
 }
 
 /* Head outputs: local [B, Sc, O] -> full [B, S, O] over the CP group (chunk order), then the
- * rows of `idx` into out [B, N, O]. */
-static mdt_status gather_select(const h3_act *A, int P, const float *loc, int64_t S, int64_t O,
-                                const int64_t *idx, int64_t N, float *out) {
+ * rows of `idx` into out [B, N, O] (host). */
+static mdt_status gather_select(const h3_act *A, mdt_arena *ha, int P, const float *loc, int64_t S,
+                                int64_t O, const int64_t *idx, int64_t N, float *out) {
     const int64_t B = A->B;
     mdt_arena_mark mk = mdt_arena_mark_get(A->ar);
-    float *full = mdt_arena_floats(A->ar, B * S * O); // [B, S, O]
-    if (!full)
+    float *full = mdt_arena_floats(A->ar, B * S * O);                   // [B, S, O]
+    float *sel = mdt_arena_floats(A->ar, B * N * O);                    // [B, N, O]
+    int64_t *rows = (int64_t *)(void *)mdt_arena_floats(ha, 2 * B * N); // [B N] host
+    if (!full || !sel || !rows)
         return MDT_E_NOMEM;
     MDT_TRY(mdt_cp_gather_rows(A->cp, A->ar, P, B, S, O, loc, full));
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < N; i++)
-            memcpy(out + (b * N + i) * O, full + (b * S + idx[i]) * O, sizeof(float) * (size_t)O);
+            rows[b * N + i] = b * S + idx[i];
+    const int64_t *drows =
+        mdt_k_upload(A->ar, rows, sizeof(int64_t) * (size_t)(B * N > 0 ? B * N : 1));
+    if (!drows)
+        return MDT_E_NOMEM;
+    mdt_k_copy_rows(sel, O, NULL, full, O, drows, B * N, O); // [B N, O]
+    mdt_k_to_host(out, sel, sizeof(float) * (size_t)(B * N * O));
     mdt_arena_rewind(A->ar, mk);
     return MDT_OK;
 }
 
 static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
     const h3 *f = m->impl;
-    mdt_arena *ar = &m->arena;
+    mdt_arena *ar = &m->arena, *ha = &m->harena; /* activations; host inputs and tables */
     mdt_mesh *mesh = m->mesh;
     const int64_t C = f->hidden, E = f->time_embed, Fr = f->rope_freq;
     h3_act A = {0};
@@ -364,34 +382,31 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
                         (long long)f->Pv, (long long)f->audio_in, (long long)f->text_dim);
     float *hs, *ahs, *ehs, *ts, *pos;
     int64_t *tidx, *tags, *vidx, *aidx, *xidx;
-    MDT_TRY(mdt_input_f32(in, "hidden_states", 3, (int64_t[]){B, Nv, f->Pv}, ar, &hs));
-    MDT_TRY(mdt_input_f32(in, "audio_hidden_states", 3, (int64_t[]){B, Na, f->audio_in}, ar, &ahs));
+    MDT_TRY(mdt_input_f32(in, "hidden_states", 3, (int64_t[]){B, Nv, f->Pv}, ha, &hs));
+    MDT_TRY(mdt_input_f32(in, "audio_hidden_states", 3, (int64_t[]){B, Na, f->audio_in}, ha, &ahs));
     MDT_TRY(
-        mdt_input_f32(in, "encoder_hidden_states", 3, (int64_t[]){B, Nt, f->text_dim}, ar, &ehs));
-    MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){Tn}, ar, &ts));
-    MDT_TRY(mdt_input_f32(in, "position_ids", 2, (int64_t[]){S, 3}, ar, &pos));
-    MDT_TRY(mdt_input_i64(in, "timestep_indices", 1, (int64_t[]){S}, 0, Tn, ar, &tidx));
-    MDT_TRY(mdt_input_i64(in, "token_tags", 1, (int64_t[]){S}, 0, H3_MOD, ar, &tags));
-    MDT_TRY(mdt_input_i64(in, "video_indices", 1, (int64_t[]){Nv}, 0, S, ar, &vidx));
-    MDT_TRY(mdt_input_i64(in, "audio_indices", 1, (int64_t[]){Na}, 0, S, ar, &aidx));
-    MDT_TRY(mdt_input_i64(in, "text_indices", 1, (int64_t[]){Nt}, 0, S, ar, &xidx));
+        mdt_input_f32(in, "encoder_hidden_states", 3, (int64_t[]){B, Nt, f->text_dim}, ha, &ehs));
+    MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){Tn}, ha, &ts));
+    MDT_TRY(mdt_input_f32(in, "position_ids", 2, (int64_t[]){S, 3}, ha, &pos));
+    MDT_TRY(mdt_input_i64(in, "timestep_indices", 1, (int64_t[]){S}, 0, Tn, ha, &tidx));
+    MDT_TRY(mdt_input_i64(in, "token_tags", 1, (int64_t[]){S}, 0, H3_MOD, ha, &tags));
+    MDT_TRY(mdt_input_i64(in, "video_indices", 1, (int64_t[]){Nv}, 0, S, ha, &vidx));
+    MDT_TRY(mdt_input_i64(in, "audio_indices", 1, (int64_t[]){Na}, 0, S, ha, &aidx));
+    MDT_TRY(mdt_input_i64(in, "text_indices", 1, (int64_t[]){Nt}, 0, S, ha, &xidx));
     int64_t s0, Sc;
     mdt_split_range(S, P, chunk, &s0, &Sc);
     A.B = B, A.Sc = Sc, A.Tn = Tn;
 
     /* rotary tables for the local rows: angles (t, h, w) x inv_freq, concatenated twice */
     const int64_t rot = 6 * Fr;
-    float *cos_t = mdt_arena_floats(ar, Sc * rot), *sin_t = mdt_arena_floats(ar, Sc * rot);
-    float *inv = mdt_arena_floats(ar, Fr);
+    float *cos_h = mdt_arena_floats(ha, Sc * rot), *sin_h = mdt_arena_floats(ha, Sc * rot);
+    float *inv = mdt_arena_floats(ha, Fr);
     /* timestep embedding: [cos, sin] of t * exp(-ln(1e4) i / (freq/2)), unscaled t */
     const int64_t half = f->freq_dim / 2;
-    float *e = mdt_arena_floats(ar, Tn * f->freq_dim);     // [T_n, freq]
-    float *th = mdt_arena_floats(ar, Tn * f->time_hidden); // [T_n, time_hidden]
-    float *temb = mdt_arena_floats(ar, Tn * E);            // [T_n, E]
-    float *h = mdt_arena_floats(ar, B * Sc * C);           // [B, S/P, C] packed local rows
-    float *txt = mdt_arena_floats(ar, B * Nt * C);         // [B, N_text, C]
-    int64_t *aidx_l = (int64_t *)(void *)mdt_arena_floats(ar, 2 * Sc); // [S/P] AdaLN rows
-    if (!cos_t || !sin_t || !inv || !e || !th || !temb || !h || !txt || !aidx_l)
+    float *e_h = mdt_arena_floats(ha, Tn * f->freq_dim);               // [T_n, freq] host
+    int64_t *aidx_h = (int64_t *)(void *)mdt_arena_floats(ha, 2 * Sc); // [S/P] AdaLN rows
+    int64_t *tidx_h = (int64_t *)(void *)mdt_arena_floats(ha, 2 * Sc); // [S/P] norm_out rows
+    if (!cos_h || !sin_h || !inv || !e_h || !aidx_h || !tidx_h)
         return MDT_E_NOMEM;
     for (int64_t j = 0; j < Fr; j++) /* non-persistent buffer: computed on every rank */
         inv[j] = 1.0f / powf((float)f->rope_theta, (float)(2 * j) / (float)(2 * Fr));
@@ -400,34 +415,49 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
             for (int64_t j = 0; j < Fr; j++) {
                 const float ang = pos[(s0 + s) * 3 + a] * inv[j];
                 const float cv = cosf(ang), sv = sinf(ang);
-                cos_t[s * rot + a * Fr + j] = cos_t[s * rot + 3 * Fr + a * Fr + j] = cv;
-                sin_t[s * rot + a * Fr + j] = sin_t[s * rot + 3 * Fr + a * Fr + j] = sv;
+                cos_h[s * rot + a * Fr + j] = cos_h[s * rot + 3 * Fr + a * Fr + j] = cv;
+                sin_h[s * rot + a * Fr + j] = sin_h[s * rot + 3 * Fr + a * Fr + j] = sv;
             }
     for (int64_t t = 0; t < Tn; t++)
         for (int64_t i = 0; i < half; i++) {
             const float fr = expf(-logf(10000.0f) * (float)i / (float)half);
-            e[t * f->freq_dim + i] = cosf(ts[t] * fr);
-            e[t * f->freq_dim + half + i] = sinf(ts[t] * fr);
+            e_h[t * f->freq_dim + i] = cosf(ts[t] * fr);
+            e_h[t * f->freq_dim + half + i] = sinf(ts[t] * fr);
         }
-    linear(&f->t_lin1, e, Tn, f->time_hidden, th);
-    mdt_cpu_silu(th, Tn * f->time_hidden);
-    linear(&f->t_lin2, th, Tn, E, temb);
-    mdt_cpu_silu(temb, Tn * E); // SiLU(temb): the input of every AdaLN projection
-    A.silu_temb = temb;
     for (int64_t s = 0; s < Sc; s++)
-        aidx_l[s] = tidx[s0 + s] * H3_MOD + tags[s0 + s];
+        aidx_h[s] = tidx[s0 + s] * H3_MOD + tags[s0 + s], tidx_h[s] = tidx[s0 + s];
+    int64_t *xsr, *xdr, nx;
+    MDT_TRY(chunk_rows(&A, ha, xidx, Nt, s0, &xsr, &xdr, &nx)); /* text rows of my chunk */
+
+    /* to the backend's memory (the same pointers on the CPU backend) */
+    const size_t tb = sizeof(float) * (size_t)(Sc * rot);
+    const float *cos_t = mdt_k_upload(ar, cos_h, tb), *sin_t = mdt_k_upload(ar, sin_h, tb);
+    const float *e = mdt_k_upload(ar, e_h, sizeof(float) * (size_t)(Tn * f->freq_dim));
+    const int64_t *aidx_l = mdt_k_upload(ar, aidx_h, sizeof(int64_t) * (size_t)(Sc ? Sc : 1));
+    const int64_t *tidx_l = mdt_k_upload(ar, tidx_h, sizeof(int64_t) * (size_t)(Sc ? Sc : 1));
+    const float *ehs_d = mdt_k_upload(ar, ehs, sizeof(float) * (size_t)(B * Nt * f->text_dim));
+    float *th = mdt_arena_floats(ar, Tn * f->time_hidden); // [T_n, time_hidden]
+    float *temb = mdt_arena_floats(ar, Tn * E);            // [T_n, E]
+    float *h = mdt_arena_floats(ar, B * Sc * C);           // [B, S/P, C] packed local rows
+    float *txt = mdt_arena_floats(ar, B * Nt * C);         // [B, N_text, C]
+    if (!cos_t || !sin_t || !e || !aidx_l || !tidx_l || !ehs_d || !th || !temb || !h || !txt)
+        return MDT_E_NOMEM;
+    linear(&f->t_lin1, e, Tn, f->time_hidden, th);
+    mdt_k_silu(th, Tn * f->time_hidden);
+    linear(&f->t_lin2, th, Tn, E, temb);
+    mdt_k_silu(temb, Tn * E); // SiLU(temb): the input of every AdaLN projection
+    A.silu_temb = temb;
 
     /* packed sequence: text (refined, full on every rank), video and audio rows of my chunk */
-    memset(h, 0, sizeof(float) * (size_t)(B * Sc * C));
-    linear(&f->ctx_emb, ehs, B * Nt, C, txt); // [B, N_text, C]
+    mdt_k_fill(h, B * Sc * C, 0.0f);
+    linear(&f->ctx_emb, ehs_d, B * Nt, C, txt); // [B, N_text, C]
     MDT_TRY(refiner(f, &A, txt, Nt));
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t i = 0; i < Nt; i++)
-            if (xidx[i] >= s0 && xidx[i] < s0 + Sc)
-                memcpy(h + (b * Sc + xidx[i] - s0) * C, txt + (b * Nt + i) * C,
-                       sizeof(float) * (size_t)C);
-    MDT_TRY(scatter_modality(&A, &f->proj_in, hs, Nv, vidx, s0, h));
-    MDT_TRY(scatter_modality(&A, &f->audio_proj_in, ahs, Na, aidx, s0, h));
+    const int64_t *xsr_d = mdt_k_upload(ar, xsr, sizeof(int64_t) * (size_t)(nx ? nx : 1));
+    if (!xsr_d)
+        return MDT_E_NOMEM;
+    mdt_k_copy_rows(h, C, xdr, txt, C, xsr_d, nx, C); // text rows into h [B, S/P, C]
+    MDT_TRY(scatter_modality(&A, ha, &f->proj_in, hs, Nv, vidx, s0, h));
+    MDT_TRY(scatter_modality(&A, ha, &f->audio_proj_in, ahs, Na, aidx, s0, h));
 
     float *mod = mdt_arena_floats(ar, Tn * 18 * C); // [T_n, 18C] = [3 T_n, 6C]
     float *n = mdt_arena_floats(ar, B * Sc * C);    // [B, S/P, C]
@@ -439,30 +469,29 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
         const h3_block *b = &f->blk[i];
         MDT_TRY(adaln(f, &A, &b->adaln, mod)); // [T_n, 18C]
         for (int64_t bb = 0; bb < B; bb++) {
-            mdt_cpu_rmsnorm(h + bb * Sc * C, b->norm1, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
-            mdt_cpu_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, aidx_l, 0, C);
+            mdt_k_rmsnorm(h + bb * Sc * C, b->norm1, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
+            mdt_k_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, aidx_l, 0, C);
         }
         MDT_TRY(attn_part(f, &A, b, n, Sc, cos_t, sin_t, A.cp, y)); // [B*S/P, C]
         for (int64_t bb = 0; bb < B; bb++)
-            mdt_cpu_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, aidx_l,
-                                       2 * C, Sc, C);
+            mdt_k_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, aidx_l, 2 * C,
+                                     Sc, C);
         for (int64_t bb = 0; bb < B; bb++) {
-            mdt_cpu_rmsnorm(h + bb * Sc * C, b->norm2, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
-            mdt_cpu_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, aidx_l, 3 * C, 4 * C);
+            mdt_k_rmsnorm(h + bb * Sc * C, b->norm2, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
+            mdt_k_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, aidx_l, 3 * C, 4 * C);
         }
         if (i == 0)
             MDT_TRY(mdt_test_fail_point(mesh, "step")); /* test-only: fail mid-step */
         MDT_TRY(ff_part(f, &A, b, n, M, y));            // [B*S/P, C]
         for (int64_t bb = 0; bb < B; bb++)
-            mdt_cpu_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, aidx_l,
-                                       5 * C, Sc, C);
+            mdt_k_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, aidx_l, 5 * C,
+                                     Sc, C);
     }
     /* norm_out: [shift | scale] per timestep, rows picked by timestep index */
     MDT_TRY(adaln(f, &A, &f->norm_out, mod)); // [T_n, 2C]
     for (int64_t bb = 0; bb < B; bb++) {
-        mdt_cpu_rmsnorm(h + bb * Sc * C, f->norm_out_w, n + bb * Sc * C, Sc, C,
-                        (float)f->final_eps);
-        mdt_cpu_modulate_rows(n + bb * Sc * C, Sc, C, mod, 2 * C, tidx + s0, 0, C);
+        mdt_k_rmsnorm(h + bb * Sc * C, f->norm_out_w, n + bb * Sc * C, Sc, C, (float)f->final_eps);
+        mdt_k_modulate_rows(n + bb * Sc * C, Sc, C, mod, 2 * C, tidx_l, 0, C);
     }
     float *vo = mdt_arena_floats(ar, M * f->Pv), *ao = mdt_arena_floats(ar, M * f->audio_in);
     mdt_tensor *ov, *oa;
@@ -473,8 +502,8 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Nv, f->Pv}, &ov));
     MDT_TRY(
         mdt_tensor_set_add(out, "audio_sample", MDT_F32, 3, (int64_t[]){B, Na, f->audio_in}, &oa));
-    MDT_TRY(gather_select(&A, P, vo, S, f->Pv, vidx, Nv, ov->data));
-    MDT_TRY(gather_select(&A, P, ao, S, f->audio_in, aidx, Na, oa->data));
+    MDT_TRY(gather_select(&A, ha, P, vo, S, f->Pv, vidx, Nv, ov->data));
+    MDT_TRY(gather_select(&A, ha, P, ao, S, f->audio_in, aidx, Na, oa->data));
 
     /* no silent degrade */
     const int R = mesh ? mesh->R : 1, U = mesh ? mesh->U : 1;

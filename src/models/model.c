@@ -6,6 +6,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "model.h"
 
+#include "backend/backend.h"
 #include "kernels/cpu/cpu.h"
 
 #include <cjson/cJSON.h>
@@ -33,17 +34,20 @@ mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0,
         mdt_weight_spec *s = mdt_calloc(sizeof *s * (size_t)cap);
         const float ***b = mdt_calloc(sizeof *b * (size_t)cap);
         int *r = mdt_calloc(sizeof *r * (size_t)cap);
-        if (!s || !b || !r) {
-            mdt_free(s), mdt_free((void *)b), mdt_free(r);
+        mdt_lin **l = mdt_calloc(sizeof *l * (size_t)cap);
+        if (!s || !b || !r || !l) {
+            mdt_free(s), mdt_free((void *)b), mdt_free(r), mdt_free((void *)l);
             return MDT_FAIL(MDT_E_NOMEM, "out of memory");
         }
         if (t->n) {
             memcpy(s, t->specs, sizeof *s * (size_t)t->n);
             memcpy((void *)b, (const void *)t->bind, sizeof *b * (size_t)t->n);
             memcpy(r, t->required, sizeof *r * (size_t)t->n);
+            memcpy((void *)l, (const void *)t->lin, sizeof *l * (size_t)t->n);
         }
         mdt_free(t->specs), mdt_free((void *)t->bind), mdt_free(t->required);
-        t->specs = s, t->bind = b, t->required = r, t->cap = cap;
+        mdt_free((void *)t->lin);
+        t->specs = s, t->bind = b, t->required = r, t->lin = l, t->cap = cap;
     }
     mdt_weight_spec *w = &t->specs[t->n];
     memset(w, 0, sizeof *w);
@@ -53,6 +57,7 @@ mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0,
     w->shape[1] = ndim > 1 ? d1 : 0;
     w->style = style;
     t->bind[t->n] = bind;
+    t->lin[t->n] = NULL;
     t->required[t->n] = 1;
     t->n++;
     return MDT_OK;
@@ -61,9 +66,10 @@ mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0,
 mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out,
                                  int64_t in, mdt_tp_style style, int bias) {
     char nm[MDT_NAME_MAX + 16]; /* mdt_wtable_add refuses names longer than MDT_NAME_MAX */
-    l->in = in, l->out = out, l->b = NULL;
+    l->in = in, l->out = out, l->b = NULL, l->wh = NULL;
     snprintf(nm, sizeof nm, "%s.weight", name);
     MDT_TRY(mdt_wtable_add(t, nm, 2, out, in, style, &l->w));
+    t->lin[t->n - 1] = l;
     if (!bias)
         return MDT_OK;
     snprintf(nm, sizeof nm, "%s.bias", name);
@@ -72,6 +78,7 @@ mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *name, in
 }
 
 void mdt_wtable_free(mdt_wtable *t) {
+    mdt_free((void *)t->lin);
     mdt_free(t->specs);
     mdt_free((void *)t->bind);
     mdt_free(t->required);
@@ -258,6 +265,7 @@ mdt_status mdt_test_fail_point(const mdt_mesh *mesh, const char *phase) {
     return MDT_FAIL(MDT_E_IO, "injected failure during %s (MESHDIT_TEST_FAIL=%s)", phase, e);
 }
 
+static void bind_all(mdt_model *m);
 static int64_t slot_floats(int64_t n) { return (n + 15) & ~(int64_t)15; /* 64-byte slots */ }
 
 /* Allocates the weights buffer for degree T and points every tensor's state at its slot. */
@@ -270,7 +278,10 @@ static mdt_status alloc_weights(mdt_model *m, int T, float **buf_out, mdt_wstate
         total += slot_floats(ws[i].local[0] * ws[i].local[1]);
         bytes += ws[i].local[0] * ws[i].local[1] * 4;
     }
-    float *buf = mdt_alloc(sizeof(float) * (size_t)(total > 0 ? total : 1));
+    const mdt_mem_source *dev = mdt_backend_mem();
+    const size_t nbytes = sizeof(float) * (size_t)(total > 0 ? total : 1);
+    /* page-locked when the weights go on to a device, so the copies overlap the reads */
+    float *buf = dev ? dev->host_alloc(nbytes) : mdt_alloc(nbytes);
     if (!buf)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory for %lld weight bytes", (long long)total * 4);
     float *slot = buf;
@@ -280,7 +291,122 @@ static mdt_status alloc_weights(mdt_model *m, int T, float **buf_out, mdt_wstate
     }
     *buf_out = buf;
     m->weight_bytes = bytes;
+    m->weights_pinned = dev != NULL;
     return MDT_OK;
+}
+
+static void free_host_weights(mdt_model *m, float *buf) {
+    const mdt_mem_source *dev = mdt_backend_mem();
+    if (m->weights_pinned && dev)
+        dev->host_free(buf);
+    else
+        mdt_free(buf);
+}
+
+/* ---- weights on the device: prepare (allocate), upload tensor by tensor, finish ---- */
+static int bf16_slot(const mdt_model *m, int i) { return mdt_backend_bf16() && m->table.lin[i]; }
+
+static mdt_status dev_prepare(mdt_model *m) {
+    const mdt_backend_ops *ops = mdt_backend_device_ops();
+    int64_t nf = 0, nh = 0, bytes = 0, scratch = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        const int64_t n = m->ws[i].local[0] * m->ws[i].local[1];
+        if (bf16_slot(m, i))
+            nh += (n + 31) & ~(int64_t)31, bytes += 2 * n, scratch = n > scratch ? n : scratch;
+        else
+            nf += slot_floats(n), bytes += 4 * n;
+    }
+    m->dev_f32 = ops->alloc(sizeof(float) * (size_t)(nf + scratch + 16));
+    m->dev_bf16 = nh ? ops->alloc(2 * (size_t)nh) : NULL;
+    if (!m->dev_f32 || (nh && !m->dev_bf16))
+        return MDT_FAIL(MDT_E_NOMEM, "out of device memory for %lld weight bytes",
+                        (long long)bytes);
+    float *f = m->dev_f32;
+    uint16_t *h = m->dev_bf16;
+    for (int i = 0; i < m->table.n; i++) {
+        const int64_t n = m->ws[i].local[0] * m->ws[i].local[1];
+        m->ws[i].dev = NULL, m->ws[i].devh = NULL;
+        if (bf16_slot(m, i))
+            m->ws[i].devh = h, h += (n + 31) & ~(int64_t)31;
+        else
+            m->ws[i].dev = f, f += slot_floats(n);
+    }
+    m->weight_bytes = bytes;
+    return MDT_OK;
+}
+
+/* Queues tensor i's host slice to the device (bf16: through the f32 scratch past the f32 slots,
+ * converted on the device). Returns at once: the next tensor's read overlaps the copy. */
+static void dev_upload(mdt_model *m, int i) {
+    const mdt_backend_ops *ops = mdt_backend_device_ops();
+    const int64_t n = m->ws[i].local[0] * m->ws[i].local[1];
+    if (n == 0)
+        return;
+    if (m->ws[i].devh) {
+        float *scratch = m->dev_f32;
+        for (int j = 0; j < m->table.n; j++) /* the scratch begins after the last f32 slot */
+            if (m->ws[j].dev &&
+                m->ws[j].dev + slot_floats(m->ws[j].local[0] * m->ws[j].local[1]) > scratch)
+                scratch = m->ws[j].dev + slot_floats(m->ws[j].local[0] * m->ws[j].local[1]);
+        ops->to_device_async(scratch, m->ws[i].data, sizeof(float) * (size_t)n);
+        ops->to_bf16(m->ws[i].devh, scratch, n);
+    } else {
+        ops->to_device_async(m->ws[i].dev, m->ws[i].data, sizeof(float) * (size_t)n);
+    }
+}
+
+/* Waits for the copies, frees the host weights and points every binding at the device. */
+static mdt_status dev_finish(mdt_model *m) {
+    MDT_TRY(mdt_backend_check());
+    free_host_weights(m, m->weights);
+    m->weights = NULL;
+    for (int i = 0; i < m->table.n; i++) {
+        m->ws[i].data = NULL;
+        if (m->ws[i].devh) {
+            m->table.lin[i]->w = NULL;
+            m->table.lin[i]->wh = m->ws[i].devh;
+        } else if (m->table.bind[i]) {
+            *m->table.bind[i] = m->ws[i].dev;
+        }
+    }
+    m->on_device = 1;
+    return MDT_OK;
+}
+
+static void dev_release(mdt_model *m) {
+    const mdt_backend_ops *ops = mdt_backend_device_ops();
+    if (ops) {
+        ops->free(m->dev_f32);
+        ops->free(m->dev_bf16);
+    }
+    m->dev_f32 = NULL, m->dev_bf16 = NULL, m->on_device = 0;
+}
+
+/* Brings device weights back to a host buffer (for parallelize and gather). */
+static mdt_status weights_to_host(mdt_model *m) {
+    if (!m->on_device)
+        return MDT_OK;
+    if (m->dev_bf16)
+        return MDT_FAIL(MDT_E_UNSUPPORTED,
+                        "the weights are on the device in bf16: parallelize or gather a model "
+                        "loaded in f32");
+    MDT_TRY(alloc_weights(m, m->T, &m->weights, m->ws));
+    for (int i = 0; i < m->table.n; i++)
+        mdt_k_to_host(m->ws[i].data, m->ws[i].dev,
+                      sizeof(float) * (size_t)(m->ws[i].local[0] * m->ws[i].local[1]));
+    dev_release(m);
+    bind_all(m);
+    return MDT_OK;
+}
+
+/* Puts host weights on the device backend, if there is one. */
+static mdt_status weights_to_device(mdt_model *m) {
+    if (!mdt_backend_mem() || m->on_device)
+        return MDT_OK;
+    MDT_TRY(dev_prepare(m));
+    for (int i = 0; i < m->table.n; i++)
+        dev_upload(m, i);
+    return dev_finish(m);
 }
 
 static void bind_all(mdt_model *m) {
@@ -313,6 +439,9 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *m
         m->ws[i].stored = e->dtype;
     }
     MDT_TRY(alloc_weights(m, T, &m->weights, m->ws));
+    const int dev = mdt_backend_mem() != NULL;
+    if (dev)
+        MDT_TRY(dev_prepare(m));
     for (int i = 0; i < m->table.n; i++) {
         const mdt_ckpt_ref *ref;
         MDT_TRY(mdt_ckpt_find(ck, m->table.specs[i].name, &ref));
@@ -327,6 +456,8 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *m
                                 "%s: tensor '%s': non-finite value (NaN or Inf) at element %lld of "
                                 "this rank's shard",
                                 ref->file->path, m->table.specs[i].name, (long long)j);
+        if (dev)
+            dev_upload(m, i); /* on its way while the next tensor is read */
         if (i == m->table.n / 2)
             MDT_TRY(mdt_test_fail_point(mesh, "load")); /* test-only: fail mid-load */
     }
@@ -334,7 +465,7 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *m
         mdt_log(MDT_LOG_WARN, "%s: %d tensors in the checkpoint are not used by the model", ck->dir,
                 ck->n - m->table.n);
     bind_all(m);
-    return MDT_OK;
+    return dev ? dev_finish(m) : MDT_OK;
 }
 
 mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh) {
@@ -414,10 +545,11 @@ mdt_status mdt_model_parallelize(mdt_model *m, mdt_mesh *mesh) {
         return MDT_FAIL(MDT_E_INVALID,
                         "model is already parallel: parallelism was applied at load time "
                         "(shard-on-read); load it without a mesh to parallelize in memory");
-    if (!m->weights)
+    if (!m->weights && !m->on_device)
         return MDT_FAIL(MDT_E_INVALID, "model has no weights to parallelize");
     if (!mesh)
         return MDT_OK;
+    MDT_TRY(mdt_mesh_agree(mesh, weights_to_host(m)));
     const int T = mesh->T, k = mesh->tp_shard_index;
     st = mdt_model_check_layout(m, T, mesh->R, mesh->U);
     if (st == MDT_OK && k >= T)
@@ -441,19 +573,19 @@ mdt_status mdt_model_parallelize(mdt_model *m, mdt_mesh *mesh) {
     }
     st = mdt_mesh_agree(mesh, st);
     if (st != MDT_OK) {
-        mdt_free(buf);
+        free_host_weights(m, buf);
         mdt_free(ws);
         return st;
     }
-    mdt_free(m->weights);
+    free_host_weights(m, m->weights);
     mdt_free(m->ws);
     m->weights = buf, m->ws = ws;
     m->mesh = mesh, m->T = T, m->tp_index = k;
     bind_all(m);
-    return MDT_OK;
+    return mdt_mesh_agree(mesh, weights_to_device(m));
 }
 
-mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
+static mdt_status gather_host(mdt_model *m, const char *dir) {
     mdt_status st = MDT_OK;
     mdt_mesh *mesh = m->mesh;
     const int T = m->T, me = mesh ? mesh->world_rank : 0;
@@ -513,12 +645,20 @@ mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
     return mdt_mesh_agree(mesh, st);
 }
 
+mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
+    MDT_TRY(mdt_mesh_agree(m->mesh, weights_to_host(m)));
+    MDT_TRY(gather_host(m, dir));
+    return mdt_mesh_agree(m->mesh, weights_to_device(m));
+}
+
 void mdt_model_free(mdt_model *m) {
     if (!m)
         return;
     mdt_arena_release(&m->arena);
+    mdt_arena_release(&m->harena);
     mdt_wtable_free(&m->table);
-    mdt_free(m->weights);
+    dev_release(m);
+    free_host_weights(m, m->weights);
     mdt_free(m->ws);
     mdt_free(m->impl);
     cJSON_Delete(m->config);
@@ -529,15 +669,20 @@ const char *mdt_model_family(const mdt_model *m) { return m->fam->name; }
 
 mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_tensor_set *outputs) {
     mdt_status st;
-    if (!m->weights)
+    if (!m->weights && !m->on_device)
         return MDT_FAIL(MDT_E_INVALID, "model has no weights (described, not loaded)");
+    m->arena.src = mdt_backend_mem(); /* activations where the weights are */
     st = mdt_arena_reset(&m->arena);
+    if (st == MDT_OK)
+        st = mdt_arena_reset(&m->harena);
     m->fwd_c0 = *mdt_counters_get(); /* the no-silent-degrade check compares against these */
     memset(m->fwd_g0, 0, sizeof m->fwd_g0);
     if (m->mesh)
         memcpy(m->fwd_g0, m->mesh->group_bytes, sizeof m->fwd_g0);
     if (st == MDT_OK)
         st = m->fam->forward(m, inputs, outputs);
+    if (st == MDT_OK)
+        st = mdt_backend_check(); /* a device failure surfaces here at the latest */
     return mdt_mesh_agree(m->mesh, st);
 }
 
@@ -615,20 +760,18 @@ int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim) {
 
 mdt_status mdt_row_linear(mdt_mesh *mesh, int T, const mdt_lin *l, const float *x, int64_t ldx,
                           int64_t K_local, float *y, int64_t M) {
-    mdt_cpu_linear(x, ldx, l->w, NULL, y, l->out, M, K_local, l->out); // [M, out] partial sum
+    mdt_k_linear(x, ldx, l->w, l->wh, NULL, y, l->out, M, K_local, l->out); // [M, out] partial
     if (T > 1)
         MDT_TRY(mdt_allreduce_sum(mesh, MDT_GROUP_TP, y, M * l->out));
     if (l->b)
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < l->out; j++)
-                y[i * l->out + j] += l->b[j];
+        mdt_k_add_bias(y, l->out, l->b, M, l->out); // [M, out] += b[out]
     return MDT_OK;
 }
 
 mdt_status mdt_cp_gather_rows(mdt_mesh *mesh, mdt_arena *ar, int P, int64_t B, int64_t S, int64_t O,
                               const float *loc, float *full) {
     if (P == 1) {
-        memcpy(full, loc, sizeof(float) * (size_t)(B * S * O));
+        mdt_k_copy2d(full, 0, loc, 0, 1, B * S * O);
         return MDT_OK;
     }
     int64_t counts[4096], r0, n;
@@ -644,8 +787,8 @@ mdt_status mdt_cp_gather_rows(mdt_mesh *mesh, mdt_arena *ar, int P, int64_t B, i
     const float *src = all;
     for (int j = 0; j < P; j++) {
         mdt_split_range(S, P, j, &r0, &n);
-        for (int64_t b = 0; b < B; b++)
-            memcpy(full + (b * S + r0) * O, src + b * n * O, sizeof(float) * (size_t)(n * O));
+        mdt_k_copy2d(full + r0 * O, S * O, src, n * O, B,
+                     n * O); // [B, S, O] rows r0.. <- [B, n, O]
         src += B * n * O;
     }
     mdt_arena_rewind(ar, mk);

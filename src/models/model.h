@@ -20,13 +20,15 @@
 typedef struct mdt_wtable {
     int n, cap;
     mdt_weight_spec *specs;
-    const float ***bind; /* bind[i]: where the loader stores the pointer to tensor i's data */
-    int *required;       /* 0 for tensors a config may omit (none in Flux) */
+    const float ***bind;  /* bind[i]: where the loader stores the pointer to tensor i's data */
+    struct mdt_lin **lin; /* lin[i]: the linear layer whose weight tensor i is, else NULL */
+    int *required;        /* 0 for tensors a config may omit (none in Flux) */
 } mdt_wtable;
 
 /* A linear layer: the resident (local) weight [out_local, in_local], its bias, full dims. */
 typedef struct mdt_lin {
     const float *w, *b;
+    const uint16_t *wh; /* bf16 copy of w on a bf16 device backend (w is then NULL) */
     int64_t in, out;
 } mdt_lin;
 
@@ -77,7 +79,9 @@ const mdt_family *mdt_family_by_name(const char *name);
 /* Per-tensor state of a loaded model on this rank. */
 typedef struct mdt_wstate {
     int64_t local[2];   /* local shape (dim 1 = 1 for rank-1 tensors) */
-    float *data;        /* slice of the weights buffer */
+    float *data;        /* slice of the host weights buffer (NULL once on the device) */
+    float *dev;         /* slice of the device buffer (f32 tensors) */
+    uint16_t *devh;     /* slice of the device bf16 buffer (linear weights under bf16) */
     mdt_dtype stored;   /* dtype in the checkpoint (gather writes it back in this dtype) */
     int64_t bytes_read; /* checkpoint bytes this rank read for it */
 } mdt_wstate;
@@ -94,7 +98,12 @@ struct mdt_model {
     mdt_mesh *mesh;       /* borrowed; NULL = single rank */
     int T, tp_index;      /* TP degree and this rank's shard index */
     int sharded_at_load;
-    mdt_arena arena;
+    mdt_arena arena;    /* activations: device memory on a device backend */
+    mdt_arena harena;   /* host staging of inputs and host-side tables */
+    int weights_pinned; /* host buffer from the backend's page-locked allocator */
+    int on_device;      /* weights live in dev_f32 / dev_bf16, not in `weights` */
+    float *dev_f32;
+    uint16_t *dev_bf16;
     mdt_counters fwd_c0;             /* counters when the current forward began */
     int64_t fwd_g0[MDT_GROUP_COUNT]; /* group bytes when the current forward began */
 };

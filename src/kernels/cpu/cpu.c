@@ -258,3 +258,59 @@ void mdt_cpu_attention(const float *q, const float *k, const float *v, float *ou
     c->flops[MDT_FLOP_ATTN] += 4.0 * (double)H * (double)Sq * (double)sk_valid * (double)D;
     c->attn_calls++;
 }
+
+void mdt_cpu_copy2d(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                    int64_t cols) {
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(dst + r * ldd, src + r * lds, sizeof(float) * (size_t)cols);
+}
+
+void mdt_cpu_copy_rows(float *dst, int64_t ldd, const int64_t *drow, const float *src, int64_t lds,
+                       const int64_t *srow, int64_t n, int64_t w) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy(dst + (drow ? drow[i] : i) * ldd, src + (srow ? srow[i] : i) * lds,
+               sizeof(float) * (size_t)w);
+}
+
+void mdt_cpu_fill(float *x, int64_t n, float v) {
+    for (int64_t i = 0; i < n; i++)
+        x[i] = v;
+}
+
+void mdt_cpu_add(float *y, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        y[i] += x[i];
+}
+
+void mdt_cpu_add_bias(float *y, int64_t ldy, const float *b, int64_t M, int64_t N) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++)
+            y[i * ldy + j] += b[j];
+}
+
+void mdt_cpu_gelu_rows(float *x, int64_t ld, int64_t M, int64_t n) {
+    for (int64_t r = 0; r < M; r++)
+        mdt_cpu_gelu_tanh(x + r * ld, n);
+}
+
+void mdt_cpu_lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t ldo,
+                       const float *l, int64_t hn, int64_t L, int64_t D) {
+    for (int64_t h = 0; h < hn; h++)
+        for (int64_t i = 0; i < L; i++) {
+            const float a = Lr[h * L + i], b = l[h * L + i];
+            if (b == -INFINITY)
+                continue;
+            float *Oi = O + i * ldO + h * D;
+            const float *oi = o + i * ldo + h * D;
+            if (a == -INFINITY) {
+                memcpy(Oi, oi, sizeof(float) * (size_t)D);
+                Lr[h * L + i] = b;
+                continue;
+            }
+            const float m = a > b ? a : b, wa = expf(a - m), wb = expf(b - m),
+                        inv = 1.0f / (wa + wb);
+            for (int64_t d = 0; d < D; d++)
+                Oi[d] = (wa * Oi[d] + wb * oi[d]) * inv;
+            Lr[h * L + i] = m + logf(wa + wb);
+        }
+}

@@ -46,6 +46,24 @@ void mdt_cpu_silu(float *x, int64_t n);
 void mdt_cpu_gate_residual(float *x, const float *y, int64_t ldy, const float *gate, int64_t M,
                            int64_t C);
 
+/* dst[r, 0:cols] = src[r, 0:cols] for r < rows, rows ldd / lds floats apart. */
+void mdt_cpu_copy2d(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                    int64_t cols);
+/* dst[drow[i]] = src[srow[i]] (w floats) for i < n; a NULL index is the identity. */
+void mdt_cpu_copy_rows(float *dst, int64_t ldd, const int64_t *drow, const float *src, int64_t lds,
+                       const int64_t *srow, int64_t n, int64_t w);
+void mdt_cpu_fill(float *x, int64_t n, float v);
+void mdt_cpu_add(float *y, const float *x, int64_t n); /* y += x */
+/* y[i, 0:N] += b[0:N] for M rows ldy apart. */
+void mdt_cpu_add_bias(float *y, int64_t ldy, const float *b, int64_t M, int64_t N);
+/* GELU(tanh) on the first n floats of M rows ld apart. */
+void mdt_cpu_gelu_rows(float *x, int64_t ld, int64_t M, int64_t n);
+/* Merges a partial attention result (o [L, ldo] token-major over hn heads of D, l [hn, L]) into
+ * the running one (O, Lr): O <- (e^Lr O + e^l o) / (e^Lr + e^l), Lr <- log(e^Lr + e^l), fp32
+ * with the max factored out; rows whose partial is empty (l = -inf) are left alone. */
+void mdt_cpu_lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t ldo,
+                       const float *l, int64_t hn, int64_t L, int64_t D);
+
 /* Tiles of the online-softmax attention. */
 #define MDT_ATTN_BQ 64
 #define MDT_ATTN_BK 256
