@@ -19,7 +19,7 @@ CFLAGS   += -std=c11 $(WARN) $(OPT) -g -MMD -MP -Iinclude -Isrc $(PKG_CFLAGS)
 ifeq ($(WERROR),1)
 CFLAGS   += -Werror
 endif
-LDLIBS   += $(PKG_LIBS) -lm
+LDLIBS   += $(PKG_LIBS) -lm -ldl
 ifneq ($(SANITIZE),)
 CFLAGS   += -fsanitize=$(SANITIZE) -fno-sanitize-recover=all -fno-omit-frame-pointer
 LDFLAGS  += -fsanitize=$(SANITIZE) -fno-sanitize-recover=all
@@ -33,12 +33,30 @@ TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 MPI_TEST_BIN := $(patsubst tests/mpi/%.c,$(BUILD)/tests/mpi/%,$(wildcard tests/mpi/test_*.c))
 FUZZ_NAMES := $(patsubst tests/fuzz/fuzz_%.c,%,$(wildcard tests/fuzz/fuzz_*.c))
 REPLAY_BIN := $(FUZZ_NAMES:%=$(BUILD)/tests/replay_%)
-ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] tests/mpi/*.c tests/fuzz/*.c bench/*.c)
+ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] tests/mpi/*.c tests/gpu/*.c tests/fuzz/*.c bench/*.c)
 
-.PHONY: all test check format format-check cppcheck tidy demo clean goldens bench fuzz fuzz-build \
+.DEFAULT_GOAL := all
+
+# CUDA backend: a plugin (build/libmeshdit_cuda.so) that `--device cuda` opens at run time, built
+# whenever nvcc is found (NVCC=none skips it). sm_90 machine code plus compute_90 PTX.
+NVCC     ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+NVFLAGS  ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-fvisibility=hidden,-Wall -Isrc
+CUDA_SRC := $(wildcard src/kernels/cuda/*.cu)
+CUDA_LIB := $(if $(filter-out none,$(NVCC)),$(BUILD)/libmeshdit_cuda.so)
+
+$(BUILD)/libmeshdit_cuda.so: $(CUDA_SRC) src/backend/ops.h
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -shared -o $@ $(CUDA_SRC) -lcublas -ldl \
+	  -Xlinker -rpath,$(CUDA_HOME)/lib64:/usr/local/cuda/lib64
+
+cuda: $(CUDA_LIB)
+
+.PHONY: all test check cuda format format-check cppcheck tidy demo clean goldens bench fuzz fuzz-build \
         valgrind test-sanitize
 
-all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN)
+all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN) $(CUDA_LIB) $(BUILD)/tests/gpu/test_gpu
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -57,6 +75,11 @@ $(BUILD)/tests/%: $(BUILD)/tests/unit/%.o $(BUILD)/libmeshdit.a
 $(BUILD)/tests/mpi/%: $(BUILD)/tests/mpi/%.o $(BUILD)/libmeshdit.a
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+# the CUDA backend's kernel checks: built always (plain C), run by scripts/gpu-check only
+$(BUILD)/tests/gpu/test_gpu: tests/gpu/test_gpu.c $(BUILD)/libmeshdit.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests/unit $(LDFLAGS) -o $@ $< $(BUILD)/libmeshdit.a $(LDLIBS)
 
 $(BUILD)/tests/mpi/%.o: tests/mpi/%.c
 	@mkdir -p $(dir $@)

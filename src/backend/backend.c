@@ -21,7 +21,8 @@ static mdt_mem_source g_mem;
 static void *dev_alloc(size_t n) { return g_ops->alloc(n); }
 static void dev_free(void *p) { g_ops->free(p); }
 
-/* Path of the plugin: $MESHDIT_CUDA_PLUGIN, else beside the running executable. */
+/* Path of the plugin: $MESHDIT_CUDA_PLUGIN, else beside the running executable or up to two
+ * directories above it (build/tests/gpu/test_gpu finds build/libmeshdit_cuda.so). */
 static void plugin_path(char *buf, size_t n) {
     const char *env = getenv("MESHDIT_CUDA_PLUGIN");
     if (env && *env) {
@@ -30,11 +31,22 @@ static void plugin_path(char *buf, size_t n) {
     }
     char exe[PATH_MAX];
     ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (len <= 0) {
-        snprintf(buf, n, "libmeshdit_cuda.so");
+    snprintf(buf, n, "libmeshdit_cuda.so");
+    if (len <= 0)
         return;
-    }
     exe[len] = '\0';
+    for (int up = 0; up < 3; up++) {
+        char *slash = strrchr(exe, '/');
+        if (!slash)
+            return;
+        *slash = '\0';
+        snprintf(buf, n, "%s/libmeshdit_cuda.so", exe);
+        if (access(buf, R_OK) == 0)
+            return;
+    }
+    /* not found: report the path beside the executable */
+    ssize_t l2 = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    exe[l2 > 0 ? l2 : 0] = '\0';
     char *slash = strrchr(exe, '/');
     if (slash)
         *slash = '\0';

@@ -26,6 +26,7 @@ typedef struct mdt_backend_ops {
     /* Waits for all queued work; 0 or -1 with the first asynchronous failure in err. */
     int (*check)(char *err, size_t errlen);
     void (*shutdown)(void);
+    int (*device_count)(void);
     /* A one-line description of the device ("NVIDIA H200, 132 SMs, 139.8 GiB"). */
     void (*describe)(char *buf, size_t n);
     /* Memory: device buffers, pinned host buffers and copies. */

@@ -6,6 +6,7 @@
  * non-zero. Exit codes: 0 success, 1 failure or comparison beyond tolerance, 2 usage error.
  */
 #define _POSIX_C_SOURCE 200809L
+#include "backend/backend.h"
 #include "models/model.h"
 #include "models/scaling.h"
 
@@ -31,6 +32,7 @@ static void usage(FILE *fp) {
         "  run     --checkpoint DIR --inputs FILE --out FILE [--steps N] [--repeat N]\n"
         "          [--tp T --ring R --ulysses U] [--mesh-order tp,ring,ulysses]\n"
         "          [--report FILE.json] [--max-memory SIZE] [--quiet]\n"
+        "          [--device cpu|cuda] [--dtype f32|bf16] [--comm auto|mpi|nccl]\n"
         "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
         "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n"
         "          [--mesh-order ORDER]\n"
@@ -409,9 +411,32 @@ static void print_plan(const mdt_model *m, const char *order, const rank_facts *
             printf("; ring compute %.4f s, wait %.4f s", f->ring_compute_s, f->ring_wait_s);
         printf("\n");
     }
-    printf("load %.3f s; %s %d: median %.4f s per %s (rank 0: %.2f GFLOP/s); wrote %s\n", load_s,
+    printf("load %.3f s; %s %d: median %.6f s per %s (rank 0: %.2f GFLOP/s); wrote %s\n", load_s,
            sampling ? "steps" : "forwards", nsteps, med, sampling ? "step" : "forward",
            med > 0 ? tot0 / med * 1e-9 : 0.0, out);
+}
+
+/* --device/--dtype/--comm: the backend on this rank's GPU (node-local rank modulo the GPUs) and,
+ * for --comm nccl (or auto with a GPU per rank), NCCL communicators per mesh group. */
+static mdt_status select_device(mdt_mesh *mesh, const char *device, int bf16, const char *comm) {
+    MPI_Comm node;
+    int local = 0, nlocal = 1;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
+        MPI_SUCCESS) {
+        MPI_Comm_rank(node, &local);
+        MPI_Comm_size(node, &nlocal);
+        MPI_Comm_free(&node);
+    }
+    const int cuda = strcmp(device, "cuda") == 0;
+    mdt_status st = mdt_mesh_agree(
+        mesh, mdt_backend_select(cuda ? MDT_BACKEND_CUDA : MDT_BACKEND_CPU, local, bf16));
+    if (st != MDT_OK || !cuda || mesh->world_size == 1)
+        return st;
+    const mdt_backend_ops *ops = mdt_backend_device_ops();
+    const int gpus = ops->device_count();
+    if (strcmp(comm, "mpi") == 0 || (strcmp(comm, "auto") == 0 && nlocal > gpus))
+        return MDT_OK; /* host-staged MPI (several ranks share a GPU: NCCL would refuse) */
+    return mdt_mesh_use_device_comm(mesh, ops);
 }
 
 static int cmd_run(int argc, char **argv) {
@@ -425,7 +450,15 @@ static int cmd_run(int argc, char **argv) {
     const char *out = opt_str(&o, "out", NULL), *report = opt_str(&o, "report", NULL);
     const char *order = opt_str(&o, "mesh-order", "tp,ring,ulysses");
     const char *maxmem = opt_str(&o, "max-memory", NULL);
+    const char *device = opt_str(&o, "device", "cpu"), *dtype = opt_str(&o, "dtype", "f32");
+    const char *comm = opt_str(&o, "comm", "auto");
     int quiet = opt_str(&o, "quiet", NULL) != NULL;
+    if (strcmp(device, "cpu") != 0 && strcmp(device, "cuda") != 0)
+        return usage_exit("--device must be cpu or cuda, got '%s'", device);
+    if (strcmp(dtype, "f32") != 0 && strcmp(dtype, "bf16") != 0)
+        return usage_exit("--dtype must be f32 or bf16, got '%s'", dtype);
+    if (strcmp(comm, "auto") != 0 && strcmp(comm, "mpi") != 0 && strcmp(comm, "nccl") != 0)
+        return usage_exit("--comm must be auto, mpi or nccl, got '%s'", comm);
     int64_t max_bytes = 0;
     if (maxmem && (max_bytes = parse_size(maxmem)) <= 0)
         return usage_exit("--max-memory takes a size like 512M, 8G or 1048576, got '%s'", maxmem);
@@ -445,6 +478,9 @@ static int cmd_run(int argc, char **argv) {
     mdt_status st = mdt_mesh_create_world((int)tp, (int)ring, (int)uly, order, &mesh);
     if (st != MDT_OK)
         return fail_exit(st); /* same verdict on every rank: nothing to agree on */
+    st = select_device(mesh, device, strcmp(dtype, "bf16") == 0, comm);
+    if (st != MDT_OK)
+        goto done;
     mdt_load_params lp = mdt_load_params_default();
     lp.checkpoint_dir = ck, lp.mesh = mesh, lp.max_weight_bytes = max_bytes;
     double t0 = mdt_now();
@@ -558,6 +594,15 @@ static int cmd_run(int argc, char **argv) {
                MPI_COMM_WORLD);
     if (g_rank == 0 && report)
         st = write_report(report, m, order, load_s, med, nsteps, all);
+    if (g_rank == 0 && !quiet && mdt_backend_device_ops()) {
+        char desc[256];
+        mdt_backend_describe(desc, sizeof desc);
+        printf("device: %s, compute %s, weights %.1f MiB per rank, device memory peak %.2f GiB "
+               "(rank 0)\n",
+               desc, mdt_backend_bf16() ? "bf16 (fp32 accumulation)" : "f32",
+               (double)m->weight_bytes / 1048576.0,
+               (double)mdt_backend_device_ops()->mem_peak() / 1073741824.0);
+    }
     st = mdt_mesh_agree(mesh, st);
     if (st == MDT_OK && !quiet && g_rank == 0)
         print_plan(m, order, all, load_s, med, nsteps, steps > 0, out);

@@ -450,6 +450,9 @@ mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, con
     return MDT_OK;
 }
 
+/* The MPI checker cannot follow a request from the start of a ring step to its wait in another
+ * function; mdt_ring_wait completes every request mdt_ring_start makes. */
+/* NOLINTBEGIN(clang-analyzer-optin.mpi.MPI-Checker) */
 mdt_status mdt_ring_start(mdt_mesh *m, mdt_group g, const float *send, float *recv, int64_t n,
                           mdt_ring_req *rq) {
     const int P = mdt_group_size(m, g), me = mdt_group_rank(m, g);
@@ -491,3 +494,4 @@ mdt_status mdt_ring_wait(mdt_mesh *m, mdt_ring_req *rq) {
         stage_done(rq->recv, rq->host_recv, rq->n);
     return MDT_OK;
 }
+/* NOLINTEND(clang-analyzer-optin.mpi.MPI-Checker) */

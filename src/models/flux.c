@@ -644,6 +644,13 @@ static const char *flux_preset(const char *name) {
                "  \"num_attention_heads\": 8,\n  \"joint_attention_dim\": 4096,\n"
                "  \"pooled_projection_dim\": 768,\n  \"guidance_embeds\": true,\n"
                "  \"axes_dims_rope\": [16, 56, 56]\n}\n";
+    if (strcmp(name, "block") == 0) /* one single block of the real Flux.1: 24 heads of 128 */
+        return "{\n  \"_class_name\": \"FluxTransformer2DModel\",\n  \"patch_size\": 1,\n"
+               "  \"in_channels\": 64,\n  \"out_channels\": null,\n  \"num_layers\": 0,\n"
+               "  \"num_single_layers\": 1,\n  \"attention_head_dim\": 128,\n"
+               "  \"num_attention_heads\": 24,\n  \"joint_attention_dim\": 4096,\n"
+               "  \"pooled_projection_dim\": 768,\n  \"guidance_embeds\": true,\n"
+               "  \"axes_dims_rope\": [16, 56, 56]\n}\n";
     if (strcmp(name, "narrow") == 0) /* long-sequence memory checks: 1 head of 16, 1 + 1 blocks */
         return "{\n  \"_class_name\": \"FluxTransformer2DModel\",\n  \"patch_size\": 1,\n"
                "  \"in_channels\": 4,\n  \"out_channels\": null,\n  \"num_layers\": 1,\n"

@@ -34,7 +34,7 @@ mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0,
         mdt_weight_spec *s = mdt_calloc(sizeof *s * (size_t)cap);
         const float ***b = mdt_calloc(sizeof *b * (size_t)cap);
         int *r = mdt_calloc(sizeof *r * (size_t)cap);
-        mdt_lin **l = mdt_calloc(sizeof *l * (size_t)cap);
+        mdt_lin **l = mdt_calloc(sizeof(mdt_lin *) * (size_t)cap);
         if (!s || !b || !r || !l) {
             mdt_free(s), mdt_free((void *)b), mdt_free(r), mdt_free((void *)l);
             return MDT_FAIL(MDT_E_NOMEM, "out of memory");
@@ -43,7 +43,7 @@ mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0,
             memcpy(s, t->specs, sizeof *s * (size_t)t->n);
             memcpy((void *)b, (const void *)t->bind, sizeof *b * (size_t)t->n);
             memcpy(r, t->required, sizeof *r * (size_t)t->n);
-            memcpy((void *)l, (const void *)t->lin, sizeof *l * (size_t)t->n);
+            memcpy((void *)l, (const void *)t->lin, sizeof(mdt_lin *) * (size_t)t->n);
         }
         mdt_free(t->specs), mdt_free((void *)t->bind), mdt_free(t->required);
         mdt_free((void *)t->lin);
