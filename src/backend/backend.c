@@ -176,6 +176,17 @@ void mdt_k_fill(float *x, int64_t n, float v) {
         mdt_cpu_fill(x, n, v);
 }
 
+void mdt_k_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t ncols,
+                       const int32_t *col_axis, const double *col_freq, int dbl, float *cos_t,
+                       float *sin_t) {
+    if (S <= 0 || ncols <= 0)
+        return;
+    if (g_ops)
+        g_ops->angle_table(pos, ldpos, S, ncols, col_axis, col_freq, dbl, cos_t, sin_t);
+    else
+        mdt_cpu_angle_table(pos, ldpos, S, ncols, col_axis, col_freq, dbl, cos_t, sin_t);
+}
+
 void mdt_k_add(float *y, const float *x, int64_t n) {
     if (n <= 0)
         return;

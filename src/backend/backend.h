@@ -46,6 +46,9 @@ void mdt_k_copy2d(float *dst, int64_t ldd, const float *src, int64_t lds, int64_
 void mdt_k_copy_rows(float *dst, int64_t ldd, const int64_t *drow, const float *src, int64_t lds,
                      const int64_t *srow, int64_t n, int64_t w);
 void mdt_k_fill(float *x, int64_t n, float v);
+void mdt_k_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t ncols,
+                       const int32_t *col_axis, const double *col_freq, int dbl, float *cos_t,
+                       float *sin_t);
 void mdt_k_add(float *y, const float *x, int64_t n);
 void mdt_k_add_bias(float *y, int64_t ldy, const float *b, int64_t M, int64_t N);
 void mdt_k_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, float eps,

@@ -52,6 +52,11 @@ typedef struct mdt_backend_ops {
     void (*add)(float *y, const float *x, int64_t n);
     void (*add_bias)(float *y, int64_t ldy, const float *b, int64_t M, int64_t N); /* y[i] += b */
     void (*to_bf16)(uint16_t *dst, const float *src, int64_t n);
+    /* Rotary tables: cos/sin[s, c] of pos[s ldpos + col_axis[c]] x col_freq[c], the product and
+     * cos/sin in double (dbl) or in float; [S, ncols]. */
+    void (*angle_table)(const float *pos, int64_t ldpos, int64_t S, int64_t ncols,
+                        const int32_t *col_axis, const double *col_freq, int dbl, float *cos_t,
+                        float *sin_t);
     /* y = x w^T (+ b) with fp32 (w) or bf16 (wh, fp32 accumulation) weights. */
     void (*linear)(const float *x, int64_t ldx, const float *w, const uint16_t *wh, const float *b,
                    float *y, int64_t ldy, int64_t M, int64_t K, int64_t N);

@@ -237,23 +237,19 @@ static void mlp2(const mdt_lin *l1, const mdt_lin *l2, const float *x, int64_t M
     mdt_k_linear(h, l2->in, l2->w, l2->wh, l2->b, y, l2->out, M, l2->in, l2->out);
 }
 
-/* cos/sin [S, D] for ids [S, naxes]: per axis width d, pair j has frequency 1/1e4^(2j/d); each
- * value repeated for the two channels of its pair. Angles in float64 like diffusers on CPU/CUDA. */
-static void rope_tables(const flux *f, const float *ids, int64_t S, float *cos_t, float *sin_t) {
-    const int64_t D = f->head_dim;
-    for (int64_t s = 0; s < S; s++) {
-        int64_t off = 0;
-        for (int a = 0; a < f->naxes; a++) {
-            int64_t d = f->axes[a];
-            for (int64_t j = 0; j < d / 2; j++) {
-                double fr = 1.0 / pow(10000.0, (double)(2 * j) / (double)d);
-                double ang = (double)ids[s * f->naxes + a] * fr;
-                float c = (float)cos(ang), sn = (float)sin(ang);
-                cos_t[s * D + off + 2 * j] = cos_t[s * D + off + 2 * j + 1] = c;
-                sin_t[s * D + off + 2 * j] = sin_t[s * D + off + 2 * j + 1] = sn;
-            }
-            off += d;
+/* Rotary columns for ids [S, naxes] -> cos/sin [S, D]: per axis of width d, pair j has frequency
+ * 1/1e4^(2j/d), each value repeated for the two channels of its pair; angles in float64 like
+ * diffusers on CPU/CUDA. col_axis/col_freq [D]: the id column and frequency of each channel. */
+static void rope_columns(const flux *f, int32_t *col_axis, double *col_freq) {
+    int64_t off = 0;
+    for (int a = 0; a < f->naxes; a++) {
+        const int64_t d = f->axes[a];
+        for (int64_t j = 0; j < d / 2; j++) {
+            const double fr = 1.0 / pow(10000.0, (double)(2 * j) / (double)d);
+            col_axis[off + 2 * j] = col_axis[off + 2 * j + 1] = a;
+            col_freq[off + 2 * j] = col_freq[off + 2 * j + 1] = fr;
         }
+        off += d;
     }
 }
 
@@ -472,18 +468,21 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_split_range(St, P, chunk, &st0, &stc);
     A.B = B, A.Si = sic, A.St = stc, A.S = sic + stc;
     const int64_t S = A.S;
-    float *hs_h = mdt_arena_floats(ha, B * sic * f->in_ch);      // [B, Si/P, in] host
-    float *ehs_h = mdt_arena_floats(ha, B * stc * f->joint_dim); // [B, St/P, joint] host
+    /* this chunk's rows of the inputs (the inputs themselves when the sequence is whole) */
+    float *hs_h = P > 1 ? mdt_arena_floats(ha, B * sic * f->in_ch) : hs_full;       // [B, Si/P, in]
+    float *ehs_h = P > 1 ? mdt_arena_floats(ha, B * stc * f->joint_dim) : ehs_full; // [B, St/P, j]
     float *img_ids = mdt_arena_floats(ha, sic * f->naxes);       // [Si/P, axes] host
     float *txt_ids = mdt_arena_floats(ha, stc * f->naxes);       // [St/P, axes] host
     float *e256_h = mdt_arena_floats(ha, 2 * B * 256);           // [2, B, 256] host: t, g
     float *ids = mdt_arena_floats(ha, (sic + stc) * f->naxes);   // [S/P, axes] text first
-    float *cos_h = mdt_arena_floats(ha, (sic + stc) * D);        // [S/P, D] host
-    float *sin_h = mdt_arena_floats(ha, (sic + stc) * D);        // [S/P, D] host
-    if (!hs_h || !ehs_h || !img_ids || !txt_ids || !e256_h || !ids || !cos_h || !sin_h)
+    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, D); // [D] host
+    double *col_freq = (double *)(void *)mdt_arena_floats(ha, 2 * D); // [D] host
+    if (!hs_h || !ehs_h || !img_ids || !txt_ids || !e256_h || !ids || !col_axis || !col_freq)
         return MDT_E_NOMEM;
-    slice_rows(hs_full, B, Si, f->in_ch, si0, sic, hs_h);
-    slice_rows(ehs_full, B, St, f->joint_dim, st0, stc, ehs_h);
+    if (P > 1) {
+        slice_rows(hs_full, B, Si, f->in_ch, si0, sic, hs_h);
+        slice_rows(ehs_full, B, St, f->joint_dim, st0, stc, ehs_h);
+    }
     slice_rows(img_full, 1, Si, f->naxes, si0, sic, img_ids);
     slice_rows(txt_full, 1, St, f->naxes, st0, stc, txt_ids);
     for (int64_t b = 0; b < B; b++)
@@ -496,15 +495,18 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     }
     memcpy(ids, txt_ids, sizeof(float) * (size_t)(stc * f->naxes));
     memcpy(ids + stc * f->naxes, img_ids, sizeof(float) * (size_t)(sic * f->naxes));
-    rope_tables(f, ids, S, cos_h, sin_h); // [S/P, D] for the local rows only (non-persistent)
+    rope_columns(f, col_axis, col_freq);
 
     /* to the backend's memory (the same pointers on the CPU backend) */
     const float *hs = mdt_k_upload(ar, hs_h, sizeof(float) * (size_t)(B * sic * f->in_ch));
     const float *ehs = mdt_k_upload(ar, ehs_h, sizeof(float) * (size_t)(B * stc * f->joint_dim));
     const float *e256 = mdt_k_upload(ar, e256_h, sizeof(float) * (size_t)(2 * B * 256));
     const float *pool = mdt_k_upload(ar, pooled, sizeof(float) * (size_t)(B * f->pooled_dim));
-    const float *cos_t = mdt_k_upload(ar, cos_h, sizeof(float) * (size_t)(S * D));
-    const float *sin_t = mdt_k_upload(ar, sin_h, sizeof(float) * (size_t)(S * D));
+    const float *ids_d = mdt_k_upload(ar, ids, sizeof(float) * (size_t)(S * f->naxes));
+    const int32_t *cax_d = mdt_k_upload(ar, col_axis, sizeof(int32_t) * (size_t)D);
+    const double *cfr_d = mdt_k_upload(ar, col_freq, sizeof(double) * (size_t)D);
+    float *cos_t = mdt_arena_floats(ar, S * D); // [S/P, D] local rows only (non-persistent)
+    float *sin_t = mdt_arena_floats(ar, S * D); // [S/P, D]
     float *hsc = mdt_arena_floats(ar, B * C);     // [B, C] scratch
     float *temb = mdt_arena_floats(ar, B * C);    // [B, C]
     float *tmp = mdt_arena_floats(ar, B * C);     // [B, C]
@@ -513,9 +515,10 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     A.q = mdt_arena_floats(ar, B * H * S * D);    // [B, H/T, S/P, D]
     A.k_ = mdt_arena_floats(ar, B * H * S * D);   // [B, H/T, S/P, D]
     A.v = mdt_arena_floats(ar, B * H * S * D);    // [B, H/T, S/P, D]
-    if (!hs || !ehs || !e256 || !pool || !cos_t || !sin_t || !hsc || !temb || !tmp || !x || !c ||
-        !A.q || !A.k_ || !A.v)
+    if (!hs || !ehs || !e256 || !pool || !ids_d || !cax_d || !cfr_d || !cos_t || !sin_t || !hsc ||
+        !temb || !tmp || !x || !c || !A.q || !A.k_ || !A.v)
         return MDT_E_NOMEM;
+    mdt_k_angle_table(ids_d, f->naxes, S, D, cax_d, cfr_d, 1, cos_t, sin_t); // [S/P, D]
 
     /* conditioning: temb [B, C] = time(t) (+ guidance(g)) + text(pooled) */
     mlp2(&f->t_lin1, &f->t_lin2, e256, B, hsc, temb); // [B, C]

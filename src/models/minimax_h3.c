@@ -397,27 +397,24 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     mdt_split_range(S, P, chunk, &s0, &Sc);
     A.B = B, A.Sc = Sc, A.Tn = Tn;
 
-    /* rotary tables for the local rows: angles (t, h, w) x inv_freq, concatenated twice */
+    /* rotary tables for the local rows: angles (t, h, w) x inv_freq (float math), the three
+     * axes' columns concatenated, then the whole repeated: column c uses axis (c mod 3F) / F and
+     * frequency inv_freq[c mod F] */
     const int64_t rot = 6 * Fr;
-    float *cos_h = mdt_arena_floats(ha, Sc * rot), *sin_h = mdt_arena_floats(ha, Sc * rot);
+    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, rot); // [6F] host
+    double *col_freq = (double *)(void *)mdt_arena_floats(ha, 2 * rot); // [6F] host
     float *inv = mdt_arena_floats(ha, Fr);
     /* timestep embedding: [cos, sin] of t * exp(-ln(1e4) i / (freq/2)), unscaled t */
     const int64_t half = f->freq_dim / 2;
     float *e_h = mdt_arena_floats(ha, Tn * f->freq_dim);               // [T_n, freq] host
     int64_t *aidx_h = (int64_t *)(void *)mdt_arena_floats(ha, 2 * Sc); // [S/P] AdaLN rows
     int64_t *tidx_h = (int64_t *)(void *)mdt_arena_floats(ha, 2 * Sc); // [S/P] norm_out rows
-    if (!cos_h || !sin_h || !inv || !e_h || !aidx_h || !tidx_h)
+    if (!col_axis || !col_freq || !inv || !e_h || !aidx_h || !tidx_h)
         return MDT_E_NOMEM;
     for (int64_t j = 0; j < Fr; j++) /* non-persistent buffer: computed on every rank */
         inv[j] = 1.0f / powf((float)f->rope_theta, (float)(2 * j) / (float)(2 * Fr));
-    for (int64_t s = 0; s < Sc; s++)
-        for (int a = 0; a < 3; a++)
-            for (int64_t j = 0; j < Fr; j++) {
-                const float ang = pos[(s0 + s) * 3 + a] * inv[j];
-                const float cv = cosf(ang), sv = sinf(ang);
-                cos_h[s * rot + a * Fr + j] = cos_h[s * rot + 3 * Fr + a * Fr + j] = cv;
-                sin_h[s * rot + a * Fr + j] = sin_h[s * rot + 3 * Fr + a * Fr + j] = sv;
-            }
+    for (int64_t c = 0; c < rot; c++)
+        col_axis[c] = (int32_t)((c % (3 * Fr)) / Fr), col_freq[c] = (double)inv[c % Fr];
     for (int64_t t = 0; t < Tn; t++)
         for (int64_t i = 0; i < half; i++) {
             const float fr = expf(-logf(10000.0f) * (float)i / (float)half);
@@ -430,8 +427,10 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     MDT_TRY(chunk_rows(&A, ha, xidx, Nt, s0, &xsr, &xdr, &nx)); /* text rows of my chunk */
 
     /* to the backend's memory (the same pointers on the CPU backend) */
-    const size_t tb = sizeof(float) * (size_t)(Sc * rot);
-    const float *cos_t = mdt_k_upload(ar, cos_h, tb), *sin_t = mdt_k_upload(ar, sin_h, tb);
+    const float *pos_d = mdt_k_upload(ar, pos + s0 * 3, sizeof(float) * (size_t)(Sc * 3));
+    const int32_t *cax_d = mdt_k_upload(ar, col_axis, sizeof(int32_t) * (size_t)rot);
+    const double *cfr_d = mdt_k_upload(ar, col_freq, sizeof(double) * (size_t)rot);
+    float *cos_t = mdt_arena_floats(ar, Sc * rot), *sin_t = mdt_arena_floats(ar, Sc * rot);
     const float *e = mdt_k_upload(ar, e_h, sizeof(float) * (size_t)(Tn * f->freq_dim));
     const int64_t *aidx_l = mdt_k_upload(ar, aidx_h, sizeof(int64_t) * (size_t)(Sc ? Sc : 1));
     const int64_t *tidx_l = mdt_k_upload(ar, tidx_h, sizeof(int64_t) * (size_t)(Sc ? Sc : 1));
@@ -440,8 +439,10 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     float *temb = mdt_arena_floats(ar, Tn * E);            // [T_n, E]
     float *h = mdt_arena_floats(ar, B * Sc * C);           // [B, S/P, C] packed local rows
     float *txt = mdt_arena_floats(ar, B * Nt * C);         // [B, N_text, C]
-    if (!cos_t || !sin_t || !e || !aidx_l || !tidx_l || !ehs_d || !th || !temb || !h || !txt)
+    if (!pos_d || !cax_d || !cfr_d || !cos_t || !sin_t || !e || !aidx_l || !tidx_l || !ehs_d ||
+        !th || !temb || !h || !txt)
         return MDT_E_NOMEM;
+    mdt_k_angle_table(pos_d, 3, Sc, rot, cax_d, cfr_d, 0, cos_t, sin_t); // [S/P, 6F]
     linear(&f->t_lin1, e, Tn, f->time_hidden, th);
     mdt_k_silu(th, Tn * f->time_hidden);
     linear(&f->t_lin2, th, Tn, E, temb);

@@ -314,3 +314,19 @@ void mdt_cpu_lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t
             Lr[h * L + i] = m + logf(wa + wb);
         }
 }
+
+void mdt_cpu_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t ncols,
+                         const int32_t *col_axis, const double *col_freq, int dbl, float *cos_t,
+                         float *sin_t) {
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t c = 0; c < ncols; c++) {
+            const float p = pos[s * ldpos + col_axis[c]];
+            if (dbl) {
+                const double a = (double)p * col_freq[c];
+                cos_t[s * ncols + c] = (float)cos(a), sin_t[s * ncols + c] = (float)sin(a);
+            } else {
+                const float a = p * (float)col_freq[c];
+                cos_t[s * ncols + c] = cosf(a), sin_t[s * ncols + c] = sinf(a);
+            }
+        }
+}

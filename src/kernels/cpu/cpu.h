@@ -46,6 +46,11 @@ void mdt_cpu_silu(float *x, int64_t n);
 void mdt_cpu_gate_residual(float *x, const float *y, int64_t ldy, const float *gate, int64_t M,
                            int64_t C);
 
+/* Rotary tables [S, ncols]: angle pos[s ldpos + col_axis[c]] x col_freq[c], with the product and
+ * cos/sin in double (dbl, then rounded to float: diffusers' Flux) or in float (MiniMax-H3). */
+void mdt_cpu_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t ncols,
+                         const int32_t *col_axis, const double *col_freq, int dbl, float *cos_t,
+                         float *sin_t);
 /* dst[r, 0:cols] = src[r, 0:cols] for r < rows, rows ldd / lds floats apart. */
 void mdt_cpu_copy2d(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
                     int64_t cols);

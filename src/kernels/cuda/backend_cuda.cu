@@ -259,6 +259,31 @@ static void be_to_bf16(uint16_t *dst, const float *src, int64_t n) {
     launched("to_bf16");
 }
 
+__global__ void k_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t ncols,
+                              const int32_t *col_axis, const double *col_freq, int dbl,
+                              float *cos_t, float *sin_t) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < S * ncols;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t s = i / ncols, c = i % ncols;
+        const float p = pos[s * ldpos + col_axis[c]];
+        if (dbl) {
+            const double a = (double)p * col_freq[c];
+            cos_t[i] = (float)cos(a), sin_t[i] = (float)sin(a);
+        } else {
+            const float a = p * (float)col_freq[c];
+            cos_t[i] = cosf(a), sin_t[i] = sinf(a);
+        }
+    }
+}
+
+static void be_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t ncols,
+                           const int32_t *col_axis, const double *col_freq, int dbl, float *cos_t,
+                           float *sin_t) {
+    k_angle_table<<<blocks_for(S * ncols, 256), 256, 0, g_stream>>>(pos, ldpos, S, ncols, col_axis,
+                                                                     col_freq, dbl, cos_t, sin_t);
+    launched("angle_table");
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float gelu_f(float v) {
     const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
@@ -962,6 +987,7 @@ extern "C" __attribute__((visibility("default"))) const mdt_backend_ops *mdt_cud
     o->to_device = be_to_device, o->to_device_async = be_to_device_async, o->to_host = be_to_host;
     o->mem_peak = be_mem_peak, o->copy2d = be_copy2d, o->copy_rows = be_copy_rows;
     o->fill = be_fill, o->add = be_add, o->add_bias = be_add_bias, o->to_bf16 = be_to_bf16;
+    o->angle_table = be_angle_table;
     o->linear = be_linear, o->layernorm_modulate = be_layernorm_modulate;
     o->heads_prepare = be_heads_prepare, o->rmsnorm = be_rmsnorm;
     o->modulate_rows = be_modulate_rows, o->gate_residual_rows = be_gate_residual_rows;
