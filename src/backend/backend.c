@@ -16,7 +16,7 @@
 static mdt_backend_kind g_kind = MDT_BACKEND_CPU;
 static const mdt_backend_ops *g_ops; /* NULL on the CPU backend */
 static int g_bf16;
-static mdt_mem_source g_mem;
+static mdt_mem_source g_mem, g_pinned;
 
 static void *dev_alloc(size_t n) { return g_ops->alloc(n); }
 static void dev_free(void *p) { g_ops->free(p); }
@@ -96,6 +96,7 @@ mdt_status mdt_backend_select(mdt_backend_kind kind, int ordinal, int bf16) {
                              .to_device = ops->to_device,
                              .host_alloc = ops->host_alloc,
                              .host_free = ops->host_free};
+    g_pinned = (mdt_mem_source){.alloc = ops->host_alloc, .free = ops->host_free, .what = "pinned"};
     mdt_mem_set_device(&g_mem);
     return MDT_OK; /* the plugin stays loaded for the life of the process */
 }
@@ -105,6 +106,7 @@ const char *mdt_backend_name(void) { return g_ops ? g_ops->name : "cpu"; }
 int mdt_backend_bf16(void) { return g_bf16; }
 const mdt_backend_ops *mdt_backend_device_ops(void) { return g_ops; }
 const mdt_mem_source *mdt_backend_mem(void) { return g_ops ? &g_mem : NULL; }
+const mdt_mem_source *mdt_backend_host_mem(void) { return g_ops ? &g_pinned : NULL; }
 
 mdt_status mdt_backend_check(void) {
     char err[512] = "";

@@ -28,6 +28,8 @@ int mdt_backend_bf16(void);
 const mdt_backend_ops *mdt_backend_device_ops(void);
 /* Device memory for arenas (NULL on the CPU backend: host memory). */
 const mdt_mem_source *mdt_backend_mem(void);
+/* Page-locked host memory for staging arenas (NULL on the CPU backend: plain host memory). */
+const mdt_mem_source *mdt_backend_host_mem(void);
 /* Waits for queued device work; MDT_E_INVALID with the device's message on failure. */
 mdt_status mdt_backend_check(void);
 /* Device description for reports ("cpu" on the CPU backend). */

@@ -77,7 +77,9 @@ typedef struct mdt_backend_ops {
     void (*gelu_rows)(float *x, int64_t ld, int64_t M, int64_t n); /* GELU(tanh), n per row */
     void (*silu)(float *x, int64_t n);
     /* Attention as mdt_cpu_attention; bf16 != 0: bf16 operands on the tensor cores with fp32
-     * accumulation and fp32 softmax. Scratch is the backend's own. */
+     * accumulation and fp32 softmax (CUDA: 1 = the mma.sync flash kernel, 2 = the WMMA kernel
+     * kept as a cross-check; head dims other than 64 and 128 run the f32 kernel). Scratch is the
+     * backend's own. */
     void (*attention)(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
                       float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
                       float scale, int bf16);

@@ -471,11 +471,11 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     /* this chunk's rows of the inputs (the inputs themselves when the sequence is whole) */
     float *hs_h = P > 1 ? mdt_arena_floats(ha, B * sic * f->in_ch) : hs_full;       // [B, Si/P, in]
     float *ehs_h = P > 1 ? mdt_arena_floats(ha, B * stc * f->joint_dim) : ehs_full; // [B, St/P, j]
-    float *img_ids = mdt_arena_floats(ha, sic * f->naxes);       // [Si/P, axes] host
-    float *txt_ids = mdt_arena_floats(ha, stc * f->naxes);       // [St/P, axes] host
-    float *e256_h = mdt_arena_floats(ha, 2 * B * 256);           // [2, B, 256] host: t, g
-    float *ids = mdt_arena_floats(ha, (sic + stc) * f->naxes);   // [S/P, axes] text first
-    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, D); // [D] host
+    float *img_ids = mdt_arena_floats(ha, sic * f->naxes);            // [Si/P, axes] host
+    float *txt_ids = mdt_arena_floats(ha, stc * f->naxes);            // [St/P, axes] host
+    float *e256_h = mdt_arena_floats(ha, 2 * B * 256);                // [2, B, 256] host: t, g
+    float *ids = mdt_arena_floats(ha, (sic + stc) * f->naxes);        // [S/P, axes] text first
+    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, D);   // [D] host
     double *col_freq = (double *)(void *)mdt_arena_floats(ha, 2 * D); // [D] host
     if (!hs_h || !ehs_h || !img_ids || !txt_ids || !e256_h || !ids || !col_axis || !col_freq)
         return MDT_E_NOMEM;
@@ -505,8 +505,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     const float *ids_d = mdt_k_upload(ar, ids, sizeof(float) * (size_t)(S * f->naxes));
     const int32_t *cax_d = mdt_k_upload(ar, col_axis, sizeof(int32_t) * (size_t)D);
     const double *cfr_d = mdt_k_upload(ar, col_freq, sizeof(double) * (size_t)D);
-    float *cos_t = mdt_arena_floats(ar, S * D); // [S/P, D] local rows only (non-persistent)
-    float *sin_t = mdt_arena_floats(ar, S * D); // [S/P, D]
+    float *cos_t = mdt_arena_floats(ar, S * D);   // [S/P, D] local rows only (non-persistent)
+    float *sin_t = mdt_arena_floats(ar, S * D);   // [S/P, D]
     float *hsc = mdt_arena_floats(ar, B * C);     // [B, C] scratch
     float *temb = mdt_arena_floats(ar, B * C);    // [B, C]
     float *tmp = mdt_arena_floats(ar, B * C);     // [B, C]

@@ -401,7 +401,7 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
      * axes' columns concatenated, then the whole repeated: column c uses axis (c mod 3F) / F and
      * frequency inv_freq[c mod F] */
     const int64_t rot = 6 * Fr;
-    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, rot); // [6F] host
+    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, rot);   // [6F] host
     double *col_freq = (double *)(void *)mdt_arena_floats(ha, 2 * rot); // [6F] host
     float *inv = mdt_arena_floats(ha, Fr);
     /* timestep embedding: [cos, sin] of t * exp(-ln(1e4) i / (freq/2)), unscaled t */

@@ -671,7 +671,8 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
     mdt_status st;
     if (!m->weights && !m->on_device)
         return MDT_FAIL(MDT_E_INVALID, "model has no weights (described, not loaded)");
-    m->arena.src = mdt_backend_mem(); /* activations where the weights are */
+    m->arena.src = mdt_backend_mem();       /* activations where the weights are */
+    m->harena.src = mdt_backend_host_mem(); /* page-locked staging for the uploads */
     st = mdt_arena_reset(&m->arena);
     if (st == MDT_OK)
         st = mdt_arena_reset(&m->harena);

@@ -266,8 +266,10 @@ static void test_attention(void) {
         float *got = back(dout, Sq * ld), *gl = back(dl, H * Sq);
         char name[128];
         snprintf(name, sizeof name, "attention %s D=%lld, %lld of %lld keys",
-                 cs[c].bf16 ? "bf16 tensor cores" : "f32", (long long)D, (long long)skv,
-                 (long long)Sk);
+                 cs[c].bf16 == 2 ? "bf16 wmma"
+                 : cs[c].bf16    ? "bf16 mma.sync"
+                                 : "f32",
+                 (long long)D, (long long)skv, (long long)Sk);
         if (skv == 0) {
             int ok = 1;
             for (int64_t i = 0; i < Sq * ld; i++)
@@ -348,18 +350,20 @@ static void bench(void) {
     g->to_device(dv, h, sizeof(float) * (size_t)(H * S * D));
     float *dout = dev_poison(S * C);
     char err[256];
-    for (int bf = 1; bf >= 0; bf--) {
-        const int reps = bf ? 20 : 3;
-        g->attention(dq, dk, dv, dout, C, NULL, H, S, S, S, D, 0.088f, bf);
+    for (int bf = 1; bf <= 3; bf++) { /* 1 mma.sync, 2 wmma, 3 -> 0: f32 */
+        const int reps = bf == 1 ? 20 : 3, kind = bf == 3 ? 0 : bf;
+        g->attention(dq, dk, dv, dout, C, NULL, H, S, S, S, D, 0.088f, kind);
         g->check(err, sizeof err);
         double t0 = mdt_now();
         for (int r = 0; r < reps; r++)
-            g->attention(dq, dk, dv, dout, C, NULL, H, S, S, S, D, 0.088f, bf);
+            g->attention(dq, dk, dv, dout, C, NULL, H, S, S, S, D, 0.088f, kind);
         g->check(err, sizeof err);
         const double t = (mdt_now() - t0) / reps, fl = 4.0 * H * S * S * D;
         printf("bench attention %s H=%lld S=%lld D=%lld: %.3f ms, %.1f TFLOP/s\n",
-               bf ? "bf16" : "f32 ", (long long)H, (long long)S, (long long)D, t * 1e3,
-               fl / t * 1e-12);
+               kind == 1   ? "bf16 mma.sync"
+               : kind == 2 ? "bf16 wmma"
+                           : "f32",
+               (long long)H, (long long)S, (long long)D, t * 1e3, fl / t * 1e-12);
     }
     /* the block's largest GEMM: proj_out [S, 5C] x [C, 5C]^T in bf16 and f32 */
     const int64_t K = 5 * C;

@@ -33,6 +33,8 @@ static int g_failed;
 static char g_err[512];
 static int64_t g_peak;
 static __nv_bfloat16 *g_xh; /* bf16 copy of a GEMM's activations */
+static __nv_bfloat16 *g_kv; /* bf16 K and transposed V of the current attention call */
+static size_t g_kv_n;
 static size_t g_xh_n;
 static int g_dev;
 
@@ -102,6 +104,8 @@ static void be_shutdown(void) {
         cublasDestroy(g_blas);
     cudaFree(g_xh);
     g_blas = NULL, g_xh = NULL, g_xh_n = 0;
+    cudaFree(g_kv);
+    g_kv = NULL, g_kv_n = 0;
 }
 
 static int be_device_count(void) {
@@ -722,6 +726,190 @@ static int launch_bf16(const float *q, const float *k, const float *v, float *ou
     return 0;
 }
 
+
+/* bf16 flash attention on mma.sync (m16n8k16, fp32 accumulation), FlashAttention-2 style: a block
+ * of 8 warps takes 128 query rows (16 per warp, Q held in registers as A fragments, pre-scaled by
+ * scale x log2 e); 64-key tiles of K (row-major) and V (transposed, so both B operands are
+ * contiguous pairs) pass through shared memory; scores, the online softmax and the output stay
+ * in registers: the score accumulators are re-packed in place as the A operand of P V. K and V
+ * are first converted to bf16 (V transposed) into the plugin's scratch, padded to 64 keys. */
+#define MA_BQ 128
+#define MA_BK 64
+#define MA_PAD 8
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&v;
+}
+
+/* K [H, Sk, D] f32 -> Kb [H, Skp, D] bf16; V -> Vt [H, D, Skp] bf16 (keys >= Sk zero). */
+__global__ void k_kv_to_bf16(const float *k, const float *v, __nv_bfloat16 *kb, __nv_bfloat16 *vt,
+                             int64_t Sk, int64_t Skp, int64_t D) {
+    __shared__ float tile[32][33];
+    const int64_t h = blockIdx.z, j0 = (int64_t)blockIdx.x * 32, d0 = (int64_t)blockIdx.y * 32;
+    const float *kh = k + h * Sk * D, *vh = v + h * Sk * D;
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int64_t j = j0 + i, d = d0 + threadIdx.x;
+        const bool ok = j < Sk;
+        kb[(h * Skp + j) * D + d] = __float2bfloat16_rn(ok ? kh[j * D + d] : 0.0f);
+        tile[i][threadIdx.x] = ok ? vh[j * D + d] : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+        vt[(h * D + d0 + i) * Skp + j0 + threadIdx.x] = __float2bfloat16_rn(tile[threadIdx.x][i]);
+}
+
+template <int D>
+__global__ void __launch_bounds__(256)
+    k_attn_mma(const float *q, const __nv_bfloat16 *kb, const __nv_bfloat16 *vt, float *out,
+               int64_t ld_out, float *lse, int64_t Sq, int64_t Skp, int64_t skv, float qscale) {
+    __shared__ __align__(16) __nv_bfloat16 Ks[MA_BK][D + MA_PAD];
+    __shared__ __align__(16) __nv_bfloat16 Vs[D][MA_BK + MA_PAD];
+    const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int64_t r0 = (int64_t)blockIdx.x * MA_BQ + warp * 16 + g, r1 = r0 + 8;
+    const float *qh = q + (int64_t)h * Sq * D;
+    const __nv_bfloat16 *kh = kb + (int64_t)h * Skp * D, *vh = vt + (int64_t)h * D * Skp;
+    uint32_t qa[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        const int c = kk * 16 + 2 * t;
+        float x[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (r0 < Sq)
+            x[0] = qh[r0 * D + c], x[1] = qh[r0 * D + c + 1], x[4] = qh[r0 * D + c + 8],
+            x[5] = qh[r0 * D + c + 9];
+        if (r1 < Sq)
+            x[2] = qh[r1 * D + c], x[3] = qh[r1 * D + c + 1], x[6] = qh[r1 * D + c + 8],
+            x[7] = qh[r1 * D + c + 9];
+        qa[kk][0] = pack_bf16(x[0] * qscale, x[1] * qscale);
+        qa[kk][1] = pack_bf16(x[2] * qscale, x[3] * qscale);
+        qa[kk][2] = pack_bf16(x[4] * qscale, x[5] * qscale);
+        qa[kk][3] = pack_bf16(x[6] * qscale, x[7] * qscale);
+    }
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++)
+        o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    for (int64_t j0 = 0; j0 < skv; j0 += MA_BK) {
+        __syncthreads();
+        /* K tile: 64 rows of D bf16; V tile: D rows of 64 keys; 16-byte pieces */
+        for (int i = threadIdx.x; i < MA_BK * D / 8; i += blockDim.x) {
+            const int r = i / (D / 8), c = (i % (D / 8)) * 8;
+            *(uint4 *)&Ks[r][c] = *(const uint4 *)&kh[(j0 + r) * D + c];
+        }
+        for (int i = threadIdx.x; i < D * MA_BK / 8; i += blockDim.x) {
+            const int r = i / (MA_BK / 8), c = (i % (MA_BK / 8)) * 8;
+            *(uint4 *)&Vs[r][c] = *(const uint4 *)&vh[(int64_t)r * Skp + j0 + c];
+        }
+        __syncthreads();
+        float sc[MA_BK / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < MA_BK / 8; nt++) {
+            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                const uint32_t b0 = *(const uint32_t *)&Ks[nt * 8 + g][kk * 16 + 2 * t];
+                const uint32_t b1 = *(const uint32_t *)&Ks[nt * 8 + g][kk * 16 + 8 + 2 * t];
+                mma_bf16(sc[nt], qa[kk], b0, b1);
+            }
+        }
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int nt = 0; nt < MA_BK / 8; nt++) {
+            const int64_t j = j0 + nt * 8 + 2 * t;
+            if (j >= skv)
+                sc[nt][0] = sc[nt][2] = -INFINITY;
+            if (j + 1 >= skv)
+                sc[nt][1] = sc[nt][3] = -INFINITY;
+            mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
+            mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float a0 = m0 == -INFINITY ? 0.0f : exp2f(m0 - mx0);
+        const float a1 = m1 == -INFINITY ? 0.0f : exp2f(m1 - mx1);
+        m0 = mx0, m1 = mx1;
+        l0 *= a0, l1 *= a1;
+#pragma unroll
+        for (int i = 0; i < D / 8; i++)
+            o[i][0] *= a0, o[i][1] *= a0, o[i][2] *= a1, o[i][3] *= a1;
+        uint32_t pa[MA_BK / 16][4];
+#pragma unroll
+        for (int nt = 0; nt < MA_BK / 8; nt++) {
+            const float p0 = mx0 == -INFINITY ? 0.0f : exp2f(sc[nt][0] - mx0);
+            const float p1 = mx0 == -INFINITY ? 0.0f : exp2f(sc[nt][1] - mx0);
+            const float p2 = mx1 == -INFINITY ? 0.0f : exp2f(sc[nt][2] - mx1);
+            const float p3 = mx1 == -INFINITY ? 0.0f : exp2f(sc[nt][3] - mx1);
+            l0 += p0 + p1, l1 += p2 + p3;
+            pa[nt / 2][(nt % 2) * 2 + 0] = pack_bf16(p0, p1);
+            pa[nt / 2][(nt % 2) * 2 + 1] = pack_bf16(p2, p3);
+        }
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+            for (int kk = 0; kk < MA_BK / 16; kk++) {
+                const uint32_t b0 = *(const uint32_t *)&Vs[dt * 8 + g][kk * 16 + 2 * t];
+                const uint32_t b1 = *(const uint32_t *)&Vs[dt * 8 + g][kk * 16 + 8 + 2 * t];
+                mma_bf16(o[dt], pa[kk], b0, b1);
+            }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt++) {
+        const int64_t c = (int64_t)h * D + dt * 8 + 2 * t;
+        if (r0 < Sq)
+            *(float2 *)&out[r0 * ld_out + c] = make_float2(o[dt][0] * i0, o[dt][1] * i0);
+        if (r1 < Sq)
+            *(float2 *)&out[r1 * ld_out + c] = make_float2(o[dt][2] * i1, o[dt][3] * i1);
+    }
+    if (lse && t == 0) {
+        const float ln2 = 0.69314718055994531f;
+        if (r0 < Sq)
+            lse[(int64_t)h * Sq + r0] = l0 > 0.0f ? m0 * ln2 + logf(l0) : -INFINITY;
+        if (r1 < Sq)
+            lse[(int64_t)h * Sq + r1] = l1 > 0.0f ? m1 * ln2 + logf(l1) : -INFINITY;
+    }
+}
+
+
+template <int D>
+static void launch_mma(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
+                       float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t skv, float scale) {
+    const int64_t Skp = (Sk + MA_BK - 1) / MA_BK * MA_BK;
+    const size_t need = (size_t)(2 * H * Skp * D);
+    if (need > g_kv_n) {
+        cudaFree(g_kv);
+        g_kv = NULL, g_kv_n = 0;
+        if (ck(cudaMalloc(&g_kv, need * 2), "attention bf16 scratch"))
+            return;
+        g_kv_n = need;
+        note_peak();
+    }
+    __nv_bfloat16 *kb = g_kv, *vt = g_kv + H * Skp * D;
+    k_kv_to_bf16<<<dim3((unsigned)(Skp / 32), (unsigned)(D / 32), (unsigned)H), dim3(32, 8), 0,
+                   g_stream>>>(k, v, kb, vt, Sk, Skp, D);
+    launched("attention: K, V to bf16");
+    const float qscale = scale * 1.4426950408889634f; /* scores in log2 units: exp2 */
+    dim3 grid((unsigned)((Sq + MA_BQ - 1) / MA_BQ), (unsigned)H);
+    k_attn_mma<D><<<grid, 256, 0, g_stream>>>(q, kb, vt, out, ld_out, lse, Sq, Skp, skv, qscale);
+    launched("flash attention (bf16 mma)");
+}
+
 template <int NT>
 static void launch_f32(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
                        float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t skv, int64_t D,
@@ -745,7 +933,14 @@ static void be_attention(const float *q, const float *k, const float *v, float *
                          int64_t skv, int64_t D, float scale, int bf16) {
     if (skv > Sk)
         skv = Sk;
-    if (bf16 && (D == 64 || D == 128)) {
+    if (bf16 == 1 && (D == 64 || D == 128)) {
+        if (D == 64)
+            launch_mma<64>(q, k, v, out, ld_out, lse, H, Sq, Sk, skv, scale);
+        else
+            launch_mma<128>(q, k, v, out, ld_out, lse, H, Sq, Sk, skv, scale);
+        return;
+    }
+    if (bf16 && (D == 64 || D == 128)) { /* 2: the WMMA kernel, kept as a cross-check */
         if (D == 64)
             launch_bf16<64>(q, k, v, out, ld_out, lse, H, Sq, Sk, skv, scale);
         else
