@@ -309,7 +309,7 @@ typedef struct rank_facts {
     int64_t attn_calls, attn_q, attn_kv;
     int64_t coll[MDT_COLL_KIND_COUNT];
     int64_t group[MDT_GROUP_COUNT];
-    double ring_wait_s, ring_compute_s;
+    double ring_wait_s, ring_compute_s, prep_s;
 } rank_facts;
 
 static mdt_status write_report(const char *path, const mdt_model *m, const char *order,
@@ -409,6 +409,8 @@ static void print_plan(const mdt_model *m, const char *order, const rank_facts *
                (long long)f->group[MDT_GROUP_ULYSSES], (long long)f->group[MDT_GROUP_CP]);
         if (f->ring_compute_s > 0)
             printf("; ring compute %.4f s, wait %.4f s", f->ring_compute_s, f->ring_wait_s);
+        if (f->prep_s > 0)
+            printf("; input prep %.6f s", f->prep_s);
         printf("\n");
     }
     printf("load %.3f s; %s %d: median %.6f s per %s (rank 0: %.2f GFLOP/s); wrote %s\n", load_s,
@@ -585,6 +587,7 @@ static int cmd_run(int argc, char **argv) {
     memcpy(mine.coll, coll, sizeof coll);
     memcpy(mine.group, group, sizeof group);
     mine.ring_wait_s = per.ring_wait_s, mine.ring_compute_s = per.ring_compute_s;
+    mine.prep_s = per.prep_s;
     all = calloc((size_t)g_world, sizeof *all);
     if (!all) {
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");

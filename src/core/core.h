@@ -116,6 +116,7 @@ typedef struct mdt_counters {
     int64_t bytes_read;    /* checkpoint bytes read from disk */
     double ring_compute_s; /* seconds attending ring blocks */
     double ring_wait_s;    /* seconds waiting for ring transfers after computing */
+    double prep_s;         /* seconds turning host inputs into device-ready tensors (uploads) */
 } mdt_counters;
 mdt_counters *mdt_counters_get(void);
 void mdt_counters_reset(void);

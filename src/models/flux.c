@@ -425,6 +425,7 @@ static mdt_status check_promise(const flux *f, const mdt_model *m, const flux_ac
 static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
     const flux *f = m->impl;
     mdt_arena *ar = &m->arena, *ha = &m->harena; /* activations; host-side inputs and tables */
+    const double t_prep = mdt_now();
     mdt_mesh *mesh = m->mesh;
     const int64_t C = f->inner, D = f->head_dim, H = f->heads / m->T;
     flux_act A = {0};
@@ -519,6 +520,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         !temb || !tmp || !x || !c || !A.q || !A.k_ || !A.v)
         return MDT_E_NOMEM;
     mdt_k_angle_table(ids_d, f->naxes, S, D, cax_d, cfr_d, 1, cos_t, sin_t); // [S/P, D]
+    mdt_counters_get()->prep_s += mdt_now() - t_prep;
 
     /* conditioning: temb [B, C] = time(t) (+ guidance(g)) + text(pooled) */
     mlp2(&f->t_lin1, &f->t_lin2, e256, B, hsc, temb); // [B, C]

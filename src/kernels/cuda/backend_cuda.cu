@@ -730,7 +730,8 @@ static int launch_bf16(const float *q, const float *k, const float *v, float *ou
 /* bf16 flash attention on mma.sync (m16n8k16, fp32 accumulation), FlashAttention-2 style: a block
  * of 8 warps takes 128 query rows (16 per warp, Q held in registers as A fragments, pre-scaled by
  * scale x log2 e); 64-key tiles of K (row-major) and V (transposed, so both B operands are
- * contiguous pairs) pass through shared memory; scores, the online softmax and the output stay
+ * contiguous pairs) pass through shared memory, double-buffered with cp.async so the next tile
+ * loads while this one is computed; scores, the online softmax and the output stay
  * in registers: the score accumulators are re-packed in place as the A operand of P V. K and V
  * are first converted to bf16 (V transposed) into the plugin's scratch, padded to 64 keys. */
 #define MA_BQ 128
@@ -767,17 +768,48 @@ __global__ void k_kv_to_bf16(const float *k, const float *v, __nv_bfloat16 *kb, 
         vt[(h * D + d0 + i) * Skp + j0 + threadIdx.x] = __float2bfloat16_rn(tile[threadIdx.x][i]);
 }
 
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait(void) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <int D> struct ma_tile {
+    __nv_bfloat16 k[MA_BK][D + MA_PAD]; /* keys, row-major */
+    __nv_bfloat16 v[D][MA_BK + MA_PAD]; /* values, transposed */
+};
+
+/* Starts the asynchronous copy of key tile j0 into `t` (16-byte pieces, no registers). */
+template <int D>
+__device__ __forceinline__ void ma_load(ma_tile<D> *t, const __nv_bfloat16 *kh,
+                                        const __nv_bfloat16 *vh, int64_t Skp, int64_t j0) {
+    for (int i = threadIdx.x; i < MA_BK * D / 8; i += blockDim.x) {
+        const int r = i / (D / 8), c = (i % (D / 8)) * 8;
+        cp_async16(&t->k[r][c], &kh[(j0 + r) * D + c]);
+    }
+    for (int i = threadIdx.x; i < D * MA_BK / 8; i += blockDim.x) {
+        const int r = i / (MA_BK / 8), c = (i % (MA_BK / 8)) * 8;
+        cp_async16(&t->v[r][c], &vh[(int64_t)r * Skp + j0 + c]);
+    }
+    cp_async_commit();
+}
+
 template <int D>
 __global__ void __launch_bounds__(256)
     k_attn_mma(const float *q, const __nv_bfloat16 *kb, const __nv_bfloat16 *vt, float *out,
                int64_t ld_out, float *lse, int64_t Sq, int64_t Skp, int64_t skv, float qscale) {
-    __shared__ __align__(16) __nv_bfloat16 Ks[MA_BK][D + MA_PAD];
-    __shared__ __align__(16) __nv_bfloat16 Vs[D][MA_BK + MA_PAD];
+    extern __shared__ __align__(16) unsigned char ma_smem[];
+    ma_tile<D> *tiles = (ma_tile<D> *)ma_smem; /* two: the next tile loads while one is used */
     const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int64_t r0 = (int64_t)blockIdx.x * MA_BQ + warp * 16 + g, r1 = r0 + 8;
     const float *qh = q + (int64_t)h * Sq * D;
     const __nv_bfloat16 *kh = kb + (int64_t)h * Skp * D, *vh = vt + (int64_t)h * D * Skp;
+    if (skv > 0)
+        ma_load<D>(&tiles[0], kh, vh, Skp, 0);
     uint32_t qa[D / 16][4];
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
@@ -799,19 +831,18 @@ __global__ void __launch_bounds__(256)
     for (int i = 0; i < D / 8; i++)
         o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-    for (int64_t j0 = 0; j0 < skv; j0 += MA_BK) {
-        __syncthreads();
-        /* K tile: 64 rows of D bf16; V tile: D rows of 64 keys; 16-byte pieces */
-        for (int i = threadIdx.x; i < MA_BK * D / 8; i += blockDim.x) {
-            const int r = i / (D / 8), c = (i % (D / 8)) * 8;
-            *(uint4 *)&Ks[r][c] = *(const uint4 *)&kh[(j0 + r) * D + c];
-        }
-        for (int i = threadIdx.x; i < D * MA_BK / 8; i += blockDim.x) {
-            const int r = i / (MA_BK / 8), c = (i % (MA_BK / 8)) * 8;
-            *(uint4 *)&Vs[r][c] = *(const uint4 *)&vh[(int64_t)r * Skp + j0 + c];
+    int buf = 0;
+    for (int64_t j0 = 0; j0 < skv; j0 += MA_BK, buf ^= 1) {
+        if (j0 + MA_BK < skv) { /* the next tile flies while this one is computed */
+            ma_load<D>(&tiles[buf ^ 1], kh, vh, Skp, j0 + MA_BK);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
-        float sc[MA_BK / 8][4];
+        __nv_bfloat16(*Ks)[D + MA_PAD] = tiles[buf].k;
+        __nv_bfloat16(*Vs)[MA_BK + MA_PAD] = tiles[buf].v;
+    float sc[MA_BK / 8][4];
 #pragma unroll
         for (int nt = 0; nt < MA_BK / 8; nt++) {
             sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
@@ -863,6 +894,7 @@ __global__ void __launch_bounds__(256)
                 const uint32_t b1 = *(const uint32_t *)&Vs[dt * 8 + g][kk * 16 + 8 + 2 * t];
                 mma_bf16(o[dt], pa[kk], b0, b1);
             }
+        __syncthreads(); /* every warp is done with this buffer before it is refilled */
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -905,8 +937,17 @@ static void launch_mma(const float *q, const float *k, const float *v, float *ou
                    g_stream>>>(k, v, kb, vt, Sk, Skp, D);
     launched("attention: K, V to bf16");
     const float qscale = scale * 1.4426950408889634f; /* scores in log2 units: exp2 */
+    const size_t shm = 2 * sizeof(ma_tile<D>);
+    static int configured;
+    if (!configured) {
+        if (ck(cudaFuncSetAttribute(k_attn_mma<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)shm),
+               "flash attention (mma) shared memory"))
+            return;
+        configured = 1;
+    }
     dim3 grid((unsigned)((Sq + MA_BQ - 1) / MA_BQ), (unsigned)H);
-    k_attn_mma<D><<<grid, 256, 0, g_stream>>>(q, kb, vt, out, ld_out, lse, Sq, Skp, skv, qscale);
+    k_attn_mma<D><<<grid, 256, shm, g_stream>>>(q, kb, vt, out, ld_out, lse, Sq, Skp, skv, qscale);
     launched("flash attention (bf16 mma)");
 }
 
