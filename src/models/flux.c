@@ -448,10 +448,11 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
                         "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] "
                         "with S_txt >= 1",
                         (long long)f->joint_dim);
-    float *hs_full, *ehs_full, *pooled, *ts, *img_full, *txt_full, *g = NULL;
-    MDT_TRY(mdt_input_f32(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, ha, &hs_full));
-    MDT_TRY(mdt_input_f32(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, ha,
-                          &ehs_full));
+    const float *hs_full, *ehs_full;
+    float *pooled, *ts, *img_full, *txt_full, *g = NULL;
+    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, ha, &hs_full));
+    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, ha,
+                               &ehs_full));
     MDT_TRY(mdt_input_f32(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ha, &pooled));
     MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ha, &ts));
     /* diffusers accepts 3-D ids (deprecated) and uses batch 0; so do we */
@@ -470,8 +471,9 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     A.B = B, A.Si = sic, A.St = stc, A.S = sic + stc;
     const int64_t S = A.S;
     /* this chunk's rows of the inputs (the inputs themselves when the sequence is whole) */
-    float *hs_h = P > 1 ? mdt_arena_floats(ha, B * sic * f->in_ch) : hs_full;       // [B, Si/P, in]
-    float *ehs_h = P > 1 ? mdt_arena_floats(ha, B * stc * f->joint_dim) : ehs_full; // [B, St/P, j]
+    float *hs_c = P > 1 ? mdt_arena_floats(ha, B * sic * f->in_ch) : NULL;      // [B, Si/P, in]
+    float *ehs_c = P > 1 ? mdt_arena_floats(ha, B * stc * f->joint_dim) : NULL; // [B, St/P, j]
+    const float *hs_h = P > 1 ? hs_c : hs_full, *ehs_h = P > 1 ? ehs_c : ehs_full;
     float *img_ids = mdt_arena_floats(ha, sic * f->naxes);            // [Si/P, axes] host
     float *txt_ids = mdt_arena_floats(ha, stc * f->naxes);            // [St/P, axes] host
     float *e256_h = mdt_arena_floats(ha, 2 * B * 256);                // [2, B, 256] host: t, g
@@ -481,8 +483,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     if (!hs_h || !ehs_h || !img_ids || !txt_ids || !e256_h || !ids || !col_axis || !col_freq)
         return MDT_E_NOMEM;
     if (P > 1) {
-        slice_rows(hs_full, B, Si, f->in_ch, si0, sic, hs_h);
-        slice_rows(ehs_full, B, St, f->joint_dim, st0, stc, ehs_h);
+        slice_rows(hs_full, B, Si, f->in_ch, si0, sic, hs_c);
+        slice_rows(ehs_full, B, St, f->joint_dim, st0, stc, ehs_c);
     }
     slice_rows(img_full, 1, Si, f->naxes, si0, sic, img_ids);
     slice_rows(txt_full, 1, St, f->naxes, st0, stc, txt_ids);

@@ -380,12 +380,14 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
                         "audio_hidden_states [B, N_audio, %lld], encoder_hidden_states [B, N_text, "
                         "%lld], timestep [T_n], position_ids [S, 3] and the index tensors",
                         (long long)f->Pv, (long long)f->audio_in, (long long)f->text_dim);
-    float *hs, *ahs, *ehs, *ts, *pos;
+    const float *hs, *ahs, *ehs;
+    float *ts, *pos;
     int64_t *tidx, *tags, *vidx, *aidx, *xidx;
-    MDT_TRY(mdt_input_f32(in, "hidden_states", 3, (int64_t[]){B, Nv, f->Pv}, ha, &hs));
-    MDT_TRY(mdt_input_f32(in, "audio_hidden_states", 3, (int64_t[]){B, Na, f->audio_in}, ha, &ahs));
-    MDT_TRY(
-        mdt_input_f32(in, "encoder_hidden_states", 3, (int64_t[]){B, Nt, f->text_dim}, ha, &ehs));
+    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 3, (int64_t[]){B, Nv, f->Pv}, ha, &hs));
+    MDT_TRY(mdt_input_f32_view(in, "audio_hidden_states", 3, (int64_t[]){B, Na, f->audio_in}, ha,
+                               &ahs));
+    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, (int64_t[]){B, Nt, f->text_dim}, ha,
+                               &ehs));
     MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){Tn}, ha, &ts));
     MDT_TRY(mdt_input_f32(in, "position_ids", 2, (int64_t[]){S, 3}, ha, &pos));
     MDT_TRY(mdt_input_i64(in, "timestep_indices", 1, (int64_t[]){S}, 0, Tn, ha, &tidx));

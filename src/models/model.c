@@ -724,6 +724,26 @@ mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, c
     return MDT_OK;
 }
 
+mdt_status mdt_input_f32_view(const mdt_tensor_set *in, const char *name, int ndim,
+                              const int64_t *shape, mdt_arena *a, const float **out) {
+    const mdt_tensor *t;
+    MDT_TRY(input_tensor(in, name, ndim, shape, &t));
+    if (t->dtype != MDT_F32) {
+        float *conv;
+        MDT_TRY(mdt_input_f32(in, name, ndim, shape, a, &conv));
+        *out = conv;
+        return MDT_OK;
+    }
+    const float *v = t->data;
+    const int64_t n = mdt_tensor_numel(t);
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(v[i]))
+            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
+                            name, (long long)i);
+    *out = v;
+    return MDT_OK;
+}
+
 mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
                          int64_t lo, int64_t hi, mdt_arena *a, int64_t **out) {
     const mdt_tensor *t;

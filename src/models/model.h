@@ -128,6 +128,10 @@ mdt_status mdt_test_fail_point(const mdt_mesh *mesh, const char *phase);
  * integer dtype) into the arena; NaN/Inf is an error naming the tensor and element. */
 mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
                          mdt_arena *a, float **out);
+/* The same, read-only and without a copy when the input is already F32 (the large activations:
+ * checked in place, uploaded straight from the caller's buffer); other dtypes are converted. */
+mdt_status mdt_input_f32_view(const mdt_tensor_set *in, const char *name, int ndim,
+                              const int64_t *shape, mdt_arena *a, const float **out);
 /* Integer index input (I64/I32/I16/I8/U8) with every value in [lo, hi), as int64 in the arena. */
 mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
                          int64_t lo, int64_t hi, mdt_arena *a, int64_t **out);

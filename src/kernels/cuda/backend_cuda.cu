@@ -191,6 +191,15 @@ static int64_t be_mem_peak(void) { return g_peak; }
 
 /* ---------------- data movement and elementwise kernels ---------------- */
 
+/* Row-wise kernels run on a 2-D grid: x covers the columns of a row, y (and a loop) the rows, so
+ * no element index is ever divided (64-bit division costs more than the memory traffic). */
+static dim3 rows_grid(int64_t M, int64_t N, int threads) {
+    const int64_t gx = (N + threads - 1) / threads;
+    return dim3((unsigned)(gx < 1 ? 1 : gx), (unsigned)(M < 1 ? 1 : (M < 65535 ? M : 65535)));
+}
+#define FOR_ROWS(M) for (int64_t r = blockIdx.y; r < (M); r += gridDim.y)
+#define COL() ((int64_t)blockIdx.x * blockDim.x + threadIdx.x)
+
 static void be_copy2d(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
                       int64_t cols) {
     if (rows == 1)
@@ -242,24 +251,28 @@ static void be_add(float *y, const float *x, int64_t n) {
 }
 
 __global__ void k_add_bias(float *y, int64_t ldy, const float *b, int64_t M, int64_t N) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * N;
-         i += (int64_t)gridDim.x * blockDim.x)
-        y[(i / N) * ldy + i % N] += b[i % N];
+    const int64_t c = COL();
+    if (c < N)
+        FOR_ROWS(M) y[r * ldy + c] += b[c];
 }
 
 static void be_add_bias(float *y, int64_t ldy, const float *b, int64_t M, int64_t N) {
-    k_add_bias<<<blocks_for(M * N, 256), 256, 0, g_stream>>>(y, ldy, b, M, N);
+    k_add_bias<<<rows_grid(M, N, 256), 256, 0, g_stream>>>(y, ldy, b, M, N);
     launched("add_bias");
 }
 
 __global__ void k_to_bf16(__nv_bfloat16 *dst, const float *src, int64_t ld, int64_t M, int64_t K) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * K;
-         i += (int64_t)gridDim.x * blockDim.x)
-        dst[i] = __float2bfloat16_rn(src[(i / K) * ld + i % K]);
+    const int64_t c = COL();
+    if (c < K)
+        FOR_ROWS(M) dst[r * K + c] = __float2bfloat16_rn(src[r * ld + c]);
 }
 
 static void be_to_bf16(uint16_t *dst, const float *src, int64_t n) {
-    k_to_bf16<<<blocks_for(n, 256), 256, 0, g_stream>>>((__nv_bfloat16 *)dst, src, n, 1, n);
+    for (int64_t off = 0; off < n; off += (int64_t)1 << 30) { /* one row of at most 2^30 */
+        const int64_t len = n - off < ((int64_t)1 << 30) ? n - off : ((int64_t)1 << 30);
+        k_to_bf16<<<rows_grid(1, len, 256), 256, 0, g_stream>>>((__nv_bfloat16 *)dst + off,
+                                                                src + off, len, 1, len);
+    }
     launched("to_bf16");
 }
 
@@ -306,76 +319,70 @@ static void be_silu(float *x, int64_t n) {
 }
 
 __global__ void k_gelu_rows(float *x, int64_t ld, int64_t M, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        float *p = x + (i / n) * ld + i % n;
-        *p = gelu_f(*p);
-    }
+    const int64_t c = COL();
+    if (c < n)
+        FOR_ROWS(M) x[r * ld + c] = gelu_f(x[r * ld + c]);
 }
 
 static void be_gelu_rows(float *x, int64_t ld, int64_t M, int64_t n) {
-    k_gelu_rows<<<blocks_for(M * n, 256), 256, 0, g_stream>>>(x, ld, M, n);
+    k_gelu_rows<<<rows_grid(M, n, 256), 256, 0, g_stream>>>(x, ld, M, n);
     launched("gelu");
 }
 
 __global__ void k_swiglu(const float *in, float *out, int64_t M, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t r = i / n, j = i % n;
-        out[i] = in[r * 2 * n + j] * silu_f(in[r * 2 * n + n + j]);
-    }
+    const int64_t j = COL();
+    if (j < n)
+        FOR_ROWS(M) out[r * n + j] = in[r * 2 * n + j] * silu_f(in[r * 2 * n + n + j]);
 }
 
 static void be_swiglu(const float *in, float *out, int64_t M, int64_t n) {
-    k_swiglu<<<blocks_for(M * n, 256), 256, 0, g_stream>>>(in, out, M, n);
+    k_swiglu<<<rows_grid(M, n, 256), 256, 0, g_stream>>>(in, out, M, n);
     launched("swiglu");
 }
 
 __global__ void k_gate_residual(float *x, const float *y, int64_t ldy, const float *gate,
                                 int64_t M, int64_t C) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * C;
-         i += (int64_t)gridDim.x * blockDim.x)
-        x[i] += gate[i % C] * y[(i / C) * ldy + i % C];
+    const int64_t c = COL();
+    if (c < C)
+        FOR_ROWS(M) x[r * C + c] += gate[c] * y[r * ldy + c];
 }
 
 static void be_gate_residual(float *x, const float *y, int64_t ldy, const float *gate, int64_t M,
                              int64_t C) {
-    k_gate_residual<<<blocks_for(M * C, 256), 256, 0, g_stream>>>(x, y, ldy, gate, M, C);
+    k_gate_residual<<<rows_grid(M, C, 256), 256, 0, g_stream>>>(x, y, ldy, gate, M, C);
     launched("gate_residual");
 }
 
 __global__ void k_gate_residual_rows(float *x, const float *y, int64_t ldy, const float *table,
                                      int64_t ld, const int64_t *idx, int64_t gate_off, int64_t M,
                                      int64_t C) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * C;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t r = i / C, c = i % C;
-        x[i] += table[idx[r] * ld + gate_off + c] * y[r * ldy + c];
-    }
+    const int64_t c = COL();
+    if (c < C)
+        FOR_ROWS(M) x[r * C + c] += table[idx[r] * ld + gate_off + c] * y[r * ldy + c];
 }
 
 static void be_gate_residual_rows(float *x, const float *y, int64_t ldy, const float *table,
                                   int64_t ld, const int64_t *idx, int64_t gate_off, int64_t M,
                                   int64_t C) {
-    k_gate_residual_rows<<<blocks_for(M * C, 256), 256, 0, g_stream>>>(x, y, ldy, table, ld, idx,
-                                                                       gate_off, M, C);
+    k_gate_residual_rows<<<rows_grid(M, C, 256), 256, 0, g_stream>>>(x, y, ldy, table, ld, idx,
+                                                                      gate_off, M, C);
     launched("gate_residual_rows");
 }
 
 __global__ void k_modulate_rows(float *y, int64_t M, int64_t C, const float *table, int64_t ld,
                                 const int64_t *idx, int64_t shift_off, int64_t scale_off) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * C;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t r = i / C, c = i % C;
-        const float *t = table + idx[r] * ld;
-        y[i] = y[i] * (1.0f + t[scale_off + c]) + t[shift_off + c];
-    }
+    const int64_t c = COL();
+    if (c < C)
+        FOR_ROWS(M) {
+            const float *t = table + idx[r] * ld;
+            y[r * C + c] = y[r * C + c] * (1.0f + t[scale_off + c]) + t[shift_off + c];
+        }
 }
 
 static void be_modulate_rows(float *y, int64_t M, int64_t C, const float *table, int64_t ld,
                              const int64_t *idx, int64_t shift_off, int64_t scale_off) {
-    k_modulate_rows<<<blocks_for(M * C, 256), 256, 0, g_stream>>>(y, M, C, table, ld, idx,
-                                                                  shift_off, scale_off);
+    k_modulate_rows<<<rows_grid(M, C, 256), 256, 0, g_stream>>>(y, M, C, table, ld, idx,
+                                                                 shift_off, scale_off);
     launched("modulate_rows");
 }
 
@@ -512,7 +519,7 @@ static void be_linear(const float *x, int64_t ldx, const float *w, const uint16_
             g_xh_n = need;
             note_peak();
         }
-        k_to_bf16<<<blocks_for(M * K, 256), 256, 0, g_stream>>>(g_xh, x, ldx, M, K);
+        k_to_bf16<<<rows_grid(M, K, 256), 256, 0, g_stream>>>(g_xh, x, ldx, M, K);
         launched("linear: to bf16");
         st = cublasGemmEx(g_blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)M, (int)K, &one, wh,
                           CUDA_R_16BF, (int)K, g_xh, CUDA_R_16BF, (int)K, &zero, y, CUDA_R_32F,
