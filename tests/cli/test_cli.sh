@@ -178,5 +178,21 @@ for layout in "--ulysses 2" "--ring 2" "--tp 2 --ulysses 2" "--ring 2 --ulysses 
     else bad "run $layout: $(tail -3 "$T/cp.txt")"; fi
 done
 
+# --device cuda where no GPU can run it: one line saying why (no plugin in this build, or no
+# CUDA device), exit 1, nothing written. On a machine with a GPU scripts/gpu-check covers it.
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0 expect_error device-cuda-no-gpu 1 \
+        "error: --device cuda: " -- "$BIN" run --checkpoint "$DATA/flux_tiny" \
+        --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --device cuda
+fi
+MESHDIT_CUDA_PLUGIN=/nonexistent/libmeshdit_cuda.so expect_error device-cuda-no-plugin 1 \
+    "--device cuda: this build has no CUDA backend" -- "$BIN" run --checkpoint "$DATA/flux_tiny" \
+    --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --device cuda
+expect_error bf16-on-cpu 1 "bf16 compute runs on the CUDA backend only" -- "$BIN" run \
+    --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
+    --out "$T/out.safetensors" --dtype bf16
+expect_error bad-device 2 "--device must be cpu or cuda" -- "$BIN" run --checkpoint x --inputs y \
+    --out "$T/out.safetensors" --device tpu
+
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]
