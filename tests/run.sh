@@ -53,6 +53,7 @@ for layout in "${LAYOUTS[@]}"; do
     run timeout 600 "$MPIEXEC" -n "$1" "$BUILD/tests/mpi/test_parallel" tests/data "$2" "$3" "$4" "$5"
 done
 run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_failures" tests/data
+run timeout 300 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_staging"
 # negative controls: each switch reproduces an upstream bug; the tests must notice it
 negative() { # name env -- n T R U order
     local name=$1 envv=$2; shift 3

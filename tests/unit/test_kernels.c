@@ -5,7 +5,9 @@
 #include "kernels/ref/ref.h"
 #include "core/core.h"
 
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 static float *rnd(mdt_rng *r, long n, double scale) {
     float *p = malloc(sizeof(float) * (size_t)n);
@@ -176,6 +178,61 @@ static void test_attention(mdt_rng *r) {
            out[0]);
 }
 
+/* The ring's merge: attention over keys [0, a) merged with attention over [a, Sk) equals attention
+ * over all Sk keys (output and log-sum-exp), whatever a; a block with no valid keys changes
+ * nothing. */
+static void test_lse_merge(mdt_rng *r) {
+    const int64_t H = 3, Sq = 70, Sk = 300, D = 32, ld = H * D;
+    float *q = rnd(r, H * Sq * D, 1), *k = rnd(r, H * Sk * D, 1), *v = rnd(r, H * Sk * D, 1);
+    float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(D));
+    float *full = malloc(sizeof(float) * Sq * ld), *lf = malloc(sizeof(float) * H * Sq);
+    float *o1 = malloc(sizeof(float) * Sq * ld), *l1 = malloc(sizeof(float) * H * Sq);
+    float *o2 = malloc(sizeof(float) * Sq * ld), *l2 = malloc(sizeof(float) * H * Sq);
+    float *kb = malloc(sizeof(float) * H * Sk * D), *vb = malloc(sizeof(float) * H * Sk * D);
+    mdt_cpu_attention(q, k, v, full, ld, lf, H, Sq, Sk, Sk, D, 0.2f, ws);
+    const int64_t splits[] = {1, 100, 257, 299};
+    for (int c = 0; c < 4; c++) {
+        const int64_t a = splits[c], b = Sk - a;
+        mdt_cpu_attention(q, k, v, o1, ld, l1, H, Sq, Sk, a, D, 0.2f, ws); /* keys [0, a) */
+        for (int64_t h = 0; h < H; h++) /* keys [a, Sk) of every head, as their own block */
+            mdt_cpu_copy2d(kb + h * b * D, 0, k + (h * Sk + a) * D, 0, 1, b * D),
+                mdt_cpu_copy2d(vb + h * b * D, 0, v + (h * Sk + a) * D, 0, 1, b * D);
+        mdt_cpu_attention(q, kb, vb, o2, ld, l2, H, Sq, b, b, D, 0.2f, ws);
+        mdt_cpu_lse_merge(o1, ld, l1, o2, ld, l2, H, Sq, D);
+        EXPECT_CLOSE(o1, full, Sq * ld, 1e-5);
+        EXPECT_CLOSE(l1, lf, H * Sq, 1e-5);
+    }
+    mdt_cpu_attention(q, k, v, o2, ld, l2, H, Sq, Sk, 0, D, 0.2f, ws); /* no valid keys */
+    memcpy(o1, full, sizeof(float) * Sq * ld), memcpy(l1, lf, sizeof(float) * H * Sq);
+    mdt_cpu_lse_merge(o1, ld, l1, o2, ld, l2, H, Sq, D);
+    const void *po = o1, *pf = full; /* bitwise: nothing may change */
+    EXPECT(memcmp(po, pf, sizeof(float) * Sq * ld) == 0, "an empty block changed the output");
+    free(q), free(k), free(v), free(ws), free(full), free(lf), free(o1), free(l1), free(o2);
+    free(l2), free(kb), free(vb);
+}
+
+/* Rotary tables: each column's angle is its id column times its frequency, in double or float. */
+static void test_angle_table(mdt_rng *r) {
+    const int64_t S = 33, A = 3, N = 10;
+    float *pos = rnd(r, S * A, 50), c[33 * 10], sn[33 * 10];
+    int32_t ax[10];
+    double fr[10];
+    for (int i = 0; i < N; i++)
+        ax[i] = i % A, fr[i] = 1.0 / pow(10000.0, (double)(i >> 1) / 5.0);
+    for (int dbl = 0; dbl < 2; dbl++) {
+        mdt_cpu_angle_table(pos, A, S, N, ax, fr, dbl, c, sn);
+        double md = 0;
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t i = 0; i < N; i++) {
+                const double a = (double)pos[s * A + ax[i]] * fr[i];
+                md = fmax(md, fabs(c[s * N + i] - cos(a)) + fabs(sn[s * N + i] - sin(a)));
+            }
+        EXPECT(md < (dbl ? 1e-6 : 1e-4), "angle table (%s): off by %.3g", dbl ? "double" : "float",
+               md);
+    }
+    free(pos);
+}
+
 int main(void) {
     mdt_rng r;
     mdt_rng_seed(&r, 42);
@@ -185,5 +242,7 @@ int main(void) {
     test_activations(&r);
     test_rope_half(&r);
     test_attention(&r);
+    test_lse_merge(&r);
+    test_angle_table(&r);
     TEST_END();
 }
