@@ -17,40 +17,38 @@ static mdt_backend_kind g_kind = MDT_BACKEND_CPU;
 static const mdt_backend_ops *g_ops; /* NULL on the CPU backend */
 static int g_bf16;
 static mdt_mem_source g_mem, g_pinned;
+static char g_first_path[PATH_MAX + 32];
 
 static void *dev_alloc(size_t n) { return g_ops->alloc(n); }
 static void dev_free(void *p) { g_ops->free(p); }
 
-/* Path of the plugin: $MESHDIT_CUDA_PLUGIN, else beside the running executable or up to two
- * directories above it (build/tests/gpu/test_gpu finds build/libmeshdit_cuda.so). */
+/* Path of the plugin: $MESHDIT_CUDA_PLUGIN, else the first libmeshdit_cuda.so found beside the
+ * running executable or up to two directories above it (build/tests/gpu/test_gpu finds
+ * build/libmeshdit_cuda.so); if none exists, the path beside the executable (for the message). */
 static void plugin_path(char *buf, size_t n) {
     const char *env = getenv("MESHDIT_CUDA_PLUGIN");
+    char dir[PATH_MAX];
+    ssize_t len = readlink("/proc/self/exe", dir, sizeof dir - 1);
     if (env && *env) {
         snprintf(buf, n, "%s", env);
         return;
     }
-    char exe[PATH_MAX];
-    ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
     snprintf(buf, n, "libmeshdit_cuda.so");
     if (len <= 0)
         return;
-    exe[len] = '\0';
+    dir[len] = '\0';
     for (int up = 0; up < 3; up++) {
-        char *slash = strrchr(exe, '/');
+        char *slash = strrchr(dir, '/');
         if (!slash)
-            return;
+            break;
         *slash = '\0';
-        snprintf(buf, n, "%s/libmeshdit_cuda.so", exe);
+        snprintf(buf, n, "%s/libmeshdit_cuda.so", dir);
         if (access(buf, R_OK) == 0)
             return;
+        if (up == 0) /* remembered for the message if nothing is found */
+            snprintf(g_first_path, sizeof g_first_path, "%s", buf);
     }
-    /* not found: report the path beside the executable */
-    ssize_t l2 = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    exe[l2 > 0 ? l2 : 0] = '\0';
-    char *slash = strrchr(exe, '/');
-    if (slash)
-        *slash = '\0';
-    snprintf(buf, n, "%s/libmeshdit_cuda.so", exe);
+    snprintf(buf, n, "%s", g_first_path);
 }
 
 mdt_status mdt_backend_select(mdt_backend_kind kind, int ordinal, int bf16) {

@@ -331,6 +331,7 @@ static mdt_status dev_prepare(mdt_model *m) {
         else
             m->ws[i].dev = f, f += slot_floats(n);
     }
+    m->dev_scratch = f;
     m->weight_bytes = bytes;
     return MDT_OK;
 }
@@ -379,7 +380,7 @@ static void dev_release(mdt_model *m) {
         ops->free(m->dev_f32);
         ops->free(m->dev_bf16);
     }
-    m->dev_f32 = NULL, m->dev_bf16 = NULL, m->on_device = 0;
+    m->dev_f32 = NULL, m->dev_bf16 = NULL, m->dev_scratch = NULL, m->on_device = 0;
 }
 
 /* Brings device weights back to a host buffer (for parallelize and gather). */
@@ -705,6 +706,14 @@ static mdt_status input_tensor(const mdt_tensor_set *in, const char *name, int n
     return MDT_OK;
 }
 
+static mdt_status check_finite(const char *name, const float *v, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(v[i]))
+            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
+                            name, (long long)i);
+    return MDT_OK;
+}
+
 mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
                          mdt_arena *a, float **out) {
     const mdt_tensor *t;
@@ -717,11 +726,7 @@ mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, c
     if (!*out)
         return MDT_E_NOMEM;
     MDT_TRY(mdt_convert_to_f32(t->dtype, t->data, *out, n));
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite((*out)[i]))
-            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
-                            name, (long long)i);
-    return MDT_OK;
+    return check_finite(name, *out, n);
 }
 
 mdt_status mdt_input_f32_view(const mdt_tensor_set *in, const char *name, int ndim,
@@ -735,11 +740,7 @@ mdt_status mdt_input_f32_view(const mdt_tensor_set *in, const char *name, int nd
         return MDT_OK;
     }
     const float *v = t->data;
-    const int64_t n = mdt_tensor_numel(t);
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(v[i]))
-            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
-                            name, (long long)i);
+    MDT_TRY(check_finite(name, v, mdt_tensor_numel(t)));
     *out = v;
     return MDT_OK;
 }

@@ -104,7 +104,8 @@ struct mdt_model {
     int on_device;      /* weights live in dev_f32 / dev_bf16, not in `weights` */
     float *dev_f32;
     uint16_t *dev_bf16;
-    mdt_counters fwd_c0;             /* counters when the current forward began */
+    float *dev_scratch;  /* past the f32 slots: where bf16 weights pass in f32 on upload */
+    mdt_counters fwd_c0; /* counters when the current forward began */
     int64_t fwd_g0[MDT_GROUP_COUNT]; /* group bytes when the current forward began */
 };
 
