@@ -4,6 +4,7 @@
 #include "kernels/cpu/cpu.h"
 #include "kernels/ref/ref.h"
 #include "core/core.h"
+#include "tensor/tensor.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -31,6 +32,52 @@ static void test_linear(mdt_rng *r) {
         EXPECT_CLOSE(yc, yr, M * N, 1e-5);
     }
     free(x), free(w), free(b), free(xc), free(y), free(yr), free(yc);
+}
+
+/* bf16 weights: both paths (few rows: N panels; many rows: whole matrix, then K blocks forced
+ * by a small scratch), strided x and y, with and without bias, against the reference on the same
+ * bf16 values; and the product is fp32 on exactly widened weights (= f32 linear on them). */
+static void test_linear_bf16(mdt_rng *r) {
+    const long K = 200, N = 67, ldx = 211, ldy = 70;
+    const long Ms[] = {1, 5, 31, 32, 77};
+    float *w = rnd(r, N * K, 0.2), *wf = malloc(sizeof(float) * N * K), *b = rnd(r, N, 1);
+    uint16_t *wh = malloc(sizeof(uint16_t) * N * K);
+    for (long i = 0; i < N * K; i++)
+        wh[i] = mdt_f32_to_bf16(w[i]);
+    mdt_cpu_bf16_widen(wf, wh, N * K);
+    long widen_bad = 0;
+    for (long i = 0; i < N * K; i++)
+        widen_bad += wf[i] != mdt_bf16_to_f32(wh[i]);
+    EXPECT(widen_bad == 0, "widening differs from mdt_bf16_to_f32 at %ld elements", widen_bad);
+    const long need = mdt_cpu_linear_bf16_ws_floats(K, N);
+    EXPECT(need >= N * K, "scratch for a small matrix holds it whole (%ld)", need);
+    for (int m = 0; m < 5; m++)
+        for (int small = 0; small < 2; small++) {
+            const long M = Ms[m], wsn = small ? N * 48 : need; /* 48: K blocks 48,48,48,48,8 */
+            float *x = rnd(r, M * ldx, 1), *xc = malloc(sizeof(float) * M * K),
+                  *y = malloc(sizeof(float) * M * ldy), *yr = malloc(sizeof(float) * M * N),
+                  *yc = malloc(sizeof(float) * M * N), *yf = malloc(sizeof(float) * M * ldy),
+                  *yfc = malloc(sizeof(float) * M * N), *ws = malloc(sizeof(float) * wsn);
+            for (long i = 0; i < M; i++)
+                memcpy(xc + i * K, x + i * ldx, sizeof(float) * K);
+            for (int with_bias = 0; with_bias < 2; with_bias++) {
+                mdt_cpu_linear_bf16(x, ldx, wh, with_bias ? b : NULL, y, ldy, M, K, N, ws, wsn);
+                mdt_cpu_linear(x, ldx, wf, with_bias ? b : NULL, yf, ldy, M, K, N);
+                mdt_ref_linear_bf16(xc, wh, with_bias ? b : NULL, yr, M, K, N);
+                for (long i = 0; i < M; i++) {
+                    memcpy(yc + i * N, y + i * ldy, sizeof(float) * N);
+                    memcpy(yfc + i * N, yf + i * ldy, sizeof(float) * N);
+                }
+                EXPECT(t_rel_err(yc, yr, M * N, 1e-30) <= 1e-5,
+                       "bf16 linear M=%ld scratch %ld bias %d vs reference: %.3e", M, wsn,
+                       with_bias, t_rel_err(yc, yr, M * N, 1e-30));
+                EXPECT(t_rel_err(yc, yfc, M * N, 1e-30) <= 1e-5,
+                       "bf16 linear M=%ld vs f32 linear on the widened weights: %.3e", M,
+                       t_rel_err(yc, yfc, M * N, 1e-30));
+            }
+            free(x), free(xc), free(y), free(yr), free(yc), free(yf), free(yfc), free(ws);
+        }
+    free(w), free(wf), free(b), free(wh);
 }
 
 static void test_norms(mdt_rng *r) {
@@ -237,6 +284,7 @@ int main(void) {
     mdt_rng r;
     mdt_rng_seed(&r, 42);
     test_linear(&r);
+    test_linear_bf16(&r);
     test_norms(&r);
     test_heads_prepare(&r);
     test_activations(&r);

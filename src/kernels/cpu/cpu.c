@@ -49,6 +49,73 @@ void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b,
     mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
 }
 
+void mdt_cpu_bf16_widen(float *dst, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) { /* vectorises: zero-extend, shift, store */
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
+/* Panel budgets of mdt_cpu_linear_bf16, in floats: few rows keep a panel in L2 (256 KiB); many
+ * rows widen the whole matrix when it takes <= 64 MiB (one sgemm, x packed once), else K blocks
+ * of >= 512 (sgemm's own K blocks are smaller, so x is still packed about once). */
+enum { BF16_FEW_PANEL = 65536, BF16_MANY_PANEL = 16 << 20, BF16_MIN_KB = 512 };
+
+static int64_t bf16_few_rows(int64_t K, int64_t N, int64_t ws_floats) { /* rows per panel */
+    const int64_t budget = ws_floats < BF16_FEW_PANEL ? ws_floats : BF16_FEW_PANEL;
+    const int64_t nb = budget / (K > 0 ? K : 1);
+    return nb < 1 ? 1 : (nb > N ? N : nb);
+}
+
+static int64_t bf16_many_kb(int64_t K, int64_t N, int64_t ws_floats) { /* K block */
+    if (N * K <= ws_floats)
+        return K;
+    int64_t kb = ws_floats / N;
+    if (kb > 256)
+        kb &= ~(int64_t)255;
+    return kb < 1 ? 1 : kb;
+}
+
+int64_t mdt_cpu_linear_bf16_ws_floats(int64_t K, int64_t N) {
+    int64_t kb = N * K <= BF16_MANY_PANEL ? K : (BF16_MANY_PANEL / N) & ~(int64_t)255;
+    kb = kb < BF16_MIN_KB ? BF16_MIN_KB : kb;
+    kb = kb > K ? K : kb;
+    const int64_t few = bf16_few_rows(K, N, BF16_FEW_PANEL) * K, many = N * kb;
+    return few > many ? few : many;
+}
+
+void mdt_cpu_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b, float *y,
+                         int64_t ldy, int64_t M, int64_t K, int64_t N, float *ws,
+                         int64_t ws_floats) {
+    if (M == 0 || N == 0)
+        return;
+    float beta = 0.0f;
+    if (b) {
+        for (int64_t i = 0; i < M; i++)
+            memcpy(y + i * ldy, b, sizeof(float) * (size_t)N);
+        beta = 1.0f;
+    }
+    if (M < MDT_CPU_BF16_FEW_ROWS) {
+        const int64_t nb = bf16_few_rows(K, N, ws_floats);
+        for (int64_t n0 = 0; n0 < N; n0 += nb) {
+            const int64_t nn = N - n0 < nb ? N - n0 : nb;
+            mdt_cpu_bf16_widen(ws, wh + n0 * K, nn * K); // [nn, K]
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nn, (int)K, 1.0f, x,
+                        (int)ldx, ws, (int)K, beta, y + n0, (int)ldy);
+        }
+    } else {
+        const int64_t kb = bf16_many_kb(K, N, ws_floats);
+        for (int64_t k0 = 0; k0 < K; k0 += kb) {
+            const int64_t kk = K - k0 < kb ? K - k0 : kb;
+            for (int64_t n = 0; n < N; n++) // ws [N, kk] = wh[:, k0:k0+kk]
+                mdt_cpu_bf16_widen(ws + n * kk, wh + n * K + k0, kk);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)N, (int)kk, 1.0f,
+                        x + k0, (int)ldx, ws, (int)kk, k0 > 0 ? 1.0f : beta, y, (int)ldy);
+        }
+    }
+    mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
+}
+
 void mdt_cpu_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, float eps,
                                 const float *shift, const float *scale) {
     for (int64_t i = 0; i < M; i++) {

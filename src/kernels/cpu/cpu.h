@@ -13,6 +13,21 @@
 /* y[M, N] = x[M, K] . w[N, K]^T (+ b[N]); x rows have stride ldx (>= K), y rows ldy (>= N). */
 void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
                     int64_t ldy, int64_t M, int64_t K, int64_t N);
+/* The same product with bf16 weights wh[N, K] (the top 16 bits of each f32 weight), fp32
+ * arithmetic and accumulation: the weights are widened (exactly) into the scratch ws[ws_floats]
+ * in panels and multiplied by sgemm. Few rows (M < MDT_CPU_BF16_FEW_ROWS, e.g. the AdaLN
+ * projections of the batch rows): panels of whole weight rows small enough for L2, so the weights
+ * come from memory once at 2 bytes each; many rows: the whole matrix when ws holds it, else
+ * blocks of K columns as large as ws allows. ws_floats >= max(K, N); mdt_cpu_linear_bf16_ws_floats
+ * is the size that keeps sgemm at full speed. */
+#define MDT_CPU_BF16_FEW_ROWS 32
+void mdt_cpu_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b, float *y,
+                         int64_t ldy, int64_t M, int64_t K, int64_t N, float *ws,
+                         int64_t ws_floats);
+int64_t mdt_cpu_linear_bf16_ws_floats(int64_t K, int64_t N);
+/* dst[n] = the f32 value of bf16 src[n] (exact). */
+void mdt_cpu_bf16_widen(float *dst, const uint16_t *src, int64_t n);
+
 /* y[M, C] = LayerNorm(x[M, C]) (no affine), then, if shift/scale are given, y*(1+scale)+shift. */
 void mdt_cpu_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, float eps,
                                 const float *shift, const float *scale);

@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 void mdt_ref_linear(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t K,
                     int64_t N) {
@@ -11,6 +12,21 @@ void mdt_ref_linear(const float *x, const float *w, const float *b, float *y, in
             double acc = b ? b[j] : 0.0;
             for (int64_t k = 0; k < K; k++)
                 acc += (double)x[i * K + k] * (double)w[j * K + k];
+            y[i * N + j] = (float)acc;
+        }
+}
+
+void mdt_ref_linear_bf16(const float *x, const uint16_t *wh, const float *b, float *y, int64_t M,
+                         int64_t K, int64_t N) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double acc = b ? b[j] : 0.0;
+            for (int64_t k = 0; k < K; k++) {
+                const uint32_t bits = (uint32_t)wh[j * K + k] << 16;
+                float w;
+                memcpy(&w, &bits, sizeof w);
+                acc += (double)x[i * K + k] * (double)w;
+            }
             y[i * N + j] = (float)acc;
         }
 }

@@ -12,6 +12,9 @@
 /* y[M, N] = x[M, K] . w[N, K]^T (+ b[N] if b) */
 void mdt_ref_linear(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t K,
                     int64_t N);
+/* The same with bf16 weights wh[N, K]: each weight is the f32 whose top 16 bits are wh. */
+void mdt_ref_linear_bf16(const float *x, const uint16_t *wh, const float *b, float *y, int64_t M,
+                         int64_t K, int64_t N);
 /* y[M, C] = LayerNorm(x) without affine (biased variance) */
 void mdt_ref_layernorm(const float *x, float *y, int64_t M, int64_t C, float eps);
 /* y[M, D] = x / sqrt(mean(x^2) + eps) * w[D] */
