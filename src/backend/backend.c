@@ -51,13 +51,41 @@ static void plugin_path(char *buf, size_t n) {
     snprintf(buf, n, "%s", g_first_path);
 }
 
+/* The CPU backend's scratch for widening bf16 weight panels (mdt_cpu_linear_bf16), grown by
+ * mdt_backend_reserve_linear at load time; a forward that finds it short grows it, and if that
+ * fails the failure is kept for mdt_backend_check, like an asynchronous device error. */
+static float *g_lin_ws;
+static int64_t g_lin_ws_n;
+static char g_cpu_err[160];
+
+static int lin_ws_grow(int64_t floats) {
+    if (floats <= g_lin_ws_n)
+        return 0;
+    float *p = mdt_alloc(sizeof(float) * (size_t)floats);
+    if (!p)
+        return -1;
+    mdt_free(g_lin_ws);
+    g_lin_ws = p, g_lin_ws_n = floats;
+    return 0;
+}
+
+mdt_status mdt_backend_reserve_linear(int64_t K, int64_t N) {
+    if (g_ops || !g_bf16)
+        return MDT_OK;
+    const int64_t need = mdt_cpu_linear_bf16_ws_floats(K, N);
+    if (lin_ws_grow(need) != 0)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory for %lld bytes of bf16 widening scratch",
+                        (long long)need * 4);
+    return MDT_OK;
+}
+
+int64_t mdt_backend_scratch_bytes(void) { return g_lin_ws_n * 4; }
+
 mdt_status mdt_backend_select(mdt_backend_kind kind, int ordinal, int bf16) {
     if (kind == MDT_BACKEND_CPU) {
-        if (bf16)
-            return MDT_FAIL(MDT_E_UNSUPPORTED,
-                            "--dtype bf16 compute runs on the CUDA backend only; the CPU backend "
-                            "computes in f32 (bf16 checkpoints load on both)");
-        g_kind = MDT_BACKEND_CPU, g_ops = NULL, g_bf16 = 0;
+        g_kind = MDT_BACKEND_CPU, g_ops = NULL, g_bf16 = bf16;
+        mdt_free(g_lin_ws);
+        g_lin_ws = NULL, g_lin_ws_n = 0, g_cpu_err[0] = '\0';
         mdt_mem_set_device(NULL);
         return MDT_OK;
     }
@@ -108,6 +136,11 @@ const mdt_mem_source *mdt_backend_host_mem(void) { return g_ops ? &g_pinned : NU
 
 mdt_status mdt_backend_check(void) {
     char err[512] = "";
+    if (g_cpu_err[0]) {
+        snprintf(err, sizeof err, "%s", g_cpu_err);
+        g_cpu_err[0] = '\0';
+        return MDT_FAIL(MDT_E_NOMEM, "%s", err);
+    }
     if (g_ops && g_ops->check(err, sizeof err) != 0)
         return MDT_FAIL(MDT_E_INVALID, "device: %s", err);
     return MDT_OK;
@@ -138,6 +171,17 @@ void mdt_k_to_host(void *host_dst, const void *src, size_t bytes) {
 
 void mdt_k_linear(const float *x, int64_t ldx, const float *w, const uint16_t *wh, const float *b,
                   float *y, int64_t ldy, int64_t M, int64_t K, int64_t N) {
+    if (!g_ops && g_bf16 && wh) {
+        if (lin_ws_grow(mdt_cpu_linear_bf16_ws_floats(K, N)) != 0) {
+            if (!g_cpu_err[0])
+                snprintf(g_cpu_err, sizeof g_cpu_err,
+                         "out of memory for the bf16 widening scratch of a [%lld, %lld] weight",
+                         (long long)N, (long long)K);
+            return;
+        }
+        mdt_cpu_linear_bf16(x, ldx, wh, b, y, ldy, M, K, N, g_lin_ws, g_lin_ws_n);
+        return;
+    }
     if (!g_ops) {
         mdt_cpu_linear(x, ldx, w, b, y, ldy, M, K, N);
         return;

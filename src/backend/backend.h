@@ -18,9 +18,16 @@ typedef enum mdt_backend_kind { MDT_BACKEND_CPU = 0, MDT_BACKEND_CUDA } mdt_back
 
 /* Chooses this process's backend (once, before any model is loaded): CUDA loads the plugin
  * (MESHDIT_CUDA_PLUGIN, else libmeshdit_cuda.so beside the executable) and starts device
- * `ordinal`. bf16: linear weights kept in bf16 and attention on bf16 tensor cores (CUDA only).
+ * `ordinal`. bf16: linear weights kept in bf16 (half their bytes) with fp32 arithmetic, on CUDA
+ * also attention on bf16 tensor cores; on the CPU the weights are widened panel by panel into
+ * the backend's scratch for sgemm (this machine has no bf16 dot-product instructions).
  * MDT_E_UNSUPPORTED with one line when the build or the machine has no CUDA device. */
 mdt_status mdt_backend_select(mdt_backend_kind kind, int ordinal, int bf16);
+/* Makes sure the CPU bf16 scratch covers a linear with weights [N, K] (no-op elsewhere), so
+ * running out of memory is a load-time error; MDT_E_NOMEM otherwise. */
+mdt_status mdt_backend_reserve_linear(int64_t K, int64_t N);
+/* Bytes of that scratch now held (0 unless CPU bf16). */
+int64_t mdt_backend_scratch_bytes(void);
 mdt_backend_kind mdt_backend_kind_get(void);
 const char *mdt_backend_name(void);
 int mdt_backend_bf16(void);

@@ -322,6 +322,8 @@ static mdt_status write_report(const char *path, const mdt_model *m, const char 
     cJSON_AddNumberToObject(lay, "ring", m->mesh ? m->mesh->R : 1);
     cJSON_AddNumberToObject(lay, "ulysses", m->mesh ? m->mesh->U : 1);
     cJSON_AddStringToObject(lay, "mesh_order", order);
+    cJSON_AddStringToObject(r, "device", mdt_backend_name());
+    cJSON_AddStringToObject(r, "weights_dtype", mdt_backend_bf16() ? "bf16" : "f32");
     cJSON_AddNumberToObject(r, "load_seconds", load_s);
     cJSON_AddNumberToObject(r, "step_seconds_median", step_s);
     cJSON_AddNumberToObject(r, "steps", steps);
@@ -605,6 +607,11 @@ static int cmd_run(int argc, char **argv) {
                desc, mdt_backend_bf16() ? "bf16 (fp32 accumulation)" : "f32",
                (double)m->weight_bytes / 1048576.0,
                (double)mdt_backend_device_ops()->mem_peak() / 1073741824.0);
+    } else if (g_rank == 0 && !quiet && mdt_backend_bf16()) {
+        printf("device: cpu, compute bf16 weights widened to f32 panels for sgemm (fp32 "
+               "arithmetic), weights %.1f MiB per rank, widening scratch %.1f MiB (rank 0)\n",
+               (double)m->weight_bytes / 1048576.0,
+               (double)mdt_backend_scratch_bytes() / 1048576.0);
     }
     st = mdt_mesh_agree(mesh, st);
     if (st == MDT_OK && !quiet && g_rank == 0)

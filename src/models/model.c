@@ -267,31 +267,59 @@ mdt_status mdt_test_fail_point(const mdt_mesh *mesh, const char *phase) {
 
 static void bind_all(mdt_model *m);
 static int64_t slot_floats(int64_t n) { return (n + 15) & ~(int64_t)15; /* 64-byte slots */ }
+/* bf16 linear weights on the host: the CPU backend under --dtype bf16. */
+static int host_bf16(void) { return mdt_backend_bf16() && !mdt_backend_mem(); }
 
-/* Allocates the weights buffer for degree T and points every tensor's state at its slot. */
-static mdt_status alloc_weights(mdt_model *m, int T, float **buf_out, mdt_wstate *ws) {
-    int64_t total = 0, bytes = 0;
+/* Allocates the weights buffer for degree T and points every tensor's state at its slot. With
+ * `hbuf_out` (CPU bf16), linear weights get slots in a second, bf16 buffer instead (ws[i].h,
+ * ws[i].data NULL): the packed form, half their bytes. */
+static mdt_status alloc_weights(mdt_model *m, int T, float **buf_out, uint16_t **hbuf_out,
+                                mdt_wstate *ws) {
+    int64_t total = 0, htotal = 0, bytes = 0;
     for (int i = 0; i < m->table.n; i++) {
         int64_t loc[2];
         MDT_TRY(mdt_shard_local_shape(&m->table.specs[i], T, loc));
         ws[i].local[0] = loc[0], ws[i].local[1] = m->table.specs[i].ndim > 1 ? loc[1] : 1;
-        total += slot_floats(ws[i].local[0] * ws[i].local[1]);
-        bytes += ws[i].local[0] * ws[i].local[1] * 4;
+        const int64_t n = ws[i].local[0] * ws[i].local[1];
+        if (hbuf_out && m->table.lin[i])
+            htotal += (n + 31) & ~(int64_t)31, bytes += n * 2;
+        else
+            total += slot_floats(n), bytes += n * 4;
     }
     const mdt_mem_source *dev = mdt_backend_mem();
     const size_t nbytes = sizeof(float) * (size_t)(total > 0 ? total : 1);
     /* page-locked when the weights go on to a device, so the copies overlap the reads */
     float *buf = dev ? dev->host_alloc(nbytes) : mdt_alloc(nbytes);
-    if (!buf)
-        return MDT_FAIL(MDT_E_NOMEM, "out of memory for %lld weight bytes", (long long)total * 4);
+    uint16_t *hbuf = hbuf_out ? mdt_alloc(2 * (size_t)(htotal > 0 ? htotal : 1)) : NULL;
+    if (!buf || (hbuf_out && !hbuf)) {
+        if (buf)
+            dev ? dev->host_free(buf) : mdt_free(buf);
+        mdt_free(hbuf);
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory for %lld weight bytes", (long long)bytes);
+    }
     float *slot = buf;
+    uint16_t *hslot = hbuf;
     for (int i = 0; i < m->table.n; i++) {
-        ws[i].data = slot;
-        slot += slot_floats(ws[i].local[0] * ws[i].local[1]);
+        const int64_t n = ws[i].local[0] * ws[i].local[1];
+        ws[i].data = NULL, ws[i].h = NULL;
+        if (hbuf && m->table.lin[i])
+            ws[i].h = hslot, hslot += (n + 31) & ~(int64_t)31;
+        else
+            ws[i].data = slot, slot += slot_floats(n);
     }
     *buf_out = buf;
+    if (hbuf_out)
+        *hbuf_out = hbuf;
     m->weight_bytes = bytes;
     m->weights_pinned = dev != NULL;
+    return MDT_OK;
+}
+
+/* Every bf16 linear's widening scratch, reserved now so a forward never runs out (CPU bf16). */
+static mdt_status reserve_linear(const mdt_model *m) {
+    for (int i = 0; i < m->table.n; i++)
+        if (m->ws[i].h)
+            MDT_TRY(mdt_backend_reserve_linear(m->ws[i].local[1], m->ws[i].local[0]));
     return MDT_OK;
 }
 
@@ -301,6 +329,39 @@ static void free_host_weights(mdt_model *m, float *buf) {
         dev->host_free(buf);
     else
         mdt_free(buf);
+}
+
+/* CPU bf16: from the plain f32 form (every tensor in `weights`) to the packed form (linear
+ * weights rounded to bf16, to nearest even) and back (exact: a bf16 value widens to the same f32),
+ * so parallelize and gather work on plain f32 and a packed model round-trips unchanged. */
+static mdt_status repack(mdt_model *m, int to_packed) {
+    if (to_packed ? m->hbf16 != NULL || !host_bf16() : m->hbf16 == NULL)
+        return MDT_OK;
+    mdt_wstate *ws = mdt_calloc(sizeof(mdt_wstate) * (size_t)(m->table.n ? m->table.n : 1));
+    float *buf = NULL;
+    uint16_t *hbuf = NULL;
+    mdt_status st = ws ? alloc_weights(m, m->T, &buf, to_packed ? &hbuf : NULL, ws)
+                       : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    if (st != MDT_OK) {
+        mdt_free(ws);
+        return st;
+    }
+    for (int i = 0; i < m->table.n; i++) {
+        const int64_t n = ws[i].local[0] * ws[i].local[1];
+        ws[i].stored = m->ws[i].stored, ws[i].bytes_read = m->ws[i].bytes_read;
+        if (ws[i].h)
+            mdt_convert_from_f32(MDT_BF16, m->ws[i].data, ws[i].h, n);
+        else if (m->ws[i].h)
+            mdt_cpu_bf16_widen(ws[i].data, m->ws[i].h, n);
+        else if (n)
+            memcpy(ws[i].data, m->ws[i].data, sizeof(float) * (size_t)n);
+    }
+    free_host_weights(m, m->weights);
+    mdt_free(m->hbf16);
+    mdt_free(m->ws);
+    m->weights = buf, m->hbf16 = hbuf, m->ws = ws;
+    bind_all(m);
+    return to_packed ? reserve_linear(m) : MDT_OK;
 }
 
 /* ---- weights on the device: prepare (allocate), upload tensor by tensor, finish ---- */
@@ -386,12 +447,12 @@ static void dev_release(mdt_model *m) {
 /* Brings device weights back to a host buffer (for parallelize and gather). */
 static mdt_status weights_to_host(mdt_model *m) {
     if (!m->on_device)
-        return MDT_OK;
+        return repack(m, 0);
     if (m->dev_bf16)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "the weights are on the device in bf16: parallelize or gather a model "
                         "loaded in f32");
-    MDT_TRY(alloc_weights(m, m->T, &m->weights, m->ws));
+    MDT_TRY(alloc_weights(m, m->T, &m->weights, NULL, m->ws));
     for (int i = 0; i < m->table.n; i++)
         mdt_k_to_host(m->ws[i].data, m->ws[i].dev,
                       sizeof(float) * (size_t)(m->ws[i].local[0] * m->ws[i].local[1]));
@@ -400,9 +461,11 @@ static mdt_status weights_to_host(mdt_model *m) {
     return MDT_OK;
 }
 
-/* Puts host weights on the device backend, if there is one. */
+/* Puts host weights on the device backend, if there is one (CPU bf16: packs them). */
 static mdt_status weights_to_device(mdt_model *m) {
-    if (!mdt_backend_mem() || m->on_device)
+    if (!mdt_backend_mem())
+        return repack(m, 1);
+    if (m->on_device)
         return MDT_OK;
     MDT_TRY(dev_prepare(m));
     for (int i = 0; i < m->table.n; i++)
@@ -411,9 +474,12 @@ static mdt_status weights_to_device(mdt_model *m) {
 }
 
 static void bind_all(mdt_model *m) {
-    for (int i = 0; i < m->table.n; i++)
+    for (int i = 0; i < m->table.n; i++) {
         if (m->table.bind[i])
             *m->table.bind[i] = m->ws[i].data;
+        if (m->table.lin[i])
+            m->table.lin[i]->wh = m->ws[i].h;
+    }
 }
 
 static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *mesh, int T, int k) {
@@ -439,33 +505,50 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *m
                             ref->file->path, w->name, mdt_dtype_name(e->dtype));
         m->ws[i].stored = e->dtype;
     }
-    MDT_TRY(alloc_weights(m, T, &m->weights, m->ws));
+    MDT_TRY(alloc_weights(m, T, &m->weights, host_bf16() ? &m->hbf16 : NULL, m->ws));
     const int dev = mdt_backend_mem() != NULL;
     if (dev)
         MDT_TRY(dev_prepare(m));
-    for (int i = 0; i < m->table.n; i++) {
+    /* packed (CPU bf16): each linear weight is read into one f32 scratch and rounded into its
+     * bf16 slot, so the f32 copy of the weights never exists whole */
+    int64_t scratch_n = 0;
+    for (int i = 0; i < m->table.n; i++)
+        if (m->ws[i].h && m->ws[i].local[0] * m->ws[i].local[1] > scratch_n)
+            scratch_n = m->ws[i].local[0] * m->ws[i].local[1];
+    float *scratch = scratch_n ? mdt_alloc(sizeof(float) * (size_t)scratch_n) : NULL;
+    mdt_status st = scratch_n && !scratch ? MDT_FAIL(MDT_E_NOMEM, "out of memory") : MDT_OK;
+    for (int i = 0; st == MDT_OK && i < m->table.n; i++) {
         const mdt_ckpt_ref *ref;
-        MDT_TRY(mdt_ckpt_find(ck, m->table.specs[i].name, &ref));
+        float *dst = m->ws[i].h ? scratch : m->ws[i].data;
+        st = mdt_ckpt_find(ck, m->table.specs[i].name, &ref);
         int64_t before = mdt_counters_get()->bytes_read;
-        MDT_TRY(read_shard(ref, &m->table.specs[i], T, k, m->ws[i].data));
+        if (st == MDT_OK)
+            st = read_shard(ref, &m->table.specs[i], T, k, dst);
+        if (st != MDT_OK)
+            break;
         m->ws[i].bytes_read = mdt_counters_get()->bytes_read - before;
         m->bytes_read += m->ws[i].bytes_read;
         const int64_t nloc = m->ws[i].local[0] * m->ws[i].local[1];
-        for (int64_t j = 0; j < nloc; j++) /* damaged data in this rank's slice */
-            if (!isfinite(m->ws[i].data[j]))
-                return MDT_FAIL(MDT_E_FORMAT,
-                                "%s: tensor '%s': non-finite value (NaN or Inf) at element %lld of "
-                                "this rank's shard",
-                                ref->file->path, m->table.specs[i].name, (long long)j);
-        if (dev)
+        for (int64_t j = 0; j < nloc && st == MDT_OK; j++) /* damaged data in this rank's slice */
+            if (!isfinite(dst[j]))
+                st = MDT_FAIL(MDT_E_FORMAT,
+                              "%s: tensor '%s': non-finite value (NaN or Inf) at element %lld of "
+                              "this rank's shard",
+                              ref->file->path, m->table.specs[i].name, (long long)j);
+        if (st == MDT_OK && m->ws[i].h)
+            st = mdt_convert_from_f32(MDT_BF16, dst, m->ws[i].h, nloc);
+        if (st == MDT_OK && dev)
             dev_upload(m, i); /* on its way while the next tensor is read */
-        if (i == m->table.n / 2)
-            MDT_TRY(mdt_test_fail_point(mesh, "load")); /* test-only: fail mid-load */
+        if (st == MDT_OK && i == m->table.n / 2)
+            st = mdt_test_fail_point(mesh, "load"); /* test-only: fail mid-load */
     }
+    mdt_free(scratch);
+    MDT_TRY(st);
     if (ck->n > m->table.n)
         mdt_log(MDT_LOG_WARN, "%s: %d tensors in the checkpoint are not used by the model", ck->dir,
                 ck->n - m->table.n);
     bind_all(m);
+    MDT_TRY(reserve_linear(m));
     return dev ? dev_finish(m) : MDT_OK;
 }
 
@@ -483,14 +566,16 @@ mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh)
     return MDT_OK;
 }
 
-/* Resident f32 weight bytes per rank at degree T (0 if the layout is invalid). */
+/* Resident weight bytes per rank at degree T (0 if the layout is invalid): 4 per weight, 2 for
+ * linear weights under bf16. */
 static int64_t weight_bytes_at(const mdt_model *m, int T) {
     int64_t bytes = 0, loc[2];
     if (mdt_model_check_layout(m, T, 1, 1) != MDT_OK)
         return 0;
     for (int i = 0; i < m->table.n; i++) {
         mdt_shard_local_shape(&m->table.specs[i], T, loc);
-        bytes += loc[0] * (m->table.specs[i].ndim > 1 ? loc[1] : 1) * 4;
+        bytes += loc[0] * (m->table.specs[i].ndim > 1 ? loc[1] : 1) *
+                 (mdt_backend_bf16() && m->table.lin[i] ? 2 : 4);
     }
     return bytes;
 }
@@ -506,16 +591,17 @@ static mdt_status check_memory(const mdt_model *m, int T, int64_t limit) {
         fit = b > 0 && b <= limit ? t : 0;
     }
     mdt_error_clear();
+    const char *kind = mdt_backend_bf16() ? "weights (linears in bf16)" : "f32 weights";
     if (fit)
         return MDT_FAIL(MDT_E_NOMEM,
-                        "tp=%d needs %.1f MiB of f32 weights per rank, over the --max-memory limit "
-                        "of %.1f MiB; tp=%d would need %.1f MiB",
-                        T, (double)need / 1048576.0, (double)limit / 1048576.0, fit,
+                        "tp=%d needs %.1f MiB of %s per rank, over the --max-memory limit of %.1f "
+                        "MiB; tp=%d would need %.1f MiB",
+                        T, (double)need / 1048576.0, kind, (double)limit / 1048576.0, fit,
                         (double)weight_bytes_at(m, fit) / 1048576.0);
     return MDT_FAIL(MDT_E_NOMEM,
-                    "tp=%d needs %.1f MiB of f32 weights per rank, over the --max-memory limit of "
-                    "%.1f MiB, and no valid tp fits",
-                    T, (double)need / 1048576.0, (double)limit / 1048576.0);
+                    "tp=%d needs %.1f MiB of %s per rank, over the --max-memory limit of %.1f MiB, "
+                    "and no valid tp fits",
+                    T, (double)need / 1048576.0, kind, (double)limit / 1048576.0);
 }
 
 mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
@@ -561,7 +647,7 @@ mdt_status mdt_model_parallelize(mdt_model *m, mdt_mesh *mesh) {
     if (!ws)
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
     if (st == MDT_OK)
-        st = alloc_weights(m, T, &buf, ws);
+        st = alloc_weights(m, T, &buf, NULL, ws);
     for (int i = 0; st == MDT_OK && i < m->table.n; i++) {
         const mdt_weight_spec *w = &m->table.specs[i];
         /* TP coordinate 0's values win, so ranks that built different states still agree */
@@ -660,6 +746,7 @@ void mdt_model_free(mdt_model *m) {
     mdt_wtable_free(&m->table);
     dev_release(m);
     free_host_weights(m, m->weights);
+    mdt_free(m->hbf16);
     mdt_free(m->ws);
     mdt_free(m->impl);
     cJSON_Delete(m->config);

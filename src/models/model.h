@@ -28,7 +28,7 @@ typedef struct mdt_wtable {
 /* A linear layer: the resident (local) weight [out_local, in_local], its bias, full dims. */
 typedef struct mdt_lin {
     const float *w, *b;
-    const uint16_t *wh; /* bf16 copy of w on a bf16 device backend (w is then NULL) */
+    const uint16_t *wh; /* the weight in bf16 under --dtype bf16 (w is then NULL) */
     int64_t in, out;
 } mdt_lin;
 
@@ -82,6 +82,7 @@ typedef struct mdt_wstate {
     float *data;        /* slice of the host weights buffer (NULL once on the device) */
     float *dev;         /* slice of the device buffer (f32 tensors) */
     uint16_t *devh;     /* slice of the device bf16 buffer (linear weights under bf16) */
+    uint16_t *h;        /* slice of the host bf16 buffer (linear weights, CPU bf16) */
     mdt_dtype stored;   /* dtype in the checkpoint (gather writes it back in this dtype) */
     int64_t bytes_read; /* checkpoint bytes this rank read for it */
 } mdt_wstate;
@@ -92,8 +93,9 @@ struct mdt_model {
     cJSON *config;
     mdt_wtable table;
     mdt_wstate *ws;       /* [table.n] */
-    float *weights;       /* one buffer for every resident tensor, f32 */
-    int64_t weight_bytes; /* resident weight bytes on this rank: sum of local sizes x 4 */
+    float *weights;       /* one buffer for every resident tensor, f32 (but packed ones) */
+    uint16_t *hbf16;      /* CPU bf16: the packed linear weights (NULL otherwise) */
+    int64_t weight_bytes; /* resident weight bytes on this rank: local sizes x 4 (bf16: x 2) */
     int64_t bytes_read;   /* checkpoint bytes read by this rank */
     mdt_mesh *mesh;       /* borrowed; NULL = single rank */
     int T, tp_index;      /* TP degree and this rank's shard index */

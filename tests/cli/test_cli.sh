@@ -188,9 +188,28 @@ fi
 MESHDIT_CUDA_PLUGIN=/nonexistent/libmeshdit_cuda.so expect_error device-cuda-no-plugin 1 \
     "--device cuda: this build has no CUDA backend" -- "$BIN" run --checkpoint "$DATA/flux_tiny" \
     --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --device cuda
-expect_error bf16-on-cpu 1 "bf16 compute runs on the CUDA backend only" -- "$BIN" run \
+# --dtype bf16 on the CPU: says so, holds about half the weight bytes, and lands within 2e-2 of
+# the diffusers golden (f32) but not on the f32 run's bits
+if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
+       --out "$T/b16.safetensors" --dtype bf16 --report "$T/b16.json" >"$T/b16.txt" &&
+   grep -q '"weights_dtype":[[:space:]]*"bf16"' "$T/b16.json" &&
+   "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
+       --out "$T/f32.safetensors" >"$T/f32.txt" &&
+   grep -q '^device: cpu, compute bf16 weights' "$T/b16.txt" &&
+   "$BIN" compare "$T/b16.safetensors" "$DATA/flux_tiny/expected.safetensors" --tol 2e-2 >/dev/null &&
+   ! "$BIN" compare "$T/b16.safetensors" "$T/f32.safetensors" --tol 1e-6 >/dev/null; then
+    w16=$(sed -n 's/.*weights \([0-9.]*\) KiB.*/\1/p' "$T/b16.txt" | head -1)
+    w32=$(sed -n 's/.*weights \([0-9.]*\) KiB.*/\1/p' "$T/f32.txt" | head -1)
+    if awk -v a="$w16" -v b="$w32" 'BEGIN { exit !(a > 0 && a < 0.6 * b) }'; then ok
+    else bad "bf16 weights $w16 KiB vs f32 $w32 KiB"; fi
+else bad "run --dtype bf16 on the CPU"; fi
+# --max-memory counts bf16 linears at 2 bytes: 150K refuses the f32 weights (~270 KiB), not bf16
+if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
+       --out "$T/b16.safetensors" --dtype bf16 --max-memory 150K --quiet; then ok
+else bad "--dtype bf16 --max-memory 150K refused"; fi
+expect_error max-memory-f32 1 "tp=1 needs" "of f32 weights" -- "$BIN" run \
     --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
-    --out "$T/out.safetensors" --dtype bf16
+    --out "$T/out.safetensors" --max-memory 150K
 expect_error bad-device 2 "--device must be cpu or cuda" -- "$BIN" run --checkpoint x --inputs y \
     --out "$T/out.safetensors" --device tpu
 

@@ -4,6 +4,7 @@
  * errors naming the tensor, and repeated forwards allocate nothing new (the arena is reused).
  */
 #define _POSIX_C_SOURCE 200809L
+#include "backend/backend.h"
 #include "harness.h"
 #include "models/model.h"
 
@@ -60,6 +61,65 @@ static float *forward_copy(const char *dir, const mdt_tensor_set *in, int64_t *n
     return res;
 }
 
+/* --dtype bf16 on the CPU backend: linear weights held in bf16 (half their bytes), fp32
+ * arithmetic. a: f32 compute on the f32 checkpoint; c: f32 compute on the bf16-stored one. */
+static void check_bf16_compute(const mdt_tensor_set *in, const float *a, const float *c,
+                               int64_t n) {
+    EXPECT_OK(mdt_backend_select(MDT_BACKEND_CPU, 0, 1));
+    int64_t ne = 0, nf = 0;
+    float *e = forward_copy(sub("f32"), in, &ne), *f = forward_copy(sub("bf16x2"), in, &nf);
+    EXPECT(e && f && ne == n && nf == n, "bf16 forwards ran");
+    EXPECT(f && c && t_rel_err(f, c, n, 0) <= 1e-5,
+           "bf16 compute = f32 compute on the same bf16 values (%.3e): fp32 arithmetic",
+           f && c ? t_rel_err(f, c, n, 0) : -1.0);
+    EXPECT(e && t_rel_err(e, a, n, 0) > 1e-6 && t_rel_err(e, a, n, 0) < 2e-2,
+           "bf16 compute on f32 weights: rounded (not silently f32), close (%.3e)",
+           e ? t_rel_err(e, a, n, 0) : -1.0);
+    /* resident bytes: every linear weight at 2 bytes, everything else at 4 */
+    mdt_load_params lp = mdt_load_params_default();
+    mdt_model *m = NULL;
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s", sub("f32"));
+    lp.checkpoint_dir = dir;
+    EXPECT_OK(mdt_model_load(&lp, &m));
+    if (m) {
+        int64_t want = 0, lin = 0;
+        for (int i = 0; i < m->table.n; i++) {
+            const mdt_weight_spec *w = &m->table.specs[i];
+            const int64_t el = w->shape[0] * (w->ndim > 1 ? w->shape[1] : 1);
+            want += el * (m->table.lin[i] ? 2 : 4), lin += m->table.lin[i] ? el : 0;
+        }
+        EXPECT(m->weight_bytes == want && lin > 0, "bf16 resident weights %lld bytes, want %lld",
+               (long long)m->weight_bytes, (long long)want);
+        /* the widening scratch is reserved at load: forwards allocate nothing more */
+        mdt_tensor_set *o1, *o2, *o3;
+        mdt_tensor_set_create(&o1), mdt_tensor_set_create(&o2), mdt_tensor_set_create(&o3);
+        EXPECT_OK(mdt_model_forward(m, in, o1));
+        const int64_t c0 = mdt_mem_alloc_count();
+        EXPECT_OK(mdt_model_forward(m, in, o2));
+        const int64_t c1 = mdt_mem_alloc_count();
+        EXPECT(c1 - c0 <= 5, "bf16 forward allocations: %lld", (long long)(c1 - c0));
+        /* gather unpacks (exactly) and repacks: same output after, and the written f32
+         * checkpoint holds the rounded values, so f32 compute on it gives the bf16 result */
+        EXPECT_OK(mdt_model_gather(m, sub("gathered")));
+        EXPECT_OK(mdt_model_forward(m, in, o3));
+        const mdt_tensor *s1 = mdt_tensor_set_get(o1, "sample"),
+                         *s3 = mdt_tensor_set_get(o3, "sample");
+        EXPECT(s1 && s3 && memcmp(s1->data, s3->data, sizeof(float) * (size_t)n) == 0,
+               "forward after gather: same bits");
+        EXPECT(m->weight_bytes == want, "repacked after gather");
+        mdt_tensor_set_free(o1), mdt_tensor_set_free(o2), mdt_tensor_set_free(o3);
+        mdt_model_free(m);
+    }
+    EXPECT_OK(mdt_backend_select(MDT_BACKEND_CPU, 0, 0));
+    int64_t ng = 0;
+    float *g = forward_copy(sub("gathered"), in, &ng);
+    EXPECT(g && e && ng == n && t_rel_err(g, e, n, 0) <= 1e-5,
+           "f32 compute on the gathered bf16-rounded weights = bf16 compute (%.3e)",
+           g && e ? t_rel_err(g, e, n, 0) : -1.0);
+    free(e), free(f), free(g);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_model_XXXXXX");
     if (!mkdtemp(g_dir))
@@ -90,6 +150,7 @@ int main(void) {
            "bf16 storage: close to f32 but rounded (%.3e)", c ? t_rel_err(c, a, n1, 0) : -1.0);
     EXPECT(d && n4 == n1 && t_rel_err(d, a, n1, 0) < 5e-3, "f16 storage close to f32");
     EXPECT(n1 == 2 * 13 * 4, "output [2, 13, 4]");
+    check_bf16_compute(in, a, c, n1);
 
     /* repeated forwards: the arena is reused; per-call allocations are only the output's */
     mdt_tensor_set *o1, *o2, *o3;
