@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Single-rank Flux forward: meshdit next to diffusers on the same checkpoint, inputs and thread
-count, alternating rounds, medians and ratio side by side. Benchmarks only (never in make test).
+count, in f32 and in bf16, alternating rounds; one table of medians, ratios and the fraction of
+this machine's sgemm rate measured in the same run. Benchmarks only (never in make test).
 
 usage: python3 bench/bench_flux.py --checkpoint DIR --inputs FILE [--rounds 3] [--repeat 3]
+           [--dtypes f32,bf16] [--torch-bf16-repeat 1]
 Run with OPENBLAS_CORETYPE unset (the image's Haswell preset halves sgemm speed); one thread.
+bf16: meshdit keeps linear weights in bf16 and computes in fp32 (`--dtype bf16`); diffusers runs
+the model and inputs in torch.bfloat16 (on a CPU without bf16 instructions PyTorch emulates them,
+so its bf16 forward is slow: --torch-bf16-repeat keeps the run short).
 """
 import argparse
 import os
@@ -17,6 +22,40 @@ import torch
 from diffusers import FluxTransformer2DModel
 from safetensors.torch import load_file
 
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def run_meshdit(args, env, dtype):
+    out = subprocess.run([args.meshdit, "run", "--checkpoint", args.checkpoint, "--inputs",
+                          args.inputs, "--out", f"/tmp/bench_flux_{dtype}.safetensors", "--dtype", dtype,
+                          "--repeat", str(args.repeat + 1)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    sec = float(re.search(r"median ([0-9.]+) s per forward", out).group(1))
+    gflop = float(re.search(r"per forward:? ([0-9.]+) GFLOP", out).group(1))
+    w = re.search(r"weights ([0-9.]+) (KiB|MiB|GiB)", out)
+    mib = float(w.group(1)) * {"KiB": 1 / 1024, "MiB": 1, "GiB": 1024}[w.group(2)]
+    return sec, gflop, mib
+
+
+def time_torch(model, inputs, n):
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        model(**inputs)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def sgemm_rate(path, env):
+    """(sgemm median rate, FMA peak) in GFLOP/s, from bench/bench_sgemm."""
+    out = subprocess.run([path, "3"], env=env, check=True, capture_output=True, text=True).stdout
+    return (float(re.search(r"sgemm median rate: ([0-9.]+) GFLOP/s", out).group(1)),
+            float(re.search(r"fma peak: ([0-9.]+) GFLOP/s", out).group(1)))
+
+
+def rel(a, ref):
+    return ((a.float() - ref).abs().max() / ref.abs().max()).item()
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -24,34 +63,59 @@ def main():
     ap.add_argument("--inputs", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--torch-bf16-repeat", type=int, default=1)
     ap.add_argument("--meshdit", default="build/meshdit")
+    ap.add_argument("--sgemm", default="build/bench/bench_sgemm")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     env.pop("OPENBLAS_CORETYPE", None)
-    model = FluxTransformer2DModel.from_pretrained(args.checkpoint, torch_dtype=torch.float32).eval()
-    inputs = load_file(args.inputs)
-    model(**inputs)  # warm-up
-    ours, theirs = [], []
+    dtypes = args.dtypes.split(",")
+    models, inputs = {}, {}
+    raw = load_file(args.inputs)
+    for dt in dtypes:
+        models[dt] = FluxTransformer2DModel.from_pretrained(args.checkpoint,
+                                                            torch_dtype=DTYPES[dt]).eval()
+        inputs[dt] = {k: (v.to(DTYPES[dt]) if v.is_floating_point() else v) for k, v in raw.items()}
+        models[dt](**inputs[dt])  # warm-up
+    ours = {dt: [] for dt in dtypes}
+    theirs = {dt: [] for dt in dtypes}
+    rates, fmas, mib, gflop = [], [], {}, 0.0
     for r in range(args.rounds):
-        out = subprocess.run([args.meshdit, "run", "--checkpoint", args.checkpoint, "--inputs",
-                              args.inputs, "--out", "/tmp/bench_flux_out.safetensors",
-                              "--repeat", str(args.repeat + 1)], env=env, check=True,
-                             capture_output=True, text=True).stdout
-        ours.append(float(re.search(r"median ([0-9.]+) s per forward", out).group(1)))
-        gflop = float(re.search(r"per forward:? ([0-9.]+) GFLOP", out).group(1))
-        ts = []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            model(**inputs)
-            ts.append(time.perf_counter() - t0)
-        theirs.append(statistics.median(ts))
-        print(f"round {r}: meshdit {ours[-1]:.3f} s  diffusers {theirs[-1]:.3f} s", flush=True)
-    m, d = statistics.median(ours), statistics.median(theirs)
-    print(f"forward ({gflop:.1f} GFLOP): meshdit median {m:.3f} s ({gflop / m:.1f} GFLOP/s), "
-          f"diffusers median {d:.3f} s ({gflop / d:.1f} GFLOP/s); diffusers/meshdit = {d / m:.2f}x")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+        rate, fma = sgemm_rate(args.sgemm, env)
+        rates.append(rate)
+        fmas.append(fma)
+        for dt in dtypes:
+            sec, gflop, mib[dt] = run_meshdit(args, env, dt)
+            ours[dt].append(sec)
+            n = args.torch_bf16_repeat if dt == "bf16" else args.repeat
+            theirs[dt].append(time_torch(models[dt], inputs[dt], n))
+            print(f"round {r} {dt}: meshdit {ours[dt][-1]:.3f} s  diffusers {theirs[dt][-1]:.3f} s",
+                  flush=True)
+    peak, fma = statistics.median(rates), statistics.median(fmas)
+    print(f"\nforward: {gflop:.1f} GFLOP; sgemm {peak:.1f} GFLOP/s, FMA peak {fma:.1f} GFLOP/s "
+          f"(medians of {len(rates)} runs in this run); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread, {torch.backends.cpu.get_cpu_capability()}")
+    print("| dtype | meshdit s | diffusers s | diffusers/meshdit | meshdit GFLOP/s | "
+          "of sgemm | meshdit weights MiB |")
+    print("|---|---|---|---|---|---|---|")
+    med = {dt: (statistics.median(ours[dt]), statistics.median(theirs[dt])) for dt in dtypes}
+    for dt in dtypes:
+        m, d = med[dt]
+        print(f"| {dt} | {m:.3f} | {d:.3f} | {d / m:.2f}x | {gflop / m:.1f} | "
+              f"{gflop / m / peak:.0%} | {mib[dt]:.1f} |")
+    if "f32" in models:  # accuracy against diffusers in f32, the reference
+        ref = models["f32"](**inputs["f32"]).sample.float()
+        for dt in dtypes:
+            ours_out = load_file(f"/tmp/bench_flux_{dt}.safetensors")["sample"]
+            theirs_out = models[dt](**inputs[dt]).sample
+            print(f"{dt} vs diffusers f32: meshdit {rel(ours_out, ref):.2e}, "
+                  f"diffusers {dt} {rel(theirs_out, ref):.2e} (max|a-b| / max|b|)")
+    if "f32" in med and "bf16" in med:
+        print(f"meshdit f32/bf16 time = {med['f32'][0] / med['bf16'][0]:.2f}x; bf16 weights = "
+              f"{mib['bf16'] / mib['f32']:.2f} of f32")
 
 
 if __name__ == "__main__":
