@@ -39,13 +39,18 @@ static mdt_tensor_set *inputs_for(mdt_model *m, int64_t img, int64_t txt, int64_
     return in;
 }
 
-static float *forward_copy(const char *dir, const mdt_tensor_set *in, int64_t *n) {
+static mdt_model *load_dir(const char *dir) {
     mdt_load_params lp = mdt_load_params_default();
     mdt_model *m = NULL;
-    mdt_tensor_set *out = NULL;
-    float *res = NULL;
     lp.checkpoint_dir = dir;
     EXPECT_OK(mdt_model_load(&lp, &m));
+    return m;
+}
+
+static float *forward_copy(const char *dir, const mdt_tensor_set *in, int64_t *n) {
+    mdt_model *m = load_dir(dir);
+    mdt_tensor_set *out = NULL;
+    float *res = NULL;
     if (!m)
         return NULL;
     mdt_tensor_set_create(&out);
@@ -76,12 +81,7 @@ static void check_bf16_compute(const mdt_tensor_set *in, const float *a, const f
            "bf16 compute on f32 weights: rounded (not silently f32), close (%.3e)",
            e ? t_rel_err(e, a, n, 0) : -1.0);
     /* resident bytes: every linear weight at 2 bytes, everything else at 4 */
-    mdt_load_params lp = mdt_load_params_default();
-    mdt_model *m = NULL;
-    char dir[512];
-    snprintf(dir, sizeof dir, "%s", sub("f32"));
-    lp.checkpoint_dir = dir;
-    EXPECT_OK(mdt_model_load(&lp, &m));
+    mdt_model *m = load_dir(sub("f32"));
     if (m) {
         int64_t want = 0, lin = 0;
         for (int i = 0; i < m->table.n; i++) {

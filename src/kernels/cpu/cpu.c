@@ -34,16 +34,20 @@ static inline float fast_expf(float x) {
     return p * scale;
 }
 
+/* Puts the bias in every row of y [M, N] and returns sgemm's beta: 1 with a bias, else 0. */
+static float bias_rows(float *y, int64_t ldy, const float *b, int64_t M, int64_t N) {
+    if (!b)
+        return 0.0f;
+    for (int64_t i = 0; i < M; i++)
+        memcpy(y + i * ldy, b, sizeof(float) * (size_t)N);
+    return 1.0f;
+}
+
 void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
                     int64_t ldy, int64_t M, int64_t K, int64_t N) {
     if (M == 0 || N == 0)
         return;
-    float beta = 0.0f;
-    if (b) {
-        for (int64_t i = 0; i < M; i++)
-            memcpy(y + i * ldy, b, sizeof(float) * (size_t)N);
-        beta = 1.0f;
-    }
+    const float beta = bias_rows(y, ldy, b, M, N);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)N, (int)K, 1.0f, x, (int)ldx,
                 w, (int)K, beta, y, (int)ldy);
     mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
@@ -89,12 +93,7 @@ void mdt_cpu_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const 
                          int64_t ws_floats) {
     if (M == 0 || N == 0)
         return;
-    float beta = 0.0f;
-    if (b) {
-        for (int64_t i = 0; i < M; i++)
-            memcpy(y + i * ldy, b, sizeof(float) * (size_t)N);
-        beta = 1.0f;
-    }
+    const float beta = bias_rows(y, ldy, b, M, N);
     if (M < MDT_CPU_BF16_FEW_ROWS) {
         const int64_t nb = bf16_few_rows(K, N, ws_floats);
         for (int64_t n0 = 0; n0 < N; n0 += nb) {
