@@ -10,7 +10,20 @@ PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 
 WARN     := -Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla
-OPT      := -O3 -march=x86-64-v3 -mtune=generic -fno-trapping-math
+# The library targets the architecture's baseline; the CPU kernels (src/kernels/cpu/cpu.c) are
+# compiled once per instruction set and picked at run time (cpu_dispatch.c).
+ARCH     := $(shell uname -m)
+ifeq ($(ARCH),x86_64)
+OPT      := -O3 -march=x86-64 -mtune=generic -fno-trapping-math
+CPU_ISAS := x86_64 avx2 avx512
+else
+OPT      := -O3 -fno-trapping-math
+CPU_ISAS := generic
+endif
+ISA_FLAGS_x86_64  := -march=x86-64 -DMDT_CPU_ISA=1
+ISA_FLAGS_avx2    := -march=x86-64-v3 -DMDT_CPU_ISA=2
+ISA_FLAGS_avx512  := -march=x86-64-v4 -mprefer-vector-width=512 -DMDT_CPU_ISA=3
+ISA_FLAGS_generic := -DMDT_CPU_ISA=0
 ifeq ($(DEBUG),1)
 OPT      := -O0 -g3
 endif
@@ -19,14 +32,15 @@ CFLAGS   += -std=c11 $(WARN) $(OPT) -g -MMD -MP -Iinclude -Isrc $(PKG_CFLAGS)
 ifeq ($(WERROR),1)
 CFLAGS   += -Werror
 endif
-LDLIBS   += $(PKG_LIBS) -lm -ldl
+LDLIBS   += $(PKG_LIBS) -lm -ldl -lpthread
 ifneq ($(SANITIZE),)
 CFLAGS   += -fsanitize=$(SANITIZE) -fno-sanitize-recover=all -fno-omit-frame-pointer
 LDFLAGS  += -fsanitize=$(SANITIZE) -fno-sanitize-recover=all
 endif
 
-LIB_SRC  := $(filter-out src/cli/%,$(wildcard src/*/*.c src/*/*/*.c))
-LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
+LIB_SRC  := $(filter-out src/cli/% src/kernels/cpu/cpu.c,$(wildcard src/*/*.c src/*/*/*.c))
+CPU_OBJ  := $(CPU_ISAS:%=$(BUILD)/src/kernels/cpu/isa/cpu_%.o)
+LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CPU_OBJ)
 CLI_OBJ  := $(BUILD)/src/cli/main.o
 TEST_SRC := $(wildcard tests/unit/test_*.c)
 TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
@@ -62,8 +76,12 @@ $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
+$(CPU_OBJ): $(BUILD)/src/kernels/cpu/isa/cpu_%.o: src/kernels/cpu/cpu.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(ISA_FLAGS_$*) -c $< -o $@
+
 $(BUILD)/libmeshdit.a: $(LIB_OBJ)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 
 $(BUILD)/meshdit: $(CLI_OBJ) $(BUILD)/libmeshdit.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)

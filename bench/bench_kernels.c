@@ -80,6 +80,7 @@ static void bench_loader(const char *dir, int reps) {
 }
 
 int main(int argc, char **argv) {
+    printf("cpu kernels: %s (MESHDIT_CPU_ISA picks another)\n", mdt_cpu_isa());
     bench_attention(8, 1280, 128, 5);  /* the medium Flux forward's joint attention */
     bench_attention(24, 4608, 128, 1); /* FLUX.1 at 1024x1024, one layer */
     for (int i = 1; i < argc; i++)

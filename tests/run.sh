@@ -59,6 +59,11 @@ for layout in "1 1 1 1 tp,ring,ulysses" "2 2 1 1 tp,ring,ulysses" "4 2 1 2 tp,ri
     run env MESHDIT_TEST_DTYPE=bf16 timeout 600 "$MPIEXEC" -n "$1" "$BUILD/tests/mpi/test_parallel" \
         tests/data "$2" "$3" "$4" "$5"
 done
+# the baseline x86-64 kernel set (what a CPU without AVX2 runs) on a hybrid layout
+if [ "$(uname -m)" = x86_64 ]; then
+    run env MESHDIT_CPU_ISA=x86-64 timeout 600 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_parallel" \
+        tests/data 2 1 2 tp,ring,ulysses
+fi
 run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_failures" tests/data
 run timeout 300 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_staging"
 # negative controls: each switch reproduces an upstream bug; the tests must notice it

@@ -324,6 +324,7 @@ static mdt_status write_report(const char *path, const mdt_model *m, const char 
     cJSON_AddStringToObject(lay, "mesh_order", order);
     cJSON_AddStringToObject(r, "device", mdt_backend_name());
     cJSON_AddStringToObject(r, "weights_dtype", mdt_backend_bf16() ? "bf16" : "f32");
+    cJSON_AddStringToObject(r, "cpu_kernels", mdt_cpu_isa());
     cJSON_AddNumberToObject(r, "load_seconds", load_s);
     cJSON_AddNumberToObject(r, "step_seconds_median", step_s);
     cJSON_AddNumberToObject(r, "steps", steps);
@@ -390,9 +391,10 @@ static mdt_status write_report(const char *path, const mdt_model *m, const char 
 static void print_plan(const mdt_model *m, const char *order, const rank_facts *rf, double load_s,
                        double med, int nsteps, int sampling, const char *out) {
     char wb[32], pb[32];
-    printf("plan: model %s, world %d = tp %d x ring %d x ulysses %d (mesh order %s)\n",
+    printf("plan: model %s, world %d = tp %d x ring %d x ulysses %d (mesh order %s), cpu kernels "
+           "%s\n",
            m->fam->name, g_world, m->mesh ? m->mesh->T : 1, m->mesh ? m->mesh->R : 1,
-           m->mesh ? m->mesh->U : 1, order);
+           m->mesh ? m->mesh->U : 1, order, mdt_cpu_isa());
     double tot0 = 0;
     for (int i = 0; i < g_world; i++) {
         const rank_facts *f = &rf[i];
@@ -923,7 +925,16 @@ int main(int argc, char **argv) {
     if (g_world > 1)
         mdt_log_set_rank(g_rank);
     int rc;
-    if (argc < 2 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0) {
+    /* MESHDIT_CPU_ISA that a rank's CPU cannot run is an error on every rank, never ignored;
+     * the lowest failing rank says why */
+    const char *isa = getenv("MESHDIT_CPU_ISA");
+    int first_bad = isa && *isa && mdt_cpu_isa_select(isa) != MDT_OK ? g_rank : g_world;
+    MPI_Allreduce(MPI_IN_PLACE, &first_bad, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (first_bad < g_world) {
+        if (first_bad == g_rank)
+            fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
+        rc = 1;
+    } else if (argc < 2 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0) {
         usage(argc < 2 ? stderr : stdout);
         rc = argc < 2 ? 2 : 0;
     } else if (strcmp(argv[1], "gen") == 0) {

@@ -210,6 +210,25 @@ else bad "--dtype bf16 --max-memory 150K refused"; fi
 expect_error max-memory-f32 1 "tp=1 needs" "of f32 weights" -- "$BIN" run \
     --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
     --out "$T/out.safetensors" --max-memory 150K
+# MESHDIT_CPU_ISA: the baseline x86-64 kernels give the golden result and say so; a set that
+# does not exist, or that this CPU cannot run, is a one-line error on every rank
+if [ "$(uname -m)" = x86_64 ]; then
+    if MESHDIT_CPU_ISA=x86-64 "$BIN" run --checkpoint "$DATA/flux_tiny" \
+           --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/isa.safetensors" \
+           --report "$T/isa.json" >"$T/isa.txt" &&
+       grep -q 'cpu kernels x86-64' "$T/isa.txt" &&
+       grep -q '"cpu_kernels":[[:space:]]*"x86-64"' "$T/isa.json" &&
+       "$BIN" compare "$T/isa.safetensors" "$DATA/flux_tiny/expected.safetensors" >/dev/null; then ok
+    else bad "MESHDIT_CPU_ISA=x86-64 run"; fi
+    if ! grep -q avx512f /proc/cpuinfo; then
+        MESHDIT_CPU_ISA=avx512 expect_error cpu-isa-missing 1 "CPU kernels 'avx512'" \
+            "lacks the instructions" -- "$BIN" run --checkpoint "$DATA/flux_tiny" \
+            --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+    fi
+fi
+MESHDIT_CPU_ISA=avx1024 expect_error cpu-isa-unknown 1 "CPU kernels 'avx1024': no such kernel set" \
+    -- "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$DATA/flux_tiny" \
+    --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --tp 2
 expect_error bad-device 2 "--device must be cpu or cuda" -- "$BIN" run --checkpoint x --inputs y \
     --out "$T/out.safetensors" --device tpu
 

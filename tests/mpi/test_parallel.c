@@ -344,6 +344,9 @@ int main(int argc, char **argv) {
     const int cuda = dev && strcmp(dev, "cuda") == 0;
     const char *dt = getenv("MESHDIT_TEST_DTYPE");
     g_bf16 = !cuda && dt && strcmp(dt, "bf16") == 0;
+    const char *isa = getenv("MESHDIT_CPU_ISA"); /* honoured, or the test is void */
+    EXPECT(!isa || !*isa || strcmp(isa, mdt_cpu_isa()) == 0, "MESHDIT_CPU_ISA=%s, running %s",
+           isa ? isa : "", mdt_cpu_isa());
     if (g_bf16)
         EXPECT_OK(mdt_backend_select(MDT_BACKEND_CPU, 0, 1));
     EXPECT_OK(mdt_mesh_create_comm(MPI_COMM_WORLD, T, R, U, argv[5], &mesh));
@@ -396,8 +399,8 @@ int main(int argc, char **argv) {
     int fails = t_fail, any = 0;
     MPI_Allreduce(&fails, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (g_rank == 0)
-        printf("test_parallel (n=%d, tp=%d ring=%d ulysses=%d, %s%s%s): ", g_size, T, R, U, argv[5],
-               cuda ? ", cuda" : "", g_bf16 ? ", bf16" : "");
+        printf("test_parallel (n=%d, tp=%d ring=%d ulysses=%d, %s%s%s, cpu kernels %s): ", g_size,
+               T, R, U, argv[5], cuda ? ", cuda" : "", g_bf16 ? ", bf16" : "", mdt_cpu_isa());
     if (g_rank != 0)
         t_pass = 0; /* report rank 0's count once, but every rank's failures */
     t_fail = any;

@@ -281,16 +281,40 @@ static void test_angle_table(mdt_rng *r) {
 }
 
 int main(void) {
-    mdt_rng r;
-    mdt_rng_seed(&r, 42);
-    test_linear(&r);
-    test_linear_bf16(&r);
-    test_norms(&r);
-    test_heads_prepare(&r);
-    test_activations(&r);
-    test_rope_half(&r);
-    test_attention(&r);
-    test_lse_merge(&r);
-    test_angle_table(&r);
+    /* every kernel set this CPU runs (x86-64 baseline, AVX2, AVX-512), each against the
+     * references; the dispatcher must report the set it runs */
+    const char *isas[] = {"generic", "x86-64", "avx2", "avx512"};
+    int ran = 0;
+    const char *widest = NULL;
+    for (int i = 0; i < 4; i++) {
+        if (!mdt_cpu_isa_available(isas[i]))
+            continue;
+        widest = isas[i];
+        EXPECT_OK(mdt_cpu_isa_select(isas[i]));
+        EXPECT(strcmp(mdt_cpu_isa(), isas[i]) == 0, "selected %s, running %s", isas[i],
+               mdt_cpu_isa());
+        printf("kernels: %s\n", mdt_cpu_isa());
+        mdt_rng r;
+        mdt_rng_seed(&r, 42);
+        test_linear(&r);
+        test_linear_bf16(&r);
+        test_norms(&r);
+        test_heads_prepare(&r);
+        test_activations(&r);
+        test_rope_half(&r);
+        test_attention(&r);
+        test_lse_merge(&r);
+        test_angle_table(&r);
+        ran++;
+    }
+    EXPECT(ran >= 1, "no kernel set runs on this CPU");
+    EXPECT_ERR(mdt_cpu_isa_select("avx1024"), MDT_E_UNSUPPORTED, "avx1024", "no such kernel set");
+    if (!mdt_cpu_isa_available("avx512"))
+        EXPECT_ERR(mdt_cpu_isa_select("avx512"), MDT_E_UNSUPPORTED, "lacks the instructions");
+    EXPECT_OK(mdt_cpu_isa_select("auto"));
+    EXPECT(widest && strcmp(mdt_cpu_isa(), widest) == 0,
+           "auto picks %s, the widest this CPU "
+           "runs, not %s",
+           widest ? widest : "-", mdt_cpu_isa());
     TEST_END();
 }

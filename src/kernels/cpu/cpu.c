@@ -3,8 +3,13 @@
  * elementwise passes are fused loops the compiler vectorises; attention streams key tiles with an
  * online softmax (running max m, denominator l, rescaled accumulator) and does its two products
  * per tile with sgemm.
+ *
+ * Compiled once per instruction set (the Makefile sets MDT_CPU_ISA and -march: x86-64, AVX2 +
+ * FMA, AVX-512), each build exporting one table (cpu_isa.h); cpu_dispatch.c picks the widest
+ * the CPU runs at first use. Every function here is static: the table is the only way in.
  */
 #include "cpu.h"
+#include "cpu_isa.h"
 
 #include "core/core.h"
 
@@ -43,8 +48,8 @@ static float bias_rows(float *y, int64_t ldy, const float *b, int64_t M, int64_t
     return 1.0f;
 }
 
-void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
-                    int64_t ldy, int64_t M, int64_t K, int64_t N) {
+static void k_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
+                     int64_t ldy, int64_t M, int64_t K, int64_t N) {
     if (M == 0 || N == 0)
         return;
     const float beta = bias_rows(y, ldy, b, M, N);
@@ -53,7 +58,7 @@ void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b,
     mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
 }
 
-void mdt_cpu_bf16_widen(float *dst, const uint16_t *src, int64_t n) {
+static void k_bf16_widen(float *dst, const uint16_t *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) { /* vectorises: zero-extend, shift, store */
         const uint32_t u = (uint32_t)src[i] << 16;
         memcpy(dst + i, &u, sizeof u);
@@ -80,7 +85,7 @@ static int64_t bf16_many_kb(int64_t K, int64_t N, int64_t ws_floats) { /* K bloc
     return kb < 1 ? 1 : kb;
 }
 
-int64_t mdt_cpu_linear_bf16_ws_floats(int64_t K, int64_t N) {
+static int64_t k_linear_bf16_ws_floats(int64_t K, int64_t N) {
     int64_t kb = N * K <= BF16_MANY_PANEL ? K : (BF16_MANY_PANEL / N) & ~(int64_t)255;
     kb = kb < BF16_MIN_KB ? BF16_MIN_KB : kb;
     kb = kb > K ? K : kb;
@@ -88,9 +93,9 @@ int64_t mdt_cpu_linear_bf16_ws_floats(int64_t K, int64_t N) {
     return few > many ? few : many;
 }
 
-void mdt_cpu_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b, float *y,
-                         int64_t ldy, int64_t M, int64_t K, int64_t N, float *ws,
-                         int64_t ws_floats) {
+static void k_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b, float *y,
+                          int64_t ldy, int64_t M, int64_t K, int64_t N, float *ws,
+                          int64_t ws_floats) {
     if (M == 0 || N == 0)
         return;
     const float beta = bias_rows(y, ldy, b, M, N);
@@ -98,7 +103,7 @@ void mdt_cpu_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const 
         const int64_t nb = bf16_few_rows(K, N, ws_floats);
         for (int64_t n0 = 0; n0 < N; n0 += nb) {
             const int64_t nn = N - n0 < nb ? N - n0 : nb;
-            mdt_cpu_bf16_widen(ws, wh + n0 * K, nn * K); // [nn, K]
+            k_bf16_widen(ws, wh + n0 * K, nn * K); // [nn, K]
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nn, (int)K, 1.0f, x,
                         (int)ldx, ws, (int)K, beta, y + n0, (int)ldy);
         }
@@ -107,7 +112,7 @@ void mdt_cpu_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const 
         for (int64_t k0 = 0; k0 < K; k0 += kb) {
             const int64_t kk = K - k0 < kb ? K - k0 : kb;
             for (int64_t n = 0; n < N; n++) // ws [N, kk] = wh[:, k0:k0+kk]
-                mdt_cpu_bf16_widen(ws + n * kk, wh + n * K + k0, kk);
+                k_bf16_widen(ws + n * kk, wh + n * K + k0, kk);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)N, (int)kk, 1.0f,
                         x + k0, (int)ldx, ws, (int)kk, k0 > 0 ? 1.0f : beta, y, (int)ldy);
         }
@@ -115,8 +120,8 @@ void mdt_cpu_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const 
     mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
 }
 
-void mdt_cpu_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, float eps,
-                                const float *shift, const float *scale) {
+static void k_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, float eps,
+                                 const float *shift, const float *scale) {
     for (int64_t i = 0; i < M; i++) {
         const float *xr = x + i * C;
         float *yr = y + i * C;
@@ -137,9 +142,9 @@ void mdt_cpu_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, 
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 8.0 * (double)M * (double)C;
 }
 
-void mdt_cpu_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, int64_t D,
-                           const float *norm_w, float eps, const float *cos_t, const float *sin_t,
-                           int64_t rot, mdt_rope_kind kind, float *dst, int64_t Sdst, int64_t s0) {
+static void k_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, int64_t D,
+                            const float *norm_w, float eps, const float *cos_t, const float *sin_t,
+                            int64_t rot, mdt_rope_kind kind, float *dst, int64_t Sdst, int64_t s0) {
     for (int64_t s = 0; s < S; s++)
         for (int64_t h = 0; h < H; h++) {
             const float *x = src + s * ld + h * D;
@@ -175,7 +180,7 @@ void mdt_cpu_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, i
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 8.0 * (double)S * (double)H * (double)D;
 }
 
-void mdt_cpu_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_t C, float eps) {
+static void k_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_t C, float eps) {
     for (int64_t i = 0; i < M; i++) {
         const float *xr = x + i * C;
         float *yr = y + i * C, ms = 0.0f;
@@ -192,8 +197,8 @@ void mdt_cpu_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 4.0 * (double)M * (double)C;
 }
 
-void mdt_cpu_modulate_rows(float *y, int64_t M, int64_t C, const float *table, int64_t ld,
-                           const int64_t *idx, int64_t shift_off, int64_t scale_off) {
+static void k_modulate_rows(float *y, int64_t M, int64_t C, const float *table, int64_t ld,
+                            const int64_t *idx, int64_t shift_off, int64_t scale_off) {
     for (int64_t i = 0; i < M; i++) {
         const float *sh = table + idx[i] * ld + shift_off, *sc = table + idx[i] * ld + scale_off;
         float *yr = y + i * C;
@@ -203,9 +208,9 @@ void mdt_cpu_modulate_rows(float *y, int64_t M, int64_t C, const float *table, i
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 3.0 * (double)M * (double)C;
 }
 
-void mdt_cpu_gate_residual_rows(float *x, const float *y, int64_t ldy, const float *table,
-                                int64_t ld, const int64_t *idx, int64_t gate_off, int64_t M,
-                                int64_t C) {
+static void k_gate_residual_rows(float *x, const float *y, int64_t ldy, const float *table,
+                                 int64_t ld, const int64_t *idx, int64_t gate_off, int64_t M,
+                                 int64_t C) {
     for (int64_t i = 0; i < M; i++) {
         const float *g = table + idx[i] * ld + gate_off;
         for (int64_t c = 0; c < C; c++)
@@ -214,7 +219,7 @@ void mdt_cpu_gate_residual_rows(float *x, const float *y, int64_t ldy, const flo
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 2.0 * (double)M * (double)C;
 }
 
-void mdt_cpu_swiglu(const float *in, float *out, int64_t M, int64_t n) {
+static void k_swiglu(const float *in, float *out, int64_t M, int64_t n) {
     for (int64_t i = 0; i < M; i++) {
         const float *v = in + i * 2 * n, *g = v + n;
         float *o = out + i * n;
@@ -224,7 +229,7 @@ void mdt_cpu_swiglu(const float *in, float *out, int64_t M, int64_t n) {
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 6.0 * (double)M * (double)n;
 }
 
-void mdt_cpu_gelu_tanh(float *x, int64_t n) {
+static void k_gelu_tanh(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         float v = x[i];
         const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
@@ -234,28 +239,28 @@ void mdt_cpu_gelu_tanh(float *x, int64_t n) {
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 10.0 * (double)n;
 }
 
-void mdt_cpu_silu(float *x, int64_t n) {
+static void k_silu(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         x[i] = x[i] / (1.0f + fast_expf(-x[i]));
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 5.0 * (double)n;
 }
 
-void mdt_cpu_gate_residual(float *x, const float *y, int64_t ldy, const float *gate, int64_t M,
-                           int64_t C) {
+static void k_gate_residual(float *x, const float *y, int64_t ldy, const float *gate, int64_t M,
+                            int64_t C) {
     for (int64_t i = 0; i < M; i++)
         for (int64_t c = 0; c < C; c++)
             x[i * C + c] += gate[c] * y[i * ldy + c];
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 2.0 * (double)M * (double)C;
 }
 
-int64_t mdt_cpu_attention_ws_floats(int64_t D) {
+static int64_t k_attention_ws_floats(int64_t D) {
     /* scores [BQ, BK] + accumulator [BQ, D] + running max and denominator [BQ] each */
     return (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK + (int64_t)MDT_ATTN_BQ * D + 2 * MDT_ATTN_BQ;
 }
 
-void mdt_cpu_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
-                       float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
-                       float scale, float *ws) {
+static void k_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
+                        float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
+                        float scale, float *ws) {
     float *sc = ws;                                       /* [BQ, BK] */
     float *acc = sc + (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK; /* [BQ, D] */
     float *mx = acc + (int64_t)MDT_ATTN_BQ * D;           /* [BQ] */
@@ -325,42 +330,42 @@ void mdt_cpu_attention(const float *q, const float *k, const float *v, float *ou
     c->attn_calls++;
 }
 
-void mdt_cpu_copy2d(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
-                    int64_t cols) {
+static void k_copy2d(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                     int64_t cols) {
     for (int64_t r = 0; r < rows; r++)
         memcpy(dst + r * ldd, src + r * lds, sizeof(float) * (size_t)cols);
 }
 
-void mdt_cpu_copy_rows(float *dst, int64_t ldd, const int64_t *drow, const float *src, int64_t lds,
-                       const int64_t *srow, int64_t n, int64_t w) {
+static void k_copy_rows(float *dst, int64_t ldd, const int64_t *drow, const float *src, int64_t lds,
+                        const int64_t *srow, int64_t n, int64_t w) {
     for (int64_t i = 0; i < n; i++)
         memcpy(dst + (drow ? drow[i] : i) * ldd, src + (srow ? srow[i] : i) * lds,
                sizeof(float) * (size_t)w);
 }
 
-void mdt_cpu_fill(float *x, int64_t n, float v) {
+static void k_fill(float *x, int64_t n, float v) {
     for (int64_t i = 0; i < n; i++)
         x[i] = v;
 }
 
-void mdt_cpu_add(float *y, const float *x, int64_t n) {
+static void k_add(float *y, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         y[i] += x[i];
 }
 
-void mdt_cpu_add_bias(float *y, int64_t ldy, const float *b, int64_t M, int64_t N) {
+static void k_add_bias(float *y, int64_t ldy, const float *b, int64_t M, int64_t N) {
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j++)
             y[i * ldy + j] += b[j];
 }
 
-void mdt_cpu_gelu_rows(float *x, int64_t ld, int64_t M, int64_t n) {
+static void k_gelu_rows(float *x, int64_t ld, int64_t M, int64_t n) {
     for (int64_t r = 0; r < M; r++)
-        mdt_cpu_gelu_tanh(x + r * ld, n);
+        k_gelu_tanh(x + r * ld, n);
 }
 
-void mdt_cpu_lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t ldo,
-                       const float *l, int64_t hn, int64_t L, int64_t D) {
+static void k_lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t ldo,
+                        const float *l, int64_t hn, int64_t L, int64_t D) {
     for (int64_t h = 0; h < hn; h++)
         for (int64_t i = 0; i < L; i++) {
             const float a = Lr[h * L + i], b = l[h * L + i];
@@ -381,9 +386,9 @@ void mdt_cpu_lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t
         }
 }
 
-void mdt_cpu_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t ncols,
-                         const int32_t *col_axis, const double *col_freq, int dbl, float *cos_t,
-                         float *sin_t) {
+static void k_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t ncols,
+                          const int32_t *col_axis, const double *col_freq, int dbl, float *cos_t,
+                          float *sin_t) {
     for (int64_t s = 0; s < S; s++)
         for (int64_t c = 0; c < ncols; c++) {
             const float p = pos[s * ldpos + col_axis[c]];
@@ -396,3 +401,47 @@ void mdt_cpu_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t nco
             }
         }
 }
+
+#ifndef MDT_CPU_ISA
+#define MDT_CPU_ISA 0 /* a build outside the Makefile (analysers): the generic table */
+#endif
+#if MDT_CPU_ISA == 1
+#define MDT_CPU_TABLE mdt_cpu_kernels_x86_64
+#define MDT_CPU_NAME "x86-64"
+#elif MDT_CPU_ISA == 2
+#define MDT_CPU_TABLE mdt_cpu_kernels_avx2
+#define MDT_CPU_NAME "avx2"
+#elif MDT_CPU_ISA == 3
+#define MDT_CPU_TABLE mdt_cpu_kernels_avx512
+#define MDT_CPU_NAME "avx512"
+#else
+#define MDT_CPU_TABLE mdt_cpu_kernels_generic
+#define MDT_CPU_NAME "generic"
+#endif
+
+const mdt_cpu_kernels MDT_CPU_TABLE = {
+    .isa = MDT_CPU_NAME,
+    .linear = k_linear,
+    .linear_bf16 = k_linear_bf16,
+    .linear_bf16_ws_floats = k_linear_bf16_ws_floats,
+    .bf16_widen = k_bf16_widen,
+    .layernorm_modulate = k_layernorm_modulate,
+    .heads_prepare = k_heads_prepare,
+    .rmsnorm = k_rmsnorm,
+    .modulate_rows = k_modulate_rows,
+    .gate_residual_rows = k_gate_residual_rows,
+    .swiglu = k_swiglu,
+    .gelu_tanh = k_gelu_tanh,
+    .silu = k_silu,
+    .gate_residual = k_gate_residual,
+    .angle_table = k_angle_table,
+    .copy2d = k_copy2d,
+    .copy_rows = k_copy_rows,
+    .fill = k_fill,
+    .add = k_add,
+    .add_bias = k_add_bias,
+    .gelu_rows = k_gelu_rows,
+    .lse_merge = k_lse_merge,
+    .attention_ws_floats = k_attention_ws_floats,
+    .attention = k_attention,
+};

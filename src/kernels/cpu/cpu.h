@@ -8,7 +8,19 @@
 #ifndef MDT_KERNELS_CPU_H
 #define MDT_KERNELS_CPU_H
 
+#include "core/core.h"
+
 #include <stdint.h>
+
+/* Which build of these kernels runs: cpu.c is compiled per instruction set ("x86-64", "avx2"
+ * with FMA, "avx512"; "generic" off x86-64) and the widest this CPU supports is used, unless
+ * MESHDIT_CPU_ISA names another (read at first use). The build in use: */
+const char *mdt_cpu_isa(void);
+/* 1 if the kernel set `name` is built and this CPU runs it. */
+int mdt_cpu_isa_available(const char *name);
+/* Switches to kernel set `name` ("auto": the widest); MDT_E_UNSUPPORTED with what this machine
+ * runs if it is unknown or the CPU lacks its instructions. Call before any kernel runs. */
+mdt_status mdt_cpu_isa_select(const char *name);
 
 /* y[M, N] = x[M, K] . w[N, K]^T (+ b[N]); x rows have stride ldx (>= K), y rows ldy (>= N). */
 void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
