@@ -221,6 +221,23 @@ void mdt_arena_release(mdt_arena *a) {
 }
 
 /* ---- timer ---- */
+MDT_HOT_CLONES int64_t mdt_first_nonfinite(const float *v, int64_t n) {
+    enum { BLOCK = 4096 };
+    for (int64_t b = 0; b < n; b += BLOCK) {
+        const int64_t e = n - b < BLOCK ? n : b + BLOCK;
+        uint32_t bad = 0; /* exponent all ones: Inf or NaN; an OR over the block vectorises */
+        for (int64_t i = b; i < e; i++) {
+            uint32_t u;
+            memcpy(&u, v + i, sizeof u);
+            bad |= (u & 0x7f800000u) == 0x7f800000u;
+        }
+        for (int64_t i = b; bad && i < e; i++)
+            if (!isfinite(v[i]))
+                return i;
+    }
+    return -1;
+}
+
 double mdt_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -101,6 +101,18 @@ void mdt_arena_release(mdt_arena *a);
 /* ---- timers ---- */
 double mdt_now(void); /* monotonic seconds */
 
+/* ---- hot loops outside the CPU kernels ---- */
+/* Compiles a function for the x86-64 baseline and for AVX2 (x86-64-v3), the one the CPU runs
+ * chosen when the program loads (an ifunc); the library itself targets the baseline. For the
+ * loader's conversions and checks; the CPU kernels have per-ISA builds of their own. */
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define MDT_HOT_CLONES __attribute__((target_clones("default", "arch=x86-64-v3")))
+#else
+#define MDT_HOT_CLONES
+#endif
+/* Index of the first NaN or Inf in v[0:n], or -1 if every value is finite. */
+int64_t mdt_first_nonfinite(const float *v, int64_t n);
+
 /* ---- counters (per process) ---- */
 typedef enum {
     MDT_FLOP_LINEAR = 0,

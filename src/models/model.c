@@ -529,12 +529,12 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *m
         m->ws[i].bytes_read = mdt_counters_get()->bytes_read - before;
         m->bytes_read += m->ws[i].bytes_read;
         const int64_t nloc = m->ws[i].local[0] * m->ws[i].local[1];
-        for (int64_t j = 0; j < nloc && st == MDT_OK; j++) /* damaged data in this rank's slice */
-            if (!isfinite(dst[j]))
-                st = MDT_FAIL(MDT_E_FORMAT,
-                              "%s: tensor '%s': non-finite value (NaN or Inf) at element %lld of "
-                              "this rank's shard",
-                              ref->file->path, m->table.specs[i].name, (long long)j);
+        const int64_t j = mdt_first_nonfinite(dst, nloc); /* damaged data in this rank's slice */
+        if (j >= 0)
+            st = MDT_FAIL(MDT_E_FORMAT,
+                          "%s: tensor '%s': non-finite value (NaN or Inf) at element %lld of "
+                          "this rank's shard",
+                          ref->file->path, m->table.specs[i].name, (long long)j);
         if (st == MDT_OK && m->ws[i].h)
             st = mdt_convert_from_f32(MDT_BF16, dst, m->ws[i].h, nloc);
         if (st == MDT_OK && dev)
@@ -794,10 +794,10 @@ static mdt_status input_tensor(const mdt_tensor_set *in, const char *name, int n
 }
 
 static mdt_status check_finite(const char *name, const float *v, int64_t n) {
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(v[i]))
-            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
-                            name, (long long)i);
+    const int64_t i = mdt_first_nonfinite(v, n);
+    if (i >= 0)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
+                        name, (long long)i);
     return MDT_OK;
 }
 

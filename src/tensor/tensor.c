@@ -92,7 +92,7 @@ uint16_t mdt_f32_to_f16(float f) {
     return (uint16_t)(sign | (r >> 13));
 }
 
-mdt_status mdt_convert_to_f32(mdt_dtype dt, const void *src, float *dst, int64_t n) {
+MDT_HOT_CLONES mdt_status mdt_convert_to_f32(mdt_dtype dt, const void *src, float *dst, int64_t n) {
     switch (dt) {
     case MDT_F32:
         if ((const void *)dst != src)
@@ -132,7 +132,8 @@ mdt_status mdt_convert_to_f32(mdt_dtype dt, const void *src, float *dst, int64_t
     }
 }
 
-mdt_status mdt_convert_from_f32(mdt_dtype dt, const float *src, void *dst, int64_t n) {
+MDT_HOT_CLONES mdt_status mdt_convert_from_f32(mdt_dtype dt, const float *src, void *dst,
+                                               int64_t n) {
     switch (dt) {
     case MDT_F32:
         if (dst != (const void *)src)

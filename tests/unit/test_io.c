@@ -8,6 +8,8 @@
 #include "io/checkpoint.h"
 
 #include <cjson/cJSON.h>
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -57,6 +59,32 @@ static void test_dtypes(void) {
     EXPECT(isnan(mdt_bf16_to_f32(mdt_f32_to_bf16(NAN))), "bf16 keeps NaN");
     EXPECT(mdt_dtype_parse("BF16") == MDT_BF16 && mdt_dtype_parse("Q4") == MDT_DTYPE_COUNT,
            "dtype names");
+}
+
+/* the loader's and the inputs' NaN/Inf scan: the first bad index across block boundaries */
+static void test_first_nonfinite(void) {
+    const int64_t n = 3 * 4096 + 5;
+    float *v = malloc(sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < n; i++)
+        v[i] = i % 2 ? FLT_MAX : -1e-41f; /* extremes and denormals are finite */
+    EXPECT(mdt_first_nonfinite(v, n) == -1, "all finite");
+    EXPECT(mdt_first_nonfinite(v, 0) == -1, "empty");
+    const int64_t at[] = {0, 4095, 4096, 8193, n - 1};
+    const float bad[] = {NAN, INFINITY, -INFINITY};
+    for (int a = 0; a < 5; a++)
+        for (int k = 0; k < 3; k++) {
+            const float keep = v[at[a]];
+            v[at[a]] = bad[k];
+            EXPECT(mdt_first_nonfinite(v, n) == at[a], "bad value %d at %lld found at %lld", k,
+                   (long long)at[a], (long long)mdt_first_nonfinite(v, n));
+            if (at[a] + 1 < n) { /* a second one later does not change the answer */
+                v[n - 1] = NAN;
+                EXPECT(mdt_first_nonfinite(v, n) == at[a], "first of two");
+                v[n - 1] = FLT_MAX;
+            }
+            v[at[a]] = keep;
+        }
+    free(v);
 }
 
 static void test_roundtrip(void) {
@@ -249,6 +277,7 @@ int main(void) {
     if (!mkdtemp(g_dir))
         return 1;
     test_dtypes();
+    test_first_nonfinite();
     test_roundtrip();
     test_malformed();
     test_checkpoint_dirs();
