@@ -105,7 +105,8 @@ double mdt_now(void); /* monotonic seconds */
 /* Compiles a function for the x86-64 baseline and for AVX2 (x86-64-v3), the one the CPU runs
  * chosen when the program loads (an ifunc); the library itself targets the baseline. For the
  * loader's conversions and checks; the CPU kernels have per-ISA builds of their own. */
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+/* (GCC only: with clang 14 the other units' calls to a clone stayed undefined at link time) */
 #define MDT_HOT_CLONES __attribute__((target_clones("default", "arch=x86-64-v3")))
 #else
 #define MDT_HOT_CLONES
