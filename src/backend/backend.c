@@ -136,10 +136,10 @@ const mdt_mem_source *mdt_backend_host_mem(void) { return g_ops ? &g_pinned : NU
 
 mdt_status mdt_backend_check(void) {
     char err[512] = "";
-    if (g_cpu_err[0]) {
-        snprintf(err, sizeof err, "%s", g_cpu_err);
+    if (g_cpu_err[0]) { /* the message is formatted before the sticky error is cleared */
+        const mdt_status st = MDT_FAIL(MDT_E_NOMEM, "%s", g_cpu_err);
         g_cpu_err[0] = '\0';
-        return MDT_FAIL(MDT_E_NOMEM, "%s", err);
+        return st;
     }
     if (g_ops && g_ops->check(err, sizeof err) != 0)
         return MDT_FAIL(MDT_E_INVALID, "device: %s", err);

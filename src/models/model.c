@@ -267,6 +267,7 @@ mdt_status mdt_test_fail_point(const mdt_mesh *mesh, const char *phase) {
 
 static void bind_all(mdt_model *m);
 static int64_t slot_floats(int64_t n) { return (n + 15) & ~(int64_t)15; /* 64-byte slots */ }
+static int64_t slot_halves(int64_t n) { return (n + 31) & ~(int64_t)31; /* bf16, 64 bytes */ }
 /* bf16 linear weights on the host: the CPU backend under --dtype bf16. */
 static int host_bf16(void) { return mdt_backend_bf16() && !mdt_backend_mem(); }
 
@@ -282,7 +283,7 @@ static mdt_status alloc_weights(mdt_model *m, int T, float **buf_out, uint16_t *
         ws[i].local[0] = loc[0], ws[i].local[1] = m->table.specs[i].ndim > 1 ? loc[1] : 1;
         const int64_t n = ws[i].local[0] * ws[i].local[1];
         if (hbuf_out && m->table.lin[i])
-            htotal += (n + 31) & ~(int64_t)31, bytes += n * 2;
+            htotal += slot_halves(n), bytes += n * 2;
         else
             total += slot_floats(n), bytes += n * 4;
     }
@@ -303,7 +304,7 @@ static mdt_status alloc_weights(mdt_model *m, int T, float **buf_out, uint16_t *
         const int64_t n = ws[i].local[0] * ws[i].local[1];
         ws[i].data = NULL, ws[i].h = NULL;
         if (hbuf && m->table.lin[i])
-            ws[i].h = hslot, hslot += (n + 31) & ~(int64_t)31;
+            ws[i].h = hslot, hslot += slot_halves(n);
         else
             ws[i].data = slot, slot += slot_floats(n);
     }
@@ -352,7 +353,7 @@ static mdt_status repack(mdt_model *m, int to_packed) {
         if (ws[i].h)
             mdt_convert_from_f32(MDT_BF16, m->ws[i].data, ws[i].h, n);
         else if (m->ws[i].h)
-            mdt_cpu_bf16_widen(ws[i].data, m->ws[i].h, n);
+            mdt_convert_to_f32(MDT_BF16, m->ws[i].h, ws[i].data, n);
         else if (n)
             memcpy(ws[i].data, m->ws[i].data, sizeof(float) * (size_t)n);
     }
@@ -373,7 +374,7 @@ static mdt_status dev_prepare(mdt_model *m) {
     for (int i = 0; i < m->table.n; i++) {
         const int64_t n = m->ws[i].local[0] * m->ws[i].local[1];
         if (bf16_slot(m, i))
-            nh += (n + 31) & ~(int64_t)31, bytes += 2 * n, scratch = n > scratch ? n : scratch;
+            nh += slot_halves(n), bytes += 2 * n, scratch = n > scratch ? n : scratch;
         else
             nf += slot_floats(n), bytes += 4 * n;
     }
@@ -388,7 +389,7 @@ static mdt_status dev_prepare(mdt_model *m) {
         const int64_t n = m->ws[i].local[0] * m->ws[i].local[1];
         m->ws[i].dev = NULL, m->ws[i].devh = NULL;
         if (bf16_slot(m, i))
-            m->ws[i].devh = h, h += (n + 31) & ~(int64_t)31;
+            m->ws[i].devh = h, h += slot_halves(n);
         else
             m->ws[i].dev = f, f += slot_floats(n);
     }

@@ -57,19 +57,22 @@ static const mdt_cpu_kernels *widest(void) {
     return k_tables[N_TABLES - 1];
 }
 
+/* The set `name` names ("auto": the widest this CPU runs), or NULL. */
+static const mdt_cpu_kernels *lookup(const char *name) {
+    return !name ? NULL : strcmp(name, "auto") == 0 ? widest() : find(name);
+}
+
 static void pick_auto(void) { g_kern = widest(); }
 
 static void pick(void) {
     const char *env = getenv("MESHDIT_CPU_ISA");
-    const mdt_cpu_kernels *t = env && *env && strcmp(env, "auto") != 0 ? find(env) : NULL;
-    if (t && cpu_runs(t)) {
-        g_kern = t;
-        return;
-    }
-    if (env && *env && strcmp(env, "auto") != 0) /* the CLI refuses this before any work */
+    const mdt_cpu_kernels *t = env && *env ? lookup(env) : widest();
+    if (!t || !cpu_runs(t)) { /* the CLI refuses this before any work */
         mdt_log(MDT_LOG_WARN, "MESHDIT_CPU_ISA=%s: not a kernel set this CPU runs; using auto",
                 env);
-    pick_auto();
+        t = widest();
+    }
+    g_kern = t;
 }
 
 static const mdt_cpu_kernels *kern(void) {
@@ -87,9 +90,7 @@ int mdt_cpu_isa_available(const char *name) {
 mdt_status mdt_cpu_isa_select(const char *name) {
     char have[64] = "";
     pthread_once(&g_once, pick_auto); /* the environment is not consulted once a set is chosen */
-    const mdt_cpu_kernels *t = name && strcmp(name, "auto") == 0 ? widest()
-                               : name                            ? find(name)
-                                                                 : NULL;
+    const mdt_cpu_kernels *t = lookup(name);
     if (t && cpu_runs(t)) {
         g_kern = t;
         return MDT_OK;
