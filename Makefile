@@ -32,7 +32,9 @@ CFLAGS   += -std=c11 $(WARN) $(OPT) -g -MMD -MP -Iinclude -Isrc $(PKG_CFLAGS)
 ifeq ($(WERROR),1)
 CFLAGS   += -Werror
 endif
-LDLIBS   += $(PKG_LIBS) -lm -ldl -lpthread
+# oneDNN (Debian libdnnl-dev, no pkg-config file): the CPU GEMM path on bf16 hardware (gemm.h);
+# built with the OpenMP runtime, so libgomp too
+LDLIBS   += $(PKG_LIBS) -ldnnl -lgomp -lm -ldl -lpthread
 ifneq ($(SANITIZE),)
 CFLAGS   += -fsanitize=$(SANITIZE) -fno-sanitize-recover=all -fno-omit-frame-pointer
 LDFLAGS  += -fsanitize=$(SANITIZE) -fno-sanitize-recover=all

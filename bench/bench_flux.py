@@ -5,10 +5,13 @@ this machine's sgemm rate measured in the same run. Benchmarks only (never in ma
 
 usage: python3 bench/bench_flux.py --checkpoint DIR --inputs FILE [--rounds 3] [--repeat 3]
            [--dtypes f32,bf16] [--torch-bf16-repeat 1]
+MESHDIT_CPU_GEMM in the environment picks meshdit's GEMM path (gemm.h; default auto); the table
+header says which ran, with the CPU model and flags, and the fp32 FMA and bf16 dot peaks.
 Run with OPENBLAS_CORETYPE unset (the image's Haswell preset halves sgemm speed); one thread.
-bf16: meshdit keeps linear weights in bf16 and computes in fp32 (`--dtype bf16`); diffusers runs
-the model and inputs in torch.bfloat16 (on a CPU without bf16 instructions PyTorch emulates them,
-so its bf16 forward is slow: --torch-bf16-repeat keeps the run short).
+bf16: meshdit keeps linear weights in bf16 (`--dtype bf16`) and, on CPUs with bf16 instructions,
+multiplies bf16 GEMM operands with fp32 accumulation (else fp32 arithmetic); diffusers runs the
+model and inputs in torch.bfloat16 (on a CPU without bf16 instructions PyTorch emulates them, so
+its bf16 forward is slow there: --torch-bf16-repeat keeps the run short).
 """
 import argparse
 import os
@@ -31,6 +34,7 @@ def run_meshdit(args, env, dtype):
                           "--repeat", str(args.repeat + 1)], env=env, check=True,
                          capture_output=True, text=True).stdout
     sec = float(re.search(r"median ([0-9.]+) s per forward", out).group(1))
+    run_meshdit.gemm = re.search(r"gemm ([^\n]*)", out).group(1)
     gflop = float(re.search(r"per forward:? ([0-9.]+) GFLOP", out).group(1))
     w = re.search(r"weights ([0-9.]+) (KiB|MiB|GiB)", out)
     mib = float(w.group(1)) * {"KiB": 1 / 1024, "MiB": 1, "GiB": 1024}[w.group(2)]
@@ -47,10 +51,14 @@ def time_torch(model, inputs, n):
 
 
 def sgemm_rate(path, env):
-    """(sgemm median rate, FMA peak) in GFLOP/s, from bench/bench_sgemm."""
+    """(sgemm median rate, FMA peak, bf16 dot peak or None, the GEMM path's f32 and bf16 rates
+    (None where it has none), the cpu line) from bench/bench_sgemm."""
     out = subprocess.run([path, "3"], env=env, check=True, capture_output=True, text=True).stdout
-    return (float(re.search(r"sgemm median rate: ([0-9.]+) GFLOP/s", out).group(1)),
-            float(re.search(r"fma peak: ([0-9.]+) GFLOP/s", out).group(1)))
+    num = lambda pat: (lambda m: float(m.group(1)) if m else None)(re.search(pat, out))
+    return (num(r"sgemm median rate: ([0-9.]+) GFLOP/s"), num(r"fma peak: ([0-9.]+) GFLOP/s"),
+            num(r"bf16 dot peak: ([0-9.]+) GFLOP/s"), num(r"gemm f32 .* median rate: ([0-9.]+)"),
+            num(r"gemm bf16 .* median rate: ([0-9.]+)"),
+            re.search(r"^cpu: (.*)$", out, re.M).group(1))
 
 
 def rel(a, ref):
@@ -83,10 +91,14 @@ def main():
     ours = {dt: [] for dt in dtypes}
     theirs = {dt: [] for dt in dtypes}
     rates, fmas, mib, gflop = [], [], {}, 0.0
+    dots, pf32, pbf16, cpu = [], [], [], ""
     for r in range(args.rounds):
-        rate, fma = sgemm_rate(args.sgemm, env)
+        rate, fma, dot, g32, g16, cpu = sgemm_rate(args.sgemm, env)
         rates.append(rate)
         fmas.append(fma)
+        dots.append(dot or 0.0)
+        pf32.append(g32 or 0.0)
+        pbf16.append(g16 or 0.0)
         for dt in dtypes:
             sec, gflop, mib[dt] = run_meshdit(args, env, dt)
             ours[dt].append(sec)
@@ -95,17 +107,25 @@ def main():
             print(f"round {r} {dt}: meshdit {ours[dt][-1]:.3f} s  diffusers {theirs[dt][-1]:.3f} s",
                   flush=True)
     peak, fma = statistics.median(rates), statistics.median(fmas)
-    print(f"\nforward: {gflop:.1f} GFLOP; sgemm {peak:.1f} GFLOP/s, FMA peak {fma:.1f} GFLOP/s "
-          f"(medians of {len(rates)} runs in this run); torch {torch.__version__}, "
-          f"{torch.get_num_threads()} thread, {torch.backends.cpu.get_cpu_capability()}")
+    dot, g32, g16 = statistics.median(dots), statistics.median(pf32), statistics.median(pbf16)
+    print(f"\ncpu: {cpu}")
+    print(f"meshdit gemm path: {run_meshdit.gemm}")
+    print(f"forward: {gflop:.1f} GFLOP; OpenBLAS sgemm {peak:.1f} GFLOP/s, gemm path f32 {g32:.1f}"
+          f" / bf16 {g16:.1f} GFLOP/s; FMA peak {fma:.1f} GFLOP/s, bf16 dot peak "
+          f"{dot:.1f} GFLOP/s (0: no AVX512-BF16) (medians of {len(rates)} runs in this run); "
+          f"torch {torch.__version__}, {torch.get_num_threads()} thread, "
+          f"{torch.backends.cpu.get_cpu_capability()}")
     print("| dtype | meshdit s | diffusers s | diffusers/meshdit | meshdit GFLOP/s | "
-          "of sgemm | meshdit weights MiB |")
-    print("|---|---|---|---|---|---|---|")
+          "of OpenBLAS sgemm | of its gemm path | meshdit weights MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     med = {dt: (statistics.median(ours[dt]), statistics.median(theirs[dt])) for dt in dtypes}
     for dt in dtypes:
         m, d = med[dt]
+        gp = g16 if dt == "bf16" and g16 else g32
         print(f"| {dt} | {m:.3f} | {d:.3f} | {d / m:.2f}x | {gflop / m:.1f} | "
-              f"{gflop / m / peak:.0%} | {mib[dt]:.1f} |")
+              f"{gflop / m / peak:.0%} | {gflop / m / gp:.0%} | {mib[dt]:.1f} |" if gp else
+              f"| {dt} | {m:.3f} | {d:.3f} | {d / m:.2f}x | {gflop / m:.1f} | "
+              f"{gflop / m / peak:.0%} | - | {mib[dt]:.1f} |")
     if "f32" in models:  # accuracy against diffusers in f32, the reference
         ref = models["f32"](**inputs["f32"]).sample.float()
         for dt in dtypes:

@@ -24,6 +24,17 @@ for t in "$BUILD"/tests/test_*; do
     echo "== $(basename "$t")"
     run "$t"
 done
+# the kernels again with oneDNN capped below its widest (each cap is once per process): the
+# AVX512-BF16 kernels an AMX CPU would skip, and oneDNN's AVX2 f32 kernels
+has_flag() { grep -qw "$1" /proc/cpuinfo 2>/dev/null; }
+if has_flag amx_bf16 && has_flag avx512_bf16; then
+    echo "== test_kernels, oneDNN capped at AVX512-BF16"
+    run env MESHDIT_CPU_GEMM=onednn-avx512bf16 "$BUILD/tests/test_kernels"
+fi
+if has_flag avx2 && has_flag fma; then
+    echo "== test_kernels, oneDNN capped at AVX2"
+    run env MESHDIT_CPU_GEMM=onednn-avx2 "$BUILD/tests/test_kernels"
+fi
 echo "== fuzz corpora and saved crash inputs, replayed"
 for r in "$BUILD"/tests/replay_*; do
     [ -x "$r" ] || continue
@@ -64,6 +75,14 @@ if [ "$(uname -m)" = x86_64 ]; then
     run env MESHDIT_CPU_ISA=x86-64 timeout 600 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_parallel" \
         tests/data 2 1 2 tp,ring,ulysses
 fi
+# the GEMM path auto did not pick (gemm.h): OpenBLAS where auto is oneDNN (CPUs with bf16
+# instructions), oneDNN where auto is OpenBLAS; f32 and bf16 weights, on a hybrid layout
+other=openblas
+has_flag avx512_bf16 || has_flag amx_bf16 || other=onednn
+for dt in f32 bf16; do
+    run env MESHDIT_CPU_GEMM=$other MESHDIT_TEST_DTYPE=$dt timeout 600 "$MPIEXEC" -n 4 \
+        "$BUILD/tests/mpi/test_parallel" tests/data 2 2 1 tp,ring,ulysses
+done
 run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_failures" tests/data
 run timeout 300 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_staging"
 # negative controls: each switch reproduces an upstream bug; the tests must notice it

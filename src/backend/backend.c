@@ -72,7 +72,7 @@ static int lin_ws_grow(int64_t floats) {
 mdt_status mdt_backend_reserve_linear(int64_t K, int64_t N) {
     if (g_ops || !g_bf16)
         return MDT_OK;
-    const int64_t need = mdt_cpu_linear_bf16_ws_floats(K, N);
+    const int64_t need = mdt_cpu_linear_bf16_ws_floats(0, K, N); /* rows: grown by a forward */
     if (lin_ws_grow(need) != 0)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory for %lld bytes of bf16 widening scratch",
                         (long long)need * 4);
@@ -81,11 +81,16 @@ mdt_status mdt_backend_reserve_linear(int64_t K, int64_t N) {
 
 int64_t mdt_backend_scratch_bytes(void) { return g_lin_ws_n * 4; }
 
+void mdt_backend_release_scratch(void) {
+    mdt_free(g_lin_ws);
+    g_lin_ws = NULL, g_lin_ws_n = 0;
+    mdt_cpu_gemm_release();
+}
+
 mdt_status mdt_backend_select(mdt_backend_kind kind, int ordinal, int bf16) {
     if (kind == MDT_BACKEND_CPU) {
-        g_kind = MDT_BACKEND_CPU, g_ops = NULL, g_bf16 = bf16;
-        mdt_free(g_lin_ws);
-        g_lin_ws = NULL, g_lin_ws_n = 0, g_cpu_err[0] = '\0';
+        g_kind = MDT_BACKEND_CPU, g_ops = NULL, g_bf16 = bf16, g_cpu_err[0] = '\0';
+        mdt_backend_release_scratch();
         mdt_mem_set_device(NULL);
         return MDT_OK;
     }
@@ -141,6 +146,9 @@ mdt_status mdt_backend_check(void) {
         g_cpu_err[0] = '\0';
         return st;
     }
+    const char *gemm_err = g_ops ? NULL : mdt_cpu_gemm_error();
+    if (gemm_err)
+        return MDT_FAIL(MDT_E_INVALID, "CPU GEMM: %s", gemm_err);
     if (g_ops && g_ops->check(err, sizeof err) != 0)
         return MDT_FAIL(MDT_E_INVALID, "device: %s", err);
     return MDT_OK;
@@ -172,7 +180,7 @@ void mdt_k_to_host(void *host_dst, const void *src, size_t bytes) {
 void mdt_k_linear(const float *x, int64_t ldx, const float *w, const uint16_t *wh, const float *b,
                   float *y, int64_t ldy, int64_t M, int64_t K, int64_t N) {
     if (!g_ops && g_bf16 && wh) {
-        if (lin_ws_grow(mdt_cpu_linear_bf16_ws_floats(K, N)) != 0) {
+        if (lin_ws_grow(mdt_cpu_linear_bf16_ws_floats(M, K, N)) != 0) {
             if (!g_cpu_err[0])
                 snprintf(g_cpu_err, sizeof g_cpu_err,
                          "out of memory for the bf16 widening scratch of a [%lld, %lld] weight",
@@ -350,10 +358,10 @@ mdt_status mdt_k_attention(mdt_arena *ar, const float *q, const float *k, const 
         return MDT_OK;
     }
     mdt_arena_mark mk = mdt_arena_mark_get(ar);
-    float *ws = mdt_arena_floats(ar, mdt_cpu_attention_ws_floats(D));
+    float *ws = mdt_arena_floats(ar, mdt_cpu_attention_ws_floats(Sk, D, g_bf16));
     if (!ws)
         return MDT_E_NOMEM;
-    mdt_cpu_attention(q, k, v, out, ld_out, lse, H, Sq, Sk, sk_valid, D, scale, ws);
+    mdt_cpu_attention(q, k, v, out, ld_out, lse, H, Sq, Sk, sk_valid, D, scale, g_bf16, ws);
     mdt_arena_rewind(ar, mk);
     return MDT_OK;
 }

@@ -13,6 +13,7 @@
 #include "backend/ops.h"
 #include "core/core.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/cpu/gemm.h"
 
 typedef enum mdt_backend_kind { MDT_BACKEND_CPU = 0, MDT_BACKEND_CUDA } mdt_backend_kind;
 
@@ -26,6 +27,9 @@ mdt_status mdt_backend_select(mdt_backend_kind kind, int ordinal, int bf16);
 /* Makes sure the CPU bf16 scratch covers a linear with weights [N, K] (no-op elsewhere), so
  * running out of memory is a load-time error; MDT_E_NOMEM otherwise. */
 mdt_status mdt_backend_reserve_linear(int64_t K, int64_t N);
+/* Frees the CPU backend's GEMM scratch (bf16 widening or operand panels, oneDNN's scratchpad);
+ * the next load or forward takes it again. */
+void mdt_backend_release_scratch(void);
 /* Bytes of that scratch now held (0 unless CPU bf16). */
 int64_t mdt_backend_scratch_bytes(void);
 mdt_backend_kind mdt_backend_kind_get(void);

@@ -325,6 +325,11 @@ static mdt_status write_report(const char *path, const mdt_model *m, const char 
     cJSON_AddStringToObject(r, "device", mdt_backend_name());
     cJSON_AddStringToObject(r, "weights_dtype", mdt_backend_bf16() ? "bf16" : "f32");
     cJSON_AddStringToObject(r, "cpu_kernels", mdt_cpu_isa());
+    char gemm[96];
+    mdt_cpu_gemm_describe(gemm, sizeof gemm);
+    cJSON_AddStringToObject(r, "cpu_gemm", gemm);
+    cJSON_AddStringToObject(r, "gemm_operands",
+                            mdt_backend_bf16() && mdt_cpu_gemm_bf16_operands() ? "bf16" : "f32");
     cJSON_AddNumberToObject(r, "load_seconds", load_s);
     cJSON_AddNumberToObject(r, "step_seconds_median", step_s);
     cJSON_AddNumberToObject(r, "steps", steps);
@@ -390,11 +395,12 @@ static mdt_status write_report(const char *path, const mdt_model *m, const char 
 
 static void print_plan(const mdt_model *m, const char *order, const rank_facts *rf, double load_s,
                        double med, int nsteps, int sampling, const char *out) {
-    char wb[32], pb[32];
+    char wb[32], pb[32], gemm[96];
+    mdt_cpu_gemm_describe(gemm, sizeof gemm);
     printf("plan: model %s, world %d = tp %d x ring %d x ulysses %d (mesh order %s), cpu kernels "
-           "%s\n",
+           "%s, gemm %s\n",
            m->fam->name, g_world, m->mesh ? m->mesh->T : 1, m->mesh ? m->mesh->R : 1,
-           m->mesh ? m->mesh->U : 1, order, mdt_cpu_isa());
+           m->mesh ? m->mesh->U : 1, order, mdt_cpu_isa(), gemm);
     double tot0 = 0;
     for (int i = 0; i < g_world; i++) {
         const rank_facts *f = &rf[i];
@@ -609,6 +615,12 @@ static int cmd_run(int argc, char **argv) {
                desc, mdt_backend_bf16() ? "bf16 (fp32 accumulation)" : "f32",
                (double)m->weight_bytes / 1048576.0,
                (double)mdt_backend_device_ops()->mem_peak() / 1073741824.0);
+    } else if (g_rank == 0 && !quiet && mdt_backend_bf16() && mdt_cpu_gemm_bf16_operands()) {
+        printf("device: cpu, compute bf16 x bf16 GEMM operands with fp32 accumulation (linears, "
+               "QK^T, PV; norms, softmax and residuals fp32), weights %.1f MiB per rank, operand "
+               "scratch %.1f MiB (rank 0)\n",
+               (double)m->weight_bytes / 1048576.0,
+               (double)mdt_backend_scratch_bytes() / 1048576.0);
     } else if (g_rank == 0 && !quiet && mdt_backend_bf16()) {
         printf("device: cpu, compute bf16 weights widened to f32 panels for sgemm (fp32 "
                "arithmetic), weights %.1f MiB per rank, widening scratch %.1f MiB (rank 0)\n",
@@ -925,10 +937,14 @@ int main(int argc, char **argv) {
     if (g_world > 1)
         mdt_log_set_rank(g_rank);
     int rc;
-    /* MESHDIT_CPU_ISA that a rank's CPU cannot run is an error on every rank, never ignored;
+    /* MESHDIT_CPU_ISA or MESHDIT_CPU_GEMM that a rank's CPU cannot run is an error on every
+     * rank, never ignored;
      * the lowest failing rank says why */
-    const char *isa = getenv("MESHDIT_CPU_ISA");
-    int first_bad = isa && *isa && mdt_cpu_isa_select(isa) != MDT_OK ? g_rank : g_world;
+    const char *isa = getenv("MESHDIT_CPU_ISA"), *gemm = getenv("MESHDIT_CPU_GEMM");
+    int first_bad = (isa && *isa && mdt_cpu_isa_select(isa) != MDT_OK) ||
+                            (gemm && *gemm && mdt_cpu_gemm_select(gemm) != MDT_OK)
+                        ? g_rank
+                        : g_world;
     MPI_Allreduce(MPI_IN_PLACE, &first_bad, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
     if (first_bad < g_world) {
         if (first_bad == g_rank)

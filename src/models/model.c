@@ -752,6 +752,7 @@ void mdt_model_free(mdt_model *m) {
     mdt_free(m->impl);
     cJSON_Delete(m->config);
     mdt_free(m);
+    mdt_backend_release_scratch(); /* the next model reserves its own */
 }
 
 const char *mdt_model_family(const mdt_model *m) { return m->fam->name; }

@@ -195,7 +195,7 @@ if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.sa
    grep -q '"weights_dtype":[[:space:]]*"bf16"' "$T/b16.json" &&
    "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
        --out "$T/f32.safetensors" >"$T/f32.txt" &&
-   grep -q '^device: cpu, compute bf16 weights' "$T/b16.txt" &&
+   grep -q '^device: cpu, compute bf16 \(weights\|x bf16 GEMM operands\)' "$T/b16.txt" &&
    "$BIN" compare "$T/b16.safetensors" "$DATA/flux_tiny/expected.safetensors" --tol 2e-2 >/dev/null &&
    ! "$BIN" compare "$T/b16.safetensors" "$T/f32.safetensors" --tol 1e-6 >/dev/null; then
     w16=$(sed -n 's/.*weights \([0-9.]*\) KiB.*/\1/p' "$T/b16.txt" | head -1)
@@ -227,6 +227,25 @@ if [ "$(uname -m)" = x86_64 ]; then
     fi
 fi
 MESHDIT_CPU_ISA=avx1024 expect_error cpu-isa-unknown 1 "CPU kernels 'avx1024': no such kernel set" \
+    -- "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$DATA/flux_tiny" \
+    --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --tp 2
+# MESHDIT_CPU_GEMM: each GEMM path gives the golden result and the plan line and report say which
+# ran (bf16 weights: the operands too); an unknown path is a one-line error on every rank
+for g in openblas onednn; do
+    for dt in f32 bf16; do
+        tol=1e-4; [ "$dt" = bf16 ] && tol=2e-2
+        if MESHDIT_CPU_GEMM=$g "$BIN" run --checkpoint "$DATA/flux_tiny" --dtype $dt \
+               --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/gemm.safetensors" \
+               --report "$T/gemm.json" >"$T/gemm.txt" &&
+           grep -q ", gemm $g" "$T/gemm.txt" &&
+           grep -q "\"cpu_gemm\":[[:space:]]*\"$g" "$T/gemm.json" &&
+           grep -q '"gemm_operands":[[:space:]]*"\(bf16\|f32\)"' "$T/gemm.json" &&
+           "$BIN" compare "$T/gemm.safetensors" "$DATA/flux_tiny/expected.safetensors" \
+               --tol $tol >/dev/null; then ok
+        else bad "MESHDIT_CPU_GEMM=$g --dtype $dt run"; fi
+    done
+done
+MESHDIT_CPU_GEMM=cublas expect_error cpu-gemm-unknown 1 "CPU GEMM 'cublas': no such GEMM path" \
     -- "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$DATA/flux_tiny" \
     --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --tp 2
 expect_error bad-device 2 "--device must be cpu or cuda" -- "$BIN" run --checkpoint x --inputs y \

@@ -253,10 +253,10 @@ static void test_attention(void) {
         const float scale = 1.0f / sqrtf((float)D);
         float *q = hrand(H * Sq * D, 2), *k = hrand(H * Sk * D, 2), *v = hrand(H * Sk * D, 1);
         float *want = malloc(sizeof(float) * (size_t)(Sq * ld)), *wl = hrand(H * Sq, 1);
-        float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(D));
+        float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(Sk, D, 0));
         for (int64_t i = 0; i < Sq * ld; i++)
             want[i] = 0.0f;
-        mdt_cpu_attention(q, k, v, want, ld, wl, H, Sq, Sk, skv, D, scale, ws);
+        mdt_cpu_attention(q, k, v, want, ld, wl, H, Sq, Sk, skv, D, scale, 0, ws);
         float *dq = dev_f(q, H * Sq * D), *dk = dev_f(k, H * Sk * D), *dv = dev_f(v, H * Sk * D);
         float *dout = dev_poison(Sq * ld), *dl = dev_poison(H * Sq);
         g->fill(dout, Sq * ld, 0.0f); /* the padding columns are not the kernel's */

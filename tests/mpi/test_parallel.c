@@ -18,7 +18,8 @@
  * checks, which read the host copy of the weights, run on the CPU backend only.
  * MESHDIT_TEST_DTYPE=bf16 runs everything on the CPU backend with bf16 linear weights: shards are
  * the bf16 rounding of their slice, linear weights count 2 bytes, gather writes the rounded values,
- * and outputs agree with the single-rank bf16 run (1e-5) and the f32 goldens within 2e-2.
+ * and outputs agree with the single-rank bf16 run (1e-5; 5e-3 with bf16 GEMM operands, gemm.h)
+ * and the f32 goldens within 2e-2.
  * Run with MESHDIT_TEST_SHARD_INDEX=world (shard index = world rank, the upstream bug) on a
  * 2-axis mesh it must fail: that is the negative control run.sh checks.
  */
@@ -248,7 +249,10 @@ static void check_forward(const char *dir, mdt_mesh *mesh) {
             continue;
         }
         const int64_t n = mdt_tensor_numel(a);
-        EXPECT(t_rel_err(a->data, b->data, n, 0) <= 1e-5, "%s %s: layout vs single rank: %.3e", dir,
+        /* bf16 GEMM operands: a TP split changes the fp32 summation order, so now and then an
+         * activation rounds to the neighbouring bf16 value; measured <= 1.8e-3 over the cases */
+        const double ltol = g_bf16 && mdt_cpu_gemm_bf16_operands() ? 5e-3 : 1e-5;
+        EXPECT(t_rel_err(a->data, b->data, n, 0) <= ltol, "%s %s: layout vs single rank: %.3e", dir,
                oname, t_rel_err(a->data, b->data, n, 0));
         const double tol = g_bf16 ? 2e-2 : 1e-4; /* the goldens are diffusers in f32 */
         EXPECT(t_rel_err(a->data, e->data, n, 0) <= tol, "%s %s: layout vs diffusers: %.3e", dir,
@@ -347,6 +351,9 @@ int main(int argc, char **argv) {
     const char *isa = getenv("MESHDIT_CPU_ISA"); /* honoured, or the test is void */
     EXPECT(!isa || !*isa || strcmp(isa, mdt_cpu_isa()) == 0, "MESHDIT_CPU_ISA=%s, running %s",
            isa ? isa : "", mdt_cpu_isa());
+    const char *gemm = getenv("MESHDIT_CPU_GEMM");
+    EXPECT(!gemm || !*gemm || strncmp(gemm, mdt_cpu_gemm(), strlen(mdt_cpu_gemm())) == 0,
+           "MESHDIT_CPU_GEMM=%s, running %s", gemm ? gemm : "", mdt_cpu_gemm());
     if (g_bf16)
         EXPECT_OK(mdt_backend_select(MDT_BACKEND_CPU, 0, 1));
     EXPECT_OK(mdt_mesh_create_comm(MPI_COMM_WORLD, T, R, U, argv[5], &mesh));
@@ -399,8 +406,10 @@ int main(int argc, char **argv) {
     int fails = t_fail, any = 0;
     MPI_Allreduce(&fails, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (g_rank == 0)
-        printf("test_parallel (n=%d, tp=%d ring=%d ulysses=%d, %s%s%s, cpu kernels %s): ", g_size,
-               T, R, U, argv[5], cuda ? ", cuda" : "", g_bf16 ? ", bf16" : "", mdt_cpu_isa());
+        printf(
+            "test_parallel (n=%d, tp=%d ring=%d ulysses=%d, %s%s%s, cpu kernels %s, gemm %s%s): ",
+            g_size, T, R, U, argv[5], cuda ? ", cuda" : "", g_bf16 ? ", bf16" : "", mdt_cpu_isa(),
+            mdt_cpu_gemm(), g_bf16 && mdt_cpu_gemm_bf16_operands() ? " bf16 operands" : "");
     if (g_rank != 0)
         t_pass = 0; /* report rank 0's count once, but every rank's failures */
     t_fail = any;

@@ -2,6 +2,7 @@
  * cross tile boundaries (attention tiles are 64 queries x 256 keys). */
 #include "harness.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/ref/ref.h"
 #include "core/core.h"
 #include "tensor/tensor.h"
@@ -34,12 +35,15 @@ static void test_linear(mdt_rng *r) {
     free(x), free(w), free(b), free(xc), free(y), free(yr), free(yc);
 }
 
-/* bf16 weights: both paths (few rows: N panels; many rows: whole matrix, then K blocks forced
- * by a small scratch), strided x and y, with and without bias, against the reference on the same
- * bf16 values; and the product is fp32 on exactly widened weights (= f32 linear on them). */
+/* bf16 weights. openblas path: both panel paths (few rows: N panels; many rows: whole matrix,
+ * then K blocks forced by a small scratch), strided x and y, with and without bias, against the
+ * reference on the same bf16 values; the product is fp32 on exactly widened weights (= f32 linear
+ * on them). onednn path: bf16 operands — equal to the reference on bf16-rounded x (fp32
+ * accumulation order only), and measurably not the fp32-operand product (x really is rounded). */
 static void test_linear_bf16(mdt_rng *r) {
     const long K = 200, N = 67, ldx = 211, ldy = 70;
     const long Ms[] = {1, 5, 31, 32, 77};
+    const int ops = mdt_cpu_gemm_bf16_operands();
     float *w = rnd(r, N * K, 0.2), *wf = malloc(sizeof(float) * N * K), *b = rnd(r, N, 1);
     uint16_t *wh = malloc(sizeof(uint16_t) * N * K);
     for (long i = 0; i < N * K; i++)
@@ -49,10 +53,11 @@ static void test_linear_bf16(mdt_rng *r) {
     for (long i = 0; i < N * K; i++)
         widen_bad += wf[i] != mdt_bf16_to_f32(wh[i]);
     EXPECT(widen_bad == 0, "widening differs from mdt_bf16_to_f32 at %ld elements", widen_bad);
-    const long need = mdt_cpu_linear_bf16_ws_floats(K, N);
-    EXPECT(need >= N * K, "scratch for a small matrix holds it whole (%ld)", need);
+    const long need = mdt_cpu_linear_bf16_ws_floats(77, K, N);
+    EXPECT(need >= (ops ? 77 * K / 2 : N * K), "scratch for a small matrix holds it whole (%ld)",
+           need);
     for (int m = 0; m < 5; m++)
-        for (int small = 0; small < 2; small++) {
+        for (int small = 0; small < 2 - ops; small++) {
             const long M = Ms[m], wsn = small ? N * 48 : need; /* 48: K blocks 48,48,48,48,8 */
             float *x = rnd(r, M * ldx, 1), *xc = malloc(sizeof(float) * M * K),
                   *y = malloc(sizeof(float) * M * ldy), *yr = malloc(sizeof(float) * M * N),
@@ -63,20 +68,42 @@ static void test_linear_bf16(mdt_rng *r) {
             for (int with_bias = 0; with_bias < 2; with_bias++) {
                 mdt_cpu_linear_bf16(x, ldx, wh, with_bias ? b : NULL, y, ldy, M, K, N, ws, wsn);
                 mdt_cpu_linear(x, ldx, wf, with_bias ? b : NULL, yf, ldy, M, K, N);
+                if (ops) /* the reference on the operands the onednn path multiplies */
+                    mdt_ref_round_bf16(xc, M * K);
                 mdt_ref_linear_bf16(xc, wh, with_bias ? b : NULL, yr, M, K, N);
                 for (long i = 0; i < M; i++) {
                     memcpy(yc + i * N, y + i * ldy, sizeof(float) * N);
                     memcpy(yfc + i * N, yf + i * ldy, sizeof(float) * N);
                 }
                 EXPECT(t_rel_err(yc, yr, M * N, 1e-30) <= 1e-5,
-                       "bf16 linear M=%ld scratch %ld bias %d vs reference: %.3e", M, wsn,
-                       with_bias, t_rel_err(yc, yr, M * N, 1e-30));
-                EXPECT(t_rel_err(yc, yfc, M * N, 1e-30) <= 1e-5,
-                       "bf16 linear M=%ld vs f32 linear on the widened weights: %.3e", M,
-                       t_rel_err(yc, yfc, M * N, 1e-30));
+                       "bf16 linear (%s) M=%ld scratch %ld bias %d vs reference: %.3e",
+                       mdt_cpu_gemm(), M, wsn, with_bias, t_rel_err(yc, yr, M * N, 1e-30));
+                const double ef = t_rel_err(yc, yfc, M * N, 1e-30);
+                if (ops)
+                    EXPECT(ef > 1e-5 && ef < 2e-2,
+                           "bf16 operands M=%ld: rounded (not fp32) and close to the fp32-operand "
+                           "product: %.3e",
+                           M, ef);
+                else
+                    EXPECT(ef <= 1e-5,
+                           "bf16 linear M=%ld vs f32 linear on the widened weights: %.3e", M, ef);
             }
             free(x), free(xc), free(y), free(yr), free(yc), free(yf), free(yfc), free(ws);
+            const char *ge = mdt_cpu_gemm_error();
+            EXPECT(!ge, "GEMM failure: %s", ge ? ge : "");
         }
+    /* a scratch too small for the rounded x is a reported failure with zeros, not a wrong sum */
+    if (ops) {
+        float x[4 * 200], y[4 * 67], ws[10];
+        for (int i = 0; i < 4 * 200; i++)
+            x[i] = 1.0f;
+        for (int i = 0; i < 4 * 67; i++)
+            y[i] = 5.0f;
+        mdt_cpu_linear_bf16(x, K, wh, NULL, y, N, 4, K, N, ws, 10);
+        const char *e = mdt_cpu_gemm_error();
+        EXPECT(e && strstr(e, "scratch") && y[0] == 0.0f && y[4 * 67 - 1] == 0.0f,
+               "short bf16 scratch: error '%s', y[0] = %g", e ? e : "(none)", y[0]);
+    }
     free(w), free(wf), free(b), free(wh);
 }
 
@@ -183,41 +210,49 @@ static void test_activations(mdt_rng *r) {
     free(a), free(b), free(c), free(d);
 }
 
-/* attention on q [H, Sq, D], k/v [H, Sk, D] vs the per-head reference */
-static void check_attention(mdt_rng *r, long H, long Sq, long Sk, long valid, long D) {
+/* attention on q [H, Sq, D], k/v [H, Sk, D] vs the per-head reference; with bf16 operands (onednn
+ * path) the reference runs on the bf16-rounded q, k, v: the output differs by the rounding of the
+ * probabilities P (measured <= 2e-3, tolerance 5e-3), the log-sum-exp only by fp32 order. */
+static void check_attention(mdt_rng *r, long H, long Sq, long Sk, long valid, long D, int bf16) {
     float *q = rnd(r, H * Sq * D, 1), *k = rnd(r, H * Sk * D, 1), *v = rnd(r, H * Sk * D, 1);
     float *out = malloc(sizeof(float) * Sq * H * D), *lse = malloc(sizeof(float) * H * Sq);
-    float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(D));
+    float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(Sk, D, bf16));
     float *ro = malloc(sizeof(float) * Sq * D), *rl = malloc(sizeof(float) * Sq);
     float *go = malloc(sizeof(float) * Sq * D);
     float scale = 1.0f / sqrtf((float)D);
-    mdt_cpu_attention(q, k, v, out, H * D, lse, H, Sq, Sk, valid, D, scale, ws);
+    mdt_cpu_attention(q, k, v, out, H * D, lse, H, Sq, Sk, valid, D, scale, bf16, ws);
+    if (bf16) {
+        mdt_ref_round_bf16(q, H * Sq * D);
+        mdt_ref_round_bf16(k, H * Sk * D);
+        mdt_ref_round_bf16(v, H * Sk * D);
+    }
     for (long h = 0; h < H; h++) {
         mdt_ref_attention(q + h * Sq * D, k + h * Sk * D, v + h * Sk * D, ro, rl, Sq, valid, D,
                           scale);
         for (long i = 0; i < Sq; i++)
             memcpy(go + i * D, out + i * H * D + h * D, sizeof(float) * D);
-        EXPECT_CLOSE(go, ro, Sq * D, 2e-6);
+        EXPECT_CLOSE(go, ro, Sq * D, bf16 ? 5e-3 : 2e-6);
         EXPECT_CLOSE(lse + h * Sq, rl, Sq, 2e-6);
     }
     free(q), free(k), free(v), free(out), free(lse), free(ws), free(ro), free(rl), free(go);
 }
 
 static void test_attention(mdt_rng *r) {
-    check_attention(r, 2, 5, 7, 7, 16);       /* smaller than one tile */
-    check_attention(r, 3, 130, 600, 600, 16); /* partial query and key tiles */
-    check_attention(r, 1, 64, 256, 256, 128); /* exactly one tile */
-    check_attention(r, 2, 70, 520, 300, 32);  /* keys beyond 300 are padding: masked */
+    for (int bf16 = 0; bf16 <= mdt_cpu_gemm_bf16_operands(); bf16++) {
+        check_attention(r, 2, 5, 7, 7, 16, bf16);       /* smaller than one tile */
+        check_attention(r, 3, 130, 600, 600, 16, bf16); /* partial query and key tiles */
+        check_attention(r, 1, 64, 256, 256, 128, bf16); /* exactly one tile */
+        check_attention(r, 2, 70, 520, 300, 32, bf16);  /* keys beyond 300 are padding: masked */
+    }
     /* large scores: the running max must keep exp() finite */
-    float q[4 * 8], k[300 * 8], v[300 * 8], out[4 * 8],
-        ws[MDT_ATTN_BQ * MDT_ATTN_BK + 64 * 8 + 128];
+    float q[4 * 8], k[300 * 8], v[300 * 8], out[4 * 8], ws[2 * MDT_ATTN_BQ * MDT_ATTN_BK + 4096];
     for (int i = 0; i < 32; i++)
         q[i] = 30.0f;
     for (int i = 0; i < 2400; i++) { /* key j: every channel j/10, value j; scores 24 j */
         const int j = i / 8;
         k[i] = (float)j / 10.0f, v[i] = (float)j;
     }
-    mdt_cpu_attention(q, k, v, out, 8, NULL, 1, 4, 300, 300, 8, 1.0f, ws);
+    mdt_cpu_attention(q, k, v, out, 8, NULL, 1, 4, 300, 300, 8, 1.0f, 0, ws);
     int finite = 1;
     for (int i = 0; i < 32; i++)
         finite &= isfinite(out[i]);
@@ -231,25 +266,25 @@ static void test_attention(mdt_rng *r) {
 static void test_lse_merge(mdt_rng *r) {
     const int64_t H = 3, Sq = 70, Sk = 300, D = 32, ld = H * D;
     float *q = rnd(r, H * Sq * D, 1), *k = rnd(r, H * Sk * D, 1), *v = rnd(r, H * Sk * D, 1);
-    float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(D));
+    float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(Sk, D, 0));
     float *full = malloc(sizeof(float) * Sq * ld), *lf = malloc(sizeof(float) * H * Sq);
     float *o1 = malloc(sizeof(float) * Sq * ld), *l1 = malloc(sizeof(float) * H * Sq);
     float *o2 = malloc(sizeof(float) * Sq * ld), *l2 = malloc(sizeof(float) * H * Sq);
     float *kb = malloc(sizeof(float) * H * Sk * D), *vb = malloc(sizeof(float) * H * Sk * D);
-    mdt_cpu_attention(q, k, v, full, ld, lf, H, Sq, Sk, Sk, D, 0.2f, ws);
+    mdt_cpu_attention(q, k, v, full, ld, lf, H, Sq, Sk, Sk, D, 0.2f, 0, ws);
     const int64_t splits[] = {1, 100, 257, 299};
     for (int c = 0; c < 4; c++) {
         const int64_t a = splits[c], b = Sk - a;
-        mdt_cpu_attention(q, k, v, o1, ld, l1, H, Sq, Sk, a, D, 0.2f, ws); /* keys [0, a) */
+        mdt_cpu_attention(q, k, v, o1, ld, l1, H, Sq, Sk, a, D, 0.2f, 0, ws); /* keys [0, a) */
         for (int64_t h = 0; h < H; h++) /* keys [a, Sk) of every head, as their own block */
             mdt_cpu_copy2d(kb + h * b * D, 0, k + (h * Sk + a) * D, 0, 1, b * D),
                 mdt_cpu_copy2d(vb + h * b * D, 0, v + (h * Sk + a) * D, 0, 1, b * D);
-        mdt_cpu_attention(q, kb, vb, o2, ld, l2, H, Sq, b, b, D, 0.2f, ws);
+        mdt_cpu_attention(q, kb, vb, o2, ld, l2, H, Sq, b, b, D, 0.2f, 0, ws);
         mdt_cpu_lse_merge(o1, ld, l1, o2, ld, l2, H, Sq, D);
         EXPECT_CLOSE(o1, full, Sq * ld, 1e-5);
         EXPECT_CLOSE(l1, lf, H * Sq, 1e-5);
     }
-    mdt_cpu_attention(q, k, v, o2, ld, l2, H, Sq, Sk, 0, D, 0.2f, ws); /* no valid keys */
+    mdt_cpu_attention(q, k, v, o2, ld, l2, H, Sq, Sk, 0, D, 0.2f, 0, ws); /* no valid keys */
     memcpy(o1, full, sizeof(float) * Sq * ld), memcpy(l1, lf, sizeof(float) * H * Sq);
     mdt_cpu_lse_merge(o1, ld, l1, o2, ld, l2, H, Sq, D);
     const void *po = o1, *pf = full; /* bitwise: nothing may change */
@@ -281,33 +316,45 @@ static void test_angle_table(mdt_rng *r) {
 }
 
 int main(void) {
-    /* every kernel set this CPU runs (x86-64 baseline, AVX2, AVX-512), each against the
-     * references; the dispatcher must report the set it runs */
+    /* every kernel set this CPU runs (x86-64 baseline, AVX2, AVX-512) on every GEMM path
+     * (openblas; onednn up to the cap MESHDIT_CPU_GEMM names, else oneDNN's widest), each against
+     * the references; the dispatchers must report what they run */
     const char *isas[] = {"generic", "x86-64", "avx2", "avx512"};
+    const char *env = getenv("MESHDIT_CPU_GEMM");
+    const char *paths[] = {"openblas", env && strncmp(env, "onednn", 6) == 0 ? env : "onednn"};
     int ran = 0;
     const char *widest = NULL;
     for (int i = 0; i < 4; i++) {
         if (!mdt_cpu_isa_available(isas[i]))
             continue;
         widest = isas[i];
-        EXPECT_OK(mdt_cpu_isa_select(isas[i]));
-        EXPECT(strcmp(mdt_cpu_isa(), isas[i]) == 0, "selected %s, running %s", isas[i],
-               mdt_cpu_isa());
-        printf("kernels: %s\n", mdt_cpu_isa());
-        mdt_rng r;
-        mdt_rng_seed(&r, 42);
-        test_linear(&r);
-        test_linear_bf16(&r);
-        test_norms(&r);
-        test_heads_prepare(&r);
-        test_activations(&r);
-        test_rope_half(&r);
-        test_attention(&r);
-        test_lse_merge(&r);
-        test_angle_table(&r);
-        ran++;
+        for (int p = 0; p < 2; p++) {
+            if (!mdt_cpu_gemm_available(paths[p]))
+                continue;
+            EXPECT_OK(mdt_cpu_isa_select(isas[i]));
+            EXPECT_OK(mdt_cpu_gemm_select(paths[p]));
+            EXPECT(strcmp(mdt_cpu_isa(), isas[i]) == 0, "selected %s, running %s", isas[i],
+                   mdt_cpu_isa());
+            EXPECT(strncmp(paths[p], mdt_cpu_gemm(), strlen(mdt_cpu_gemm())) == 0,
+                   "selected GEMM %s, running %s", paths[p], mdt_cpu_gemm());
+            char gd[96];
+            mdt_cpu_gemm_describe(gd, sizeof gd);
+            printf("kernels: %s, gemm %s\n", mdt_cpu_isa(), gd);
+            mdt_rng r;
+            mdt_rng_seed(&r, 42);
+            test_linear(&r);
+            test_linear_bf16(&r);
+            test_norms(&r);
+            test_heads_prepare(&r);
+            test_activations(&r);
+            test_rope_half(&r);
+            test_attention(&r);
+            test_lse_merge(&r);
+            test_angle_table(&r);
+            ran++;
+        }
     }
-    EXPECT(ran >= 1, "no kernel set runs on this CPU");
+    EXPECT(ran >= 2, "kernel sets x GEMM paths run: %d", ran);
     EXPECT_ERR(mdt_cpu_isa_select("avx1024"), MDT_E_UNSUPPORTED, "avx1024", "no such kernel set");
     if (!mdt_cpu_isa_available("avx512"))
         EXPECT_ERR(mdt_cpu_isa_select("avx512"), MDT_E_UNSUPPORTED, "lacks the instructions");
@@ -316,5 +363,15 @@ int main(void) {
            "auto picks %s, the widest this CPU "
            "runs, not %s",
            widest ? widest : "-", mdt_cpu_isa());
+    EXPECT_ERR(mdt_cpu_gemm_select("cublas"), MDT_E_UNSUPPORTED, "cublas", "no such GEMM path");
+    /* oneDNN's cap is set once per process: another one is refused (or the CPU lacks it) */
+    const char *other = strcmp(paths[1], "onednn-avx2") == 0 ? "onednn-avx512" : "onednn-avx2";
+    const mdt_status so = mdt_cpu_gemm_select(other);
+    EXPECT(so == MDT_E_UNSUPPORTED && (strstr(mdt_last_error(), "already set") ||
+                                       strstr(mdt_last_error(), "lacks the instructions")),
+           "a second oneDNN cap: %s", mdt_last_error());
+    EXPECT_OK(mdt_cpu_gemm_select("openblas"));
+    EXPECT(strcmp(mdt_cpu_gemm(), "openblas") == 0 && !mdt_cpu_gemm_bf16_operands(),
+           "openblas selectable after onednn");
     TEST_END();
 }

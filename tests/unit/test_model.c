@@ -66,10 +66,30 @@ static float *forward_copy(const char *dir, const mdt_tensor_set *in, int64_t *n
     return res;
 }
 
-/* --dtype bf16 on the CPU backend: linear weights held in bf16 (half their bytes), fp32
- * arithmetic. a: f32 compute on the f32 checkpoint; c: f32 compute on the bf16-stored one. */
+/* bf16 GEMM operands (the onednn path on CPUs with bf16 instructions, gemm.h): the same forward
+ * with activations rounded to bf16 as GEMM operands only. Against f32 compute on the same bf16
+ * weights (c) it must differ (the operands really are rounded: a negative control for a path that
+ * silently stays f32) and stay close: measured 2e-3 to 5e-3 on the tiny Flux, tolerance 1e-2. */
+static void check_bf16_operands(const mdt_tensor_set *in, const float *c, int64_t n) {
+    EXPECT_OK(mdt_cpu_gemm_select("onednn"));
+    if (!mdt_cpu_gemm_bf16_operands())
+        return; /* oneDNN below AVX-512 has no bf16 matmul */
+    EXPECT_OK(mdt_backend_select(MDT_BACKEND_CPU, 0, 1));
+    int64_t nf = 0;
+    float *f = forward_copy(sub("bf16x2"), in, &nf);
+    const double e = f && nf == n ? t_rel_err(f, c, n, 0) : -1.0;
+    EXPECT(e > 1e-6 && e < 1e-2, "bf16 operands vs f32 compute on the same weights: %.3e", e);
+    free(f);
+}
+
+/* --dtype bf16 on the CPU backend's openblas path: linear weights held in bf16 (half their
+ * bytes), fp32 arithmetic. a: f32 compute on the f32 checkpoint; c: f32 compute on the
+ * bf16-stored one. */
 static void check_bf16_compute(const mdt_tensor_set *in, const float *a, const float *c,
                                int64_t n) {
+    const char *path = mdt_cpu_gemm();
+    check_bf16_operands(in, c, n);
+    EXPECT_OK(mdt_cpu_gemm_select("openblas"));
     EXPECT_OK(mdt_backend_select(MDT_BACKEND_CPU, 0, 1));
     int64_t ne = 0, nf = 0;
     float *e = forward_copy(sub("f32"), in, &ne), *f = forward_copy(sub("bf16x2"), in, &nf);
@@ -118,6 +138,7 @@ static void check_bf16_compute(const mdt_tensor_set *in, const float *a, const f
            "f32 compute on the gathered bf16-rounded weights = bf16 compute (%.3e)",
            g && e ? t_rel_err(g, e, n, 0) : -1.0);
     free(e), free(f), free(g);
+    EXPECT_OK(mdt_cpu_gemm_select(path));
 }
 
 int main(void) {

@@ -10,6 +10,7 @@
  */
 #include "cpu.h"
 #include "cpu_isa.h"
+#include "gemm.h"
 
 #include "core/core.h"
 
@@ -65,6 +66,22 @@ static void k_bf16_widen(float *dst, const uint16_t *src, int64_t n) {
     }
 }
 
+/* bf16 of each float, rounded to nearest even; NaN stays NaN (quiet), Inf stays Inf. */
+static void k_to_bf16_rows(uint16_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t M,
+                           int64_t n) {
+    for (int64_t i = 0; i < M; i++) {
+        uint16_t *d = dst + i * ldd;
+        const float *x = src + i * lds;
+        for (int64_t j = 0; j < n; j++) { /* vectorises: integer ops and one select */
+            uint32_t u;
+            memcpy(&u, x + j, sizeof u);
+            const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+            const int nan = (u & 0x7fffffffu) > 0x7f800000u;
+            d[j] = (uint16_t)(nan ? (u >> 16) | 0x40u : r);
+        }
+    }
+}
+
 /* Panel budgets of mdt_cpu_linear_bf16, in floats: few rows keep a panel in L2 (256 KiB); many
  * rows widen the whole matrix when it takes <= 64 MiB (one sgemm, x packed once), else K blocks
  * of >= 512 (sgemm's own K blocks are smaller, so x is still packed about once). */
@@ -104,8 +121,7 @@ static void k_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const
         for (int64_t n0 = 0; n0 < N; n0 += nb) {
             const int64_t nn = N - n0 < nb ? N - n0 : nb;
             k_bf16_widen(ws, wh + n0 * K, nn * K); // [nn, K]
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)nn, (int)K, 1.0f, x,
-                        (int)ldx, ws, (int)K, beta, y + n0, (int)ldy);
+            mdt_cpu_gemm_run(0, 1, M, nn, K, 1.0f, x, ldx, ws, K, beta, y + n0, ldy);
         }
     } else {
         const int64_t kb = bf16_many_kb(K, N, ws_floats);
@@ -113,8 +129,8 @@ static void k_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const
             const int64_t kk = K - k0 < kb ? K - k0 : kb;
             for (int64_t n = 0; n < N; n++) // ws [N, kk] = wh[:, k0:k0+kk]
                 k_bf16_widen(ws + n * kk, wh + n * K + k0, kk);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)N, (int)kk, 1.0f,
-                        x + k0, (int)ldx, ws, (int)kk, k0 > 0 ? 1.0f : beta, y, (int)ldy);
+            mdt_cpu_gemm_run(0, 1, M, N, kk, 1.0f, x + k0, ldx, ws, kk, k0 > 0 ? 1.0f : beta, y,
+                             ldy);
         }
     }
     mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
@@ -253,67 +269,101 @@ static void k_gate_residual(float *x, const float *y, int64_t ldy, const float *
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 2.0 * (double)M * (double)C;
 }
 
-static int64_t k_attention_ws_floats(int64_t D) {
-    /* scores [BQ, BK] + accumulator [BQ, D] + running max and denominator [BQ] each */
-    return (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK + (int64_t)MDT_ATTN_BQ * D + 2 * MDT_ATTN_BQ;
+static int64_t k_attention_ws_floats(int64_t Sk, int64_t D, int bf16) {
+    /* scores [BQ, BK] + accumulator [BQ, D] + running max and denominator [BQ] each; bf16
+     * operands add P [BQ, BK], the Q tile [BQ, D] and one head's K and V [Sk, D] in halves
+     * (rounded once per head, not once per query tile) */
+    const int64_t f32 =
+        (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK + (int64_t)MDT_ATTN_BQ * D + 2 * MDT_ATTN_BQ;
+    const int64_t halves =
+        (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK + (int64_t)MDT_ATTN_BQ * D + 2 * Sk * D;
+    return f32 + (bf16 ? (halves + 1) / 2 + 8 : 0);
+}
+
+/* Online softmax of one score tile row block: rescales acc and den by the new running max and
+ * leaves exp(score - max) in sc. */
+static void softmax_tile(float *sc, float *acc, float *mx, float *den, int64_t bq, int64_t bk,
+                         int64_t D) {
+    for (int64_t i = 0; i < bq; i++) {
+        float *row = sc + i * MDT_ATTN_BK;
+        /* max and sum over 8 independent lanes: the compiler may not reorder one float
+         * reduction, but it vectorises eight of them */
+        float lm[8], ls[8];
+        int64_t j = 0;
+        for (int l = 0; l < 8; l++)
+            lm[l] = mx[i], ls[l] = 0.0f;
+        for (; j + 8 <= bk; j += 8)
+            for (int l = 0; l < 8; l++)
+                lm[l] = row[j + l] > lm[l] ? row[j + l] : lm[l];
+        float m = mx[i];
+        for (int l = 0; l < 8; l++)
+            m = lm[l] > m ? lm[l] : m;
+        for (; j < bk; j++)
+            m = row[j] > m ? row[j] : m;
+        float corr = fast_expf(mx[i] - m), sum = 0.0f;
+        for (j = 0; j < bk; j++)
+            row[j] = fast_expf(row[j] - m);
+        for (j = 0; j + 8 <= bk; j += 8)
+            for (int l = 0; l < 8; l++)
+                ls[l] += row[j + l];
+        for (; j < bk; j++)
+            sum += row[j];
+        for (int l = 0; l < 8; l++)
+            sum += ls[l];
+        den[i] = den[i] * corr + sum;
+        mx[i] = m;
+        if (corr != 1.0f)
+            for (int64_t d = 0; d < D; d++)
+                acc[i * D + d] *= corr;
+    }
 }
 
 static void k_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
                         float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
-                        float scale, float *ws) {
-    float *sc = ws;                                       /* [BQ, BK] */
-    float *acc = sc + (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK; /* [BQ, D] */
-    float *mx = acc + (int64_t)MDT_ATTN_BQ * D;           /* [BQ] */
-    float *den = mx + MDT_ATTN_BQ;                        /* [BQ] */
+                        float scale, int bf16, float *ws) {
+    float *sc = ws;                                         /* [BQ, BK] */
+    float *acc = sc + (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK;   /* [BQ, D] */
+    float *mx = acc + (int64_t)MDT_ATTN_BQ * D;             /* [BQ] */
+    float *den = mx + MDT_ATTN_BQ;                          /* [BQ] */
+    uint16_t *pb = (uint16_t *)(void *)(den + MDT_ATTN_BQ); /* [BQ, BK] bf16 (bf16 operands) */
+    uint16_t *qb = pb + (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK; /* [BQ, D] */
+    uint16_t *kb = qb + (int64_t)MDT_ATTN_BQ * D;           /* [Sk, D] one head's keys */
+    uint16_t *vb = kb + Sk * D;                             /* [Sk, D] and values */
     if (sk_valid > Sk)
         sk_valid = Sk;
     for (int64_t h = 0; h < H; h++) {
         const float *qh = q + h * Sq * D, *kh = k + h * Sk * D, *vh = v + h * Sk * D;
+        if (bf16) {
+            k_to_bf16_rows(kb, D, kh, D, sk_valid, D); // kb [sk_valid, D]
+            k_to_bf16_rows(vb, D, vh, D, sk_valid, D); // vb [sk_valid, D]
+        }
         for (int64_t i0 = 0; i0 < Sq; i0 += MDT_ATTN_BQ) {
             int64_t bq = Sq - i0 < MDT_ATTN_BQ ? Sq - i0 : MDT_ATTN_BQ;
             for (int64_t i = 0; i < bq; i++)
                 mx[i] = -INFINITY, den[i] = 0.0f;
             memset(acc, 0, sizeof(float) * (size_t)(bq * D));
+            if (bf16)
+                k_to_bf16_rows(qb, D, qh + i0 * D, D, bq, D); // qb [bq, D]
             for (int64_t j0 = 0; j0 < sk_valid; j0 += MDT_ATTN_BK) {
                 int64_t bk = sk_valid - j0 < MDT_ATTN_BK ? sk_valid - j0 : MDT_ATTN_BK;
                 /* scores [bq, bk] = scale * Q_tile . K_tile^T */
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)bq, (int)bk, (int)D,
-                            scale, qh + i0 * D, (int)D, kh + j0 * D, (int)D, 0.0f, sc, MDT_ATTN_BK);
-                for (int64_t i = 0; i < bq; i++) {
-                    float *row = sc + i * MDT_ATTN_BK;
-                    /* max and sum over 8 independent lanes: the compiler may not reorder one
-                     * float reduction, but it vectorises eight of them */
-                    float lm[8], ls[8];
-                    int64_t j = 0;
-                    for (int l = 0; l < 8; l++)
-                        lm[l] = mx[i], ls[l] = 0.0f;
-                    for (; j + 8 <= bk; j += 8)
-                        for (int l = 0; l < 8; l++)
-                            lm[l] = row[j + l] > lm[l] ? row[j + l] : lm[l];
-                    float m = mx[i];
-                    for (int l = 0; l < 8; l++)
-                        m = lm[l] > m ? lm[l] : m;
-                    for (; j < bk; j++)
-                        m = row[j] > m ? row[j] : m;
-                    float corr = fast_expf(mx[i] - m), sum = 0.0f;
-                    for (j = 0; j < bk; j++)
-                        row[j] = fast_expf(row[j] - m);
-                    for (j = 0; j + 8 <= bk; j += 8)
-                        for (int l = 0; l < 8; l++)
-                            ls[l] += row[j + l];
-                    for (; j < bk; j++)
-                        sum += row[j];
-                    for (int l = 0; l < 8; l++)
-                        sum += ls[l];
-                    den[i] = den[i] * corr + sum;
-                    mx[i] = m;
-                    if (corr != 1.0f)
-                        for (int64_t d = 0; d < D; d++)
-                            acc[i * D + d] *= corr;
+                if (bf16) {
+                    mdt_cpu_gemm_run(1, 1, bq, bk, D, scale, qb, D, kb + j0 * D, D, 0.0f, sc,
+                                     MDT_ATTN_BK);
+                } else {
+                    mdt_cpu_gemm_run(0, 1, bq, bk, D, scale, qh + i0 * D, D, kh + j0 * D, D, 0.0f,
+                                     sc, MDT_ATTN_BK);
                 }
+                softmax_tile(sc, acc, mx, den, bq, bk, D);
                 /* acc [bq, D] += P [bq, bk] . V_tile [bk, D] */
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)bq, (int)D, (int)bk,
-                            1.0f, sc, MDT_ATTN_BK, vh + j0 * D, (int)D, 1.0f, acc, (int)D);
+                if (bf16) {
+                    k_to_bf16_rows(pb, MDT_ATTN_BK, sc, MDT_ATTN_BK, bq, bk); // pb [bq, bk]
+                    mdt_cpu_gemm_run(1, 0, bq, D, bk, 1.0f, pb, MDT_ATTN_BK, vb + j0 * D, D, 1.0f,
+                                     acc, D);
+                } else {
+                    mdt_cpu_gemm_run(0, 0, bq, D, bk, 1.0f, sc, MDT_ATTN_BK, vh + j0 * D, D, 1.0f,
+                                     acc, D);
+                }
             }
             for (int64_t i = 0; i < bq; i++) {
                 float inv = den[i] > 0.0f ? 1.0f / den[i] : 0.0f;
@@ -425,6 +475,7 @@ const mdt_cpu_kernels MDT_CPU_TABLE = {
     .linear_bf16 = k_linear_bf16,
     .linear_bf16_ws_floats = k_linear_bf16_ws_floats,
     .bf16_widen = k_bf16_widen,
+    .to_bf16_rows = k_to_bf16_rows,
     .layernorm_modulate = k_layernorm_modulate,
     .heads_prepare = k_heads_prepare,
     .rmsnorm = k_rmsnorm,

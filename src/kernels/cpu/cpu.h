@@ -22,21 +22,28 @@ int mdt_cpu_isa_available(const char *name);
  * runs if it is unknown or the CPU lacks its instructions. Call before any kernel runs. */
 mdt_status mdt_cpu_isa_select(const char *name);
 
+/* The GEMMs below run on the GEMM path in use (gemm.h: OpenBLAS or oneDNN, MESHDIT_CPU_GEMM). */
 /* y[M, N] = x[M, K] . w[N, K]^T (+ b[N]); x rows have stride ldx (>= K), y rows ldy (>= N). */
 void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
                     int64_t ldy, int64_t M, int64_t K, int64_t N);
-/* The same product with bf16 weights wh[N, K] (the top 16 bits of each f32 weight), fp32
- * arithmetic and accumulation: the weights are widened (exactly) into the scratch ws[ws_floats]
- * in panels and multiplied by sgemm. Few rows (M < MDT_CPU_BF16_FEW_ROWS, e.g. the AdaLN
- * projections of the batch rows): panels of whole weight rows small enough for L2, so the weights
- * come from memory once at 2 bytes each; many rows: the whole matrix when ws holds it, else
- * blocks of K columns as large as ws allows. ws_floats >= max(K, N); mdt_cpu_linear_bf16_ws_floats
- * is the size that keeps sgemm at full speed. */
+/* The same product with bf16 weights wh[N, K] (the top 16 bits of each f32 weight).
+ * onednn path: x is rounded to bf16 into the scratch ws and multiplied as bf16 x bf16 with fp32
+ * accumulation (AVX512-BF16 / AMX).
+ * openblas path: fp32 arithmetic and accumulation: the weights are widened (exactly) into the
+ * scratch ws[ws_floats] in panels and multiplied by sgemm. Few rows (M < MDT_CPU_BF16_FEW_ROWS,
+ * e.g. the AdaLN projections of the batch rows): panels of whole weight rows small enough for L2,
+ * so the weights come from memory once at 2 bytes each; many rows: the whole matrix when ws holds
+ * it, else blocks of K columns as large as ws allows. ws_floats >= max(K, N).
+ * mdt_cpu_linear_bf16_ws_floats is the size that keeps the path at full speed (M: the most rows
+ * a call will have; the onednn path needs M K / 2 floats). */
 #define MDT_CPU_BF16_FEW_ROWS 32
 void mdt_cpu_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b, float *y,
                          int64_t ldy, int64_t M, int64_t K, int64_t N, float *ws,
                          int64_t ws_floats);
-int64_t mdt_cpu_linear_bf16_ws_floats(int64_t K, int64_t N);
+int64_t mdt_cpu_linear_bf16_ws_floats(int64_t M, int64_t K, int64_t N);
+/* dst[i, 0:n] = bf16(src[i, 0:n]) for M rows (rounded to nearest even; NaN stays NaN). */
+void mdt_cpu_to_bf16_rows(uint16_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t M,
+                          int64_t n);
 /* dst[n] = the f32 value of bf16 src[n] (exact). */
 void mdt_cpu_bf16_widen(float *dst, const uint16_t *src, int64_t n);
 
@@ -99,14 +106,17 @@ void mdt_cpu_lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t
 /* Tiles of the online-softmax attention. */
 #define MDT_ATTN_BQ 64
 #define MDT_ATTN_BK 256
-/* Floats of scratch one mdt_cpu_attention call needs for head dim D. */
-int64_t mdt_cpu_attention_ws_floats(int64_t D);
+/* Floats of scratch one mdt_cpu_attention call needs for head dim D: O(tile) in f32; bf16
+ * operands add one head's K and V in bf16 (Sk keys). */
+int64_t mdt_cpu_attention_ws_floats(int64_t Sk, int64_t D, int bf16);
 /* Attention over H heads of one batch element, tiled so memory is O(tile), never Sq x Sk:
  * q [H, Sq, D], k/v [H, Sk, D] head-major; out token-major: row i, head h at
  * out[i*ld_out + h*D]; lse [H, Sq] natural-log softmax denominators (NULL: not wanted). Only the
- * first `sk_valid` keys are attended (padded keys beyond it are masked). */
+ * first `sk_valid` keys are attended (padded keys beyond it are masked). bf16 != 0 (onednn path
+ * only): Q, K, V and the probabilities P are rounded to bf16 as operands of the two products;
+ * softmax, its running max and denominator and the accumulator stay fp32. */
 void mdt_cpu_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
                        float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
-                       float scale, float *ws);
+                       float scale, int bf16, float *ws);
 
 #endif /* MDT_KERNELS_CPU_H */

@@ -6,6 +6,7 @@
  */
 #include "cpu.h"
 #include "cpu_isa.h"
+#include "gemm.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -107,17 +108,31 @@ mdt_status mdt_cpu_isa_select(const char *name) {
 
 void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
                     int64_t ldy, int64_t M, int64_t K, int64_t N) {
-    kern()->linear(x, ldx, w, b, y, ldy, M, K, N);
+    if (strcmp(mdt_cpu_gemm(), "onednn") == 0)
+        mdt_cpu_gemm_linear_f32(x, ldx, w, b, y, ldy, M, K, N);
+    else
+        kern()->linear(x, ldx, w, b, y, ldy, M, K, N);
 }
 
 void mdt_cpu_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b, float *y,
                          int64_t ldy, int64_t M, int64_t K, int64_t N, float *ws,
                          int64_t ws_floats) {
-    kern()->linear_bf16(x, ldx, wh, b, y, ldy, M, K, N, ws, ws_floats);
+    if (mdt_cpu_gemm_bf16_operands())
+        mdt_cpu_gemm_linear_bf16(x, ldx, wh, b, y, ldy, M, K, N, (uint16_t *)(void *)ws,
+                                 ws_floats * 2);
+    else
+        kern()->linear_bf16(x, ldx, wh, b, y, ldy, M, K, N, ws, ws_floats);
 }
 
-int64_t mdt_cpu_linear_bf16_ws_floats(int64_t K, int64_t N) {
+int64_t mdt_cpu_linear_bf16_ws_floats(int64_t M, int64_t K, int64_t N) {
+    if (mdt_cpu_gemm_bf16_operands())
+        return (M * K + 1) / 2 > 1 ? (M * K + 1) / 2 : 1;
     return kern()->linear_bf16_ws_floats(K, N);
+}
+
+void mdt_cpu_to_bf16_rows(uint16_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t M,
+                          int64_t n) {
+    kern()->to_bf16_rows(dst, ldd, src, lds, M, n);
 }
 
 void mdt_cpu_bf16_widen(float *dst, const uint16_t *src, int64_t n) {
@@ -196,10 +211,13 @@ void mdt_cpu_lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t
     kern()->lse_merge(O, ldO, Lr, o, ldo, l, hn, L, D);
 }
 
-int64_t mdt_cpu_attention_ws_floats(int64_t D) { return kern()->attention_ws_floats(D); }
+int64_t mdt_cpu_attention_ws_floats(int64_t Sk, int64_t D, int bf16) {
+    return kern()->attention_ws_floats(Sk, D, bf16 && mdt_cpu_gemm_bf16_operands());
+}
 
 void mdt_cpu_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
                        float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
-                       float scale, float *ws) {
-    kern()->attention(q, k, v, out, ld_out, lse, H, Sq, Sk, sk_valid, D, scale, ws);
+                       float scale, int bf16, float *ws) {
+    kern()->attention(q, k, v, out, ld_out, lse, H, Sq, Sk, sk_valid, D, scale,
+                      bf16 && mdt_cpu_gemm_bf16_operands(), ws);
 }

@@ -16,6 +16,8 @@ typedef struct mdt_cpu_kernels {
                         int64_t ldy, int64_t M, int64_t K, int64_t N, float *ws, int64_t ws_floats);
     int64_t (*linear_bf16_ws_floats)(int64_t K, int64_t N);
     void (*bf16_widen)(float *dst, const uint16_t *src, int64_t n);
+    void (*to_bf16_rows)(uint16_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t M,
+                         int64_t n);
     void (*layernorm_modulate)(const float *x, float *y, int64_t M, int64_t C, float eps,
                                const float *shift, const float *scale);
     void (*heads_prepare)(const float *src, int64_t ld, int64_t S, int64_t H, int64_t D,
@@ -45,10 +47,10 @@ typedef struct mdt_cpu_kernels {
     void (*gelu_rows)(float *x, int64_t ld, int64_t M, int64_t n);
     void (*lse_merge)(float *O, int64_t ldO, float *Lr, const float *o, int64_t ldo, const float *l,
                       int64_t hn, int64_t L, int64_t D);
-    int64_t (*attention_ws_floats)(int64_t D);
+    int64_t (*attention_ws_floats)(int64_t Sk, int64_t D, int bf16);
     void (*attention)(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
                       float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
-                      float scale, float *ws);
+                      float scale, int bf16, float *ws);
 } mdt_cpu_kernels;
 
 /* x86-64 builds carry the first three; other architectures the generic one. */

@@ -139,3 +139,15 @@ void mdt_ref_attention(const float *q, const float *k, const float *v, float *ou
     }
     free(p);
 }
+
+void mdt_ref_round_bf16(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], sizeof u);
+        if (isnan(x[i]))
+            continue;
+        const uint32_t lsb = (u >> 16) & 1u;
+        u = (u + 0x7fffu + lsb) & 0xffff0000u;
+        memcpy(&x[i], &u, sizeof u);
+    }
+}

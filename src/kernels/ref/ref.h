@@ -15,6 +15,8 @@ void mdt_ref_linear(const float *x, const float *w, const float *b, float *y, in
 /* The same with bf16 weights wh[N, K]: each weight is the f32 whose top 16 bits are wh. */
 void mdt_ref_linear_bf16(const float *x, const uint16_t *wh, const float *b, float *y, int64_t M,
                          int64_t K, int64_t N);
+/* x[i] = the nearest bf16 value (ties to even): what the onednn GEMM path gives its operands. */
+void mdt_ref_round_bf16(float *x, int64_t n);
 /* y[M, C] = LayerNorm(x) without affine (biased variance) */
 void mdt_ref_layernorm(const float *x, float *y, int64_t M, int64_t C, float eps);
 /* y[M, D] = x / sqrt(mean(x^2) + eps) * w[D] */

@@ -1,0 +1,416 @@
+/*
+ * gemm.c — see gemm.h. The onednn path keeps one matmul primitive per GEMM shape (a forward has
+ * a dozen shapes; creating a primitive costs ~1 ms, executing one a few microseconds), runs it on
+ * one thread (one rank, one core) and gives it a user scratchpad from this file's buffer so that
+ * oneDNN allocates nothing per call and the bytes are accounted (mdt_alloc).
+ */
+#include "gemm.h"
+
+#include "cpu.h"
+
+#include <cblas.h>
+#include <dnnl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* libgomp's, which libdnnl uses for its threads (Debian builds it with the OpenMP runtime). */
+extern void omp_set_num_threads(int n);
+/* OpenBLAS's kernel name ("Haswell", "SkylakeX", "Prescott" when it does not know the CPU). */
+extern char *openblas_get_corename(void);
+
+typedef struct {
+    const char *name;   /* MESHDIT_CPU_GEMM value */
+    dnnl_cpu_isa_t cap; /* oneDNN cap (onednn paths) */
+    const char *cpu[2]; /* what __builtin_cpu_supports must all say (NULL: nothing) */
+} gemm_path;
+
+static const gemm_path k_paths[] = {
+    {"openblas", dnnl_cpu_isa_all, {NULL, NULL}},
+    {"onednn", dnnl_cpu_isa_all, {NULL, NULL}},
+    {"onednn-amx", dnnl_cpu_isa_avx512_core_amx, {"amx-bf16", "avx512bf16"}},
+    {"onednn-avx512bf16", dnnl_cpu_isa_avx512_core_bf16, {"avx512bf16", "avx512bw"}},
+    {"onednn-avx512", dnnl_cpu_isa_avx512_core, {"avx512bw", "avx512vl"}},
+    {"onednn-avx2", dnnl_cpu_isa_avx2, {"avx2", "fma"}},
+};
+enum { N_PATHS = sizeof k_paths / sizeof k_paths[0] };
+
+static int g_onednn = -1; /* -1: not chosen yet */
+static int g_cap_set;     /* oneDNN's cap is set (it can be set once per process) */
+static dnnl_cpu_isa_t g_cap = dnnl_cpu_isa_all;
+static char g_err[200];
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+/* CPUID leaf 7 (sub-leaf `sub`) register `reg` (0 eax .. 3 edx) bit `bit`: the bf16 and AMX bits,
+ * which clang 14's __builtin_cpu_supports does not know. */
+static int cpuid7(unsigned sub, int reg, int bit) {
+    unsigned r[4] = {0, 0, 0, 0};
+    if (!__get_cpuid_count(7, sub, &r[0], &r[1], &r[2], &r[3]))
+        return 0;
+    return (int)((r[reg] >> bit) & 1u);
+}
+#endif
+
+static int has(const char *feature) {
+#if defined(__x86_64__)
+    /* avx512f also says the OS saves the AVX-512 state; the bf16 bits need it */
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (strcmp(feature, "amx-bf16") == 0) /* AMX-BF16 and AMX-TILE: leaf 7.0 edx bits 22, 24 */
+        return avx512 && cpuid7(0, 3, 22) && cpuid7(0, 3, 24);
+    if (strcmp(feature, "avx512bf16") == 0) /* AVX512-BF16: leaf 7.1 eax bit 5 */
+        return avx512 && cpuid7(1, 0, 5);
+    if (strcmp(feature, "avx512bw") == 0)
+        return avx512;
+    if (strcmp(feature, "avx512vl") == 0)
+        return avx512 && __builtin_cpu_supports("avx512vl");
+    if (strcmp(feature, "avx2") == 0)
+        return __builtin_cpu_supports("avx2");
+    if (strcmp(feature, "fma") == 0)
+        return __builtin_cpu_supports("fma");
+#endif
+    (void)feature;
+    return 0;
+}
+
+static const gemm_path *find(const char *name) {
+    for (int i = 0; i < N_PATHS; i++)
+        if (strcmp(k_paths[i].name, name) == 0)
+            return &k_paths[i];
+    return NULL;
+}
+
+static int runs(const gemm_path *p) {
+    for (int i = 0; i < 2; i++)
+        if (p->cpu[i] && !has(p->cpu[i]))
+            return 0;
+    return 1;
+}
+
+/* auto: bf16 dot products in hardware -> onednn, else openblas. */
+static const gemm_path *auto_path(void) {
+    return find(has("avx512bf16") || has("amx-bf16") ? "onednn" : "openblas");
+}
+
+static mdt_status apply(const gemm_path *p) {
+    if (p == &k_paths[0]) {
+        g_onednn = 0;
+        return MDT_OK;
+    }
+    if (g_cap_set && p->cap != dnnl_cpu_isa_all && p->cap != g_cap)
+        return MDT_FAIL(
+            MDT_E_UNSUPPORTED,
+            "CPU GEMM '%s': oneDNN's instruction-set cap is already set in this process", p->name);
+    if (!g_cap_set) {
+        if (p->cap != dnnl_cpu_isa_all && dnnl_set_max_cpu_isa(p->cap) != dnnl_success)
+            return MDT_FAIL(MDT_E_UNSUPPORTED, "CPU GEMM '%s': oneDNN refused the cap", p->name);
+        g_cap_set = 1, g_cap = p->cap;
+        omp_set_num_threads(1); /* one thread per rank, like OpenBLAS */
+    }
+    g_onednn = 1;
+    return MDT_OK;
+}
+
+static void pick(void) {
+    if (g_onednn >= 0)
+        return;
+    const char *env = getenv("MESHDIT_CPU_GEMM");
+    const gemm_path *p = env && *env && strcmp(env, "auto") != 0 ? find(env) : auto_path();
+    if (!p || !runs(p)) { /* the CLI refuses this before any work */
+        mdt_log(MDT_LOG_WARN, "MESHDIT_CPU_GEMM=%s: not a GEMM path this CPU runs; using auto",
+                env);
+        p = auto_path();
+    }
+    if (apply(p) != MDT_OK)
+        g_onednn = 0;
+}
+
+const char *mdt_cpu_gemm(void) {
+    pick();
+    return g_onednn ? "onednn" : "openblas";
+}
+
+int mdt_cpu_gemm_bf16_operands(void) {
+    pick();
+    /* oneDNN 2.6 multiplies bf16 from AVX-512 on (natively from AVX512-BF16); below it refuses */
+    return g_onednn && dnnl_get_effective_cpu_isa() >= dnnl_cpu_isa_avx512_core;
+}
+
+static const char *isa_name(dnnl_cpu_isa_t isa) {
+    switch (isa) {
+    case dnnl_cpu_isa_avx512_core_amx: return "avx512_core_amx";
+    case dnnl_cpu_isa_avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl_cpu_isa_avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl_cpu_isa_avx512_core: return "avx512_core";
+    case dnnl_cpu_isa_avx2_vnni: return "avx2_vnni";
+    case dnnl_cpu_isa_avx2: return "avx2";
+    default: return "sse41/avx";
+    }
+}
+
+void mdt_cpu_gemm_describe(char *buf, int64_t n) {
+    pick();
+    if (g_onednn) {
+        const dnnl_version_t *v = dnnl_version();
+        snprintf(buf, (size_t)n, "onednn %d.%d (%s)", v->major, v->minor,
+                 isa_name(dnnl_get_effective_cpu_isa()));
+    } else {
+        snprintf(buf, (size_t)n, "openblas (%s)", openblas_get_corename());
+    }
+}
+
+int mdt_cpu_gemm_available(const char *name) {
+    const gemm_path *p = !name ? NULL : strcmp(name, "auto") == 0 ? auto_path() : find(name);
+    return p && runs(p) && (!g_cap_set || p->cap == dnnl_cpu_isa_all || p->cap == g_cap);
+}
+
+mdt_status mdt_cpu_gemm_select(const char *name) {
+    const gemm_path *p = !name ? NULL : strcmp(name, "auto") == 0 ? auto_path() : find(name);
+    if (p && runs(p))
+        return apply(p);
+    char have[160] = "";
+    for (int i = 0; i < N_PATHS; i++)
+        if (runs(&k_paths[i])) {
+            strncat(have, have[0] ? ", " : "", sizeof have - strlen(have) - 1);
+            strncat(have, k_paths[i].name, sizeof have - strlen(have) - 1);
+        }
+    return MDT_FAIL(MDT_E_UNSUPPORTED, "CPU GEMM '%s': %s; this machine runs: %s (or auto)",
+                    name ? name : "(null)",
+                    p ? "this CPU lacks the instructions" : "no such GEMM path", have);
+}
+
+const char *mdt_cpu_gemm_error(void) {
+    static char out[sizeof g_err];
+    if (!g_err[0])
+        return NULL;
+    memcpy(out, g_err, sizeof out);
+    g_err[0] = '\0';
+    return out;
+}
+
+/* ---- oneDNN ---- */
+
+typedef struct {
+    int bf16, transb, beta1;
+    int64_t M, N, K, lda, ldb, ldc;
+    float alpha;
+} gemm_key;
+
+typedef struct {
+    gemm_key key;
+    dnnl_primitive_t prim;
+    dnnl_memory_t a, b, c, scratch;
+    size_t scratch_bytes;
+} gemm_prim;
+
+enum { CACHE = 64 };
+static gemm_prim g_cache[CACHE];
+static int g_ncache, g_next_evict;
+static dnnl_engine_t g_engine;
+static dnnl_stream_t g_stream;
+static void *g_scratch;
+static size_t g_scratch_bytes;
+
+static int fail(const char *what, dnnl_status_t s, const gemm_key *k) {
+    if (!g_err[0])
+        snprintf(g_err, sizeof g_err,
+                 "oneDNN %s failed (status %d) for a %s GEMM [%lld x %lld] . [%lld x %lld]", what,
+                 (int)s, k->bf16 ? "bf16" : "f32", (long long)k->M, (long long)k->K,
+                 (long long)k->K, (long long)k->N);
+    return -1;
+}
+
+static void prim_free(gemm_prim *g) {
+    dnnl_primitive_destroy(g->prim);
+    dnnl_memory_destroy(g->a);
+    dnnl_memory_destroy(g->b);
+    dnnl_memory_destroy(g->c);
+    dnnl_memory_destroy(g->scratch);
+    memset(g, 0, sizeof *g);
+}
+
+static int key_eq(const gemm_key *a, const gemm_key *b) {
+    return a->bf16 == b->bf16 && a->transb == b->transb && a->beta1 == b->beta1 && a->M == b->M &&
+           a->N == b->N && a->K == b->K && a->lda == b->lda && a->ldb == b->ldb &&
+           a->ldc == b->ldc && a->alpha == b->alpha;
+}
+
+/* The primitive for key k: from the cache, else created (its memories bound to NULL handles). */
+static gemm_prim *prim_get(const gemm_key *k) {
+    for (int i = 0; i < g_ncache; i++)
+        if (key_eq(&g_cache[i].key, k))
+            return &g_cache[i];
+    dnnl_status_t s;
+    if (!g_engine) {
+        if ((s = dnnl_engine_create(&g_engine, dnnl_cpu, 0)) != dnnl_success)
+            return fail("engine creation", s, k), NULL;
+        if ((s = dnnl_stream_create(&g_stream, g_engine, dnnl_stream_default_flags)) !=
+            dnnl_success)
+            return fail("stream creation", s, k), NULL;
+    }
+    const dnnl_data_type_t dt = k->bf16 ? dnnl_bf16 : dnnl_f32;
+    dnnl_memory_desc_t amd, bmd, cmd, smd;
+    const dnnl_dims_t ad = {k->M, k->K}, bd = {k->K, k->N}, cd = {k->M, k->N};
+    const dnnl_dims_t as = {k->lda, 1}, cs = {k->ldc, 1};
+    const dnnl_dims_t bs_t = {1, k->ldb}, bs_n = {k->ldb, 1};
+    dnnl_memory_desc_init_by_strides(&amd, 2, ad, dt, as);
+    dnnl_memory_desc_init_by_strides(&bmd, 2, bd, dt, k->transb ? bs_t : bs_n);
+    dnnl_memory_desc_init_by_strides(&cmd, 2, cd, dnnl_f32, cs);
+    dnnl_matmul_desc_t md;
+    if ((s = dnnl_matmul_desc_init(&md, &amd, &bmd, NULL, &cmd)) != dnnl_success)
+        return fail("matmul description", s, k), NULL;
+    dnnl_primitive_attr_t attr;
+    dnnl_post_ops_t po = NULL;
+    dnnl_primitive_attr_create(&attr);
+    dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
+    if (k->alpha != 1.0f)
+        dnnl_primitive_attr_set_output_scales(attr, 1, 0, &k->alpha);
+    if (k->beta1) {
+        dnnl_post_ops_create(&po);
+        dnnl_post_ops_append_sum(po, 1.0f);
+        dnnl_primitive_attr_set_post_ops(attr, po);
+    }
+    dnnl_primitive_desc_t pd;
+    s = dnnl_primitive_desc_create(&pd, &md, attr, g_engine, NULL);
+    dnnl_primitive_attr_destroy(attr);
+    if (po)
+        dnnl_post_ops_destroy(po);
+    if (s != dnnl_success)
+        return fail("matmul primitive", s, k), NULL;
+    int slot = g_ncache;
+    if (slot == CACHE) { /* full: replace entries in turn */
+        slot = g_next_evict;
+        g_next_evict = (g_next_evict + 1) % CACHE;
+        prim_free(&g_cache[slot]);
+    }
+    gemm_prim *g = &g_cache[slot];
+    smd = *dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+    g->scratch_bytes = dnnl_memory_desc_get_size(&smd);
+    s = dnnl_primitive_create(&g->prim, pd);
+    dnnl_primitive_desc_destroy(pd);
+    if (s != dnnl_success)
+        return fail("matmul primitive", s, k), NULL;
+    if (dnnl_memory_create(&g->a, &amd, g_engine, DNNL_MEMORY_NONE) != dnnl_success ||
+        dnnl_memory_create(&g->b, &bmd, g_engine, DNNL_MEMORY_NONE) != dnnl_success ||
+        dnnl_memory_create(&g->c, &cmd, g_engine, DNNL_MEMORY_NONE) != dnnl_success ||
+        dnnl_memory_create(&g->scratch, &smd, g_engine, DNNL_MEMORY_NONE) != dnnl_success) {
+        prim_free(g); /* the slot is empty (zero key) and stays counted: harmless */
+        return fail("memory object", dnnl_out_of_memory, k), NULL;
+    }
+    g->key = *k;
+    if (slot == g_ncache)
+        g_ncache++;
+    return g;
+}
+
+static void zero_c(float *C, int64_t ldc, int64_t M, int64_t N) {
+    for (int64_t i = 0; i < M; i++)
+        memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
+}
+
+static void onednn_run(const gemm_key *k, const void *A, const void *B, float *C) {
+    gemm_prim *g = prim_get(k);
+    if (g && g->scratch_bytes > g_scratch_bytes) {
+        void *p = mdt_alloc(g->scratch_bytes);
+        if (!p) {
+            fail("scratchpad allocation", dnnl_out_of_memory, k);
+            g = NULL;
+        } else {
+            mdt_free(g_scratch);
+            g_scratch = p, g_scratch_bytes = g->scratch_bytes;
+        }
+    }
+    if (!g) {
+        zero_c(C, k->ldc, k->M, k->N);
+        return;
+    }
+    dnnl_memory_set_data_handle(g->a, (void *)(uintptr_t)A);
+    dnnl_memory_set_data_handle(g->b, (void *)(uintptr_t)B);
+    dnnl_memory_set_data_handle(g->c, C);
+    dnnl_memory_set_data_handle(g->scratch, g->scratch_bytes ? g_scratch : NULL);
+    const dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, g->a},
+                                    {DNNL_ARG_WEIGHTS, g->b},
+                                    {DNNL_ARG_DST, g->c},
+                                    {DNNL_ARG_SCRATCHPAD, g->scratch}};
+    const dnnl_status_t s = dnnl_primitive_execute(g->prim, g_stream, 4, args);
+    if (s != dnnl_success || dnnl_stream_wait(g_stream) != dnnl_success) {
+        fail("matmul execution", s, k);
+        zero_c(C, k->ldc, k->M, k->N);
+    }
+}
+
+void mdt_cpu_gemm_release(void) {
+    mdt_free(g_scratch);
+    g_scratch = NULL, g_scratch_bytes = 0;
+}
+
+void mdt_cpu_gemm_run(int bf16, int transb, int64_t M, int64_t N, int64_t K, float alpha,
+                      const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C,
+                      int64_t ldc) {
+    if (M <= 0 || N <= 0)
+        return;
+    pick();
+    if (!g_onednn && !bf16) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, transb ? CblasTrans : CblasNoTrans, (int)M, (int)N,
+                    (int)K, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);
+        return;
+    }
+    const gemm_key k = {.bf16 = bf16 != 0,
+                        .transb = transb != 0,
+                        .beta1 = beta != 0.0f,
+                        .M = M,
+                        .N = N,
+                        .K = K,
+                        .lda = lda,
+                        .ldb = ldb,
+                        .ldc = ldc,
+                        .alpha = alpha};
+    if (!g_onednn) { /* a bf16 GEMM needs the onednn path: a caller's bug, reported */
+        if (!g_err[0])
+            snprintf(g_err, sizeof g_err, "a bf16 GEMM on the openblas path");
+        zero_c(C, ldc, M, N);
+        return;
+    }
+    if (K <= 0) { /* oneDNN refuses empty reductions: C = beta * C */
+        if (beta == 0.0f)
+            zero_c(C, ldc, M, N);
+        return;
+    }
+    onednn_run(&k, A, B, C);
+}
+
+/* Puts the bias in every row of y [M, N]; returns the beta that keeps it: 1 with a bias. */
+static float bias_rows(float *y, int64_t ldy, const float *b, int64_t M, int64_t N) {
+    if (!b)
+        return 0.0f;
+    for (int64_t i = 0; i < M; i++)
+        memcpy(y + i * ldy, b, sizeof(float) * (size_t)N);
+    return 1.0f;
+}
+
+void mdt_cpu_gemm_linear_f32(const float *x, int64_t ldx, const float *w, const float *b, float *y,
+                             int64_t ldy, int64_t M, int64_t K, int64_t N) {
+    if (M <= 0 || N <= 0)
+        return;
+    const float beta = bias_rows(y, ldy, b, M, N);
+    mdt_cpu_gemm_run(0, 1, M, N, K, 1.0f, x, ldx, w, K, beta, y, ldy);
+    mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
+}
+
+void mdt_cpu_gemm_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b,
+                              float *y, int64_t ldy, int64_t M, int64_t K, int64_t N, uint16_t *xh,
+                              int64_t xh_halves) {
+    if (M <= 0 || N <= 0)
+        return;
+    if (xh_halves < M * K) {
+        if (!g_err[0])
+            snprintf(g_err, sizeof g_err, "bf16 GEMM scratch of %lld halves for [%lld x %lld]",
+                     (long long)xh_halves, (long long)M, (long long)K);
+        zero_c(y, ldy, M, N);
+        return;
+    }
+    const float beta = bias_rows(y, ldy, b, M, N);
+    mdt_cpu_to_bf16_rows(xh, K, x, ldx, M, K); // xh [M, K] = bf16(x)
+    mdt_cpu_gemm_run(1, 1, M, N, K, 1.0f, xh, K, wh, K, beta, y, ldy);
+    mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
+}

@@ -1,0 +1,66 @@
+/*
+ * gemm.h — the CPU backend's one GEMM seam. Two paths, chosen once per process:
+ *
+ *   openblas  cblas_sgemm (f32 operands); bf16 weights are widened to f32 into panels first
+ *             (mdt_cpu_linear_bf16). The path on CPUs without bf16 dot-product instructions.
+ *   onednn    oneDNN matmul primitives (the library PyTorch uses on x86): f32 operands, or bf16 x
+ *             bf16 operands with fp32 accumulation on AVX512-BF16 (vdpbf16ps) and AMX (tdpbf16ps)
+ *             — oneDNN picks its own kernel for the CPU, up to an instruction-set cap.
+ *
+ * Selection: MESHDIT_CPU_GEMM=auto|openblas|onednn|onednn-amx|onednn-avx512bf16|onednn-avx512|
+ * onednn-avx2 (read at first use), or mdt_cpu_gemm_select before any GEMM runs. "auto" is onednn
+ * when the CPU has AVX512-BF16 or AMX-BF16, else openblas (docs/perf.md has the measurements
+ * behind it). A cap names the widest instruction set oneDNN may use; one the CPU lacks is refused.
+ *
+ * With bf16 weights (`--dtype bf16`) on the onednn path, activations are rounded to bf16 (nearest
+ * even) only as GEMM operands — the linears and attention's QK^T and PV products; norms, softmax,
+ * the residual stream and every accumulation stay fp32. On the openblas path bf16 weights are
+ * widened exactly and every operand is fp32.
+ */
+#ifndef MDT_KERNELS_CPU_GEMM_H
+#define MDT_KERNELS_CPU_GEMM_H
+
+#include "core/core.h"
+
+#include <stdint.h>
+
+/* The path in use: "openblas" or "onednn". */
+const char *mdt_cpu_gemm(void);
+/* A one-line description of the path and oneDNN's kernel instruction set
+ * ("onednn (avx512_core_amx)", "openblas (Prescott)"). */
+void mdt_cpu_gemm_describe(char *buf, int64_t n);
+/* 1 if bf16 weights mean bf16 GEMM operands: the onednn path with oneDNN at AVX-512 or wider
+ * (oneDNN has no bf16 matmul below it: onednn-avx2 widens bf16 weights like openblas and
+ * multiplies f32 operands through oneDNN). */
+int mdt_cpu_gemm_bf16_operands(void);
+/* 1 if `name` is a path this CPU runs. */
+int mdt_cpu_gemm_available(const char *name);
+/* Switches to path `name` ("auto" or one of the names above). oneDNN's cap can be set once per
+ * process: a second, different cap is refused ("onednn" keeps the cap already set).
+ * MDT_E_UNSUPPORTED names what this CPU runs. */
+mdt_status mdt_cpu_gemm_select(const char *name);
+
+/* C[M, N] = alpha * A[M, K] . op(B) + beta * C, op(B) = B[N, K]^T (transb) or B[K, N]; row-major
+ * with leading dimensions lda, ldb, ldc; beta is 0 or 1. bf16 != 0: A and B hold bf16 (uint16)
+ * and the onednn path must be in use; otherwise f32. Counts no FLOPs (callers do). */
+void mdt_cpu_gemm_run(int bf16, int transb, int64_t M, int64_t N, int64_t K, float alpha,
+                      const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C,
+                      int64_t ldc);
+
+/* y[M, N] = x[M, K] . w[N, K]^T (+ b) through the path in use (cpu.h's mdt_cpu_linear /
+ * mdt_cpu_linear_bf16 call these). The bf16 form rounds x to bf16 into the caller's scratch
+ * xh[xh_halves] (>= M K, else the GEMM fails with mdt_cpu_gemm_error) and needs the onednn path. */
+void mdt_cpu_gemm_linear_f32(const float *x, int64_t ldx, const float *w, const float *b, float *y,
+                             int64_t ldy, int64_t M, int64_t K, int64_t N);
+void mdt_cpu_gemm_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b,
+                              float *y, int64_t ldy, int64_t M, int64_t K, int64_t N, uint16_t *xh,
+                              int64_t xh_halves);
+
+/* Frees the oneDNN scratchpad buffer (primitives stay cached); the next GEMM takes it again. */
+void mdt_cpu_gemm_release(void);
+
+/* The first failure of a GEMM since the last call (oneDNN refused a shape, or its scratchpad
+ * could not be allocated), or NULL; reading it clears it. The output of a failed GEMM is zeros. */
+const char *mdt_cpu_gemm_error(void);
+
+#endif /* MDT_KERNELS_CPU_GEMM_H */
