@@ -57,6 +57,14 @@ static void plugin_path(char *buf, size_t n) {
 static float *g_lin_ws;
 static int64_t g_lin_ws_n;
 static char g_cpu_err[160];
+/* mdt_k_shared_begin's input, rounded to bf16 once (g_sh_h [M, K]) */
+static struct {
+    const float *x;
+    int64_t ldx, M, K;
+} g_sh;
+static uint16_t *g_sh_h;
+static int64_t g_sh_n;
+static int g_sh_depth; /* nested begins on the same x */
 
 static int lin_ws_grow(int64_t floats) {
     if (floats <= g_lin_ws_n)
@@ -84,6 +92,8 @@ int64_t mdt_backend_scratch_bytes(void) { return g_lin_ws_n * 4; }
 void mdt_backend_release_scratch(void) {
     mdt_free(g_lin_ws);
     g_lin_ws = NULL, g_lin_ws_n = 0;
+    mdt_free(g_sh_h);
+    g_sh_h = NULL, g_sh_n = 0, g_sh.x = NULL;
     mdt_cpu_gemm_release();
 }
 
@@ -177,8 +187,37 @@ void mdt_k_to_host(void *host_dst, const void *src, size_t bytes) {
         memcpy(host_dst, src, bytes);
 }
 
+void mdt_k_shared_begin(const float *x, int64_t ldx, int64_t M, int64_t K) {
+    if (g_sh_depth > 0 && g_sh.x == x && g_sh.ldx == ldx && g_sh.M == M && g_sh.K == K) {
+        g_sh_depth++; /* nested on the same input: already rounded */
+        return;
+    }
+    g_sh.x = NULL, g_sh_depth = 0;
+    if (g_ops || !g_bf16 || !mdt_cpu_gemm_bf16_operands() || M <= 0 || K <= 0)
+        return;
+    if (M * K > g_sh_n) { /* grows on the first forward, then stays */
+        uint16_t *p = mdt_alloc(sizeof(uint16_t) * (size_t)(M * K));
+        if (!p)
+            return; /* the linears round x themselves */
+        mdt_free(g_sh_h);
+        g_sh_h = p, g_sh_n = M * K;
+    }
+    mdt_cpu_to_bf16_rows(g_sh_h, K, x, ldx, M, K); // [M, K]
+    g_sh.x = x, g_sh.ldx = ldx, g_sh.M = M, g_sh.K = K, g_sh_depth = 1;
+}
+
+void mdt_k_shared_end(void) {
+    if (g_sh_depth > 0 && --g_sh_depth > 0)
+        return;
+    g_sh.x = NULL, g_sh_depth = 0;
+}
+
 void mdt_k_linear(const float *x, int64_t ldx, const float *w, const uint16_t *wh, const float *b,
                   float *y, int64_t ldy, int64_t M, int64_t K, int64_t N) {
+    if (!g_ops && g_bf16 && wh && g_sh.x == x && g_sh.ldx == ldx && g_sh.M == M && g_sh.K == K) {
+        mdt_cpu_gemm_linear_bf16h(g_sh_h, wh, b, y, ldy, M, K, N); /* x rounded already */
+        return;
+    }
     if (!g_ops && g_bf16 && wh) {
         if (lin_ws_grow(mdt_cpu_linear_bf16_ws_floats(M, K, N)) != 0) {
             if (!g_cpu_err[0])

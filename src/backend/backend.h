@@ -54,6 +54,13 @@ void mdt_k_to_host(void *host_dst, const void *src, size_t bytes);
 /* ---- kernels: see kernels/cpu/cpu.h and ops.h ---- */
 void mdt_k_linear(const float *x, int64_t ldx, const float *w, const uint16_t *wh, const float *b,
                   float *y, int64_t ldy, int64_t M, int64_t K, int64_t N);
+/* x [M, K] (rows ldx apart) is the input of the next several mdt_k_linear calls and stays
+ * unchanged until mdt_k_shared_end: where GEMM operands are rounded to bf16 (CPU bf16 operands)
+ * it is rounded once here and every linear on exactly this x reuses it (one conversion per
+ * activation, not per GEMM). Elsewhere both do nothing. One shared input at a time; a nested
+ * begin on the same x keeps it until the matching end. */
+void mdt_k_shared_begin(const float *x, int64_t ldx, int64_t M, int64_t K);
+void mdt_k_shared_end(void);
 void mdt_k_copy2d(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
                   int64_t cols);
 void mdt_k_copy_rows(float *dst, int64_t ldd, const int64_t *drow, const float *src, int64_t lds,

@@ -286,6 +286,7 @@ static void project_qkv(const flux *f, const flux_act *A, const float *src, int6
     const mdt_lin *lins[3] = {lq, lk, lv};
     float *dst[3] = {A->q, A->k_, A->v};
     const float *norms[3] = {nq, nk, NULL};
+    mdt_k_shared_begin(src, C, A->B * n, C); /* one bf16 rounding of src for the three */
     for (int j = 0; j < 3; j++) {
         mdt_k_linear(src, C, lins[j]->w, lins[j]->wh, lins[j]->b, tmp, Cl, A->B * n, C,
                      Cl); // [B*n, C/T]
@@ -295,6 +296,7 @@ static void project_qkv(const flux *f, const flux_act *A, const float *src, int6
                                 D, MDT_ROPE_INTERLEAVED, dst[j] + b * H * S * D, S,
                                 s0); // [H/T, S, D] rows s0..s0+n
     }
+    mdt_k_shared_end();
 }
 
 /* Joint attention of the local rows over the whole sequence (spread over the CP ranks) on the
@@ -376,10 +378,12 @@ static mdt_status single_block(const flux *f, const flux_single *blk, const flux
     for (int64_t b = 0; b < B; b++)
         mdt_k_layernorm_modulate(h + b * S * C, n + b * S * C, S, C, k_eps, mod + b * 3 * C,
                                  mod + b * 3 * C + C); // [S, C]
+    mdt_k_shared_begin(n, C, B * S, C); /* n feeds proj_mlp and q, k, v: rounded once */
     mdt_k_linear(n, C, blk->proj_mlp.w, blk->proj_mlp.wh, blk->proj_mlp.b, cat + Cl, W, B * S, C,
                  Ml);                        // [B*S, 4C/T] in columns [C/T, W)
     mdt_k_gelu_rows(cat + Cl, W, B * S, Ml); // [B*S, 4C/T] in columns [C/T, W)
     project_qkv(f, A, n, S, 0, &blk->to_q, &blk->to_k, &blk->to_v, blk->norm_q, blk->norm_k, tmp);
+    mdt_k_shared_end();
     MDT_TRY(attend(f, A, cat, W)); // columns [0, C/T) of cat
     /* packed rowwise: the local weight columns are [attn block k | mlp block k], like cat */
     MDT_TRY(row_linear(A, &blk->proj_out, cat, W, W, tmp, B * S)); // [B*S, C]

@@ -19,7 +19,7 @@
  * MESHDIT_TEST_DTYPE=bf16 runs everything on the CPU backend with bf16 linear weights: shards are
  * the bf16 rounding of their slice, linear weights count 2 bytes, gather writes the rounded values,
  * and outputs agree with the single-rank bf16 run (1e-5; 5e-3 with bf16 GEMM operands, gemm.h)
- * and the f32 goldens within 2e-2.
+ * and the f32 goldens within 1e-2 (measured <= 4e-3 either way).
  * Run with MESHDIT_TEST_SHARD_INDEX=world (shard index = world rank, the upstream bug) on a
  * 2-axis mesh it must fail: that is the negative control run.sh checks.
  */
@@ -254,7 +254,7 @@ static void check_forward(const char *dir, mdt_mesh *mesh) {
         const double ltol = g_bf16 && mdt_cpu_gemm_bf16_operands() ? 5e-3 : 1e-5;
         EXPECT(t_rel_err(a->data, b->data, n, 0) <= ltol, "%s %s: layout vs single rank: %.3e", dir,
                oname, t_rel_err(a->data, b->data, n, 0));
-        const double tol = g_bf16 ? 2e-2 : 1e-4; /* the goldens are diffusers in f32 */
+        const double tol = g_bf16 ? 1e-2 : 1e-4; /* the goldens are diffusers in f32 */
         EXPECT(t_rel_err(a->data, e->data, n, 0) <= tol, "%s %s: layout vs diffusers: %.3e", dir,
                oname, t_rel_err(a->data, e->data, n, 0));
         EXPECT(memcmp(a->data, c->data, (size_t)n * 4) == 0,

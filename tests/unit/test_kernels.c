@@ -18,8 +18,7 @@ static float *rnd(mdt_rng *r, long n, double scale) {
     return p;
 }
 
-static void test_linear(mdt_rng *r) {
-    const long M = 37, K = 53, N = 29, ldx = 60, ldy = 31;
+static void check_linear(mdt_rng *r, long M, long K, long N, long ldx, long ldy) {
     float *x = rnd(r, M * ldx, 1), *w = rnd(r, N * K, 0.2), *b = rnd(r, N, 1);
     float *xc = malloc(sizeof(float) * M * K), *y = malloc(sizeof(float) * M * ldy),
           *yr = malloc(sizeof(float) * M * N), *yc = malloc(sizeof(float) * M * N);
@@ -33,6 +32,14 @@ static void test_linear(mdt_rng *r) {
         EXPECT_CLOSE(yc, yr, M * N, 1e-5);
     }
     free(x), free(w), free(b), free(xc), free(y), free(yr), free(yc);
+}
+
+/* f32 linear against the reference: a small shape, and a wide one (N = 2100: the onednn path
+ * splits it into column blocks of 1024, 1024, 52) with strided x and y, K = 0 (bias only). */
+static void test_linear(mdt_rng *r) {
+    check_linear(r, 37, 53, 29, 60, 31);
+    check_linear(r, 5, 40, 2100, 41, 2103);
+    check_linear(r, 3, 0, 9, 1, 9);
 }
 
 /* bf16 weights. openblas path: both panel paths (few rows: N panels; many rows: whole matrix,
@@ -92,6 +99,27 @@ static void test_linear_bf16(mdt_rng *r) {
             const char *ge = mdt_cpu_gemm_error();
             EXPECT(!ge, "GEMM failure: %s", ge ? ge : "");
         }
+    /* a wide weight (N = 2100: column blocks on the onednn path) with bias, strided y */
+    {
+        const long Mw = 3, Kw = 32, Nw = 2100, ldyw = 2111;
+        float *xw = rnd(r, Mw * Kw, 1), *bw = rnd(r, Nw, 1), *ww = rnd(r, Nw * Kw, 0.2);
+        float *yw = malloc(sizeof(float) * Mw * ldyw), *yrw = malloc(sizeof(float) * Mw * Nw),
+              *ycw = malloc(sizeof(float) * Mw * Nw),
+              *wsw = malloc(sizeof(float) * (size_t)mdt_cpu_linear_bf16_ws_floats(Mw, Kw, Nw));
+        uint16_t *whw = malloc(sizeof(uint16_t) * Nw * Kw);
+        for (long i = 0; i < Nw * Kw; i++)
+            whw[i] = mdt_f32_to_bf16(ww[i]);
+        mdt_cpu_linear_bf16(xw, Kw, whw, bw, yw, ldyw, Mw, Kw, Nw, wsw,
+                            mdt_cpu_linear_bf16_ws_floats(Mw, Kw, Nw));
+        if (ops)
+            mdt_ref_round_bf16(xw, Mw * Kw);
+        mdt_ref_linear_bf16(xw, whw, bw, yrw, Mw, Kw, Nw);
+        for (long i = 0; i < Mw; i++)
+            memcpy(ycw + i * Nw, yw + i * ldyw, sizeof(float) * Nw);
+        EXPECT(t_rel_err(ycw, yrw, Mw * Nw, 1e-30) <= 1e-5, "wide bf16 linear (%s): %.3e",
+               mdt_cpu_gemm(), t_rel_err(ycw, yrw, Mw * Nw, 1e-30));
+        free(xw), free(bw), free(ww), free(yw), free(yrw), free(ycw), free(wsw), free(whw);
+    }
     /* a scratch too small for the rounded x is a reported failure with zeros, not a wrong sum */
     if (ops) {
         float x[4 * 200], y[4 * 67], ws[10];

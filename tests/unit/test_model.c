@@ -7,8 +7,10 @@
 #include "backend/backend.h"
 #include "harness.h"
 #include "models/model.h"
+#include "tensor/tensor.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 static char g_dir[256];
 
@@ -82,6 +84,39 @@ static void check_bf16_operands(const mdt_tensor_set *in, const float *c, int64_
     free(f);
 }
 
+/* mdt_k_shared_begin: linears on a shared (rounded-once) input give the bits of linears that
+ * round it themselves; after the end a changed x is rounded anew (nothing stale). */
+static void check_shared_operand(void) {
+    EXPECT_OK(mdt_cpu_gemm_select("onednn"));
+    if (!mdt_cpu_gemm_bf16_operands())
+        return;
+    EXPECT_OK(mdt_backend_select(MDT_BACKEND_CPU, 0, 1));
+    enum { M = 37, K = 64, N = 20, LDX = 70 };
+    static float x[M * LDX], y1[M * N], y2[M * N], y3[M * N], b[N];
+    static uint16_t wh[N * K];
+    for (int i = 0; i < M * LDX; i++)
+        x[i] = (float)((i * 7919) % 1000) / 997.0f - 0.5f;
+    for (int i = 0; i < N * K; i++)
+        wh[i] = mdt_f32_to_bf16((float)((i * 104729) % 1000) / 1999.0f - 0.25f);
+    for (int i = 0; i < N; i++)
+        b[i] = (float)i * 0.125f;
+    mdt_k_linear(x, LDX, NULL, wh, b, y1, N, M, K, N);
+    mdt_k_shared_begin(x, LDX, M, K);
+    mdt_k_shared_begin(x, LDX, M, K); /* nested: kept */
+    mdt_k_linear(x, LDX, NULL, wh, b, y2, N, M, K, N);
+    mdt_k_shared_end();
+    mdt_k_linear(x, LDX, NULL, wh, b, y3, N, M, K, N);
+    mdt_k_shared_end();
+    EXPECT(memcmp(y1, y2, sizeof y1) == 0 && memcmp(y1, y3, sizeof y1) == 0,
+           "linears on a shared input: same bits as rounding it per GEMM");
+    for (int i = 0; i < M * LDX; i++)
+        x[i] += 1.0f;
+    mdt_k_linear(x, LDX, NULL, wh, b, y2, N, M, K, N);
+    EXPECT(memcmp(y1, y2, sizeof y1) != 0, "after mdt_k_shared_end a changed input is not stale");
+    EXPECT_OK(mdt_backend_check());
+    EXPECT_OK(mdt_backend_select(MDT_BACKEND_CPU, 0, 0));
+}
+
 /* --dtype bf16 on the CPU backend's openblas path: linear weights held in bf16 (half their
  * bytes), fp32 arithmetic. a: f32 compute on the f32 checkpoint; c: f32 compute on the
  * bf16-stored one. */
@@ -89,6 +124,7 @@ static void check_bf16_compute(const mdt_tensor_set *in, const float *a, const f
                                int64_t n) {
     const char *path = mdt_cpu_gemm();
     check_bf16_operands(in, c, n);
+    check_shared_operand();
     EXPECT_OK(mdt_cpu_gemm_select("openblas"));
     EXPECT_OK(mdt_backend_select(MDT_BACKEND_CPU, 0, 1));
     int64_t ne = 0, nf = 0;

@@ -280,36 +280,104 @@ static int64_t k_attention_ws_floats(int64_t Sk, int64_t D, int bf16) {
     return f32 + (bf16 ? (halves + 1) / 2 + 8 : 0);
 }
 
+#if MDT_CPU_ISA == 3
+#include <immintrin.h>
+
+/* The max of row[0:n] and m, 16 lanes, masked tail. */
+static float row_max(const float *row, int64_t n, float m) {
+    __m512 v = _mm512_set1_ps(m);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        v = _mm512_max_ps(v, _mm512_mask_loadu_ps(v, k, row + j));
+    }
+    return _mm512_reduce_max_ps(v);
+}
+
+/* fast_expf on 16 lanes: the same reduction and polynomial, 2^n by vscalefps (which saturates
+ * to 0 or Inf by itself); x is clamped below at -100 (exp < 1e-43: 0 after scaling), NaN stays
+ * NaN (vmaxps returns its second operand when either is NaN). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* row[0:n] <- exp(row - m) (or, with pb, pb[0:n] <- bf16 of it, nearest even); returns the sum
+ * of the f32 values. One pass, masked tail. */
+static float exp_row(float *row, int64_t n, float m, uint16_t *pb) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + j), vm));
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+        if (!pb) {
+            _mm512_mask_storeu_ps(row + j, k, e);
+            continue;
+        }
+        const __m512i u = _mm512_castps_si512(e);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i h = _mm512_srli_epi32(
+            _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q);
+        h = _mm512_mask_or_epi32(h, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        _mm256_mask_storeu_epi16(pb + j, k, _mm512_cvtepi32_epi16(h));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#else
+/* The max of row[0:n] and m (a float reduction the compiler may not reorder: eight lanes). */
+static float row_max(const float *row, int64_t n, float m) {
+    float lm[8];
+    int64_t j = 0;
+    for (int l = 0; l < 8; l++)
+        lm[l] = m;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++)
+            lm[l] = row[j + l] > lm[l] ? row[j + l] : lm[l];
+    for (int l = 0; l < 8; l++)
+        m = lm[l] > m ? lm[l] : m;
+    for (; j < n; j++)
+        m = row[j] > m ? row[j] : m;
+    return m;
+}
+
+static float exp_row(float *row, int64_t n, float m, uint16_t *pb) {
+    float ls[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum = 0.0f;
+    int64_t j;
+    for (j = 0; j < n; j++)
+        row[j] = fast_expf(row[j] - m);
+    for (j = 0; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++)
+            ls[l] += row[j + l];
+    for (; j < n; j++)
+        sum += row[j];
+    for (int l = 0; l < 8; l++)
+        sum += ls[l];
+    if (pb)
+        k_to_bf16_rows(pb, n, row, n, 1, n);
+    return sum;
+}
+#endif
+
 /* Online softmax of one score tile row block: rescales acc and den by the new running max and
- * leaves exp(score - max) in sc. */
-static void softmax_tile(float *sc, float *acc, float *mx, float *den, int64_t bq, int64_t bk,
-                         int64_t D) {
+ * leaves exp(score - max) in sc, or its bf16 rounding in pb [bq, BK] (pb != NULL). */
+static void softmax_tile(float *sc, uint16_t *pb, float *acc, float *mx, float *den, int64_t bq,
+                         int64_t bk, int64_t D) {
     for (int64_t i = 0; i < bq; i++) {
         float *row = sc + i * MDT_ATTN_BK;
-        /* max and sum over 8 independent lanes: the compiler may not reorder one float
-         * reduction, but it vectorises eight of them */
-        float lm[8], ls[8];
-        int64_t j = 0;
-        for (int l = 0; l < 8; l++)
-            lm[l] = mx[i], ls[l] = 0.0f;
-        for (; j + 8 <= bk; j += 8)
-            for (int l = 0; l < 8; l++)
-                lm[l] = row[j + l] > lm[l] ? row[j + l] : lm[l];
-        float m = mx[i];
-        for (int l = 0; l < 8; l++)
-            m = lm[l] > m ? lm[l] : m;
-        for (; j < bk; j++)
-            m = row[j] > m ? row[j] : m;
-        float corr = fast_expf(mx[i] - m), sum = 0.0f;
-        for (j = 0; j < bk; j++)
-            row[j] = fast_expf(row[j] - m);
-        for (j = 0; j + 8 <= bk; j += 8)
-            for (int l = 0; l < 8; l++)
-                ls[l] += row[j + l];
-        for (; j < bk; j++)
-            sum += row[j];
-        for (int l = 0; l < 8; l++)
-            sum += ls[l];
+        const float m = row_max(row, bk, mx[i]), corr = fast_expf(mx[i] - m);
+        const float sum = exp_row(row, bk, m, pb ? pb + i * MDT_ATTN_BK : NULL);
         den[i] = den[i] * corr + sum;
         mx[i] = m;
         if (corr != 1.0f)
@@ -354,10 +422,9 @@ static void k_attention(const float *q, const float *k, const float *v, float *o
                     mdt_cpu_gemm_run(0, 1, bq, bk, D, scale, qh + i0 * D, D, kh + j0 * D, D, 0.0f,
                                      sc, MDT_ATTN_BK);
                 }
-                softmax_tile(sc, acc, mx, den, bq, bk, D);
+                softmax_tile(sc, bf16 ? pb : NULL, acc, mx, den, bq, bk, D);
                 /* acc [bq, D] += P [bq, bk] . V_tile [bk, D] */
                 if (bf16) {
-                    k_to_bf16_rows(pb, MDT_ATTN_BK, sc, MDT_ATTN_BK, bq, bk); // pb [bq, bk]
                     mdt_cpu_gemm_run(1, 0, bq, D, bk, 1.0f, pb, MDT_ATTN_BK, vb + j0 * D, D, 1.0f,
                                      acc, D);
                 } else {

@@ -56,6 +56,10 @@ void mdt_cpu_gemm_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, c
                               float *y, int64_t ldy, int64_t M, int64_t K, int64_t N, uint16_t *xh,
                               int64_t xh_halves);
 
+/* The bf16 form on x already rounded: xh [M, K] bf16. */
+void mdt_cpu_gemm_linear_bf16h(const uint16_t *xh, const uint16_t *wh, const float *b, float *y,
+                               int64_t ldy, int64_t M, int64_t K, int64_t N);
+
 /* Frees the oneDNN scratchpad buffer (primitives stay cached); the next GEMM takes it again. */
 void mdt_cpu_gemm_release(void);
 
