@@ -40,6 +40,30 @@ static inline float fast_expf(float x) {
     return p * scale;
 }
 
+#if MDT_CPU_ISA == 3
+#include <immintrin.h>
+
+/* fast_expf on 16 lanes: the same reduction and polynomial, 2^n by vscalefps (which saturates
+ * to 0 or Inf by itself); x is clamped below at -100 (exp < 1e-43: 0 after scaling), NaN stays
+ * NaN (vmaxps returns its second operand when either is NaN). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+#endif
+
 /* Puts the bias in every row of y [M, N] and returns sgemm's beta: 1 with a bias, else 0. */
 static float bias_rows(float *y, int64_t ldy, const float *b, int64_t M, int64_t N) {
     if (!b)
@@ -246,7 +270,19 @@ static void k_swiglu(const float *in, float *out, int64_t M, int64_t n) {
 }
 
 static void k_gelu_tanh(float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i = 0;
+#if MDT_CPU_ISA == 3 /* the same formula on 16 lanes */
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i), v3 = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
+        const __m512 u2 = _mm512_mul_ps(_mm512_set1_ps(2.0f * 0.7978845608028654f),
+                                        _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), v3, v));
+        const __m512 t =
+            _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(u2)));
+        _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v),
+                                              _mm512_sub_ps(_mm512_set1_ps(2.0f), t)));
+    }
+#endif
+    for (; i < n; i++) {
         float v = x[i];
         const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
         /* 1 + tanh(u) = 2 - 2 / (1 + exp(2u)) */
@@ -273,16 +309,13 @@ static int64_t k_attention_ws_floats(int64_t Sk, int64_t D, int bf16) {
     /* scores [BQ, BK] + accumulator [BQ, D] + running max and denominator [BQ] each; bf16
      * operands add P [BQ, BK], the Q tile [BQ, D] and one head's K and V [Sk, D] in halves
      * (rounded once per head, not once per query tile) */
-    const int64_t f32 =
-        (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK + (int64_t)MDT_ATTN_BQ * D + 2 * MDT_ATTN_BQ;
-    const int64_t halves =
-        (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK + (int64_t)MDT_ATTN_BQ * D + 2 * Sk * D;
+    const int64_t BQ = bf16 ? MDT_ATTN_BQ16 : MDT_ATTN_BQ, BK = bf16 ? MDT_ATTN_BK16 : MDT_ATTN_BK;
+    const int64_t f32 = BQ * BK + BQ * D + 2 * BQ;
+    const int64_t halves = BQ * BK + BQ * D + 2 * Sk * D;
     return f32 + (bf16 ? (halves + 1) / 2 + 8 : 0);
 }
 
 #if MDT_CPU_ISA == 3
-#include <immintrin.h>
-
 /* The max of row[0:n] and m, 16 lanes, masked tail. */
 static float row_max(const float *row, int64_t n, float m) {
     __m512 v = _mm512_set1_ps(m);
@@ -291,25 +324,6 @@ static float row_max(const float *row, int64_t n, float m) {
         v = _mm512_max_ps(v, _mm512_mask_loadu_ps(v, k, row + j));
     }
     return _mm512_reduce_max_ps(v);
-}
-
-/* fast_expf on 16 lanes: the same reduction and polynomial, 2^n by vscalefps (which saturates
- * to 0 or Inf by itself); x is clamped below at -100 (exp < 1e-43: 0 after scaling), NaN stays
- * NaN (vmaxps returns its second operand when either is NaN). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* row[0:n] <- exp(row - m) (or, with pb, pb[0:n] <- bf16 of it, nearest even); returns the sum
@@ -372,12 +386,12 @@ static float exp_row(float *row, int64_t n, float m, uint16_t *pb) {
 
 /* Online softmax of one score tile row block: rescales acc and den by the new running max and
  * leaves exp(score - max) in sc, or its bf16 rounding in pb [bq, BK] (pb != NULL). */
-static void softmax_tile(float *sc, uint16_t *pb, float *acc, float *mx, float *den, int64_t bq,
-                         int64_t bk, int64_t D) {
+static void softmax_tile(float *sc, uint16_t *pb, int64_t ld, float *acc, float *mx, float *den,
+                         int64_t bq, int64_t bk, int64_t D) {
     for (int64_t i = 0; i < bq; i++) {
-        float *row = sc + i * MDT_ATTN_BK;
+        float *row = sc + i * ld;
         const float m = row_max(row, bk, mx[i]), corr = fast_expf(mx[i] - m);
-        const float sum = exp_row(row, bk, m, pb ? pb + i * MDT_ATTN_BK : NULL);
+        const float sum = exp_row(row, bk, m, pb ? pb + i * ld : NULL);
         den[i] = den[i] * corr + sum;
         mx[i] = m;
         if (corr != 1.0f)
@@ -389,14 +403,16 @@ static void softmax_tile(float *sc, uint16_t *pb, float *acc, float *mx, float *
 static void k_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
                         float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
                         float scale, int bf16, float *ws) {
-    float *sc = ws;                                         /* [BQ, BK] */
-    float *acc = sc + (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK;   /* [BQ, D] */
-    float *mx = acc + (int64_t)MDT_ATTN_BQ * D;             /* [BQ] */
-    float *den = mx + MDT_ATTN_BQ;                          /* [BQ] */
-    uint16_t *pb = (uint16_t *)(void *)(den + MDT_ATTN_BQ); /* [BQ, BK] bf16 (bf16 operands) */
-    uint16_t *qb = pb + (int64_t)MDT_ATTN_BQ * MDT_ATTN_BK; /* [BQ, D] */
-    uint16_t *kb = qb + (int64_t)MDT_ATTN_BQ * D;           /* [Sk, D] one head's keys */
-    uint16_t *vb = kb + Sk * D;                             /* [Sk, D] and values */
+    /* tiles: bf16 operands take larger ones (fewer, larger oneDNN calls; perf.md) */
+    const int64_t BQ = bf16 ? MDT_ATTN_BQ16 : MDT_ATTN_BQ, BK = bf16 ? MDT_ATTN_BK16 : MDT_ATTN_BK;
+    float *sc = ws;                                /* [BQ, BK] */
+    float *acc = sc + BQ * BK;                     /* [BQ, D] */
+    float *mx = acc + BQ * D;                      /* [BQ] */
+    float *den = mx + BQ;                          /* [BQ] */
+    uint16_t *pb = (uint16_t *)(void *)(den + BQ); /* [BQ, BK] bf16 (bf16 operands) */
+    uint16_t *qb = pb + BQ * BK;                   /* [BQ, D] */
+    uint16_t *kb = qb + BQ * D;                    /* [Sk, D] one head's keys */
+    uint16_t *vb = kb + Sk * D;                    /* [Sk, D] and values */
     if (sk_valid > Sk)
         sk_valid = Sk;
     for (int64_t h = 0; h < H; h++) {
@@ -405,31 +421,28 @@ static void k_attention(const float *q, const float *k, const float *v, float *o
             k_to_bf16_rows(kb, D, kh, D, sk_valid, D); // kb [sk_valid, D]
             k_to_bf16_rows(vb, D, vh, D, sk_valid, D); // vb [sk_valid, D]
         }
-        for (int64_t i0 = 0; i0 < Sq; i0 += MDT_ATTN_BQ) {
-            int64_t bq = Sq - i0 < MDT_ATTN_BQ ? Sq - i0 : MDT_ATTN_BQ;
+        for (int64_t i0 = 0; i0 < Sq; i0 += BQ) {
+            int64_t bq = Sq - i0 < BQ ? Sq - i0 : BQ;
             for (int64_t i = 0; i < bq; i++)
                 mx[i] = -INFINITY, den[i] = 0.0f;
             memset(acc, 0, sizeof(float) * (size_t)(bq * D));
             if (bf16)
                 k_to_bf16_rows(qb, D, qh + i0 * D, D, bq, D); // qb [bq, D]
-            for (int64_t j0 = 0; j0 < sk_valid; j0 += MDT_ATTN_BK) {
-                int64_t bk = sk_valid - j0 < MDT_ATTN_BK ? sk_valid - j0 : MDT_ATTN_BK;
+            for (int64_t j0 = 0; j0 < sk_valid; j0 += BK) {
+                int64_t bk = sk_valid - j0 < BK ? sk_valid - j0 : BK;
                 /* scores [bq, bk] = scale * Q_tile . K_tile^T */
                 if (bf16) {
-                    mdt_cpu_gemm_run(1, 1, bq, bk, D, scale, qb, D, kb + j0 * D, D, 0.0f, sc,
-                                     MDT_ATTN_BK);
+                    mdt_cpu_gemm_run(1, 1, bq, bk, D, scale, qb, D, kb + j0 * D, D, 0.0f, sc, BK);
                 } else {
                     mdt_cpu_gemm_run(0, 1, bq, bk, D, scale, qh + i0 * D, D, kh + j0 * D, D, 0.0f,
-                                     sc, MDT_ATTN_BK);
+                                     sc, BK);
                 }
-                softmax_tile(sc, bf16 ? pb : NULL, acc, mx, den, bq, bk, D);
+                softmax_tile(sc, bf16 ? pb : NULL, BK, acc, mx, den, bq, bk, D);
                 /* acc [bq, D] += P [bq, bk] . V_tile [bk, D] */
                 if (bf16) {
-                    mdt_cpu_gemm_run(1, 0, bq, D, bk, 1.0f, pb, MDT_ATTN_BK, vb + j0 * D, D, 1.0f,
-                                     acc, D);
+                    mdt_cpu_gemm_run(1, 0, bq, D, bk, 1.0f, pb, BK, vb + j0 * D, D, 1.0f, acc, D);
                 } else {
-                    mdt_cpu_gemm_run(0, 0, bq, D, bk, 1.0f, sc, MDT_ATTN_BK, vh + j0 * D, D, 1.0f,
-                                     acc, D);
+                    mdt_cpu_gemm_run(0, 0, bq, D, bk, 1.0f, sc, BK, vh + j0 * D, D, 1.0f, acc, D);
                 }
             }
             for (int64_t i = 0; i < bq; i++) {

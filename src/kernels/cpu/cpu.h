@@ -103,9 +103,15 @@ void mdt_cpu_gelu_rows(float *x, int64_t ld, int64_t M, int64_t n);
 void mdt_cpu_lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t ldo,
                        const float *l, int64_t hn, int64_t L, int64_t D);
 
-/* Tiles of the online-softmax attention. */
+/* Tiles of the online-softmax attention: f32 operands, and bf16 operands (oneDNN calls). */
 #define MDT_ATTN_BQ 64
 #define MDT_ATTN_BK 256
+#ifndef MDT_ATTN_BQ16
+#define MDT_ATTN_BQ16 256
+#endif
+#ifndef MDT_ATTN_BK16
+#define MDT_ATTN_BK16 256
+#endif
 /* Floats of scratch one mdt_cpu_attention call needs for head dim D: O(tile) in f32; bf16
  * operands add one head's K and V in bf16 (Sk keys). */
 int64_t mdt_cpu_attention_ws_floats(int64_t Sk, int64_t D, int bf16);
