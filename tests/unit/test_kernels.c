@@ -271,6 +271,7 @@ static void test_attention(mdt_rng *r) {
         check_attention(r, 3, 130, 600, 600, 16, bf16); /* partial query and key tiles */
         check_attention(r, 1, 64, 256, 256, 128, bf16); /* exactly one tile */
         check_attention(r, 2, 70, 520, 300, 32, bf16);  /* keys beyond 300 are padding: masked */
+        check_attention(r, 1, 300, 530, 530, 32, bf16); /* several query tiles at either size */
     }
     /* large scores: the running max must keep exp() finite */
     float q[4 * 8], k[300 * 8], v[300 * 8], out[4 * 8], ws[2 * MDT_ATTN_BQ * MDT_ATTN_BK + 4096];
