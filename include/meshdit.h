@@ -32,6 +32,7 @@ typedef enum mdt_status {
     MDT_E_MPI = -5,         /* a collective or communicator call failed */
     MDT_E_UNSUPPORTED = -6, /* valid request this build or model does not implement */
     MDT_E_NOTFOUND = -7,    /* a named tensor, file or key is missing */
+    MDT_E_NUMERIC = -8,     /* a computation produced NaN or Inf from finite inputs */
 } mdt_status;
 
 /* Static name of a status code ("MDT_E_FORMAT"). */

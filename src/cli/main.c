@@ -546,6 +546,11 @@ static int cmd_run(int argc, char **argv) {
             coll[k] = mesh->bytes_sent[k] - c0[k];
         for (int g = 0; g < MDT_GROUP_COUNT; g++)
             group[g] = mesh->group_bytes[g] - gb0[g];
+        if (st != MDT_OK && steps > 0) { /* say which step: its input is ours, not the user's */
+            char why[2048];
+            snprintf(why, sizeof why, "%s", mdt_last_error());
+            st = MDT_FAIL(st, "step %d of %d: %s", i + 1, nsteps, why);
+        }
         if (st != MDT_OK)
             break;
         if (lat) {
@@ -561,6 +566,14 @@ static int cmd_run(int argc, char **argv) {
             const float *vv = v->data;
             for (int64_t j = 0; j < mdt_tensor_numel(lat); j++)
                 x[j] += (float)(sig_next - sig) * vv[j];
+            const int64_t bad = mdt_first_nonfinite(x, mdt_tensor_numel(lat));
+            if (bad >= 0) {
+                st = MDT_FAIL(MDT_E_NUMERIC,
+                              "step %d of %d: the sampler's latent went non-finite at element "
+                              "%lld (the model output times the step size overflowed f32)",
+                              i + 1, nsteps, (long long)bad);
+                break;
+            }
         }
         if (progress)
             fprintf(stderr, "\rstep %d/%d  %.3f s", i + 1, nsteps, times[i]);
@@ -575,6 +588,16 @@ static int cmd_run(int argc, char **argv) {
         st = mdt_tensor_set_create(&res);
         if (st == MDT_OK)
             st = mdt_tensor_set_add_copy(res, fam->output, lat);
+    }
+    for (int k = 0; st == MDT_OK && k < mdt_tensor_set_count(res); k++) {
+        const char *oname; /* never written with NaN or Inf, whatever the backend */
+        const mdt_tensor *t = mdt_tensor_set_at(res, k, &oname);
+        const int64_t bad =
+            t->dtype == MDT_F32 ? mdt_first_nonfinite(t->data, mdt_tensor_numel(t)) : -1;
+        if (bad >= 0)
+            st = MDT_FAIL(MDT_E_NUMERIC,
+                          "output '%s' holds a NaN or Inf at element %lld; not written", oname,
+                          (long long)bad);
     }
     if (st == MDT_OK && g_rank == 0)
         st = mdt_tensor_set_save(res, out);

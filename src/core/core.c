@@ -25,6 +25,7 @@ const char *mdt_status_str(mdt_status s) {
     case MDT_E_MPI: return "MDT_E_MPI";
     case MDT_E_UNSUPPORTED: return "MDT_E_UNSUPPORTED";
     case MDT_E_NOTFOUND: return "MDT_E_NOTFOUND";
+    case MDT_E_NUMERIC: return "MDT_E_NUMERIC";
     }
     return "MDT_E_UNKNOWN";
 }

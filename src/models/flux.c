@@ -545,11 +545,17 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
                  C); // [B, Si/P, C]
     mdt_k_linear(ehs, f->joint_dim, f->ctx_emb.w, f->ctx_emb.wh, f->ctx_emb.b, c, C, B * stc,
                  f->joint_dim, C); // [B, St/P, C]
+    MDT_TRY(mdt_guard_finite(mesh, "x_embedder", x, B * sic * C));
+    MDT_TRY(mdt_guard_finite(mesh, "context_embedder", c, B * stc * C));
 
+    char stage[48];
     for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
         mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(f, &f->dbl[i], &A, x, c, ar));
         mdt_arena_rewind(ar, mk);
+        snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
+        MDT_TRY(mdt_guard_finite(mesh, stage, x, B * sic * C));
+        MDT_TRY(mdt_guard_finite(mesh, stage, c, B * stc * C));
         if (i == 0)
             MDT_TRY(mdt_test_fail_point(mesh, "step")); /* test-only: fail mid-step */
     }
@@ -563,6 +569,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(single_block(f, &f->sgl[i], &A, h, ar));
         mdt_arena_rewind(ar, mk);
+        snprintf(stage, sizeof stage, "single_transformer_blocks.%lld", (long long)i);
+        MDT_TRY(mdt_guard_finite(mesh, stage, h, B * S * C));
     }
 
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */
@@ -582,6 +590,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         return MDT_E_NOMEM;
     mdt_k_linear(xn, C, f->proj_out.w, f->proj_out.wh, f->proj_out.b, ol, O, B * sic, C,
                  O); // [B, Si/P, O]
+    MDT_TRY(mdt_guard_finite(mesh, "proj_out", ol, B * sic * O));
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Si, O}, &o));
     MDT_TRY(mdt_cp_gather_rows(mesh, ar, P, B, Si, O, ol, of)); // image rows, chunk order
     mdt_k_to_host(o->data, of, sizeof(float) * (size_t)(B * Si * O));

@@ -455,12 +455,14 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     mdt_k_fill(h, B * Sc * C, 0.0f);
     linear(&f->ctx_emb, ehs_d, B * Nt, C, txt); // [B, N_text, C]
     MDT_TRY(refiner(f, &A, txt, Nt));
+    MDT_TRY(mdt_guard_finite(mesh, "token_refiner", txt, B * Nt * C));
     const int64_t *xsr_d = mdt_k_upload(ar, xsr, sizeof(int64_t) * (size_t)(nx ? nx : 1));
     if (!xsr_d)
         return MDT_E_NOMEM;
     mdt_k_copy_rows(h, C, xdr, txt, C, xsr_d, nx, C); // text rows into h [B, S/P, C]
     MDT_TRY(scatter_modality(&A, ha, &f->proj_in, hs, Nv, vidx, s0, h));
     MDT_TRY(scatter_modality(&A, ha, &f->audio_proj_in, ahs, Na, aidx, s0, h));
+    MDT_TRY(mdt_guard_finite(mesh, "proj_in / audio_proj_in", h, B * Sc * C));
 
     float *mod = mdt_arena_floats(ar, Tn * 18 * C); // [T_n, 18C] = [3 T_n, 6C]
     float *n = mdt_arena_floats(ar, B * Sc * C);    // [B, S/P, C]
@@ -489,6 +491,9 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
         for (int64_t bb = 0; bb < B; bb++)
             mdt_k_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, aidx_l, 5 * C,
                                      Sc, C);
+        char stage[48];
+        snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
+        MDT_TRY(mdt_guard_finite(mesh, stage, h, B * Sc * C));
     }
     /* norm_out: [shift | scale] per timestep, rows picked by timestep index */
     MDT_TRY(adaln(f, &A, &f->norm_out, mod)); // [T_n, 2C]
@@ -502,6 +507,8 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
         return MDT_E_NOMEM;
     linear(&f->proj_out, n, M, f->Pv, vo);             // [B, S/P, Pv]
     linear(&f->audio_proj_out, n, M, f->audio_in, ao); // [B, S/P, audio]
+    MDT_TRY(mdt_guard_finite(mesh, "proj_out", vo, M * f->Pv));
+    MDT_TRY(mdt_guard_finite(mesh, "audio_proj_out", ao, M * f->audio_in));
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Nv, f->Pv}, &ov));
     MDT_TRY(
         mdt_tensor_set_add(out, "audio_sample", MDT_F32, 3, (int64_t[]){B, Na, f->audio_in}, &oa));

@@ -151,6 +151,13 @@ mdt_status mdt_row_linear(mdt_mesh *mesh, int T, const mdt_lin *l, const float *
 mdt_status mdt_cp_gather_rows(mdt_mesh *mesh, mdt_arena *ar, int P, int64_t B, int64_t S, int64_t O,
                               const float *loc, float *full);
 
+/* No silent NaN: every rank's rows x[0:n] of a forward stage (the embeddings, each block's
+ * output, the final projection) must be finite. Collective over the world (every rank calls it
+ * at the same stages, one tiny all-reduce): MDT_E_NUMERIC on every rank, naming the stage
+ * (`what`, e.g. "transformer_blocks.3") and the lowest rank and element that went non-finite.
+ * Activations in device memory are not scanned here (their final output is, on the host). */
+mdt_status mdt_guard_finite(mdt_mesh *mesh, const char *what, const float *x, int64_t n);
+
 /* No silent degrade: what one forward on this rank must have done under its layout. */
 typedef struct mdt_promise {
     int64_t want_q, want_kv;   /* attention (head, query row) and (head, key row) pairs */

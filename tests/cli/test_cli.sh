@@ -203,6 +203,24 @@ if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.sa
     if awk -v a="$w16" -v b="$w32" 'BEGIN { exit !(a > 0 && a < 0.6 * b) }'; then ok
     else bad "bf16 weights $w16 KiB vs f32 $w32 KiB"; fi
 else bad "run --dtype bf16 on the CPU"; fi
+# no silent NaN: a finite but extreme weight (3e38 in x_embedder.weight) overflows f32 inside the
+# forward; the run fails with one line naming the stage that went non-finite and writes nothing;
+# with --steps 2 the error names step 1 and never blames the user's input
+cp -r "$DATA/flux_tiny" "$T/hot"
+hf="$T/hot/diffusion_pytorch_model.safetensors"
+hl=$(od -An -t u8 -N8 "$hf" | tr -d ' ')
+xo=$(head -c $((8 + hl)) "$hf" | tail -c "$hl" | grep -o '"x_embedder.weight":{[^}]*}' |
+     sed -E 's/.*"data_offsets":\[([0-9]+),.*/\1/')
+printf '\xe6\xb1\x61\x7f' | dd of="$hf" bs=1 seek=$((8 + hl + xo)) conv=notrunc status=none
+expect_error extreme-weight 1 "went non-finite" "rank 0" -- "$BIN" run --checkpoint "$T/hot" \
+    --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+expect_error extreme-weight-steps 1 "step 1 of 2: " "went non-finite" -- "$BIN" run \
+    --checkpoint "$T/hot" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" \
+    --steps 2
+if grep -q "hidden_states" "$T/stderr"; then bad "a step's non-finite output blamed on the input"
+else ok; fi
+expect_error extreme-weight-tp 1 "went non-finite" -- "$MPIEXEC" -n 2 "$BIN" run --checkpoint \
+    "$T/hot" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --ulysses 2
 # --max-memory counts bf16 linears at 2 bytes: 150K refuses the f32 weights (~270 KiB), not bf16
 if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
        --out "$T/b16.safetensors" --dtype bf16 --max-memory 150K --quiet; then ok

@@ -238,6 +238,34 @@ static void test_activations(mdt_rng *r) {
     free(a), free(b), free(c), free(d);
 }
 
+/* Every float through the exp-based kernels: NaN stays NaN, huge finite inputs give the finite
+ * limits, and nothing is undefined behaviour (the sanitizer build runs this: a NaN once reached
+ * a float-to-int conversion and a shift of a negative value inside exp). */
+static void test_nonfinite(void) {
+    const float in[8] = {NAN, INFINITY, -INFINITY, 1e30f, -1e30f, 3e38f, -3e38f, 0.5f};
+    float a[8], g[8], sw[16], so[8];
+    memcpy(a, in, sizeof a), memcpy(g, in, sizeof g);
+    memcpy(sw, in, sizeof in), memcpy(sw + 8, in, sizeof in);
+    mdt_cpu_silu(a, 8);
+    mdt_cpu_gelu_tanh(g, 8);
+    mdt_cpu_swiglu(sw, so, 1, 8);
+    EXPECT(isnan(a[0]) && isnan(g[0]) && isnan(so[0]), "NaN in, NaN out: %g %g %g", a[0], g[0],
+           so[0]);
+    EXPECT(a[3] == 1e30f && fabsf(a[4]) == 0.0f && g[3] == 1e30f && fabsf(g[4]) == 0.0f,
+           "huge finite inputs: silu %g %g, gelu %g %g", a[3], a[4], g[3], g[4]);
+    /* a 16-wide body and a tail: NaN anywhere in a row of scores stays visible */
+    float sc[40];
+    for (int i = 0; i < 40; i++)
+        sc[i] = (float)i * 0.25f;
+    sc[17] = NAN;
+    float q[8] = {1, 1, 1, 1, 1, 1, 1, 1}, out[8], ws[2 * MDT_ATTN_BQ * MDT_ATTN_BK + 4096];
+    float k[40 * 8], v[40 * 8];
+    for (int i = 0; i < 40 * 8; i++)
+        k[i] = sc[i / 8], v[i] = 1.0f;
+    mdt_cpu_attention(q, k, v, out, 8, NULL, 1, 1, 40, 40, 8, 1.0f, 0, ws);
+    EXPECT(isnan(out[0]), "a NaN key makes the attention row NaN, not a silent number: %g", out[0]);
+}
+
 /* attention on q [H, Sq, D], k/v [H, Sk, D] vs the per-head reference; with bf16 operands (onednn
  * path) the reference runs on the bf16-rounded q, k, v: the output differs by the rounding of the
  * probabilities P (measured <= 2e-3, tolerance 5e-3), the log-sum-exp only by fp32 order. */
@@ -380,6 +408,7 @@ int main(void) {
             test_attention(&r);
             test_lse_merge(&r);
             test_angle_table(&r);
+            test_nonfinite();
             ran++;
         }
     }

@@ -22,11 +22,15 @@
 /* exp(x) for float, within ~2 ulp over the whole float range: Cody-Waite reduction by ln 2 and a
  * degree-6 polynomial (the Cephes expf coefficients). Branch-free and call-free so that the
  * loops using it vectorise (libm's expf/tanhf are scalar calls and dominated GELU and softmax).
- * Inputs below -87.3 return ~1e-38 instead of 0 — harmless everywhere it is used here. */
+ * Inputs below -87.3 return ~1e-38 instead of 0 — harmless everywhere it is used here. NaN
+ * returns NaN; the exponent is built in unsigned arithmetic from a clamped, NaN-free argument,
+ * so no float gives undefined behaviour (no float-to-int overflow, no shift of a negative). */
 static inline float fast_expf(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    const int nan = x != x;
+    float xc = nan ? 0.0f : x;
+    xc = xc < -87.3f ? -87.3f : (xc > 88.7f ? 88.7f : xc);
+    const float n = floorf(xc * 1.44269504088896341f + 0.5f); /* in [-126, 128] */
+    const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -34,10 +38,10 @@ static inline float fast_expf(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return nan ? x : p * scale;
 }
 
 #if MDT_CPU_ISA == 3
