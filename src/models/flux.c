@@ -539,6 +539,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_k_copy2d(hsc, 0, temb, 0, 1, B * C);
     mdt_k_silu(hsc, B * C); // [B, C] SiLU(temb), the input of every AdaLN projection
     A.silu_temb = hsc;
+    MDT_TRY(mdt_guard_finite(mesh, "time_text_embed", hsc, B * C));
     A.cos_t = cos_t, A.sin_t = sin_t;
 
     mdt_k_linear(hs, f->in_ch, f->x_emb.w, f->x_emb.wh, f->x_emb.b, x, C, B * sic, f->in_ch,

@@ -450,6 +450,7 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     linear(&f->t_lin2, th, Tn, E, temb);
     mdt_k_silu(temb, Tn * E); // SiLU(temb): the input of every AdaLN projection
     A.silu_temb = temb;
+    MDT_TRY(mdt_guard_finite(mesh, "time_embedder", temb, Tn * E));
 
     /* packed sequence: text (refined, full on every rank), video and audio rows of my chunk */
     mdt_k_fill(h, B * Sc * C, 0.0f);
