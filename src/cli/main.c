@@ -31,7 +31,7 @@ static void usage(FILE *fp) {
         "          [--batch N] [--timestep T] [--guidance G] [--audio-tokens N]\n"
         "  run     --checkpoint DIR --inputs FILE --out FILE [--steps N] [--repeat N]\n"
         "          [--tp T --ring R --ulysses U] [--mesh-order tp,ring,ulysses]\n"
-        "          [--report FILE.json] [--max-memory SIZE] [--quiet]\n"
+        "          [--report FILE.json] [--max-memory SIZE] [--step-timeout S] [--quiet]\n"
         "          [--device cpu|cuda] [--dtype f32|bf16] [--comm auto|mpi|nccl]\n"
         "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
         "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n"
@@ -454,7 +454,7 @@ static mdt_status select_device(mdt_mesh *mesh, const char *device, int bf16, co
 static int cmd_run(int argc, char **argv) {
     static const char *const flags[] = {"quiet", NULL};
     opts o;
-    long long tp, ring, uly, steps, repeat;
+    long long tp, ring, uly, steps, repeat, step_timeout;
     int rc = parse_opts(argc, argv, &o, flags);
     if (rc)
         return rc;
@@ -478,7 +478,9 @@ static int cmd_run(int argc, char **argv) {
         (rc = opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
         (rc = opt_int(&o, "ulysses", 1, 1, 4096, &uly)) ||
         (rc = opt_int(&o, "steps", 0, 0, 100000, &steps)) ||
-        (rc = opt_int(&o, "repeat", 1, 1, 100000, &repeat)) || (rc = opts_check_unused(&o)))
+        (rc = opt_int(&o, "repeat", 1, 1, 100000, &repeat)) ||
+        (rc = opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &step_timeout)) ||
+        (rc = opts_check_unused(&o)))
         return rc;
     if (!ck || !inp || !out)
         return usage_exit("run needs --checkpoint DIR --inputs FILE --out FILE%s", "");
@@ -522,7 +524,13 @@ static int cmd_run(int argc, char **argv) {
             goto done;
         }
     }
+    /* the step watchdog: a rank that does not reach a collective of a step within the bound ends
+     * the job with one line naming it; default: 10 x the longest step so far, at least 60 s */
+    double longest = 0.0;
     for (int i = 0; i < nsteps && st == MDT_OK; i++) {
+        mdt_mesh_set_deadline(mesh, step_timeout > 0
+                                        ? (double)step_timeout
+                                        : (10.0 * longest > 60.0 ? 10.0 * longest : 60.0));
         /* flow-matching Euler: sigma_i = 1 - i/N, x <- x + (sigma_{i+1} - sigma_i) v */
         double sig = 1.0 - (double)i / (double)nsteps, sig_next = 1.0 - (double)(i + 1) / nsteps;
         if (tst)
@@ -537,10 +545,13 @@ static int cmd_run(int argc, char **argv) {
         memcpy(c0, mesh->bytes_sent, sizeof c0);
         memcpy(gb0, mesh->group_bytes, sizeof gb0);
         mdt_counters_reset();
-        MPI_Barrier(MPI_COMM_WORLD);
+        st = mdt_mesh_barrier(mesh, "step start");
+        if (st != MDT_OK)
+            break;
         double ts = mdt_now();
         st = mdt_model_forward(m, in, res);
         times[i] = mdt_now() - ts;
+        longest = times[i] > longest ? times[i] : longest;
         per = *mdt_counters_get();
         for (int k = 0; k < MDT_COLL_KIND_COUNT; k++)
             coll[k] = mesh->bytes_sent[k] - c0[k];
@@ -581,6 +592,7 @@ static int cmd_run(int argc, char **argv) {
     if (progress)
         fprintf(stderr, "\n");
     st = mdt_mesh_agree(mesh, st);
+    mdt_mesh_set_deadline(mesh, 0); /* phases after the steps wait as long as they take */
     if (st == MDT_OK && lat) {
         /* the sampler's result is the final latent, under the model's output name */
         mdt_tensor_set_free(res);

@@ -72,7 +72,7 @@ static mdt_status split(MPI_Comm world, int colour, int key, MPI_Comm *out) {
 }
 
 static void mesh_free_comms(mdt_mesh *m) {
-    MPI_Comm *cs[] = {&m->tp, &m->ring, &m->ulysses, &m->cp, &m->world};
+    MPI_Comm *cs[] = {&m->tp, &m->ring, &m->ulysses, &m->cp, &m->watch, &m->world};
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
         if (*cs[i] != MPI_COMM_NULL)
             MPI_Comm_free(cs[i]);
@@ -85,10 +85,12 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
     mdt_mesh *m = mdt_calloc(sizeof *m);
     if (!m)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    m->world = m->tp = m->ring = m->ulysses = m->cp = MPI_COMM_NULL;
+    m->world = m->tp = m->ring = m->ulysses = m->cp = m->watch = MPI_COMM_NULL;
     MDT_CHECK(mdt_mesh_parse_order(order ? order : "tp,ring,ulysses", m->order));
     MDT_CHECK(mpi_check(MPI_Comm_dup(world, &m->world), "MPI_Comm_dup"));
     MDT_CHECK(mpi_check(MPI_Comm_set_errhandler(m->world, MPI_ERRORS_RETURN), "errhandler"));
+    MDT_CHECK(mpi_check(MPI_Comm_dup(world, &m->watch), "MPI_Comm_dup"));
+    MDT_CHECK(mpi_check(MPI_Comm_set_errhandler(m->watch, MPI_ERRORS_RETURN), "errhandler"));
     MPI_Comm_size(m->world, &m->world_size);
     MPI_Comm_rank(m->world, &m->world_rank);
     if (T < 1 || R < 1 || U < 1)
@@ -246,9 +248,17 @@ mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local) {
                                    "agreement within %.0f s)",
                                    m->world_rank, timeout);
         }
+        m->waiting = 1;
+        mdt_mesh_watch_serve(m);
+        if (local == MDT_OK && m->deadline_s > 0 && mdt_now() - t0 > m->deadline_s) {
+            const mdt_status st = mdt_mesh_stalled(m, "failure agreement", mdt_now() - t0);
+            m->waiting = 0;
+            return st;
+        }
         const struct timespec ms = {0, 1000000};
         nanosleep(&ms, NULL);
     }
+    m->waiting = 0;
     if (first == INT_MAX)
         return MDT_OK;
     struct {
@@ -333,10 +343,17 @@ mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n) {
     else
         memcpy(full, buf, sizeof(float) * (size_t)n);
     memset(full + n, 0, sizeof(float) * (size_t)(padded - n));
-    MDT_TRY(mpi_check(MPI_Reduce_scatter_block(full, mine, (int)chunk, MPI_FLOAT, MPI_SUM, comm),
-                      "all-reduce (reduce-scatter)"));
-    MDT_TRY(mpi_check(MPI_Allgather(mine, (int)chunk, MPI_FLOAT, full, (int)chunk, MPI_FLOAT, comm),
-                      "all-reduce (all-gather)"));
+    MPI_Request rq;
+    char what[48];
+    snprintf(what, sizeof what, "%s all-reduce", mdt_group_name(g));
+    MDT_TRY(
+        mpi_check(MPI_Ireduce_scatter_block(full, mine, (int)chunk, MPI_FLOAT, MPI_SUM, comm, &rq),
+                  "all-reduce (reduce-scatter)"));
+    MDT_TRY(mdt_mesh_wait(m, 1, &rq, what));
+    MDT_TRY(mpi_check(
+        MPI_Iallgather(mine, (int)chunk, MPI_FLOAT, full, (int)chunk, MPI_FLOAT, comm, &rq),
+        "all-reduce (all-gather)"));
+    MDT_TRY(mdt_mesh_wait(m, 1, &rq, what));
     if (dev)
         mdt_mem_device()->to_device(buf, full, sizeof(float) * (size_t)n);
     else
@@ -351,8 +368,10 @@ mdt_status mdt_bcast_floats(mdt_mesh *m, mdt_group g, int root, float *buf, int6
         return MDT_OK;
     for (int64_t off = 0; off < n; off += INT_MAX / 2) {
         int c = (int)(n - off < INT_MAX / 2 ? n - off : INT_MAX / 2);
-        MDT_TRY(
-            mpi_check(MPI_Bcast(buf + off, c, MPI_FLOAT, root, mdt_mesh_comm(m, g)), "MPI_Bcast"));
+        MPI_Request rq;
+        MDT_TRY(mpi_check(MPI_Ibcast(buf + off, c, MPI_FLOAT, root, mdt_mesh_comm(m, g), &rq),
+                          "MPI_Bcast"));
+        MDT_TRY(mdt_mesh_wait(m, 1, &rq, "broadcast"));
     }
     if (mdt_group_rank(m, g) == root)
         count(m, g, MDT_COLL_BCAST, n * 4);
@@ -368,9 +387,11 @@ mdt_status mdt_allgather_floats(mdt_mesh *m, mdt_group g, const float *send, flo
     float *hr = stage_out(m, recv, n * P);
     if (!hs || !hr)
         return MDT_E_NOMEM;
-    MDT_TRY(
-        mpi_check(MPI_Allgather(hs, (int)n, MPI_FLOAT, hr, (int)n, MPI_FLOAT, mdt_mesh_comm(m, g)),
-                  "MPI_Allgather"));
+    MPI_Request rq;
+    MDT_TRY(mpi_check(
+        MPI_Iallgather(hs, (int)n, MPI_FLOAT, hr, (int)n, MPI_FLOAT, mdt_mesh_comm(m, g), &rq),
+        "MPI_Allgather"));
+    MDT_TRY(mdt_mesh_wait(m, 1, &rq, "all-gather"));
     stage_done(recv, hr, n * P);
     count(m, g, MDT_COLL_ALLGATHER, (int64_t)(P - 1) * n * 4);
     return MDT_OK;
@@ -396,9 +417,11 @@ mdt_status mdt_allgatherv_floats(mdt_mesh *m, mdt_group g, const float *send, fl
     float *hr = stage_out(m, recv, off);
     if (!hs || !hr)
         return MDT_E_NOMEM;
+    MPI_Request rq;
     MDT_TRY(mpi_check(
-        MPI_Allgatherv(hs, cnt[me], MPI_FLOAT, hr, cnt, dsp, MPI_FLOAT, mdt_mesh_comm(m, g)),
+        MPI_Iallgatherv(hs, cnt[me], MPI_FLOAT, hr, cnt, dsp, MPI_FLOAT, mdt_mesh_comm(m, g), &rq),
         "MPI_Allgatherv"));
+    MDT_TRY(mdt_mesh_wait(m, 1, &rq, "all-gather"));
     stage_done(recv, hr, off);
     count(m, g, MDT_COLL_ALLGATHER, (int64_t)(P - 1) * counts[me] * 4);
     return MDT_OK;
@@ -406,9 +429,11 @@ mdt_status mdt_allgatherv_floats(mdt_mesh *m, mdt_group g, const float *send, fl
 
 mdt_status mdt_allgather_i64(mdt_mesh *m, mdt_group g, int64_t v, int64_t *all) {
     long long x = (long long)v;
-    return mpi_check(
-        MPI_Allgather(&x, 1, MPI_LONG_LONG, all, 1, MPI_LONG_LONG, mdt_mesh_comm(m, g)),
-        "length exchange (MPI_Allgather)");
+    MPI_Request rq;
+    MDT_TRY(mpi_check(
+        MPI_Iallgather(&x, 1, MPI_LONG_LONG, all, 1, MPI_LONG_LONG, mdt_mesh_comm(m, g), &rq),
+        "length exchange (MPI_Allgather)"));
+    return mdt_mesh_wait(m, 1, &rq, "length exchange");
 }
 
 mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, const int64_t *scounts,
@@ -442,9 +467,11 @@ mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, con
     float *hr = stage_out(m, recv, recv_end);
     if (!hs || !hr)
         return MDT_E_NOMEM;
-    MDT_TRY(
-        mpi_check(MPI_Alltoallv(hs, sc, sd, MPI_FLOAT, hr, rc, rd, MPI_FLOAT, mdt_mesh_comm(m, g)),
-                  "MPI_Alltoallv"));
+    MPI_Request rq;
+    MDT_TRY(mpi_check(
+        MPI_Ialltoallv(hs, sc, sd, MPI_FLOAT, hr, rc, rd, MPI_FLOAT, mdt_mesh_comm(m, g), &rq),
+        "MPI_Alltoallv"));
+    MDT_TRY(mdt_mesh_wait(m, 1, &rq, "ulysses all-to-all"));
     stage_done(recv, hr, recv_end);
     count(m, g, MDT_COLL_ALLTOALL, sent * 4);
     return MDT_OK;
@@ -484,12 +511,11 @@ mdt_status mdt_ring_start(mdt_mesh *m, mdt_group g, const float *send, float *re
 }
 
 mdt_status mdt_ring_wait(mdt_mesh *m, mdt_ring_req *rq) {
-    MPI_Status st[2];
     if (rq->on_device_comm)
         return m->dev_ops->comm_wait(m->dev_comm[rq->group]) == 0
                    ? MDT_OK
                    : MDT_FAIL(MDT_E_MPI, "NCCL ring transfer failed");
-    MDT_TRY(mpi_check(MPI_Waitall(2, rq->req, st), "ring MPI_Waitall"));
+    MDT_TRY(mdt_mesh_wait(m, 2, rq->req, "ring send/receive"));
     if (rq->host_recv)
         stage_done(rq->recv, rq->host_recv, rq->n);
     return MDT_OK;

@@ -51,6 +51,12 @@ struct mdt_mesh {
     int64_t group_bytes[MDT_GROUP_COUNT];    /* per group, summed over kinds */
     float *scratch;                          /* collective scratch, grown on first use */
     int peers_stuck; /* a failure could not be agreed on: the job must be ended */
+    /* step watchdog (watchdog.c): a collective or agreement that waits longer than
+     * `deadline_s` (0: wait as long as it takes) is a stall; `watch` carries the side-channel
+     * questions that find which ranks did not arrive. */
+    double deadline_s;
+    MPI_Comm watch;
+    int waiting; /* inside a watched wait (answers "waiting" to a question) */
     int64_t scratch_floats;
     /* Device buffers (core's mdt_mem_device): staged through these host buffers and plain MPI
      * (the host-staged path: any number of ranks per GPU), or, once mdt_mesh_use_device_comm
@@ -127,5 +133,23 @@ typedef struct mdt_ring_req {
 mdt_status mdt_ring_start(mdt_mesh *m, mdt_group g, const float *send, float *recv, int64_t n,
                           mdt_ring_req *rq);
 mdt_status mdt_ring_wait(mdt_mesh *m, mdt_ring_req *rq);
+
+/* ---- the step watchdog (watchdog.c) ---- */
+/* Arms (seconds > 0) or disarms (0) the stall bound for every later collective wait. */
+void mdt_mesh_set_deadline(mdt_mesh *m, double seconds);
+/* Waits for n requests of a collective ("tp all-reduce"): spins briefly, then sleeps
+ * with backoff (a waiting rank does not burn a core), answering other ranks' watchdog questions.
+ * Past the deadline: asks every rank whether it is alive and waiting; the lowest waiting rank
+ * returns MDT_E_MPI naming the ranks that did not arrive, with m->peers_stuck set (the caller
+ * ends the job); other waiting ranks keep waiting for that end, then report as well. */
+mdt_status mdt_mesh_wait(mdt_mesh *m, int n, MPI_Request *rq, const char *what);
+/* Barrier over the whole mesh, watched. */
+mdt_status mdt_mesh_barrier(mdt_mesh *m, const char *what);
+/* *v <- the minimum of every rank's *v (world), watched. */
+mdt_status mdt_mesh_min_i64(mdt_mesh *m, int64_t *v, const char *what);
+/* Answers pending watchdog questions (for wait loops outside this file). */
+void mdt_mesh_watch_serve(mdt_mesh *m);
+/* Called by a waiting loop that passed the deadline: see mdt_mesh_wait. */
+mdt_status mdt_mesh_stalled(mdt_mesh *m, const char *what, double waited);
 
 #endif /* MDT_MESH_H */

@@ -799,22 +799,16 @@ mdt_status mdt_guard_finite(mdt_mesh *mesh, const char *what, const float *x, in
     if (mdt_backend_mem()) /* device activations: the host-side output check covers them */
         return MDT_OK;
     const int64_t bad = n > 0 ? mdt_first_nonfinite(x, n) : -1;
-    int64_t mine[2] = {bad >= 0 ? (mesh ? mesh->world_rank : 0) : INT64_MAX, bad}, low[2];
-    low[0] = mine[0], low[1] = mine[1];
-    if (mesh && mesh->world_size > 1) {
-        /* lowest failing rank, then its element (a second reduction only on failure) */
-        if (MPI_Allreduce(&mine[0], &low[0], 1, MPI_INT64_T, MPI_MIN, mesh->world) != MPI_SUCCESS)
-            return MDT_FAIL(MDT_E_MPI, "%s: the finite-output check could not reduce", what);
-        if (low[0] != INT64_MAX &&
-            MPI_Bcast(&low[1], 1, MPI_INT64_T, (int)low[0], mesh->world) != MPI_SUCCESS)
-            return MDT_FAIL(MDT_E_MPI, "%s: the finite-output check could not reduce", what);
-    }
-    if (low[0] == INT64_MAX)
+    /* one reduction finds the lowest failing rank and its element: rank in the high bits */
+    const int64_t rank = mesh ? mesh->world_rank : 0, span = (int64_t)1 << 40;
+    int64_t key = bad >= 0 ? rank * span + (bad < span ? bad : span - 1) : INT64_MAX;
+    MDT_TRY(mdt_mesh_min_i64(mesh, &key, "finite-output check"));
+    if (key == INT64_MAX)
         return MDT_OK;
     return MDT_FAIL(MDT_E_NUMERIC,
                     "the output of %s went non-finite (NaN or Inf; first on rank %lld at element "
                     "%lld of its rows): the weights or inputs are too large for f32",
-                    what, (long long)low[0], (long long)low[1]);
+                    what, (long long)(key / span), (long long)(key % span));
 }
 
 static mdt_status check_finite(const char *name, const float *v, int64_t n) {

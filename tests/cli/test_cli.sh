@@ -221,6 +221,37 @@ if grep -q "hidden_states" "$T/stderr"; then bad "a step's non-finite output bla
 else ok; fi
 expect_error extreme-weight-tp 1 "went non-finite" -- "$MPIEXEC" -n 2 "$BIN" run --checkpoint \
     "$T/hot" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --ulysses 2
+# the step watchdog: SIGSTOP one rank of four mid-run; the job ends within the bound plus the
+# grace period with exactly one error line naming that rank, and the waiting ranks sleep (each
+# uses < 30% of a core while it waits) instead of spinning
+rm -f "$T/wd.safetensors"
+timeout 60 "$MPIEXEC" -n 4 "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs \
+    "$DATA/flux_tiny/inputs.safetensors" --out "$T/wd.safetensors" --steps 100000 --tp 2 \
+    --ulysses 2 --step-timeout 3 >"$T/wd.out" 2>"$T/wd.err" &
+wd_mpi=$!
+sleep 2
+wd_pids=() wd_victim=""
+for p in $(pgrep -f "run --checkpoint $DATA/flux_tiny --inputs $DATA/flux_tiny/inputs.safetensors --out $T/wd.safetensors"); do
+    r=$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | sed -n 's/^PMI_RANK=//p')
+    if [ "$r" = 2 ]; then wd_victim=$p; elif [ -n "$r" ]; then wd_pids+=("$p"); fi
+done
+wd_t0=$(date +%s)
+[ -n "$wd_victim" ] && kill -STOP "$wd_victim"
+sleep 1
+cpu0=0
+for p in "${wd_pids[@]}"; do cpu0=$((cpu0 + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done
+sleep 1
+cpu1=0
+for p in "${wd_pids[@]}"; do cpu1=$((cpu1 + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done
+wait "$wd_mpi"
+wd_rc=$?
+wd_t=$(($(date +%s) - wd_t0))
+[ -n "$wd_victim" ] && { kill -CONT "$wd_victim"; kill -9 "$wd_victim"; } 2>/dev/null
+wd_lines=$(grep -c "meshdit: error:" "$T/wd.err")
+if [ -n "$wd_victim" ] && [ "$wd_rc" != 0 ] && [ "$wd_t" -le 20 ] && [ "$wd_lines" = 1 ] &&
+   grep -q "step watchdog: rank 2 did not reach" "$T/wd.err" &&
+   [ $((cpu1 - cpu0)) -lt $((30 * ${#wd_pids[@]})) ] && [ ! -e "$T/wd.safetensors" ]; then ok
+else bad "watchdog: rc $wd_rc after $wd_t s, $wd_lines error lines, cpu ticks $((cpu1 - cpu0)) for ${#wd_pids[@]} waiting ranks: $(head -c 300 "$T/wd.err")"; fi
 # --max-memory counts bf16 linears at 2 bytes: 150K refuses the f32 weights (~270 KiB), not bf16
 if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
        --out "$T/b16.safetensors" --dtype bf16 --max-memory 150K --quiet; then ok

@@ -309,11 +309,15 @@ static void k_gate_residual(float *x, const float *y, int64_t ldy, const float *
     mdt_counters_get()->flops[MDT_FLOP_OTHER] += 2.0 * (double)M * (double)C;
 }
 
+/* Attention tiles by operand type: f32, bf16. */
+static const int64_t k_attn_bq[2] = {MDT_ATTN_BQ, MDT_ATTN_BQ16};
+static const int64_t k_attn_bk[2] = {MDT_ATTN_BK, MDT_ATTN_BK16};
+
 static int64_t k_attention_ws_floats(int64_t Sk, int64_t D, int bf16) {
     /* scores [BQ, BK] + accumulator [BQ, D] + running max and denominator [BQ] each; bf16
      * operands add P [BQ, BK], the Q tile [BQ, D] and one head's K and V [Sk, D] in halves
      * (rounded once per head, not once per query tile) */
-    const int64_t BQ = bf16 ? MDT_ATTN_BQ16 : MDT_ATTN_BQ, BK = bf16 ? MDT_ATTN_BK16 : MDT_ATTN_BK;
+    const int64_t BQ = k_attn_bq[bf16 != 0], BK = k_attn_bk[bf16 != 0];
     const int64_t f32 = BQ * BK + BQ * D + 2 * BQ;
     const int64_t halves = BQ * BK + BQ * D + 2 * Sk * D;
     return f32 + (bf16 ? (halves + 1) / 2 + 8 : 0);
@@ -408,7 +412,7 @@ static void k_attention(const float *q, const float *k, const float *v, float *o
                         float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
                         float scale, int bf16, float *ws) {
     /* tiles: bf16 operands take larger ones (fewer, larger oneDNN calls; perf.md) */
-    const int64_t BQ = bf16 ? MDT_ATTN_BQ16 : MDT_ATTN_BQ, BK = bf16 ? MDT_ATTN_BK16 : MDT_ATTN_BK;
+    const int64_t BQ = k_attn_bq[bf16 != 0], BK = k_attn_bk[bf16 != 0];
     float *sc = ws;                                /* [BQ, BK] */
     float *acc = sc + BQ * BK;                     /* [BQ, D] */
     float *mx = acc + BQ * D;                      /* [BQ] */

@@ -1,0 +1,166 @@
+/*
+ * watchdog.c — see mesh.h: collective waits that neither burn a core nor wait forever.
+ *
+ * Every collective of the mesh is non-blocking underneath; mdt_mesh_wait tests its requests,
+ * first in a tight loop (1 ms: a healthy collective finishes here, with no added latency), then
+ * with sleeps growing to 1 ms (a rank waiting for a slow or stopped peer uses ~0% CPU). While
+ * waiting it answers the watchdog's questions on the `watch` communicator (a duplicate of the
+ * world, tags of its own), so a stalled rank can find out who is alive and waiting.
+ *
+ * Past the deadline a rank sends every other rank a question and listens for a grace period
+ * (1–5 s). Ranks that do not answer did not reach a collective: stopped, hung, dead or still
+ * computing past the bound. The lowest rank that is itself waiting reports them (one line) and
+ * its caller ends the job; the others wait for that end a little longer before reporting too.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "mesh.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+enum { TAG_ASK = 9101, TAG_ANSWER = 9102, SPIN_NS = 1000000, NAP_MAX_NS = 1000000 };
+
+void mdt_mesh_set_deadline(mdt_mesh *m, double seconds) {
+    if (m)
+        m->deadline_s = seconds > 0 ? seconds : 0;
+}
+
+static void nap(long ns) {
+    const struct timespec t = {0, ns};
+    nanosleep(&t, NULL);
+}
+
+void mdt_mesh_watch_serve(mdt_mesh *m) {
+    if (!m || m->watch == MPI_COMM_NULL)
+        return;
+    for (;;) {
+        int flag = 0, q;
+        MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_ASK, m->watch, &flag, &st) != MPI_SUCCESS || !flag)
+            return;
+        MPI_Recv(&q, 1, MPI_INT, st.MPI_SOURCE, TAG_ASK, m->watch, MPI_STATUS_IGNORE);
+        const int a[2] = {m->world_rank, m->waiting}; /* tiny: sent eagerly, never blocks */
+        MPI_Send(a, 2, MPI_INT, st.MPI_SOURCE, TAG_ANSWER, m->watch);
+    }
+}
+
+/* Asks every rank, listens for the grace period; the lowest rank that is itself waiting reports. */
+mdt_status mdt_mesh_stalled(mdt_mesh *m, const char *what, double waited) {
+    const int P = m->world_size, me = m->world_rank;
+    int answered[4096] = {0}, waiting[4096] = {0};
+    if (P > 4096)
+        return MDT_FAIL(MDT_E_MPI, "%s: no peer arrived within %.0f s", what, waited);
+    const int q = 1;
+    for (int p = 0; p < P; p++) {
+        if (p == me)
+            continue;
+        MPI_Request r;
+        if (MPI_Isend(&q, 1, MPI_INT, p, TAG_ASK, m->watch, &r) == MPI_SUCCESS)
+            MPI_Request_free(&r); /* a stopped peer never receives it: not waited for */
+    }
+    answered[me] = 1, waiting[me] = 1;
+    double grace = m->deadline_s * 0.1; /* 1-5 s to hear from every live rank */
+    grace = grace < 1.0 ? 1.0 : (grace > 5.0 ? 5.0 : grace);
+    const double t0 = mdt_now();
+    int n_answered = 1;
+    while (mdt_now() - t0 < grace && n_answered < P) {
+        mdt_mesh_watch_serve(m);
+        int flag = 0, a[2];
+        MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_ANSWER, m->watch, &flag, &st) == MPI_SUCCESS && flag) {
+            MPI_Recv(a, 2, MPI_INT, st.MPI_SOURCE, TAG_ANSWER, m->watch, MPI_STATUS_IGNORE);
+            if (a[0] >= 0 && a[0] < P && !answered[a[0]])
+                answered[a[0]] = 1, waiting[a[0]] = a[1], n_answered++;
+            continue;
+        }
+        nap(200000);
+    }
+    int lowest_waiting = me;
+    for (int p = 0; p < me; p++)
+        if (answered[p] && waiting[p]) {
+            lowest_waiting = p;
+            break;
+        }
+    if (lowest_waiting != me) { /* that rank reports and ends the job; keep answering meanwhile */
+        const double t1 = mdt_now();
+        while (mdt_now() - t1 < 3.0 * grace) {
+            mdt_mesh_watch_serve(m);
+            nap(NAP_MAX_NS);
+        }
+    }
+    char list[256] = "";
+    int missing = 0;
+    for (int p = 0; p < P; p++)
+        if (!answered[p]) {
+            char one[16];
+            snprintf(one, sizeof one, "%s%d", missing ? ", " : "", p);
+            if (strlen(list) + strlen(one) + 5 < sizeof list)
+                strcat(list, one);
+            else if (!strstr(list, "..."))
+                strcat(list, ", ...");
+            missing++;
+        }
+    m->peers_stuck = 1;
+    if (!missing) /* everyone alive and waiting: they wait in different collectives */
+        return MDT_FAIL(MDT_E_MPI,
+                        "step watchdog: %s did not complete within %.0f s although every rank is "
+                        "alive (ranks wait in different collectives)",
+                        what, waited);
+    return MDT_FAIL(MDT_E_MPI,
+                    "step watchdog: rank%s %s did not reach the %s within %.0f s (stopped, hung, "
+                    "dead or still computing); --step-timeout sets the bound",
+                    missing > 1 ? "s" : "", list, what, waited);
+}
+
+mdt_status mdt_mesh_wait(mdt_mesh *m, int n, MPI_Request *rq, const char *what) {
+    const double t0 = mdt_now();
+    long ns = 20000;
+    int done = 0;
+    MPI_Status sts[4];
+    if (n > 4)
+        return MDT_FAIL(MDT_E_INVALID, "%s: %d requests (at most 4)", what, n);
+    m->waiting = 1;
+    for (;;) {
+        if (MPI_Testall(n, rq, &done, sts) != MPI_SUCCESS) {
+            m->waiting = 0;
+            return MDT_FAIL(MDT_E_MPI, "%s failed", what);
+        }
+        if (done)
+            break;
+        const double waited = mdt_now() - t0;
+        if (waited * 1e9 < SPIN_NS)
+            continue;
+        mdt_mesh_watch_serve(m);
+        if (m->deadline_s > 0 && waited > m->deadline_s) {
+            const mdt_status st = mdt_mesh_stalled(m, what, waited);
+            m->waiting = 0;
+            return st; /* the requests are abandoned: the job is being ended */
+        }
+        nap(ns);
+        ns = ns * 2 > NAP_MAX_NS ? NAP_MAX_NS : ns * 2;
+    }
+    m->waiting = 0;
+    return MDT_OK;
+}
+
+mdt_status mdt_mesh_barrier(mdt_mesh *m, const char *what) {
+    if (!m || m->world_size == 1)
+        return MDT_OK;
+    MPI_Request r;
+    if (MPI_Ibarrier(m->world, &r) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "%s: MPI_Ibarrier failed", what);
+    return mdt_mesh_wait(m, 1, &r, what);
+}
+
+mdt_status mdt_mesh_min_i64(mdt_mesh *m, int64_t *v, const char *what) {
+    if (!m || m->world_size == 1)
+        return MDT_OK;
+    long long in = (long long)*v, out = 0;
+    MPI_Request r;
+    if (MPI_Iallreduce(&in, &out, 1, MPI_LONG_LONG, MPI_MIN, m->world, &r) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "%s: MPI_Iallreduce failed", what);
+    MDT_TRY(mdt_mesh_wait(m, 1, &r, what));
+    *v = (int64_t)out;
+    return MDT_OK;
+}
