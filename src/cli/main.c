@@ -7,6 +7,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "backend/backend.h"
+#include "core/outfile.h"
 #include "models/model.h"
 #include "models/scaling.h"
 
@@ -17,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static int g_rank = 0, g_world = 1;
@@ -178,6 +180,66 @@ static int64_t parse_size(const char *s) {
     return (int64_t)(v * mul);
 }
 
+/* ---- outputs ---- */
+/* Stages `set` as a safetensors file for `path` (written whole at the temporary's name). */
+static mdt_status stage_set(mdt_out *o, const char *path, const mdt_tensor_set *set) {
+    MDT_TRY(mdt_out_begin(o, path));
+    mdt_status st = mdt_tensor_set_save(set, o->tmp);
+    if (st != MDT_OK) {
+        mdt_out_abort(o, 1);
+        return mdt_fail_prefix(st, "%s", path);
+    }
+    return MDT_OK;
+}
+
+/* Writes the output and, when `report` is set, the report: both or neither. Each is staged in a
+ * temporary of its own directory and renamed over its target only once both are written, so a
+ * failure anywhere leaves the old files as they were (mdt_out_commit). */
+static mdt_status write_outputs(const char *out, const mdt_tensor_set *res, const char *report,
+                                const char *report_txt) {
+    mdt_out o[2];
+    int n = 0;
+    mdt_status st = stage_set(&o[0], out, res);
+    if (st == MDT_OK)
+        n = 1;
+    if (st == MDT_OK && report) {
+        st = mdt_out_begin(&o[1], report);
+        if (st == MDT_OK)
+            n = 2, st = mdt_out_write(&o[1], report_txt, strlen(report_txt));
+    }
+    if (st != MDT_OK) {
+        mdt_out_abort(o, n);
+        return st;
+    }
+    return mdt_out_commit(o, n);
+}
+
+/* Both paths name one file: the same directory (device and inode) and the same last name. */
+static int same_file(const char *a, const char *b) {
+    struct stat da, db;
+    const char *sa = strrchr(a, '/'), *sb = strrchr(b, '/');
+    const char *ba = sa ? sa + 1 : a, *bb = sb ? sb + 1 : b;
+    char dira[4096], dirb[4096];
+    snprintf(dira, sizeof dira, "%.*s", sa ? (int)(sa - a) + 1 : 1, sa ? a : ".");
+    snprintf(dirb, sizeof dirb, "%.*s", sb ? (int)(sb - b) + 1 : 1, sb ? b : ".");
+    return strcmp(ba, bb) == 0 && stat(dira, &da) == 0 && stat(dirb, &db) == 0 &&
+           da.st_dev == db.st_dev && da.st_ino == db.st_ino;
+}
+
+/* Before any weight is read: --out (and --report) can be written (mdt_out_check) and differ. */
+static mdt_status check_outputs(const char *out, const char *report) {
+    mdt_status st = mdt_out_check(out);
+    if (st != MDT_OK)
+        return mdt_fail_prefix(st, "--out");
+    if (!report)
+        return MDT_OK;
+    if ((st = mdt_out_check(report)) != MDT_OK)
+        return mdt_fail_prefix(st, "--report");
+    if (same_file(out, report))
+        return MDT_FAIL(MDT_E_INVALID, "--out %s and --report %s name the same file", out, report);
+    return MDT_OK;
+}
+
 /* ---- gen ---- */
 static int cmd_gen(int argc, char **argv) {
     opts o;
@@ -254,6 +316,8 @@ static int cmd_inputs(int argc, char **argv) {
         st = mdt_model_describe(cfg, &m);
     if (st == MDT_OK)
         st = mdt_tensor_set_create(&set);
+    if (st == MDT_OK)
+        st = mdt_out_check(out);
     if (st == MDT_OK) {
         mdt_inputs_params p = {.seed = (uint64_t)seed,
                                .batch = batch,
@@ -265,7 +329,7 @@ static int cmd_inputs(int argc, char **argv) {
         st = m->fam->make_inputs(m->impl, &p, set);
     }
     if (st == MDT_OK)
-        st = mdt_tensor_set_save(set, out);
+        st = write_outputs(out, set, NULL, NULL);
     mdt_tensor_set_free(set);
     mdt_model_free(m);
     cJSON_Delete(cfg);
@@ -312,8 +376,9 @@ typedef struct rank_facts {
     double ring_wait_s, ring_compute_s, prep_s;
 } rank_facts;
 
-static mdt_status write_report(const char *path, const mdt_model *m, const char *order,
-                               double load_s, double step_s, int steps, const rank_facts *rf) {
+/* The report's JSON text (cJSON_free it), or NULL with the message set. */
+static char *report_text(const mdt_model *m, const char *order, double load_s, double step_s,
+                         int steps, const rank_facts *rf) {
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "model", m->fam->name);
     cJSON_AddNumberToObject(r, "world", g_world);
@@ -384,13 +449,8 @@ static mdt_status write_report(const char *path, const mdt_model *m, const char 
     char *txt = cJSON_Print(r);
     cJSON_Delete(r);
     if (!txt)
-        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    FILE *fp = fopen(path, "w");
-    int bad = !fp || fputs(txt, fp) < 0;
-    if (fp)
-        bad |= fclose(fp) != 0;
-    cJSON_free(txt);
-    return bad ? MDT_FAIL(MDT_E_IO, "%s: cannot write the report", path) : MDT_OK;
+        (void)MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    return txt;
 }
 
 static void print_plan(const mdt_model *m, const char *order, const rank_facts *rf, double load_s,
@@ -490,7 +550,10 @@ static int cmd_run(int argc, char **argv) {
     mdt_status st = mdt_mesh_create_world((int)tp, (int)ring, (int)uly, order, &mesh);
     if (st != MDT_OK)
         return fail_exit(st); /* same verdict on every rank: nothing to agree on */
-    st = select_device(mesh, device, strcmp(dtype, "bf16") == 0, comm);
+    /* rank 0 writes the outputs: it finds out now, not after the compute, that it cannot */
+    st = mdt_mesh_agree(mesh, g_rank == 0 ? check_outputs(out, report) : MDT_OK);
+    if (st == MDT_OK)
+        st = select_device(mesh, device, strcmp(dtype, "bf16") == 0, comm);
     if (st != MDT_OK)
         goto done;
     mdt_load_params lp = mdt_load_params_default();
@@ -576,8 +639,6 @@ static int cmd_run(int argc, char **argv) {
         if (st == MDT_OK)
             st = mdt_tensor_set_add_copy(res, fam->output, lat);
     }
-    if (st == MDT_OK && g_rank == 0)
-        st = mdt_tensor_set_save(res, out);
     st = mdt_mesh_agree(mesh, st);
     if (st != MDT_OK)
         goto done;
@@ -605,8 +666,14 @@ static int cmd_run(int argc, char **argv) {
     }
     MPI_Gather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, 0,
                MPI_COMM_WORLD);
-    if (g_rank == 0 && report)
-        st = write_report(report, m, order, load_s, med, nsteps, all);
+    if (g_rank == 0) { /* the output and the report: both or neither */
+        char *txt = report ? report_text(m, order, load_s, med, nsteps, all) : NULL;
+        st = report && !txt ? MDT_E_NOMEM : write_outputs(out, res, report, txt);
+        cJSON_free(txt);
+    }
+    st = mdt_mesh_agree(mesh, st);
+    if (st != MDT_OK)
+        goto done;
     if (g_rank == 0 && !quiet && mdt_backend_device_ops()) {
         char desc[256];
         mdt_backend_describe(desc, sizeof desc);

@@ -28,7 +28,7 @@ expect_error() {
         grep -q -- "$p" "$T/stderr" || { bad "$name: message lacks '$p': $(cat "$T/stderr")"; return; }
     done
     [ ! -e "$T/out.safetensors" ] || { bad "$name: left an output file"; return; }
-    ls "$T" | grep -q '\.tmp\.' && { bad "$name: left a temporary file"; return; }
+    ls -A "$T" | grep -q '\.tmp\.\|^\.mdt-' && { bad "$name: left a temporary file"; return; }
     ok
 }
 
@@ -250,6 +250,67 @@ MESHDIT_CPU_GEMM=cublas expect_error cpu-gemm-unknown 1 "CPU GEMM 'cublas': no s
     --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --tp 2
 expect_error bad-device 2 "--device must be cpu or cuda" -- "$BIN" run --checkpoint x --inputs y \
     --out "$T/out.safetensors" --device tpu
+
+# ---- outputs: checked before any weight is read, written both or neither, never over
+# something that is not a regular file, with the umask's mode ----
+ORUN=(run --inputs "$DATA/flux_tiny/inputs.safetensors" --quiet)
+printf 'old output' >"$T/keep.safetensors"
+cp "$T/keep.safetensors" "$T/keep.orig"
+kept() { cmp -s "$T/keep.safetensors" "$T/keep.orig"; } # the old --out is as it was
+expect_error report-no-dir 1 "--report: $T/nodir/r.json" "cannot create a file in its directory" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/keep.safetensors" --report "$T/nodir/r.json"
+kept && ok || bad "report-no-dir: --out was replaced"
+mkdir "$T/rdir"
+expect_error report-is-dir 1 "--report: $T/rdir: exists and is a directory" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/keep.safetensors" --report "$T/rdir"
+kept && [ -d "$T/rdir" ] && ok || bad "report-is-dir: --out replaced"
+# before the weights: the truncated checkpoint is never read
+expect_error out-no-dir-before-load 1 "--out: $T/nodir/o.safetensors" "cannot create a file" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$T/trunc" --out "$T/nodir/o.safetensors"
+expect_error out-no-dir-before-load-mpi 1 "--out: $T/nodir/o.safetensors" -- "$MPIEXEC" -n 2 \
+    "$BIN" "${ORUN[@]}" --checkpoint "$T/trunc" --out "$T/nodir/o.safetensors" --tp 2
+mkdir "$T/odir"
+expect_error out-is-dir 1 "--out: $T/odir: exists and is a directory" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$T/trunc" --out "$T/odir"
+mkfifo "$T/fifo"
+expect_error out-is-fifo 1 "exists and is a FIFO, not a regular file" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/fifo"
+[ -p "$T/fifo" ] && [ -d "$T/odir" ] && ok || bad "out-is-fifo/dir: replaced by a file"
+expect_error inputs-out-is-fifo 1 "exists and is a FIFO" -- \
+    "$BIN" inputs --checkpoint "$DATA/flux_tiny" --out "$T/fifo"
+# a symbolic link as --out or --report is refused; it and the file it points to stay as they were
+ln -s keep.safetensors "$T/link.safetensors"
+expect_error out-is-symlink 1 "--out: $T/link.safetensors: is a symbolic link" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/link.safetensors"
+expect_error report-is-symlink 1 "--report: $T/link.safetensors: is a symbolic link" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/o.safetensors" --report "$T/link.safetensors"
+[ -L "$T/link.safetensors" ] && kept && ok ||
+    bad "out-is-symlink: the link or its target changed"
+expect_error out-is-report 1 "name the same file" -- "$BIN" "${ORUN[@]}" \
+    --checkpoint "$DATA/flux_tiny" --out "$T/same.json" --report "$T/./same.json"
+# a 255-byte file name works (NAME_MAX); 256 bytes is refused before the weights are read
+n255=$(printf 'n%.0s' $(seq 243)).safetensors r255=$(printf 'r%.0s' $(seq 250)).json
+if "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/$n255" --report "$T/$r255" &&
+   "$BIN" compare "$T/$n255" "$DATA/flux_tiny/expected.safetensors" >/dev/null && [ -s "$T/$r255" ]; then ok
+else bad "255-byte --out and --report names"; fi
+rm -f "$T/$n255" "$T/$r255"
+expect_error out-name-256 1 "the file name is 256 bytes" "NAME_MAX" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$T/trunc" --out "$T/x$n255"
+# the umask decides the mode of outputs and generated checkpoints (0666 & ~umask)
+modes() { for f in "$@"; do stat -c %a "$f"; done | sort -u | tr '\n' ' '; }
+for um in 022 077; do
+    rm -rf "$T/um"; mkdir "$T/um"
+    want=$(printf '%o' $((0666 & ~0$um)))
+    if (umask $um &&
+        "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/um/o.safetensors" --report "$T/um/r.json" &&
+        "$BIN" gen --model flux --preset tiny --out "$T/um/g" --shards 2 >/dev/null &&
+        "$BIN" gen --model flux --preset tiny --out "$T/um/g1" >/dev/null &&
+        "$BIN" inputs --checkpoint "$T/um/g" --out "$T/um/in.safetensors" >/dev/null &&
+        "$BIN" gather --checkpoint "$T/um/g" --out "$T/um/gg" >/dev/null) &&
+       [ "$(modes "$T"/um/*.* "$T"/um/g/* "$T"/um/g1/* "$T"/um/gg/*)" = "$want " ]; then ok
+    else bad "umask $um: modes $(modes "$T"/um/*.* "$T"/um/g/* "$T"/um/g1/* "$T"/um/gg/*), wanted $want"; fi
+done
+ls -A "$T" "$T/um" "$T/um/g" | grep -q '^\.mdt-' && bad "outputs left a temporary file" || ok
 
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]
