@@ -511,6 +511,95 @@ static mdt_status select_device(mdt_mesh *mesh, const char *device, int bf16, co
     return mdt_mesh_use_device_comm(mesh, ops);
 }
 
+/* Ranks of this job on this node: they share its memory. Collective over the world. */
+static int ranks_on_node(void) {
+    MPI_Comm node;
+    int n = 1;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
+        MPI_SUCCESS) {
+        MPI_Comm_size(node, &n);
+        MPI_Comm_free(&node);
+    }
+    return n;
+}
+
+/* The inputs as the memory estimate sees them: batch = dim 0 of the latent input; token rows =
+ * what the model's context-parallel plan splits (the sum of the sequence-dim-1 tensors, e.g.
+ * Flux's image + text rows, else the longest dim-0 one, e.g. MiniMax-H3's packed rows). */
+static mdt_run_inputs run_inputs_of(const mdt_model *m, const mdt_tensor_set *in) {
+    mdt_run_inputs r = {0};
+    const mdt_tensor *lat = mdt_tensor_set_get(in, m->fam->latent_input);
+    r.batch = lat && lat->ndim >= 1 ? lat->shape[0] : 1;
+    r.latent_f32 = lat ? mdt_tensor_numel(lat) * 4 : 0;
+    for (int i = 0; i < mdt_tensor_set_count(in); i++)
+        r.input_bytes += mdt_tensor_nbytes(mdt_tensor_set_at(in, i, &(const char *){NULL}));
+    int64_t rows1 = 0, rows0 = 0;
+    const mdt_cp_plan *cp = m->fam->cp_plan;
+    for (int i = 0; cp && i < cp->nsplit; i++) {
+        const mdt_tensor *t = mdt_tensor_set_get(in, cp->split[i].input);
+        if (t && cp->split[i].dim == 1 && t->ndim >= 2)
+            rows1 += t->shape[1];
+        else if (t && cp->split[i].dim == 0 && t->ndim >= 1 && t->shape[0] > rows0)
+            rows0 = t->shape[0];
+    }
+    r.rows = rows1 > 0 ? rows1 : rows0;
+    return r;
+}
+
+/* Before any weight is read: this rank's weights plus activations (mdt_run_memory_at) must fit
+ * `max_bytes` (--max-memory) or, without it, the memory this process may use (the smaller of
+ * MemAvailable and its cgroup's limit, or MESHDIT_MEM_AVAILABLE in their place) divided among
+ * the `nlocal` ranks of this node. A checkpoint, inputs or layout the model cannot take are left
+ * to the loader, which names the problem. */
+static mdt_status check_run_memory(const char *ck, const mdt_mesh *mesh, const mdt_tensor_set *in,
+                                   int64_t max_bytes, int device_acts, int nlocal) {
+    char what[256], src[64], b1[32], b2[32];
+    int64_t limit = max_bytes;
+    if (limit > 0) {
+        snprintf(what, sizeof what, "the --max-memory limit of %s",
+                 mdt_fmt_size(limit, b1, sizeof b1));
+    } else {
+        const char *env = getenv("MESHDIT_MEM_AVAILABLE");
+        int64_t avail;
+        if (env && *env) {
+            if ((avail = parse_size(env)) <= 0)
+                return MDT_FAIL(MDT_E_INVALID,
+                                "MESHDIT_MEM_AVAILABLE='%s' is not a size like 512M, 8G or "
+                                "1048576",
+                                env);
+            snprintf(src, sizeof src, "MESHDIT_MEM_AVAILABLE");
+        } else if ((avail = mdt_mem_available("", src, sizeof src)) < 0) {
+            return MDT_OK; /* nothing to go by: no check */
+        }
+        limit = avail / nlocal;
+        snprintf(what, sizeof what,
+                 "the %s this rank may use (%s: %s for the %d rank%s on this node; "
+                 "--max-memory SIZE overrides this check)",
+                 mdt_fmt_size(limit, b1, sizeof b1), src, mdt_fmt_size(avail, b2, sizeof b2),
+                 nlocal, nlocal > 1 ? "s" : "");
+    }
+    char path[4096];
+    cJSON *cfg = NULL;
+    mdt_model *m = NULL;
+    snprintf(path, sizeof path, "%s/config.json", ck);
+    mdt_status st = mdt_config_load(path, &cfg);
+    if (st == MDT_OK)
+        st = mdt_model_describe(cfg, &m);
+    if (st == MDT_OK)
+        st = mdt_model_check_layout(m, mesh->T, mesh->R, mesh->U);
+    if (st == MDT_OK) {
+        mdt_run_inputs ri = run_inputs_of(m, in);
+        ri.bf16 = mdt_backend_bf16(), ri.device_acts = device_acts;
+        st = mdt_check_run_memory(m, mesh->T, mesh->R, mesh->U, &ri, limit, what);
+    } else {
+        mdt_error_clear();
+        st = MDT_OK;
+    }
+    mdt_model_free(m);
+    cJSON_Delete(cfg);
+    return st;
+}
+
 static int cmd_run(int argc, char **argv) {
     static const char *const flags[] = {"quiet", NULL};
     opts o;
@@ -556,13 +645,20 @@ static int cmd_run(int argc, char **argv) {
         st = select_device(mesh, device, strcmp(dtype, "bf16") == 0, comm);
     if (st != MDT_OK)
         goto done;
-    mdt_load_params lp = mdt_load_params_default();
-    lp.checkpoint_dir = ck, lp.mesh = mesh, lp.max_weight_bytes = max_bytes;
+    /* the inputs first: the memory check counts their activations before the weights load */
+    st = mdt_mesh_agree(mesh, mdt_tensor_set_load(inp, &in));
+    if (st != MDT_OK)
+        goto done;
+    const int nlocal = ranks_on_node();
+    st = mdt_mesh_agree(
+        mesh, check_run_memory(ck, mesh, in, max_bytes, strcmp(device, "cuda") == 0, nlocal));
+    if (st != MDT_OK)
+        goto done;
+    mdt_load_params lp = mdt_load_params_default(); /* (the weights-only limit is checked above) */
+    lp.checkpoint_dir = ck, lp.mesh = mesh;
     double t0 = mdt_now();
     st = mdt_model_load(&lp, &m);
     double load_s = mdt_now() - t0;
-    if (st == MDT_OK)
-        st = mdt_mesh_agree(mesh, mdt_tensor_set_load(inp, &in));
     if (st != MDT_OK)
         goto done;
     const mdt_family *fam = m->fam;

@@ -203,13 +203,14 @@ if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.sa
     if awk -v a="$w16" -v b="$w32" 'BEGIN { exit !(a > 0 && a < 0.6 * b) }'; then ok
     else bad "bf16 weights $w16 KiB vs f32 $w32 KiB"; fi
 else bad "run --dtype bf16 on the CPU"; fi
-# --max-memory counts bf16 linears at 2 bytes: 150K refuses the f32 weights (~270 KiB), not bf16
+# --max-memory counts bf16 linears at 2 bytes: 2.4M (weights + activations) refuses the f32
+# weights (267.5 KiB + 2.2 MiB = 2.43 MiB), not bf16 (137.0 KiB + 2.2 MiB = 2.33 MiB)
 if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
-       --out "$T/b16.safetensors" --dtype bf16 --max-memory 150K --quiet; then ok
-else bad "--dtype bf16 --max-memory 150K refused"; fi
+       --out "$T/b16.safetensors" --dtype bf16 --max-memory 2.4M --quiet; then ok
+else bad "--dtype bf16 --max-memory 2.4M refused"; fi
 expect_error max-memory-f32 1 "tp=1 needs" "of f32 weights" -- "$BIN" run \
     --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
-    --out "$T/out.safetensors" --max-memory 150K
+    --out "$T/out.safetensors" --max-memory 2.4M
 # MESHDIT_CPU_ISA: the baseline x86-64 kernels give the golden result and say so; a set that
 # does not exist, or that this CPU cannot run, is a one-line error on every rank
 if [ "$(uname -m)" = x86_64 ]; then
@@ -311,6 +312,32 @@ for um in 022 077; do
     else bad "umask $um: modes $(modes "$T"/um/*.* "$T"/um/g/* "$T"/um/g1/* "$T"/um/gg/*), wanted $want"; fi
 done
 ls -A "$T" "$T/um" "$T/um/g" | grep -q '^\.mdt-' && bad "outputs left a temporary file" || ok
+
+# ---- memory: weights + activations per rank, checked before any weight is read ----
+# flux_tiny needs 267.5 KiB of f32 weights + 2.2 MiB of activations on one rank (the estimate is
+# arithmetic on the config and the inputs, so these thresholds are exact): 1M holds the weights
+# but not the activations
+expect_error max-memory-activations 1 "tp=1 needs 2.4 MiB per rank" "of activations" \
+    "--max-memory limit of 1.0 MiB" -- "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" \
+    --out "$T/out.safetensors" --max-memory 1M
+# without --max-memory: the memory this process may use (MESHDIT_MEM_AVAILABLE stands in for
+# what /proc/meminfo and the cgroup say), refused before the weights (the truncated checkpoint
+# is never read), naming the smallest TP degree that fits
+MESHDIT_MEM_AVAILABLE=2.35M expect_error mem-default 1 "tp=1 needs 2.4 MiB per rank" \
+    "MESHDIT_MEM_AVAILABLE: 2.3 MiB for the 1 rank on this node" "tp=2 would need 2.3 MiB" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$T/trunc" --out "$T/out.safetensors"
+if MESHDIT_MEM_AVAILABLE=2.5M "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/mem.safetensors" &&
+   MESHDIT_MEM_AVAILABLE=1M "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/mem.safetensors" --max-memory 3M &&
+   "$BIN" compare "$T/mem.safetensors" "$DATA/flux_tiny/expected.safetensors" >/dev/null; then ok
+else bad "MESHDIT_MEM_AVAILABLE=2.5M, or --max-memory over a smaller default, refused a run that fits"; fi
+MESHDIT_MEM_AVAILABLE=lots expect_error mem-env-bad 1 "MESHDIT_MEM_AVAILABLE='lots' is not a size" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors"
+# the ranks on one node share its memory: 2 ranks at tp=2 need 2 x 2.3 MiB
+MESHDIT_MEM_AVAILABLE=4M mpi_error mem-default-node 2 "for the 2 ranks on this node" -- \
+    "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --tp 2
+if MESHDIT_MEM_AVAILABLE=5M timeout 300 "$MPIEXEC" -n 2 "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" \
+       --out "$T/mem2.safetensors" --tp 2 && [ -f "$T/mem2.safetensors" ]; then ok
+else bad "MESHDIT_MEM_AVAILABLE=5M refused 2 ranks at tp=2"; fi
 
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]
