@@ -7,6 +7,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "backend/backend.h"
+#include "core/outfile.h"
 #include "models/model.h"
 #include "models/scaling.h"
 
@@ -17,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static int g_rank = 0, g_world = 1;
@@ -178,6 +180,66 @@ static int64_t parse_size(const char *s) {
     return (int64_t)(v * mul);
 }
 
+/* ---- outputs ---- */
+/* Stages `set` as a safetensors file for `path` (written whole at the temporary's name). */
+static mdt_status stage_set(mdt_out *o, const char *path, const mdt_tensor_set *set) {
+    MDT_TRY(mdt_out_begin(o, path));
+    mdt_status st = mdt_tensor_set_save(set, o->tmp);
+    if (st != MDT_OK) {
+        mdt_out_abort(o, 1);
+        return mdt_fail_prefix(st, "%s", path);
+    }
+    return MDT_OK;
+}
+
+/* Writes the output and, when `report` is set, the report: both or neither. Each is staged in a
+ * temporary of its own directory and renamed over its target only once both are written, so a
+ * failure anywhere leaves the old files as they were (mdt_out_commit). */
+static mdt_status write_outputs(const char *out, const mdt_tensor_set *res, const char *report,
+                                const char *report_txt) {
+    mdt_out o[2];
+    int n = 0;
+    mdt_status st = stage_set(&o[0], out, res);
+    if (st == MDT_OK)
+        n = 1;
+    if (st == MDT_OK && report) {
+        st = mdt_out_begin(&o[1], report);
+        if (st == MDT_OK)
+            n = 2, st = mdt_out_write(&o[1], report_txt, strlen(report_txt));
+    }
+    if (st != MDT_OK) {
+        mdt_out_abort(o, n);
+        return st;
+    }
+    return mdt_out_commit(o, n);
+}
+
+/* Both paths name one file: the same directory (device and inode) and the same last name. */
+static int same_file(const char *a, const char *b) {
+    struct stat da, db;
+    const char *sa = strrchr(a, '/'), *sb = strrchr(b, '/');
+    const char *ba = sa ? sa + 1 : a, *bb = sb ? sb + 1 : b;
+    char dira[4096], dirb[4096];
+    snprintf(dira, sizeof dira, "%.*s", sa ? (int)(sa - a) + 1 : 1, sa ? a : ".");
+    snprintf(dirb, sizeof dirb, "%.*s", sb ? (int)(sb - b) + 1 : 1, sb ? b : ".");
+    return strcmp(ba, bb) == 0 && stat(dira, &da) == 0 && stat(dirb, &db) == 0 &&
+           da.st_dev == db.st_dev && da.st_ino == db.st_ino;
+}
+
+/* Before any weight is read: --out (and --report) can be written (mdt_out_check) and differ. */
+static mdt_status check_outputs(const char *out, const char *report) {
+    mdt_status st = mdt_out_check(out);
+    if (st != MDT_OK)
+        return mdt_fail_prefix(st, "--out");
+    if (!report)
+        return MDT_OK;
+    if ((st = mdt_out_check(report)) != MDT_OK)
+        return mdt_fail_prefix(st, "--report");
+    if (same_file(out, report))
+        return MDT_FAIL(MDT_E_INVALID, "--out %s and --report %s name the same file", out, report);
+    return MDT_OK;
+}
+
 /* ---- gen ---- */
 static int cmd_gen(int argc, char **argv) {
     opts o;
@@ -254,6 +316,8 @@ static int cmd_inputs(int argc, char **argv) {
         st = mdt_model_describe(cfg, &m);
     if (st == MDT_OK)
         st = mdt_tensor_set_create(&set);
+    if (st == MDT_OK)
+        st = mdt_out_check(out);
     if (st == MDT_OK) {
         mdt_inputs_params p = {.seed = (uint64_t)seed,
                                .batch = batch,
@@ -265,7 +329,7 @@ static int cmd_inputs(int argc, char **argv) {
         st = m->fam->make_inputs(m->impl, &p, set);
     }
     if (st == MDT_OK)
-        st = mdt_tensor_set_save(set, out);
+        st = write_outputs(out, set, NULL, NULL);
     mdt_tensor_set_free(set);
     mdt_model_free(m);
     cJSON_Delete(cfg);
@@ -312,8 +376,9 @@ typedef struct rank_facts {
     double ring_wait_s, ring_compute_s, prep_s;
 } rank_facts;
 
-static mdt_status write_report(const char *path, const mdt_model *m, const char *order,
-                               double load_s, double step_s, int steps, const rank_facts *rf) {
+/* The report's JSON text (cJSON_free it), or NULL with the message set. */
+static char *report_text(const mdt_model *m, const char *order, double load_s, double step_s,
+                         int steps, const rank_facts *rf) {
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "model", m->fam->name);
     cJSON_AddNumberToObject(r, "world", g_world);
@@ -384,13 +449,8 @@ static mdt_status write_report(const char *path, const mdt_model *m, const char 
     char *txt = cJSON_Print(r);
     cJSON_Delete(r);
     if (!txt)
-        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    FILE *fp = fopen(path, "w");
-    int bad = !fp || fputs(txt, fp) < 0;
-    if (fp)
-        bad |= fclose(fp) != 0;
-    cJSON_free(txt);
-    return bad ? MDT_FAIL(MDT_E_IO, "%s: cannot write the report", path) : MDT_OK;
+        (void)MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    return txt;
 }
 
 static void print_plan(const mdt_model *m, const char *order, const rank_facts *rf, double load_s,
@@ -451,6 +511,95 @@ static mdt_status select_device(mdt_mesh *mesh, const char *device, int bf16, co
     return mdt_mesh_use_device_comm(mesh, ops);
 }
 
+/* Ranks of this job on this node: they share its memory. Collective over the world. */
+static int ranks_on_node(void) {
+    MPI_Comm node;
+    int n = 1;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
+        MPI_SUCCESS) {
+        MPI_Comm_size(node, &n);
+        MPI_Comm_free(&node);
+    }
+    return n;
+}
+
+/* The inputs as the memory estimate sees them: batch = dim 0 of the latent input; token rows =
+ * what the model's context-parallel plan splits (the sum of the sequence-dim-1 tensors, e.g.
+ * Flux's image + text rows, else the longest dim-0 one, e.g. MiniMax-H3's packed rows). */
+static mdt_run_inputs run_inputs_of(const mdt_model *m, const mdt_tensor_set *in) {
+    mdt_run_inputs r = {0};
+    const mdt_tensor *lat = mdt_tensor_set_get(in, m->fam->latent_input);
+    r.batch = lat && lat->ndim >= 1 ? lat->shape[0] : 1;
+    r.latent_f32 = lat ? mdt_tensor_numel(lat) * 4 : 0;
+    for (int i = 0; i < mdt_tensor_set_count(in); i++)
+        r.input_bytes += mdt_tensor_nbytes(mdt_tensor_set_at(in, i, &(const char *){NULL}));
+    int64_t rows1 = 0, rows0 = 0;
+    const mdt_cp_plan *cp = m->fam->cp_plan;
+    for (int i = 0; cp && i < cp->nsplit; i++) {
+        const mdt_tensor *t = mdt_tensor_set_get(in, cp->split[i].input);
+        if (t && cp->split[i].dim == 1 && t->ndim >= 2)
+            rows1 += t->shape[1];
+        else if (t && cp->split[i].dim == 0 && t->ndim >= 1 && t->shape[0] > rows0)
+            rows0 = t->shape[0];
+    }
+    r.rows = rows1 > 0 ? rows1 : rows0;
+    return r;
+}
+
+/* Before any weight is read: this rank's weights plus activations (mdt_run_memory_at) must fit
+ * `max_bytes` (--max-memory) or, without it, the memory this process may use (the smaller of
+ * MemAvailable and its cgroup's limit, or MESHDIT_MEM_AVAILABLE in their place) divided among
+ * the `nlocal` ranks of this node. A checkpoint, inputs or layout the model cannot take are left
+ * to the loader, which names the problem. */
+static mdt_status check_run_memory(const char *ck, const mdt_mesh *mesh, const mdt_tensor_set *in,
+                                   int64_t max_bytes, int device_acts, int nlocal) {
+    char what[256], src[64], b1[32], b2[32];
+    int64_t limit = max_bytes;
+    if (limit > 0) {
+        snprintf(what, sizeof what, "the --max-memory limit of %s",
+                 mdt_fmt_size(limit, b1, sizeof b1));
+    } else {
+        const char *env = getenv("MESHDIT_MEM_AVAILABLE");
+        int64_t avail;
+        if (env && *env) {
+            if ((avail = parse_size(env)) <= 0)
+                return MDT_FAIL(MDT_E_INVALID,
+                                "MESHDIT_MEM_AVAILABLE='%s' is not a size like 512M, 8G or "
+                                "1048576",
+                                env);
+            snprintf(src, sizeof src, "MESHDIT_MEM_AVAILABLE");
+        } else if ((avail = mdt_mem_available("", src, sizeof src)) < 0) {
+            return MDT_OK; /* nothing to go by: no check */
+        }
+        limit = avail / nlocal;
+        snprintf(what, sizeof what,
+                 "the %s this rank may use (%s: %s for the %d rank%s on this node; "
+                 "--max-memory SIZE overrides this check)",
+                 mdt_fmt_size(limit, b1, sizeof b1), src, mdt_fmt_size(avail, b2, sizeof b2),
+                 nlocal, nlocal > 1 ? "s" : "");
+    }
+    char path[4096];
+    cJSON *cfg = NULL;
+    mdt_model *m = NULL;
+    snprintf(path, sizeof path, "%s/config.json", ck);
+    mdt_status st = mdt_config_load(path, &cfg);
+    if (st == MDT_OK)
+        st = mdt_model_describe(cfg, &m);
+    if (st == MDT_OK)
+        st = mdt_model_check_layout(m, mesh->T, mesh->R, mesh->U);
+    if (st == MDT_OK) {
+        mdt_run_inputs ri = run_inputs_of(m, in);
+        ri.bf16 = mdt_backend_bf16(), ri.device_acts = device_acts;
+        st = mdt_check_run_memory(m, mesh->T, mesh->R, mesh->U, &ri, limit, what);
+    } else {
+        mdt_error_clear();
+        st = MDT_OK;
+    }
+    mdt_model_free(m);
+    cJSON_Delete(cfg);
+    return st;
+}
+
 static int cmd_run(int argc, char **argv) {
     static const char *const flags[] = {"quiet", NULL};
     opts o;
@@ -492,16 +641,26 @@ static int cmd_run(int argc, char **argv) {
     mdt_status st = mdt_mesh_create_world((int)tp, (int)ring, (int)uly, order, &mesh);
     if (st != MDT_OK)
         return fail_exit(st); /* same verdict on every rank: nothing to agree on */
-    st = select_device(mesh, device, strcmp(dtype, "bf16") == 0, comm);
+    /* rank 0 writes the outputs: it finds out now, not after the compute, that it cannot */
+    st = mdt_mesh_agree(mesh, g_rank == 0 ? check_outputs(out, report) : MDT_OK);
+    if (st == MDT_OK)
+        st = select_device(mesh, device, strcmp(dtype, "bf16") == 0, comm);
     if (st != MDT_OK)
         goto done;
-    mdt_load_params lp = mdt_load_params_default();
-    lp.checkpoint_dir = ck, lp.mesh = mesh, lp.max_weight_bytes = max_bytes;
+    /* the inputs first: the memory check counts their activations before the weights load */
+    st = mdt_mesh_agree(mesh, mdt_tensor_set_load(inp, &in));
+    if (st != MDT_OK)
+        goto done;
+    const int nlocal = ranks_on_node();
+    st = mdt_mesh_agree(
+        mesh, check_run_memory(ck, mesh, in, max_bytes, strcmp(device, "cuda") == 0, nlocal));
+    if (st != MDT_OK)
+        goto done;
+    mdt_load_params lp = mdt_load_params_default(); /* (the weights-only limit is checked above) */
+    lp.checkpoint_dir = ck, lp.mesh = mesh;
     double t0 = mdt_now();
     st = mdt_model_load(&lp, &m);
     double load_s = mdt_now() - t0;
-    if (st == MDT_OK)
-        st = mdt_mesh_agree(mesh, mdt_tensor_set_load(inp, &in));
     if (st != MDT_OK)
         goto done;
     const mdt_family *fam = m->fam;
@@ -611,8 +770,6 @@ static int cmd_run(int argc, char **argv) {
                           "output '%s' holds a NaN or Inf at element %lld; not written", oname,
                           (long long)bad);
     }
-    if (st == MDT_OK && g_rank == 0)
-        st = mdt_tensor_set_save(res, out);
     st = mdt_mesh_agree(mesh, st);
     if (st != MDT_OK)
         goto done;
@@ -640,8 +797,14 @@ static int cmd_run(int argc, char **argv) {
     }
     MPI_Gather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, 0,
                MPI_COMM_WORLD);
-    if (g_rank == 0 && report)
-        st = write_report(report, m, order, load_s, med, nsteps, all);
+    if (g_rank == 0) { /* the output and the report: both or neither */
+        char *txt = report ? report_text(m, order, load_s, med, nsteps, all) : NULL;
+        st = report && !txt ? MDT_E_NOMEM : write_outputs(out, res, report, txt);
+        cJSON_free(txt);
+    }
+    st = mdt_mesh_agree(mesh, st);
+    if (st != MDT_OK)
+        goto done;
     if (g_rank == 0 && !quiet && mdt_backend_device_ops()) {
         char desc[256];
         mdt_backend_describe(desc, sizeof desc);

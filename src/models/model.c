@@ -7,6 +7,7 @@
 #include "model.h"
 
 #include "backend/backend.h"
+#include "core/outfile.h"
 #include "kernels/cpu/cpu.h"
 
 #include <cjson/cJSON.h>
@@ -22,6 +23,8 @@
 extern const mdt_family mdt_family_flux;
 extern const mdt_family mdt_family_minimax_h3;
 static mdt_status write_text(const char *path, const char *text);
+static mdt_status write_weights(const char *path, int n, const char *const *names,
+                                const mdt_tensor *const *tensors);
 static const mdt_family *const k_families[] = {&mdt_family_flux, &mdt_family_minimax_h3};
 enum { N_FAMILIES = sizeof k_families / sizeof k_families[0] };
 
@@ -724,7 +727,7 @@ static mdt_status gather_host(mdt_model *m, const char *dir) {
             st = cfg ? write_text(path, cfg) : MDT_FAIL(MDT_E_NOMEM, "out of memory");
         snprintf(path, sizeof path, "%s/%s", dir, MDT_CKPT_WEIGHTS);
         if (st == MDT_OK)
-            st = mdt_st_write(path, n, names, tp, (const char *const[]){"format", "pt", NULL});
+            st = write_weights(path, n, names, tp);
         cJSON_free(cfg);
     }
     for (int i = 0; ts && i < n; i++)
@@ -959,14 +962,30 @@ mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p) {
 }
 
 /* ---- gen ---- */
+/* Checkpoint files appear whole (staged beside the target, renamed), never in place of a
+ * non-regular file, with the mode of a new file (0666 & ~umask): core/outfile.h. */
 static mdt_status write_text(const char *path, const char *text) {
-    FILE *fp = fopen(path, "wb");
-    if (!fp)
-        return MDT_FAIL(MDT_E_IO, "%s: cannot create: %s", path, strerror(errno));
-    size_t n = strlen(text);
-    int bad = fwrite(text, 1, n, fp) != n;
-    bad |= fclose(fp) != 0;
-    return bad ? MDT_FAIL(MDT_E_IO, "%s: write failed", path) : MDT_OK;
+    mdt_out o;
+    MDT_TRY(mdt_out_begin(&o, path));
+    mdt_status st = mdt_out_write(&o, text, strlen(text));
+    if (st != MDT_OK) {
+        mdt_out_abort(&o, 1);
+        return st;
+    }
+    return mdt_out_commit(&o, 1);
+}
+
+static mdt_status write_weights(const char *path, int n, const char *const *names,
+                                const mdt_tensor *const *tensors) {
+    mdt_out o;
+    MDT_TRY(mdt_out_begin(&o, path));
+    mdt_status st =
+        mdt_st_write(o.tmp, n, names, tensors, (const char *const[]){"format", "pt", NULL});
+    if (st != MDT_OK) {
+        mdt_out_abort(&o, 1);
+        return mdt_fail_prefix(st, "%s", path);
+    }
+    return mdt_out_commit(&o, 1);
 }
 
 static void fill_random(const mdt_weight_spec *w, mdt_rng *rng, float *dst) {
@@ -1036,7 +1055,7 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
     }
     if (shards == 1) {
         snprintf(path, sizeof path, "%s/%s", dir, MDT_CKPT_WEIGHTS);
-        MDT_CHECK(mdt_st_write(path, n, names, tp, (const char *const[]){"format", "pt", NULL}));
+        MDT_CHECK(write_weights(path, n, names, tp));
     } else {
         index = cJSON_CreateObject();
         cJSON *meta = cJSON_AddObjectToObject(index, "metadata");
@@ -1048,8 +1067,7 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
             snprintf(fname, sizeof fname, "diffusion_pytorch_model-%05d-of-%05d.safetensors", s + 1,
                      shards);
             snprintf(path, sizeof path, "%s/%s", dir, fname);
-            MDT_CHECK(mdt_st_write(path, hi - lo, names + lo, tp + lo,
-                                   (const char *const[]){"format", "pt", NULL}));
+            MDT_CHECK(write_weights(path, hi - lo, names + lo, tp + lo));
             for (int i = lo; i < hi; i++) {
                 cJSON_AddStringToObject(wm, names[i], fname);
                 total += mdt_tensor_nbytes(&ts[i]);

@@ -28,7 +28,7 @@ expect_error() {
         grep -q -- "$p" "$T/stderr" || { bad "$name: message lacks '$p': $(cat "$T/stderr")"; return; }
     done
     [ ! -e "$T/out.safetensors" ] || { bad "$name: left an output file"; return; }
-    ls "$T" | grep -q '\.tmp\.' && { bad "$name: left a temporary file"; return; }
+    ls -A "$T" | grep -q '\.tmp\.\|^\.mdt-' && { bad "$name: left a temporary file"; return; }
     ok
 }
 
@@ -252,13 +252,14 @@ if [ -n "$wd_victim" ] && [ "$wd_rc" != 0 ] && [ "$wd_t" -le 20 ] && [ "$wd_line
    grep -q "step watchdog: rank 2 did not reach" "$T/wd.err" &&
    [ $((cpu1 - cpu0)) -lt $((30 * ${#wd_pids[@]})) ] && [ ! -e "$T/wd.safetensors" ]; then ok
 else bad "watchdog: rc $wd_rc after $wd_t s, $wd_lines error lines, cpu ticks $((cpu1 - cpu0)) for ${#wd_pids[@]} waiting ranks: $(head -c 300 "$T/wd.err")"; fi
-# --max-memory counts bf16 linears at 2 bytes: 150K refuses the f32 weights (~270 KiB), not bf16
+# --max-memory counts bf16 linears at 2 bytes: 2.4M (weights + activations) refuses the f32
+# weights (267.5 KiB + 2.2 MiB = 2.43 MiB), not bf16 (137.0 KiB + 2.2 MiB = 2.33 MiB)
 if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
-       --out "$T/b16.safetensors" --dtype bf16 --max-memory 150K --quiet; then ok
-else bad "--dtype bf16 --max-memory 150K refused"; fi
+       --out "$T/b16.safetensors" --dtype bf16 --max-memory 2.4M --quiet; then ok
+else bad "--dtype bf16 --max-memory 2.4M refused"; fi
 expect_error max-memory-f32 1 "tp=1 needs" "of f32 weights" -- "$BIN" run \
     --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
-    --out "$T/out.safetensors" --max-memory 150K
+    --out "$T/out.safetensors" --max-memory 2.4M
 # MESHDIT_CPU_ISA: the baseline x86-64 kernels give the golden result and say so; a set that
 # does not exist, or that this CPU cannot run, is a one-line error on every rank
 if [ "$(uname -m)" = x86_64 ]; then
@@ -299,6 +300,93 @@ MESHDIT_CPU_GEMM=cublas expect_error cpu-gemm-unknown 1 "CPU GEMM 'cublas': no s
     --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --tp 2
 expect_error bad-device 2 "--device must be cpu or cuda" -- "$BIN" run --checkpoint x --inputs y \
     --out "$T/out.safetensors" --device tpu
+
+# ---- outputs: checked before any weight is read, written both or neither, never over
+# something that is not a regular file, with the umask's mode ----
+ORUN=(run --inputs "$DATA/flux_tiny/inputs.safetensors" --quiet)
+printf 'old output' >"$T/keep.safetensors"
+cp "$T/keep.safetensors" "$T/keep.orig"
+kept() { cmp -s "$T/keep.safetensors" "$T/keep.orig"; } # the old --out is as it was
+expect_error report-no-dir 1 "--report: $T/nodir/r.json" "cannot create a file in its directory" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/keep.safetensors" --report "$T/nodir/r.json"
+kept && ok || bad "report-no-dir: --out was replaced"
+mkdir "$T/rdir"
+expect_error report-is-dir 1 "--report: $T/rdir: exists and is a directory" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/keep.safetensors" --report "$T/rdir"
+kept && [ -d "$T/rdir" ] && ok || bad "report-is-dir: --out replaced"
+# before the weights: the truncated checkpoint is never read
+expect_error out-no-dir-before-load 1 "--out: $T/nodir/o.safetensors" "cannot create a file" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$T/trunc" --out "$T/nodir/o.safetensors"
+expect_error out-no-dir-before-load-mpi 1 "--out: $T/nodir/o.safetensors" -- "$MPIEXEC" -n 2 \
+    "$BIN" "${ORUN[@]}" --checkpoint "$T/trunc" --out "$T/nodir/o.safetensors" --tp 2
+mkdir "$T/odir"
+expect_error out-is-dir 1 "--out: $T/odir: exists and is a directory" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$T/trunc" --out "$T/odir"
+mkfifo "$T/fifo"
+expect_error out-is-fifo 1 "exists and is a FIFO, not a regular file" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/fifo"
+[ -p "$T/fifo" ] && [ -d "$T/odir" ] && ok || bad "out-is-fifo/dir: replaced by a file"
+expect_error inputs-out-is-fifo 1 "exists and is a FIFO" -- \
+    "$BIN" inputs --checkpoint "$DATA/flux_tiny" --out "$T/fifo"
+# a symbolic link as --out or --report is refused; it and the file it points to stay as they were
+ln -s keep.safetensors "$T/link.safetensors"
+expect_error out-is-symlink 1 "--out: $T/link.safetensors: is a symbolic link" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/link.safetensors"
+expect_error report-is-symlink 1 "--report: $T/link.safetensors: is a symbolic link" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/o.safetensors" --report "$T/link.safetensors"
+[ -L "$T/link.safetensors" ] && kept && ok ||
+    bad "out-is-symlink: the link or its target changed"
+expect_error out-is-report 1 "name the same file" -- "$BIN" "${ORUN[@]}" \
+    --checkpoint "$DATA/flux_tiny" --out "$T/same.json" --report "$T/./same.json"
+# a 255-byte file name works (NAME_MAX); 256 bytes is refused before the weights are read
+n255=$(printf 'n%.0s' $(seq 243)).safetensors r255=$(printf 'r%.0s' $(seq 250)).json
+if "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/$n255" --report "$T/$r255" &&
+   "$BIN" compare "$T/$n255" "$DATA/flux_tiny/expected.safetensors" >/dev/null && [ -s "$T/$r255" ]; then ok
+else bad "255-byte --out and --report names"; fi
+rm -f "$T/$n255" "$T/$r255"
+expect_error out-name-256 1 "the file name is 256 bytes" "NAME_MAX" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$T/trunc" --out "$T/x$n255"
+# the umask decides the mode of outputs and generated checkpoints (0666 & ~umask)
+modes() { for f in "$@"; do stat -c %a "$f"; done | sort -u | tr '\n' ' '; }
+for um in 022 077; do
+    rm -rf "$T/um"; mkdir "$T/um"
+    want=$(printf '%o' $((0666 & ~0$um)))
+    if (umask $um &&
+        "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/um/o.safetensors" --report "$T/um/r.json" &&
+        "$BIN" gen --model flux --preset tiny --out "$T/um/g" --shards 2 >/dev/null &&
+        "$BIN" gen --model flux --preset tiny --out "$T/um/g1" >/dev/null &&
+        "$BIN" inputs --checkpoint "$T/um/g" --out "$T/um/in.safetensors" >/dev/null &&
+        "$BIN" gather --checkpoint "$T/um/g" --out "$T/um/gg" >/dev/null) &&
+       [ "$(modes "$T"/um/*.* "$T"/um/g/* "$T"/um/g1/* "$T"/um/gg/*)" = "$want " ]; then ok
+    else bad "umask $um: modes $(modes "$T"/um/*.* "$T"/um/g/* "$T"/um/g1/* "$T"/um/gg/*), wanted $want"; fi
+done
+ls -A "$T" "$T/um" "$T/um/g" | grep -q '^\.mdt-' && bad "outputs left a temporary file" || ok
+
+# ---- memory: weights + activations per rank, checked before any weight is read ----
+# flux_tiny needs 267.5 KiB of f32 weights + 2.2 MiB of activations on one rank (the estimate is
+# arithmetic on the config and the inputs, so these thresholds are exact): 1M holds the weights
+# but not the activations
+expect_error max-memory-activations 1 "tp=1 needs 2.4 MiB per rank" "of activations" \
+    "--max-memory limit of 1.0 MiB" -- "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" \
+    --out "$T/out.safetensors" --max-memory 1M
+# without --max-memory: the memory this process may use (MESHDIT_MEM_AVAILABLE stands in for
+# what /proc/meminfo and the cgroup say), refused before the weights (the truncated checkpoint
+# is never read), naming the smallest TP degree that fits
+MESHDIT_MEM_AVAILABLE=2.35M expect_error mem-default 1 "tp=1 needs 2.4 MiB per rank" \
+    "MESHDIT_MEM_AVAILABLE: 2.3 MiB for the 1 rank on this node" "tp=2 would need 2.3 MiB" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$T/trunc" --out "$T/out.safetensors"
+if MESHDIT_MEM_AVAILABLE=2.5M "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/mem.safetensors" &&
+   MESHDIT_MEM_AVAILABLE=1M "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/mem.safetensors" --max-memory 3M &&
+   "$BIN" compare "$T/mem.safetensors" "$DATA/flux_tiny/expected.safetensors" >/dev/null; then ok
+else bad "MESHDIT_MEM_AVAILABLE=2.5M, or --max-memory over a smaller default, refused a run that fits"; fi
+MESHDIT_MEM_AVAILABLE=lots expect_error mem-env-bad 1 "MESHDIT_MEM_AVAILABLE='lots' is not a size" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors"
+# the ranks on one node share its memory: 2 ranks at tp=2 need 2 x 2.3 MiB
+MESHDIT_MEM_AVAILABLE=4M mpi_error mem-default-node 2 "for the 2 ranks on this node" -- \
+    "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --tp 2
+if MESHDIT_MEM_AVAILABLE=5M timeout 300 "$MPIEXEC" -n 2 "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" \
+       --out "$T/mem2.safetensors" --tp 2 && [ -f "$T/mem2.safetensors" ]; then ok
+else bad "MESHDIT_MEM_AVAILABLE=5M refused 2 ranks at tp=2"; fi
 
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]

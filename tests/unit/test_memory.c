@@ -1,0 +1,161 @@
+/*
+ * test_memory.c — the memory check of `meshdit run` before any weight is read: what one rank
+ * needs (weights + activations, by layout and dtype), the refusal naming the smallest TP degree
+ * that fits, and the memory a process may use read from fake /proc and cgroup (v1, v2) trees.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "harness.h"
+#include "models/scaling.h"
+
+#include <cjson/cJSON.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static char g_root[256];
+
+/* Writes `text` at g_root/rel, creating the directories on the way. */
+static void put(const char *rel, const char *text) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", g_root, rel);
+    for (char *p = path + strlen(g_root) + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            mkdir(path, 0777);
+            *p = '/';
+        }
+    FILE *fp = fopen(path, "w");
+    if (fp) {
+        fputs(text, fp);
+        fclose(fp);
+    }
+}
+
+static void fresh_root(void) {
+    char cmd[512];
+    if (g_root[0]) {
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
+        if (system(cmd) != 0)
+            fprintf(stderr, "could not remove %s\n", g_root);
+    }
+    snprintf(g_root, sizeof g_root, "/tmp/mdt_memory_XXXXXX");
+    if (!mkdtemp(g_root))
+        g_root[0] = 0;
+}
+
+static void available(void) {
+    char what[64];
+    fresh_root();
+    EXPECT(mdt_mem_available(g_root, what, sizeof what) == -1, "nothing readable");
+    put("proc/meminfo", "MemTotal:       2000 kB\nMemFree:         100 kB\n"
+                        "MemAvailable:    1000 kB\n");
+    EXPECT(mdt_mem_available(g_root, what, sizeof what) == 1024000 &&
+               strcmp(what, "MemAvailable") == 0,
+           "meminfo only: %s", what);
+    /* v2: the parent's limit binds (2 000 000 - 1 500 000 + 300 000 of file cache); the leaf is
+     * unlimited */
+    put("proc/self/cgroup", "0::/a/b\n");
+    put("sys/fs/cgroup/a/memory.max", "2000000\n");
+    put("sys/fs/cgroup/a/memory.current", "1500000\n");
+    put("sys/fs/cgroup/a/memory.stat", "anon 1000\nactive_file 100000\ninactive_file 200000\n");
+    put("sys/fs/cgroup/a/b/memory.max", "max\n");
+    put("sys/fs/cgroup/a/b/memory.current", "1400000\n");
+    int64_t v = mdt_mem_available(g_root, what, sizeof what);
+    EXPECT(v == 800000 && strcmp(what, "cgroup memory.max") == 0, "v2 parent: %lld %s",
+           (long long)v, what);
+    /* ... the leaf's own limit when it is lower; usage over the limit counts as nothing left */
+    put("sys/fs/cgroup/a/b/memory.max", "500000\n");
+    v = mdt_mem_available(g_root, what, sizeof what);
+    EXPECT(v == 0, "v2 leaf over its limit: %lld", (long long)v);
+    put("sys/fs/cgroup/a/b/memory.current", "400000\n");
+    v = mdt_mem_available(g_root, what, sizeof what);
+    EXPECT(v == 100000, "v2 leaf: %lld", (long long)v);
+
+    /* v1: the smaller of memory.limit_in_bytes and hierarchical_memory_limit */
+    fresh_root();
+    put("proc/meminfo", "MemAvailable:    100000 kB\n");
+    put("proc/self/cgroup", "5:cpu,cpuacct:/x\n4:memory:/x\n0::/\n");
+    put("sys/fs/cgroup/memory/x/memory.limit_in_bytes", "3000000\n");
+    put("sys/fs/cgroup/memory/x/memory.usage_in_bytes", "2500000\n");
+    put("sys/fs/cgroup/memory/x/memory.stat",
+        "cache 5\nhierarchical_memory_limit 2800000\ntotal_active_file 100000\n"
+        "total_inactive_file 0\n");
+    v = mdt_mem_available(g_root, what, sizeof what);
+    EXPECT(v == 400000 && strcmp(what, "cgroup memory.limit_in_bytes") == 0, "v1: %lld %s",
+           (long long)v, what);
+    /* a container that sees its cgroup as the mount's root; an unlimited cgroup adds nothing */
+    fresh_root();
+    put("proc/meminfo", "MemAvailable:    1000 kB\n");
+    put("proc/self/cgroup", "4:memory:/docker/abc\n");
+    put("sys/fs/cgroup/memory/memory.limit_in_bytes", "600000\n");
+    put("sys/fs/cgroup/memory/memory.usage_in_bytes", "100000\n");
+    v = mdt_mem_available(g_root, what, sizeof what);
+    EXPECT(v == 500000, "v1 at the mount's root: %lld", (long long)v);
+    put("sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+    v = mdt_mem_available(g_root, what, sizeof what);
+    EXPECT(v == 1024000 && strcmp(what, "MemAvailable") == 0, "v1 unlimited: %lld %s", (long long)v,
+           what);
+    /* this machine: something, or nothing readable */
+    EXPECT(mdt_mem_available("", what, sizeof what) >= -1, "this system");
+}
+
+static void estimate(void) {
+    const mdt_family *fam = mdt_family_by_name("flux");
+    cJSON *cfg = cJSON_Parse(fam->preset("tiny"));
+    mdt_model *m = NULL;
+    EXPECT_OK(mdt_model_describe(cfg, &m));
+    if (!m) {
+        cJSON_Delete(cfg);
+        return;
+    }
+    /* flux tiny: 2 heads x 16, 64 image + text rows */
+    mdt_run_inputs in = {.batch = 1, .rows = 64, .input_bytes = 2148, .latent_f32 = 16 * 4 * 4};
+    const mdt_run_memory t1 = mdt_run_memory_at(m, 1, 1, 1, &in);
+    const mdt_run_memory t2 = mdt_run_memory_at(m, 2, 1, 1, &in);
+    EXPECT(t1.weights == 273936, "tp=1 f32 weights %lld", (long long)t1.weights);
+    EXPECT(t2.weights < t1.weights && t2.activations < t1.activations, "tp=2 holds less");
+    /* activations: the arenas' first chunks, the inputs, 3 outputs, and 64 rows of
+     * 10 D + (4 A + 1.5 F)/T floats (D = A = 32, F = 128) */
+    const int64_t want_act = 2 * 1048576 + 2148 + 3 * 256 + 64 * (10 * 32 + 4 * 32 + 192) * 4;
+    EXPECT(t1.activations == want_act, "activations %lld, wanted %lld", (long long)t1.activations,
+           (long long)want_act);
+    in.bf16 = 1;
+    const mdt_run_memory b1 = mdt_run_memory_at(m, 1, 1, 1, &in);
+    EXPECT(b1.weights < t1.weights * 6 / 10, "bf16 linears at 2 bytes: %lld",
+           (long long)b1.weights);
+    in.bf16 = 0;
+    /* the sequence split shrinks each rank's rows; Ulysses and Ring add their buffers */
+    EXPECT(mdt_act_bytes(m, 1, 1, 2, 1, 4096, 4) < mdt_act_bytes(m, 1, 1, 1, 1, 4096, 4) &&
+               mdt_act_bytes(m, 1, 2, 1, 1, 4096, 4) < mdt_act_bytes(m, 1, 1, 1, 1, 4096, 4) &&
+               mdt_act_bytes(m, 1, 1, 2, 1, 4096, 4) > mdt_act_bytes(m, 1, 1, 1, 1, 2048, 4),
+           "sequence split");
+    EXPECT(mdt_act_bytes(m, 1, 1, 1, 3, 100, 4) == 3 * mdt_act_bytes(m, 1, 1, 1, 1, 100, 4),
+           "linear in the batch");
+
+    /* the check: fits; refused naming activations and the smallest TP degree that fits */
+    EXPECT_OK(mdt_check_run_memory(m, 1, 1, 1, &in, t1.weights + t1.activations, "LIMIT"));
+    EXPECT_ERR(mdt_check_run_memory(m, 1, 1, 1, &in, t1.weights + t1.activations - 1, "LIMIT"),
+               MDT_E_NOMEM, "tp=1 needs", "of f32 weights", "of activations (batch 1 x 64 tokens)",
+               "over LIMIT", "tp=2 would need");
+    EXPECT_ERR(mdt_check_run_memory(m, 1, 1, 1, &in, t2.weights + t2.activations - 1, "LIMIT"),
+               MDT_E_NOMEM, "no valid tp up to 256 fits",
+               "more --ring/--ulysses ranks split the activations");
+    /* activations on a GPU are not host memory */
+    in.device_acts = 1;
+    const mdt_run_memory d1 = mdt_run_memory_at(m, 1, 1, 1, &in);
+    EXPECT(d1.activations == 0 && d1.weights == t1.weights, "device activations");
+    EXPECT_ERR(mdt_check_run_memory(m, 1, 1, 1, &in, 1000, "LIMIT"), MDT_E_NOMEM, "tp=1 needs",
+               "f32 weights), over LIMIT");
+    mdt_model_free(m);
+    cJSON_Delete(cfg);
+}
+
+int main(void) {
+    available();
+    estimate();
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
+    if (g_root[0] && system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", g_root);
+    TEST_END();
+}
