@@ -70,7 +70,7 @@ $(BUILD)/libmeshdit_cuda.so: $(CUDA_SRC) src/backend/ops.h
 cuda: $(CUDA_LIB)
 
 .PHONY: all test check cuda format format-check cppcheck tidy demo clean goldens bench fuzz fuzz-build \
-        valgrind test-sanitize
+        valgrind test-sanitize campaign
 
 all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN) $(CUDA_LIB) $(BUILD)/tests/gpu/test_gpu
 
@@ -151,6 +151,10 @@ test-sanitize:
 
 demo: all
 	@bash scripts/demo
+
+# the hostile-input campaign (docs/reliability.md): every case classified, table in $(BUILD)/reliability.md
+campaign: $(BUILD)/meshdit
+	python3 scripts/reliability-campaign --bin $(BUILD)/meshdit --out $(BUILD)/reliability.md
 
 format:
 	clang-format -i $(ALL_SRC)
