@@ -12,6 +12,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+enum { MDT_CKPT_SHOWN = 4096 }; /* room for a path as messages show it */
+
 static char *path_join(const char *dir, const char *name) {
     size_t n = strlen(dir) + strlen(name) + 2;
     char *p = mdt_alloc(n);
@@ -85,39 +87,47 @@ static int cmp_ref(const void *a, const void *b) {
 }
 
 static mdt_status add_file(mdt_ckpt *c, const char *fname, int *idx) {
+    char shown[MDT_ESC_NAME];
     for (int i = 0; i < c->nfiles; i++) {
-        const char *p = c->files[i]->path;
-        const char *base = strrchr(p, '/');
-        if (strcmp(base ? base + 1 : p, fname) == 0) {
+        if (strcmp(c->shard_names[i], fname) == 0) {
             *idx = i;
             return MDT_OK;
         }
     }
     if (!fname[0] || strchr(fname, '/') || fname[0] == '.')
-        return MDT_FAIL(MDT_E_FORMAT, "%s/%s: shard name '%.200s' is not a plain file name", c->dir,
-                        MDT_CKPT_INDEX, fname);
+        return MDT_FAIL(MDT_E_FORMAT, "%s/%s: shard name '%s' is not a plain file name",
+                        c->dir_shown, MDT_CKPT_INDEX, mdt_escape(fname, shown, sizeof shown));
     char *path = path_join(c->dir, fname);
     if (!path)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     if (!file_exists(path)) {
-        mdt_status st = MDT_FAIL(MDT_E_NOTFOUND,
-                                 "%s: shard named by %s is missing from the checkpoint directory",
-                                 path, MDT_CKPT_INDEX);
         mdt_free(path);
-        return st;
+        return MDT_FAIL(MDT_E_NOTFOUND,
+                        "%s/%s: shard named by %s is missing from the checkpoint directory",
+                        c->dir_shown, mdt_escape(fname, shown, sizeof shown), MDT_CKPT_INDEX);
     }
     mdt_st_file **nf = mdt_alloc(sizeof(mdt_st_file *) * (size_t)(c->nfiles + 1));
-    if (!nf) {
-        mdt_free(path);
+    char **nn = mdt_alloc(sizeof(char *) * (size_t)(c->nfiles + 1));
+    char *name = mdt_alloc(strlen(fname) + 1);
+    if (!nf || !nn || !name) {
+        mdt_free(nf), mdt_free((void *)nn), mdt_free(name), mdt_free(path);
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     }
-    if (c->nfiles)
+    memcpy(name, fname, strlen(fname) + 1);
+    if (c->nfiles) {
         memcpy(nf, c->files, sizeof(mdt_st_file *) * (size_t)c->nfiles);
+        memcpy((void *)nn, (void *)c->shard_names, sizeof(char *) * (size_t)c->nfiles);
+    }
     mdt_free(c->files);
-    c->files = nf;
+    mdt_free((void *)c->shard_names);
+    c->files = nf, c->shard_names = nn;
     mdt_status st = mdt_st_open(path, &c->files[c->nfiles]);
     mdt_free(path);
-    MDT_TRY(st);
+    if (st != MDT_OK) {
+        mdt_free(name);
+        return st;
+    }
+    c->shard_names[c->nfiles] = name;
     *idx = c->nfiles++;
     return MDT_OK;
 }
@@ -135,18 +145,19 @@ static mdt_status open_index(mdt_ckpt *c, const char *index_path) {
     if (!c->refs)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
     const cJSON *kv;
+    char nm[MDT_ESC_NAME];
     cJSON_ArrayForEach(kv, wm) {
         if (!cJSON_IsString(kv))
-            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: weight_map['%.200s'] is not a string", index_path,
-                               kv->string));
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s/%s: weight_map['%s'] is not a string",
+                               c->dir_shown, MDT_CKPT_INDEX,
+                               mdt_escape(kv->string, nm, sizeof nm)));
         int fi;
         MDT_CHECK(add_file(c, kv->valuestring, &fi));
         const mdt_st_entry *e = mdt_st_find(c->files[fi], kv->string);
         if (!e)
             MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND,
-                               "%s: tensor '%.200s': the index maps it to this shard, which lacks "
-                               "it",
-                               c->files[fi]->path, kv->string));
+                               "%s: tensor '%s': the index maps it to this shard, which lacks it",
+                               c->files[fi]->path, mdt_escape(kv->string, nm, sizeof nm)));
         c->refs[c->n].name = e->name;
         c->refs[c->n].file = c->files[fi];
         c->refs[c->n].entry = e;
@@ -174,6 +185,10 @@ mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out) {
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
     memcpy(c->dir, dir, dl);
     c->dir[dl] = 0;
+    c->dir_shown = mdt_alloc(MDT_CKPT_SHOWN);
+    if (!c->dir_shown)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    mdt_escape(c->dir, c->dir_shown, MDT_CKPT_SHOWN);
 
     p = path_join(c->dir, "config.json");
     if (!p)
@@ -182,7 +197,7 @@ mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out) {
         MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND,
                            "%s: no config.json (not a diffusers checkpoint "
                            "directory?)",
-                           c->dir));
+                           c->dir_shown));
     MDT_CHECK(parse_json_file(p, &c->config));
     mdt_free(p);
 
@@ -198,7 +213,7 @@ mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out) {
         if (!p)
             MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
         if (!file_exists(p))
-            MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND, "%s: neither %s nor %s is present", c->dir,
+            MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND, "%s: neither %s nor %s is present", c->dir_shown,
                                MDT_CKPT_WEIGHTS, MDT_CKPT_INDEX));
         MDT_CHECK(add_file(c, MDT_CKPT_WEIGHTS, &fi));
         const mdt_st_file *f = c->files[fi];
@@ -226,8 +241,10 @@ void mdt_ckpt_close(mdt_ckpt *c) {
     if (!c)
         return;
     for (int i = 0; i < c->nfiles; i++)
-        mdt_st_close(c->files[i]);
+        mdt_st_close(c->files[i]), mdt_free(c->shard_names[i]);
     mdt_free(c->files);
+    mdt_free((void *)c->shard_names);
+    mdt_free(c->dir_shown);
     mdt_free(c->refs);
     cJSON_Delete(c->config);
     mdt_free(c->dir);
@@ -241,7 +258,7 @@ mdt_status mdt_ckpt_find(const mdt_ckpt *c, const char *name, const mdt_ckpt_ref
         return MDT_FAIL(MDT_E_NOTFOUND,
                         "%s: tensor '%s' is required by the model but missing "
                         "from the checkpoint",
-                        c->dir, name);
+                        c->dir_shown, name);
     return MDT_OK;
 }
 

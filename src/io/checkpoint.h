@@ -25,9 +25,11 @@ typedef struct mdt_ckpt_ref {
 
 typedef struct mdt_ckpt {
     char *dir;
+    char *dir_shown; /* `dir` as messages show it (mdt_escape) */
     cJSON *config;
     int nfiles;
     mdt_st_file **files;
+    char **shard_names; /* [nfiles] the file names as the index gives them (raw) */
     int n;
     mdt_ckpt_ref *refs; /* sorted by name */
 } mdt_ckpt;

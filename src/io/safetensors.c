@@ -1,6 +1,8 @@
 /*
  * safetensors.c — see safetensors.h. Parsing uses cJSON; integers are read from `valuedouble`
  * (exact to 2^53, cJSON's valueint saturates at INT_MAX) and rejected when not integral.
+ * Every string from the file (names, dtypes, metadata keys) and the path itself reach messages
+ * through mdt_escape: a name holding a newline or a terminal escape stays one inert line.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "safetensors.h"
@@ -19,6 +21,17 @@ static char *dup_str(const char *s) {
     char *d = mdt_alloc(n);
     if (d)
         memcpy(d, s, n);
+    return d;
+}
+
+/* `path` as messages show it (mdt_escape), in a block of its own; NULL when out of memory. */
+static char *dup_shown(const char *path) {
+    size_t n = 4 * strlen(path) + 8; /* every byte as \xNN at worst */
+    if (n > 4096)
+        n = 4096;
+    char *d = mdt_alloc(n);
+    if (d)
+        mdt_escape(path, d, n);
     return d;
 }
 
@@ -63,9 +76,9 @@ static mdt_status pread_all(int fd, void *dst, int64_t nbytes, int64_t off, cons
 
 static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e,
                               int64_t data_size) {
-    const char *nm = item->string;
-    char what[600];
-    snprintf(what, sizeof what, "%s: tensor '%.500s'", f->path, nm);
+    char what[4096 + MDT_ESC_NAME], nm[MDT_ESC_NAME], dts[64];
+    snprintf(what, sizeof what, "%s: tensor '%s'", f->path,
+             mdt_escape(item->string, nm, sizeof nm));
     if (!cJSON_IsObject(item))
         return MDT_FAIL(MDT_E_FORMAT, "%s: entry is not a JSON object", what);
     const cJSON *dt = cJSON_GetObjectItemCaseSensitive(item, "dtype");
@@ -75,8 +88,8 @@ static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e
         return MDT_FAIL(MDT_E_FORMAT, "%s: missing or non-string 'dtype'", what);
     e->dtype = mdt_dtype_parse(dt->valuestring);
     if (e->dtype == MDT_DTYPE_COUNT)
-        return MDT_FAIL(MDT_E_FORMAT, "%s: unknown or unsupported dtype '%.32s'", what,
-                        dt->valuestring);
+        return MDT_FAIL(MDT_E_FORMAT, "%s: unknown or unsupported dtype '%s'", what,
+                        mdt_escape(dt->valuestring, dts, sizeof dts));
     if (!cJSON_IsArray(sh))
         return MDT_FAIL(MDT_E_FORMAT, "%s: missing or non-array 'shape'", what);
     int nd = cJSON_GetArraySize(sh);
@@ -130,9 +143,10 @@ static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item) {
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     const cJSON *kv;
     cJSON_ArrayForEach(kv, item) {
+        char key[MDT_ESC_NAME];
         if (!cJSON_IsString(kv))
-            return MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ value for '%.200s' is not a string",
-                            f->path, kv->string);
+            return MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ value for '%s' is not a string",
+                            f->path, mdt_escape(kv->string, key, sizeof key));
         f->meta_keys[f->n_meta] = dup_str(kv->string);
         f->meta_vals[f->n_meta] = dup_str(kv->valuestring);
         if (!f->meta_keys[f->n_meta] || !f->meta_vals[f->n_meta])
@@ -155,24 +169,26 @@ static mdt_status check_tiling(mdt_st_file *f, int64_t data_size) {
     qsort(by_off, (size_t)f->n, sizeof(const mdt_st_entry *), cmp_entry_ptr_begin);
     int64_t pos = 0;
     const mdt_st_entry *prev = NULL;
+    char n1[MDT_ESC_NAME], n2[MDT_ESC_NAME];
     for (int i = 0; i < f->n; i++) {
         const mdt_st_entry *e = by_off[i];
         if (e->begin == e->end && e->begin <= pos)
             continue; /* empty tensor */
         if (e->begin < pos) {
             st = MDT_FAIL(MDT_E_FORMAT,
-                          "%s: tensor '%.200s': data_offsets [%lld, %lld] overlap tensor '%.200s' "
+                          "%s: tensor '%s': data_offsets [%lld, %lld] overlap tensor '%s' "
                           "[%lld, %lld]",
-                          f->path, e->name, (long long)e->begin, (long long)e->end,
-                          prev ? prev->name : "?", prev ? (long long)prev->begin : 0LL,
-                          (long long)pos);
+                          f->path, mdt_escape(e->name, n1, sizeof n1), (long long)e->begin,
+                          (long long)e->end, prev ? mdt_escape(prev->name, n2, sizeof n2) : "?",
+                          prev ? (long long)prev->begin : 0LL, (long long)pos);
             goto done;
         }
         if (e->begin > pos) {
             st = MDT_FAIL(MDT_E_FORMAT,
-                          "%s: tensor '%.200s': data_offsets begin at %lld, leaving a hole after "
+                          "%s: tensor '%s': data_offsets begin at %lld, leaving a hole after "
                           "byte %lld of the data section",
-                          f->path, e->name, (long long)e->begin, (long long)pos);
+                          f->path, mdt_escape(e->name, n1, sizeof n1), (long long)e->begin,
+                          (long long)pos);
             goto done;
         }
         pos = e->end;
@@ -189,10 +205,12 @@ done:
 }
 
 mdt_status mdt_st_open(const char *path, mdt_st_file **out) {
+    char shown[4096];
     *out = NULL;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return MDT_FAIL(MDT_E_IO, "%s: cannot open: %s", path, strerror(errno));
+        return MDT_FAIL(MDT_E_IO, "%s: cannot open: %s", mdt_escape(path, shown, sizeof shown),
+                        strerror(errno));
     return mdt_st_open_fd(fd, path, out);
 }
 
@@ -207,9 +225,10 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     }
     f->fd = fd;
-    f->path = dup_str(path);
+    f->path = dup_shown(path);
     if (!f->path)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    path = f->path; /* from here on only messages use it */
     struct stat sb;
     if (fstat(f->fd, &sb) != 0 || !S_ISREG(sb.st_mode))
         MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: not a regular file", path));
@@ -276,10 +295,11 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
         MDT_CHECK(parse_entry(f, item, e, data_size));
     }
     qsort(f->entries, (size_t)f->n, sizeof *f->entries, cmp_entry_name);
+    char nm[MDT_ESC_NAME];
     for (int i = 1; i < f->n; i++)
         if (strcmp(f->entries[i - 1].name, f->entries[i].name) == 0)
-            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: tensor '%.200s' appears twice in the header",
-                               path, f->entries[i].name));
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: tensor '%s' appears twice in the header", path,
+                               mdt_escape(f->entries[i].name, nm, sizeof nm)));
     MDT_CHECK(check_tiling(f, data_size));
     cJSON_Delete(root);
     mdt_free(hdr);
@@ -322,13 +342,14 @@ const char *mdt_st_meta(const mdt_st_file *f, const char *key) {
 
 mdt_status mdt_st_read_range(const mdt_st_file *f, const mdt_st_entry *e, int64_t offset,
                              int64_t nbytes, void *dst) {
+    char nm[MDT_ESC_NAME], what[MDT_ESC_NAME + 16];
+    mdt_escape(e->name, nm, sizeof nm);
     if (offset < 0 || nbytes < 0 || offset + nbytes > e->end - e->begin)
         return MDT_FAIL(MDT_E_INVALID,
                         "%s: tensor '%s': byte range [%lld, %lld) lies outside its %lld bytes",
-                        f->path, e->name, (long long)offset, (long long)(offset + nbytes),
+                        f->path, nm, (long long)offset, (long long)(offset + nbytes),
                         (long long)(e->end - e->begin));
-    char what[300];
-    snprintf(what, sizeof what, "tensor '%.200s'", e->name);
+    snprintf(what, sizeof what, "tensor '%s'", nm);
     MDT_TRY(pread_all(f->fd, dst, nbytes, f->data_start + e->begin + offset, f->path, what));
     mdt_counters_get()->bytes_read += nbytes;
     return MDT_OK;
@@ -337,9 +358,10 @@ mdt_status mdt_st_read_range(const mdt_st_file *f, const mdt_st_entry *e, int64_
 mdt_status mdt_st_read_f32(const mdt_st_file *f, const mdt_st_entry *e, int64_t elem_off, int64_t n,
                            float *dst) {
     size_t es = mdt_dtype_size(e->dtype);
+    char nm[MDT_ESC_NAME];
     if (!mdt_dtype_is_float(e->dtype))
         return MDT_FAIL(MDT_E_FORMAT, "%s: tensor '%s': dtype %s is not a float type", f->path,
-                        e->name, mdt_dtype_name(e->dtype));
+                        mdt_escape(e->name, nm, sizeof nm), mdt_dtype_name(e->dtype));
     if (e->dtype == MDT_F32)
         return mdt_st_read_range(f, e, elem_off * 4, n * 4, dst);
     /* Other dtypes go through a bounded bounce buffer: memory stays O(chunk), not O(tensor). */

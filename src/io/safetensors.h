@@ -24,7 +24,7 @@ typedef struct mdt_st_entry {
 } mdt_st_entry;
 
 typedef struct mdt_st_file {
-    char *path;
+    char *path; /* as messages show it: escaped (mdt_escape), so never used to open a file */
     int fd;
     int64_t file_size;
     int64_t data_start; /* 8 + header length */

@@ -99,11 +99,12 @@ mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out) {
         return MDT_FAIL(MDT_E_INVALID, "config.json: '_class_name' is missing (which model is "
                                        "this?)");
     *out = mdt_family_by_name(cls);
+    char shown[MDT_ESC_NAME];
     if (!*out)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "config.json: model class '%s' is not supported "
                         "(supported: FluxTransformer2DModel, MiniMaxH3Transformer3DModel)",
-                        cls);
+                        mdt_escape(cls, shown, sizeof shown));
     return MDT_OK;
 }
 

@@ -251,5 +251,29 @@ MESHDIT_CPU_GEMM=cublas expect_error cpu-gemm-unknown 1 "CPU GEMM 'cublas': no s
 expect_error bad-device 2 "--device must be cpu or cuda" -- "$BIN" run --checkpoint x --inputs y \
     --out "$T/out.safetensors" --device tpu
 
+# ---- hostile checkpoint files: names, paths, non-regular files, sizes ----
+# write_st PATH HEADER NDATA: a safetensors file with that JSON header and NDATA zero data bytes
+write_st() {
+    local n; n=$(printf '%s' "$2" | wc -c)
+    printf "$(printf '\\%03o' $((n & 255)) $(((n >> 8) & 255)) $(((n >> 16) & 255)) $(((n >> 24) & 255)) 0 0 0 0)" >"$1"
+    printf '%s' "$2" >>"$1"
+    head -c "$3" /dev/zero >>"$1"
+}
+# strings from files are escaped in messages: a newline or a terminal escape in a tensor name,
+# a dtype or _class_name never forges a second "meshdit: error:" line
+mkdir -p "$T/esc"
+cp "$DATA/flux_tiny/config.json" "$T/esc/"
+write_st "$T/esc/diffusion_pytorch_model.safetensors" \
+    '{"w\nmeshdit: error: forged\u001b[31m":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}' 4
+expect_error escaped-tensor-name 1 "tensor 'w\\\\x0ameshdit: error: forged\\\\x1b\\[31m'" -- \
+    "$BIN" run --checkpoint "$T/esc" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+write_st "$T/esc/diffusion_pytorch_model.safetensors" \
+    '{"w":{"dtype":"F32\nmeshdit: error: forged","shape":[1],"data_offsets":[0,4]}}' 4
+expect_error escaped-dtype 1 "dtype 'F32\\\\x0ameshdit: error: forged'" -- \
+    "$BIN" inspect --checkpoint "$T/esc"
+printf '{"_class_name": "Flux\\nmeshdit: error: forged\\u001b[0m"}' >"$T/esc/config.json"
+expect_error escaped-class-name 1 "model class 'Flux\\\\x0ameshdit: error: forged\\\\x1b\\[0m'" -- \
+    "$BIN" inspect --config "$T/esc/config.json"
+
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]

@@ -272,6 +272,77 @@ static void test_checkpoint_dirs(void) {
     EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT, "invalid JSON");
 }
 
+/* Names from files reach messages escaped: one line, no terminal commands, nothing forged. */
+static void expect_one_line(const char *what) {
+    const char *m = mdt_last_error();
+    EXPECT(!strchr(m, '\n') && !strchr(m, '\r') && !strchr(m, '\x1b'),
+           "%s: message holds a raw control byte: '%s'", what, m);
+}
+
+static void test_escaped_names(void) {
+    mdt_st_file *f = NULL;
+    /* a malformed entry named with a newline, a forged error line and a colour escape */
+    write_raw(tpath("esc_name.safetensors"),
+              "{\"w\\nmeshdit: error: forged\\u001b[31m\":{\"dtype\":\"F32\",\"shape\":[2],"
+              "\"data_offsets\":[0,4]}}",
+              -1, 4);
+    EXPECT_ERR(mdt_st_open(tpath("esc_name.safetensors"), &f), MDT_E_FORMAT,
+               "tensor 'w\\x0ameshdit: error: forged\\x1b[31m'", "needs 8");
+    expect_one_line("tensor name");
+    /* an unknown dtype string */
+    write_raw(tpath("esc_dtype.safetensors"),
+              "{\"w\":{\"dtype\":\"F32\\r\\nmeshdit: error: x\",\"shape\":[1],"
+              "\"data_offsets\":[0,4]}}",
+              -1, 4);
+    EXPECT_ERR(mdt_st_open(tpath("esc_dtype.safetensors"), &f), MDT_E_FORMAT,
+               "dtype 'F32\\x0d\\x0ameshdit: error: x'");
+    expect_one_line("dtype");
+    /* a metadata key whose value is not a string */
+    write_raw(tpath("esc_meta.safetensors"),
+              "{\"__metadata__\":{\"k\\n\\u001b]0;title\\u0007\":3},\"w\":{\"dtype\":\"F32\","
+              "\"shape\":[1],\"data_offsets\":[0,4]}}",
+              -1, 4);
+    EXPECT_ERR(mdt_st_open(tpath("esc_meta.safetensors"), &f), MDT_E_FORMAT,
+               "'k\\x0a\\x1b]0;title\\x07'");
+    expect_one_line("metadata key");
+    /* overlapping tensors (both names in the message), and a duplicate name */
+    write_raw(tpath("esc_overlap.safetensors"),
+              "{\"a\\n\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+              "\"b\\u001b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
+              -1, 12);
+    EXPECT_ERR(mdt_st_open(tpath("esc_overlap.safetensors"), &f), MDT_E_FORMAT, "'a\\x0a'",
+               "'b\\x1b'");
+    expect_one_line("overlap");
+    write_raw(tpath("esc_dup.safetensors"),
+              "{\"a\\n\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+              "\"a\\n\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
+              -1, 8);
+    EXPECT_ERR(mdt_st_open(tpath("esc_dup.safetensors"), &f), MDT_E_FORMAT, "'a\\x0a'", "twice");
+    expect_one_line("duplicate");
+    /* a shard name from the index, and the names of an index entry */
+    char d[400], p[600];
+    snprintf(d, sizeof d, "%s/esc_ckpt", g_dir);
+    mkdir(d, 0777);
+    snprintf(p, sizeof p, "%s/config.json", d);
+    write_text(p, "{\"_class_name\": \"FluxTransformer2DModel\"}");
+    snprintf(p, sizeof p, "%s/s1.safetensors", d);
+    write_raw(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", -1, 8);
+    snprintf(p, sizeof p, "%s/diffusion_pytorch_model.safetensors.index.json", d);
+    mdt_ckpt *c = NULL;
+    write_text(p, "{\"weight_map\": {\"a\": \"s\\n\\u001b[31m.safetensors\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_NOTFOUND, "s\\x0a\\x1b[31m.safetensors", "missing");
+    expect_one_line("missing shard");
+    write_text(p, "{\"weight_map\": {\"a\\n\\u001b[31m\": \"s1.safetensors\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_NOTFOUND, "'a\\x0a\\x1b[31m'", "lacks");
+    expect_one_line("tensor the shard lacks");
+    write_text(p, "{\"weight_map\": {\"a\\n\": 3}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT, "weight_map['a\\x0a']");
+    expect_one_line("weight_map value");
+    write_text(p, "{\"weight_map\": {\"a\": \"x/\\n\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT, "'x/\\x0a'", "not a plain file name");
+    expect_one_line("shard name");
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_io_XXXXXX");
     if (!mkdtemp(g_dir))
@@ -281,6 +352,7 @@ int main(void) {
     test_roundtrip();
     test_malformed();
     test_checkpoint_dirs();
+    test_escaped_names();
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0)
