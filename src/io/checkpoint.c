@@ -11,6 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include "io/file.h"
 
 enum { MDT_CKPT_SHOWN = 4096 }; /* room for a path as messages show it */
 
@@ -27,43 +30,55 @@ static int file_exists(const char *path) {
     return stat(path, &sb) == 0;
 }
 
-/* Reads a whole small text file (JSON) into a NUL-terminated buffer. */
-static mdt_status read_text(const char *path, char **out) {
+/* Reads a whole small text file (JSON) into a NUL-terminated buffer; *len is its length. */
+static mdt_status read_text(const char *path, char **out, size_t *len) {
+    char shown[4096];
+    struct stat sb;
+    int fd;
     *out = NULL;
-    FILE *fp = fopen(path, "rb");
-    if (!fp)
-        return MDT_FAIL(errno == ENOENT ? MDT_E_NOTFOUND : MDT_E_IO, "%s: cannot open: %s", path,
-                        strerror(errno));
-    if (fseek(fp, 0, SEEK_END) != 0) {
-        fclose(fp);
-        return MDT_FAIL(MDT_E_IO, "%s: cannot seek", path);
+    MDT_TRY(mdt_file_open_read(path, MDT_E_NOTFOUND, &fd));
+    mdt_escape(path, shown, sizeof shown);
+    if (fstat(fd, &sb) != 0) {
+        close(fd);
+        return MDT_FAIL(MDT_E_IO, "%s: cannot stat: %s", shown, strerror(errno));
     }
-    long len = ftell(fp);
-    if (len < 0 || len > 256L * 1024 * 1024) {
-        fclose(fp);
-        return MDT_FAIL(MDT_E_FORMAT, "%s: unreasonable size for a JSON file", path);
+    if (sb.st_size > MDT_JSON_MAX_BYTES) {
+        close(fd);
+        return MDT_FAIL(MDT_E_FORMAT, "%s: %lld bytes is over the %lld MiB limit for a JSON file",
+                        shown, (long long)sb.st_size, MDT_JSON_MAX_BYTES >> 20);
     }
-    rewind(fp);
-    char *buf = mdt_alloc((size_t)len + 1);
+    size_t n = (size_t)sb.st_size, got = 0;
+    char *buf = mdt_alloc(n + 1);
     if (!buf) {
-        fclose(fp);
+        close(fd);
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     }
-    size_t got = fread(buf, 1, (size_t)len, fp);
-    fclose(fp);
-    if (got != (size_t)len) {
-        mdt_free(buf);
-        return MDT_FAIL(MDT_E_IO, "%s: short read", path);
+    while (got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            mdt_status st =
+                MDT_FAIL(MDT_E_IO, "%s: %s", shown,
+                         r < 0 ? strerror(errno) : "file ends early (changed while read?)");
+            close(fd);
+            mdt_free(buf);
+            return st;
+        }
+        got += (size_t)r;
     }
-    buf[len] = 0;
+    close(fd);
+    buf[n] = 0;
     *out = buf;
+    *len = n;
     return MDT_OK;
 }
 
 static mdt_status parse_json_file(const char *path, cJSON **out) {
     char *txt;
+    size_t len;
     *out = NULL;
-    MDT_TRY(read_text(path, &txt));
+    MDT_TRY(read_text(path, &txt, &len));
     const char *endp = NULL;
     cJSON *j = cJSON_ParseWithOpts(txt, &endp, 1);
     if (!j) {

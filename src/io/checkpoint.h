@@ -16,6 +16,8 @@ typedef struct cJSON cJSON;
 
 #define MDT_CKPT_WEIGHTS "diffusion_pytorch_model.safetensors"
 #define MDT_CKPT_INDEX "diffusion_pytorch_model.safetensors.index.json"
+/* Largest config.json or index.json read. */
+#define MDT_JSON_MAX_BYTES (256LL << 20)
 
 typedef struct mdt_ckpt_ref {
     const char *name; /* borrowed from the entry */

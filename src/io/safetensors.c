@@ -7,6 +7,8 @@
 #define _POSIX_C_SOURCE 200809L
 #include "safetensors.h"
 
+#include "io/file.h"
+
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -205,12 +207,9 @@ done:
 }
 
 mdt_status mdt_st_open(const char *path, mdt_st_file **out) {
-    char shown[4096];
+    int fd;
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return MDT_FAIL(MDT_E_IO, "%s: cannot open: %s", mdt_escape(path, shown, sizeof shown),
-                        strerror(errno));
+    MDT_TRY(mdt_file_open_read(path, MDT_E_IO, &fd));
     return mdt_st_open_fd(fd, path, out);
 }
 

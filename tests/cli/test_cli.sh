@@ -275,5 +275,28 @@ printf '{"_class_name": "Flux\\nmeshdit: error: forged\\u001b[0m"}' >"$T/esc/con
 expect_error escaped-class-name 1 "model class 'Flux\\\\x0ameshdit: error: forged\\\\x1b\\[0m'" -- \
     "$BIN" inspect --config "$T/esc/config.json"
 
+# a FIFO as config.json, index, shard or --inputs, or a directory as config.json: one line naming
+# the path, at once (before the fix they blocked in open() forever; timeout turns that into 124)
+mkdir -p "$T/fifo"
+cp "$DATA/flux_bf16_sharded/"*.json "$DATA/flux_bf16_sharded/"*.safetensors "$T/fifo/"
+FIFOARGS=(run --checkpoint "$T/fifo" --inputs "$DATA/flux_bf16_sharded/inputs.safetensors" --out "$T/out.safetensors")
+for f in config.json diffusion_pytorch_model.safetensors.index.json \
+         diffusion_pytorch_model-00002-of-00002.safetensors; do
+    mv "$T/fifo/$f" "$T/fifo/$f.keep" && mkfifo "$T/fifo/$f"
+    expect_error "fifo-$f" 1 "$f: not a regular file (a FIFO)" -- timeout 20 "$BIN" "${FIFOARGS[@]}"
+    rm "$T/fifo/$f" && mv "$T/fifo/$f.keep" "$T/fifo/$f"
+done
+mkfifo "$T/fifo/in.safetensors"
+expect_error fifo-inputs 1 "in.safetensors: not a regular file (a FIFO)" -- timeout 20 "$BIN" run \
+    --checkpoint "$T/fifo" --inputs "$T/fifo/in.safetensors" --out "$T/out.safetensors"
+expect_error fifo-compare 1 "in.safetensors: not a regular file" -- timeout 20 "$BIN" compare \
+    "$T/fifo/in.safetensors" "$DATA/flux_tiny/expected.safetensors"
+expect_error fifo-config 1 "in.safetensors: not a regular file" -- timeout 20 "$BIN" inspect \
+    --config "$T/fifo/in.safetensors"
+mpi_error fifo-inputs-2-ranks 2 "in.safetensors: not a regular file (a FIFO)" -- run --checkpoint \
+    "$T/fifo" --inputs "$T/fifo/in.safetensors" --out "$T/out.safetensors" --tp 2
+mv "$T/fifo/config.json" "$T/fifo/config.json.keep" && mkdir "$T/fifo/config.json"
+expect_error dir-config 1 "config.json: not a regular file (a directory)" -- "$BIN" "${FIFOARGS[@]}"
+rmdir "$T/fifo/config.json" && mv "$T/fifo/config.json.keep" "$T/fifo/config.json"
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]

@@ -343,6 +343,59 @@ static void test_escaped_names(void) {
     expect_one_line("shard name");
 }
 
+/* FIFOs, directories and other non-regular files are refused at once, never opened for a
+ * blocking read (an alarm ends the test if anything hangs); symlinks to regular files are fine. */
+static void test_non_regular(void) {
+    char d[400], p[600], q[600];
+    mdt_st_file *f = NULL;
+    mdt_ckpt *c = NULL;
+    cJSON *j = NULL;
+    alarm(20);
+    EXPECT(mkfifo(tpath("fifo.safetensors"), 0600) == 0, "mkfifo");
+    EXPECT_ERR(mdt_st_open(tpath("fifo.safetensors"), &f), MDT_E_IO, "fifo.safetensors",
+               "not a regular file (a FIFO)");
+    EXPECT_ERR(mdt_tensor_set_load(tpath("fifo.safetensors"), &(mdt_tensor_set *){NULL}), MDT_E_IO,
+               "not a regular file");
+    mkdir(tpath("dir.safetensors"), 0777);
+    EXPECT_ERR(mdt_st_open(tpath("dir.safetensors"), &f), MDT_E_IO, "dir.safetensors",
+               "not a regular file (a directory)");
+    EXPECT_ERR(mdt_st_open("/dev/null", &f), MDT_E_IO, "/dev/null", "(a character device)");
+    EXPECT_ERR(mdt_config_load(tpath("fifo.safetensors"), &j), MDT_E_IO, "(a FIFO)");
+    /* a checkpoint directory: config.json, the index or a shard as a FIFO, config.json as a
+     * directory (not "unreasonable size"), shards as symlinks (allowed: Hugging Face caches) */
+    snprintf(d, sizeof d, "%s/nonreg", g_dir);
+    mkdir(d, 0777);
+    snprintf(p, sizeof p, "%s/config.json", d);
+    EXPECT(mkfifo(p, 0600) == 0, "mkfifo config.json");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_IO, "config.json: not a regular file (a FIFO)");
+    unlink(p);
+    mkdir(p, 0777);
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_IO, "config.json: not a regular file (a directory)");
+    rmdir(p);
+    write_text(p, "{\"_class_name\": \"FluxTransformer2DModel\"}");
+    snprintf(p, sizeof p, "%s/diffusion_pytorch_model.safetensors", d);
+    EXPECT(mkfifo(p, 0600) == 0, "mkfifo weights");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_IO,
+               "diffusion_pytorch_model.safetensors: not a regular file (a FIFO)");
+    unlink(p);
+    snprintf(q, sizeof q, "%s/blob", g_dir);
+    write_raw(q, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", -1, 8);
+    snprintf(p, sizeof p, "%s/s1.safetensors", d);
+    EXPECT(symlink(q, p) == 0, "symlink shard");
+    snprintf(p, sizeof p, "%s/s2.safetensors", d);
+    EXPECT(symlink(tpath("fifo.safetensors"), p) == 0, "symlink to a FIFO");
+    snprintf(p, sizeof p, "%s/diffusion_pytorch_model.safetensors.index.json", d);
+    EXPECT(mkfifo(p, 0600) == 0, "mkfifo index");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_IO, "index.json: not a regular file (a FIFO)");
+    unlink(p);
+    write_text(p, "{\"weight_map\": {\"a\": \"s1.safetensors\"}}");
+    EXPECT_OK(mdt_ckpt_open(d, &c)); /* a symlinked shard */
+    mdt_ckpt_close(c);
+    write_text(p, "{\"weight_map\": {\"a\": \"s1.safetensors\", \"b\": \"s2.safetensors\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_IO, "s2.safetensors: not a regular file (a FIFO)");
+    alarm(0);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_io_XXXXXX");
     if (!mkdtemp(g_dir))
@@ -353,6 +406,7 @@ int main(void) {
     test_malformed();
     test_checkpoint_dirs();
     test_escaped_names();
+    test_non_regular();
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0)
