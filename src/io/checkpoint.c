@@ -1,6 +1,9 @@
 /*
  * checkpoint.c — see checkpoint.h. Shard names from the index are file names inside the
- * checkpoint directory: a name with '/' or a leading '.' is refused (no path escapes).
+ * checkpoint directory: a name with '/' (so any absolute path), a leading '.' (so "..") or none
+ * at all is refused, so the index cannot name a path outside it. A shard that is a symlink is
+ * followed wherever it points: Hugging Face caches link every shard to a blob elsewhere, and the
+ * safetensors reader validates whatever file it reaches.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "checkpoint.h"

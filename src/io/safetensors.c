@@ -237,19 +237,36 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
                            "%s: %lld bytes is too short for a safetensors file (needs an 8-byte "
                            "header length)",
                            path, (long long)f->file_size));
-    unsigned char lenb[8];
-    MDT_CHECK(pread_all(f->fd, lenb, 8, 0, path, "header length"));
+    /* The 8-byte length and the first header byte, which must open a JSON object: a file where
+     * either is impossible is not a safetensors file at all, and its bytes are never echoed. */
+    unsigned char lenb[9];
+    const int64_t nlen = f->file_size >= 9 ? 9 : 8;
+    MDT_CHECK(pread_all(f->fd, lenb, nlen, 0, path, "header length"));
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--)
         hlen = (hlen << 8) | lenb[i];
+    const int json_next = nlen == 9 && lenb[8] == '{';
+    if ((int64_t)hlen > f->file_size - 8 || hlen > (uint64_t)f->file_size) {
+        if (json_next && hlen <= (uint64_t)MDT_ST_MAX_HEADER)
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                               "%s: header length %llu runs past the end of the file (%lld bytes; "
+                               "truncated?)",
+                               path, (unsigned long long)hlen, (long long)f->file_size));
+        MDT_CHECK(
+            MDT_FAIL(MDT_E_FORMAT,
+                     "%s: not a safetensors file: header length %llu is impossible for a "
+                     "file of %lld bytes%s",
+                     path, (unsigned long long)hlen, (long long)f->file_size,
+                     hlen > (uint64_t)MDT_ST_MAX_HEADER ? " (and over the 100 MB limit)" : ""));
+    }
     if (hlen > (uint64_t)MDT_ST_MAX_HEADER)
         MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header length %llu exceeds the 100 MB limit", path,
                            (unsigned long long)hlen));
-    if ((int64_t)hlen > f->file_size - 8)
+    if (hlen >= 1 && !json_next)
         MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
-                           "%s: header length %llu runs past the end of the file (%lld bytes; "
-                           "truncated?)",
-                           path, (unsigned long long)hlen, (long long)f->file_size));
+                           "%s: not a safetensors file: the header is not a JSON object (must "
+                           "start with '{')",
+                           path));
     if (hlen < 2)
         MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header of %llu bytes cannot hold a JSON object", path,
                            (unsigned long long)hlen));

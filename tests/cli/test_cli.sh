@@ -298,5 +298,25 @@ mpi_error fifo-inputs-2-ranks 2 "in.safetensors: not a regular file (a FIFO)" --
 mv "$T/fifo/config.json" "$T/fifo/config.json.keep" && mkdir "$T/fifo/config.json"
 expect_error dir-config 1 "config.json: not a regular file (a directory)" -- "$BIN" "${FIFOARGS[@]}"
 rmdir "$T/fifo/config.json" && mv "$T/fifo/config.json.keep" "$T/fifo/config.json"
+# shard names are plain file names in the checkpoint directory; a symlinked shard is followed
+# (Hugging Face caches), but one that is not a safetensors file says so, without its bytes
+mkdir -p "$T/paths"
+cp "$DATA/flux_bf16_sharded/"*.json "$DATA/flux_bf16_sharded/"*.safetensors "$T/paths/"
+IDX="$T/paths/diffusion_pytorch_model.safetensors.index.json"
+cp "$IDX" "$T/paths.index.keep"
+PATHARGS=(run --checkpoint "$T/paths" --inputs "$DATA/flux_bf16_sharded/inputs.safetensors" --out "$T/out.safetensors")
+for name in /etc/passwd ../flux_tiny/diffusion_pytorch_model.safetensors ..; do
+    sed "s|diffusion_pytorch_model-00002-of-00002.safetensors|$name|" "$T/paths.index.keep" >"$IDX"
+    expect_error "shard-name-$name" 1 "shard name '$name' is not a plain file name" -- "$BIN" "${PATHARGS[@]}"
+done
+cp "$T/paths.index.keep" "$IDX"
+S2=diffusion_pytorch_model-00002-of-00002.safetensors
+mv "$T/paths/$S2" "$T/blob-s2" && ln -s "$T/blob-s2" "$T/paths/$S2"
+if "$BIN" "${PATHARGS[@]}" --quiet; then ok; else bad "a symlinked shard is refused"; fi
+printf 'root:x:0:0:root:/root:/bin/bash\n' >"$T/text-file"
+ln -sf "$T/text-file" "$T/paths/$S2"
+expect_error shard-not-safetensors 1 "$S2: not a safetensors file: header length [0-9]* is impossible for a file of 32 bytes" -- \
+    "$BIN" "${PATHARGS[@]}"
+grep -q 'root' "$T/stderr" && bad "shard-not-safetensors: the file's bytes are echoed: $(cat "$T/stderr")"
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]

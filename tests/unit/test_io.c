@@ -396,6 +396,49 @@ static void test_non_regular(void) {
     alarm(0);
 }
 
+/* Shard names are plain file names in the checkpoint directory; a shard may be a symlink (Hugging
+ * Face caches), but a file that is not safetensors is named as such and its bytes never echoed. */
+static void test_shard_paths(void) {
+    char d[400], p[600], q[600];
+    mdt_ckpt *c = NULL;
+    mdt_st_file *f = NULL;
+    snprintf(d, sizeof d, "%s/paths", g_dir);
+    mkdir(d, 0777);
+    snprintf(p, sizeof p, "%s/config.json", d);
+    write_text(p, "{\"_class_name\": \"FluxTransformer2DModel\"}");
+    snprintf(p, sizeof p, "%s/diffusion_pytorch_model.safetensors.index.json", d);
+    const char *bad[] = {"../x.safetensors", "/etc/passwd",        "..", ".", "",
+                         "a/b.safetensors",  ".hidden.safetensors"};
+    for (int i = 0; i < (int)(sizeof bad / sizeof *bad); i++) {
+        char idx[300];
+        snprintf(idx, sizeof idx, "{\"weight_map\": {\"a\": \"%s\"}}", bad[i]);
+        write_text(p, idx);
+        EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT, "not a plain file name");
+    }
+    /* a text file, directly and through a symlinked shard: not safetensors, bytes not shown */
+    snprintf(q, sizeof q, "%s/passwd", g_dir);
+    write_text(q, "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin\n");
+    EXPECT_ERR(mdt_st_open(q, &f), MDT_E_FORMAT, "passwd: not a safetensors file: header length",
+               "is impossible for a file of 62 bytes");
+    EXPECT(!strstr(mdt_last_error(), "root"), "file bytes echoed: %s", mdt_last_error());
+    snprintf(q, sizeof q, "%s/passwd_link.safetensors", d);
+    snprintf(p, sizeof p, "%s/passwd", g_dir);
+    EXPECT(symlink(p, q) == 0, "symlink");
+    snprintf(p, sizeof p, "%s/diffusion_pytorch_model.safetensors.index.json", d);
+    write_text(p, "{\"weight_map\": {\"a\": \"passwd_link.safetensors\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT,
+               "passwd_link.safetensors: not a safetensors file");
+    /* a plausible length, but no JSON object after it */
+    write_raw(tpath("binary.safetensors"),
+              "\x7f"
+              "ELF\x02\x01\x01",
+              7, 100);
+    EXPECT_ERR(mdt_st_open(tpath("binary.safetensors"), &f), MDT_E_FORMAT,
+               "not a safetensors file: the header is not a JSON object");
+    /* a length over the 100 MB cap in a file that could hold it would still say so */
+    expect_bad("hcap2.safetensors", "{}", 200000000, 0, MDT_E_FORMAT, "not a safetensors file");
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_io_XXXXXX");
     if (!mkdtemp(g_dir))
@@ -407,6 +450,7 @@ int main(void) {
     test_checkpoint_dirs();
     test_escaped_names();
     test_non_regular();
+    test_shard_paths();
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0)
