@@ -8,6 +8,7 @@
 #include "safetensors.h"
 
 #include "io/file.h"
+#include "io/json.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -276,19 +277,17 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "%s: out of memory for header", path));
     MDT_CHECK(pread_all(f->fd, hdr, (int64_t)hlen, 8, path, "header"));
     hdr[hlen] = 0;
-    if (hdr[0] != '{' || memchr(hdr, 0, hlen))
+    if (hdr[0] != '{')
         MDT_CHECK(
             MDT_FAIL(MDT_E_FORMAT, "%s: header is not a JSON object (must start with '{')", path));
-    const char *endp = NULL;
-    root = cJSON_ParseWithLengthOpts(hdr, hlen, &endp, 0);
-    if (!root || !cJSON_IsObject(root))
-        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header is not valid JSON (near byte %lld)", path,
-                           endp ? (long long)(endp - hdr) : -1LL));
-    for (const char *p = endp; p && p < hdr + hlen; p++)
-        if (*p != ' ')
-            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
-                               "%s: header has bytes other than space padding after the JSON",
-                               path));
+    char shown[4096 + 16];
+    snprintf(shown, sizeof shown, "%s: header", path);
+    mdt_json_stats js;
+    MDT_CHECK(mdt_json_check(hdr, hlen, shown, &js));
+    MDT_CHECK(mdt_json_build(hdr, hlen, path, "header is not valid JSON", 8, " ", &root));
+    if (!cJSON_IsObject(root))
+        MDT_CHECK(
+            MDT_FAIL(MDT_E_FORMAT, "%s: header is not a JSON object (must start with '{')", path));
     int64_t data_size = f->file_size - f->data_start;
     int nitems = cJSON_GetArraySize(root);
     f->entries = mdt_calloc(sizeof(mdt_st_entry) * (size_t)(nitems ? nitems : 1));

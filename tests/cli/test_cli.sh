@@ -318,5 +318,16 @@ ln -sf "$T/text-file" "$T/paths/$S2"
 expect_error shard-not-safetensors 1 "$S2: not a safetensors file: header length [0-9]* is impossible for a file of 32 bytes" -- \
     "$BIN" "${PATHARGS[@]}"
 grep -q 'root' "$T/stderr" && bad "shard-not-safetensors: the file's bytes are echoed: $(cat "$T/stderr")"
+# "\u0000" in a name is refused, never cut short; a tensor listed twice in the index is ambiguous
+rm -f "$T/paths/$S2" && mv "$T/blob-s2" "$T/paths/$S2"
+sed 's|"diffusion_pytorch_model-00002-of-00002.safetensors"|"diffusion_pytorch_model-00002-of-00002.safetensors\\u0000/../.."|' \
+    "$T/paths.index.keep" >"$IDX"
+expect_error shard-name-nul 1 "string 'diffusion_pytorch_model-00002-of-00002.safetensors' continues past a NUL" -- \
+    "$BIN" "${PATHARGS[@]}"
+sed 's|"weight_map": {|"weight_map": {"x_embedder.weight": "diffusion_pytorch_model-00002-of-00002.safetensors", |' \
+    "$T/paths.index.keep" >"$IDX"
+expect_error listed-twice 1 "tensor 'x_embedder.weight' is listed twice in weight_map" -- \
+    "$BIN" "${PATHARGS[@]}"
+cp "$T/paths.index.keep" "$IDX"
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]

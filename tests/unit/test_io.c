@@ -439,6 +439,78 @@ static void test_shard_paths(void) {
     expect_bad("hcap2.safetensors", "{}", 200000000, 0, MDT_E_FORMAT, "not a safetensors file");
 }
 
+/* "\u0000" inside a JSON string would be cut silently by every C string function after cJSON:
+ * refused wherever meshdit reads JSON. A tensor with two homes is ambiguous: refused too. */
+static void test_nul_and_ambiguous(void) {
+    mdt_st_file *f = NULL;
+    mdt_ckpt *c = NULL;
+    cJSON *j = NULL;
+    write_raw(tpath("nul_name.safetensors"),
+              "{\"x_embedder.weight\\u0000junk\":{\"dtype\":\"F32\",\"shape\":[1],"
+              "\"data_offsets\":[0,4]}}",
+              -1, 4);
+    EXPECT_ERR(mdt_st_open(tpath("nul_name.safetensors"), &f), MDT_E_FORMAT,
+               "nul_name.safetensors: header: string 'x_embedder.weight' continues past a NUL",
+               "line 1, column 20");
+    write_raw(tpath("nul_dtype.safetensors"),
+              "{\"w\":{\"dtype\":\"F32\\u0000x\",\"shape\":[1],\"data_offsets\":[0,4]}}", -1, 4);
+    EXPECT_ERR(mdt_st_open(tpath("nul_dtype.safetensors"), &f), MDT_E_FORMAT, "'F32'", "NUL");
+    write_raw(tpath("nul_meta.safetensors"),
+              "{\"__metadata__\":{\"format\":\"pt\\u0000x\"},\"w\":{\"dtype\":\"F32\","
+              "\"shape\":[1],\"data_offsets\":[0,4]}}",
+              -1, 4);
+    EXPECT_ERR(mdt_st_open(tpath("nul_meta.safetensors"), &f), MDT_E_FORMAT, "'pt'", "NUL");
+    /* a raw NUL byte in the header */
+    write_raw(tpath("nul_raw.safetensors"), "{\"w\":{\"dtype\":\"F32\",\"shape\":[1]}} ", 40, 10);
+    EXPECT_ERR(mdt_st_open(tpath("nul_raw.safetensors"), &f), MDT_E_FORMAT, "NUL byte");
+    /* an escaped backslash before "u0000" is an ordinary name */
+    write_raw(tpath("nul_not.safetensors"),
+              "{\"a\\\\u0000\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", -1, 4);
+    EXPECT_OK(mdt_st_open(tpath("nul_not.safetensors"), &f));
+    if (f) {
+        EXPECT(mdt_st_find(f, "a\\u0000") != NULL, "a name with a literal backslash-u0000");
+        mdt_st_close(f);
+    }
+    /* config.json */
+    write_text(tpath("nul_config.json"), "{\"_class_name\": \"FluxTransformer2DModel\\u0000x\"}");
+    EXPECT_ERR(mdt_config_load(tpath("nul_config.json"), &j), MDT_E_FORMAT,
+               "nul_config.json: string 'FluxTransformer2DModel' continues past a NUL");
+    FILE *fp = fopen(tpath("nul_config_raw.json"), "wb");
+    fwrite("{\"a\": 1}\0{\"b\": 2}", 1, 17, fp);
+    fclose(fp);
+    EXPECT_ERR(mdt_config_load(tpath("nul_config_raw.json"), &j), MDT_E_FORMAT,
+               "NUL byte at line 1, column 9 (byte 8)");
+    /* the index: a shard name with "\u0000/../..", a tensor name with "\u0000" */
+    char d[400], p[600];
+    snprintf(d, sizeof d, "%s/ambig", g_dir);
+    mkdir(d, 0777);
+    snprintf(p, sizeof p, "%s/config.json", d);
+    write_text(p, "{\"_class_name\": \"FluxTransformer2DModel\"}");
+    snprintf(p, sizeof p, "%s/s1.safetensors", d);
+    write_raw(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", -1, 8);
+    snprintf(p, sizeof p, "%s/s2.safetensors", d);
+    write_raw(p,
+              "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+              "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
+              -1, 8);
+    snprintf(p, sizeof p, "%s/diffusion_pytorch_model.safetensors.index.json", d);
+    write_text(p, "{\"weight_map\": {\"a\": \"s1.safetensors\\u0000/../..\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT, "'s1.safetensors' continues past a NUL");
+    write_text(p, "{\"weight_map\": {\"a\\u0000junk\": \"s1.safetensors\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT, "'a' continues past a NUL");
+    /* listed twice in weight_map (JSON allows the repeated key), or in two shards' headers */
+    write_text(p, "{\"weight_map\": {\"a\": \"s1.safetensors\", \"a\": \"s2.safetensors\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT, "tensor 'a' is listed twice in weight_map",
+               "'s1.safetensors' and 's2.safetensors'");
+    write_text(p, "{\"weight_map\": {\"a\": \"s1.safetensors\", \"b\": \"s2.safetensors\"}}");
+    EXPECT_ERR(mdt_ckpt_open(d, &c), MDT_E_FORMAT,
+               "tensor 'a' is in two shards, s1.safetensors and s2.safetensors");
+    snprintf(p, sizeof p, "%s/s2.safetensors", d);
+    write_raw(p, "{\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", -1, 4);
+    EXPECT_OK(mdt_ckpt_open(d, &c));
+    mdt_ckpt_close(c);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_io_XXXXXX");
     if (!mkdtemp(g_dir))
@@ -451,6 +523,7 @@ int main(void) {
     test_escaped_names();
     test_non_regular();
     test_shard_paths();
+    test_nul_and_ambiguous();
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0)
