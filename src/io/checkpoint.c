@@ -126,7 +126,7 @@ static mdt_status add_file(mdt_ckpt *c, const char *fname, int *idx) {
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     }
     memcpy(name, fname, strlen(fname) + 1);
-    mdt_status st = mdt_st_open(path, &c->files[c->nfiles]);
+    mdt_status st = mdt_st_open_budget(path, &c->opened, &c->files[c->nfiles]);
     mdt_free(path);
     if (st != MDT_OK) {
         mdt_free(name);
@@ -207,6 +207,11 @@ static mdt_status open_index(mdt_ckpt *c, const char *index_path) {
                            c->dir_shown, MDT_CKPT_INDEX));
     const cJSON *kv;
     int n = cJSON_GetArraySize(wm); /* every member (a repeated key counts twice) */
+    if (n > MDT_ST_MAX_TOTAL_ENTRIES)
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                           "%s/%s: weight_map lists %d tensors, over the limit of %d per "
+                           "checkpoint",
+                           c->dir_shown, MDT_CKPT_INDEX, n, MDT_ST_MAX_TOTAL_ENTRIES));
     pairs = mdt_alloc(sizeof(wm_pair) * (size_t)(n ? n : 1));
     c->refs = mdt_calloc(sizeof(mdt_ckpt_ref) * (size_t)(n ? n : 1));
     if (!pairs || !c->refs)

@@ -16,8 +16,9 @@ typedef struct cJSON cJSON;
 
 #define MDT_CKPT_WEIGHTS "diffusion_pytorch_model.safetensors"
 #define MDT_CKPT_INDEX "diffusion_pytorch_model.safetensors.index.json"
-/* Largest config.json or index.json read. */
-#define MDT_JSON_MAX_BYTES (256LL << 20)
+/* Largest config.json or index.json read (a real index of ~100,000 tensors is ~10 MB): with the
+ * limits of safetensors.h and json.h, what opening a checkpoint may cost is bounded (errors.md). */
+#define MDT_JSON_MAX_BYTES (64LL << 20)
 
 typedef struct mdt_ckpt_ref {
     const char *name; /* borrowed from the entry */
@@ -31,7 +32,8 @@ typedef struct mdt_ckpt {
     cJSON *config;
     int nfiles;
     mdt_st_file **files;
-    char **shard_names; /* [nfiles] the file names as the index gives them (raw) */
+    char **shard_names;   /* [nfiles] the file names as the index gives them (raw) */
+    mdt_st_budget opened; /* header bytes and tensor entries over all the shards */
     int n;
     mdt_ckpt_ref *refs; /* sorted by name */
 } mdt_ckpt;

@@ -20,6 +20,16 @@ static void line_col(const char *text, size_t at, int64_t *line, int64_t *col) {
     }
 }
 
+/* Stops at the first value over the limit: refusing a hostile text costs a pass over the first
+ * ~MDT_JSON_MAX_VALUES values of it, not over all of it. */
+static mdt_status too_many(const char *shown, size_t at, size_t len) {
+    return MDT_FAIL(MDT_E_FORMAT,
+                    "%s: more than %lld JSON values, the limit per file (a parse tree over ~%lld "
+                    "MiB); counted by byte %zu of %zu",
+                    shown, MDT_JSON_MAX_VALUES,
+                    (long long)((MDT_JSON_MAX_VALUES * MDT_JSON_VALUE_BYTES) >> 20), at, len);
+}
+
 mdt_status mdt_json_check(const char *text, size_t len, const char *shown, mdt_json_stats *st) {
     int64_t commas = 0, containers = 0, top_commas = 0, depth = 0;
     int in_str = 0, top_any = 0;
@@ -68,12 +78,16 @@ mdt_status mdt_json_check(const char *text, size_t len, const char *shown, mdt_j
             containers++;
             top_any |= depth == 1;
             depth++;
+            if (1 + commas + containers > MDT_JSON_MAX_VALUES)
+                return too_many(shown, i, len);
             break;
         case '}':
         case ']': depth--; break;
         case ',':
             commas++;
             top_commas += depth == 1;
+            if (1 + commas + containers > MDT_JSON_MAX_VALUES)
+                return too_many(shown, i, len);
             break;
         case ' ':
         case '\t':

@@ -19,14 +19,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static char *dup_str(const char *s) {
-    size_t n = strlen(s) + 1;
-    char *d = mdt_alloc(n);
-    if (d)
-        memcpy(d, s, n);
-    return d;
-}
-
 /* `path` as messages show it (mdt_escape), in a block of its own; NULL when out of memory. */
 static char *dup_shown(const char *path) {
     size_t n = 4 * strlen(path) + 8; /* every byte as \xNN at worst */
@@ -136,7 +128,32 @@ static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e
     return MDT_OK;
 }
 
-static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item) {
+/* Copies `s` into the file's string block (sized by pool_size beforehand). One block per file
+ * instead of one allocation per name keeps a file's tables near its header's size. */
+static char *pool_put(mdt_st_file *f, size_t *used, const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = f->strings + *used;
+    memcpy(d, s, n);
+    *used += n;
+    return d;
+}
+
+/* Bytes of every name, metadata key and metadata value in the header, with their NULs. */
+static size_t pool_size(const cJSON *root) {
+    size_t n = 1;
+    const cJSON *item, *kv;
+    cJSON_ArrayForEach(item, root) {
+        n += strlen(item->string) + 1;
+        if (strcmp(item->string, "__metadata__") == 0 && cJSON_IsObject(item))
+            cJSON_ArrayForEach(kv, item) {
+                n +=
+                    strlen(kv->string) + 1 + (cJSON_IsString(kv) ? strlen(kv->valuestring) + 1 : 0);
+            }
+    }
+    return n;
+}
+
+static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item, size_t *used) {
     if (!cJSON_IsObject(item))
         return MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ is not a JSON object", f->path);
     int n = cJSON_GetArraySize(item);
@@ -150,10 +167,8 @@ static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item) {
         if (!cJSON_IsString(kv))
             return MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ value for '%s' is not a string",
                             f->path, mdt_escape(kv->string, key, sizeof key));
-        f->meta_keys[f->n_meta] = dup_str(kv->string);
-        f->meta_vals[f->n_meta] = dup_str(kv->valuestring);
-        if (!f->meta_keys[f->n_meta] || !f->meta_vals[f->n_meta])
-            return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        f->meta_keys[f->n_meta] = pool_put(f, used, kv->string);
+        f->meta_vals[f->n_meta] = pool_put(f, used, kv->valuestring);
         f->n_meta++;
     }
     return MDT_OK;
@@ -208,13 +223,38 @@ done:
 }
 
 mdt_status mdt_st_open(const char *path, mdt_st_file **out) {
+    mdt_st_budget b = {0, 0, 0};
+    return mdt_st_open_budget(path, &b, out);
+}
+
+mdt_status mdt_st_open_budget(const char *path, mdt_st_budget *budget, mdt_st_file **out) {
     int fd;
     *out = NULL;
     MDT_TRY(mdt_file_open_read(path, MDT_E_IO, &fd));
-    return mdt_st_open_fd(fd, path, out);
+    return mdt_st_open_fd_budget(fd, path, budget, out);
 }
 
 mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
+    mdt_st_budget b = {0, 0, 0};
+    return mdt_st_open_fd_budget(fd, path, &b, out);
+}
+
+/* Fails when `n` more tensor entries would pass the per-file or the per-budget limit. */
+static mdt_status check_entries(const char *path, int64_t n, const mdt_st_budget *budget) {
+    if (n > MDT_ST_MAX_ENTRIES)
+        return MDT_FAIL(MDT_E_FORMAT, "%s: %lld tensor entries exceed the limit of %d per file",
+                        path, (long long)n, MDT_ST_MAX_ENTRIES);
+    if (budget->entries + n > MDT_ST_MAX_TOTAL_ENTRIES)
+        return MDT_FAIL(MDT_E_FORMAT,
+                        "%s: %lld tensor entries bring the checkpoint to %lld, over the limit of "
+                        "%d over all its shards",
+                        path, (long long)n, (long long)(budget->entries + n),
+                        MDT_ST_MAX_TOTAL_ENTRIES);
+    return MDT_OK;
+}
+
+mdt_status mdt_st_open_fd_budget(int fd, const char *path, mdt_st_budget *budget,
+                                 mdt_st_file **out) {
     mdt_status st = MDT_OK;
     char *hdr = NULL;
     cJSON *root = NULL;
@@ -263,6 +303,13 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
     if (hlen > (uint64_t)MDT_ST_MAX_HEADER)
         MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header length %llu exceeds the 100 MB limit", path,
                            (unsigned long long)hlen));
+    if (budget->header_bytes + (int64_t)hlen > MDT_ST_MAX_TOTAL_HEADER)
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                           "%s: a header of %llu bytes brings the checkpoint's headers to %lld "
+                           "bytes, over the limit of %lld MiB over all its shards",
+                           path, (unsigned long long)hlen,
+                           (long long)(budget->header_bytes + (int64_t)hlen),
+                           MDT_ST_MAX_TOTAL_HEADER >> 20));
     if (hlen >= 1 && !json_next)
         MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
                            "%s: not a safetensors file: the header is not a JSON object (must "
@@ -284,6 +331,16 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
     snprintf(shown, sizeof shown, "%s: header", path);
     mdt_json_stats js;
     MDT_CHECK(mdt_json_check(hdr, hlen, shown, &js));
+    /* top-level members, less a __metadata__ that may be among them: a bound before the tree
+     * (exact unless the key is spelt with escapes; the count after parsing is always exact) */
+    MDT_CHECK(
+        check_entries(path, js.top_members - (strstr(hdr, "\"__metadata__\"") != NULL), budget));
+    if (budget->json_values + js.values > MDT_ST_MAX_TOTAL_VALUES)
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                           "%s: %lld JSON values in the header bring the checkpoint to %lld, over "
+                           "the limit of %lld over all its shards",
+                           path, (long long)js.values, (long long)(budget->json_values + js.values),
+                           MDT_ST_MAX_TOTAL_VALUES));
     MDT_CHECK(mdt_json_build(hdr, hlen, path, "header is not valid JSON", 8, " ", &root));
     if (!cJSON_IsObject(root))
         MDT_CHECK(
@@ -291,24 +348,25 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
     int64_t data_size = f->file_size - f->data_start;
     int nitems = cJSON_GetArraySize(root);
     f->entries = mdt_calloc(sizeof(mdt_st_entry) * (size_t)(nitems ? nitems : 1));
-    if (!f->entries)
+    f->strings = mdt_alloc(pool_size(root));
+    if (!f->entries || !f->strings)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
     const cJSON *item;
     int saw_meta = 0;
+    size_t used = 0;
     cJSON_ArrayForEach(item, root) {
         if (strcmp(item->string, "__metadata__") == 0) {
             if (saw_meta++)
                 MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: duplicate __metadata__", path));
-            MDT_CHECK(parse_metadata(f, item));
+            MDT_CHECK(parse_metadata(f, item, &used));
             continue;
         }
         mdt_st_entry *e = &f->entries[f->n];
-        e->name = dup_str(item->string);
-        if (!e->name)
-            MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+        e->name = pool_put(f, &used, item->string);
         f->n++;
         MDT_CHECK(parse_entry(f, item, e, data_size));
     }
+    MDT_CHECK(check_entries(path, f->n, budget)); /* exact, now that __metadata__ is known */
     qsort(f->entries, (size_t)f->n, sizeof *f->entries, cmp_entry_name);
     char nm[MDT_ESC_NAME];
     for (int i = 1; i < f->n; i++)
@@ -316,6 +374,9 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
             MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: tensor '%s' appears twice in the header", path,
                                mdt_escape(f->entries[i].name, nm, sizeof nm)));
     MDT_CHECK(check_tiling(f, data_size));
+    budget->header_bytes += (int64_t)hlen;
+    budget->entries += f->n;
+    budget->json_values += js.values;
     cJSON_Delete(root);
     mdt_free(hdr);
     *out = f;
@@ -332,10 +393,7 @@ void mdt_st_close(mdt_st_file *f) {
         return;
     if (f->fd >= 0)
         close(f->fd);
-    for (int i = 0; i < f->n; i++)
-        mdt_free(f->entries[i].name);
-    for (int i = 0; i < f->n_meta; i++)
-        mdt_free(f->meta_keys[i]), mdt_free(f->meta_vals[i]);
+    mdt_free(f->strings);
     mdt_free(f->meta_keys);
     mdt_free(f->meta_vals);
     mdt_free(f->entries);

@@ -329,5 +329,13 @@ sed 's|"weight_map": {|"weight_map": {"x_embedder.weight": "diffusion_pytorch_mo
 expect_error listed-twice 1 "tensor 'x_embedder.weight' is listed twice in weight_map" -- \
     "$BIN" "${PATHARGS[@]}"
 cp "$T/paths.index.keep" "$IDX"
+# opening is bounded: a shard of 70,000 empty tensors is refused from a count over its header,
+# before any parse tree is built (the limit is 65,536 per file; docs/errors.md)
+mkdir -p "$T/many"
+cp "$DATA/flux_tiny/config.json" "$T/many/"
+write_st "$T/many/diffusion_pytorch_model.safetensors" "$(awk 'BEGIN { printf "{"; for (i = 0; i < 70000; i++)
+    printf "%s\"t%d\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}", i ? "," : "", i; printf "}" }')" 0
+expect_error too-many-tensors 1 "70000 tensor entries exceed the limit of 65536 per file" -- \
+    "$BIN" inspect --checkpoint "$T/many"
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]

@@ -3,7 +3,7 @@
  * Every malformed-file class the format can present gets its own file and must fail with
  * MDT_E_FORMAT/NOTFOUND and a message naming the file, the tensor and the problem.
  */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* memfd_create */
 #include "harness.h"
 #include "io/checkpoint.h"
 
@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -511,6 +512,163 @@ static void test_nul_and_ambiguous(void) {
     mdt_ckpt_close(c);
 }
 
+/* cJSON's allocations, counted through its hooks: a refused header must build no tree. */
+static size_t g_cjson_live, g_cjson_peak;
+static void *count_malloc(size_t n) {
+    size_t *p = malloc(n + sizeof(size_t) * 2);
+    if (!p)
+        return NULL;
+    p[0] = n;
+    g_cjson_live += n;
+    if (g_cjson_live > g_cjson_peak)
+        g_cjson_peak = g_cjson_live;
+    return p + 2;
+}
+static void count_free(void *q) {
+    if (!q)
+        return;
+    size_t *p = (size_t *)q - 2;
+    g_cjson_live -= p[0];
+    free(p);
+}
+
+/* A header of n >= 1 zero-size entries named by 6 hex digits, into a malloc'ed buffer; *len its
+ * length. One template copied and patched per entry (sprintf would make the test slow). */
+static char *zero_entries(long n, size_t *len) {
+    static const char entry[] =
+        ",\"000000\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}";
+    const size_t el = sizeof entry - 1;
+    char *h = malloc((size_t)n * el + 2), *p = h;
+    for (long i = 0; i < n; i++, p += el) {
+        memcpy(p, entry, el);
+        for (int k = 0; k < 6; k++)
+            p[7 - k] = "0123456789abcdef"[(i >> (4 * k)) & 15];
+    }
+    h[0] = '{'; /* in place of the first entry's comma */
+    *p++ = '}';
+    *p = 0;
+    *len = (size_t)(p - h);
+    return h;
+}
+
+static void write_header(const char *path, const char *h, size_t len) {
+    FILE *fp = fopen(path, "wb");
+    uint64_t hl = len;
+    fwrite(&hl, 8, 1, fp); /* little-endian hosts only, as the rest of this test */
+    fwrite(h, 1, len, fp);
+    fclose(fp);
+}
+
+/* Opening is bounded in memory and time: counts over the raw header are checked against the
+ * per-file limits before cJSON builds a tree, and a checkpoint's shards share one budget. */
+static void test_open_bounds(void) {
+    mdt_st_file *f = NULL;
+    mdt_ckpt *c = NULL;
+    cJSON *j = NULL;
+    size_t len;
+    cJSON_Hooks hooks = {count_malloc, count_free};
+    cJSON_InitHooks(&hooks);
+    /* the reported attack: ~1.7 M zero-size entries in a header just under the 100 MB cap (it
+     * cost 1.75 GB and 8 s): refused from the count alone, the header buffer is all it costs */
+    char *h = zero_entries(1700000, &len);
+    EXPECT(len < 100000000 && len > 90000000, "hostile header of %zu bytes", len);
+    int fd = memfd_create("many.safetensors", MFD_CLOEXEC); /* in memory: no disk time */
+    uint64_t hl = len;
+    EXPECT(fd >= 0 && write(fd, &hl, 8) == 8 && write(fd, h, len) == (ssize_t)len, "memfd");
+    free(h);
+    g_cjson_peak = 0;
+    mdt_mem_reset_peak();
+    int64_t live0 = mdt_mem_live();
+    double t0 = mdt_now();
+    EXPECT_ERR(mdt_st_open_fd(fd, "many.safetensors", &f), MDT_E_FORMAT, "many.safetensors",
+               "more than 1048576 JSON values, the limit per file");
+    double dt = mdt_now() - t0;
+    EXPECT(dt < 1.0, "refusing the hostile header took %.2f s", dt);
+    EXPECT(g_cjson_peak == 0, "cJSON allocated %zu bytes for a refused header", g_cjson_peak);
+    EXPECT(mdt_mem_peak() - live0 <= (int64_t)len + (1 << 20),
+           "opening held %lld bytes for a %zu-byte header", (long long)(mdt_mem_peak() - live0),
+           len);
+    /* more tensors than a file may hold: refused before the tree (the count is exact when no
+     * string "__metadata__" appears; otherwise it allows for one and counts again after) */
+    h = zero_entries(70000, &len);
+    write_header(tpath("entries.safetensors"), h, len);
+    free(h);
+    g_cjson_peak = 0;
+    EXPECT_ERR(mdt_st_open(tpath("entries.safetensors"), &f), MDT_E_FORMAT,
+               "entries.safetensors: 70000 tensor entries exceed the limit of 65536 per file");
+    EXPECT(g_cjson_peak == 0, "cJSON allocated %zu bytes for a refused header", g_cjson_peak);
+    h = zero_entries(MDT_ST_MAX_ENTRIES + 1, &len);
+    write_header(tpath("entries.safetensors"), h, len);
+    EXPECT_ERR(mdt_st_open(tpath("entries.safetensors"), &f), MDT_E_FORMAT,
+               "65537 tensor entries exceed the limit of 65536 per file");
+    EXPECT(g_cjson_peak == 0, "cJSON allocated %zu bytes for a refused header", g_cjson_peak);
+    /* at the limit, one entry being __metadata__: the count allows for it, then is exact */
+    memset(h + 1, ' ', 57); /* the first entry: 57 bytes after the '{' */
+    memcpy(h + 1, "\"__metadata__\":{\"format\":\"pt\"}", 30);
+    EXPECT(h[58] == ',', "metadata patched in place of the first entry");
+    write_header(tpath("entries.safetensors"), h, len);
+    free(h);
+    cJSON_InitHooks(NULL); /* a tree is built: plain malloc, faster */
+    EXPECT_OK(mdt_st_open(tpath("entries.safetensors"), &f));
+    EXPECT(f && f->n == MDT_ST_MAX_ENTRIES, "65536 entries open");
+    mdt_st_close(f);
+    f = NULL;
+    unlink(tpath("entries.safetensors"));
+    /* a checkpoint's budget: what is left of its totals, checked before the header is parsed */
+    const char *two = "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+                      "\"b\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[4,4]}}";
+    write_raw(tpath("two.safetensors"), two, -1, 4);
+    mdt_st_budget b = {0, MDT_ST_MAX_TOTAL_ENTRIES - 1, 0};
+    EXPECT_ERR(mdt_st_open_budget(tpath("two.safetensors"), &b, &f), MDT_E_FORMAT,
+               "two.safetensors: 2 tensor entries bring the checkpoint to 262145, over the limit "
+               "of 262144");
+    b = (mdt_st_budget){MDT_ST_MAX_TOTAL_HEADER - 50, 0, 0};
+    cJSON_InitHooks(&hooks);
+    g_cjson_peak = 0;
+    EXPECT_ERR(mdt_st_open_budget(tpath("two.safetensors"), &b, &f), MDT_E_FORMAT,
+               "brings the checkpoint's headers to", "over the limit of 128 MiB");
+    b = (mdt_st_budget){0, 0, MDT_ST_MAX_TOTAL_VALUES - 5};
+    EXPECT_ERR(mdt_st_open_budget(tpath("two.safetensors"), &b, &f), MDT_E_FORMAT,
+               "JSON values in the header bring the checkpoint to");
+    EXPECT(g_cjson_peak == 0, "cJSON allocated %zu bytes for refused headers", g_cjson_peak);
+    b = (mdt_st_budget){0, 0, 0};
+    EXPECT_OK(mdt_st_open_budget(tpath("two.safetensors"), &b, &f));
+    EXPECT(b.entries == 2 && b.header_bytes == (int64_t)strlen(two) && b.json_values == 15,
+           "budget after one file: %lld entries, %lld bytes, %lld values", (long long)b.entries,
+           (long long)b.header_bytes, (long long)b.json_values);
+    mdt_st_close(f);
+    /* the shards of one checkpoint share it */
+    char d[400], p[600];
+    snprintf(d, sizeof d, "%s/sharded", g_dir);
+    snprintf(p, sizeof p, "%s/diffusion_pytorch_model.safetensors.index.json", d);
+    write_text(p, "{\"weight_map\": {\"a\": \"s1.safetensors\", \"b\": \"s2.safetensors\"}}");
+    EXPECT_OK(mdt_ckpt_open(d, &c));
+    if (c) {
+        EXPECT(c->opened.entries == 2 && c->opened.header_bytes > 100, "budget over two shards");
+        mdt_ckpt_close(c);
+    }
+    /* config.json and the index: a size cap read from the inode (a sparse file costs nothing),
+     * and the value cap */
+    snprintf(p, sizeof p, "%s/big.json", g_dir);
+    write_text(p, "{}");
+    EXPECT(truncate(p, MDT_JSON_MAX_BYTES + 1) == 0, "truncate");
+    EXPECT_ERR(mdt_config_load(p, &j), MDT_E_FORMAT,
+               "big.json: 67108865 bytes is over the 64 MiB "
+               "limit for a JSON file");
+    h = malloc(3u << 20);
+    len = (size_t)sprintf(h, "{\"a\": [0");
+    for (int i = 0; i < (1 << 20); i++)
+        h[len++] = ',', h[len++] = '0';
+    h[len++] = ']', h[len++] = '}', h[len] = 0;
+    write_text(p, h);
+    free(h);
+    g_cjson_peak = 0;
+    EXPECT_ERR(mdt_config_load(p, &j), MDT_E_FORMAT,
+               "big.json: more than 1048576 JSON values, the limit per file");
+    EXPECT(g_cjson_peak == 0, "cJSON allocated %zu bytes for a refused config", g_cjson_peak);
+    cJSON_InitHooks(NULL);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_io_XXXXXX");
     if (!mkdtemp(g_dir))
@@ -524,6 +682,7 @@ int main(void) {
     test_non_regular();
     test_shard_paths();
     test_nul_and_ambiguous();
+    test_open_bounds();
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0)
