@@ -421,3 +421,23 @@ const char *mdt_cfg_str(const cJSON *cfg, const char *key) {
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
     return cJSON_IsString(j) ? j->valuestring : NULL;
 }
+
+static const char *json_type_name(const cJSON *j) {
+    return cJSON_IsNumber(j)   ? "a number"
+           : cJSON_IsBool(j)   ? "true or false"
+           : cJSON_IsArray(j)  ? "an array"
+           : cJSON_IsObject(j) ? "an object"
+                               : "another type";
+}
+
+mdt_status mdt_cfg_string(const cJSON *cfg, const char *key, const char **out) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
+    *out = NULL;
+    if (!j || cJSON_IsNull(j))
+        return MDT_OK;
+    if (!cJSON_IsString(j))
+        return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must be a string, not %s", key,
+                        json_type_name(j));
+    *out = j->valuestring;
+    return MDT_OK;
+}

@@ -116,7 +116,7 @@ mdt_status mdt_json_build(const char *text, size_t len, const char *shown, const
             return MDT_FAIL(MDT_E_NOMEM, "%s: out of memory parsing JSON", shown);
         size_t at = (size_t)(endp - text);
         line_col(text, at, &l, &co);
-        return MDT_FAIL(MDT_E_FORMAT, "%s: %s at line %lld, column %lld (byte %lld)", shown, err,
+        return MDT_FAIL(MDT_E_FORMAT, "%s: %s near line %lld, column %lld (byte %lld)", shown, err,
                         (long long)l, (long long)co, (long long)(base + (int64_t)at));
     }
     for (const char *p = endp; p && p < text + len; p++)

@@ -337,5 +337,16 @@ write_st "$T/many/diffusion_pytorch_model.safetensors" "$(awk 'BEGIN { printf "{
     printf "%s\"t%d\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}", i ? "," : "", i; printf "}" }')" 0
 expect_error too-many-tensors 1 "70000 tensor entries exceed the limit of 65536 per file" -- \
     "$BIN" inspect --checkpoint "$T/many"
+# messages that used to mislead: a wrong-typed _class_name is not "missing"; a JSON error gives
+# its line and column; an input dtype that cannot be read as numbers names the tensor
+printf '{"_class_name": 5}' >"$T/esc/config.json"
+expect_error class-name-type 1 "'_class_name' must be a string, not a number" -- \
+    "$BIN" inspect --config "$T/esc/config.json"
+printf '{\n  "_class_name": "FluxTransformer2DModel",\n  "num_layers": 1,,\n}\n' >"$T/esc/config.json"
+expect_error json-position 1 "config.json: invalid JSON near line 3, column 20 (byte 64)" -- \
+    "$BIN" inspect --config "$T/esc/config.json"
+write_st "$T/i16.safetensors" '{"encoder_hidden_states":{"dtype":"F32","shape":[1,48,32],"data_offsets":[0,6144]},"hidden_states":{"dtype":"F32","shape":[1,16,4],"data_offsets":[6144,6400]},"img_ids":{"dtype":"F32","shape":[16,3],"data_offsets":[6400,6592]},"pooled_projections":{"dtype":"F32","shape":[1,32],"data_offsets":[6592,6720]},"timestep":{"dtype":"I16","shape":[1],"data_offsets":[6720,6722]},"txt_ids":{"dtype":"F32","shape":[48,3],"data_offsets":[6722,7298]}}' 7298
+expect_error input-dtype 1 "inputs: tensor 'timestep' has dtype I16, which cannot be read as a number" -- \
+    "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$T/i16.safetensors" --out "$T/out.safetensors"
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]
