@@ -279,6 +279,7 @@ expect_error escaped-class-name 1 "model class 'Flux\\\\x0ameshdit: error: forge
 # the path, at once (before the fix they blocked in open() forever; timeout turns that into 124)
 mkdir -p "$T/fifo"
 cp "$DATA/flux_bf16_sharded/"*.json "$DATA/flux_bf16_sharded/"*.safetensors "$T/fifo/"
+S2FIFO=diffusion_pytorch_model-00002-of-00002.safetensors
 FIFOARGS=(run --checkpoint "$T/fifo" --inputs "$DATA/flux_bf16_sharded/inputs.safetensors" --out "$T/out.safetensors")
 for f in config.json diffusion_pytorch_model.safetensors.index.json \
          diffusion_pytorch_model-00002-of-00002.safetensors; do
@@ -295,6 +296,9 @@ expect_error fifo-config 1 "in.safetensors: not a regular file" -- timeout 20 "$
     --config "$T/fifo/in.safetensors"
 mpi_error fifo-inputs-2-ranks 2 "in.safetensors: not a regular file (a FIFO)" -- run --checkpoint \
     "$T/fifo" --inputs "$T/fifo/in.safetensors" --out "$T/out.safetensors" --tp 2
+mv "$T/fifo/$S2FIFO" "$T/fifo/$S2FIFO.keep" && mkfifo "$T/fifo/$S2FIFO"
+mpi_error fifo-shard-2-ranks 2 "$S2FIFO: not a regular file (a FIFO)" -- "${FIFOARGS[@]}" --tp 2
+rm "$T/fifo/$S2FIFO" && mv "$T/fifo/$S2FIFO.keep" "$T/fifo/$S2FIFO"
 mv "$T/fifo/config.json" "$T/fifo/config.json.keep" && mkdir "$T/fifo/config.json"
 expect_error dir-config 1 "config.json: not a regular file (a directory)" -- "$BIN" "${FIFOARGS[@]}"
 rmdir "$T/fifo/config.json" && mv "$T/fifo/config.json.keep" "$T/fifo/config.json"
