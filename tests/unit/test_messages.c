@@ -44,7 +44,7 @@ static void test_json_positions(void) {
     char file[128] = {0};
     size_t hl = strlen(hdr);
     file[0] = (char)hl;
-    memcpy(file + 8, hdr, hl);
+    memcpy(file + 8, hdr, hl + 1); /* the NUL lands in the (zero) data section */
     mdt_st_file *f = NULL;
     EXPECT_ERR(mdt_st_open(write_file("h.safetensors", file, 8 + hl + 4), &f), MDT_E_FORMAT,
                "header is not valid JSON near line 1, column 33 (byte 40)");
