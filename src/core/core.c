@@ -54,6 +54,75 @@ mdt_status mdt_fail_prefix(mdt_status code, const char *fmt, ...) {
     return code;
 }
 
+/* ---- escaping strings from files for messages ---- */
+/* Length of the well-formed UTF-8 sequence at s (2..4) and its code point, or 0 if there is none
+ * (stray continuation, overlong form, surrogate, beyond U+10FFFF, cut short). */
+static int utf8_seq(const unsigned char *s, uint32_t *cp) {
+    const unsigned char c = s[0];
+    int len;
+    uint32_t v, lo = 0x80, hi = 0xbf; /* the allowed range of the second byte */
+    if (c >= 0xc2 && c <= 0xdf)
+        len = 2, v = c & 0x1fu;
+    else if (c >= 0xe0 && c <= 0xef)
+        len = 3, v = c & 0x0fu, lo = c == 0xe0 ? 0xa0 : 0x80, hi = c == 0xed ? 0x9f : 0xbf;
+    else if (c >= 0xf0 && c <= 0xf4)
+        len = 4, v = c & 0x07u, lo = c == 0xf0 ? 0x90 : 0x80, hi = c == 0xf4 ? 0x8f : 0xbf;
+    else
+        return 0;
+    for (int i = 1; i < len; i++) {
+        if (s[i] < (i == 1 ? lo : 0x80) || s[i] > (i == 1 ? hi : 0xbf))
+            return 0; /* also stops at the terminating NUL */
+        v = (v << 6) | (s[i] & 0x3fu);
+    }
+    *cp = v;
+    return len;
+}
+
+/* Code points a terminal acts on rather than shows: C1 controls, line/paragraph separators,
+ * bidirectional marks, embeddings, overrides and isolates. */
+static int cp_is_control(uint32_t cp) {
+    return (cp >= 0x80 && cp <= 0x9f) || cp == 0x61c || cp == 0x200e || cp == 0x200f ||
+           (cp >= 0x2028 && cp <= 0x202e) || (cp >= 0x2066 && cp <= 0x2069);
+}
+
+const char *mdt_escape(const char *s, char *buf, size_t n) {
+    static const char hex[] = "0123456789abcdef";
+    const unsigned char *p = (const unsigned char *)(s ? s : "(null)");
+    size_t len = 0, safe = 0; /* safe: the longest prefix that still leaves room for "..." */
+    if (n < 8) {
+        if (n)
+            buf[0] = 0;
+        return buf;
+    }
+    while (*p) {
+        char piece[16];
+        size_t k = 0;
+        uint32_t cp = 0;
+        int seq = *p >= 0x80 ? utf8_seq(p, &cp) : 0;
+        if (*p >= 0x20 && *p < 0x7f && *p != '\\') {
+            piece[k++] = (char)*p++;
+        } else if (seq && !cp_is_control(cp)) {
+            for (int i = 0; i < seq; i++)
+                piece[k++] = (char)*p++;
+        } else {
+            for (int i = 0; i < (seq ? seq : 1); i++, p++) {
+                piece[k++] = '\\', piece[k++] = 'x';
+                piece[k++] = hex[*p >> 4], piece[k++] = hex[*p & 15u];
+            }
+        }
+        if (len + k > n - 1) { /* does not fit: cut at the last boundary with room for "..." */
+            memcpy(buf + safe, "...", 4);
+            return buf;
+        }
+        memcpy(buf + len, piece, k);
+        len += k;
+        if (len + 3 <= n - 1)
+            safe = len;
+    }
+    buf[len] = 0;
+    return buf;
+}
+
 /* ---- log ---- */
 static mdt_log_level g_level = MDT_LOG_WARN;
 static int g_rank = -1;

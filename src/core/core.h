@@ -43,6 +43,16 @@ void mdt_error_clear(void);
             goto fail;                                                                             \
     } while (0)
 
+/* Renders `s`, a string taken from a file (tensor or shard name, dtype, metadata), for a one-line
+ * message: printable ASCII and well-formed UTF-8 pass through; control bytes, DEL, backslash,
+ * bytes that are not well-formed UTF-8 and the C1, line-separator and bidirectional-override
+ * code points (which terminals act on) become \xNN per byte. The result always fits `n` bytes
+ * (NUL included, n >= 8); a longer rendering is cut at a character boundary and ends in "...".
+ * Returns `buf`; NULL `s` renders as "(null)". Never fails, allocates nothing. */
+const char *mdt_escape(const char *s, char *buf, size_t n);
+/* A buffer size for names in messages: 251 bytes of rendering, then "..." if cut. */
+#define MDT_ESC_NAME 256
+
 /* ---- logging (stderr; rank prefix set by the command) ---- */
 typedef enum { MDT_LOG_ERROR = 0, MDT_LOG_WARN, MDT_LOG_INFO, MDT_LOG_DEBUG } mdt_log_level;
 void mdt_log_set_level(mdt_log_level lvl);

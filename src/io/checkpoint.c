@@ -1,6 +1,9 @@
 /*
  * checkpoint.c — see checkpoint.h. Shard names from the index are file names inside the
- * checkpoint directory: a name with '/' or a leading '.' is refused (no path escapes).
+ * checkpoint directory: a name with '/' (so any absolute path), a leading '.' (so "..") or none
+ * at all is refused, so the index cannot name a path outside it. A shard that is a symlink is
+ * followed wherever it points: Hugging Face caches link every shard to a blob elsewhere, and the
+ * safetensors reader validates whatever file it reaches.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "checkpoint.h"
@@ -11,6 +14,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include "io/file.h"
+#include "io/json.h"
+
+enum { MDT_CKPT_SHOWN = 4096 }; /* room for a path as messages show it */
 
 static char *path_join(const char *dir, const char *name) {
     size_t n = strlen(dir) + strlen(name) + 2;
@@ -25,56 +34,67 @@ static int file_exists(const char *path) {
     return stat(path, &sb) == 0;
 }
 
-/* Reads a whole small text file (JSON) into a NUL-terminated buffer. */
-static mdt_status read_text(const char *path, char **out) {
+/* Reads a whole small text file (JSON) into a NUL-terminated buffer; *len is its length. */
+static mdt_status read_text(const char *path, char **out, size_t *len) {
+    char shown[4096];
+    struct stat sb;
+    int fd;
     *out = NULL;
-    FILE *fp = fopen(path, "rb");
-    if (!fp)
-        return MDT_FAIL(errno == ENOENT ? MDT_E_NOTFOUND : MDT_E_IO, "%s: cannot open: %s", path,
-                        strerror(errno));
-    if (fseek(fp, 0, SEEK_END) != 0) {
-        fclose(fp);
-        return MDT_FAIL(MDT_E_IO, "%s: cannot seek", path);
+    MDT_TRY(mdt_file_open_read(path, MDT_E_NOTFOUND, &fd));
+    mdt_escape(path, shown, sizeof shown);
+    if (fstat(fd, &sb) != 0) {
+        close(fd);
+        return MDT_FAIL(MDT_E_IO, "%s: cannot stat: %s", shown, strerror(errno));
     }
-    long len = ftell(fp);
-    if (len < 0 || len > 256L * 1024 * 1024) {
-        fclose(fp);
-        return MDT_FAIL(MDT_E_FORMAT, "%s: unreasonable size for a JSON file", path);
+    if (sb.st_size > MDT_JSON_MAX_BYTES) {
+        close(fd);
+        return MDT_FAIL(MDT_E_FORMAT, "%s: %lld bytes is over the %lld MiB limit for a JSON file",
+                        shown, (long long)sb.st_size, MDT_JSON_MAX_BYTES >> 20);
     }
-    rewind(fp);
-    char *buf = mdt_alloc((size_t)len + 1);
+    size_t n = (size_t)sb.st_size, got = 0;
+    char *buf = mdt_alloc(n + 1);
     if (!buf) {
-        fclose(fp);
+        close(fd);
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     }
-    size_t got = fread(buf, 1, (size_t)len, fp);
-    fclose(fp);
-    if (got != (size_t)len) {
-        mdt_free(buf);
-        return MDT_FAIL(MDT_E_IO, "%s: short read", path);
+    while (got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            mdt_status st =
+                MDT_FAIL(MDT_E_IO, "%s: %s", shown,
+                         r < 0 ? strerror(errno) : "file ends early (changed while read?)");
+            close(fd);
+            mdt_free(buf);
+            return st;
+        }
+        got += (size_t)r;
     }
-    buf[len] = 0;
+    close(fd);
+    buf[n] = 0;
     *out = buf;
+    *len = n;
     return MDT_OK;
 }
 
 static mdt_status parse_json_file(const char *path, cJSON **out) {
-    char *txt;
+    char *txt, shown[MDT_CKPT_SHOWN];
+    size_t len;
+    mdt_json_stats js;
     *out = NULL;
-    MDT_TRY(read_text(path, &txt));
-    const char *endp = NULL;
-    cJSON *j = cJSON_ParseWithOpts(txt, &endp, 1);
-    if (!j) {
-        long at = endp ? (long)(endp - txt) : -1;
-        mdt_free(txt);
-        return MDT_FAIL(MDT_E_FORMAT, "%s: invalid JSON near byte %ld", path, at);
-    }
+    MDT_TRY(read_text(path, &txt, &len));
+    mdt_escape(path, shown, sizeof shown);
+    mdt_status st = mdt_json_check(txt, len, shown, &js);
+    if (st == MDT_OK)
+        st = mdt_json_build(txt, len, shown, "invalid JSON", 0, " \t\r\n", out);
     mdt_free(txt);
-    if (!cJSON_IsObject(j)) {
-        cJSON_Delete(j);
-        return MDT_FAIL(MDT_E_FORMAT, "%s: top level is not a JSON object", path);
+    MDT_TRY(st);
+    if (!cJSON_IsObject(*out)) {
+        cJSON_Delete(*out);
+        *out = NULL;
+        return MDT_FAIL(MDT_E_FORMAT, "%s: top level is not a JSON object", shown);
     }
-    *out = j;
     return MDT_OK;
 }
 
@@ -84,77 +104,163 @@ static int cmp_ref(const void *a, const void *b) {
     return strcmp(((const mdt_ckpt_ref *)a)->name, ((const mdt_ckpt_ref *)b)->name);
 }
 
+/* Opens shard `fname` into c->files[c->nfiles] (the caller sized the arrays and opens each
+ * shard once). */
 static mdt_status add_file(mdt_ckpt *c, const char *fname, int *idx) {
-    for (int i = 0; i < c->nfiles; i++) {
-        const char *p = c->files[i]->path;
-        const char *base = strrchr(p, '/');
-        if (strcmp(base ? base + 1 : p, fname) == 0) {
-            *idx = i;
-            return MDT_OK;
-        }
-    }
+    char shown[MDT_ESC_NAME];
     if (!fname[0] || strchr(fname, '/') || fname[0] == '.')
-        return MDT_FAIL(MDT_E_FORMAT, "%s/%s: shard name '%.200s' is not a plain file name", c->dir,
-                        MDT_CKPT_INDEX, fname);
+        return MDT_FAIL(MDT_E_FORMAT, "%s/%s: shard name '%s' is not a plain file name",
+                        c->dir_shown, MDT_CKPT_INDEX, mdt_escape(fname, shown, sizeof shown));
     char *path = path_join(c->dir, fname);
     if (!path)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     if (!file_exists(path)) {
-        mdt_status st = MDT_FAIL(MDT_E_NOTFOUND,
-                                 "%s: shard named by %s is missing from the checkpoint directory",
-                                 path, MDT_CKPT_INDEX);
         mdt_free(path);
-        return st;
+        return MDT_FAIL(MDT_E_NOTFOUND,
+                        "%s/%s: shard named by %s is missing from the checkpoint directory",
+                        c->dir_shown, mdt_escape(fname, shown, sizeof shown), MDT_CKPT_INDEX);
     }
-    mdt_st_file **nf = mdt_alloc(sizeof(mdt_st_file *) * (size_t)(c->nfiles + 1));
-    if (!nf) {
+    char *name = mdt_alloc(strlen(fname) + 1);
+    if (!name) {
         mdt_free(path);
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     }
-    if (c->nfiles)
-        memcpy(nf, c->files, sizeof(mdt_st_file *) * (size_t)c->nfiles);
-    mdt_free(c->files);
-    c->files = nf;
-    mdt_status st = mdt_st_open(path, &c->files[c->nfiles]);
+    memcpy(name, fname, strlen(fname) + 1);
+    mdt_status st = mdt_st_open_budget(path, &c->opened, &c->files[c->nfiles]);
     mdt_free(path);
-    MDT_TRY(st);
+    if (st != MDT_OK) {
+        mdt_free(name);
+        return st;
+    }
+    c->shard_names[c->nfiles] = name;
     *idx = c->nfiles++;
     return MDT_OK;
 }
 
+static mdt_status alloc_files(mdt_ckpt *c, int nfiles) {
+    c->files = mdt_calloc(sizeof(mdt_st_file *) * (size_t)(nfiles ? nfiles : 1));
+    c->shard_names = mdt_calloc(sizeof(char *) * (size_t)(nfiles ? nfiles : 1));
+    return c->files && c->shard_names ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+}
+
+/* One weight_map entry: a tensor name and the shard the index puts it in (borrowed from the
+ * parsed index). */
+typedef struct wm_pair {
+    const char *tensor, *shard;
+} wm_pair;
+
+static int cmp_pair_tensor(const void *a, const void *b) {
+    return strcmp(((const wm_pair *)a)->tensor, ((const wm_pair *)b)->tensor);
+}
+static int cmp_pair_shard(const void *a, const void *b) {
+    const wm_pair *x = a, *y = b;
+    int r = strcmp(x->shard, y->shard);
+    return r ? r : strcmp(x->tensor, y->tensor);
+}
+
+/* A tensor in the headers of two shards is ambiguous even when the index names one of them: a
+ * tool reading the directory without the index would see two different tensors. */
+typedef struct name_at {
+    const char *name;
+    int file;
+} name_at;
+static int cmp_name_at(const void *a, const void *b) {
+    return strcmp(((const name_at *)a)->name, ((const name_at *)b)->name);
+}
+static mdt_status check_unique_across_shards(const mdt_ckpt *c) {
+    int64_t total = 0, k = 0;
+    for (int i = 0; i < c->nfiles; i++)
+        total += c->files[i]->n;
+    if (c->nfiles < 2 || total < 2)
+        return MDT_OK;
+    name_at *all = mdt_alloc(sizeof(name_at) * (size_t)total);
+    if (!all)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    for (int i = 0; i < c->nfiles; i++)
+        for (int j = 0; j < c->files[i]->n; j++)
+            all[k].name = c->files[i]->entries[j].name, all[k++].file = i;
+    qsort(all, (size_t)total, sizeof *all, cmp_name_at);
+    mdt_status st = MDT_OK;
+    for (int64_t i = 1; i < total && st == MDT_OK; i++)
+        if (strcmp(all[i - 1].name, all[i].name) == 0) {
+            char nm[MDT_ESC_NAME], s1[MDT_ESC_NAME], s2[MDT_ESC_NAME];
+            st = MDT_FAIL(MDT_E_FORMAT,
+                          "%s: tensor '%s' is in two shards, %s and %s: which one holds it is "
+                          "ambiguous",
+                          c->dir_shown, mdt_escape(all[i].name, nm, sizeof nm),
+                          mdt_escape(c->shard_names[all[i - 1].file], s1, sizeof s1),
+                          mdt_escape(c->shard_names[all[i].file], s2, sizeof s2));
+        }
+    mdt_free(all);
+    return st;
+}
+
 static mdt_status open_index(mdt_ckpt *c, const char *index_path) {
     cJSON *idx = NULL;
+    wm_pair *pairs = NULL;
     mdt_status st;
+    char nm[MDT_ESC_NAME], s1[MDT_ESC_NAME], s2[MDT_ESC_NAME];
     MDT_TRY(parse_json_file(index_path, &idx));
     const cJSON *wm = cJSON_GetObjectItemCaseSensitive(idx, "weight_map");
     if (!cJSON_IsObject(wm))
-        MDT_CHECK(
-            MDT_FAIL(MDT_E_FORMAT, "%s: 'weight_map' is missing or not an object", index_path));
-    int n = cJSON_GetArraySize(wm);
-    c->refs = mdt_calloc(sizeof(mdt_ckpt_ref) * (size_t)(n ? n : 1));
-    if (!c->refs)
-        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s/%s: 'weight_map' is missing or not an object",
+                           c->dir_shown, MDT_CKPT_INDEX));
     const cJSON *kv;
+    int n = cJSON_GetArraySize(wm); /* every member (a repeated key counts twice) */
+    if (n > MDT_ST_MAX_TOTAL_ENTRIES)
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                           "%s/%s: weight_map lists %d tensors, over the limit of %d per "
+                           "checkpoint",
+                           c->dir_shown, MDT_CKPT_INDEX, n, MDT_ST_MAX_TOTAL_ENTRIES));
+    pairs = mdt_alloc(sizeof(wm_pair) * (size_t)(n ? n : 1));
+    c->refs = mdt_calloc(sizeof(mdt_ckpt_ref) * (size_t)(n ? n : 1));
+    if (!pairs || !c->refs)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    int k = 0;
     cJSON_ArrayForEach(kv, wm) {
         if (!cJSON_IsString(kv))
-            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: weight_map['%.200s'] is not a string", index_path,
-                               kv->string));
-        int fi;
-        MDT_CHECK(add_file(c, kv->valuestring, &fi));
-        const mdt_st_entry *e = mdt_st_find(c->files[fi], kv->string);
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s/%s: weight_map['%s'] is not a string",
+                               c->dir_shown, MDT_CKPT_INDEX,
+                               mdt_escape(kv->string, nm, sizeof nm)));
+        pairs[k].tensor = kv->string, pairs[k++].shard = kv->valuestring;
+    }
+    /* listed twice: JSON allows repeated keys, and cJSON keeps both */
+    qsort(pairs, (size_t)n, sizeof *pairs, cmp_pair_tensor);
+    for (int i = 1; i < n; i++)
+        if (strcmp(pairs[i - 1].tensor, pairs[i].tensor) == 0)
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                               "%s/%s: tensor '%s' is listed twice in weight_map (shards '%s' and "
+                               "'%s'): ambiguous",
+                               c->dir_shown, MDT_CKPT_INDEX,
+                               mdt_escape(pairs[i].tensor, nm, sizeof nm),
+                               mdt_escape(pairs[i - 1].shard, s1, sizeof s1),
+                               mdt_escape(pairs[i].shard, s2, sizeof s2)));
+    /* by shard, so that each shard is opened once, in one pass */
+    qsort(pairs, (size_t)n, sizeof *pairs, cmp_pair_shard);
+    int nshards = 0;
+    for (int i = 0; i < n; i++)
+        nshards += i == 0 || strcmp(pairs[i - 1].shard, pairs[i].shard) != 0;
+    MDT_CHECK(alloc_files(c, nshards));
+    int fi = -1;
+    for (int i = 0; i < n; i++) {
+        if (i == 0 || strcmp(pairs[i - 1].shard, pairs[i].shard) != 0)
+            MDT_CHECK(add_file(c, pairs[i].shard, &fi));
+        const mdt_st_entry *e = mdt_st_find(c->files[fi], pairs[i].tensor);
         if (!e)
             MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND,
-                               "%s: tensor '%.200s': the index maps it to this shard, which lacks "
-                               "it",
-                               c->files[fi]->path, kv->string));
+                               "%s: tensor '%s': the index maps it to this shard, which lacks it",
+                               c->files[fi]->path, mdt_escape(pairs[i].tensor, nm, sizeof nm)));
         c->refs[c->n].name = e->name;
         c->refs[c->n].file = c->files[fi];
         c->refs[c->n].entry = e;
         c->n++;
     }
+    MDT_CHECK(check_unique_across_shards(c));
+    mdt_free(pairs);
     cJSON_Delete(idx);
     return MDT_OK;
 fail:
+    mdt_free(pairs);
     cJSON_Delete(idx);
     return st;
 }
@@ -174,6 +280,10 @@ mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out) {
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
     memcpy(c->dir, dir, dl);
     c->dir[dl] = 0;
+    c->dir_shown = mdt_alloc(MDT_CKPT_SHOWN);
+    if (!c->dir_shown)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    mdt_escape(c->dir, c->dir_shown, MDT_CKPT_SHOWN);
 
     p = path_join(c->dir, "config.json");
     if (!p)
@@ -182,7 +292,7 @@ mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out) {
         MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND,
                            "%s: no config.json (not a diffusers checkpoint "
                            "directory?)",
-                           c->dir));
+                           c->dir_shown));
     MDT_CHECK(parse_json_file(p, &c->config));
     mdt_free(p);
 
@@ -198,8 +308,9 @@ mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out) {
         if (!p)
             MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
         if (!file_exists(p))
-            MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND, "%s: neither %s nor %s is present", c->dir,
+            MDT_CHECK(MDT_FAIL(MDT_E_NOTFOUND, "%s: neither %s nor %s is present", c->dir_shown,
                                MDT_CKPT_WEIGHTS, MDT_CKPT_INDEX));
+        MDT_CHECK(alloc_files(c, 1));
         MDT_CHECK(add_file(c, MDT_CKPT_WEIGHTS, &fi));
         const mdt_st_file *f = c->files[fi];
         c->refs = mdt_calloc(sizeof(mdt_ckpt_ref) * (size_t)(f->n ? f->n : 1));
@@ -226,8 +337,10 @@ void mdt_ckpt_close(mdt_ckpt *c) {
     if (!c)
         return;
     for (int i = 0; i < c->nfiles; i++)
-        mdt_st_close(c->files[i]);
+        mdt_st_close(c->files[i]), mdt_free(c->shard_names[i]);
     mdt_free(c->files);
+    mdt_free((void *)c->shard_names);
+    mdt_free(c->dir_shown);
     mdt_free(c->refs);
     cJSON_Delete(c->config);
     mdt_free(c->dir);
@@ -241,7 +354,7 @@ mdt_status mdt_ckpt_find(const mdt_ckpt *c, const char *name, const mdt_ckpt_ref
         return MDT_FAIL(MDT_E_NOTFOUND,
                         "%s: tensor '%s' is required by the model but missing "
                         "from the checkpoint",
-                        c->dir, name);
+                        c->dir_shown, name);
     return MDT_OK;
 }
 
@@ -307,4 +420,24 @@ mdt_status mdt_cfg_int_array(const cJSON *cfg, const char *key, int64_t *vals, i
 const char *mdt_cfg_str(const cJSON *cfg, const char *key) {
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
     return cJSON_IsString(j) ? j->valuestring : NULL;
+}
+
+static const char *json_type_name(const cJSON *j) {
+    return cJSON_IsNumber(j)   ? "a number"
+           : cJSON_IsBool(j)   ? "true or false"
+           : cJSON_IsArray(j)  ? "an array"
+           : cJSON_IsObject(j) ? "an object"
+                               : "another type";
+}
+
+mdt_status mdt_cfg_string(const cJSON *cfg, const char *key, const char **out) {
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
+    *out = NULL;
+    if (!j || cJSON_IsNull(j))
+        return MDT_OK;
+    if (!cJSON_IsString(j))
+        return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must be a string, not %s", key,
+                        json_type_name(j));
+    *out = j->valuestring;
+    return MDT_OK;
 }

@@ -16,6 +16,9 @@ typedef struct cJSON cJSON;
 
 #define MDT_CKPT_WEIGHTS "diffusion_pytorch_model.safetensors"
 #define MDT_CKPT_INDEX "diffusion_pytorch_model.safetensors.index.json"
+/* Largest config.json or index.json read (a real index of ~100,000 tensors is ~10 MB): with the
+ * limits of safetensors.h and json.h, what opening a checkpoint may cost is bounded (errors.md). */
+#define MDT_JSON_MAX_BYTES (64LL << 20)
 
 typedef struct mdt_ckpt_ref {
     const char *name; /* borrowed from the entry */
@@ -25,9 +28,12 @@ typedef struct mdt_ckpt_ref {
 
 typedef struct mdt_ckpt {
     char *dir;
+    char *dir_shown; /* `dir` as messages show it (mdt_escape) */
     cJSON *config;
     int nfiles;
     mdt_st_file **files;
+    char **shard_names;   /* [nfiles] the file names as the index gives them (raw) */
+    mdt_st_budget opened; /* header bytes and tensor entries over all the shards */
     int n;
     mdt_ckpt_ref *refs; /* sorted by name */
 } mdt_ckpt;
@@ -50,7 +56,10 @@ mdt_status mdt_cfg_bool(const cJSON *cfg, const char *key, int def, int *out);
 mdt_status mdt_cfg_double(const cJSON *cfg, const char *key, double def, double *out);
 /* Integer array; `*n` in: capacity, out: count. Missing key -> count 0. */
 mdt_status mdt_cfg_int_array(const cJSON *cfg, const char *key, int64_t *vals, int *n);
-/* String value or NULL when absent. */
+/* String value or NULL when absent (or not a string: use mdt_cfg_string to tell). */
 const char *mdt_cfg_str(const cJSON *cfg, const char *key);
+/* String value into *out, NULL when absent or null; a present value of another type is an error
+ * ("config.json: 'K' must be a string, not a number"), MDT_E_INVALID. */
+mdt_status mdt_cfg_string(const cJSON *cfg, const char *key, const char **out);
 
 #endif /* MDT_CHECKPOINT_H */

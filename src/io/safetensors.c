@@ -1,9 +1,14 @@
 /*
  * safetensors.c — see safetensors.h. Parsing uses cJSON; integers are read from `valuedouble`
  * (exact to 2^53, cJSON's valueint saturates at INT_MAX) and rejected when not integral.
+ * Every string from the file (names, dtypes, metadata keys) and the path itself reach messages
+ * through mdt_escape: a name holding a newline or a terminal escape stays one inert line.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "safetensors.h"
+
+#include "io/file.h"
+#include "io/json.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -14,11 +19,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static char *dup_str(const char *s) {
-    size_t n = strlen(s) + 1;
+/* `path` as messages show it (mdt_escape), in a block of its own; NULL when out of memory. */
+static char *dup_shown(const char *path) {
+    size_t n = 4 * strlen(path) + 8; /* every byte as \xNN at worst */
+    if (n > 4096)
+        n = 4096;
     char *d = mdt_alloc(n);
     if (d)
-        memcpy(d, s, n);
+        mdt_escape(path, d, n);
     return d;
 }
 
@@ -63,9 +71,9 @@ static mdt_status pread_all(int fd, void *dst, int64_t nbytes, int64_t off, cons
 
 static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e,
                               int64_t data_size) {
-    const char *nm = item->string;
-    char what[600];
-    snprintf(what, sizeof what, "%s: tensor '%.500s'", f->path, nm);
+    char what[4096 + MDT_ESC_NAME], nm[MDT_ESC_NAME], dts[64];
+    snprintf(what, sizeof what, "%s: tensor '%s'", f->path,
+             mdt_escape(item->string, nm, sizeof nm));
     if (!cJSON_IsObject(item))
         return MDT_FAIL(MDT_E_FORMAT, "%s: entry is not a JSON object", what);
     const cJSON *dt = cJSON_GetObjectItemCaseSensitive(item, "dtype");
@@ -75,8 +83,8 @@ static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e
         return MDT_FAIL(MDT_E_FORMAT, "%s: missing or non-string 'dtype'", what);
     e->dtype = mdt_dtype_parse(dt->valuestring);
     if (e->dtype == MDT_DTYPE_COUNT)
-        return MDT_FAIL(MDT_E_FORMAT, "%s: unknown or unsupported dtype '%.32s'", what,
-                        dt->valuestring);
+        return MDT_FAIL(MDT_E_FORMAT, "%s: unknown or unsupported dtype '%s'", what,
+                        mdt_escape(dt->valuestring, dts, sizeof dts));
     if (!cJSON_IsArray(sh))
         return MDT_FAIL(MDT_E_FORMAT, "%s: missing or non-array 'shape'", what);
     int nd = cJSON_GetArraySize(sh);
@@ -120,7 +128,32 @@ static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e
     return MDT_OK;
 }
 
-static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item) {
+/* Copies `s` into the file's string block (sized by pool_size beforehand). One block per file
+ * instead of one allocation per name keeps a file's tables near its header's size. */
+static char *pool_put(mdt_st_file *f, size_t *used, const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = f->strings + *used;
+    memcpy(d, s, n);
+    *used += n;
+    return d;
+}
+
+/* Bytes of every name, metadata key and metadata value in the header, with their NULs. */
+static size_t pool_size(const cJSON *root) {
+    size_t n = 1;
+    const cJSON *item, *kv;
+    cJSON_ArrayForEach(item, root) {
+        n += strlen(item->string) + 1;
+        if (strcmp(item->string, "__metadata__") == 0 && cJSON_IsObject(item))
+            cJSON_ArrayForEach(kv, item) {
+                n +=
+                    strlen(kv->string) + 1 + (cJSON_IsString(kv) ? strlen(kv->valuestring) + 1 : 0);
+            }
+    }
+    return n;
+}
+
+static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item, size_t *used) {
     if (!cJSON_IsObject(item))
         return MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ is not a JSON object", f->path);
     int n = cJSON_GetArraySize(item);
@@ -130,13 +163,12 @@ static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item) {
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     const cJSON *kv;
     cJSON_ArrayForEach(kv, item) {
+        char key[MDT_ESC_NAME];
         if (!cJSON_IsString(kv))
-            return MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ value for '%.200s' is not a string",
-                            f->path, kv->string);
-        f->meta_keys[f->n_meta] = dup_str(kv->string);
-        f->meta_vals[f->n_meta] = dup_str(kv->valuestring);
-        if (!f->meta_keys[f->n_meta] || !f->meta_vals[f->n_meta])
-            return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+            return MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ value for '%s' is not a string",
+                            f->path, mdt_escape(kv->string, key, sizeof key));
+        f->meta_keys[f->n_meta] = pool_put(f, used, kv->string);
+        f->meta_vals[f->n_meta] = pool_put(f, used, kv->valuestring);
         f->n_meta++;
     }
     return MDT_OK;
@@ -155,24 +187,26 @@ static mdt_status check_tiling(mdt_st_file *f, int64_t data_size) {
     qsort(by_off, (size_t)f->n, sizeof(const mdt_st_entry *), cmp_entry_ptr_begin);
     int64_t pos = 0;
     const mdt_st_entry *prev = NULL;
+    char n1[MDT_ESC_NAME], n2[MDT_ESC_NAME];
     for (int i = 0; i < f->n; i++) {
         const mdt_st_entry *e = by_off[i];
         if (e->begin == e->end && e->begin <= pos)
             continue; /* empty tensor */
         if (e->begin < pos) {
             st = MDT_FAIL(MDT_E_FORMAT,
-                          "%s: tensor '%.200s': data_offsets [%lld, %lld] overlap tensor '%.200s' "
+                          "%s: tensor '%s': data_offsets [%lld, %lld] overlap tensor '%s' "
                           "[%lld, %lld]",
-                          f->path, e->name, (long long)e->begin, (long long)e->end,
-                          prev ? prev->name : "?", prev ? (long long)prev->begin : 0LL,
-                          (long long)pos);
+                          f->path, mdt_escape(e->name, n1, sizeof n1), (long long)e->begin,
+                          (long long)e->end, prev ? mdt_escape(prev->name, n2, sizeof n2) : "?",
+                          prev ? (long long)prev->begin : 0LL, (long long)pos);
             goto done;
         }
         if (e->begin > pos) {
             st = MDT_FAIL(MDT_E_FORMAT,
-                          "%s: tensor '%.200s': data_offsets begin at %lld, leaving a hole after "
+                          "%s: tensor '%s': data_offsets begin at %lld, leaving a hole after "
                           "byte %lld of the data section",
-                          f->path, e->name, (long long)e->begin, (long long)pos);
+                          f->path, mdt_escape(e->name, n1, sizeof n1), (long long)e->begin,
+                          (long long)pos);
             goto done;
         }
         pos = e->end;
@@ -189,14 +223,38 @@ done:
 }
 
 mdt_status mdt_st_open(const char *path, mdt_st_file **out) {
+    mdt_st_budget b = {0, 0, 0};
+    return mdt_st_open_budget(path, &b, out);
+}
+
+mdt_status mdt_st_open_budget(const char *path, mdt_st_budget *budget, mdt_st_file **out) {
+    int fd;
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return MDT_FAIL(MDT_E_IO, "%s: cannot open: %s", path, strerror(errno));
-    return mdt_st_open_fd(fd, path, out);
+    MDT_TRY(mdt_file_open_read(path, MDT_E_IO, &fd));
+    return mdt_st_open_fd_budget(fd, path, budget, out);
 }
 
 mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
+    mdt_st_budget b = {0, 0, 0};
+    return mdt_st_open_fd_budget(fd, path, &b, out);
+}
+
+/* Fails when `n` more tensor entries would pass the per-file or the per-budget limit. */
+static mdt_status check_entries(const char *path, int64_t n, const mdt_st_budget *budget) {
+    if (n > MDT_ST_MAX_ENTRIES)
+        return MDT_FAIL(MDT_E_FORMAT, "%s: %lld tensor entries exceed the limit of %d per file",
+                        path, (long long)n, MDT_ST_MAX_ENTRIES);
+    if (budget->entries + n > MDT_ST_MAX_TOTAL_ENTRIES)
+        return MDT_FAIL(MDT_E_FORMAT,
+                        "%s: %lld tensor entries bring the checkpoint to %lld, over the limit of "
+                        "%d over all its shards",
+                        path, (long long)n, (long long)(budget->entries + n),
+                        MDT_ST_MAX_TOTAL_ENTRIES);
+    return MDT_OK;
+}
+
+mdt_status mdt_st_open_fd_budget(int fd, const char *path, mdt_st_budget *budget,
+                                 mdt_st_file **out) {
     mdt_status st = MDT_OK;
     char *hdr = NULL;
     cJSON *root = NULL;
@@ -207,9 +265,10 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     }
     f->fd = fd;
-    f->path = dup_str(path);
+    f->path = dup_shown(path);
     if (!f->path)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    path = f->path; /* from here on only messages use it */
     struct stat sb;
     if (fstat(f->fd, &sb) != 0 || !S_ISREG(sb.st_mode))
         MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: not a regular file", path));
@@ -219,19 +278,43 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
                            "%s: %lld bytes is too short for a safetensors file (needs an 8-byte "
                            "header length)",
                            path, (long long)f->file_size));
-    unsigned char lenb[8];
-    MDT_CHECK(pread_all(f->fd, lenb, 8, 0, path, "header length"));
+    /* The 8-byte length and the first header byte, which must open a JSON object: a file where
+     * either is impossible is not a safetensors file at all, and its bytes are never echoed. */
+    unsigned char lenb[9];
+    const int64_t nlen = f->file_size >= 9 ? 9 : 8;
+    MDT_CHECK(pread_all(f->fd, lenb, nlen, 0, path, "header length"));
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--)
         hlen = (hlen << 8) | lenb[i];
+    const int json_next = nlen == 9 && lenb[8] == '{';
+    if ((int64_t)hlen > f->file_size - 8 || hlen > (uint64_t)f->file_size) {
+        if (json_next && hlen <= (uint64_t)MDT_ST_MAX_HEADER)
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                               "%s: header length %llu runs past the end of the file (%lld bytes; "
+                               "truncated?)",
+                               path, (unsigned long long)hlen, (long long)f->file_size));
+        MDT_CHECK(
+            MDT_FAIL(MDT_E_FORMAT,
+                     "%s: not a safetensors file: header length %llu is impossible for a "
+                     "file of %lld bytes%s",
+                     path, (unsigned long long)hlen, (long long)f->file_size,
+                     hlen > (uint64_t)MDT_ST_MAX_HEADER ? " (and over the 100 MB limit)" : ""));
+    }
     if (hlen > (uint64_t)MDT_ST_MAX_HEADER)
         MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header length %llu exceeds the 100 MB limit", path,
                            (unsigned long long)hlen));
-    if ((int64_t)hlen > f->file_size - 8)
+    if (budget->header_bytes + (int64_t)hlen > MDT_ST_MAX_TOTAL_HEADER)
         MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
-                           "%s: header length %llu runs past the end of the file (%lld bytes; "
-                           "truncated?)",
-                           path, (unsigned long long)hlen, (long long)f->file_size));
+                           "%s: a header of %llu bytes brings the checkpoint's headers to %lld "
+                           "bytes, over the limit of %lld MiB over all its shards",
+                           path, (unsigned long long)hlen,
+                           (long long)(budget->header_bytes + (int64_t)hlen),
+                           MDT_ST_MAX_TOTAL_HEADER >> 20));
+    if (hlen >= 1 && !json_next)
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                           "%s: not a safetensors file: the header is not a JSON object (must "
+                           "start with '{')",
+                           path));
     if (hlen < 2)
         MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header of %llu bytes cannot hold a JSON object", path,
                            (unsigned long long)hlen));
@@ -241,46 +324,59 @@ mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out) {
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "%s: out of memory for header", path));
     MDT_CHECK(pread_all(f->fd, hdr, (int64_t)hlen, 8, path, "header"));
     hdr[hlen] = 0;
-    if (hdr[0] != '{' || memchr(hdr, 0, hlen))
+    if (hdr[0] != '{')
         MDT_CHECK(
             MDT_FAIL(MDT_E_FORMAT, "%s: header is not a JSON object (must start with '{')", path));
-    const char *endp = NULL;
-    root = cJSON_ParseWithLengthOpts(hdr, hlen, &endp, 0);
-    if (!root || !cJSON_IsObject(root))
-        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: header is not valid JSON (near byte %lld)", path,
-                           endp ? (long long)(endp - hdr) : -1LL));
-    for (const char *p = endp; p && p < hdr + hlen; p++)
-        if (*p != ' ')
-            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
-                               "%s: header has bytes other than space padding after the JSON",
-                               path));
+    char shown[4096 + 16];
+    snprintf(shown, sizeof shown, "%s: header", path);
+    mdt_json_stats js;
+    MDT_CHECK(mdt_json_check(hdr, hlen, shown, &js));
+    /* top-level members, less a __metadata__ that may be among them: a bound before the tree
+     * (exact unless the key is spelt with escapes; the count after parsing is always exact) */
+    MDT_CHECK(
+        check_entries(path, js.top_members - (strstr(hdr, "\"__metadata__\"") != NULL), budget));
+    if (budget->json_values + js.values > MDT_ST_MAX_TOTAL_VALUES)
+        MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
+                           "%s: %lld JSON values in the header bring the checkpoint to %lld, over "
+                           "the limit of %lld over all its shards",
+                           path, (long long)js.values, (long long)(budget->json_values + js.values),
+                           MDT_ST_MAX_TOTAL_VALUES));
+    MDT_CHECK(mdt_json_build(hdr, hlen, path, "header is not valid JSON", 8, " ", &root));
+    if (!cJSON_IsObject(root))
+        MDT_CHECK(
+            MDT_FAIL(MDT_E_FORMAT, "%s: header is not a JSON object (must start with '{')", path));
     int64_t data_size = f->file_size - f->data_start;
     int nitems = cJSON_GetArraySize(root);
     f->entries = mdt_calloc(sizeof(mdt_st_entry) * (size_t)(nitems ? nitems : 1));
-    if (!f->entries)
+    f->strings = mdt_alloc(pool_size(root));
+    if (!f->entries || !f->strings)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
     const cJSON *item;
     int saw_meta = 0;
+    size_t used = 0;
     cJSON_ArrayForEach(item, root) {
         if (strcmp(item->string, "__metadata__") == 0) {
             if (saw_meta++)
                 MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: duplicate __metadata__", path));
-            MDT_CHECK(parse_metadata(f, item));
+            MDT_CHECK(parse_metadata(f, item, &used));
             continue;
         }
         mdt_st_entry *e = &f->entries[f->n];
-        e->name = dup_str(item->string);
-        if (!e->name)
-            MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+        e->name = pool_put(f, &used, item->string);
         f->n++;
         MDT_CHECK(parse_entry(f, item, e, data_size));
     }
+    MDT_CHECK(check_entries(path, f->n, budget)); /* exact, now that __metadata__ is known */
     qsort(f->entries, (size_t)f->n, sizeof *f->entries, cmp_entry_name);
+    char nm[MDT_ESC_NAME];
     for (int i = 1; i < f->n; i++)
         if (strcmp(f->entries[i - 1].name, f->entries[i].name) == 0)
-            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: tensor '%.200s' appears twice in the header",
-                               path, f->entries[i].name));
+            MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s: tensor '%s' appears twice in the header", path,
+                               mdt_escape(f->entries[i].name, nm, sizeof nm)));
     MDT_CHECK(check_tiling(f, data_size));
+    budget->header_bytes += (int64_t)hlen;
+    budget->entries += f->n;
+    budget->json_values += js.values;
     cJSON_Delete(root);
     mdt_free(hdr);
     *out = f;
@@ -297,10 +393,7 @@ void mdt_st_close(mdt_st_file *f) {
         return;
     if (f->fd >= 0)
         close(f->fd);
-    for (int i = 0; i < f->n; i++)
-        mdt_free(f->entries[i].name);
-    for (int i = 0; i < f->n_meta; i++)
-        mdt_free(f->meta_keys[i]), mdt_free(f->meta_vals[i]);
+    mdt_free(f->strings);
     mdt_free(f->meta_keys);
     mdt_free(f->meta_vals);
     mdt_free(f->entries);
@@ -322,13 +415,14 @@ const char *mdt_st_meta(const mdt_st_file *f, const char *key) {
 
 mdt_status mdt_st_read_range(const mdt_st_file *f, const mdt_st_entry *e, int64_t offset,
                              int64_t nbytes, void *dst) {
+    char nm[MDT_ESC_NAME], what[MDT_ESC_NAME + 16];
+    mdt_escape(e->name, nm, sizeof nm);
     if (offset < 0 || nbytes < 0 || offset + nbytes > e->end - e->begin)
         return MDT_FAIL(MDT_E_INVALID,
                         "%s: tensor '%s': byte range [%lld, %lld) lies outside its %lld bytes",
-                        f->path, e->name, (long long)offset, (long long)(offset + nbytes),
+                        f->path, nm, (long long)offset, (long long)(offset + nbytes),
                         (long long)(e->end - e->begin));
-    char what[300];
-    snprintf(what, sizeof what, "tensor '%.200s'", e->name);
+    snprintf(what, sizeof what, "tensor '%s'", nm);
     MDT_TRY(pread_all(f->fd, dst, nbytes, f->data_start + e->begin + offset, f->path, what));
     mdt_counters_get()->bytes_read += nbytes;
     return MDT_OK;
@@ -337,9 +431,10 @@ mdt_status mdt_st_read_range(const mdt_st_file *f, const mdt_st_entry *e, int64_
 mdt_status mdt_st_read_f32(const mdt_st_file *f, const mdt_st_entry *e, int64_t elem_off, int64_t n,
                            float *dst) {
     size_t es = mdt_dtype_size(e->dtype);
+    char nm[MDT_ESC_NAME];
     if (!mdt_dtype_is_float(e->dtype))
         return MDT_FAIL(MDT_E_FORMAT, "%s: tensor '%s': dtype %s is not a float type", f->path,
-                        e->name, mdt_dtype_name(e->dtype));
+                        mdt_escape(e->name, nm, sizeof nm), mdt_dtype_name(e->dtype));
     if (e->dtype == MDT_F32)
         return mdt_st_read_range(f, e, elem_off * 4, n * 4, dst);
     /* Other dtypes go through a bounded bounce buffer: memory stays O(chunk), not O(tensor). */

@@ -13,10 +13,21 @@
 
 #include "tensor/tensor.h"
 
+/* What opening files may cost, checked on the 8-byte length and on a count over the raw header
+ * before any parse tree is built (json.h), so that memory and time stay bounded however hostile
+ * the file: per file, the format's 100 MB header, 65,536 tensors (real DiT checkpoints have about
+ * 1,000; the largest published models fewer than 100,000 over all their shards) and 2^20 JSON
+ * values (MDT_JSON_MAX_VALUES); per checkpoint (mdt_st_budget), over all its shards, 128 MiB of
+ * headers, 262,144 tensors and 2^22 JSON values (15 per tensor at most). docs/errors.md states
+ * the resulting bound on memory and time. */
 #define MDT_ST_MAX_HEADER 100000000LL
+#define MDT_ST_MAX_ENTRIES 65536
+#define MDT_ST_MAX_TOTAL_HEADER (128LL << 20)
+#define MDT_ST_MAX_TOTAL_ENTRIES 262144
+#define MDT_ST_MAX_TOTAL_VALUES (1LL << 22)
 
 typedef struct mdt_st_entry {
-    char *name;
+    char *name; /* in the file's string block */
     mdt_dtype dtype;
     int ndim;
     int64_t shape[MDT_MAX_DIMS];
@@ -24,7 +35,7 @@ typedef struct mdt_st_entry {
 } mdt_st_entry;
 
 typedef struct mdt_st_file {
-    char *path;
+    char *path; /* as messages show it: escaped (mdt_escape), so never used to open a file */
     int fd;
     int64_t file_size;
     int64_t data_start; /* 8 + header length */
@@ -32,14 +43,24 @@ typedef struct mdt_st_file {
     mdt_st_entry *entries; /* sorted by name */
     int n_meta;
     char **meta_keys, **meta_vals;
+    char *strings; /* one block holding every entry name and metadata string */
 } mdt_st_file;
 
 /* Opens and validates `path`. Errors name the file, the tensor and the problem:
  * MDT_E_IO (cannot open/read), MDT_E_FORMAT (anything malformed). */
 mdt_status mdt_st_open(const char *path, mdt_st_file **out);
+/* What the files opened so far with one budget hold: a checkpoint opens its shards with one
+ * budget, and a shard over what is left of MDT_ST_MAX_TOTAL_* fails before its header is parsed
+ * (MDT_E_FORMAT, naming the file and the limit). Zero-initialise it. */
+typedef struct mdt_st_budget {
+    int64_t header_bytes, entries, json_values;
+} mdt_st_budget;
+mdt_status mdt_st_open_budget(const char *path, mdt_st_budget *budget, mdt_st_file **out);
 /* The same on an open descriptor (taken over: closed by mdt_st_close or on failure); `path`
  * names it in messages. */
 mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out);
+mdt_status mdt_st_open_fd_budget(int fd, const char *path, mdt_st_budget *budget,
+                                 mdt_st_file **out);
 void mdt_st_close(mdt_st_file *f);
 /* Entry called `name`, or NULL. */
 const mdt_st_entry *mdt_st_find(const mdt_st_file *f, const char *name);

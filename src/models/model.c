@@ -96,17 +96,19 @@ const mdt_family *mdt_family_by_name(const char *name) {
 }
 
 mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out) {
-    const char *cls = mdt_cfg_str(config, "_class_name");
+    const char *cls;
     *out = NULL;
+    MDT_TRY(mdt_cfg_string(config, "_class_name", &cls));
     if (!cls)
         return MDT_FAIL(MDT_E_INVALID, "config.json: '_class_name' is missing (which model is "
                                        "this?)");
     *out = mdt_family_by_name(cls);
+    char shown[MDT_ESC_NAME];
     if (!*out)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "config.json: model class '%s' is not supported "
                         "(supported: FluxTransformer2DModel, MiniMaxH3Transformer3DModel)",
-                        cls);
+                        mdt_escape(cls, shown, sizeof shown));
     return MDT_OK;
 }
 
@@ -833,7 +835,11 @@ mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, c
     *out = mdt_arena_floats(a, n);
     if (!*out)
         return MDT_E_NOMEM;
-    MDT_TRY(mdt_convert_to_f32(t->dtype, t->data, *out, n));
+    if (mdt_convert_to_f32(t->dtype, t->data, *out, n) != MDT_OK)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: tensor '%s' has dtype %s, which cannot be read as a number "
+                        "(expected F32, BF16, F16, F64, I64 or I32)",
+                        name, mdt_dtype_name(t->dtype));
     return check_finite(name, *out, n);
 }
 

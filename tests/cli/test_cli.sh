@@ -388,5 +388,106 @@ if MESHDIT_MEM_AVAILABLE=5M timeout 300 "$MPIEXEC" -n 2 "$BIN" "${ORUN[@]}" --ch
        --out "$T/mem2.safetensors" --tp 2 && [ -f "$T/mem2.safetensors" ]; then ok
 else bad "MESHDIT_MEM_AVAILABLE=5M refused 2 ranks at tp=2"; fi
 
+# ---- hostile checkpoint files: names, paths, non-regular files, sizes ----
+# write_st PATH HEADER NDATA: a safetensors file with that JSON header and NDATA zero data bytes
+write_st() {
+    local n; n=$(printf '%s' "$2" | wc -c)
+    printf "$(printf '\\%03o' $((n & 255)) $(((n >> 8) & 255)) $(((n >> 16) & 255)) $(((n >> 24) & 255)) 0 0 0 0)" >"$1"
+    printf '%s' "$2" >>"$1"
+    head -c "$3" /dev/zero >>"$1"
+}
+# strings from files are escaped in messages: a newline or a terminal escape in a tensor name,
+# a dtype or _class_name never forges a second "meshdit: error:" line
+mkdir -p "$T/esc"
+cp "$DATA/flux_tiny/config.json" "$T/esc/"
+write_st "$T/esc/diffusion_pytorch_model.safetensors" \
+    '{"w\nmeshdit: error: forged\u001b[31m":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}' 4
+expect_error escaped-tensor-name 1 "tensor 'w\\\\x0ameshdit: error: forged\\\\x1b\\[31m'" -- \
+    "$BIN" run --checkpoint "$T/esc" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+write_st "$T/esc/diffusion_pytorch_model.safetensors" \
+    '{"w":{"dtype":"F32\nmeshdit: error: forged","shape":[1],"data_offsets":[0,4]}}' 4
+expect_error escaped-dtype 1 "dtype 'F32\\\\x0ameshdit: error: forged'" -- \
+    "$BIN" inspect --checkpoint "$T/esc"
+printf '{"_class_name": "Flux\\nmeshdit: error: forged\\u001b[0m"}' >"$T/esc/config.json"
+expect_error escaped-class-name 1 "model class 'Flux\\\\x0ameshdit: error: forged\\\\x1b\\[0m'" -- \
+    "$BIN" inspect --config "$T/esc/config.json"
+
+# a FIFO as config.json, index, shard or --inputs, or a directory as config.json: one line naming
+# the path, at once (before the fix they blocked in open() forever; timeout turns that into 124)
+mkdir -p "$T/fifodir"
+cp "$DATA/flux_bf16_sharded/"*.json "$DATA/flux_bf16_sharded/"*.safetensors "$T/fifodir/"
+S2FIFO=diffusion_pytorch_model-00002-of-00002.safetensors
+FIFOARGS=(run --checkpoint "$T/fifodir" --inputs "$DATA/flux_bf16_sharded/inputs.safetensors" --out "$T/out.safetensors")
+for f in config.json diffusion_pytorch_model.safetensors.index.json \
+         diffusion_pytorch_model-00002-of-00002.safetensors; do
+    mv "$T/fifodir/$f" "$T/fifodir/$f.keep" && mkfifo "$T/fifodir/$f"
+    expect_error "fifo-$f" 1 "$f: not a regular file (a FIFO)" -- timeout 20 "$BIN" "${FIFOARGS[@]}"
+    rm "$T/fifodir/$f" && mv "$T/fifodir/$f.keep" "$T/fifodir/$f"
+done
+mkfifo "$T/fifodir/in.safetensors"
+expect_error fifo-inputs 1 "in.safetensors: not a regular file (a FIFO)" -- timeout 20 "$BIN" run \
+    --checkpoint "$T/fifodir" --inputs "$T/fifodir/in.safetensors" --out "$T/out.safetensors"
+expect_error fifo-compare 1 "in.safetensors: not a regular file" -- timeout 20 "$BIN" compare \
+    "$T/fifodir/in.safetensors" "$DATA/flux_tiny/expected.safetensors"
+expect_error fifo-config 1 "in.safetensors: not a regular file" -- timeout 20 "$BIN" inspect \
+    --config "$T/fifodir/in.safetensors"
+mpi_error fifo-inputs-2-ranks 2 "in.safetensors: not a regular file (a FIFO)" -- run --checkpoint \
+    "$T/fifodir" --inputs "$T/fifodir/in.safetensors" --out "$T/out.safetensors" --tp 2
+mv "$T/fifodir/$S2FIFO" "$T/fifodir/$S2FIFO.keep" && mkfifo "$T/fifodir/$S2FIFO"
+mpi_error fifo-shard-2-ranks 2 "$S2FIFO: not a regular file (a FIFO)" -- "${FIFOARGS[@]}" --tp 2
+rm "$T/fifodir/$S2FIFO" && mv "$T/fifodir/$S2FIFO.keep" "$T/fifodir/$S2FIFO"
+mv "$T/fifodir/config.json" "$T/fifodir/config.json.keep" && mkdir "$T/fifodir/config.json"
+expect_error dir-config 1 "config.json: not a regular file (a directory)" -- "$BIN" "${FIFOARGS[@]}"
+rmdir "$T/fifodir/config.json" && mv "$T/fifodir/config.json.keep" "$T/fifodir/config.json"
+# shard names are plain file names in the checkpoint directory; a symlinked shard is followed
+# (Hugging Face caches), but one that is not a safetensors file says so, without its bytes
+mkdir -p "$T/paths"
+cp "$DATA/flux_bf16_sharded/"*.json "$DATA/flux_bf16_sharded/"*.safetensors "$T/paths/"
+IDX="$T/paths/diffusion_pytorch_model.safetensors.index.json"
+cp "$IDX" "$T/paths.index.keep"
+PATHARGS=(run --checkpoint "$T/paths" --inputs "$DATA/flux_bf16_sharded/inputs.safetensors" --out "$T/out.safetensors")
+for name in /etc/passwd ../flux_tiny/diffusion_pytorch_model.safetensors ..; do
+    sed "s|diffusion_pytorch_model-00002-of-00002.safetensors|$name|" "$T/paths.index.keep" >"$IDX"
+    expect_error "shard-name-$name" 1 "shard name '$name' is not a plain file name" -- "$BIN" "${PATHARGS[@]}"
+done
+cp "$T/paths.index.keep" "$IDX"
+S2=diffusion_pytorch_model-00002-of-00002.safetensors
+mv "$T/paths/$S2" "$T/blob-s2" && ln -s "$T/blob-s2" "$T/paths/$S2"
+if "$BIN" "${PATHARGS[@]}" --quiet; then ok; else bad "a symlinked shard is refused"; fi
+printf 'root:x:0:0:root:/root:/bin/bash\n' >"$T/text-file"
+ln -sf "$T/text-file" "$T/paths/$S2"
+expect_error shard-not-safetensors 1 "$S2: not a safetensors file: header length [0-9]* is impossible for a file of 32 bytes" -- \
+    "$BIN" "${PATHARGS[@]}"
+grep -q 'root' "$T/stderr" && bad "shard-not-safetensors: the file's bytes are echoed: $(cat "$T/stderr")"
+# "\u0000" in a name is refused, never cut short; a tensor listed twice in the index is ambiguous
+rm -f "$T/paths/$S2" && mv "$T/blob-s2" "$T/paths/$S2"
+sed 's|"diffusion_pytorch_model-00002-of-00002.safetensors"|"diffusion_pytorch_model-00002-of-00002.safetensors\\u0000/../.."|' \
+    "$T/paths.index.keep" >"$IDX"
+expect_error shard-name-nul 1 "string 'diffusion_pytorch_model-00002-of-00002.safetensors' continues past a NUL" -- \
+    "$BIN" "${PATHARGS[@]}"
+sed 's|"weight_map": {|"weight_map": {"x_embedder.weight": "diffusion_pytorch_model-00002-of-00002.safetensors", |' \
+    "$T/paths.index.keep" >"$IDX"
+expect_error listed-twice 1 "tensor 'x_embedder.weight' is listed twice in weight_map" -- \
+    "$BIN" "${PATHARGS[@]}"
+cp "$T/paths.index.keep" "$IDX"
+# opening is bounded: a shard of 70,000 empty tensors is refused from a count over its header,
+# before any parse tree is built (the limit is 65,536 per file; docs/errors.md)
+mkdir -p "$T/many"
+cp "$DATA/flux_tiny/config.json" "$T/many/"
+write_st "$T/many/diffusion_pytorch_model.safetensors" "$(awk 'BEGIN { printf "{"; for (i = 0; i < 70000; i++)
+    printf "%s\"t%d\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}", i ? "," : "", i; printf "}" }')" 0
+expect_error too-many-tensors 1 "70000 tensor entries exceed the limit of 65536 per file" -- \
+    "$BIN" inspect --checkpoint "$T/many"
+# messages that used to mislead: a wrong-typed _class_name is not "missing"; a JSON error gives
+# its line and column; an input dtype that cannot be read as numbers names the tensor
+printf '{"_class_name": 5}' >"$T/esc/config.json"
+expect_error class-name-type 1 "'_class_name' must be a string, not a number" -- \
+    "$BIN" inspect --config "$T/esc/config.json"
+printf '{\n  "_class_name": "FluxTransformer2DModel",\n  "num_layers": 1,,\n}\n' >"$T/esc/config.json"
+expect_error json-position 1 "config.json: invalid JSON near line 3, column 20 (byte 64)" -- \
+    "$BIN" inspect --config "$T/esc/config.json"
+write_st "$T/i16.safetensors" '{"encoder_hidden_states":{"dtype":"F32","shape":[1,48,32],"data_offsets":[0,6144]},"hidden_states":{"dtype":"F32","shape":[1,16,4],"data_offsets":[6144,6400]},"img_ids":{"dtype":"F32","shape":[16,3],"data_offsets":[6400,6592]},"pooled_projections":{"dtype":"F32","shape":[1,32],"data_offsets":[6592,6720]},"timestep":{"dtype":"I16","shape":[1],"data_offsets":[6720,6722]},"txt_ids":{"dtype":"F32","shape":[48,3],"data_offsets":[6722,7298]}}' 7298
+expect_error input-dtype 1 "inputs: tensor 'timestep' has dtype I16, which cannot be read as a number" -- \
+    "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$T/i16.safetensors" --out "$T/out.safetensors"
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]

@@ -1,0 +1,117 @@
+/*
+ * test_messages.c — messages that used to mislead: a JSON syntax error placed at its real line,
+ * column and byte (config.json, index, safetensors header), `"_class_name": 5` called a wrong type
+ * rather than a missing key, and an input whose dtype cannot be read as numbers named with its
+ * tensor and dtype.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "harness.h"
+#include "io/checkpoint.h"
+#include "models/model.h"
+
+#include <cjson/cJSON.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static char g_dir[64];
+
+static const char *write_file(const char *name, const char *text, size_t n) {
+    static char path[128];
+    snprintf(path, sizeof path, "%s/%s", g_dir, name);
+    FILE *fp = fopen(path, "wb");
+    fwrite(text, 1, n, fp);
+    fclose(fp);
+    return path;
+}
+
+static void test_json_positions(void) {
+    cJSON *j = NULL;
+    /* the second comma on line 3 (byte 40) */
+    const char *cfg = "{\n  \"_class_name\": \"FluxTransformer2DModel\",\n  \"axes\": [1,,2]\n}\n";
+    EXPECT_ERR(mdt_config_load(write_file("config.json", cfg, strlen(cfg)), &j), MDT_E_FORMAT,
+               "config.json: invalid JSON near line 3, column 14 (byte 58)");
+    EXPECT(cfg[58] == ',' && cfg[57] == ',', "the test's own offsets");
+    const char *trail = "{\"a\": 1}\n\n  x";
+    EXPECT_ERR(mdt_config_load(write_file("trail.json", trail, strlen(trail)), &j), MDT_E_FORMAT,
+               "bytes other than white space after the JSON, at line 3, column 3 (byte 12)");
+    const char *empty = "";
+    EXPECT_ERR(mdt_config_load(write_file("empty.json", empty, 0), &j), MDT_E_FORMAT,
+               "invalid JSON near line 1, column 1 (byte 0)");
+    /* a safetensors header: bytes count from the start of the file (8-byte length first) */
+    const char *hdr = "{\"w\":{\"dtype\":\"F32\",\"shape\":[1] \"data_offsets\":[0,4]}}";
+    char file[128] = {0};
+    size_t hl = strlen(hdr);
+    file[0] = (char)hl;
+    memcpy(file + 8, hdr, hl + 1); /* the NUL lands in the (zero) data section */
+    mdt_st_file *f = NULL;
+    EXPECT_ERR(mdt_st_open(write_file("h.safetensors", file, 8 + hl + 4), &f), MDT_E_FORMAT,
+               "header is not valid JSON near line 1, column 33 (byte 40)");
+    /* the index */
+    char d[128];
+    snprintf(d, sizeof d, "%s/ck", g_dir);
+    mkdir(d, 0777);
+    const char *c = "{\"_class_name\": \"FluxTransformer2DModel\"}";
+    write_file("ck/config.json", c, strlen(c));
+    const char *idx = "{\"weight_map\": {\n\"a\": \"s1.safetensors\"\n\"b\": 1}}";
+    write_file("ck/diffusion_pytorch_model.safetensors.index.json", idx, strlen(idx));
+    mdt_ckpt *ck = NULL;
+    EXPECT_ERR(mdt_ckpt_open(d, &ck), MDT_E_FORMAT,
+               "index.json: invalid JSON near line 3, column 1");
+}
+
+static void test_class_name_type(void) {
+    const mdt_family *fam;
+    const char *cases[][2] = {
+        {"{\"_class_name\": 5}", "'_class_name' must be a string, not a number"},
+        {"{\"_class_name\": [\"FluxTransformer2DModel\"]}", "must be a string, not an array"},
+        {"{\"_class_name\": true}", "must be a string, not true or false"},
+        {"{\"num_layers\": 1}", "'_class_name' is missing"},
+        {"{\"_class_name\": null}", "'_class_name' is missing"},
+        {"{\"_class_name\": \"Unet2D\"}", "model class 'Unet2D' is not supported"},
+    };
+    for (int i = 0; i < (int)(sizeof cases / sizeof *cases); i++) {
+        cJSON *cfg = cJSON_Parse(cases[i][0]);
+        mdt_status st = mdt_family_from_config(cfg, &fam);
+        EXPECT(st != MDT_OK && strstr(mdt_last_error(), cases[i][1]), "%s -> '%s' (wanted '%s')",
+               cases[i][0], mdt_last_error(), cases[i][1]);
+        cJSON_Delete(cfg);
+    }
+}
+
+static void test_input_dtypes(void) {
+    mdt_tensor_set *in = NULL;
+    mdt_tensor *t;
+    mdt_arena a;
+    float *out;
+    mdt_arena_init(&a);
+    EXPECT_OK(mdt_tensor_set_create(&in));
+    const mdt_dtype bad[] = {MDT_I16, MDT_I8, MDT_U8};
+    const char *names[] = {"timestep", "hidden_states", "guidance"};
+    for (int i = 0; i < 3; i++) {
+        EXPECT_OK(mdt_tensor_set_add(in, names[i], bad[i], 1, (int64_t[]){2}, &t));
+        char want[128];
+        snprintf(want, sizeof want, "inputs: tensor '%s' has dtype %s, which cannot be read",
+                 names[i], mdt_dtype_name(bad[i]));
+        EXPECT_ERR(mdt_input_f32(in, names[i], 1, (int64_t[]){2}, &a, &out), MDT_E_INVALID, want);
+    }
+    EXPECT_OK(mdt_tensor_set_add(in, "ok", MDT_I32, 1, (int64_t[]){2}, &t));
+    EXPECT_OK(mdt_input_f32(in, "ok", 1, (int64_t[]){2}, &a, &out));
+    mdt_arena_release(&a);
+    mdt_tensor_set_free(in);
+}
+
+int main(void) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_messages_XXXXXX");
+    if (!mkdtemp(g_dir))
+        return 1;
+    test_json_positions();
+    test_class_name_type();
+    test_input_dtypes();
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", g_dir);
+    TEST_END();
+}
