@@ -7,6 +7,8 @@
 #define _POSIX_C_SOURCE 200809L
 #include "safetensors.h"
 
+#include "core/outfile.h"
+
 #include "io/file.h"
 #include "io/json.h"
 
@@ -454,24 +456,12 @@ mdt_status mdt_st_read_f32(const mdt_st_file *f, const mdt_st_entry *e, int64_t 
 }
 
 /* ---- writer ---- */
-static mdt_status write_all(int fd, const void *src, size_t n, const char *path) {
-    const char *p = src;
-    while (n > 0) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w < 0)
-            return MDT_FAIL(MDT_E_IO, "%s: write failed: %s", path, strerror(errno));
-        p += w, n -= (size_t)w;
-    }
-    return MDT_OK;
-}
-
 mdt_status mdt_st_write(const char *path, int n, const char *const *names,
                         const mdt_tensor *const *tensors, const char *const *meta) {
     mdt_status st = MDT_OK;
-    char *json = NULL, *tmp = NULL;
-    int fd = -1;
+    char *json = NULL;
+    mdt_out out;
+    int staged = 0;
     cJSON *root = cJSON_CreateObject();
     if (!root)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
@@ -500,42 +490,26 @@ mdt_status mdt_st_write(const char *path, int n, const char *const *names,
     if (!json)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
     size_t jl = strlen(json), padded = (jl + 7) & ~(size_t)7; /* data starts 8-aligned */
-    size_t plen = strlen(path);
-    tmp = mdt_alloc(plen + 16);
-    if (!tmp)
-        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
-    snprintf(tmp, plen + 16, "%s.tmp.XXXXXX", path);
-    fd = mkstemp(tmp);
-    if (fd < 0)
-        MDT_CHECK(
-            MDT_FAIL(MDT_E_IO, "%s: cannot create a temporary file: %s", path, strerror(errno)));
+    /* staged beside the target (a short temporary: a NAME_MAX-byte name works), committed by
+     * rename with the mode of a new file (0666 & ~umask), never over a non-regular file */
+    MDT_CHECK(mdt_out_begin(&out, path));
+    staged = 1;
     unsigned char lenb[8];
     for (int i = 0; i < 8; i++)
         lenb[i] = (unsigned char)(((uint64_t)padded >> (8 * i)) & 0xffu);
-    MDT_CHECK(write_all(fd, lenb, 8, path));
-    MDT_CHECK(write_all(fd, json, jl, path));
-    MDT_CHECK(write_all(fd, "        ", padded - jl, path));
+    MDT_CHECK(mdt_out_write(&out, lenb, 8));
+    MDT_CHECK(mdt_out_write(&out, json, jl));
+    MDT_CHECK(mdt_out_write(&out, "        ", padded - jl));
     for (int i = 0; i < n; i++)
-        MDT_CHECK(write_all(fd, tensors[i]->data, (size_t)mdt_tensor_nbytes(tensors[i]), path));
-    if (fsync(fd) != 0)
-        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: fsync failed: %s", path, strerror(errno)));
-    if (close(fd) != 0) {
-        fd = -1;
-        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: close failed: %s", path, strerror(errno)));
-    }
-    fd = -1;
-    if (rename(tmp, path) != 0)
-        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: rename failed: %s", path, strerror(errno)));
-    mdt_free(tmp);
+        MDT_CHECK(mdt_out_write(&out, tensors[i]->data, (size_t)mdt_tensor_nbytes(tensors[i])));
+    staged = 0;
+    MDT_CHECK(mdt_out_commit(&out, 1));
     cJSON_free(json);
     cJSON_Delete(root);
     return MDT_OK;
 fail:
-    if (fd >= 0)
-        close(fd);
-    if (tmp && tmp[0])
-        unlink(tmp);
-    mdt_free(tmp);
+    if (staged)
+        mdt_out_abort(&out, 1);
     cJSON_free(json);
     cJSON_Delete(root);
     return st;

@@ -127,6 +127,20 @@ static void test_roundtrip(void) {
     }
     /* atomic write: a failing write leaves nothing behind */
     EXPECT_ERR(mdt_tensor_set_save(s, "/nonexistent-dir/x.safetensors"), MDT_E_IO, "x.safetensors");
+    /* the library writer: a legal 255-byte name works, the file gets 0666 & ~umask, and a
+     * directory in the way is refused, not replaced */
+    char longname[256];
+    memset(longname, 'n', 255), longname[255] = '\0';
+    memcpy(longname + 243, ".safetensors", 12);
+    const mode_t old = umask(027);
+    EXPECT_OK(mdt_tensor_set_save(s, tpath(longname)));
+    struct stat sb;
+    EXPECT(stat(tpath(longname), &sb) == 0 && (sb.st_mode & 0777) == 0640,
+           "written with 0666 & ~umask (0640), got %o", (unsigned)(sb.st_mode & 0777));
+    umask(old);
+    EXPECT(mkdir(tpath("adir"), 0700) == 0, "mkdir");
+    EXPECT_ERR(mdt_tensor_set_save(s, tpath("adir")), MDT_E_INVALID, "not a regular file");
+    EXPECT(stat(tpath("adir"), &sb) == 0 && S_ISDIR(sb.st_mode), "the directory is untouched");
     mdt_tensor_set_free(s);
 }
 
