@@ -394,6 +394,8 @@ mdt_status mdt_cfg_double(const cJSON *cfg, const char *key, double def, double 
     }
     if (!cJSON_IsNumber(j))
         return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must be a number", key);
+    if (!isfinite(j->valuedouble)) /* e.g. 1e400: cJSON gives Inf */
+        return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must be a finite number", key);
     *out = j->valuedouble;
     return MDT_OK;
 }
