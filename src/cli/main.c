@@ -181,17 +181,6 @@ static int64_t parse_size(const char *s) {
 }
 
 /* ---- outputs ---- */
-/* Stages `set` as a safetensors file for `path` (written whole at the temporary's name). */
-static mdt_status stage_set(mdt_out *o, const char *path, const mdt_tensor_set *set) {
-    MDT_TRY(mdt_out_begin(o, path));
-    mdt_status st = mdt_tensor_set_save(set, o->tmp);
-    if (st != MDT_OK) {
-        mdt_out_abort(o, 1);
-        return mdt_fail_prefix(st, "%s", path);
-    }
-    return MDT_OK;
-}
-
 /* Writes the output and, when `report` is set, the report: both or neither. Each is staged in a
  * temporary of its own directory and renamed over its target only once both are written, so a
  * failure anywhere leaves the old files as they were (mdt_out_commit). */
@@ -199,7 +188,7 @@ static mdt_status write_outputs(const char *out, const mdt_tensor_set *res, cons
                                 const char *report_txt) {
     mdt_out o[2];
     int n = 0;
-    mdt_status st = stage_set(&o[0], out, res);
+    mdt_status st = mdt_tensor_set_stage(&o[0], res, out);
     if (st == MDT_OK)
         n = 1;
     if (st == MDT_OK && report) {
@@ -717,9 +706,7 @@ static int cmd_run(int argc, char **argv) {
         for (int g = 0; g < MDT_GROUP_COUNT; g++)
             group[g] = mesh->group_bytes[g] - gb0[g];
         if (st != MDT_OK && steps > 0) { /* say which step: its input is ours, not the user's */
-            char why[2048];
-            snprintf(why, sizeof why, "%s", mdt_last_error());
-            st = MDT_FAIL(st, "step %d of %d: %s", i + 1, nsteps, why);
+            st = mdt_fail_prefix(st, "step %d of %d", i + 1, nsteps);
         }
         if (st != MDT_OK)
             break;

@@ -419,11 +419,6 @@ mdt_status mdt_cfg_int_array(const cJSON *cfg, const char *key, int64_t *vals, i
     return MDT_OK;
 }
 
-const char *mdt_cfg_str(const cJSON *cfg, const char *key) {
-    const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
-    return cJSON_IsString(j) ? j->valuestring : NULL;
-}
-
 static const char *json_type_name(const cJSON *j) {
     return cJSON_IsNumber(j)   ? "a number"
            : cJSON_IsBool(j)   ? "true or false"

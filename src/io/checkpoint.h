@@ -56,8 +56,6 @@ mdt_status mdt_cfg_bool(const cJSON *cfg, const char *key, int def, int *out);
 mdt_status mdt_cfg_double(const cJSON *cfg, const char *key, double def, double *out);
 /* Integer array; `*n` in: capacity, out: count. Missing key -> count 0. */
 mdt_status mdt_cfg_int_array(const cJSON *cfg, const char *key, int64_t *vals, int *n);
-/* String value or NULL when absent (or not a string: use mdt_cfg_string to tell). */
-const char *mdt_cfg_str(const cJSON *cfg, const char *key);
 /* String value into *out, NULL when absent or null; a present value of another type is an error
  * ("config.json: 'K' must be a string, not a number"), MDT_E_INVALID. */
 mdt_status mdt_cfg_string(const cJSON *cfg, const char *key, const char **out);

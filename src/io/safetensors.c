@@ -456,11 +456,10 @@ mdt_status mdt_st_read_f32(const mdt_st_file *f, const mdt_st_entry *e, int64_t 
 }
 
 /* ---- writer ---- */
-mdt_status mdt_st_write(const char *path, int n, const char *const *names,
+mdt_status mdt_st_stage(mdt_out *out, const char *path, int n, const char *const *names,
                         const mdt_tensor *const *tensors, const char *const *meta) {
     mdt_status st = MDT_OK;
     char *json = NULL;
-    mdt_out out;
     int staged = 0;
     cJSON *root = cJSON_CreateObject();
     if (!root)
@@ -492,27 +491,32 @@ mdt_status mdt_st_write(const char *path, int n, const char *const *names,
     size_t jl = strlen(json), padded = (jl + 7) & ~(size_t)7; /* data starts 8-aligned */
     /* staged beside the target (a short temporary: a NAME_MAX-byte name works), committed by
      * rename with the mode of a new file (0666 & ~umask), never over a non-regular file */
-    MDT_CHECK(mdt_out_begin(&out, path));
+    MDT_CHECK(mdt_out_begin(out, path));
     staged = 1;
     unsigned char lenb[8];
     for (int i = 0; i < 8; i++)
         lenb[i] = (unsigned char)(((uint64_t)padded >> (8 * i)) & 0xffu);
-    MDT_CHECK(mdt_out_write(&out, lenb, 8));
-    MDT_CHECK(mdt_out_write(&out, json, jl));
-    MDT_CHECK(mdt_out_write(&out, "        ", padded - jl));
+    MDT_CHECK(mdt_out_write(out, lenb, 8));
+    MDT_CHECK(mdt_out_write(out, json, jl));
+    MDT_CHECK(mdt_out_write(out, "        ", padded - jl));
     for (int i = 0; i < n; i++)
-        MDT_CHECK(mdt_out_write(&out, tensors[i]->data, (size_t)mdt_tensor_nbytes(tensors[i])));
-    staged = 0;
-    MDT_CHECK(mdt_out_commit(&out, 1));
+        MDT_CHECK(mdt_out_write(out, tensors[i]->data, (size_t)mdt_tensor_nbytes(tensors[i])));
     cJSON_free(json);
     cJSON_Delete(root);
     return MDT_OK;
 fail:
     if (staged)
-        mdt_out_abort(&out, 1);
+        mdt_out_abort(out, 1);
     cJSON_free(json);
     cJSON_Delete(root);
     return st;
+}
+
+mdt_status mdt_st_write(const char *path, int n, const char *const *names,
+                        const mdt_tensor *const *tensors, const char *const *meta) {
+    mdt_out out;
+    MDT_TRY(mdt_st_stage(&out, path, n, names, tensors, meta));
+    return mdt_out_commit(&out, 1);
 }
 
 /* ---- public whole-file helpers on mdt_tensor_set ---- */
@@ -538,7 +542,7 @@ fail:
     return st;
 }
 
-mdt_status mdt_tensor_set_save(const mdt_tensor_set *set, const char *path) {
+mdt_status mdt_tensor_set_stage(mdt_out *o, const mdt_tensor_set *set, const char *path) {
     int n = mdt_tensor_set_count(set);
     const char **names = mdt_alloc(sizeof(char *) * (size_t)(n ? n : 1));
     const mdt_tensor **ts = mdt_alloc(sizeof(mdt_tensor *) * (size_t)(n ? n : 1));
@@ -548,8 +552,14 @@ mdt_status mdt_tensor_set_save(const mdt_tensor_set *set, const char *path) {
     for (int i = 0; st == MDT_OK && i < n; i++)
         ts[i] = mdt_tensor_set_at(set, i, &names[i]);
     if (st == MDT_OK)
-        st = mdt_st_write(path, n, names, ts, NULL);
+        st = mdt_st_stage(o, path, n, names, ts, NULL);
     mdt_free(names);
     mdt_free((void *)ts);
     return st;
+}
+
+mdt_status mdt_tensor_set_save(const mdt_tensor_set *set, const char *path) {
+    mdt_out o;
+    MDT_TRY(mdt_tensor_set_stage(&o, set, path));
+    return mdt_out_commit(&o, 1);
 }

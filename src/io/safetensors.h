@@ -11,6 +11,7 @@
 #ifndef MDT_SAFETENSORS_H
 #define MDT_SAFETENSORS_H
 
+#include "core/outfile.h"
 #include "tensor/tensor.h"
 
 /* What opening files may cost, checked on the 8-byte length and on a count over the raw header
@@ -76,9 +77,16 @@ mdt_status mdt_st_read_range(const mdt_st_file *f, const mdt_st_entry *e, int64_
 mdt_status mdt_st_read_f32(const mdt_st_file *f, const mdt_st_entry *e, int64_t elem_off, int64_t n,
                            float *dst);
 
-/* Writes tensors atomically (temporary file in the same directory, fsync, rename).
- * `meta` is an optional NULL-terminated list of key, value, key, value, ... strings. */
+/* Writes tensors atomically through core/outfile.h (a short temporary in the same directory,
+ * fsync, rename, mode 0666 & ~umask, never over a non-regular file). `meta` is an optional
+ * NULL-terminated list of key, value, key, value, ... strings. */
 mdt_status mdt_st_write(const char *path, int n, const char *const *names,
                         const mdt_tensor *const *tensors, const char *const *meta);
+/* The same, staged only: *o holds the written temporary; the caller commits it (with others:
+ * mdt_out_commit) or aborts it. On failure nothing is left staged. */
+mdt_status mdt_st_stage(mdt_out *o, const char *path, int n, const char *const *names,
+                        const mdt_tensor *const *tensors, const char *const *meta);
+/* mdt_tensor_set_save, staged only (as mdt_st_stage). */
+mdt_status mdt_tensor_set_stage(mdt_out *o, const mdt_tensor_set *set, const char *path);
 
 #endif /* MDT_SAFETENSORS_H */

@@ -983,15 +983,7 @@ static mdt_status write_text(const char *path, const char *text) {
 
 static mdt_status write_weights(const char *path, int n, const char *const *names,
                                 const mdt_tensor *const *tensors) {
-    mdt_out o;
-    MDT_TRY(mdt_out_begin(&o, path));
-    mdt_status st =
-        mdt_st_write(o.tmp, n, names, tensors, (const char *const[]){"format", "pt", NULL});
-    if (st != MDT_OK) {
-        mdt_out_abort(&o, 1);
-        return mdt_fail_prefix(st, "%s", path);
-    }
-    return mdt_out_commit(&o, 1);
+    return mdt_st_write(path, n, names, tensors, (const char *const[]){"format", "pt", NULL});
 }
 
 static void fill_random(const mdt_weight_spec *w, mdt_rng *rng, float *dst) {

@@ -1,8 +1,9 @@
 /*
- * cpu.c — the fast CPU kernels of cpu.h. GEMMs go to OpenBLAS (one thread per rank); the
- * elementwise passes are fused loops the compiler vectorises; attention streams key tiles with an
- * online softmax (running max m, denominator l, rescaled accumulator) and does its two products
- * per tile with sgemm.
+ * cpu.c — the fast CPU kernels of cpu.h. Every GEMM goes through the GEMM seam (gemm.h: OpenBLAS
+ * or oneDNN, one thread per rank); the elementwise passes are fused loops the compiler vectorises
+ * (AVX-512 intrinsics for exp-heavy passes); attention streams key tiles with an online softmax
+ * (running max m, denominator l, rescaled accumulator) and does its two products per tile through
+ * the seam, in f32 or with bf16 operands.
  *
  * Compiled once per instruction set (the Makefile sets MDT_CPU_ISA and -march: x86-64, AVX2 +
  * FMA, AVX-512), each build exporting one table (cpu_isa.h); cpu_dispatch.c picks the widest
@@ -14,7 +15,6 @@
 
 #include "core/core.h"
 
-#include <cblas.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -75,16 +75,6 @@ static float bias_rows(float *y, int64_t ldy, const float *b, int64_t M, int64_t
     for (int64_t i = 0; i < M; i++)
         memcpy(y + i * ldy, b, sizeof(float) * (size_t)N);
     return 1.0f;
-}
-
-static void k_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
-                     int64_t ldy, int64_t M, int64_t K, int64_t N) {
-    if (M == 0 || N == 0)
-        return;
-    const float beta = bias_rows(y, ldy, b, M, N);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)N, (int)K, 1.0f, x, (int)ldx,
-                w, (int)K, beta, y, (int)ldy);
-    mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
 }
 
 static void k_bf16_widen(float *dst, const uint16_t *src, int64_t n) {
@@ -559,7 +549,6 @@ static void k_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t nc
 
 const mdt_cpu_kernels MDT_CPU_TABLE = {
     .isa = MDT_CPU_NAME,
-    .linear = k_linear,
     .linear_bf16 = k_linear_bf16,
     .linear_bf16_ws_floats = k_linear_bf16_ws_floats,
     .bf16_widen = k_bf16_widen,

@@ -108,10 +108,7 @@ mdt_status mdt_cpu_isa_select(const char *name) {
 
 void mdt_cpu_linear(const float *x, int64_t ldx, const float *w, const float *b, float *y,
                     int64_t ldy, int64_t M, int64_t K, int64_t N) {
-    if (strcmp(mdt_cpu_gemm(), "onednn") == 0)
-        mdt_cpu_gemm_linear_f32(x, ldx, w, b, y, ldy, M, K, N);
-    else
-        kern()->linear(x, ldx, w, b, y, ldy, M, K, N);
+    mdt_cpu_gemm_linear_f32(x, ldx, w, b, y, ldy, M, K, N); /* either GEMM path (gemm.h) */
 }
 
 void mdt_cpu_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b, float *y,

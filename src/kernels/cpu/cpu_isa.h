@@ -10,8 +10,6 @@
 
 typedef struct mdt_cpu_kernels {
     const char *isa; /* "generic", "x86-64", "avx2", "avx512" */
-    void (*linear)(const float *x, int64_t ldx, const float *w, const float *b, float *y,
-                   int64_t ldy, int64_t M, int64_t K, int64_t N);
     void (*linear_bf16)(const float *x, int64_t ldx, const uint16_t *wh, const float *b, float *y,
                         int64_t ldy, int64_t M, int64_t K, int64_t N, float *ws, int64_t ws_floats);
     int64_t (*linear_bf16_ws_floats)(int64_t K, int64_t N);

@@ -36,6 +36,7 @@ static const gemm_path k_paths[] = {
 enum { N_PATHS = sizeof k_paths / sizeof k_paths[0] };
 
 static int g_onednn = -1; /* -1: not chosen yet */
+static int g_bf16ops;     /* bf16 weights mean bf16 operands (set with the path) */
 static int g_cap_set;     /* oneDNN's cap is set (it can be set once per process) */
 static dnnl_cpu_isa_t g_cap = dnnl_cpu_isa_all;
 static char g_err[200];
@@ -94,7 +95,7 @@ static const gemm_path *auto_path(void) {
 
 static mdt_status apply(const gemm_path *p) {
     if (p == &k_paths[0]) {
-        g_onednn = 0;
+        g_onednn = 0, g_bf16ops = 0;
         return MDT_OK;
     }
     if (g_cap_set && p->cap != dnnl_cpu_isa_all && p->cap != g_cap)
@@ -108,6 +109,9 @@ static mdt_status apply(const gemm_path *p) {
         omp_set_num_threads(1); /* one thread per rank, like OpenBLAS */
     }
     g_onednn = 1;
+    /* oneDNN 2.6 multiplies bf16 from AVX-512 on (natively from AVX512-BF16); below it refuses.
+     * Asked once here (the cap is set by now), not on every GEMM. */
+    g_bf16ops = dnnl_get_effective_cpu_isa() >= dnnl_cpu_isa_avx512_core;
     return MDT_OK;
 }
 
@@ -122,7 +126,7 @@ static void pick(void) {
         p = auto_path();
     }
     if (apply(p) != MDT_OK)
-        g_onednn = 0;
+        g_onednn = 0, g_bf16ops = 0;
 }
 
 const char *mdt_cpu_gemm(void) {
@@ -132,8 +136,7 @@ const char *mdt_cpu_gemm(void) {
 
 int mdt_cpu_gemm_bf16_operands(void) {
     pick();
-    /* oneDNN 2.6 multiplies bf16 from AVX-512 on (natively from AVX512-BF16); below it refuses */
-    return g_onednn && dnnl_get_effective_cpu_isa() >= dnnl_cpu_isa_avx512_core;
+    return g_bf16ops;
 }
 
 static const char *isa_name(dnnl_cpu_isa_t isa) {
@@ -435,8 +438,7 @@ void mdt_cpu_gemm_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, c
         return;
     }
     mdt_cpu_to_bf16_rows(xh, K, x, ldx, M, K); // xh [M, K] = bf16(x)
-    gemm(1, 1, M, N, K, 1.0f, xh, K, wh, K, b, 0.0f, y, ldy);
-    mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
+    mdt_cpu_gemm_linear_bf16h(xh, wh, b, y, ldy, M, K, N);
 }
 
 void mdt_cpu_gemm_linear_bf16h(const uint16_t *xh, const uint16_t *wh, const float *b, float *y,
