@@ -1,0 +1,28 @@
+/*
+ * testhooks.h — the one test-only seam of the library. Tests (and the command's test mode, which
+ * fills this from MESHDIT_TEST_* once at start-up) install a hooks struct; the library reads it
+ * and never the environment, and never raises a signal itself. With nothing installed every hook
+ * is off and costs one pointer load.
+ */
+#ifndef MDT_CORE_TESTHOOKS_H
+#define MDT_CORE_TESTHOOKS_H
+
+#include "meshdit.h"
+
+typedef struct mdt_test_hooks {
+    int shard_index_world; /* a rank's TP shard index is its world rank (the upstream bug) */
+    int skip_cp_split;     /* every rank computes the whole sequence (the upstream bug) */
+    /* Called at named points of the library ("load": mid-load, "step": inside a forward after
+     * its first block) with the caller's world rank; a status other than MDT_OK makes the
+     * library fail there as if the work had failed. NULL: no injection. */
+    mdt_status (*at_point)(const char *phase, int world_rank);
+} mdt_test_hooks;
+
+/* Installs `h` (copied; NULL removes every hook). Not thread-safe: set before any work. */
+void mdt_test_hooks_set(const mdt_test_hooks *h);
+/* The hooks in force (all off when none were installed); never NULL. */
+const mdt_test_hooks *mdt_test_hooks_get(void);
+/* MDT_OK, or what the at_point hook returns for `phase` on `world_rank`. */
+mdt_status mdt_test_point(const char *phase, int world_rank);
+
+#endif /* MDT_CORE_TESTHOOKS_H */
