@@ -6,15 +6,17 @@
  * joint sequence, AdaLayerNormZero chunk order (shift, scale, gate) x2, AdaLayerNormContinuous
  * scale-then-shift, LayerNorm eps 1e-6 without affine, per-head RMSNorm eps 1e-6, GELU(tanh).
  *
- * Not here: parallel execution (the forward runs the local shard it is given; the mesh and the
- * collectives arrive with the parallel issues), bf16 compute.
+ * TP: q/k/v and the MLP input colwise, to_out and the MLP output rowwise, the single blocks'
+ * proj_out packed rowwise over [attention | MLP], the AdaLN projections replicated-input
+ * rowwise, embedders and the final projection replicated. CP: image and text tokens (and their
+ * ids) split into P chunks each; the joint sequence of a rank is its text chunk then its image
+ * chunk; the output's image rows gathered.
  */
-#include "models/model.h"
+#include "models/dit.h"
 
-#include "attn/attn.h"
 #include "backend/backend.h"
+#include "core/testhooks.h"
 
-#include <cjson/cJSON.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,12 +28,12 @@ typedef struct flux_double {
     mdt_lin norm1, norm1_ctx;
     mdt_lin to_q, to_k, to_v, add_q, add_k, add_v, to_out, to_add_out;
     mdt_lin ff0, ff2, ffc0, ffc2;
-    const float *norm_q, *norm_k, *norm_added_q, *norm_added_k;
+    mdt_qkv img, ctx; /* the image and text streams' q/k/v with their norms */
 } flux_double;
 
 typedef struct flux_single {
     mdt_lin norm, to_q, to_k, to_v, proj_mlp, proj_out;
-    const float *norm_q, *norm_k;
+    mdt_qkv qkv;
 } flux_single;
 
 typedef struct flux {
@@ -50,9 +52,12 @@ typedef struct flux {
 
 static const mdt_cp_plan k_flux_cp_plan = {
     .nsplit = 4,
-    .split = {{"hidden_states", 1}, {"encoder_hidden_states", 1}, {"img_ids", 0}, {"txt_ids", 0}},
+    .split = {{"hidden_states", 1, NULL},
+              {"encoder_hidden_states", 1, NULL},
+              {"img_ids", 0, NULL},
+              {"txt_ids", 0, NULL}},
     .ngather = 1,
-    .gather = {{"sample", 1}},
+    .gather = {{"sample", 1, NULL}},
 };
 
 /* ---- weight table ---- */
@@ -173,10 +178,12 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
         const struct {
             const float **v;
             const char *sfx;
-        } vecs[] = {{&b->norm_q, "attn.norm_q.weight"},
-                    {&b->norm_k, "attn.norm_k.weight"},
-                    {&b->norm_added_q, "attn.norm_added_q.weight"},
-                    {&b->norm_added_k, "attn.norm_added_k.weight"}};
+        } vecs[] = {{&b->img.norm_q, "attn.norm_q.weight"},
+                    {&b->img.norm_k, "attn.norm_k.weight"},
+                    {&b->ctx.norm_q, "attn.norm_added_q.weight"},
+                    {&b->ctx.norm_k, "attn.norm_added_k.weight"}};
+        b->img = (mdt_qkv){.q = &b->to_q, .k = &b->to_k, .v = &b->to_v, .eps = k_eps};
+        b->ctx = (mdt_qkv){.q = &b->add_q, .k = &b->add_k, .v = &b->add_v, .eps = k_eps};
         for (size_t j = 0; j < sizeof vecs / sizeof vecs[0]; j++) {
             snprintf(nm, sizeof nm, "transformer_blocks.%lld.%s", (long long)i, vecs[j].sfx);
             MDT_TRY(add_vec(t, vecs[j].v, nm, D));
@@ -205,9 +212,10 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
         mdt_weight_spec *po = &t->specs[t->n - 2];
         po->nblocks = 2, po->blocks[0] = C, po->blocks[1] = M;
         snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.attn.norm_q.weight", (long long)i);
-        MDT_TRY(add_vec(t, &b->norm_q, nm, D));
+        MDT_TRY(add_vec(t, &b->qkv.norm_q, nm, D));
         snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.attn.norm_k.weight", (long long)i);
-        MDT_TRY(add_vec(t, &b->norm_k, nm, D));
+        MDT_TRY(add_vec(t, &b->qkv.norm_k, nm, D));
+        b->qkv = (mdt_qkv){.q = &b->to_q, .k = &b->to_k, .v = &b->to_v, .eps = k_eps};
     }
     MDT_TRY(add_lin(t, &f->norm_out, "norm_out.linear", 2 * C, C, MDT_TP_REPLICATED_INPUT_ROWWISE));
     MDT_TRY(add_lin(t, &f->proj_out, "proj_out", f->patch * f->patch * f->out_ch, C,
@@ -215,31 +223,19 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     return MDT_OK;
 }
 
-/* ---- pieces of the forward ---- */
+/* ---- forward ---- */
 
-/* e [B, 256] = [cos(t f), sin(t f)], f_i = exp(-ln(1e4) i / 128), t already x1000 (float32 math
- * like torch's get_timestep_embedding). */
-static void timestep_proj(const float *t, int64_t B, float *e) {
-    for (int64_t b = 0; b < B; b++)
-        for (int i = 0; i < 128; i++) {
-            float fr = expf(-logf(10000.0f) * (float)i / 128.0f);
-            float arg = t[b] * fr;
-            e[b * 256 + i] = cosf(arg);
-            e[b * 256 + 128 + i] = sinf(arg);
-        }
-}
+/* A forward's inputs on this rank: read, checked, cut by the CP plan and uploaded. */
+typedef struct flux_in {
+    int64_t Si, St, si, st; /* image and text rows: whole and this rank's chunk */
+    const float *hs, *ehs;  /* [B, si, in], [B, st, joint] */
+    const float *e256;      /* [2, B, 256] timestep and guidance projections */
+    const float *pool;      /* [B, pooled] */
+    mdt_rope rope;          /* [st + si, D] text rows first */
+} flux_in;
 
-/* y[M, out] = lin2(SiLU(lin1(x[M, in]))) with scratch h[M, lin1.out] */
-static void mlp2(const mdt_lin *l1, const mdt_lin *l2, const float *x, int64_t M, float *h,
-                 float *y) {
-    mdt_k_linear(x, l1->in, l1->w, l1->wh, l1->b, h, l1->out, M, l1->in, l1->out);
-    mdt_k_silu(h, M * l1->out);
-    mdt_k_linear(h, l2->in, l2->w, l2->wh, l2->b, y, l2->out, M, l2->in, l2->out);
-}
-
-/* Rotary columns for ids [S, naxes] -> cos/sin [S, D]: per axis of width d, pair j has frequency
- * 1/1e4^(2j/d), each value repeated for the two channels of its pair; angles in float64 like
- * diffusers on CPU/CUDA. col_axis/col_freq [D]: the id column and frequency of each channel. */
+/* Rotary columns: per axis of width d, pair j has frequency 1/1e4^(2j/d), each value repeated for
+ * the two channels of its pair; col_axis/col_freq [D]: the id column and frequency of each. */
 static void rope_columns(const flux *f, int32_t *col_axis, double *col_freq) {
     int64_t off = 0;
     for (int a = 0; a < f->naxes; a++) {
@@ -253,195 +249,25 @@ static void rope_columns(const flux *f, int32_t *col_axis, double *col_freq) {
     }
 }
 
-typedef struct flux_act {
-    int64_t B, Si, St, S;
-    int T, k;                   /* TP degree and shard index */
-    mdt_mesh *mesh;             /* NULL when T = 1 */
-    int64_t Cl, Ml, Hl;         /* local widths: C/T, 4C/T, heads/T */
-    const float *silu_temb;     /* [B, C] replicated */
-    const float *cos_t, *sin_t; /* [S, D], text rows first */
-    float *q, *k_, *v;          /* [B, H/T, S, D] head-major */
-    mdt_mesh *cp;               /* the mesh when the sequence is split (P > 1), else NULL */
-    mdt_arena *ar;              /* activations and attention scratch */
-} flux_act;
-
-static mdt_status row_linear(const flux_act *A, const mdt_lin *l, const float *x, int64_t ldx,
-                             int64_t K_local, float *y, int64_t M) {
-    return mdt_row_linear(A->mesh, A->T, l, x, ldx, K_local, y, M);
+/* ids [S, naxes], 2-D or (deprecated, like diffusers: batch 0 is used) 3-D, cut to this chunk. */
+static mdt_status read_ids(const flux *f, mdt_dit *d, const mdt_tensor_set *in, const char *name,
+                           int64_t S, const float **ids) {
+    const int is3 = mdt_input_dim(in, name, 2) >= 0;
+    float *full;
+    int64_t s0, n;
+    MDT_TRY(mdt_input_f32(in, name, is3 ? 3 : 2,
+                          is3 ? (int64_t[]){-1, S, f->naxes} : (int64_t[]){S, f->naxes}, d->ha,
+                          &full));
+    return mdt_cp_take(&d->cp, name, full, sizeof(float), 2, (int64_t[]){S, f->naxes}, d->ha,
+                       (const void **)ids, &s0, &n);
 }
 
-/* AdaLN projection of the replicated SiLU(temb) [B, C]: this rank multiplies input features
- * [k C/T, (k+1) C/T) by its weight columns; y [B, out] after the all-reduce. */
-static mdt_status adaln(const flux *f, const flux_act *A, const mdt_lin *l, float *y) {
-    return row_linear(A, l, A->silu_temb + (int64_t)A->k * A->Cl, f->inner, A->Cl, y, A->B);
-}
-
-/* Projects rows of `src` [B, n, C] with the colwise (local heads) q/k/v weights into head-major
- * [B, H/T, S, D] at sequence offset s0, applying the per-head RMSNorm to q and k and RoPE (rows
- * s0.. of the tables) to both. */
-static void project_qkv(const flux *f, const flux_act *A, const float *src, int64_t n, int64_t s0,
-                        const mdt_lin *lq, const mdt_lin *lk, const mdt_lin *lv, const float *nq,
-                        const float *nk, float *tmp) {
-    const int64_t C = f->inner, H = A->Hl, D = f->head_dim, S = A->S, Cl = A->Cl;
-    const mdt_lin *lins[3] = {lq, lk, lv};
-    float *dst[3] = {A->q, A->k_, A->v};
-    const float *norms[3] = {nq, nk, NULL};
-    mdt_k_shared_begin(src, C, A->B * n, C); /* one bf16 rounding of src for the three */
-    for (int j = 0; j < 3; j++) {
-        mdt_k_linear(src, C, lins[j]->w, lins[j]->wh, lins[j]->b, tmp, Cl, A->B * n, C,
-                     Cl); // [B*n, C/T]
-        for (int64_t b = 0; b < A->B; b++)
-            mdt_k_heads_prepare(tmp + b * n * Cl, Cl, n, H, D, norms[j], k_eps,
-                                j < 2 ? A->cos_t + s0 * D : NULL, j < 2 ? A->sin_t + s0 * D : NULL,
-                                D, MDT_ROPE_INTERLEAVED, dst[j] + b * H * S * D, S,
-                                s0); // [H/T, S, D] rows s0..s0+n
-    }
-    mdt_k_shared_end();
-}
-
-/* Joint attention of the local rows over the whole sequence (spread over the CP ranks) on the
- * local heads; out [B, S/P, ld] token-major, the heads at columns [0, C/T). */
-static mdt_status attend(const flux *f, const flux_act *A, float *out, int64_t ld) {
-    const int64_t H = A->Hl, D = f->head_dim, S = A->S;
-    const float scale = 1.0f / sqrtf((float)D);
-    for (int64_t b = 0; b < A->B; b++)
-        MDT_TRY(mdt_attention(A->cp, A->ar, A->q + b * H * S * D, A->k_ + b * H * S * D,
-                              A->v + b * H * S * D, H, S, D, scale, out + b * S * ld,
-                              ld)); // [S/P, C/T]
-    return MDT_OK;
-}
-
-/* x [B, n, C] += gate * FF(LN(x) (1 + scale) + shift), the mlp half of a double block:
- * net.0 colwise (local 4C/T features), GELU, net.2 rowwise + all-reduce. */
-static mdt_status ff_residual(const flux *f, const flux_act *A, float *x, int64_t n,
-                              const float *mod, const mdt_lin *l0, const mdt_lin *l2, float *nbuf,
-                              float *hbuf, float *ybuf) {
-    const int64_t C = f->inner, B = A->B, Ml = A->Ml;
-    for (int64_t b = 0; b < B; b++)
-        mdt_k_layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
-                                 mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
-    mdt_k_linear(nbuf, C, l0->w, l0->wh, l0->b, hbuf, Ml, B * n, C, Ml);            // [B*n, 4C/T]
-    mdt_k_gelu_rows(hbuf, Ml, B * n, Ml);
-    MDT_TRY(row_linear(A, l2, hbuf, Ml, Ml, ybuf, B * n)); // [B*n, C]
-    for (int64_t b = 0; b < B; b++)
-        mdt_k_gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
-    return MDT_OK;
-}
-
-static mdt_status double_block(const flux *f, const flux_double *blk, const flux_act *A, float *x,
-                               float *c, mdt_arena *ar) {
-    const int64_t C = f->inner, B = A->B, Si = A->Si, St = A->St, S = A->S, Cl = A->Cl;
-    float *mod = mdt_arena_floats(ar, B * 6 * C);    // [B, 6C] image modulation
-    float *cmod = mdt_arena_floats(ar, B * 6 * C);   // [B, 6C] text modulation
-    float *nx = mdt_arena_floats(ar, B * Si * C);    // [B, Si, C]
-    float *nc = mdt_arena_floats(ar, B * St * C);    // [B, St, C]
-    float *tmp = mdt_arena_floats(ar, B * S * C);    // [B*max(Si,St), C] projection scratch
-    float *ao = mdt_arena_floats(ar, B * S * Cl);    // [B, S, C/T] attention output
-    float *hb = mdt_arena_floats(ar, B * S * A->Ml); // [B*n, 4C/T]
-    if (!mod || !cmod || !nx || !nc || !tmp || !ao || !hb)
-        return MDT_E_NOMEM;
-    MDT_TRY(adaln(f, A, &blk->norm1, mod));      // [B, 6C]
-    MDT_TRY(adaln(f, A, &blk->norm1_ctx, cmod)); // [B, 6C]
-    for (int64_t b = 0; b < B; b++) {
-        mdt_k_layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, k_eps, mod + b * 6 * C,
-                                 mod + b * 6 * C + C); // [Si, C]
-        mdt_k_layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, k_eps, cmod + b * 6 * C,
-                                 cmod + b * 6 * C + C); // [St, C]
-    }
-    /* joint sequence: text rows [0, St), image rows [St, S) */
-    project_qkv(f, A, nc, St, 0, &blk->add_q, &blk->add_k, &blk->add_v, blk->norm_added_q,
-                blk->norm_added_k, tmp);
-    project_qkv(f, A, nx, Si, St, &blk->to_q, &blk->to_k, &blk->to_v, blk->norm_q, blk->norm_k,
-                tmp);
-    MDT_TRY(attend(f, A, ao, Cl)); // [B, S/P, C/T]
-    for (int64_t b = 0; b < B; b++) {
-        MDT_TRY(row_linear(A, &blk->to_out, ao + (b * S + St) * Cl, Cl, Cl, tmp, Si)); // [Si, C]
-        mdt_k_gate_residual(x + b * Si * C, tmp, C, mod + b * 6 * C + 2 * C, Si, C);
-        MDT_TRY(row_linear(A, &blk->to_add_out, ao + b * S * Cl, Cl, Cl, tmp, St)); // [St, C]
-        mdt_k_gate_residual(c + b * St * C, tmp, C, cmod + b * 6 * C + 2 * C, St, C);
-    }
-    MDT_TRY(ff_residual(f, A, x, Si, mod, &blk->ff0, &blk->ff2, nx, hb, tmp));
-    return ff_residual(f, A, c, St, cmod, &blk->ffc0, &blk->ffc2, nc, hb, tmp);
-}
-
-/* h [B, S, C] += gate * proj_out([attn(n) | GELU(proj_mlp(n))]), n = LN(h)(1+scale)+shift */
-static mdt_status single_block(const flux *f, const flux_single *blk, const flux_act *A, float *h,
-                               mdt_arena *ar) {
-    const int64_t C = f->inner, Cl = A->Cl, Ml = A->Ml, B = A->B, S = A->S, W = Cl + Ml;
-    float *mod = mdt_arena_floats(ar, B * 3 * C); // [B, 3C] shift, scale, gate
-    float *n = mdt_arena_floats(ar, B * S * C);   // [B, S, C]
-    float *cat = mdt_arena_floats(ar, B * S * W); // [B, S, (C + 4C)/T] = [attn | mlp] local
-    float *tmp = mdt_arena_floats(ar, B * S * C); // [B*S, C]
-    if (!mod || !n || !cat || !tmp)
-        return MDT_E_NOMEM;
-    MDT_TRY(adaln(f, A, &blk->norm, mod)); // [B, 3C]
-    for (int64_t b = 0; b < B; b++)
-        mdt_k_layernorm_modulate(h + b * S * C, n + b * S * C, S, C, k_eps, mod + b * 3 * C,
-                                 mod + b * 3 * C + C); // [S, C]
-    mdt_k_shared_begin(n, C, B * S, C); /* n feeds proj_mlp and q, k, v: rounded once */
-    mdt_k_linear(n, C, blk->proj_mlp.w, blk->proj_mlp.wh, blk->proj_mlp.b, cat + Cl, W, B * S, C,
-                 Ml);                        // [B*S, 4C/T] in columns [C/T, W)
-    mdt_k_gelu_rows(cat + Cl, W, B * S, Ml); // [B*S, 4C/T] in columns [C/T, W)
-    project_qkv(f, A, n, S, 0, &blk->to_q, &blk->to_k, &blk->to_v, blk->norm_q, blk->norm_k, tmp);
-    mdt_k_shared_end();
-    MDT_TRY(attend(f, A, cat, W)); // columns [0, C/T) of cat
-    /* packed rowwise: the local weight columns are [attn block k | mlp block k], like cat */
-    MDT_TRY(row_linear(A, &blk->proj_out, cat, W, W, tmp, B * S)); // [B*S, C]
-    for (int64_t b = 0; b < B; b++)
-        mdt_k_gate_residual(h + b * S * C, tmp + b * S * C, C, mod + b * 3 * C + 2 * C, S, C);
-    return MDT_OK;
-}
-
-/* Copies rows [r0, r0 + n) of every batch element of x [B, rows, w] into dst [B, n, w]. */
-static void slice_rows(const float *x, int64_t B, int64_t rows, int64_t w, int64_t r0, int64_t n,
-                       float *dst) {
-    for (int64_t b = 0; b < B; b++)
-        memcpy(dst + b * n * w, x + (b * rows + r0) * w, sizeof(float) * (size_t)(n * w));
-}
-
-/* No silent degrade: what this rank's attention must have processed in one forward under its
- * layout (each query row once, over its head group and its sequence block). */
-static mdt_status check_promise(const flux *f, const mdt_model *m, const flux_act *A, int64_t Si,
-                                int64_t St) {
-    const mdt_mesh *mesh = m->mesh;
-    const int R = mesh ? mesh->R : 1, U = mesh ? mesh->U : 1, P = R * U;
-    const int r = mesh ? mesh->r : 0, u = mesh ? mesh->u : 0;
-    int64_t h0, hn, L = 0, s0, n;
-    mdt_split_range(A->Hl, U, u, &h0, &hn);
-    for (int j = 0; j < U; j++) { /* my sequence block: the chunks of my Ulysses group */
-        mdt_split_range(St, P, r * U + j, &s0, &n);
-        L += n;
-        mdt_split_range(Si, P, r * U + j, &s0, &n);
-        L += n;
-    }
-    int64_t i0, ni;
-    mdt_split_range(Si, P, mesh ? mesh->cp_index : 0, &i0, &ni);
-    const int64_t calls = (f->layers + f->single_layers) * A->B;
-    mdt_promise p = {.want_q = calls * hn * L,
-                     .want_kv = calls * hn * (Si + St),
-                     .whole_q = calls * A->Hl * (Si + St),
-                     .unscattered_q = calls * A->Hl * L,
-                     .ringless_kv = calls * hn * L,
-                     .owes = {mesh && mesh->T > 1, R > 1 && hn > 0, U > 1, P > 1 && ni > 0}};
-    return mdt_model_check_promise(m, &p);
-}
-
-static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
-    const flux *f = m->impl;
-    mdt_arena *ar = &m->arena, *ha = &m->harena; /* activations; host-side inputs and tables */
-    const double t_prep = mdt_now();
-    mdt_mesh *mesh = m->mesh;
-    const int64_t C = f->inner, D = f->head_dim, H = f->heads / m->T;
-    flux_act A = {0};
-    A.T = m->T, A.k = m->tp_index, A.mesh = mesh, A.ar = ar;
-    A.Cl = C / m->T, A.Ml = f->mlp_hidden / m->T, A.Hl = H;
-    /* CP plan: image and text tokens (and their ids) split into P chunks, chunk = cp index */
-    int P, chunk;
-    mdt_model_cp_split(m, &P, &chunk);
-    A.cp = P > 1 ? mesh : NULL;
-    const int64_t B = mdt_input_dim(in, "hidden_states", 0);
+static mdt_status flux_read(const flux *f, mdt_dit *d, const mdt_tensor_set *in, flux_in *x) {
+    const int64_t B = mdt_input_dim(in, "hidden_states", 0), D = f->head_dim, A = f->naxes;
     const int64_t Si = mdt_input_dim(in, "hidden_states", 1);
     const int64_t St = mdt_input_dim(in, "encoder_hidden_states", 1);
+    mdt_arena *ha = d->ha, *ar = d->ar;
+    int64_t s0;
     if (B < 1 || Si < 1)
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: 'hidden_states' must be [B, S_img, %lld] with "
@@ -452,150 +278,210 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
                         "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] "
                         "with S_txt >= 1",
                         (long long)f->joint_dim);
-    const float *hs_full, *ehs_full;
-    float *pooled, *ts, *img_full, *txt_full, *g = NULL;
-    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, ha, &hs_full));
-    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, ha,
-                               &ehs_full));
+    const float *hs, *ehs, *img_ids, *txt_ids;
+    float *pooled, *ts, *g = NULL;
+    const int64_t shs[] = {B, Si, f->in_ch}, sehs[] = {B, St, f->joint_dim};
+    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 3, shs, ha, &hs));
+    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, sehs, ha, &ehs));
     MDT_TRY(mdt_input_f32(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ha, &pooled));
     MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ha, &ts));
-    /* diffusers accepts 3-D ids (deprecated) and uses batch 0; so do we */
-    int img3 = mdt_input_dim(in, "img_ids", 2) >= 0, txt3 = mdt_input_dim(in, "txt_ids", 2) >= 0;
-    MDT_TRY(mdt_input_f32(in, "img_ids", img3 ? 3 : 2,
-                          img3 ? (int64_t[]){-1, Si, f->naxes} : (int64_t[]){Si, f->naxes}, ha,
-                          &img_full));
-    MDT_TRY(mdt_input_f32(in, "txt_ids", txt3 ? 3 : 2,
-                          txt3 ? (int64_t[]){-1, St, f->naxes} : (int64_t[]){St, f->naxes}, ha,
-                          &txt_full));
+    MDT_TRY(read_ids(f, d, in, "img_ids", Si, &img_ids));
+    MDT_TRY(read_ids(f, d, in, "txt_ids", St, &txt_ids));
     if (f->guidance)
         MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ha, &g));
-    int64_t si0, sic, st0, stc;
-    mdt_split_range(Si, P, chunk, &si0, &sic);
-    mdt_split_range(St, P, chunk, &st0, &stc);
-    A.B = B, A.Si = sic, A.St = stc, A.S = sic + stc;
-    const int64_t S = A.S;
-    /* this chunk's rows of the inputs (the inputs themselves when the sequence is whole) */
-    float *hs_c = P > 1 ? mdt_arena_floats(ha, B * sic * f->in_ch) : NULL;      // [B, Si/P, in]
-    float *ehs_c = P > 1 ? mdt_arena_floats(ha, B * stc * f->joint_dim) : NULL; // [B, St/P, j]
-    const float *hs_h = P > 1 ? hs_c : hs_full, *ehs_h = P > 1 ? ehs_c : ehs_full;
-    float *img_ids = mdt_arena_floats(ha, sic * f->naxes);            // [Si/P, axes] host
-    float *txt_ids = mdt_arena_floats(ha, stc * f->naxes);            // [St/P, axes] host
-    float *e256_h = mdt_arena_floats(ha, 2 * B * 256);                // [2, B, 256] host: t, g
-    float *ids = mdt_arena_floats(ha, (sic + stc) * f->naxes);        // [S/P, axes] text first
+    MDT_TRY(
+        mdt_cp_take(&d->cp, "hidden_states", hs, 4, 3, shs, ha, (const void **)&hs, &s0, &x->si));
+    MDT_TRY(mdt_cp_take(&d->cp, "encoder_hidden_states", ehs, 4, 3, sehs, ha, (const void **)&ehs,
+                        &s0, &x->st));
+    d->B = B, x->Si = Si, x->St = St;
+    const int64_t S = x->si + x->st;
+    float *e256 = mdt_arena_floats(ha, 2 * B * 256);                  // [2, B, 256] host: t, g
+    float *ids = mdt_arena_floats(ha, S * A);                         // [S/P, axes] text first
     int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, D);   // [D] host
     double *col_freq = (double *)(void *)mdt_arena_floats(ha, 2 * D); // [D] host
-    if (!hs_h || !ehs_h || !img_ids || !txt_ids || !e256_h || !ids || !col_axis || !col_freq)
+    if (!e256 || !ids || !col_axis || !col_freq)
         return MDT_E_NOMEM;
-    if (P > 1) {
-        slice_rows(hs_full, B, Si, f->in_ch, si0, sic, hs_c);
-        slice_rows(ehs_full, B, St, f->joint_dim, st0, stc, ehs_c);
-    }
-    slice_rows(img_full, 1, Si, f->naxes, si0, sic, img_ids);
-    slice_rows(txt_full, 1, St, f->naxes, st0, stc, txt_ids);
     for (int64_t b = 0; b < B; b++)
         ts[b] = ts[b] * 1000.0f;
-    timestep_proj(ts, B, e256_h);
-    if (f->guidance) {
-        for (int64_t b = 0; b < B; b++)
-            g[b] = g[b] * 1000.0f;
-        timestep_proj(g, B, e256_h + B * 256);
-    }
-    memcpy(ids, txt_ids, sizeof(float) * (size_t)(stc * f->naxes));
-    memcpy(ids + stc * f->naxes, img_ids, sizeof(float) * (size_t)(sic * f->naxes));
+    mdt_dit_timestep_embed(ts, B, 256, e256);
+    for (int64_t b = 0; g && b < B; b++)
+        g[b] = g[b] * 1000.0f;
+    if (g)
+        mdt_dit_timestep_embed(g, B, 256, e256 + B * 256);
+    memcpy(ids, txt_ids, sizeof(float) * (size_t)(x->st * A));
+    memcpy(ids + x->st * A, img_ids, sizeof(float) * (size_t)(x->si * A));
     rope_columns(f, col_axis, col_freq);
-
     /* to the backend's memory (the same pointers on the CPU backend) */
-    const float *hs = mdt_k_upload(ar, hs_h, sizeof(float) * (size_t)(B * sic * f->in_ch));
-    const float *ehs = mdt_k_upload(ar, ehs_h, sizeof(float) * (size_t)(B * stc * f->joint_dim));
-    const float *e256 = mdt_k_upload(ar, e256_h, sizeof(float) * (size_t)(2 * B * 256));
-    const float *pool = mdt_k_upload(ar, pooled, sizeof(float) * (size_t)(B * f->pooled_dim));
-    const float *ids_d = mdt_k_upload(ar, ids, sizeof(float) * (size_t)(S * f->naxes));
+    x->hs = mdt_k_upload(ar, hs, sizeof(float) * (size_t)(B * x->si * f->in_ch));
+    x->ehs = mdt_k_upload(ar, ehs, sizeof(float) * (size_t)(B * x->st * f->joint_dim));
+    x->e256 = mdt_k_upload(ar, e256, sizeof(float) * (size_t)(2 * B * 256));
+    x->pool = mdt_k_upload(ar, pooled, sizeof(float) * (size_t)(B * f->pooled_dim));
+    const float *ids_d = mdt_k_upload(ar, ids, sizeof(float) * (size_t)(S * A));
     const int32_t *cax_d = mdt_k_upload(ar, col_axis, sizeof(int32_t) * (size_t)D);
     const double *cfr_d = mdt_k_upload(ar, col_freq, sizeof(double) * (size_t)D);
-    float *cos_t = mdt_arena_floats(ar, S * D);   // [S/P, D] local rows only (non-persistent)
-    float *sin_t = mdt_arena_floats(ar, S * D);   // [S/P, D]
-    float *hsc = mdt_arena_floats(ar, B * C);     // [B, C] scratch
+    float *cos_t = mdt_arena_floats(ar, S * D), *sin_t = mdt_arena_floats(ar, S * D); // [S/P, D]
+    if (!x->hs || !x->ehs || !x->e256 || !x->pool || !ids_d || !cax_d || !cfr_d || !cos_t || !sin_t)
+        return MDT_E_NOMEM;
+    mdt_k_angle_table(ids_d, A, S, D, cax_d, cfr_d, 1, cos_t, sin_t); // [S/P, D]
+    x->rope = (mdt_rope){cos_t, sin_t, D, MDT_ROPE_INTERLEAVED};
+    return MDT_OK;
+}
+
+/* x [B, n, C] += gate * FF(LN(x) (1 + scale) + shift), the MLP half of a double block. */
+static mdt_status ff_residual(const mdt_dit *d, float *x, int64_t n, const float *mod,
+                              const mdt_lin *l0, const mdt_lin *l2, float *nbuf, float *hbuf,
+                              float *ybuf) {
+    const int64_t C = l2->out, B = d->B, Ml = l0->out_local;
+    for (int64_t b = 0; b < B; b++)
+        mdt_k_layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
+                                 mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
+    mdt_dit_linear(l0, nbuf, B * n, hbuf, Ml);                                      // [B*n, 4C/T]
+    mdt_k_gelu_rows(hbuf, Ml, B * n, Ml);
+    MDT_TRY(mdt_dit_row_linear(d, l2, hbuf, Ml, ybuf, B * n)); // [B*n, C]
+    for (int64_t b = 0; b < B; b++)
+        mdt_k_gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
+    return MDT_OK;
+}
+
+/* FluxTransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention. */
+static mdt_status double_block(const flux *f, const flux_double *blk, const mdt_dit *d,
+                               const flux_in *in, const mdt_heads *h, float *x, float *c) {
+    const int64_t C = f->inner, B = d->B, Si = in->si, St = in->st, S = Si + St;
+    const int64_t Cl = blk->to_q.out_local;
+    float *mod = mdt_arena_floats(d->ar, B * 6 * C);                 // [B, 6C] image
+    float *cmod = mdt_arena_floats(d->ar, B * 6 * C);                // [B, 6C] text
+    float *nx = mdt_arena_floats(d->ar, B * Si * C);                 // [B, Si, C]
+    float *nc = mdt_arena_floats(d->ar, B * St * C);                 // [B, St, C]
+    float *tmp = mdt_arena_floats(d->ar, B * S * C);                 // [B*max(Si,St), C]
+    float *ao = mdt_arena_floats(d->ar, B * S * Cl);                 // [B, S, C/T]
+    float *hb = mdt_arena_floats(d->ar, B * S * blk->ff0.out_local); // [B*n, 4C/T]
+    if (!mod || !cmod || !nx || !nc || !tmp || !ao || !hb)
+        return MDT_E_NOMEM;
+    MDT_TRY(mdt_dit_adaln(d, &blk->norm1, mod));      // [B, 6C]
+    MDT_TRY(mdt_dit_adaln(d, &blk->norm1_ctx, cmod)); // [B, 6C]
+    for (int64_t b = 0; b < B; b++) {
+        mdt_k_layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, k_eps, mod + b * 6 * C,
+                                 mod + b * 6 * C + C); // [Si, C]
+        mdt_k_layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, k_eps, cmod + b * 6 * C,
+                                 cmod + b * 6 * C + C); // [St, C]
+    }
+    mdt_dit_qkv(d, &blk->ctx, nc, St, 0, &in->rope, h, tmp);  /* text rows [0, St) */
+    mdt_dit_qkv(d, &blk->img, nx, Si, St, &in->rope, h, tmp); /* image rows [St, S) */
+    MDT_TRY(mdt_dit_attend(d, h, 1, ao, Cl));                 // [B, S/P, C/T]
+    for (int64_t b = 0; b < B; b++) {
+        MDT_TRY(mdt_dit_row_linear(d, &blk->to_out, ao + (b * S + St) * Cl, Cl, tmp, Si));
+        mdt_k_gate_residual(x + b * Si * C, tmp, C, mod + b * 6 * C + 2 * C, Si, C);
+        MDT_TRY(mdt_dit_row_linear(d, &blk->to_add_out, ao + b * S * Cl, Cl, tmp, St));
+        mdt_k_gate_residual(c + b * St * C, tmp, C, cmod + b * 6 * C + 2 * C, St, C);
+    }
+    MDT_TRY(ff_residual(d, x, Si, mod, &blk->ff0, &blk->ff2, nx, hb, tmp));
+    return ff_residual(d, c, St, cmod, &blk->ffc0, &blk->ffc2, nc, hb, tmp);
+}
+
+/* FluxSingleTransformerBlock: h [B, S, C] += gate * proj_out([attn(n) | GELU(proj_mlp(n))]),
+ * n = LN(h)(1 + scale) + shift; proj_out's local columns are [attn block k | mlp block k]. */
+static mdt_status single_block(const flux *f, const flux_single *blk, const mdt_dit *d,
+                               const flux_in *in, const mdt_heads *hd, float *h) {
+    const int64_t C = f->inner, B = d->B, S = in->si + in->st;
+    const int64_t Cl = blk->to_q.out_local, Ml = blk->proj_mlp.out_local, W = Cl + Ml;
+    float *mod = mdt_arena_floats(d->ar, B * 3 * C); // [B, 3C] shift, scale, gate
+    float *n = mdt_arena_floats(d->ar, B * S * C);   // [B, S, C]
+    float *cat = mdt_arena_floats(d->ar, B * S * W); // [B, S, (C + 4C)/T] = [attn | mlp]
+    float *tmp = mdt_arena_floats(d->ar, B * S * C); // [B*S, C]
+    if (!mod || !n || !cat || !tmp)
+        return MDT_E_NOMEM;
+    MDT_TRY(mdt_dit_adaln(d, &blk->norm, mod)); // [B, 3C]
+    for (int64_t b = 0; b < B; b++)
+        mdt_k_layernorm_modulate(h + b * S * C, n + b * S * C, S, C, k_eps, mod + b * 3 * C,
+                                 mod + b * 3 * C + C); // [S, C]
+    mdt_k_shared_begin(n, C, B * S, C); /* n feeds proj_mlp and q, k, v: rounded once */
+    mdt_dit_linear(&blk->proj_mlp, n, B * S, cat + Cl, W); // [B*S, 4C/T] in columns [C/T, W)
+    mdt_k_gelu_rows(cat + Cl, W, B * S, Ml);
+    mdt_dit_qkv(d, &blk->qkv, n, S, 0, &in->rope, hd, tmp);
+    mdt_k_shared_end();
+    MDT_TRY(mdt_dit_attend(d, hd, 1, cat, W));                          // columns [0, C/T)
+    MDT_TRY(mdt_dit_row_linear(d, &blk->proj_out, cat, W, tmp, B * S)); // [B*S, C]
+    for (int64_t b = 0; b < B; b++)
+        mdt_k_gate_residual(h + b * S * C, tmp + b * S * C, C, mod + b * 3 * C + 2 * C, S, C);
+    return MDT_OK;
+}
+
+static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
+    const flux *f = m->impl;
+    const double t_prep = mdt_now();
+    mdt_dit d;
+    flux_in x;
+    mdt_dit_begin(&d, m, f->heads, f->head_dim);
+    MDT_TRY(flux_read(f, &d, in, &x));
+    mdt_counters_get()->prep_s += mdt_now() - t_prep;
+    const int64_t C = f->inner, B = d.B, si = x.si, st = x.st, S = si + st, O = f->proj_out.out;
+    mdt_arena *ar = d.ar;
+    char stage[48];
+    mdt_heads hd;
+    float *cond = mdt_arena_floats(ar, B * C);    // [B, C] SiLU(temb)
     float *temb = mdt_arena_floats(ar, B * C);    // [B, C]
     float *tmp = mdt_arena_floats(ar, B * C);     // [B, C]
-    float *x = mdt_arena_floats(ar, B * sic * C); // [B, Si/P, C]
-    float *c = mdt_arena_floats(ar, B * stc * C); // [B, St/P, C]
-    A.q = mdt_arena_floats(ar, B * H * S * D);    // [B, H/T, S/P, D]
-    A.k_ = mdt_arena_floats(ar, B * H * S * D);   // [B, H/T, S/P, D]
-    A.v = mdt_arena_floats(ar, B * H * S * D);    // [B, H/T, S/P, D]
-    if (!hs || !ehs || !e256 || !pool || !ids_d || !cax_d || !cfr_d || !cos_t || !sin_t || !hsc ||
-        !temb || !tmp || !x || !c || !A.q || !A.k_ || !A.v)
+    float *xs = mdt_arena_floats(ar, B * si * C); // [B, Si/P, C] image stream
+    float *c = mdt_arena_floats(ar, B * st * C);  // [B, St/P, C] text stream
+    if (!cond || !temb || !tmp || !xs || !c || mdt_dit_heads_alloc(&d, S, &hd) != MDT_OK)
         return MDT_E_NOMEM;
-    mdt_k_angle_table(ids_d, f->naxes, S, D, cax_d, cfr_d, 1, cos_t, sin_t); // [S/P, D]
-    mdt_counters_get()->prep_s += mdt_now() - t_prep;
-
-    /* conditioning: temb [B, C] = time(t) (+ guidance(g)) + text(pooled) */
-    mlp2(&f->t_lin1, &f->t_lin2, e256, B, hsc, temb); // [B, C]
+    /* conditioning: temb = time(t) (+ guidance(g)) + text(pooled); every AdaLN reads SiLU(temb) */
+    mdt_dit_mlp2(&f->t_lin1, &f->t_lin2, x.e256, B, cond, temb); // [B, C]
     if (f->guidance) {
-        mlp2(&f->g_lin1, &f->g_lin2, e256 + B * 256, B, hsc, tmp); // [B, C]
+        mdt_dit_mlp2(&f->g_lin1, &f->g_lin2, x.e256 + B * 256, B, cond, tmp); // [B, C]
         mdt_k_add(temb, tmp, B * C);
     }
-    mlp2(&f->p_lin1, &f->p_lin2, pool, B, hsc, tmp); // [B, C]
+    mdt_dit_mlp2(&f->p_lin1, &f->p_lin2, x.pool, B, cond, tmp); // [B, C]
     mdt_k_add(temb, tmp, B * C);
-    mdt_k_copy2d(hsc, 0, temb, 0, 1, B * C);
-    mdt_k_silu(hsc, B * C); // [B, C] SiLU(temb), the input of every AdaLN projection
-    A.silu_temb = hsc;
-    MDT_TRY(mdt_guard_finite(mesh, "time_text_embed", hsc, B * C));
-    A.cos_t = cos_t, A.sin_t = sin_t;
-
-    mdt_k_linear(hs, f->in_ch, f->x_emb.w, f->x_emb.wh, f->x_emb.b, x, C, B * sic, f->in_ch,
-                 C); // [B, Si/P, C]
-    mdt_k_linear(ehs, f->joint_dim, f->ctx_emb.w, f->ctx_emb.wh, f->ctx_emb.b, c, C, B * stc,
-                 f->joint_dim, C); // [B, St/P, C]
-    MDT_TRY(mdt_guard_finite(mesh, "x_embedder", x, B * sic * C));
-    MDT_TRY(mdt_guard_finite(mesh, "context_embedder", c, B * stc * C));
-
-    char stage[48];
+    mdt_k_copy2d(cond, 0, temb, 0, 1, B * C);
+    mdt_k_silu(cond, B * C);
+    d.cond = cond, d.cond_rows = B, d.cond_width = C;
+    MDT_TRY(mdt_guard_finite(d.mesh, "time_text_embed", cond, B * C));
+    mdt_dit_linear(&f->x_emb, x.hs, B * si, xs, C);   // [B, Si/P, C]
+    mdt_dit_linear(&f->ctx_emb, x.ehs, B * st, c, C); // [B, St/P, C]
+    MDT_TRY(mdt_guard_finite(d.mesh, "x_embedder", xs, B * si * C));
+    MDT_TRY(mdt_guard_finite(d.mesh, "context_embedder", c, B * st * C));
     for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
         mdt_arena_mark mk = mdt_arena_mark_get(ar);
-        MDT_TRY(double_block(f, &f->dbl[i], &A, x, c, ar));
+        MDT_TRY(double_block(f, &f->dbl[i], &d, &x, &hd, xs, c));
         mdt_arena_rewind(ar, mk);
         snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
-        MDT_TRY(mdt_guard_finite(mesh, stage, x, B * sic * C));
-        MDT_TRY(mdt_guard_finite(mesh, stage, c, B * stc * C));
-        if (i == 0)
-            MDT_TRY(mdt_test_fail_point(mesh, "step")); /* test-only: fail mid-step */
+        MDT_TRY(mdt_guard_finite(d.mesh, stage, xs, B * si * C));
+        MDT_TRY(mdt_guard_finite(d.mesh, stage, c, B * st * C));
+        if (i == 0) /* test seam: fail mid-step */
+            MDT_TRY(mdt_test_point("step", d.mesh ? d.mesh->world_rank : 0));
     }
-
     float *h = mdt_arena_floats(ar, B * S * C); // [B, S/P, C] = cat(c, x) per batch
     if (!h)
         return MDT_E_NOMEM;
-    mdt_k_copy2d(h, S * C, c, stc * C, B, stc * C);           // text rows of every batch
-    mdt_k_copy2d(h + stc * C, S * C, x, sic * C, B, sic * C); // image rows after them
+    mdt_k_copy2d(h, S * C, c, st * C, B, st * C);           // text rows of every batch
+    mdt_k_copy2d(h + st * C, S * C, xs, si * C, B, si * C); // image rows after them
     for (int64_t i = 0; i < f->single_layers; i++) {
         mdt_arena_mark mk = mdt_arena_mark_get(ar);
-        MDT_TRY(single_block(f, &f->sgl[i], &A, h, ar));
+        MDT_TRY(single_block(f, &f->sgl[i], &d, &x, &hd, h));
         mdt_arena_rewind(ar, mk);
         snprintf(stage, sizeof stage, "single_transformer_blocks.%lld", (long long)i);
-        MDT_TRY(mdt_guard_finite(mesh, stage, h, B * S * C));
+        MDT_TRY(mdt_guard_finite(d.mesh, stage, h, B * S * C));
     }
-
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */
-    float *emb = mdt_arena_floats(ar, B * 2 * C);  // [B, 2C]
-    float *xn = mdt_arena_floats(ar, B * sic * C); // [B, Si/P, C]
-    if (!emb || !xn)
-        return MDT_E_NOMEM;
-    MDT_TRY(adaln(f, &A, &f->norm_out, emb)); // [B, 2C]
-    for (int64_t b = 0; b < B; b++)
-        mdt_k_layernorm_modulate(h + (b * S + stc) * C, xn + b * sic * C, sic, C, k_eps,
-                                 emb + b * 2 * C + C, emb + b * 2 * C); // [Si/P, C]
-    const int64_t O = f->proj_out.out;
-    float *ol = mdt_arena_floats(ar, B * sic * O); // [B, Si/P, O] local image rows
-    float *of = mdt_arena_floats(ar, B * Si * O);  // [B, Si, O] all image rows
+    float *emb = mdt_arena_floats(ar, B * 2 * C); // [B, 2C]
+    float *xn = mdt_arena_floats(ar, B * si * C); // [B, Si/P, C]
+    float *ol = mdt_arena_floats(ar, B * si * O); // [B, Si/P, O]
     mdt_tensor *o;
-    if (!ol || !of)
+    if (!emb || !xn || !ol)
         return MDT_E_NOMEM;
-    mdt_k_linear(xn, C, f->proj_out.w, f->proj_out.wh, f->proj_out.b, ol, O, B * sic, C,
-                 O); // [B, Si/P, O]
-    MDT_TRY(mdt_guard_finite(mesh, "proj_out", ol, B * sic * O));
-    MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Si, O}, &o));
-    MDT_TRY(mdt_cp_gather_rows(mesh, ar, P, B, Si, O, ol, of)); // image rows, chunk order
-    mdt_k_to_host(o->data, of, sizeof(float) * (size_t)(B * Si * O));
-    return check_promise(f, m, &A, Si, St);
+    MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, emb)); // [B, 2C]
+    for (int64_t b = 0; b < B; b++)
+        mdt_k_layernorm_modulate(h + (b * S + st) * C, xn + b * si * C, si, C, k_eps,
+                                 emb + b * 2 * C + C, emb + b * 2 * C); // [Si/P, C]
+    mdt_dit_linear(&f->proj_out, xn, B * si, ol, O);                    // [B, Si/P, O]
+    MDT_TRY(mdt_guard_finite(d.mesh, "proj_out", ol, B * si * O));
+    MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Si, O}, &o));
+    MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, B, x.Si, O, ol, NULL, 0, o->data));
+    /* no silent degrade: each query row once over the joint sequence, per block and batch */
+    mdt_promise p = {0};
+    mdt_dit_promise_cp(&d, &p, (int64_t[]){x.St, x.Si}, 2, (f->layers + f->single_layers) * B);
+    return mdt_dit_end(&d, &p);
 }
 
 static mdt_status flux_check_layout(const void *impl, int T, int R, int U) {

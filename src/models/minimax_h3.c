@@ -20,10 +20,10 @@
  * outputs are all-gathered before the rows are selected. fp32 compute (the modules diffusers keeps
  * in fp32 are fp32 here like everything else).
  */
-#include "models/model.h"
+#include "models/dit.h"
 
-#include "attn/attn.h"
 #include "backend/backend.h"
+#include "core/testhooks.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -33,9 +33,10 @@
 enum { H3_MAX_LAYERS = 128, H3_MAX_REFINER = 16, H3_MOD = 3 };
 
 typedef struct h3_attn_block {
-    const float *norm1, *norm2, *norm_q, *norm_k;
+    const float *norm1, *norm2;
     mdt_lin to_q, to_k, to_v, to_out, ff0, ff2;
     mdt_lin adaln; /* transformer blocks only */
+    mdt_qkv qkv;   /* q/k/v with the per-head norms */
 } h3_block;
 
 typedef struct h3 {
@@ -83,8 +84,9 @@ static mdt_status add_block(const h3 *f, mdt_wtable *t, h3_block *b, const char 
             w->nblocks = 2, w->blocks[0] = F, w->blocks[1] = F;
         }
     }
-    MDT_TRY(vec(t, &b->norm_q, pfx, "attn.norm_q.weight", f->head_dim));
-    MDT_TRY(vec(t, &b->norm_k, pfx, "attn.norm_k.weight", f->head_dim));
+    b->qkv = (mdt_qkv){.q = &b->to_q, .k = &b->to_k, .v = &b->to_v, .eps = (float)f->qk_eps};
+    MDT_TRY(vec(t, &b->qkv.norm_q, pfx, "attn.norm_q.weight", f->head_dim));
+    MDT_TRY(vec(t, &b->qkv.norm_k, pfx, "attn.norm_k.weight", f->head_dim));
     MDT_TRY(vec(t, &b->norm2, pfx, "norm2.weight", C));
     if (adaln) {
         snprintf(nm, sizeof nm, "%sadaln_proj.linear", pfx);
@@ -186,206 +188,37 @@ static mdt_status h3_check_layout(const void *impl, int T, int R, int U) {
 }
 
 /* ---- forward ---- */
-typedef struct h3_act {
-    int64_t B, Sc; /* batch, local rows of the packed sequence */
-    int T, k;
-    mdt_mesh *mesh; /* TP all-reduces */
-    mdt_mesh *cp;   /* attention mesh when the sequence is split, else NULL */
-    int64_t Hl, Al, Fl;
-    const float *silu_temb; /* [T_n, E] */
-    int64_t Tn;
-    mdt_arena *ar;
-} h3_act;
 
-static void linear(const mdt_lin *l, const float *x, int64_t M, int64_t out_local, float *y) {
-    mdt_k_linear(x, l->in, l->w, l->wh, l->b, y, out_local, M, l->in, out_local);
-}
+/* A forward's inputs on this rank: read, checked, the per-row ones cut by the CP plan. */
+typedef struct h3_in {
+    int64_t Nv, Na, Nt, S, Tn, s0, Sc; /* modality rows, packed rows, timesteps, my chunk */
+    const float *hs, *ahs;             /* host [B, Nv, Pv], [B, Na, audio] */
+    const int64_t *vidx, *aidx, *xidx; /* host [N]: packed row of each modality row */
+    const float *ehs, *e;              /* [B, Nt, text]; [T_n, freq] timestep sinusoids */
+    const int64_t *ada_rows, *t_rows;  /* [Sc]: AdaLN table row and timestep of each local row */
+    mdt_rope rope;                     /* [Sc, 6F] */
+} h3_in;
 
-static mdt_status row_linear(const h3_act *A, const mdt_lin *l, const float *x, int64_t ldx,
-                             int64_t K_local, float *y, int64_t M) {
-    return mdt_row_linear(A->mesh, A->T, l, x, ldx, K_local, y, M);
-}
-
-/* AdaLN-style projection of SiLU(temb) [T_n, E] (replicated input, sharded features). */
-static mdt_status adaln(const h3 *f, const h3_act *A, const mdt_lin *l, float *y) {
-    const int64_t El = f->time_embed / A->T;
-    return row_linear(A, l, A->silu_temb + (int64_t)A->k * El, f->time_embed, El, y, A->Tn);
-}
-
-/* Self-attention half of a block on rows n [B, S_rows, C] (already normed and modulated):
- * returns to_out(attn) in y [B*S_rows, C]. cos/sin NULL: no RoPE (refiner). mesh NULL: local. */
-static mdt_status attn_part(const h3 *f, const h3_act *A, const h3_block *b, const float *n,
-                            int64_t S, const float *cos_t, const float *sin_t, mdt_mesh *mesh,
-                            float *y) {
-    mdt_arena *ar = A->ar;
-    mdt_arena_mark mk = mdt_arena_mark_get(ar);
-    const int64_t B = A->B, C = f->hidden, D = f->head_dim, H = A->Hl, Al = A->Al;
-    float *tmp = mdt_arena_floats(ar, B * S * Al); // [B*S, A/T]
-    float *qkv[3];
-    for (int j = 0; j < 3; j++)
-        qkv[j] = mdt_arena_floats(ar, B * H * S * D); // [B, H/T, S, D]
-    float *ao = mdt_arena_floats(ar, B * S * Al);     // [B, S, A/T]
-    if (!tmp || !qkv[0] || !qkv[1] || !qkv[2] || !ao)
-        return MDT_E_NOMEM;
-    const mdt_lin *ls[3] = {&b->to_q, &b->to_k, &b->to_v};
-    const float *norms[3] = {b->norm_q, b->norm_k, NULL};
-    for (int j = 0; j < 3; j++) {
-        linear(ls[j], n, B * S, Al, tmp); // [B*S, A/T], no bias
-        for (int64_t bb = 0; bb < B; bb++)
-            mdt_k_heads_prepare(tmp + bb * S * Al, Al, S, H, D, norms[j], (float)f->qk_eps,
-                                j < 2 ? cos_t : NULL, j < 2 ? sin_t : NULL, 6 * f->rope_freq,
-                                MDT_ROPE_HALF, qkv[j] + bb * H * S * D, S, 0); // [H/T, S, D]
-    }
-    const float scale = 1.0f / sqrtf((float)D);
-    for (int64_t bb = 0; bb < B; bb++)
-        MDT_TRY(mdt_attention(mesh, ar, qkv[0] + bb * H * S * D, qkv[1] + bb * H * S * D,
-                              qkv[2] + bb * H * S * D, H, S, D, scale, ao + bb * S * Al,
-                              Al));                           // [S, A/T]
-    MDT_TRY(row_linear(A, &b->to_out, ao, Al, Al, y, B * S)); // [B*S, C]
-    (void)C;
-    mdt_arena_rewind(ar, mk);
-    return MDT_OK;
-}
-
-/* SwiGLU FFN on rows n [B*S, C]: y [B*S, C] = net.2(value * SiLU(gate)), TP-sharded. */
-static mdt_status ff_part(const h3 *f, const h3_act *A, const h3_block *b, const float *n,
-                          int64_t M, float *y) {
-    mdt_arena_mark mk = mdt_arena_mark_get(A->ar);
-    const int64_t Fl = A->Fl;
-    float *h2 = mdt_arena_floats(A->ar, M * 2 * Fl); // [M, 2F/T] = [value_k | gate_k]
-    float *h1 = mdt_arena_floats(A->ar, M * Fl);     // [M, F/T]
-    if (!h2 || !h1)
-        return MDT_E_NOMEM;
-    (void)f;
-    linear(&b->ff0, n, M, 2 * Fl, h2);
-    mdt_k_swiglu(h2, h1, M, Fl);
-    MDT_TRY(row_linear(A, &b->ff2, h1, Fl, Fl, y, M)); // [M, C]
-    mdt_arena_rewind(A->ar, mk);
-    return MDT_OK;
-}
-
-/* Token refiner on the full text x [B, Nt, C] (every rank; TP-sharded, plain attention). */
-static mdt_status refiner(const h3 *f, h3_act *A, float *x, int64_t Nt) {
-    const int64_t C = f->hidden, M = A->B * Nt;
-    const int64_t saved = A->B;
-    mdt_arena_mark mk = mdt_arena_mark_get(A->ar);
-    float *n = mdt_arena_floats(A->ar, M * C), *y = mdt_arena_floats(A->ar, M * C);
-    if (!n || !y)
-        return MDT_E_NOMEM;
-    for (int64_t i = 0; i < f->refiner_layers; i++) {
-        const h3_block *b = &f->ref[i];
-        mdt_k_rmsnorm(x, b->norm1, n, M, C, (float)f->norm_eps);
-        MDT_TRY(attn_part(f, A, b, n, Nt, NULL, NULL, NULL, y));
-        mdt_k_add(x, y, M * C);
-        mdt_k_rmsnorm(x, b->norm2, n, M, C, (float)f->norm_eps);
-        MDT_TRY(ff_part(f, A, b, n, M, y));
-        mdt_k_add(x, y, M * C);
-    }
-    mdt_k_rmsnorm(x, f->final_norm, n, M, C, (float)f->final_eps);
-    mdt_k_copy2d(x, 0, n, 0, 1, M * C);
-    A->B = saved;
-    mdt_arena_rewind(A->ar, mk);
-    return MDT_OK;
-}
-
-/* Row maps of the rows of one modality that land in this rank's chunk [s0, s0 + Sc): for every
- * batch element, source row b N + i and packed row b Sc + idx[i] - s0, uploaded to `ar`;
- * *n = how many. Host scratch from `ha`. */
-static mdt_status chunk_rows(const h3_act *A, mdt_arena *ha, const int64_t *idx, int64_t N,
-                             int64_t s0, int64_t **src_rows, int64_t **dst_rows, int64_t *n) {
-    const int64_t B = A->B, Sc = A->Sc;
-    int64_t *sr = (int64_t *)(void *)mdt_arena_floats(ha, 2 * B * N); // [B N] host
-    int64_t *dr = (int64_t *)(void *)mdt_arena_floats(ha, 2 * B * N); // [B N] host
-    if (!sr || !dr)
-        return MDT_E_NOMEM;
-    int64_t k = 0;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t i = 0; i < N; i++)
-            if (idx[i] >= s0 && idx[i] < s0 + Sc)
-                sr[k] = b * N + i, dr[k] = b * Sc + idx[i] - s0, k++;
-    *src_rows = sr, *dst_rows = mdt_k_upload(A->ar, dr, sizeof(int64_t) * (size_t)(k ? k : 1));
-    *n = k;
-    return *dst_rows ? MDT_OK : MDT_E_NOMEM;
-}
-
-/* Projects the rows of one modality that land in this rank's chunk [s0, s0 + Sc) and scatters
- * them into h [B, Sc, C]: src [B, N, in] (host input), idx [N] packed positions. */
-static mdt_status scatter_modality(const h3_act *A, mdt_arena *ha, const mdt_lin *l,
-                                   const float *src, int64_t N, const int64_t *idx, int64_t s0,
-                                   float *h) {
-    const int64_t in = l->in, C = l->out;
-    mdt_arena_mark mk = mdt_arena_mark_get(A->ar);
-    int64_t *sr, *dr, k;
-    MDT_TRY(chunk_rows(A, ha, idx, N, s0, &sr, &dr, &k));
-    float *xin_h = mdt_arena_floats(ha, k * in); // [k, in] host
-    if (!xin_h)
-        return MDT_E_NOMEM;
-    mdt_cpu_copy_rows(xin_h, in, NULL, src, in, sr, k, in);
-    const float *xin = mdt_k_upload(A->ar, xin_h, sizeof(float) * (size_t)(k * in)); // [k, in]
-    float *y = mdt_arena_floats(A->ar, k * C);                                       // [k, C]
-    if (!xin || !y)
-        return MDT_E_NOMEM;
-    linear(l, xin, k, C, y);                     // [k, C]
-    mdt_k_copy_rows(h, C, dr, y, C, NULL, k, C); // rows of h [B, Sc, C]
-    mdt_arena_rewind(A->ar, mk);
-    return MDT_OK;
-}
-
-/* Head outputs: local [B, Sc, O] -> full [B, S, O] over the CP group (chunk order), then the
- * rows of `idx` into out [B, N, O] (host). */
-static mdt_status gather_select(const h3_act *A, mdt_arena *ha, int P, const float *loc, int64_t S,
-                                int64_t O, const int64_t *idx, int64_t N, float *out) {
-    const int64_t B = A->B;
-    mdt_arena_mark mk = mdt_arena_mark_get(A->ar);
-    float *full = mdt_arena_floats(A->ar, B * S * O);                   // [B, S, O]
-    float *sel = mdt_arena_floats(A->ar, B * N * O);                    // [B, N, O]
-    int64_t *rows = (int64_t *)(void *)mdt_arena_floats(ha, 2 * B * N); // [B N] host
-    if (!full || !sel || !rows)
-        return MDT_E_NOMEM;
-    MDT_TRY(mdt_cp_gather_rows(A->cp, A->ar, P, B, S, O, loc, full));
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t i = 0; i < N; i++)
-            rows[b * N + i] = b * S + idx[i];
-    const int64_t *drows =
-        mdt_k_upload(A->ar, rows, sizeof(int64_t) * (size_t)(B * N > 0 ? B * N : 1));
-    if (!drows)
-        return MDT_E_NOMEM;
-    mdt_k_copy_rows(sel, O, NULL, full, O, drows, B * N, O); // [B N, O]
-    mdt_k_to_host(out, sel, sizeof(float) * (size_t)(B * N * O));
-    mdt_arena_rewind(A->ar, mk);
-    return MDT_OK;
-}
-
-static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
-    const h3 *f = m->impl;
-    mdt_arena *ar = &m->arena, *ha = &m->harena; /* activations; host inputs and tables */
-    mdt_mesh *mesh = m->mesh;
-    const int64_t C = f->hidden, E = f->time_embed, Fr = f->rope_freq;
-    h3_act A = {0};
-    A.T = m->T, A.k = m->tp_index, A.mesh = mesh, A.ar = ar;
-    A.Hl = f->heads / m->T, A.Al = f->A / m->T, A.Fl = f->ffn / m->T;
-    int P, chunk;
-    mdt_model_cp_split(m, &P, &chunk);
-    A.cp = P > 1 ? mesh : NULL;
-
-    const int64_t B = mdt_input_dim(in, "hidden_states", 0);
-    const int64_t Nv = mdt_input_dim(in, "hidden_states", 1);
-    const int64_t Na = mdt_input_dim(in, "audio_hidden_states", 1);
+static mdt_status h3_read(const h3 *f, mdt_dit *d, const mdt_tensor_set *in, h3_in *x) {
+    mdt_arena *ha = d->ha, *ar = d->ar;
+    const int64_t B = mdt_input_dim(in, "hidden_states", 0), Fr = f->rope_freq, rot = 6 * Fr;
+    const int64_t Nv = mdt_input_dim(in, "hidden_states", 1),
+                  S = mdt_input_dim(in, "position_ids", 0);
+    const int64_t Na = mdt_input_dim(in, "audio_hidden_states", 1),
+                  Tn = mdt_input_dim(in, "timestep", 0);
     const int64_t Nt = mdt_input_dim(in, "encoder_hidden_states", 1);
-    const int64_t S = mdt_input_dim(in, "position_ids", 0);
-    const int64_t Tn = mdt_input_dim(in, "timestep", 0);
     if (B < 1 || Nv < 0 || Na < 0 || Nt < 0 || S < 1 || Tn < 1)
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: MiniMax-H3 needs hidden_states [B, N_video, %lld], "
                         "audio_hidden_states [B, N_audio, %lld], encoder_hidden_states [B, N_text, "
                         "%lld], timestep [T_n], position_ids [S, 3] and the index tensors",
                         (long long)f->Pv, (long long)f->audio_in, (long long)f->text_dim);
-    const float *hs, *ahs, *ehs;
+    const float *ehs;
     float *ts, *pos;
     int64_t *tidx, *tags, *vidx, *aidx, *xidx;
-    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 3, (int64_t[]){B, Nv, f->Pv}, ha, &hs));
+    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 3, (int64_t[]){B, Nv, f->Pv}, ha, &x->hs));
     MDT_TRY(mdt_input_f32_view(in, "audio_hidden_states", 3, (int64_t[]){B, Na, f->audio_in}, ha,
-                               &ahs));
+                               &x->ahs));
     MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, (int64_t[]){B, Nt, f->text_dim}, ha,
                                &ehs));
     MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){Tn}, ha, &ts));
@@ -395,143 +228,248 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     MDT_TRY(mdt_input_i64(in, "video_indices", 1, (int64_t[]){Nv}, 0, S, ha, &vidx));
     MDT_TRY(mdt_input_i64(in, "audio_indices", 1, (int64_t[]){Na}, 0, S, ha, &aidx));
     MDT_TRY(mdt_input_i64(in, "text_indices", 1, (int64_t[]){Nt}, 0, S, ha, &xidx));
+    /* the packed sequence splits: its rotary positions, timestep indices and modality tags */
+    const void *pos_l, *tidx_l, *tags_l;
     int64_t s0, Sc;
-    mdt_split_range(S, P, chunk, &s0, &Sc);
-    A.B = B, A.Sc = Sc, A.Tn = Tn;
-
-    /* rotary tables for the local rows: angles (t, h, w) x inv_freq (float math), the three
-     * axes' columns concatenated, then the whole repeated: column c uses axis (c mod 3F) / F and
-     * frequency inv_freq[c mod F] */
-    const int64_t rot = 6 * Fr;
+    MDT_TRY(
+        mdt_cp_take(&d->cp, "position_ids", pos, 4, 2, (int64_t[]){S, 3}, ha, &pos_l, &s0, &Sc));
+    MDT_TRY(mdt_cp_take(&d->cp, "timestep_indices", tidx, 8, 1, &S, ha, &tidx_l, &s0, &Sc));
+    MDT_TRY(mdt_cp_take(&d->cp, "token_tags", tags, 8, 1, &S, ha, &tags_l, &s0, &Sc));
+    *x = (h3_in){Nv,   Na,   Nt,   S,    Tn,   s0,   Sc,   x->hs, x->ahs,
+                 vidx, aidx, xidx, NULL, NULL, NULL, NULL, {0}};
+    d->B = B;
+    /* rotary columns: angles (t, h, w) x inv_freq (float math), the three axes' columns
+     * concatenated, then the whole repeated: column c uses axis (c mod 3F) / F and frequency
+     * inv_freq[c mod F]; inv_freq is computed here on every rank, never read from disk */
     int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, rot);   // [6F] host
     double *col_freq = (double *)(void *)mdt_arena_floats(ha, 2 * rot); // [6F] host
-    float *inv = mdt_arena_floats(ha, Fr);
-    /* timestep embedding: [cos, sin] of t * exp(-ln(1e4) i / (freq/2)), unscaled t */
-    const int64_t half = f->freq_dim / 2;
-    float *e_h = mdt_arena_floats(ha, Tn * f->freq_dim);               // [T_n, freq] host
-    int64_t *aidx_h = (int64_t *)(void *)mdt_arena_floats(ha, 2 * Sc); // [S/P] AdaLN rows
-    int64_t *tidx_h = (int64_t *)(void *)mdt_arena_floats(ha, 2 * Sc); // [S/P] norm_out rows
-    if (!col_axis || !col_freq || !inv || !e_h || !aidx_h || !tidx_h)
+    float *inv = mdt_arena_floats(ha, Fr);                              // [F] host
+    float *e_h = mdt_arena_floats(ha, Tn * f->freq_dim);                // [T_n, freq] host
+    int64_t *ada_h = (int64_t *)(void *)mdt_arena_floats(ha, 2 * Sc);   // [S/P] host
+    if (!col_axis || !col_freq || !inv || !e_h || !ada_h)
         return MDT_E_NOMEM;
-    for (int64_t j = 0; j < Fr; j++) /* non-persistent buffer: computed on every rank */
+    for (int64_t j = 0; j < Fr; j++)
         inv[j] = 1.0f / powf((float)f->rope_theta, (float)(2 * j) / (float)(2 * Fr));
     for (int64_t c = 0; c < rot; c++)
         col_axis[c] = (int32_t)((c % (3 * Fr)) / Fr), col_freq[c] = (double)inv[c % Fr];
-    for (int64_t t = 0; t < Tn; t++)
-        for (int64_t i = 0; i < half; i++) {
-            const float fr = expf(-logf(10000.0f) * (float)i / (float)half);
-            e_h[t * f->freq_dim + i] = cosf(ts[t] * fr);
-            e_h[t * f->freq_dim + half + i] = sinf(ts[t] * fr);
-        }
+    mdt_dit_timestep_embed(ts, Tn, f->freq_dim, e_h); /* unscaled t */
     for (int64_t s = 0; s < Sc; s++)
-        aidx_h[s] = tidx[s0 + s] * H3_MOD + tags[s0 + s], tidx_h[s] = tidx[s0 + s];
-    int64_t *xsr, *xdr, nx;
-    MDT_TRY(chunk_rows(&A, ha, xidx, Nt, s0, &xsr, &xdr, &nx)); /* text rows of my chunk */
-
+        ada_h[s] = ((const int64_t *)tidx_l)[s] * H3_MOD + ((const int64_t *)tags_l)[s];
     /* to the backend's memory (the same pointers on the CPU backend) */
-    const float *pos_d = mdt_k_upload(ar, pos + s0 * 3, sizeof(float) * (size_t)(Sc * 3));
+    const float *pos_d = mdt_k_upload(ar, pos_l, sizeof(float) * (size_t)(Sc * 3));
     const int32_t *cax_d = mdt_k_upload(ar, col_axis, sizeof(int32_t) * (size_t)rot);
     const double *cfr_d = mdt_k_upload(ar, col_freq, sizeof(double) * (size_t)rot);
     float *cos_t = mdt_arena_floats(ar, Sc * rot), *sin_t = mdt_arena_floats(ar, Sc * rot);
-    const float *e = mdt_k_upload(ar, e_h, sizeof(float) * (size_t)(Tn * f->freq_dim));
-    const int64_t *aidx_l = mdt_k_upload(ar, aidx_h, sizeof(int64_t) * (size_t)(Sc ? Sc : 1));
-    const int64_t *tidx_l = mdt_k_upload(ar, tidx_h, sizeof(int64_t) * (size_t)(Sc ? Sc : 1));
-    const float *ehs_d = mdt_k_upload(ar, ehs, sizeof(float) * (size_t)(B * Nt * f->text_dim));
-    float *th = mdt_arena_floats(ar, Tn * f->time_hidden); // [T_n, time_hidden]
-    float *temb = mdt_arena_floats(ar, Tn * E);            // [T_n, E]
-    float *h = mdt_arena_floats(ar, B * Sc * C);           // [B, S/P, C] packed local rows
-    float *txt = mdt_arena_floats(ar, B * Nt * C);         // [B, N_text, C]
-    if (!pos_d || !cax_d || !cfr_d || !cos_t || !sin_t || !e || !aidx_l || !tidx_l || !ehs_d ||
-        !th || !temb || !h || !txt)
+    x->e = mdt_k_upload(ar, e_h, sizeof(float) * (size_t)(Tn * f->freq_dim));
+    x->ada_rows = mdt_k_upload(ar, ada_h, sizeof(int64_t) * (size_t)(Sc ? Sc : 1));
+    x->t_rows = mdt_k_upload(ar, tidx_l, sizeof(int64_t) * (size_t)(Sc ? Sc : 1));
+    x->ehs = mdt_k_upload(ar, ehs, sizeof(float) * (size_t)(B * Nt * f->text_dim));
+    if (!pos_d || !cax_d || !cfr_d || !cos_t || !sin_t || !x->e || !x->ada_rows || !x->t_rows ||
+        !x->ehs)
         return MDT_E_NOMEM;
     mdt_k_angle_table(pos_d, 3, Sc, rot, cax_d, cfr_d, 0, cos_t, sin_t); // [S/P, 6F]
-    linear(&f->t_lin1, e, Tn, f->time_hidden, th);
-    mdt_k_silu(th, Tn * f->time_hidden);
-    linear(&f->t_lin2, th, Tn, E, temb);
-    mdt_k_silu(temb, Tn * E); // SiLU(temb): the input of every AdaLN projection
-    A.silu_temb = temb;
-    MDT_TRY(mdt_guard_finite(mesh, "time_embedder", temb, Tn * E));
+    x->rope = (mdt_rope){cos_t, sin_t, rot, MDT_ROPE_HALF};
+    return MDT_OK;
+}
 
-    /* packed sequence: text (refined, full on every rank), video and audio rows of my chunk */
-    mdt_k_fill(h, B * Sc * C, 0.0f);
-    linear(&f->ctx_emb, ehs_d, B * Nt, C, txt); // [B, N_text, C]
-    MDT_TRY(refiner(f, &A, txt, Nt));
-    MDT_TRY(mdt_guard_finite(mesh, "token_refiner", txt, B * Nt * C));
-    const int64_t *xsr_d = mdt_k_upload(ar, xsr, sizeof(int64_t) * (size_t)(nx ? nx : 1));
+/* Self-attention half of a block on rows n [B, S, C] (normed and modulated): y [B*S, C] =
+ * to_out(attn). rope NULL: none (refiner); cp 0: local attention. */
+static mdt_status attn_part(const mdt_dit *d, const h3_block *b, const float *n, int64_t S,
+                            const mdt_rope *rope, int cp, float *y) {
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+    const int64_t Al = b->to_q.out_local;
+    mdt_heads h;
+    float *tmp = mdt_arena_floats(d->ar, d->B * S * Al); // [B*S, A/T]
+    MDT_TRY(mdt_dit_heads_alloc(d, S, &h));
+    float *ao = mdt_arena_floats(d->ar, d->B * S * Al); // [B, S, A/T]
+    if (!tmp || !ao)
+        return MDT_E_NOMEM;
+    mdt_dit_qkv(d, &b->qkv, n, S, 0, rope, &h, tmp);
+    MDT_TRY(mdt_dit_attend(d, &h, cp, ao, Al));                      // [B, S, A/T]
+    MDT_TRY(mdt_dit_row_linear(d, &b->to_out, ao, Al, y, d->B * S)); // [B*S, C]
+    mdt_arena_rewind(d->ar, mk);
+    return MDT_OK;
+}
+
+/* SwiGLU FFN on rows n [M, C]: y [M, C] = net.2(value * SiLU(gate)), TP-sharded. */
+static mdt_status ff_part(const mdt_dit *d, const h3_block *b, const float *n, int64_t M,
+                          float *y) {
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+    const int64_t Fl = b->ff2.in_local;
+    float *h2 = mdt_arena_floats(d->ar, M * 2 * Fl); // [M, 2F/T] = [value_k | gate_k]
+    float *h1 = mdt_arena_floats(d->ar, M * Fl);     // [M, F/T]
+    if (!h2 || !h1)
+        return MDT_E_NOMEM;
+    mdt_dit_linear(&b->ff0, n, M, h2, 2 * Fl);
+    mdt_k_swiglu(h2, h1, M, Fl);
+    MDT_TRY(mdt_dit_row_linear(d, &b->ff2, h1, Fl, y, M)); // [M, C]
+    mdt_arena_rewind(d->ar, mk);
+    return MDT_OK;
+}
+
+/* Token refiner on the full text x [B, Nt, C] (every rank; TP-sharded, plain attention). */
+static mdt_status refiner(const h3 *f, const mdt_dit *d, float *x, int64_t Nt) {
+    const int64_t C = f->hidden, M = d->B * Nt;
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+    float *n = mdt_arena_floats(d->ar, M * C), *y = mdt_arena_floats(d->ar, M * C);
+    if (!n || !y)
+        return MDT_E_NOMEM;
+    for (int64_t i = 0; i < f->refiner_layers; i++) {
+        const h3_block *b = &f->ref[i];
+        mdt_k_rmsnorm(x, b->norm1, n, M, C, (float)f->norm_eps);
+        MDT_TRY(attn_part(d, b, n, Nt, NULL, 0, y));
+        mdt_k_add(x, y, M * C);
+        mdt_k_rmsnorm(x, b->norm2, n, M, C, (float)f->norm_eps);
+        MDT_TRY(ff_part(d, b, n, M, y));
+        mdt_k_add(x, y, M * C);
+    }
+    mdt_k_rmsnorm(x, f->final_norm, n, M, C, (float)f->final_eps);
+    mdt_k_copy2d(x, 0, n, 0, 1, M * C);
+    mdt_arena_rewind(d->ar, mk);
+    return MDT_OK;
+}
+
+/* Row maps of the rows of one modality that land in this rank's chunk [s0, s0 + Sc): for every
+ * batch element, source row b N + i (host) and packed row b Sc + idx[i] - s0 (uploaded);
+ * *n = how many. */
+static mdt_status chunk_rows(const mdt_dit *d, const h3_in *x, const int64_t *idx, int64_t N,
+                             int64_t **src_rows, int64_t **dst_rows, int64_t *n) {
+    const int64_t B = d->B, Sc = x->Sc, s0 = x->s0;
+    int64_t *sr = (int64_t *)(void *)mdt_arena_floats(d->ha, 2 * B * N); // [B N] host
+    int64_t *dr = (int64_t *)(void *)mdt_arena_floats(d->ha, 2 * B * N); // [B N] host
+    if (!sr || !dr)
+        return MDT_E_NOMEM;
+    int64_t k = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < N; i++)
+            if (idx[i] >= s0 && idx[i] < s0 + Sc)
+                sr[k] = b * N + i, dr[k] = b * Sc + idx[i] - s0, k++;
+    *src_rows = sr, *dst_rows = mdt_k_upload(d->ar, dr, sizeof(int64_t) * (size_t)(k ? k : 1));
+    *n = k;
+    return *dst_rows ? MDT_OK : MDT_E_NOMEM;
+}
+
+/* Projects the rows of one modality that land in this rank's chunk and scatters them into
+ * h [B, Sc, C]: src [B, N, in] (host input), idx [N] packed positions. */
+static mdt_status scatter_modality(const mdt_dit *d, const h3_in *x, const mdt_lin *l,
+                                   const float *src, int64_t N, const int64_t *idx, float *h) {
+    const int64_t in = l->in, C = l->out;
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+    int64_t *sr, *dr, k;
+    MDT_TRY(chunk_rows(d, x, idx, N, &sr, &dr, &k));
+    float *xin_h = mdt_arena_floats(d->ha, k * in); // [k, in] host
+    if (!xin_h)
+        return MDT_E_NOMEM;
+    mdt_cpu_copy_rows(xin_h, in, NULL, src, in, sr, k, in);
+    const float *xin = mdt_k_upload(d->ar, xin_h, sizeof(float) * (size_t)(k * in)); // [k, in]
+    float *y = mdt_arena_floats(d->ar, k * C);                                       // [k, C]
+    if (!xin || !y)
+        return MDT_E_NOMEM;
+    mdt_dit_linear(l, xin, k, y, C);             // [k, C]
+    mdt_k_copy_rows(h, C, dr, y, C, NULL, k, C); // rows of h [B, Sc, C]
+    mdt_arena_rewind(d->ar, mk);
+    return MDT_OK;
+}
+
+/* The packed sequence h [B, Sc, C] of this rank's chunk: refined text, video and audio rows. */
+static mdt_status pack(const h3 *f, const mdt_dit *d, const h3_in *x, float *h) {
+    const int64_t C = f->hidden, B = d->B;
+    int64_t *xsr, *xdr, nx;
+    float *txt = mdt_arena_floats(d->ar, B * x->Nt * C); // [B, N_text, C]
+    if (!txt)
+        return MDT_E_NOMEM;
+    mdt_k_fill(h, B * x->Sc * C, 0.0f);
+    mdt_dit_linear(&f->ctx_emb, x->ehs, B * x->Nt, txt, C); // [B, N_text, C]
+    MDT_TRY(refiner(f, d, txt, x->Nt));
+    MDT_TRY(mdt_guard_finite(d->mesh, "token_refiner", txt, B * x->Nt * C));
+    MDT_TRY(chunk_rows(d, x, x->xidx, x->Nt, &xsr, &xdr, &nx)); /* text rows of my chunk */
+    const int64_t *xsr_d = mdt_k_upload(d->ar, xsr, sizeof(int64_t) * (size_t)(nx ? nx : 1));
     if (!xsr_d)
         return MDT_E_NOMEM;
     mdt_k_copy_rows(h, C, xdr, txt, C, xsr_d, nx, C); // text rows into h [B, S/P, C]
-    MDT_TRY(scatter_modality(&A, ha, &f->proj_in, hs, Nv, vidx, s0, h));
-    MDT_TRY(scatter_modality(&A, ha, &f->audio_proj_in, ahs, Na, aidx, s0, h));
-    MDT_TRY(mdt_guard_finite(mesh, "proj_in / audio_proj_in", h, B * Sc * C));
+    MDT_TRY(scatter_modality(d, x, &f->proj_in, x->hs, x->Nv, x->vidx, h));
+    MDT_TRY(scatter_modality(d, x, &f->audio_proj_in, x->ahs, x->Na, x->aidx, h));
+    return mdt_guard_finite(d->mesh, "proj_in / audio_proj_in", h, B * x->Sc * C);
+}
 
-    float *mod = mdt_arena_floats(ar, Tn * 18 * C); // [T_n, 18C] = [3 T_n, 6C]
-    float *n = mdt_arena_floats(ar, B * Sc * C);    // [B, S/P, C]
-    float *y = mdt_arena_floats(ar, B * Sc * C);    // [B, S/P, C]
-    if (!mod || !n || !y)
+/* One transformer block on h [B, Sc, C]: RMSNorm, per-row AdaLN from the (timestep, modality)
+ * table mod [3 T_n, 6C] (shift, scale, gate x 2), CP attention, SwiGLU FFN, gated residuals. */
+static mdt_status block(const h3 *f, const mdt_dit *d, const h3_in *x, const h3_block *b, float *h,
+                        float *mod, float *n, float *y) {
+    const int64_t C = f->hidden, Sc = x->Sc;
+    MDT_TRY(mdt_dit_adaln(d, &b->adaln, mod)); // [T_n, 18C]
+    for (int64_t bb = 0; bb < d->B; bb++) {
+        mdt_k_rmsnorm(h + bb * Sc * C, b->norm1, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
+        mdt_k_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, x->ada_rows, 0, C);
+    }
+    MDT_TRY(attn_part(d, b, n, Sc, &x->rope, 1, y)); // [B*S/P, C]
+    for (int64_t bb = 0; bb < d->B; bb++) {
+        mdt_k_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, x->ada_rows,
+                                 2 * C, Sc, C);
+        mdt_k_rmsnorm(h + bb * Sc * C, b->norm2, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
+        mdt_k_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, x->ada_rows, 3 * C, 4 * C);
+    }
+    MDT_TRY(ff_part(d, b, n, d->B * Sc, y)); // [B*S/P, C]
+    for (int64_t bb = 0; bb < d->B; bb++)
+        mdt_k_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, x->ada_rows,
+                                 5 * C, Sc, C);
+    return MDT_OK;
+}
+
+static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
+    const h3 *f = m->impl;
+    mdt_dit d;
+    h3_in x;
+    mdt_dit_begin(&d, m, f->heads, f->head_dim);
+    MDT_TRY(h3_read(f, &d, in, &x));
+    const int64_t C = f->hidden, E = f->time_embed, B = d.B, M = B * x.Sc;
+    mdt_arena *ar = d.ar;
+    float *th = mdt_arena_floats(ar, x.Tn * f->time_hidden); // [T_n, time_hidden]
+    float *temb = mdt_arena_floats(ar, x.Tn * E);            // [T_n, E]
+    float *h = mdt_arena_floats(ar, M * C);                  // [B, S/P, C] packed local rows
+    float *mod = mdt_arena_floats(ar, x.Tn * 18 * C);        // [T_n, 18C] = [3 T_n, 6C]
+    float *n = mdt_arena_floats(ar, M * C);                  // [B, S/P, C]
+    float *y = mdt_arena_floats(ar, M * C);                  // [B, S/P, C]
+    float *vo = mdt_arena_floats(ar, M * f->Pv);             // [B, S/P, Pv]
+    float *ao = mdt_arena_floats(ar, M * f->audio_in);       // [B, S/P, audio]
+    mdt_tensor *ov, *oa;
+    if (!th || !temb || !h || !mod || !n || !y || !vo || !ao)
         return MDT_E_NOMEM;
-    const int64_t M = B * Sc;
+    mdt_dit_mlp2(&f->t_lin1, &f->t_lin2, x.e, x.Tn, th, temb); // [T_n, E]
+    mdt_k_silu(temb, x.Tn * E); // SiLU(temb): the input of every AdaLN projection
+    d.cond = temb, d.cond_rows = x.Tn, d.cond_width = E;
+    MDT_TRY(mdt_guard_finite(d.mesh, "time_embedder", temb, x.Tn * E));
+    MDT_TRY(pack(f, &d, &x, h));
     for (int64_t i = 0; i < f->layers; i++) {
-        const h3_block *b = &f->blk[i];
-        MDT_TRY(adaln(f, &A, &b->adaln, mod)); // [T_n, 18C]
-        for (int64_t bb = 0; bb < B; bb++) {
-            mdt_k_rmsnorm(h + bb * Sc * C, b->norm1, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
-            mdt_k_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, aidx_l, 0, C);
-        }
-        MDT_TRY(attn_part(f, &A, b, n, Sc, cos_t, sin_t, A.cp, y)); // [B*S/P, C]
-        for (int64_t bb = 0; bb < B; bb++)
-            mdt_k_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, aidx_l, 2 * C,
-                                     Sc, C);
-        for (int64_t bb = 0; bb < B; bb++) {
-            mdt_k_rmsnorm(h + bb * Sc * C, b->norm2, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
-            mdt_k_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, aidx_l, 3 * C, 4 * C);
-        }
-        if (i == 0)
-            MDT_TRY(mdt_test_fail_point(mesh, "step")); /* test-only: fail mid-step */
-        MDT_TRY(ff_part(f, &A, b, n, M, y));            // [B*S/P, C]
-        for (int64_t bb = 0; bb < B; bb++)
-            mdt_k_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, aidx_l, 5 * C,
-                                     Sc, C);
         char stage[48];
+        MDT_TRY(block(f, &d, &x, &f->blk[i], h, mod, n, y));
+        if (i == 0) /* test seam: fail mid-step */
+            MDT_TRY(mdt_test_point("step", d.mesh ? d.mesh->world_rank : 0));
         snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
-        MDT_TRY(mdt_guard_finite(mesh, stage, h, B * Sc * C));
+        MDT_TRY(mdt_guard_finite(d.mesh, stage, h, M * C));
     }
     /* norm_out: [shift | scale] per timestep, rows picked by timestep index */
-    MDT_TRY(adaln(f, &A, &f->norm_out, mod)); // [T_n, 2C]
+    MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, mod)); // [T_n, 2C]
     for (int64_t bb = 0; bb < B; bb++) {
-        mdt_k_rmsnorm(h + bb * Sc * C, f->norm_out_w, n + bb * Sc * C, Sc, C, (float)f->final_eps);
-        mdt_k_modulate_rows(n + bb * Sc * C, Sc, C, mod, 2 * C, tidx_l, 0, C);
+        mdt_k_rmsnorm(h + bb * x.Sc * C, f->norm_out_w, n + bb * x.Sc * C, x.Sc, C,
+                      (float)f->final_eps);
+        mdt_k_modulate_rows(n + bb * x.Sc * C, x.Sc, C, mod, 2 * C, x.t_rows, 0, C);
     }
-    float *vo = mdt_arena_floats(ar, M * f->Pv), *ao = mdt_arena_floats(ar, M * f->audio_in);
-    mdt_tensor *ov, *oa;
-    if (!vo || !ao)
-        return MDT_E_NOMEM;
-    linear(&f->proj_out, n, M, f->Pv, vo);             // [B, S/P, Pv]
-    linear(&f->audio_proj_out, n, M, f->audio_in, ao); // [B, S/P, audio]
-    MDT_TRY(mdt_guard_finite(mesh, "proj_out", vo, M * f->Pv));
-    MDT_TRY(mdt_guard_finite(mesh, "audio_proj_out", ao, M * f->audio_in));
-    MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, Nv, f->Pv}, &ov));
-    MDT_TRY(
-        mdt_tensor_set_add(out, "audio_sample", MDT_F32, 3, (int64_t[]){B, Na, f->audio_in}, &oa));
-    MDT_TRY(gather_select(&A, ha, P, vo, S, f->Pv, vidx, Nv, ov->data));
-    MDT_TRY(gather_select(&A, ha, P, ao, S, f->audio_in, aidx, Na, oa->data));
-
-    /* no silent degrade */
-    const int R = mesh ? mesh->R : 1, U = mesh ? mesh->U : 1;
-    const int r = mesh ? mesh->r : 0, u = mesh ? mesh->u : 0;
-    int64_t h0, hn, L = 0, q0, nq;
-    mdt_split_range(A.Hl, U, u, &h0, &hn);
-    for (int j = 0; j < U; j++) /* the layout's promise, whatever the forward did */
-        mdt_split_range(S, R * U, r * U + j, &q0, &nq), L += nq;
-    const int64_t calls = f->layers * B, rq = f->refiner_layers * B * A.Hl * Nt;
-    mdt_promise p = {.want_q = calls * hn * L + rq,
-                     .want_kv = calls * hn * S + rq,
-                     .whole_q = calls * A.Hl * S + rq,
-                     .unscattered_q = calls * A.Hl * L + rq,
-                     .ringless_kv = calls * hn * L + rq,
-                     .owes = {m->T > 1, R > 1 && hn > 0 && f->layers > 0, U > 1 && f->layers > 0,
-                              R * U > 1 && Sc > 0}};
-    return mdt_model_check_promise(m, &p);
+    mdt_dit_linear(&f->proj_out, n, M, vo, f->Pv);             // [B, S/P, Pv]
+    mdt_dit_linear(&f->audio_proj_out, n, M, ao, f->audio_in); // [B, S/P, audio]
+    MDT_TRY(mdt_guard_finite(d.mesh, "proj_out", vo, M * f->Pv));
+    MDT_TRY(mdt_guard_finite(d.mesh, "audio_proj_out", ao, M * f->audio_in));
+    MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Nv, f->Pv}, &ov));
+    MDT_TRY(mdt_tensor_set_add(out, "audio_sample", MDT_F32, 3, (int64_t[]){B, x.Na, f->audio_in},
+                               &oa));
+    MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, B, x.S, f->Pv, vo, x.vidx, x.Nv, ov->data));
+    MDT_TRY(mdt_cp_give(&d.cp, "audio_sample", ar, d.ha, B, x.S, f->audio_in, ao, x.aidx, x.Na,
+                        oa->data));
+    /* no silent degrade: the packed sequence in every block; the refiner on every rank */
+    mdt_promise p = {0};
+    mdt_dit_promise_cp(&d, &p, &x.S, 1, f->layers * B);
+    mdt_dit_promise_local(&d, &p, x.Nt, f->refiner_layers * B);
+    return mdt_dit_end(&d, &p);
 }
 
 /* ---- random inputs: one packed layout [text | audio | video] ---- */
@@ -604,9 +542,9 @@ static const char *h3_preset(const char *name) {
  * rows come from position_ids; adaln rows from timestep_indices and token_tags). */
 static const mdt_cp_plan k_h3_cp_plan = {
     .nsplit = 3,
-    .split = {{"position_ids", 0}, {"timestep_indices", 0}, {"token_tags", 0}},
+    .split = {{"position_ids", 0, NULL}, {"timestep_indices", 0, NULL}, {"token_tags", 0, NULL}},
     .ngather = 2,
-    .gather = {{"sample", 1}, {"audio_sample", 1}},
+    .gather = {{"sample", 1, "video_indices"}, {"audio_sample", 1, "audio_indices"}},
 };
 
 const mdt_family mdt_family_minimax_h3 = {

@@ -49,10 +49,13 @@ mdt_status mdt_shard_local_shape(const mdt_weight_spec *w, int T, int64_t local[
 /* Sequence chunk c of P over length S: the first S mod P chunks get one extra row. */
 void mdt_split_range(int64_t S, int P, int c, int64_t *start, int64_t *len);
 
-/* A model's CP plan: inputs split on entry (name, dim), outputs gathered on exit. */
+/* A model's CP plan: inputs split on entry (name, dim), outputs gathered on exit (name, dim,
+ * and for outputs picked from a gathered packed sequence, `by`: the input holding the packed row
+ * of each output row). The models' CP executor (models/cp.h) runs exactly this plan. */
 typedef struct mdt_cp_split {
     const char *input;
     int dim;
+    const char *by; /* gathers only: index input, or NULL for a plain concatenation */
 } mdt_cp_split;
 typedef struct mdt_cp_plan {
     int nsplit;

@@ -7,14 +7,23 @@
  * usage: mpiexec -n 2 build/tests/mpi/test_failures DATA_DIR
  */
 #define _POSIX_C_SOURCE 200809L
+#include "core/testhooks.h"
 #include "harness.h"
 #include "models/model.h"
 
 #include <fcntl.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 static int g_rank;
+
+/* the test seam's injection: rank 1 fails mid-load */
+static mdt_status fail_load_on_1(const char *phase, int world_rank) {
+    if (strcmp(phase, "load") == 0 && world_rank == 1)
+        return MDT_FAIL(MDT_E_IO, "injected failure during %s (test hook)", phase);
+    return MDT_OK;
+}
 
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
@@ -32,9 +41,9 @@ int main(int argc, char **argv) {
     lp.checkpoint_dir = src, lp.mesh = mesh;
 
     /* 1. injected failure on rank 1 mid-load: every rank fails with rank 1's message */
-    setenv("MESHDIT_TEST_FAIL", "load:1", 1);
+    mdt_test_hooks_set(&(mdt_test_hooks){.at_point = fail_load_on_1});
     EXPECT_ERR(mdt_model_load(&lp, &m), MDT_E_IO, "rank 1: injected failure during load");
-    unsetenv("MESHDIT_TEST_FAIL");
+    mdt_test_hooks_set(NULL);
     EXPECT(m == NULL, "no model after a failed load");
 
     /* 2. a NaN where only TP rank 1 reads (row 100 of a 128-row colwise weight) */

@@ -7,6 +7,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "harness.h"
 #include "io/checkpoint.h"
+#include "models/inputs.h"
 #include "models/model.h"
 
 #include <cjson/cJSON.h>

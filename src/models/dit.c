@@ -1,0 +1,133 @@
+/*
+ * dit.c — see dit.h.
+ */
+#include "models/dit.h"
+
+#include "attn/attn.h"
+#include "backend/backend.h"
+
+#include <math.h>
+
+void mdt_dit_begin(mdt_dit *d, mdt_model *m, int64_t heads, int64_t head_dim) {
+    *d = (mdt_dit){.m = m, .mesh = m->mesh, .T = m->T, .k = m->tp_index};
+    d->ar = &m->arena, d->ha = &m->harena;
+    d->heads = heads / m->T, d->head_dim = head_dim;
+    mdt_cp_begin(&d->cp, m->fam->cp_plan, m->mesh);
+}
+
+void mdt_dit_linear(const mdt_lin *l, const float *x, int64_t M, float *y, int64_t ldy) {
+    mdt_k_linear(x, l->in, l->w, l->wh, l->b, y, ldy, M, l->in, l->out_local);
+}
+
+mdt_status mdt_dit_row_linear(const mdt_dit *d, const mdt_lin *l, const float *x, int64_t ldx,
+                              float *y, int64_t M) {
+    mdt_k_linear(x, ldx, l->w, l->wh, NULL, y, l->out, M, l->in_local, l->out); // [M, out] partial
+    if (d->T > 1)
+        MDT_TRY(mdt_allreduce_sum(d->mesh, MDT_GROUP_TP, y, M * l->out));
+    if (l->b)
+        mdt_k_add_bias(y, l->out, l->b, M, l->out); // [M, out] += b[out]
+    return MDT_OK;
+}
+
+mdt_status mdt_dit_adaln(const mdt_dit *d, const mdt_lin *l, float *y) {
+    return mdt_dit_row_linear(d, l, d->cond + (int64_t)d->k * l->in_local, d->cond_width, y,
+                              d->cond_rows);
+}
+
+void mdt_dit_mlp2(const mdt_lin *l1, const mdt_lin *l2, const float *x, int64_t M, float *h,
+                  float *y) {
+    mdt_k_linear(x, l1->in, l1->w, l1->wh, l1->b, h, l1->out, M, l1->in, l1->out); // [M, hidden]
+    mdt_k_silu(h, M * l1->out);
+    mdt_k_linear(h, l2->in, l2->w, l2->wh, l2->b, y, l2->out, M, l2->in, l2->out); // [M, out]
+}
+
+void mdt_dit_timestep_embed(const float *t, int64_t n, int64_t dim, float *e) {
+    const int64_t half = dim / 2;
+    for (int64_t b = 0; b < n; b++)
+        for (int64_t i = 0; i < half; i++) {
+            const float fr = expf(-logf(10000.0f) * (float)i / (float)half);
+            e[b * dim + i] = cosf(t[b] * fr);
+            e[b * dim + half + i] = sinf(t[b] * fr);
+        }
+}
+
+mdt_status mdt_dit_heads_alloc(const mdt_dit *d, int64_t S, mdt_heads *h) {
+    const int64_t n = d->B * d->heads * S * d->head_dim;
+    h->S = S;
+    h->q = mdt_arena_floats(d->ar, n); // [B, H/T, S, D]
+    h->k = mdt_arena_floats(d->ar, n); // [B, H/T, S, D]
+    h->v = mdt_arena_floats(d->ar, n); // [B, H/T, S, D]
+    return h->q && h->k && h->v ? MDT_OK : MDT_E_NOMEM;
+}
+
+void mdt_dit_qkv(const mdt_dit *d, const mdt_qkv *w, const float *x, int64_t n, int64_t s0,
+                 const mdt_rope *rope, const mdt_heads *h, float *tmp) {
+    const int64_t C = w->q->in, H = d->heads, D = d->head_dim, S = h->S, W = w->q->out_local;
+    const mdt_lin *lins[3] = {w->q, w->k, w->v};
+    float *dst[3] = {h->q, h->k, h->v};
+    const float *norms[3] = {w->norm_q, w->norm_k, NULL};
+    mdt_k_shared_begin(x, C, d->B * n, C); /* one bf16 rounding of x for the three */
+    for (int j = 0; j < 3; j++) {
+        const int r = rope && j < 2;
+        mdt_dit_linear(lins[j], x, d->B * n, tmp, W); // [B*n, H/T D]
+        for (int64_t b = 0; b < d->B; b++)
+            mdt_k_heads_prepare(tmp + b * n * W, W, n, H, D, norms[j], w->eps,
+                                r ? rope->cos_t + s0 * rope->rot : NULL,
+                                r ? rope->sin_t + s0 * rope->rot : NULL, r ? rope->rot : D,
+                                r ? rope->kind : MDT_ROPE_INTERLEAVED, dst[j] + b * H * S * D, S,
+                                s0); // [H/T, S, D] rows s0..s0+n
+    }
+    mdt_k_shared_end();
+}
+
+mdt_status mdt_dit_attend(const mdt_dit *d, const mdt_heads *h, int cp, float *out, int64_t ld) {
+    const int64_t H = d->heads, D = d->head_dim, S = h->S, n = H * S * D;
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int64_t b = 0; b < d->B; b++)
+        MDT_TRY(mdt_attention(cp ? d->cp.mesh : NULL, d->ar, h->q + b * n, h->k + b * n,
+                              h->v + b * n, H, S, D, scale, out + b * S * ld, ld)); // [S, H/T D]
+    return MDT_OK;
+}
+
+/* This rank's Ulysses head group [*h0, *h0 + *hn) and coordinates under the layout. */
+static void layout_of(const mdt_dit *d, int *R, int *U, int *r, int64_t *hn) {
+    const mdt_mesh *mesh = d->mesh;
+    int64_t h0;
+    *R = mesh ? mesh->R : 1, *U = mesh ? mesh->U : 1, *r = mesh ? mesh->r : 0;
+    mdt_split_range(d->heads, *U, mesh ? mesh->u : 0, &h0, hn);
+}
+
+void mdt_dit_promise_cp(const mdt_dit *d, mdt_promise *p, const int64_t *parts, int nparts,
+                        int64_t calls) {
+    int R, U, r;
+    int64_t hn, L = 0, S = 0, s0, n;
+    layout_of(d, &R, &U, &r, &hn);
+    for (int i = 0; i < nparts; i++) { /* my sequence block: the chunks of my Ulysses group */
+        S += parts[i];
+        for (int j = 0; j < U; j++)
+            mdt_split_range(parts[i], R * U, r * U + j, &s0, &n), L += n;
+    }
+    p->want_q += calls * hn * L;
+    p->want_kv += calls * hn * S;
+    p->whole_q += calls * d->heads * S;
+    p->unscattered_q += calls * d->heads * L;
+    p->ringless_kv += calls * hn * L;
+    p->cp_calls += calls;
+}
+
+void mdt_dit_promise_local(const mdt_dit *d, mdt_promise *p, int64_t S, int64_t calls) {
+    const int64_t q = calls * d->heads * S;
+    p->want_q += q, p->want_kv += q, p->whole_q += q, p->unscattered_q += q, p->ringless_kv += q;
+}
+
+mdt_status mdt_dit_end(const mdt_dit *d, mdt_promise *p) {
+    int R, U, r;
+    int64_t hn;
+    MDT_TRY(mdt_cp_end(&d->cp));
+    layout_of(d, &R, &U, &r, &hn);
+    p->owes[MDT_GROUP_TP] = d->T > 1;
+    p->owes[MDT_GROUP_RING] = R > 1 && hn > 0 && p->cp_calls > 0;
+    p->owes[MDT_GROUP_ULYSSES] = U > 1 && p->cp_calls > 0;
+    p->owes[MDT_GROUP_CP] = R * U > 1 && d->cp.given_rows > 0;
+    return mdt_model_check_promise(d->m, p);
+}

@@ -1,0 +1,92 @@
+/*
+ * dit.h — the DiT toolkit: the pieces every diffusion-transformer family is built from, each
+ * with its tensor-parallel form, so a family's forward reads like the diffusers module it
+ * mirrors. A forward starts a context (mdt_dit_begin: mesh, TP coordinate, arenas, the CP
+ * executor of cp.h), then projects, modulates and attends through it, and ends with the
+ * no-silent-degrade promise built from its attention calls (mdt_dit_promise_*).
+ *
+ * Layouts: activations are token-major [B, S_local, width]; attention operands head-major
+ * [B, H/T, S_local, D]. Colwise linears produce this rank's output features (l->out_local),
+ * rowwise ones reduce over the TP group and add the full bias once.
+ */
+#ifndef MDT_MODELS_DIT_H
+#define MDT_MODELS_DIT_H
+
+#include "kernels/cpu/cpu.h"
+#include "models/cp.h"
+#include "models/inputs.h"
+#include "models/model.h"
+
+typedef struct mdt_dit {
+    mdt_model *m;
+    mdt_mesh *mesh;     /* NULL = one rank */
+    int T, k;           /* TP degree and this rank's shard index */
+    mdt_cp cp;          /* the CP plan's executor */
+    mdt_arena *ar, *ha; /* activations (backend memory); host staging */
+    int64_t B;          /* batch */
+    const float *cond;  /* [cond_rows, cond_width] SiLU(temb), replicated: the AdaLN input */
+    int64_t cond_rows, cond_width;
+    int64_t heads, head_dim; /* this rank's heads (H/T) and D */
+} mdt_dit;
+
+/* Starts a forward of `m` with `heads` attention heads of `head_dim` in all. */
+void mdt_dit_begin(mdt_dit *d, mdt_model *m, int64_t heads, int64_t head_dim);
+
+/* ---- linears ---- */
+/* y [M, l->out_local] (rows ldy apart) = x [M, l->in] . W_local^T + b_local: replicated and
+ * colwise linears (packed colwise: this rank's piece of each block, side by side). */
+void mdt_dit_linear(const mdt_lin *l, const float *x, int64_t M, float *y, int64_t ldy);
+/* Rowwise (plain, packed or replicated-input): y [M, out] = the sum over the TP group of
+ * x_local [M, l->in_local] (rows ldx apart) . W_local^T, then the full bias once. */
+mdt_status mdt_dit_row_linear(const mdt_dit *d, const mdt_lin *l, const float *x, int64_t ldx,
+                              float *y, int64_t M);
+/* AdaLN projection of the replicated conditioning: this rank multiplies its slice of input
+ * features of d->cond by its weight columns; y [cond_rows, out] after the all-reduce. */
+mdt_status mdt_dit_adaln(const mdt_dit *d, const mdt_lin *l, float *y);
+/* y [M, l2->out] = l2(SiLU(l1(x [M, l1->in]))) with scratch h [M, l1->out] (replicated). */
+void mdt_dit_mlp2(const mdt_lin *l1, const mdt_lin *l2, const float *x, int64_t M, float *h,
+                  float *y);
+
+/* ---- embeddings (host) ---- */
+/* e [n, dim] = [cos(t f), sin(t f)], f_i = exp(-ln(1e4) i / (dim/2)) in float32 math like torch's
+ * get_timestep_embedding with flip_sin_to_cos and no shift. */
+void mdt_dit_timestep_embed(const float *t, int64_t n, int64_t dim, float *e);
+
+/* ---- attention ---- */
+typedef struct mdt_rope {
+    const float *cos_t, *sin_t; /* [S_local, rot] */
+    int64_t rot;                /* rotated channels per head (the table width) */
+    mdt_rope_kind kind;
+} mdt_rope;
+typedef struct mdt_qkv {
+    const mdt_lin *q, *k, *v;     /* colwise: this rank's heads */
+    const float *norm_q, *norm_k; /* per-head RMSNorm weights [D] */
+    float eps;
+} mdt_qkv;
+typedef struct mdt_heads {
+    float *q, *k, *v; /* [B, H/T, S, D] head-major */
+    int64_t S;        /* rows per batch element */
+} mdt_heads;
+/* Heads of S rows per batch element from the arena (NULL members on failure). */
+mdt_status mdt_dit_heads_alloc(const mdt_dit *d, int64_t S, mdt_heads *h);
+/* Projects x [B, n, C] (C = w->q->in) into rows s0 .. s0 + n of h, this rank's heads: RMSNorm on
+ * q and k, then RoPE from rows s0.. of the tables (rope NULL: none). tmp [B n, H/T D] scratch. */
+void mdt_dit_qkv(const mdt_dit *d, const mdt_qkv *w, const float *x, int64_t n, int64_t s0,
+                 const mdt_rope *rope, const mdt_heads *h, float *tmp);
+/* Attention of every batch element's h->S local rows over the whole sequence (spread over the
+ * CP ranks when `cp`, else local); out [B, S, ld] token-major, heads at columns [0, H/T D). */
+mdt_status mdt_dit_attend(const mdt_dit *d, const mdt_heads *h, int cp, float *out, int64_t ld);
+
+/* ---- no silent degrade ---- */
+/* Adds to `p` what `calls` CP attention calls over a sequence made of nparts parts (each split
+ * on its own into P chunks, lengths parts[]) must do on this rank under its layout. */
+void mdt_dit_promise_cp(const mdt_dit *d, mdt_promise *p, const int64_t *parts, int nparts,
+                        int64_t calls);
+/* Adds `calls` local attention calls over S rows (every rank the same, e.g. a text refiner). */
+void mdt_dit_promise_local(const mdt_dit *d, mdt_promise *p, int64_t S, int64_t calls);
+/* Ends the forward: the CP plan fully executed (mdt_cp_end), then what this rank did against
+ * the promise (each axis with work owes bytes: TP when T > 1, ring and ulysses when CP attention
+ * ran with heads here, the CP group when this rank gave rows to a gather). */
+mdt_status mdt_dit_end(const mdt_dit *d, mdt_promise *p);
+
+#endif /* MDT_MODELS_DIT_H */

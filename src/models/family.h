@@ -1,0 +1,82 @@
+/*
+ * family.h — what a model family provides: it parses config.json into its own config, appends
+ * its weight table (name, full shape, TP style, bind target), declares its CP plan, and runs a
+ * forward over its shards with the DiT toolkit (dit.h). The generic code (loader, residency,
+ * writer, inspect, report) only reads those tables; registry.c is the only file that names the
+ * families, so adding a model never touches the loader.
+ */
+#ifndef MDT_MODELS_FAMILY_H
+#define MDT_MODELS_FAMILY_H
+
+#include "core/core.h"
+#include "parallel/plan.h"
+
+#include <cjson/cJSON.h>
+
+struct mdt_model;
+
+/* Largest model dimension a config may declare (keeps every product of two dimensions far from
+ * int64 overflow; real models are below 2^16). */
+#define MDT_MAX_DIM ((int64_t)1 << 24)
+
+typedef struct mdt_wtable {
+    int n, cap;
+    mdt_weight_spec *specs;
+    const float ***bind;  /* bind[i]: where the loader stores the pointer to tensor i's data */
+    struct mdt_lin **lin; /* lin[i]: the linear layer whose weight tensor i is, else NULL */
+    int *required;        /* 0 for tensors a config may omit (none in Flux) */
+} mdt_wtable;
+
+/* A linear layer: the resident (local) weight [out_local, in_local], its bias, full dims. */
+typedef struct mdt_lin {
+    const float *w, *b;
+    const uint16_t *wh;          /* the weight in bf16 under --dtype bf16 (w is then NULL) */
+    int64_t in, out;             /* full dims */
+    int64_t in_local, out_local; /* this rank's (set when the weights are bound) */
+} mdt_lin;
+
+/* Appends `name`.weight [out, in] with `style` and, if `bias`, `name`.bias [out] (sharded with
+ * the output for colwise styles; replicated and added once after the reduce for rowwise ones). */
+mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out,
+                                 int64_t in, mdt_tp_style style, int bias);
+
+/* Appends a tensor of rank 1 or 2 (shape[1] ignored for rank 1). */
+mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0, int64_t d1,
+                          mdt_tp_style style, const float **bind);
+void mdt_wtable_free(mdt_wtable *t);
+
+/* Parameters of `meshdit inputs`; a family reads the fields it understands. */
+typedef struct mdt_inputs_params {
+    uint64_t seed;
+    int64_t batch;
+    int64_t img_tokens, txt_tokens;
+    double timestep, guidance;
+    int64_t audio_tokens; /* MiniMax-H3 */
+} mdt_inputs_params;
+
+typedef struct mdt_family {
+    const char *name;       /* "flux" */
+    const char *class_name; /* diffusers _class_name */
+    size_t impl_size;       /* bytes of the family's private state (zeroed) */
+    /* Parses `config` into impl and appends the weight table. */
+    mdt_status (*configure)(void *impl, const cJSON *config, mdt_wtable *t);
+    /* Layout constraints beyond per-tensor divisibility (e.g. heads % tp), checked before any
+     * weight is read; the message names the constraint and the numbers. */
+    mdt_status (*check_layout)(const void *impl, int T, int R, int U);
+    /* One forward on this rank over its shards (m->T, m->mesh); activations from m->arena only. */
+    mdt_status (*forward)(struct mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out);
+    /* Random inputs for `meshdit inputs`. */
+    mdt_status (*make_inputs)(const void *impl, const mdt_inputs_params *p, mdt_tensor_set *out);
+    /* config.json text of a named preset ("tiny", "medium"), or NULL. */
+    const char *(*preset)(const char *name);
+    const mdt_cp_plan *cp_plan;
+    const char *latent_input;   /* input the sampler integrates (Flux: hidden_states) */
+    const char *timestep_input; /* input the sampler sets to sigma (Flux: timestep) */
+    const char *output;         /* forward output (Flux: sample) */
+} mdt_family;
+
+/* The family named in config.json (`_class_name`), or by name ("flux"). */
+mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out);
+const mdt_family *mdt_family_by_name(const char *name);
+
+#endif /* MDT_MODELS_FAMILY_H */

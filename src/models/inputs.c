@@ -1,0 +1,101 @@
+/*
+ * inputs.c — see inputs.h.
+ */
+#include "models/inputs.h"
+
+#include "io/safetensors.h"
+
+static mdt_status input_tensor(const mdt_tensor_set *in, const char *name, int ndim,
+                               const int64_t *shape, const mdt_tensor **out) {
+    char s1[96], s2[96];
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    if (!t)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' is missing (the model needs it)", name);
+    int same = t->ndim == ndim;
+    for (int i = 0; same && i < ndim; i++)
+        same = shape[i] < 0 || t->shape[i] == shape[i];
+    if (!same)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has shape %s, expected %s", name,
+                        mdt_shape_str(t->ndim, t->shape, s1, 96),
+                        mdt_shape_str(ndim, shape, s2, 96));
+    *out = t;
+    return MDT_OK;
+}
+
+static mdt_status check_finite(const char *name, const float *v, int64_t n) {
+    const int64_t i = mdt_first_nonfinite(v, n);
+    if (i >= 0)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
+                        name, (long long)i);
+    return MDT_OK;
+}
+
+mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
+                         mdt_arena *a, float **out) {
+    const mdt_tensor *t;
+    MDT_TRY(input_tensor(in, name, ndim, shape, &t));
+    if (t->dtype == MDT_BOOL)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has dtype BOOL, expected a number",
+                        name);
+    const int64_t n = mdt_tensor_numel(t);
+    *out = mdt_arena_floats(a, n);
+    if (!*out)
+        return MDT_E_NOMEM;
+    if (mdt_convert_to_f32(t->dtype, t->data, *out, n) != MDT_OK)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: tensor '%s' has dtype %s, which cannot be read as a number "
+                        "(expected F32, BF16, F16, F64, I64 or I32)",
+                        name, mdt_dtype_name(t->dtype));
+    return check_finite(name, *out, n);
+}
+
+mdt_status mdt_input_f32_view(const mdt_tensor_set *in, const char *name, int ndim,
+                              const int64_t *shape, mdt_arena *a, const float **out) {
+    const mdt_tensor *t;
+    MDT_TRY(input_tensor(in, name, ndim, shape, &t));
+    if (t->dtype != MDT_F32) {
+        float *conv;
+        MDT_TRY(mdt_input_f32(in, name, ndim, shape, a, &conv));
+        *out = conv;
+        return MDT_OK;
+    }
+    const float *v = t->data;
+    MDT_TRY(check_finite(name, v, mdt_tensor_numel(t)));
+    *out = v;
+    return MDT_OK;
+}
+
+mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
+                         int64_t lo, int64_t hi, mdt_arena *a, int64_t **out) {
+    const mdt_tensor *t;
+    MDT_TRY(input_tensor(in, name, ndim, shape, &t));
+    const int64_t n = mdt_tensor_numel(t);
+    int64_t *v = (int64_t *)(void *)mdt_arena_floats(a, 2 * n);
+    if (!v)
+        return MDT_E_NOMEM;
+    for (int64_t i = 0; i < n; i++) {
+        switch (t->dtype) {
+        case MDT_I64: v[i] = ((const int64_t *)t->data)[i]; break;
+        case MDT_I32: v[i] = ((const int32_t *)t->data)[i]; break;
+        case MDT_I16: v[i] = ((const int16_t *)t->data)[i]; break;
+        case MDT_I8:
+            v[i] = (int64_t)(int)((const int8_t *)t->data)[i];
+            break; /* NOLINT(bugprone-signed-char-misuse) */
+        case MDT_U8: v[i] = ((const uint8_t *)t->data)[i]; break;
+        default:
+            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has dtype %s, expected integers",
+                            name, mdt_dtype_name(t->dtype));
+        }
+        if (v[i] < lo || v[i] >= hi)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "inputs: tensor '%s' element %lld is %lld, outside [%lld, %lld)", name,
+                            (long long)i, (long long)v[i], (long long)lo, (long long)hi);
+    }
+    *out = v;
+    return MDT_OK;
+}
+
+int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim) {
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    return t && t->ndim > dim ? t->shape[dim] : -1;
+}

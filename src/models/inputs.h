@@ -1,0 +1,24 @@
+/*
+ * inputs.h — a forward's named inputs, checked: presence, shape (-1 = any), dtype, and every
+ * value finite (floats) or in range (indices). Errors name the tensor and the expectation.
+ */
+#ifndef MDT_MODELS_INPUTS_H
+#define MDT_MODELS_INPUTS_H
+
+#include "core/core.h"
+
+/* The tensor `name` of `in` with shape `shape` converted to f32 (any float or integer dtype) into
+ * the arena; NaN/Inf is an error naming the tensor and element. */
+mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
+                         mdt_arena *a, float **out);
+/* The same, read-only and without a copy when the input is already F32 (the large activations:
+ * checked in place, uploaded straight from the caller's buffer); other dtypes are converted. */
+mdt_status mdt_input_f32_view(const mdt_tensor_set *in, const char *name, int ndim,
+                              const int64_t *shape, mdt_arena *a, const float **out);
+/* Integer index input (I64/I32/I16/I8/U8) with every value in [lo, hi), as int64 in the arena. */
+mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
+                         int64_t lo, int64_t hi, mdt_arena *a, int64_t **out);
+/* Dimension `dim` of input `name`, or -1 when absent. */
+int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim);
+
+#endif /* MDT_MODELS_INPUTS_H */

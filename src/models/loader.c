@@ -1,0 +1,268 @@
+/*
+ * loader.c — a model's life: described from its config (family + weight table), its layout
+ * checked, its weights read shard-on-read from a diffusers checkpoint (every planned tensor's
+ * presence, shape and dtype validated before any byte is read; each rank reads only the bytes
+ * of its TP shards, converted to f32 after slicing), and freed. Where the weights then live is
+ * residency.c's business.
+ */
+#include "models/residency.h"
+
+#include "backend/backend.h"
+#include "core/testhooks.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <string.h>
+
+mdt_status mdt_model_describe(const cJSON *config, mdt_model **out) {
+    mdt_status st;
+    const mdt_family *fam;
+    *out = NULL;
+    MDT_TRY(mdt_family_from_config(config, &fam));
+    mdt_model *m = mdt_calloc(sizeof *m);
+    if (!m)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    m->fam = fam;
+    mdt_arena_init(&m->arena);
+    m->impl = mdt_calloc(fam->impl_size);
+    m->config = cJSON_Duplicate(config, 1);
+    if (!m->impl || !m->config)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    MDT_CHECK(fam->configure(m->impl, m->config, &m->table));
+    *out = m;
+    return MDT_OK;
+fail:
+    mdt_model_free(m);
+    return st;
+}
+
+mdt_load_params mdt_load_params_default(void) {
+    mdt_load_params p = {NULL, NULL, 0};
+    return p;
+}
+
+mdt_status mdt_model_check_layout(const mdt_model *m, int T, int R, int U) {
+    if (m->fam->check_layout)
+        MDT_TRY(m->fam->check_layout(m->impl, T, R, U));
+    int64_t st[MDT_MAX_BLOCKS], ln[MDT_MAX_BLOCKS];
+    int n;
+    for (int i = 0; i < m->table.n; i++)
+        MDT_TRY(mdt_shard_ranges(&m->table.specs[i], T, 0, st, ln, &n));
+    return MDT_OK;
+}
+
+/* Reads this rank's shard of `w` straight into `dst` (f32), touching only its bytes for
+ * replicated and dim-0 tensors; dim-1 pieces go through a bounded window when they are small. */
+static mdt_status read_shard(const mdt_ckpt_ref *ref, const mdt_weight_spec *w, int T, int k,
+                             float *dst) {
+    int64_t st[MDT_MAX_BLOCKS], ln[MDT_MAX_BLOCKS];
+    int n;
+    MDT_TRY(mdt_shard_ranges(w, T, k, st, ln, &n));
+    const mdt_st_file *f = ref->file;
+    const mdt_st_entry *e = ref->entry;
+    const int dim = T > 1 ? mdt_tp_shard_dim(w->style) : -1;
+    const int64_t rows = w->shape[0], cols = w->ndim > 1 ? w->shape[1] : 1;
+    if (dim < 0)
+        return mdt_st_read_f32(f, e, 0, rows * cols, dst);
+    if (dim == 0) {
+        int64_t off = 0;
+        for (int b = 0; b < n; b++) {
+            MDT_TRY(mdt_st_read_f32(f, e, st[b] * cols, ln[b] * cols, dst + off * cols));
+            off += ln[b];
+        }
+        return MDT_OK;
+    }
+    int64_t lcols = 0;
+    for (int b = 0; b < n; b++)
+        lcols += ln[b];
+    /* dim 1: each row's pieces are read exactly (one pread each, never the other ranks' bytes)
+     * into a bounded buffer (<= 4 MiB of stored bytes), which is converted in one pass; the
+     * pieces of a row land side by side, which is the local layout [block0_k | block1_k | ...]. */
+    const size_t es = mdt_dtype_size(e->dtype);
+    const int64_t lrow_bytes = lcols * (int64_t)es;
+    int64_t win = ((int64_t)4 << 20) / (lrow_bytes > 0 ? lrow_bytes : 1);
+    if (win < 1)
+        win = 1;
+    if (win > rows)
+        win = rows;
+    unsigned char *buf = mdt_alloc((size_t)(win * lrow_bytes) + 1);
+    if (!buf)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    mdt_status s = MDT_OK;
+    for (int64_t r0 = 0; r0 < rows && s == MDT_OK; r0 += win) {
+        const int64_t nr = rows - r0 < win ? rows - r0 : win;
+        unsigned char *p = buf;
+        for (int64_t r = r0; r < r0 + nr && s == MDT_OK; r++)
+            for (int b = 0; b < n && s == MDT_OK; b++) {
+                s = mdt_st_read_range(f, e, (r * cols + st[b]) * (int64_t)es, ln[b] * (int64_t)es,
+                                      p);
+                p += ln[b] * (int64_t)es;
+            }
+        if (s == MDT_OK)
+            s = mdt_convert_to_f32(e->dtype, buf, dst + r0 * lcols, nr * lcols);
+    }
+    mdt_free(buf);
+    return s;
+}
+
+static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *mesh, int T, int k) {
+    char sb1[96], sb2[96];
+    m->ws = mdt_calloc(sizeof(mdt_wstate) * (size_t)(m->table.n ? m->table.n : 1));
+    if (!m->ws)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    /* every planned tensor must exist with the config's shape before any byte is read */
+    for (int i = 0; i < m->table.n; i++) {
+        const mdt_weight_spec *w = &m->table.specs[i];
+        const mdt_ckpt_ref *ref;
+        MDT_TRY(mdt_ckpt_find(ck, w->name, &ref));
+        const mdt_st_entry *e = ref->entry;
+        int same = e->ndim == w->ndim;
+        for (int d = 0; same && d < w->ndim; d++)
+            same = e->shape[d] == w->shape[d];
+        if (!same)
+            return MDT_FAIL(MDT_E_INVALID, "%s: tensor '%s': shape %s but config.json implies %s",
+                            ref->file->path, w->name, mdt_shape_str(e->ndim, e->shape, sb1, 96),
+                            mdt_shape_str(w->ndim, w->shape, sb2, 96));
+        if (!mdt_dtype_is_float(e->dtype))
+            return MDT_FAIL(MDT_E_INVALID, "%s: tensor '%s': dtype %s is not a float type",
+                            ref->file->path, w->name, mdt_dtype_name(e->dtype));
+        m->ws[i].stored = e->dtype;
+    }
+    MDT_TRY(mdt_res_alloc(m, T, &m->weights, mdt_res_host_bf16() ? &m->hbf16 : NULL, m->ws));
+    const int dev = mdt_backend_mem() != NULL;
+    if (dev)
+        MDT_TRY(mdt_res_dev_prepare(m));
+    /* packed (CPU bf16): each linear weight is read into one f32 scratch and rounded into its
+     * bf16 slot, so the f32 copy of the weights never exists whole */
+    int64_t scratch_n = 0;
+    for (int i = 0; i < m->table.n; i++)
+        if (m->ws[i].h && m->ws[i].local[0] * m->ws[i].local[1] > scratch_n)
+            scratch_n = m->ws[i].local[0] * m->ws[i].local[1];
+    float *scratch = scratch_n ? mdt_alloc(sizeof(float) * (size_t)scratch_n) : NULL;
+    mdt_status st = scratch_n && !scratch ? MDT_FAIL(MDT_E_NOMEM, "out of memory") : MDT_OK;
+    for (int i = 0; st == MDT_OK && i < m->table.n; i++) {
+        const mdt_ckpt_ref *ref;
+        float *dst = m->ws[i].h ? scratch : m->ws[i].data;
+        st = mdt_ckpt_find(ck, m->table.specs[i].name, &ref);
+        int64_t before = mdt_counters_get()->bytes_read;
+        if (st == MDT_OK)
+            st = read_shard(ref, &m->table.specs[i], T, k, dst);
+        if (st != MDT_OK)
+            break;
+        m->ws[i].bytes_read = mdt_counters_get()->bytes_read - before;
+        m->bytes_read += m->ws[i].bytes_read;
+        const int64_t nloc = m->ws[i].local[0] * m->ws[i].local[1];
+        const int64_t j = mdt_first_nonfinite(dst, nloc); /* damaged data in this rank's slice */
+        if (j >= 0)
+            st = MDT_FAIL(MDT_E_FORMAT,
+                          "%s: tensor '%s': non-finite value (NaN or Inf) at element %lld of "
+                          "this rank's shard",
+                          ref->file->path, m->table.specs[i].name, (long long)j);
+        if (st == MDT_OK && m->ws[i].h)
+            st = mdt_convert_from_f32(MDT_BF16, dst, m->ws[i].h, nloc);
+        if (st == MDT_OK && dev)
+            mdt_res_dev_upload(m, i); /* on its way while the next tensor is read */
+        if (st == MDT_OK && i == m->table.n / 2)
+            st = mdt_test_point("load", mesh ? mesh->world_rank : 0); /* test seam */
+    }
+    mdt_free(scratch);
+    MDT_TRY(st);
+    if (ck->n > m->table.n)
+        mdt_log(MDT_LOG_WARN, "%s: %d tensors in the checkpoint are not used by the model", ck->dir,
+                ck->n - m->table.n);
+    mdt_res_bind(m);
+    MDT_TRY(mdt_res_reserve_linear(m));
+    return dev ? mdt_res_dev_finish(m) : MDT_OK;
+}
+
+mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh) {
+    const int T = mesh ? mesh->T : 1, k = mesh ? mesh->tp_shard_index : 0;
+    mdt_status st = mdt_model_check_layout(m, T, mesh ? mesh->R : 1, mesh ? mesh->U : 1);
+    MDT_TRY(mdt_mesh_agree(mesh, st)); /* layout verdict before any weight is read */
+    if (k >= T)                        /* only under the test-only shard-index bug switch */
+        st = MDT_FAIL(MDT_E_INVALID, "shard index %d is outside tp=%d", k, T);
+    if (st == MDT_OK)
+        st = load_local(m, ck, mesh, T, k);
+    MDT_TRY(mdt_mesh_agree(mesh, st));
+    m->mesh = mesh, m->T = T, m->tp_index = k;
+    m->sharded_at_load = T > 1;
+    return MDT_OK;
+}
+
+/* Resident weight bytes per rank at degree T (0 if the layout is invalid): 4 per weight, 2 for
+ * linear weights under bf16. */
+static int64_t weight_bytes_at(const mdt_model *m, int T) {
+    int64_t bytes = 0, loc[2];
+    if (mdt_model_check_layout(m, T, 1, 1) != MDT_OK)
+        return 0;
+    for (int i = 0; i < m->table.n; i++) {
+        mdt_shard_local_shape(&m->table.specs[i], T, loc);
+        bytes += loc[0] * (m->table.specs[i].ndim > 1 ? loc[1] : 1) *
+                 (mdt_backend_bf16() && m->table.lin[i] ? 2 : 4);
+    }
+    return bytes;
+}
+
+/* Refuses, before any weight is read, a layout whose per-rank weights exceed the limit. */
+static mdt_status check_memory(const mdt_model *m, int T, int64_t limit) {
+    const int64_t need = weight_bytes_at(m, T);
+    if (need <= limit)
+        return MDT_OK;
+    int fit = 0;
+    for (int t = T + 1; t <= 256 && !fit; t++) {
+        const int64_t b = weight_bytes_at(m, t);
+        fit = b > 0 && b <= limit ? t : 0;
+    }
+    mdt_error_clear();
+    const char *kind = mdt_backend_bf16() ? "weights (linears in bf16)" : "f32 weights";
+    if (fit)
+        return MDT_FAIL(MDT_E_NOMEM,
+                        "tp=%d needs %.1f MiB of %s per rank, over the --max-memory limit of %.1f "
+                        "MiB; tp=%d would need %.1f MiB",
+                        T, (double)need / 1048576.0, kind, (double)limit / 1048576.0, fit,
+                        (double)weight_bytes_at(m, fit) / 1048576.0);
+    return MDT_FAIL(MDT_E_NOMEM,
+                    "tp=%d needs %.1f MiB of %s per rank, over the --max-memory limit of %.1f MiB, "
+                    "and no valid tp fits",
+                    T, (double)need / 1048576.0, kind, (double)limit / 1048576.0);
+}
+
+mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
+    mdt_status st;
+    mdt_ckpt *ck = NULL;
+    mdt_model *m = NULL;
+    mdt_mesh *mesh = p->mesh;
+    *out = NULL;
+    st = mdt_ckpt_open(p->checkpoint_dir, &ck);
+    if (st == MDT_OK)
+        st = mdt_model_describe(ck->config, &m);
+    if (st == MDT_OK && p->max_weight_bytes > 0)
+        st = check_memory(m, mesh ? mesh->T : 1, p->max_weight_bytes);
+    MDT_CHECK(mdt_mesh_agree(mesh, st));
+    MDT_CHECK(mdt_model_load_ckpt(m, ck, mesh));
+    mdt_ckpt_close(ck);
+    *out = m;
+    return MDT_OK;
+fail:
+    mdt_ckpt_close(ck);
+    mdt_model_free(m);
+    return st;
+}
+
+void mdt_model_free(mdt_model *m) {
+    if (!m)
+        return;
+    mdt_arena_release(&m->arena);
+    mdt_arena_release(&m->harena);
+    mdt_wtable_free(&m->table);
+    mdt_res_dev_release(m);
+    mdt_res_free_host(m, m->weights);
+    mdt_free(m->hbf16);
+    mdt_free(m->ws);
+    mdt_free(m->impl);
+    cJSON_Delete(m->config);
+    mdt_free(m);
+    mdt_backend_release_scratch(); /* the next model reserves its own */
+}
+
+const char *mdt_model_family(const mdt_model *m) { return m->fam->name; }

@@ -1,0 +1,210 @@
+/*
+ * writer.c — checkpoints written in diffusers layout: `gen` (random weights for a config, one
+ * file or shards plus an index) and `gather` (the TP shards of a loaded model back into one
+ * ordinary checkpoint in each tensor's stored dtype, on world rank 0).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "models/residency.h"
+
+#include "core/outfile.h"
+#include "parallel/shard.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+/* Checkpoint files appear whole (staged beside the target, renamed), never in place of a
+ * non-regular file, with the mode of a new file (0666 & ~umask): core/outfile.h. */
+static mdt_status write_text(const char *path, const char *text) {
+    mdt_out o;
+    MDT_TRY(mdt_out_begin(&o, path));
+    mdt_status st = mdt_out_write(&o, text, strlen(text));
+    if (st != MDT_OK) {
+        mdt_out_abort(&o, 1);
+        return st;
+    }
+    return mdt_out_commit(&o, 1);
+}
+
+static mdt_status write_weights(const char *path, int n, const char *const *names,
+                                const mdt_tensor *const *tensors) {
+    return mdt_st_write(path, n, names, tensors, (const char *const[]){"format", "pt", NULL});
+}
+
+static int64_t spec_numel(const mdt_weight_spec *w) {
+    return w->shape[0] * (w->ndim > 1 ? w->shape[1] : 1);
+}
+
+static void fill_random(const mdt_weight_spec *w, mdt_rng *rng, float *dst) {
+    int64_t n = spec_numel(w);
+    size_t len = strlen(w->name);
+    int is_bias = len > 5 && strcmp(w->name + len - 5, ".bias") == 0;
+    double std = is_bias ? 0.02 : w->ndim == 1 ? 0.1 : 1.0 / sqrt((double)w->shape[1]);
+    double mean = (!is_bias && w->ndim == 1) ? 1.0 : 0.0;
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = (float)(mean + std * mdt_rng_normal(rng));
+}
+
+static mdt_status gather_host(mdt_model *m, const char *dir) {
+    mdt_status st = MDT_OK;
+    mdt_mesh *mesh = m->mesh;
+    const int T = m->T, me = mesh ? mesh->world_rank : 0;
+    const int n = m->table.n;
+    mdt_tensor *ts = mdt_calloc(sizeof(mdt_tensor) * (size_t)(n ? n : 1));
+    const mdt_tensor **tp = mdt_calloc(sizeof(const mdt_tensor *) * (size_t)(n ? n : 1));
+    const char **names = mdt_calloc(sizeof(const char *) * (size_t)(n ? n : 1));
+    float *full = NULL, *all = NULL;
+    if (!ts || !tp || !names)
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    for (int i = 0; st == MDT_OK && i < n; i++) {
+        const mdt_weight_spec *w = &m->table.specs[i];
+        const int64_t numel = w->shape[0] * (w->ndim > 1 ? w->shape[1] : 1);
+        const int64_t lnum = m->ws[i].local[0] * m->ws[i].local[1];
+        full = mdt_alloc(sizeof(float) * (size_t)numel);
+        all = T > 1 ? mdt_alloc(sizeof(float) * (size_t)(lnum * T)) : NULL;
+        if (!full || (T > 1 && !all)) {
+            st = MDT_FAIL(MDT_E_NOMEM, "out of memory gathering '%s'", w->name);
+            break;
+        }
+        if (T > 1 && mesh) { /* rank-major concatenation of the shards, then each to its place */
+            st = mdt_allgather_floats(mesh, MDT_GROUP_TP, m->ws[i].data, all, lnum);
+            for (int r = 0; st == MDT_OK && r < T; r++)
+                mdt_shard_copy(w, T, r, full, all + r * lnum, 0);
+        } else {
+            memcpy(full, m->ws[i].data, sizeof(float) * (size_t)numel);
+        }
+        if (st == MDT_OK && me == 0) {
+            ts[i].dtype = m->ws[i].stored;
+            ts[i].ndim = w->ndim;
+            ts[i].shape[0] = w->shape[0], ts[i].shape[1] = w->shape[1];
+            ts[i].data = mdt_alloc(mdt_dtype_size(ts[i].dtype) * (size_t)numel);
+            st = ts[i].data ? mdt_convert_from_f32(ts[i].dtype, full, ts[i].data, numel)
+                            : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+            tp[i] = &ts[i];
+            names[i] = w->name;
+        }
+        mdt_free(full), mdt_free(all);
+        full = all = NULL;
+    }
+    if (st == MDT_OK && me == 0) {
+        char path[4096];
+        char *cfg = cJSON_Print(m->config);
+        if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+            st = MDT_FAIL(MDT_E_IO, "%s: cannot create directory: %s", dir, strerror(errno));
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        if (st == MDT_OK)
+            st = cfg ? write_text(path, cfg) : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        snprintf(path, sizeof path, "%s/%s", dir, MDT_CKPT_WEIGHTS);
+        if (st == MDT_OK)
+            st = write_weights(path, n, names, tp);
+        cJSON_free(cfg);
+    }
+    for (int i = 0; ts && i < n; i++)
+        mdt_free(ts[i].data);
+    mdt_free(ts), mdt_free((void *)tp), mdt_free((void *)names);
+    return mdt_mesh_agree(mesh, st);
+}
+
+mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
+    MDT_TRY(mdt_mesh_agree(m->mesh, mdt_res_to_host(m)));
+    MDT_TRY(gather_host(m, dir));
+    return mdt_mesh_agree(m->mesh, mdt_res_to_device(m));
+}
+
+mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype, int shards,
+                         const char *dir) {
+    mdt_status st = MDT_OK;
+    mdt_model *m = NULL;
+    mdt_tensor *ts = NULL;
+    const mdt_tensor **tp = NULL;
+    const char **names = NULL;
+    cJSON *index = NULL;
+    char *idx_txt = NULL;
+    char path[4096];
+    if (dtype != MDT_F32 && dtype != MDT_BF16 && dtype != MDT_F16)
+        return MDT_FAIL(MDT_E_INVALID, "gen: --dtype must be f32, bf16 or f16");
+    cJSON *cfg = cJSON_Parse(config_text);
+    if (!cfg || !cJSON_IsObject(cfg)) {
+        cJSON_Delete(cfg);
+        return MDT_FAIL(MDT_E_FORMAT, "gen: config is not a JSON object");
+    }
+    st = mdt_model_describe(cfg, &m);
+    cJSON_Delete(cfg);
+    MDT_TRY(st);
+    int n = m->table.n;
+    if (shards < 1 || shards > n)
+        MDT_CHECK(MDT_FAIL(MDT_E_INVALID, "gen: --shards must be between 1 and %d", n));
+    if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: cannot create directory: %s", dir, strerror(errno)));
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    MDT_CHECK(write_text(path, config_text));
+
+    ts = mdt_calloc(sizeof *ts * (size_t)n);
+    tp = mdt_calloc(sizeof(const mdt_tensor *) * (size_t)n);
+    names = mdt_calloc(sizeof *names * (size_t)n);
+    if (!ts || !tp || !names)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    mdt_rng rng;
+    mdt_rng_seed(&rng, seed);
+    for (int i = 0; i < n; i++) {
+        const mdt_weight_spec *w = &m->table.specs[i];
+        int64_t numel = spec_numel(w);
+        float *tmp = mdt_alloc(sizeof(float) * (size_t)numel);
+        ts[i].dtype = dtype;
+        ts[i].ndim = w->ndim;
+        ts[i].shape[0] = w->shape[0];
+        ts[i].shape[1] = w->shape[1];
+        ts[i].data = mdt_alloc(mdt_dtype_size(dtype) * (size_t)numel);
+        if (!tmp || !ts[i].data) {
+            mdt_free(tmp);
+            MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+        }
+        fill_random(w, &rng, tmp);
+        st = mdt_convert_from_f32(dtype, tmp, ts[i].data, numel);
+        mdt_free(tmp);
+        MDT_CHECK(st);
+        tp[i] = &ts[i];
+        names[i] = w->name;
+    }
+    if (shards == 1) {
+        snprintf(path, sizeof path, "%s/%s", dir, MDT_CKPT_WEIGHTS);
+        MDT_CHECK(write_weights(path, n, names, tp));
+    } else {
+        index = cJSON_CreateObject();
+        cJSON *meta = cJSON_AddObjectToObject(index, "metadata");
+        cJSON *wm = cJSON_AddObjectToObject(index, "weight_map");
+        int64_t total = 0;
+        for (int s = 0; s < shards; s++) {
+            int lo = (int)((int64_t)s * n / shards), hi = (int)((int64_t)(s + 1) * n / shards);
+            char fname[128];
+            snprintf(fname, sizeof fname, "diffusion_pytorch_model-%05d-of-%05d.safetensors", s + 1,
+                     shards);
+            snprintf(path, sizeof path, "%s/%s", dir, fname);
+            MDT_CHECK(write_weights(path, hi - lo, names + lo, tp + lo));
+            for (int i = lo; i < hi; i++) {
+                cJSON_AddStringToObject(wm, names[i], fname);
+                total += mdt_tensor_nbytes(&ts[i]);
+            }
+        }
+        cJSON_AddNumberToObject(meta, "total_size", (double)total);
+        idx_txt = cJSON_Print(index);
+        if (!idx_txt)
+            MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+        snprintf(path, sizeof path, "%s/%s", dir, MDT_CKPT_INDEX);
+        MDT_CHECK(write_text(path, idx_txt));
+    }
+fail:
+    if (ts)
+        for (int i = 0; i < n; i++)
+            mdt_free(ts[i].data);
+    mdt_free(ts);
+    mdt_free((void *)tp);
+    mdt_free((void *)names);
+    cJSON_free(idx_txt);
+    cJSON_Delete(index);
+    mdt_model_free(m);
+    return st;
+}

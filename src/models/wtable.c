@@ -1,0 +1,68 @@
+/*
+ * wtable.c — a family's weight table: each checkpoint tensor's name, full shape, TP style and
+ * where the loader binds its data (see family.h).
+ */
+#include "models/family.h"
+
+#include <stdio.h>
+#include <string.h>
+
+mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0, int64_t d1,
+                          mdt_tp_style style, const float **bind) {
+    if (strlen(name) >= MDT_NAME_MAX)
+        return MDT_FAIL(MDT_E_INVALID, "weight name too long: %s", name);
+    if (t->n == t->cap) {
+        int cap = t->cap ? 2 * t->cap : 64;
+        mdt_weight_spec *s = mdt_calloc(sizeof *s * (size_t)cap);
+        const float ***b = mdt_calloc(sizeof *b * (size_t)cap);
+        int *r = mdt_calloc(sizeof *r * (size_t)cap);
+        mdt_lin **l = mdt_calloc(sizeof(mdt_lin *) * (size_t)cap);
+        if (!s || !b || !r || !l) {
+            mdt_free(s), mdt_free((void *)b), mdt_free(r), mdt_free((void *)l);
+            return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        }
+        if (t->n) {
+            memcpy(s, t->specs, sizeof *s * (size_t)t->n);
+            memcpy((void *)b, (const void *)t->bind, sizeof *b * (size_t)t->n);
+            memcpy(r, t->required, sizeof *r * (size_t)t->n);
+            memcpy((void *)l, (const void *)t->lin, sizeof(mdt_lin *) * (size_t)t->n);
+        }
+        mdt_free(t->specs), mdt_free((void *)t->bind), mdt_free(t->required);
+        mdt_free((void *)t->lin);
+        t->specs = s, t->bind = b, t->required = r, t->lin = l, t->cap = cap;
+    }
+    mdt_weight_spec *w = &t->specs[t->n];
+    memset(w, 0, sizeof *w);
+    snprintf(w->name, sizeof w->name, "%s", name);
+    w->ndim = ndim;
+    w->shape[0] = d0;
+    w->shape[1] = ndim > 1 ? d1 : 0;
+    w->style = style;
+    t->bind[t->n] = bind;
+    t->lin[t->n] = NULL;
+    t->required[t->n] = 1;
+    t->n++;
+    return MDT_OK;
+}
+
+mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out,
+                                 int64_t in, mdt_tp_style style, int bias) {
+    char nm[MDT_NAME_MAX + 16]; /* mdt_wtable_add refuses names longer than MDT_NAME_MAX */
+    l->in = in, l->out = out, l->b = NULL, l->wh = NULL;
+    snprintf(nm, sizeof nm, "%s.weight", name);
+    MDT_TRY(mdt_wtable_add(t, nm, 2, out, in, style, &l->w));
+    t->lin[t->n - 1] = l;
+    if (!bias)
+        return MDT_OK;
+    snprintf(nm, sizeof nm, "%s.bias", name);
+    return mdt_wtable_add(t, nm, 1, out, 0,
+                          mdt_tp_shard_dim(style) == 0 ? style : MDT_TP_REPLICATED, &l->b);
+}
+
+void mdt_wtable_free(mdt_wtable *t) {
+    mdt_free((void *)t->lin);
+    mdt_free(t->specs);
+    mdt_free((void *)t->bind);
+    mdt_free(t->required);
+    memset(t, 0, sizeof *t);
+}
