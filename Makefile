@@ -42,7 +42,10 @@ endif
 
 LIB_SRC  := $(filter-out src/cli/% src/kernels/cpu/cpu.c,$(wildcard src/*/*.c src/*/*/*.c))
 CPU_OBJ  := $(CPU_ISAS:%=$(BUILD)/src/kernels/cpu/isa/cpu_%.o)
-LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CPU_OBJ)
+# built-in config presets (configs/presets/FAMILY.NAME.json), embedded as a generated C table
+PRESETS  := $(sort $(wildcard configs/presets/*.json))
+PRESET_OBJ := $(BUILD)/gen/presets.o
+LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CPU_OBJ) $(PRESET_OBJ)
 CLI_OBJ  := $(BUILD)/src/cli/main.o
 TEST_SRC := $(wildcard tests/unit/test_*.c)
 TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
@@ -81,6 +84,13 @@ $(BUILD)/%.o: %.c
 $(CPU_OBJ): $(BUILD)/src/kernels/cpu/isa/cpu_%.o: src/kernels/cpu/cpu.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(ISA_FLAGS_$*) -c $< -o $@
+
+$(BUILD)/gen/presets.c: $(PRESETS) scripts/embed-presets
+	@mkdir -p $(dir $@)
+	scripts/embed-presets $@ $(PRESETS)
+
+$(PRESET_OBJ): $(BUILD)/gen/presets.c
+	$(CC) $(CFLAGS) -c $< -o $@
 
 $(BUILD)/libmeshdit.a: $(LIB_OBJ)
 	rm -f $@ && $(AR) rcs $@ $^

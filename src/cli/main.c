@@ -258,7 +258,7 @@ static int cmd_gen(int argc, char **argv) {
         const mdt_family *fam = mdt_family_by_name(model);
         if (!fam)
             return usage_exit("unknown --model '%s' (supported: flux, minimax-h3)", model);
-        const char *p = fam->preset(preset);
+        const char *p = mdt_family_preset(fam, preset);
         if (!p)
             return usage_exit(
                 "unknown --preset '%s' (flux: tiny, medium, narrow; minimax-h3: tiny)", preset);

@@ -67,13 +67,20 @@ typedef struct mdt_family {
     mdt_status (*forward)(struct mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out);
     /* Random inputs for `meshdit inputs`. */
     mdt_status (*make_inputs)(const void *impl, const mdt_inputs_params *p, mdt_tensor_set *out);
-    /* config.json text of a named preset ("tiny", "medium"), or NULL. */
-    const char *(*preset)(const char *name);
     const mdt_cp_plan *cp_plan;
     const char *latent_input;   /* input the sampler integrates (Flux: hidden_states) */
     const char *timestep_input; /* input the sampler sets to sigma (Flux: timestep) */
     const char *output;         /* forward output (Flux: sample) */
 } mdt_family;
+
+/* A built-in config.json (configs/presets/FAMILY.NAME.json, embedded at build time). */
+typedef struct mdt_preset {
+    const char *family, *name, *text;
+} mdt_preset;
+extern const mdt_preset mdt_presets[]; /* ends with a NULL family */
+
+/* config.json text of preset `name` of family `f` ("tiny", "medium"), or NULL. */
+const char *mdt_family_preset(const mdt_family *f, const char *name);
 
 /* The family named in config.json (`_class_name`), or by name ("flux"). */
 mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out);

@@ -536,38 +536,6 @@ static mdt_status flux_make_inputs(const void *impl, const mdt_inputs_params *p,
     return MDT_OK;
 }
 
-static const char *flux_preset(const char *name) {
-    if (strcmp(name, "tiny") == 0) /* diffusers' own test config */
-        return "{\n  \"_class_name\": \"FluxTransformer2DModel\",\n  \"patch_size\": 1,\n"
-               "  \"in_channels\": 4,\n  \"out_channels\": null,\n  \"num_layers\": 1,\n"
-               "  \"num_single_layers\": 1,\n  \"attention_head_dim\": 16,\n"
-               "  \"num_attention_heads\": 2,\n  \"joint_attention_dim\": 32,\n"
-               "  \"pooled_projection_dim\": 32,\n  \"guidance_embeds\": false,\n"
-               "  \"axes_dims_rope\": [4, 4, 8]\n}\n";
-    if (strcmp(name, "medium") == 0) /* the benchmark shape: inner 1024, 8 heads, 2 + 4 blocks */
-        return "{\n  \"_class_name\": \"FluxTransformer2DModel\",\n  \"patch_size\": 1,\n"
-               "  \"in_channels\": 64,\n  \"out_channels\": null,\n  \"num_layers\": 2,\n"
-               "  \"num_single_layers\": 4,\n  \"attention_head_dim\": 128,\n"
-               "  \"num_attention_heads\": 8,\n  \"joint_attention_dim\": 4096,\n"
-               "  \"pooled_projection_dim\": 768,\n  \"guidance_embeds\": true,\n"
-               "  \"axes_dims_rope\": [16, 56, 56]\n}\n";
-    if (strcmp(name, "block") == 0) /* one single block of the real Flux.1: 24 heads of 128 */
-        return "{\n  \"_class_name\": \"FluxTransformer2DModel\",\n  \"patch_size\": 1,\n"
-               "  \"in_channels\": 64,\n  \"out_channels\": null,\n  \"num_layers\": 0,\n"
-               "  \"num_single_layers\": 1,\n  \"attention_head_dim\": 128,\n"
-               "  \"num_attention_heads\": 24,\n  \"joint_attention_dim\": 4096,\n"
-               "  \"pooled_projection_dim\": 768,\n  \"guidance_embeds\": true,\n"
-               "  \"axes_dims_rope\": [16, 56, 56]\n}\n";
-    if (strcmp(name, "narrow") == 0) /* long-sequence memory checks: 1 head of 16, 1 + 1 blocks */
-        return "{\n  \"_class_name\": \"FluxTransformer2DModel\",\n  \"patch_size\": 1,\n"
-               "  \"in_channels\": 4,\n  \"out_channels\": null,\n  \"num_layers\": 1,\n"
-               "  \"num_single_layers\": 1,\n  \"attention_head_dim\": 16,\n"
-               "  \"num_attention_heads\": 1,\n  \"joint_attention_dim\": 8,\n"
-               "  \"pooled_projection_dim\": 8,\n  \"guidance_embeds\": false,\n"
-               "  \"axes_dims_rope\": [4, 4, 8]\n}\n";
-    return NULL;
-}
-
 const mdt_family mdt_family_flux = {
     .name = "flux",
     .class_name = "FluxTransformer2DModel",
@@ -576,7 +544,6 @@ const mdt_family mdt_family_flux = {
     .check_layout = flux_check_layout,
     .forward = flux_forward,
     .make_inputs = flux_make_inputs,
-    .preset = flux_preset,
     .cp_plan = &k_flux_cp_plan,
     .latent_input = "hidden_states",
     .timestep_input = "timestep",

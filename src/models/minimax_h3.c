@@ -526,18 +526,6 @@ static mdt_status h3_make_inputs(const void *impl, const mdt_inputs_params *p,
     return MDT_OK;
 }
 
-static const char *h3_preset(const char *name) {
-    if (strcmp(name, "tiny") == 0) /* diffusers' own test config */
-        return "{\n  \"_class_name\": \"MiniMaxH3Transformer3DModel\",\n"
-               "  \"num_attention_heads\": 2,\n  \"attention_head_dim\": 16,\n"
-               "  \"hidden_size\": 24,\n  \"num_layers\": 2,\n  \"num_refiner_layers\": 2,\n"
-               "  \"ffn_dim\": 32,\n  \"in_channels\": 4,\n  \"audio_in_channels\": 6,\n"
-               "  \"patch_size\": [1, 2, 2],\n  \"text_dim\": 8,\n  \"freq_dim\": 8,\n"
-               "  \"time_embed_hidden_dim\": 24,\n  \"time_embed_dim\": 16,\n"
-               "  \"rope_freq_dim\": 2\n}\n";
-    return NULL;
-}
-
 /* The packed sequence splits once it is built: these per-row inputs split with it (the rotary
  * rows come from position_ids; adaln rows from timestep_indices and token_tags). */
 static const mdt_cp_plan k_h3_cp_plan = {
@@ -555,7 +543,6 @@ const mdt_family mdt_family_minimax_h3 = {
     .check_layout = h3_check_layout,
     .forward = h3_forward,
     .make_inputs = h3_make_inputs,
-    .preset = h3_preset,
     .cp_plan = &k_h3_cp_plan,
     .latent_input = "hidden_states",
     .timestep_input = "timestep",

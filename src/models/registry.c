@@ -36,3 +36,10 @@ mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out) {
                         mdt_escape(cls, shown, sizeof shown));
     return MDT_OK;
 }
+
+const char *mdt_family_preset(const mdt_family *f, const char *name) {
+    for (const mdt_preset *p = mdt_presets; f && name && p->family; p++)
+        if (strcmp(p->family, f->name) == 0 && strcmp(p->name, name) == 0)
+            return p->text;
+    return NULL;
+}

@@ -17,7 +17,7 @@ int main(void) {
     if (!mkdtemp(dir))
         return 1;
     const mdt_family *fam = mdt_family_by_name("flux");
-    EXPECT_OK(mdt_model_gen(fam->preset("narrow"), 1, MDT_F32, 1, dir));
+    EXPECT_OK(mdt_model_gen(mdt_family_preset(fam, "narrow"), 1, MDT_F32, 1, dir));
     mdt_load_params lp = mdt_load_params_default();
     mdt_model *m = NULL;
     lp.checkpoint_dir = dir;

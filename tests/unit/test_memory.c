@@ -101,7 +101,7 @@ static void available(void) {
 
 static void estimate(void) {
     const mdt_family *fam = mdt_family_by_name("flux");
-    cJSON *cfg = cJSON_Parse(fam->preset("tiny"));
+    cJSON *cfg = cJSON_Parse(mdt_family_preset(fam, "tiny"));
     mdt_model *m = NULL;
     EXPECT_OK(mdt_model_describe(cfg, &m));
     if (!m) {

@@ -186,7 +186,7 @@ int main(void) {
     if (!mkdtemp(g_dir))
         return 1;
     const mdt_family *fam = mdt_family_by_name("flux");
-    const char *tiny = fam->preset("tiny");
+    const char *tiny = mdt_family_preset(fam, "tiny");
     EXPECT_OK(mdt_model_gen(tiny, 3, MDT_F32, 1, sub("f32")));
     EXPECT_OK(mdt_model_gen(tiny, 3, MDT_F32, 3, sub("f32x3")));
     EXPECT_OK(mdt_model_gen(tiny, 3, MDT_BF16, 2, sub("bf16x2")));
