@@ -315,7 +315,7 @@ static int cmd_inputs(int argc, char **argv) {
                                .timestep = t,
                                .guidance = g,
                                .audio_tokens = audio};
-        st = m->fam->make_inputs(m->impl, &p, set);
+        st = mdt_model_make_inputs(m, &p, set);
     }
     if (st == MDT_OK)
         st = write_outputs(out, set, NULL, NULL);

@@ -438,3 +438,45 @@ mdt_status mdt_cfg_string(const cJSON *cfg, const char *key, const char **out) {
     *out = j->valuestring;
     return MDT_OK;
 }
+
+/* The next "key=value" word of *spec: key into `key` (NUL-terminated), the value's text at
+ * *val; advances *spec. 0 at the end, -1 on a malformed spec (a programming error). */
+static int spec_next(const char **spec, char *key, size_t cap, const char **val) {
+    const char *p = *spec;
+    while (*p == ' ')
+        p++;
+    if (!*p)
+        return 0;
+    const char *eq = strchr(p, '=');
+    if (!eq || (size_t)(eq - p) >= cap)
+        return -1;
+    memcpy(key, p, (size_t)(eq - p));
+    key[eq - p] = '\0';
+    *val = eq + 1;
+    for (p = eq + 1; *p && *p != ' ';)
+        p++;
+    *spec = p;
+    return 1;
+}
+
+mdt_status mdt_cfg_ints(const cJSON *cfg, const char *spec, int64_t *const *dst, int n) {
+    char key[96];
+    const char *val;
+    int i = 0, r;
+    while ((r = spec_next(&spec, key, sizeof key, &val)) == 1 && i < n)
+        MDT_TRY(mdt_cfg_int(cfg, key, 0, strtoll(val, NULL, 10), dst[i++]));
+    if (r != 0 || i != n)
+        return MDT_FAIL(MDT_E_INVALID, "internal: config spec does not list %d keys", n);
+    return MDT_OK;
+}
+
+mdt_status mdt_cfg_doubles(const cJSON *cfg, const char *spec, double *const *dst, int n) {
+    char key[96];
+    const char *val;
+    int i = 0, r;
+    while ((r = spec_next(&spec, key, sizeof key, &val)) == 1 && i < n)
+        MDT_TRY(mdt_cfg_double(cfg, key, strtod(val, NULL), dst[i++]));
+    if (r != 0 || i != n)
+        return MDT_FAIL(MDT_E_INVALID, "internal: config spec does not list %d keys", n);
+    return MDT_OK;
+}

@@ -7,12 +7,56 @@
 #include "backend/backend.h"
 
 #include <math.h>
+#include <stdio.h>
 
 void mdt_dit_begin(mdt_dit *d, mdt_model *m, int64_t heads, int64_t head_dim) {
     *d = (mdt_dit){.m = m, .mesh = m->mesh, .T = m->T, .k = m->tp_index};
     d->ar = &m->arena, d->ha = &m->harena;
     d->heads = heads / m->T, d->head_dim = head_dim;
     mdt_cp_begin(&d->cp, m->fam->cp_plan, m->mesh);
+}
+
+const mdt_attn_names mdt_attn_self = {"attn.to_q",     "attn.to_k",   "attn.to_v",
+                                      "attn.to_out.0", "attn.norm_q", "attn.norm_k"};
+
+mdt_status mdt_dit_declare_attention(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,
+                                     mdt_qkv *w, mdt_lin *out, int64_t inner, int64_t C, int bias) {
+    MDT_TRY(mdt_wtable_add_linear(t, &w->q, pfx, n->q, inner, C, MDT_TP_COLWISE, bias));
+    MDT_TRY(mdt_wtable_add_linear(t, &w->k, pfx, n->k, inner, C, MDT_TP_COLWISE, bias));
+    MDT_TRY(mdt_wtable_add_linear(t, &w->v, pfx, n->v, inner, C, MDT_TP_COLWISE, bias));
+    return out ? mdt_wtable_add_linear(t, out, pfx, n->out, C, inner, MDT_TP_ROWWISE, bias)
+               : MDT_OK;
+}
+
+mdt_status mdt_dit_declare_qk_norms(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,
+                                    mdt_qkv *w, int64_t D, float eps) {
+    char nm[MDT_NAME_MAX];
+    w->eps = eps;
+    snprintf(nm, sizeof nm, "%s.weight", n->norm_q);
+    MDT_TRY(mdt_wtable_add_vector(t, &w->norm_q, pfx, nm, D));
+    snprintf(nm, sizeof nm, "%s.weight", n->norm_k);
+    return mdt_wtable_add_vector(t, &w->norm_k, pfx, nm, D);
+}
+
+mdt_status mdt_dit_declare_ff(mdt_wtable *t, const char *pfx, const char *ff, mdt_lin *l0,
+                              mdt_lin *l2, int64_t C, int64_t hidden, int gated, int bias) {
+    char nm[MDT_NAME_MAX];
+    snprintf(nm, sizeof nm, "%s.net.0.proj", ff);
+    MDT_TRY(mdt_wtable_add_linear(t, l0, pfx, nm, gated ? 2 * hidden : hidden, C,
+                                  gated ? MDT_TP_PACKED_COLWISE : MDT_TP_COLWISE, bias));
+    for (int i = 1; gated && i <= (bias ? 2 : 1); i++) { /* [value | gate] halves */
+        mdt_weight_spec *w = &t->specs[t->n - i];
+        w->nblocks = 2, w->blocks[0] = hidden, w->blocks[1] = hidden;
+    }
+    snprintf(nm, sizeof nm, "%s.net.2", ff);
+    return mdt_wtable_add_linear(t, l2, pfx, nm, C, hidden, MDT_TP_ROWWISE, bias);
+}
+
+mdt_status mdt_dit_check_heads(int64_t heads, int T) {
+    if (heads % T != 0)
+        return MDT_FAIL(MDT_E_INVALID, "tp=%d does not divide %lld attention heads", T,
+                        (long long)heads);
+    return MDT_OK;
 }
 
 void mdt_dit_linear(const mdt_lin *l, const float *x, int64_t M, float *y, int64_t ldy) {
@@ -62,8 +106,8 @@ mdt_status mdt_dit_heads_alloc(const mdt_dit *d, int64_t S, mdt_heads *h) {
 
 void mdt_dit_qkv(const mdt_dit *d, const mdt_qkv *w, const float *x, int64_t n, int64_t s0,
                  const mdt_rope *rope, const mdt_heads *h, float *tmp) {
-    const int64_t C = w->q->in, H = d->heads, D = d->head_dim, S = h->S, W = w->q->out_local;
-    const mdt_lin *lins[3] = {w->q, w->k, w->v};
+    const int64_t C = w->q.in, H = d->heads, D = d->head_dim, S = h->S, W = w->q.out_local;
+    const mdt_lin *lins[3] = {&w->q, &w->k, &w->v};
     float *dst[3] = {h->q, h->k, h->v};
     const float *norms[3] = {w->norm_q, w->norm_k, NULL};
     mdt_k_shared_begin(x, C, d->B * n, C); /* one bf16 rounding of x for the three */

@@ -29,8 +29,42 @@ typedef struct mdt_dit {
     int64_t heads, head_dim; /* this rank's heads (H/T) and D */
 } mdt_dit;
 
+typedef struct mdt_rope {
+    const float *cos_t, *sin_t; /* [S_local, rot] */
+    int64_t rot;                /* rotated channels per head (the table width) */
+    mdt_rope_kind kind;
+} mdt_rope;
+typedef struct mdt_qkv {
+    mdt_lin q, k, v;              /* colwise: this rank's heads */
+    const float *norm_q, *norm_k; /* per-head RMSNorm weights [D] */
+    float eps;
+} mdt_qkv;
+typedef struct mdt_heads {
+    float *q, *k, *v; /* [B, H/T, S, D] head-major */
+    int64_t S;        /* rows per batch element */
+} mdt_heads;
 /* Starts a forward of `m` with `heads` attention heads of `head_dim` in all. */
 void mdt_dit_begin(mdt_dit *d, mdt_model *m, int64_t heads, int64_t head_dim);
+
+/* ---- weights of the common diffusers modules (appended to a family's table in order) ---- */
+/* Tensor names of an Attention module under a block prefix: the projections and the per-head
+ * norms (".weight" is appended). */
+typedef struct mdt_attn_names {
+    const char *q, *k, *v, *out, *norm_q, *norm_k;
+} mdt_attn_names;
+extern const mdt_attn_names mdt_attn_self; /* attn.to_q ... attn.to_out.0, attn.norm_q/k */
+/* q, k, v colwise [inner, C], then (out not NULL) out rowwise [C, inner]; biases if `bias`. */
+mdt_status mdt_dit_declare_attention(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,
+                                     mdt_qkv *w, mdt_lin *out, int64_t inner, int64_t C, int bias);
+/* The per-head RMSNorm weights [D] of q and k (eps for both). */
+mdt_status mdt_dit_declare_qk_norms(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,
+                                    mdt_qkv *w, int64_t D, float eps);
+/* A FeedForward `pfx ff`: net.0.proj colwise [hidden, C] (gated: packed colwise [value | gate]
+ * [2 hidden, C], each half sharded on its own) and net.2 rowwise [C, hidden]. */
+mdt_status mdt_dit_declare_ff(mdt_wtable *t, const char *pfx, const char *ff, mdt_lin *l0,
+                              mdt_lin *l2, int64_t C, int64_t hidden, int gated, int bias);
+/* MDT_E_INVALID unless tp divides the attention heads. */
+mdt_status mdt_dit_check_heads(int64_t heads, int T);
 
 /* ---- linears ---- */
 /* y [M, l->out_local] (rows ldy apart) = x [M, l->in] . W_local^T + b_local: replicated and
@@ -53,23 +87,9 @@ void mdt_dit_mlp2(const mdt_lin *l1, const mdt_lin *l2, const float *x, int64_t 
 void mdt_dit_timestep_embed(const float *t, int64_t n, int64_t dim, float *e);
 
 /* ---- attention ---- */
-typedef struct mdt_rope {
-    const float *cos_t, *sin_t; /* [S_local, rot] */
-    int64_t rot;                /* rotated channels per head (the table width) */
-    mdt_rope_kind kind;
-} mdt_rope;
-typedef struct mdt_qkv {
-    const mdt_lin *q, *k, *v;     /* colwise: this rank's heads */
-    const float *norm_q, *norm_k; /* per-head RMSNorm weights [D] */
-    float eps;
-} mdt_qkv;
-typedef struct mdt_heads {
-    float *q, *k, *v; /* [B, H/T, S, D] head-major */
-    int64_t S;        /* rows per batch element */
-} mdt_heads;
 /* Heads of S rows per batch element from the arena (NULL members on failure). */
 mdt_status mdt_dit_heads_alloc(const mdt_dit *d, int64_t S, mdt_heads *h);
-/* Projects x [B, n, C] (C = w->q->in) into rows s0 .. s0 + n of h, this rank's heads: RMSNorm on
+/* Projects x [B, n, C] (C = w->q.in) into rows s0 .. s0 + n of h, this rank's heads: RMSNorm on
  * q and k, then RoPE from rows s0.. of the tables (rope NULL: none). tmp [B n, H/T D] scratch. */
 void mdt_dit_qkv(const mdt_dit *d, const mdt_qkv *w, const float *x, int64_t n, int64_t s0,
                  const mdt_rope *rope, const mdt_heads *h, float *tmp);

@@ -35,15 +35,21 @@ typedef struct mdt_lin {
     int64_t in_local, out_local; /* this rank's (set when the weights are bound) */
 } mdt_lin;
 
-/* Appends `name`.weight [out, in] with `style` and, if `bias`, `name`.bias [out] (sharded with
+/* Appends `pfx name`.weight [out, in] with `style` and, if `bias`, `name`.bias [out] (sharded with
  * the output for colwise styles; replicated and added once after the reduce for rowwise ones). */
-mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out,
-                                 int64_t in, mdt_tp_style style, int bias);
+mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *pfx, const char *name,
+                                 int64_t out, int64_t in, mdt_tp_style style, int bias);
 
 /* Appends a tensor of rank 1 or 2 (shape[1] ignored for rank 1). */
 mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0, int64_t d1,
                           mdt_tp_style style, const float **bind);
+/* Appends the replicated vector `pfx name` [n] (norm weights). */
+mdt_status mdt_wtable_add_vector(mdt_wtable *t, const float **v, const char *pfx, const char *name,
+                                 int64_t n);
 void mdt_wtable_free(mdt_wtable *t);
+
+/* MDT_E_UNSUPPORTED naming `family` and the first of dims[n] over MDT_MAX_DIM. */
+mdt_status mdt_cfg_check_dims(const char *family, const int64_t *dims, size_t n);
 
 /* Parameters of `meshdit inputs`; a family reads the fields it understands. */
 typedef struct mdt_inputs_params {
@@ -65,13 +71,26 @@ typedef struct mdt_family {
     mdt_status (*check_layout)(const void *impl, int T, int R, int U);
     /* One forward on this rank over its shards (m->T, m->mesh); activations from m->arena only. */
     mdt_status (*forward)(struct mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out);
-    /* Random inputs for `meshdit inputs`. */
-    mdt_status (*make_inputs)(const void *impl, const mdt_inputs_params *p, mdt_tensor_set *out);
+    /* Random inputs for `meshdit inputs` (p->batch >= 1; token counts <= 0: the family's
+     * defaults), drawn from `rng` (see mdt_model_make_inputs). */
+    mdt_status (*make_inputs)(const void *impl, const mdt_inputs_params *p, mdt_rng *rng,
+                              mdt_tensor_set *out);
     const mdt_cp_plan *cp_plan;
     const char *latent_input;   /* input the sampler integrates (Flux: hidden_states) */
     const char *timestep_input; /* input the sampler sets to sigma (Flux: timestep) */
     const char *output;         /* forward output (Flux: sample) */
 } mdt_family;
+
+/* A family's descriptor, from its hooks PREFIX_configure, PREFIX_check_layout, PREFIX_forward and
+ * PREFIX_make_inputs, its private state type PREFIX, its CP plan and its forward output; the
+ * sampler integrates "hidden_states" with the sigma in "timestep" (diffusers' argument names). */
+#define MDT_FAMILY(PREFIX, NAME, CLASS, PLAN, OUTPUT)                                              \
+    {                                                                                              \
+        .name = NAME, .class_name = CLASS, .impl_size = sizeof(PREFIX),                            \
+        .configure = PREFIX##_configure, .check_layout = PREFIX##_check_layout,                    \
+        .forward = PREFIX##_forward, .make_inputs = PREFIX##_make_inputs, .cp_plan = &PLAN,        \
+        .latent_input = "hidden_states", .timestep_input = "timestep", .output = OUTPUT            \
+    }
 
 /* A built-in config.json (configs/presets/FAMILY.NAME.json, embedded at build time). */
 typedef struct mdt_preset {

@@ -25,14 +25,12 @@ enum { FLUX_MAX_AXES = 4 };
 static const float k_eps = 1e-6f;
 
 typedef struct flux_double {
-    mdt_lin norm1, norm1_ctx;
-    mdt_lin to_q, to_k, to_v, add_q, add_k, add_v, to_out, to_add_out;
-    mdt_lin ff0, ff2, ffc0, ffc2;
+    mdt_lin norm1, norm1_ctx, to_out, to_add_out, ff0, ff2, ffc0, ffc2;
     mdt_qkv img, ctx; /* the image and text streams' q/k/v with their norms */
 } flux_double;
 
 typedef struct flux_single {
-    mdt_lin norm, to_q, to_k, to_v, proj_mlp, proj_out;
+    mdt_lin norm, proj_mlp, proj_out;
     mdt_qkv qkv;
 } flux_single;
 
@@ -60,29 +58,73 @@ static const mdt_cp_plan k_flux_cp_plan = {
     .gather = {{"sample", 1, NULL}},
 };
 
-/* ---- weight table ---- */
-static mdt_status add_lin(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out, int64_t in,
-                          mdt_tp_style style) {
-    return mdt_wtable_add_linear(t, l, name, out, in, style, 1); /* every Flux linear has a bias */
-}
+/* ---- weight table (every Flux linear has a bias) ---- */
+static const mdt_attn_names k_added = {"attn.add_q_proj", "attn.add_k_proj",   "attn.add_v_proj",
+                                       "attn.to_add_out", "attn.norm_added_q", "attn.norm_added_k"};
 
-static mdt_status add_vec(mdt_wtable *t, const float **v, const char *name, int64_t n) {
-    return mdt_wtable_add(t, name, 1, n, 0, MDT_TP_REPLICATED, v);
+static mdt_status flux_table(flux *f, mdt_wtable *t) {
+    const int64_t C = f->inner, M = f->mlp_hidden, D = f->head_dim;
+    const mdt_tp_style rep = MDT_TP_REPLICATED, adaln = MDT_TP_REPLICATED_INPUT_ROWWISE;
+    char p[MDT_NAME_MAX];
+    MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin1, "time_text_embed.timestep_embedder.", "linear_1",
+                                  C, 256, rep, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin2, "time_text_embed.timestep_embedder.", "linear_2",
+                                  C, C, rep, 1));
+    if (f->guidance) {
+        MDT_TRY(mdt_wtable_add_linear(t, &f->g_lin1, "time_text_embed.guidance_embedder.",
+                                      "linear_1", C, 256, rep, 1));
+        MDT_TRY(mdt_wtable_add_linear(t, &f->g_lin2, "time_text_embed.guidance_embedder.",
+                                      "linear_2", C, C, rep, 1));
+    }
+    MDT_TRY(mdt_wtable_add_linear(t, &f->p_lin1, "time_text_embed.text_embedder.", "linear_1", C,
+                                  f->pooled_dim, rep, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->p_lin2, "time_text_embed.text_embedder.", "linear_2", C, C,
+                                  rep, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->joint_dim, rep, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->x_emb, "", "x_embedder", C, f->in_ch, rep, 1));
+    for (int64_t i = 0; i < f->layers; i++) {
+        flux_double *b = &f->dbl[i];
+        snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
+        MDT_TRY(mdt_wtable_add_linear(t, &b->norm1, p, "norm1.linear", 6 * C, C, adaln, 1));
+        MDT_TRY(
+            mdt_wtable_add_linear(t, &b->norm1_ctx, p, "norm1_context.linear", 6 * C, C, adaln, 1));
+        MDT_TRY(mdt_dit_declare_attention(t, p, &mdt_attn_self, &b->img, &b->to_out, C, C, 1));
+        MDT_TRY(mdt_dit_declare_attention(t, p, &k_added, &b->ctx, &b->to_add_out, C, C, 1));
+        MDT_TRY(mdt_dit_declare_ff(t, p, "ff", &b->ff0, &b->ff2, C, M, 0, 1));
+        MDT_TRY(mdt_dit_declare_ff(t, p, "ff_context", &b->ffc0, &b->ffc2, C, M, 0, 1));
+        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->img, D, k_eps));
+        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &k_added, &b->ctx, D, k_eps));
+    }
+    for (int64_t i = 0; i < f->single_layers; i++) {
+        flux_single *b = &f->sgl[i];
+        snprintf(p, sizeof p, "single_transformer_blocks.%lld.", (long long)i);
+        MDT_TRY(mdt_wtable_add_linear(t, &b->norm, p, "norm.linear", 3 * C, C, adaln, 1));
+        MDT_TRY(mdt_dit_declare_attention(t, p, &mdt_attn_self, &b->qkv, NULL, C, C, 1));
+        MDT_TRY(mdt_wtable_add_linear(t, &b->proj_mlp, p, "proj_mlp", M, C, MDT_TP_COLWISE, 1));
+        MDT_TRY(mdt_wtable_add_linear(t, &b->proj_out, p, "proj_out", C, C + M,
+                                      MDT_TP_PACKED_ROWWISE, 1));
+        /* proj_out's input is [attn heads | mlp hidden]: two blocks, each sharded on its own */
+        mdt_weight_spec *po = &t->specs[t->n - 2];
+        po->nblocks = 2, po->blocks[0] = C, po->blocks[1] = M;
+        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->qkv, D, k_eps));
+    }
+    MDT_TRY(mdt_wtable_add_linear(t, &f->norm_out, "norm_out.", "linear", 2 * C, C, adaln, 1));
+    return mdt_wtable_add_linear(t, &f->proj_out, "", "proj_out", f->patch * f->patch * f->out_ch,
+                                 C, rep, 1);
 }
 
 static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     flux *f = impl;
     int64_t ax[FLUX_MAX_AXES] = {0};
     int nax = FLUX_MAX_AXES;
-    MDT_TRY(mdt_cfg_int(cfg, "patch_size", 0, 1, &f->patch));
-    MDT_TRY(mdt_cfg_int(cfg, "in_channels", 0, 64, &f->in_ch));
-    MDT_TRY(mdt_cfg_int(cfg, "out_channels", 0, 0, &f->out_ch));
-    MDT_TRY(mdt_cfg_int(cfg, "num_layers", 0, 19, &f->layers));
-    MDT_TRY(mdt_cfg_int(cfg, "num_single_layers", 0, 38, &f->single_layers));
-    MDT_TRY(mdt_cfg_int(cfg, "attention_head_dim", 0, 128, &f->head_dim));
-    MDT_TRY(mdt_cfg_int(cfg, "num_attention_heads", 0, 24, &f->heads));
-    MDT_TRY(mdt_cfg_int(cfg, "joint_attention_dim", 0, 4096, &f->joint_dim));
-    MDT_TRY(mdt_cfg_int(cfg, "pooled_projection_dim", 0, 768, &f->pooled_dim));
+    int64_t *const ints[] = {&f->patch,  &f->in_ch,         &f->out_ch,
+                             &f->layers, &f->single_layers, &f->head_dim,
+                             &f->heads,  &f->joint_dim,     &f->pooled_dim};
+    MDT_TRY(mdt_cfg_ints(cfg,
+                         "patch_size=1 in_channels=64 out_channels=0 num_layers=19 "
+                         "num_single_layers=38 attention_head_dim=128 num_attention_heads=24 "
+                         "joint_attention_dim=4096 pooled_projection_dim=768",
+                         ints, 9));
     MDT_TRY(mdt_cfg_bool(cfg, "guidance_embeds", 0, &f->guidance));
     MDT_TRY(mdt_cfg_int_array(cfg, "axes_dims_rope", ax, &nax));
     if (nax == 0) {
@@ -104,10 +146,7 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
                             (f->heads <= MDT_MAX_DIM && f->head_dim <= MDT_MAX_DIM)
                                 ? f->heads * f->head_dim
                                 : MDT_MAX_DIM + 1};
-    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
-        if (dims[i] > MDT_MAX_DIM)
-            return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: a Flux size of %lld exceeds %lld",
-                            (long long)dims[i], (long long)MDT_MAX_DIM);
+    MDT_TRY(mdt_cfg_check_dims("Flux", dims, sizeof dims / sizeof dims[0]));
     if (f->layers > 64 || f->single_layers > 128)
         return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: at most 64 double and 128 single blocks");
     int64_t axsum = 0;
@@ -130,97 +169,7 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     f->dbl = f->dbl_store;
     f->sgl = f->sgl_store;
 
-    const int64_t C = f->inner, M = f->mlp_hidden, D = f->head_dim;
-    char nm[MDT_NAME_MAX];
-    MDT_TRY(add_lin(t, &f->t_lin1, "time_text_embed.timestep_embedder.linear_1", C, 256,
-                    MDT_TP_REPLICATED));
-    MDT_TRY(add_lin(t, &f->t_lin2, "time_text_embed.timestep_embedder.linear_2", C, C,
-                    MDT_TP_REPLICATED));
-    if (f->guidance) {
-        MDT_TRY(add_lin(t, &f->g_lin1, "time_text_embed.guidance_embedder.linear_1", C, 256,
-                        MDT_TP_REPLICATED));
-        MDT_TRY(add_lin(t, &f->g_lin2, "time_text_embed.guidance_embedder.linear_2", C, C,
-                        MDT_TP_REPLICATED));
-    }
-    MDT_TRY(add_lin(t, &f->p_lin1, "time_text_embed.text_embedder.linear_1", C, f->pooled_dim,
-                    MDT_TP_REPLICATED));
-    MDT_TRY(
-        add_lin(t, &f->p_lin2, "time_text_embed.text_embedder.linear_2", C, C, MDT_TP_REPLICATED));
-    MDT_TRY(add_lin(t, &f->ctx_emb, "context_embedder", C, f->joint_dim, MDT_TP_REPLICATED));
-    MDT_TRY(add_lin(t, &f->x_emb, "x_embedder", C, f->in_ch, MDT_TP_REPLICATED));
-    for (int64_t i = 0; i < f->layers; i++) {
-        flux_double *b = &f->dbl[i];
-        const struct {
-            mdt_lin *l;
-            const char *sfx;
-            int64_t out, in;
-            mdt_tp_style st;
-        } lins[] = {
-            {&b->norm1, "norm1.linear", 6 * C, C, MDT_TP_REPLICATED_INPUT_ROWWISE},
-            {&b->norm1_ctx, "norm1_context.linear", 6 * C, C, MDT_TP_REPLICATED_INPUT_ROWWISE},
-            {&b->to_q, "attn.to_q", C, C, MDT_TP_COLWISE},
-            {&b->to_k, "attn.to_k", C, C, MDT_TP_COLWISE},
-            {&b->to_v, "attn.to_v", C, C, MDT_TP_COLWISE},
-            {&b->to_out, "attn.to_out.0", C, C, MDT_TP_ROWWISE},
-            {&b->add_q, "attn.add_q_proj", C, C, MDT_TP_COLWISE},
-            {&b->add_k, "attn.add_k_proj", C, C, MDT_TP_COLWISE},
-            {&b->add_v, "attn.add_v_proj", C, C, MDT_TP_COLWISE},
-            {&b->to_add_out, "attn.to_add_out", C, C, MDT_TP_ROWWISE},
-            {&b->ff0, "ff.net.0.proj", M, C, MDT_TP_COLWISE},
-            {&b->ff2, "ff.net.2", C, M, MDT_TP_ROWWISE},
-            {&b->ffc0, "ff_context.net.0.proj", M, C, MDT_TP_COLWISE},
-            {&b->ffc2, "ff_context.net.2", C, M, MDT_TP_ROWWISE},
-        };
-        for (size_t j = 0; j < sizeof lins / sizeof lins[0]; j++) {
-            snprintf(nm, sizeof nm, "transformer_blocks.%lld.%s", (long long)i, lins[j].sfx);
-            MDT_TRY(add_lin(t, lins[j].l, nm, lins[j].out, lins[j].in, lins[j].st));
-        }
-        const struct {
-            const float **v;
-            const char *sfx;
-        } vecs[] = {{&b->img.norm_q, "attn.norm_q.weight"},
-                    {&b->img.norm_k, "attn.norm_k.weight"},
-                    {&b->ctx.norm_q, "attn.norm_added_q.weight"},
-                    {&b->ctx.norm_k, "attn.norm_added_k.weight"}};
-        b->img = (mdt_qkv){.q = &b->to_q, .k = &b->to_k, .v = &b->to_v, .eps = k_eps};
-        b->ctx = (mdt_qkv){.q = &b->add_q, .k = &b->add_k, .v = &b->add_v, .eps = k_eps};
-        for (size_t j = 0; j < sizeof vecs / sizeof vecs[0]; j++) {
-            snprintf(nm, sizeof nm, "transformer_blocks.%lld.%s", (long long)i, vecs[j].sfx);
-            MDT_TRY(add_vec(t, vecs[j].v, nm, D));
-        }
-    }
-    for (int64_t i = 0; i < f->single_layers; i++) {
-        flux_single *b = &f->sgl[i];
-        const struct {
-            mdt_lin *l;
-            const char *sfx;
-            int64_t out, in;
-            mdt_tp_style st;
-        } lins[] = {
-            {&b->norm, "norm.linear", 3 * C, C, MDT_TP_REPLICATED_INPUT_ROWWISE},
-            {&b->to_q, "attn.to_q", C, C, MDT_TP_COLWISE},
-            {&b->to_k, "attn.to_k", C, C, MDT_TP_COLWISE},
-            {&b->to_v, "attn.to_v", C, C, MDT_TP_COLWISE},
-            {&b->proj_mlp, "proj_mlp", M, C, MDT_TP_COLWISE},
-            {&b->proj_out, "proj_out", C, C + M, MDT_TP_PACKED_ROWWISE},
-        };
-        for (size_t j = 0; j < sizeof lins / sizeof lins[0]; j++) {
-            snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.%s", (long long)i, lins[j].sfx);
-            MDT_TRY(add_lin(t, lins[j].l, nm, lins[j].out, lins[j].in, lins[j].st));
-        }
-        /* proj_out's input is [attn heads | mlp hidden]: two blocks, each sharded on its own */
-        mdt_weight_spec *po = &t->specs[t->n - 2];
-        po->nblocks = 2, po->blocks[0] = C, po->blocks[1] = M;
-        snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.attn.norm_q.weight", (long long)i);
-        MDT_TRY(add_vec(t, &b->qkv.norm_q, nm, D));
-        snprintf(nm, sizeof nm, "single_transformer_blocks.%lld.attn.norm_k.weight", (long long)i);
-        MDT_TRY(add_vec(t, &b->qkv.norm_k, nm, D));
-        b->qkv = (mdt_qkv){.q = &b->to_q, .k = &b->to_k, .v = &b->to_v, .eps = k_eps};
-    }
-    MDT_TRY(add_lin(t, &f->norm_out, "norm_out.linear", 2 * C, C, MDT_TP_REPLICATED_INPUT_ROWWISE));
-    MDT_TRY(add_lin(t, &f->proj_out, "proj_out", f->patch * f->patch * f->out_ch, C,
-                    MDT_TP_REPLICATED));
-    return MDT_OK;
+    return flux_table(f, t);
 }
 
 /* ---- forward ---- */
@@ -347,7 +296,7 @@ static mdt_status ff_residual(const mdt_dit *d, float *x, int64_t n, const float
 static mdt_status double_block(const flux *f, const flux_double *blk, const mdt_dit *d,
                                const flux_in *in, const mdt_heads *h, float *x, float *c) {
     const int64_t C = f->inner, B = d->B, Si = in->si, St = in->st, S = Si + St;
-    const int64_t Cl = blk->to_q.out_local;
+    const int64_t Cl = blk->img.q.out_local;
     float *mod = mdt_arena_floats(d->ar, B * 6 * C);                 // [B, 6C] image
     float *cmod = mdt_arena_floats(d->ar, B * 6 * C);                // [B, 6C] text
     float *nx = mdt_arena_floats(d->ar, B * Si * C);                 // [B, Si, C]
@@ -383,7 +332,7 @@ static mdt_status double_block(const flux *f, const flux_double *blk, const mdt_
 static mdt_status single_block(const flux *f, const flux_single *blk, const mdt_dit *d,
                                const flux_in *in, const mdt_heads *hd, float *h) {
     const int64_t C = f->inner, B = d->B, S = in->si + in->st;
-    const int64_t Cl = blk->to_q.out_local, Ml = blk->proj_mlp.out_local, W = Cl + Ml;
+    const int64_t Cl = blk->qkv.q.out_local, Ml = blk->proj_mlp.out_local, W = Cl + Ml;
     float *mod = mdt_arena_floats(d->ar, B * 3 * C); // [B, 3C] shift, scale, gate
     float *n = mdt_arena_floats(d->ar, B * S * C);   // [B, S, C]
     float *cat = mdt_arena_floats(d->ar, B * S * W); // [B, S, (C + 4C)/T] = [attn | mlp]
@@ -485,42 +434,24 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
 }
 
 static mdt_status flux_check_layout(const void *impl, int T, int R, int U) {
-    const flux *f = impl;
     (void)R, (void)U;
-    if (f->heads % T != 0)
-        return MDT_FAIL(MDT_E_INVALID, "tp=%d does not divide %lld attention heads", T,
-                        (long long)f->heads);
-    return MDT_OK;
+    return mdt_dit_check_heads(((const flux *)impl)->heads, T);
 }
 
 /* ---- random inputs ---- */
-static mdt_status add_normal(mdt_tensor_set *out, const char *name, int ndim, const int64_t *shape,
-                             mdt_rng *rng) {
-    mdt_tensor *t;
-    MDT_TRY(mdt_tensor_set_add(out, name, MDT_F32, ndim, shape, &t));
-    float *d = t->data;
-    for (int64_t i = 0; i < mdt_tensor_numel(t); i++)
-        d[i] = (float)mdt_rng_normal(rng);
-    return MDT_OK;
-}
-
-static mdt_status flux_make_inputs(const void *impl, const mdt_inputs_params *p,
+static mdt_status flux_make_inputs(const void *impl, const mdt_inputs_params *p, mdt_rng *rng,
                                    mdt_tensor_set *out) {
     const flux *f = impl;
-    mdt_rng rng;
+    const int64_t B = p->batch, Si = p->img_tokens > 0 ? p->img_tokens : 16;
+    const int64_t St = p->txt_tokens > 0 ? p->txt_tokens : 8, w = (int64_t)ceil(sqrt((double)Si));
     mdt_tensor *t;
-    const int64_t B = p->batch > 0 ? p->batch : 1;
-    const int64_t Si = p->img_tokens > 0 ? p->img_tokens : 16;
-    const int64_t St = p->txt_tokens > 0 ? p->txt_tokens : 8;
-    mdt_rng_seed(&rng, p->seed);
-    MDT_TRY(add_normal(out, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, &rng));
-    MDT_TRY(add_normal(out, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim}, &rng));
-    MDT_TRY(add_normal(out, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, &rng));
-    MDT_TRY(mdt_tensor_set_add(out, "timestep", MDT_F32, 1, (int64_t[]){B}, &t));
-    for (int64_t b = 0; b < B; b++)
-        ((float *)t->data)[b] = (float)p->timestep;
+    MDT_TRY(mdt_inputs_add_normal(out, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, rng));
+    MDT_TRY(mdt_inputs_add_normal(out, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim},
+                                  rng));
+    MDT_TRY(
+        mdt_inputs_add_normal(out, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, rng));
+    MDT_TRY(mdt_inputs_add_const(out, "timestep", B, p->timestep, NULL));
     /* image ids: the latent grid (0, row, col) of a near-square layout, as Flux pipelines build */
-    int64_t w = (int64_t)ceil(sqrt((double)Si));
     MDT_TRY(mdt_tensor_set_add(out, "img_ids", MDT_F32, 2, (int64_t[]){Si, f->naxes}, &t));
     for (int64_t s = 0; s < Si; s++) {
         const int64_t row = s / w, col = s % w;
@@ -528,24 +459,8 @@ static mdt_status flux_make_inputs(const void *impl, const mdt_inputs_params *p,
             ((float *)t->data)[s * f->naxes + a] = a == 1 ? (float)row : a == 2 ? (float)col : 0.0f;
     }
     MDT_TRY(mdt_tensor_set_add(out, "txt_ids", MDT_F32, 2, (int64_t[]){St, f->naxes}, &t));
-    if (f->guidance) {
-        MDT_TRY(mdt_tensor_set_add(out, "guidance", MDT_F32, 1, (int64_t[]){B}, &t));
-        for (int64_t b = 0; b < B; b++)
-            ((float *)t->data)[b] = (float)p->guidance;
-    }
-    return MDT_OK;
+    return f->guidance ? mdt_inputs_add_const(out, "guidance", B, p->guidance, NULL) : MDT_OK;
 }
 
-const mdt_family mdt_family_flux = {
-    .name = "flux",
-    .class_name = "FluxTransformer2DModel",
-    .impl_size = sizeof(flux),
-    .configure = flux_configure,
-    .check_layout = flux_check_layout,
-    .forward = flux_forward,
-    .make_inputs = flux_make_inputs,
-    .cp_plan = &k_flux_cp_plan,
-    .latent_input = "hidden_states",
-    .timestep_input = "timestep",
-    .output = "sample",
-};
+const mdt_family mdt_family_flux =
+    MDT_FAMILY(flux, "flux", "FluxTransformer2DModel", k_flux_cp_plan, "sample");

@@ -99,3 +99,24 @@ int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim) {
     const mdt_tensor *t = mdt_tensor_set_get(in, name);
     return t && t->ndim > dim ? t->shape[dim] : -1;
 }
+
+mdt_status mdt_inputs_add_normal(mdt_tensor_set *out, const char *name, int ndim,
+                                 const int64_t *shape, mdt_rng *rng) {
+    mdt_tensor *t;
+    MDT_TRY(mdt_tensor_set_add(out, name, MDT_F32, ndim, shape, &t));
+    float *d = t->data;
+    for (int64_t i = 0; i < mdt_tensor_numel(t); i++)
+        d[i] = (float)mdt_rng_normal(rng);
+    return MDT_OK;
+}
+
+mdt_status mdt_inputs_add_const(mdt_tensor_set *out, const char *name, int64_t n, double value,
+                                mdt_tensor **t) {
+    mdt_tensor *v;
+    MDT_TRY(mdt_tensor_set_add(out, name, MDT_F32, 1, &n, &v));
+    for (int64_t i = 0; i < n; i++)
+        ((float *)v->data)[i] = (float)value;
+    if (t)
+        *t = v;
+    return MDT_OK;
+}

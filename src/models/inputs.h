@@ -21,4 +21,12 @@ mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, c
 /* Dimension `dim` of input `name`, or -1 when absent. */
 int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim);
 
+/* ---- random inputs (`meshdit inputs`) ---- */
+/* Adds F32 `name` of `shape` filled with N(0, 1) draws from `rng`, in order. */
+mdt_status mdt_inputs_add_normal(mdt_tensor_set *out, const char *name, int ndim,
+                                 const int64_t *shape, mdt_rng *rng);
+/* Adds F32 `name` [n] with every element `value`; `*t` (optional) receives it. */
+mdt_status mdt_inputs_add_const(mdt_tensor_set *out, const char *name, int64_t n, double value,
+                                mdt_tensor **t);
+
 #endif /* MDT_MODELS_INPUTS_H */

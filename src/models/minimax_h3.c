@@ -34,7 +34,7 @@ enum { H3_MAX_LAYERS = 128, H3_MAX_REFINER = 16, H3_MOD = 3 };
 
 typedef struct h3_attn_block {
     const float *norm1, *norm2;
-    mdt_lin to_q, to_k, to_v, to_out, ff0, ff2;
+    mdt_lin to_out, ff0, ff2;
     mdt_lin adaln; /* transformer blocks only */
     mdt_qkv qkv;   /* q/k/v with the per-head norms */
 } h3_block;
@@ -49,76 +49,44 @@ typedef struct h3 {
     h3_block ref[H3_MAX_REFINER], blk[H3_MAX_LAYERS];
 } h3;
 
-static mdt_status lin(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out, int64_t in,
-                      mdt_tp_style st, int bias) {
-    return mdt_wtable_add_linear(t, l, name, out, in, st, bias);
-}
-
-static mdt_status vec(mdt_wtable *t, const float **v, const char *prefix, const char *sfx,
-                      int64_t n) {
-    char nm[MDT_NAME_MAX];
-    snprintf(nm, sizeof nm, "%s%s", prefix, sfx);
-    return mdt_wtable_add(t, nm, 1, n, 0, MDT_TP_REPLICATED, v);
-}
-
+/* One block `pfx`: pre-norm self-attention and SwiGLU FFN; transformer blocks also carry the
+ * AdaLN table projection (refiner blocks: adaln NULL). */
 static mdt_status add_block(const h3 *f, mdt_wtable *t, h3_block *b, const char *pfx, int adaln) {
-    char nm[MDT_NAME_MAX];
-    const int64_t C = f->hidden, A = f->A, F = f->ffn;
-    MDT_TRY(vec(t, &b->norm1, pfx, "norm1.weight", C));
-    const struct {
-        mdt_lin *l;
-        const char *sfx;
-        int64_t out, in;
-        mdt_tp_style st;
-    } ls[] = {{&b->to_q, "attn.to_q", A, C, MDT_TP_COLWISE},
-              {&b->to_k, "attn.to_k", A, C, MDT_TP_COLWISE},
-              {&b->to_v, "attn.to_v", A, C, MDT_TP_COLWISE},
-              {&b->to_out, "attn.to_out.0", C, A, MDT_TP_ROWWISE},
-              {&b->ff0, "ff.net.0.proj", 2 * F, C, MDT_TP_PACKED_COLWISE},
-              {&b->ff2, "ff.net.2", C, F, MDT_TP_ROWWISE}};
-    for (size_t i = 0; i < sizeof ls / sizeof ls[0]; i++) {
-        snprintf(nm, sizeof nm, "%s%s", pfx, ls[i].sfx);
-        MDT_TRY(lin(t, ls[i].l, nm, ls[i].out, ls[i].in, ls[i].st, 0));
-        if (ls[i].st == MDT_TP_PACKED_COLWISE) { /* SwiGLU halves [value | gate] */
-            mdt_weight_spec *w = &t->specs[t->n - 1];
-            w->nblocks = 2, w->blocks[0] = F, w->blocks[1] = F;
-        }
-    }
-    b->qkv = (mdt_qkv){.q = &b->to_q, .k = &b->to_k, .v = &b->to_v, .eps = (float)f->qk_eps};
-    MDT_TRY(vec(t, &b->qkv.norm_q, pfx, "attn.norm_q.weight", f->head_dim));
-    MDT_TRY(vec(t, &b->qkv.norm_k, pfx, "attn.norm_k.weight", f->head_dim));
-    MDT_TRY(vec(t, &b->norm2, pfx, "norm2.weight", C));
-    if (adaln) {
-        snprintf(nm, sizeof nm, "%sadaln_proj.linear", pfx);
-        MDT_TRY(lin(t, &b->adaln, nm, 6 * C * H3_MOD, f->time_embed,
-                    MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
-    }
-    return MDT_OK;
+    const int64_t C = f->hidden;
+    MDT_TRY(mdt_wtable_add_vector(t, &b->norm1, pfx, "norm1.weight", C));
+    MDT_TRY(mdt_dit_declare_attention(t, pfx, &mdt_attn_self, &b->qkv, &b->to_out, f->A, C, 0));
+    MDT_TRY(mdt_dit_declare_ff(t, pfx, "ff", &b->ff0, &b->ff2, C, f->ffn, 1, 0));
+    MDT_TRY(
+        mdt_dit_declare_qk_norms(t, pfx, &mdt_attn_self, &b->qkv, f->head_dim, (float)f->qk_eps));
+    MDT_TRY(mdt_wtable_add_vector(t, &b->norm2, pfx, "norm2.weight", C));
+    return adaln ? mdt_wtable_add_linear(t, &b->adaln, pfx, "adaln_proj.linear", 6 * C * H3_MOD,
+                                         f->time_embed, MDT_TP_REPLICATED_INPUT_ROWWISE, 1)
+                 : MDT_OK;
 }
 
 static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     h3 *f = impl;
     int np = 3;
-    MDT_TRY(mdt_cfg_int(cfg, "num_attention_heads", 0, 56, &f->heads));
-    MDT_TRY(mdt_cfg_int(cfg, "attention_head_dim", 0, 128, &f->head_dim));
-    MDT_TRY(mdt_cfg_int(cfg, "hidden_size", 0, 5376, &f->hidden));
-    MDT_TRY(mdt_cfg_int(cfg, "num_layers", 0, 50, &f->layers));
-    MDT_TRY(mdt_cfg_int(cfg, "num_refiner_layers", 0, 2, &f->refiner_layers));
-    MDT_TRY(mdt_cfg_int(cfg, "ffn_dim", 0, 14336, &f->ffn));
-    MDT_TRY(mdt_cfg_int(cfg, "in_channels", 0, 24, &f->in_ch));
-    MDT_TRY(mdt_cfg_int(cfg, "audio_in_channels", 0, 32, &f->audio_in));
+    int64_t *const ints[] = {&f->heads,          &f->head_dim, &f->hidden, &f->layers,
+                             &f->refiner_layers, &f->ffn,      &f->in_ch,  &f->audio_in};
+    int64_t *const more[] = {&f->text_dim, &f->freq_dim, &f->time_hidden, &f->time_embed,
+                             &f->rope_freq};
+    double *const eps[] = {&f->rope_theta, &f->norm_eps, &f->qk_eps, &f->final_eps};
+    MDT_TRY(mdt_cfg_ints(cfg,
+                         "num_attention_heads=56 attention_head_dim=128 hidden_size=5376 "
+                         "num_layers=50 num_refiner_layers=2 ffn_dim=14336 in_channels=24 "
+                         "audio_in_channels=32",
+                         ints, 8));
     MDT_TRY(mdt_cfg_int_array(cfg, "patch_size", f->patch, &np));
     if (np == 0)
         f->patch[0] = 1, f->patch[1] = 2, f->patch[2] = 2, np = 3;
-    MDT_TRY(mdt_cfg_int(cfg, "text_dim", 0, 5120, &f->text_dim));
-    MDT_TRY(mdt_cfg_int(cfg, "freq_dim", 0, 256, &f->freq_dim));
-    MDT_TRY(mdt_cfg_int(cfg, "time_embed_hidden_dim", 0, 5376, &f->time_hidden));
-    MDT_TRY(mdt_cfg_int(cfg, "time_embed_dim", 0, 2688, &f->time_embed));
-    MDT_TRY(mdt_cfg_int(cfg, "rope_freq_dim", 0, 16, &f->rope_freq));
-    MDT_TRY(mdt_cfg_double(cfg, "rope_theta", 10000.0, &f->rope_theta));
-    MDT_TRY(mdt_cfg_double(cfg, "norm_eps", 1e-5, &f->norm_eps));
-    MDT_TRY(mdt_cfg_double(cfg, "qk_norm_eps", 1e-5, &f->qk_eps));
-    MDT_TRY(mdt_cfg_double(cfg, "final_norm_eps", 1e-5, &f->final_eps));
+    MDT_TRY(
+        mdt_cfg_ints(cfg,
+                     "text_dim=5120 freq_dim=256 time_embed_hidden_dim=5376 time_embed_dim=2688 "
+                     "rope_freq_dim=16",
+                     more, 5));
+    MDT_TRY(mdt_cfg_doubles(
+        cfg, "rope_theta=10000 norm_eps=1e-5 qk_norm_eps=1e-5 final_norm_eps=1e-5", eps, 4));
     if (np != 3 || f->heads < 1 || f->head_dim < 2 || f->hidden < 1 || f->layers < 0 ||
         f->refiner_layers < 0 || f->ffn < 1 || f->in_ch < 1 || f->audio_in < 1 || f->text_dim < 1 ||
         f->freq_dim < 2 || f->freq_dim % 2 || f->time_hidden < 1 || f->time_embed < 1 ||
@@ -128,11 +96,7 @@ static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     const int64_t dims[] = {f->heads,    f->head_dim,    f->hidden,     f->ffn,      f->in_ch,
                             f->audio_in, f->patch[0],    f->patch[1],   f->patch[2], f->text_dim,
                             f->freq_dim, f->time_hidden, f->time_embed, f->rope_freq};
-    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
-        if (dims[i] > MDT_MAX_DIM)
-            return MDT_FAIL(MDT_E_UNSUPPORTED,
-                            "config.json: a MiniMax-H3 size of %lld exceeds %lld",
-                            (long long)dims[i], (long long)MDT_MAX_DIM);
+    MDT_TRY(mdt_cfg_check_dims("MiniMax-H3", dims, sizeof dims / sizeof dims[0]));
     if (f->heads * f->head_dim > MDT_MAX_DIM || f->patch[0] * f->patch[1] > MDT_MAX_DIM ||
         f->patch[0] * f->patch[1] * f->patch[2] > MDT_MAX_DIM ||
         f->in_ch * f->patch[0] * f->patch[1] * f->patch[2] > MDT_MAX_DIM)
@@ -150,35 +114,36 @@ static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     f->Pv = f->in_ch * f->patch[0] * f->patch[1] * f->patch[2];
     const int64_t C = f->hidden;
     char pfx[MDT_NAME_MAX];
-    MDT_TRY(lin(t, &f->proj_in, "proj_in", C, f->Pv, MDT_TP_REPLICATED, 1));
-    MDT_TRY(lin(t, &f->audio_proj_in, "audio_proj_in", C, f->audio_in, MDT_TP_REPLICATED, 1));
-    MDT_TRY(lin(t, &f->ctx_emb, "context_embedder", C, f->text_dim, MDT_TP_REPLICATED, 1));
-    MDT_TRY(lin(t, &f->t_lin1, "time_embedder.linear_1", f->time_hidden, f->freq_dim,
-                MDT_TP_REPLICATED, 1));
-    MDT_TRY(lin(t, &f->t_lin2, "time_embedder.linear_2", f->time_embed, f->time_hidden,
-                MDT_TP_REPLICATED, 1));
+    const mdt_tp_style rep = MDT_TP_REPLICATED;
+    MDT_TRY(mdt_wtable_add_linear(t, &f->proj_in, "", "proj_in", C, f->Pv, rep, 1));
+    MDT_TRY(
+        mdt_wtable_add_linear(t, &f->audio_proj_in, "", "audio_proj_in", C, f->audio_in, rep, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->text_dim, rep, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin1, "time_embedder.", "linear_1", f->time_hidden,
+                                  f->freq_dim, rep, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin2, "time_embedder.", "linear_2", f->time_embed,
+                                  f->time_hidden, rep, 1));
     for (int64_t i = 0; i < f->refiner_layers; i++) {
         snprintf(pfx, sizeof pfx, "token_refiner.refiner_blocks.%lld.", (long long)i);
         MDT_TRY(add_block(f, t, &f->ref[i], pfx, 0));
     }
-    MDT_TRY(vec(t, &f->final_norm, "token_refiner.", "final_norm.weight", C));
+    MDT_TRY(mdt_wtable_add_vector(t, &f->final_norm, "token_refiner.", "final_norm.weight", C));
     for (int64_t i = 0; i < f->layers; i++) {
         snprintf(pfx, sizeof pfx, "transformer_blocks.%lld.", (long long)i);
         MDT_TRY(add_block(f, t, &f->blk[i], pfx, 1));
     }
-    MDT_TRY(vec(t, &f->norm_out_w, "norm_out.", "norm.weight", C));
-    MDT_TRY(lin(t, &f->norm_out, "norm_out.linear", 2 * C, f->time_embed,
-                MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
-    MDT_TRY(lin(t, &f->proj_out, "proj_out", f->Pv, C, MDT_TP_REPLICATED, 1));
-    return lin(t, &f->audio_proj_out, "audio_proj_out", f->audio_in, C, MDT_TP_REPLICATED, 1);
+    MDT_TRY(mdt_wtable_add_vector(t, &f->norm_out_w, "norm_out.", "norm.weight", C));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->norm_out, "norm_out.", "linear", 2 * C, f->time_embed,
+                                  MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->proj_out, "", "proj_out", f->Pv, C, rep, 1));
+    return mdt_wtable_add_linear(t, &f->audio_proj_out, "", "audio_proj_out", f->audio_in, C, rep,
+                                 1);
 }
 
 static mdt_status h3_check_layout(const void *impl, int T, int R, int U) {
     const h3 *f = impl;
     (void)R, (void)U;
-    if (f->heads % T != 0)
-        return MDT_FAIL(MDT_E_INVALID, "tp=%d does not divide %lld attention heads", T,
-                        (long long)f->heads);
+    MDT_TRY(mdt_dit_check_heads(f->heads, T));
     if (f->time_embed % T != 0)
         return MDT_FAIL(MDT_E_INVALID,
                         "tp=%d does not divide time_embed_dim %lld (the input features the AdaLN "
@@ -277,7 +242,7 @@ static mdt_status h3_read(const h3 *f, mdt_dit *d, const mdt_tensor_set *in, h3_
 static mdt_status attn_part(const mdt_dit *d, const h3_block *b, const float *n, int64_t S,
                             const mdt_rope *rope, int cp, float *y) {
     mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
-    const int64_t Al = b->to_q.out_local;
+    const int64_t Al = b->qkv.q.out_local;
     mdt_heads h;
     float *tmp = mdt_arena_floats(d->ar, d->B * S * Al); // [B*S, A/T]
     MDT_TRY(mdt_dit_heads_alloc(d, S, &h));
@@ -473,31 +438,23 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
 }
 
 /* ---- random inputs: one packed layout [text | audio | video] ---- */
-static mdt_status h3_make_inputs(const void *impl, const mdt_inputs_params *p,
+static mdt_status h3_make_inputs(const void *impl, const mdt_inputs_params *p, mdt_rng *rng,
                                  mdt_tensor_set *out) {
     const h3 *f = impl;
-    mdt_rng rng;
-    mdt_tensor *t;
-    const int64_t B = p->batch > 0 ? p->batch : 1;
-    const int64_t Nv = p->img_tokens > 0 ? p->img_tokens : 8;
+    const int64_t Nv = p->img_tokens > 0 ? p->img_tokens : 8, B = p->batch;
     const int64_t Nt = p->txt_tokens > 0 ? p->txt_tokens : 4;
-    const int64_t Na = p->audio_tokens > 0 ? p->audio_tokens : 6;
-    const int64_t S = Nt + Na + Nv;
-    mdt_rng_seed(&rng, p->seed);
+    const int64_t Na = p->audio_tokens > 0 ? p->audio_tokens : 6, S = Nt + Na + Nv;
+    mdt_tensor *t;
     const struct {
         const char *name;
         int64_t n, w;
     } lat[] = {{"hidden_states", Nv, f->Pv},
                {"audio_hidden_states", Na, f->audio_in},
                {"encoder_hidden_states", Nt, f->text_dim}};
-    for (int i = 0; i < 3; i++) {
-        MDT_TRY(mdt_tensor_set_add(out, lat[i].name, MDT_F32, 3, (int64_t[]){B, lat[i].n, lat[i].w},
-                                   &t));
-        for (int64_t j = 0; j < mdt_tensor_numel(t); j++)
-            ((float *)t->data)[j] = (float)mdt_rng_normal(&rng);
-    }
-    MDT_TRY(mdt_tensor_set_add(out, "timestep", MDT_F32, 1, (int64_t[]){2}, &t));
-    ((float *)t->data)[0] = (float)p->timestep;
+    for (int i = 0; i < 3; i++)
+        MDT_TRY(
+            mdt_inputs_add_normal(out, lat[i].name, 3, (int64_t[]){B, lat[i].n, lat[i].w}, rng));
+    MDT_TRY(mdt_inputs_add_const(out, "timestep", 2, p->timestep, &t)); /* video t, audio t/2 */
     ((float *)t->data)[1] = (float)(p->timestep * 0.5);
     mdt_tensor *ti, *tg, *pos, *vi, *ai, *xi;
     MDT_TRY(mdt_tensor_set_add(out, "timestep_indices", MDT_I64, 1, (int64_t[]){S}, &ti));
@@ -535,16 +492,5 @@ static const mdt_cp_plan k_h3_cp_plan = {
     .gather = {{"sample", 1, "video_indices"}, {"audio_sample", 1, "audio_indices"}},
 };
 
-const mdt_family mdt_family_minimax_h3 = {
-    .name = "minimax-h3",
-    .class_name = "MiniMaxH3Transformer3DModel",
-    .impl_size = sizeof(h3),
-    .configure = h3_configure,
-    .check_layout = h3_check_layout,
-    .forward = h3_forward,
-    .make_inputs = h3_make_inputs,
-    .cp_plan = &k_h3_cp_plan,
-    .latent_input = "hidden_states",
-    .timestep_input = "timestep",
-    .output = "sample",
-};
+const mdt_family mdt_family_minimax_h3 =
+    MDT_FAMILY(h3, "minimax-h3", "MiniMaxH3Transformer3DModel", k_h3_cp_plan, "sample");

@@ -45,18 +45,25 @@ mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0,
     return MDT_OK;
 }
 
-mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out,
-                                 int64_t in, mdt_tp_style style, int bias) {
-    char nm[MDT_NAME_MAX + 16]; /* mdt_wtable_add refuses names longer than MDT_NAME_MAX */
+mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *pfx, const char *name,
+                                 int64_t out, int64_t in, mdt_tp_style style, int bias) {
+    char nm[2 * MDT_NAME_MAX + 16]; /* mdt_wtable_add refuses names longer than MDT_NAME_MAX */
     l->in = in, l->out = out, l->b = NULL, l->wh = NULL;
-    snprintf(nm, sizeof nm, "%s.weight", name);
+    snprintf(nm, sizeof nm, "%s%s.weight", pfx, name);
     MDT_TRY(mdt_wtable_add(t, nm, 2, out, in, style, &l->w));
     t->lin[t->n - 1] = l;
     if (!bias)
         return MDT_OK;
-    snprintf(nm, sizeof nm, "%s.bias", name);
+    snprintf(nm, sizeof nm, "%s%s.bias", pfx, name);
     return mdt_wtable_add(t, nm, 1, out, 0,
                           mdt_tp_shard_dim(style) == 0 ? style : MDT_TP_REPLICATED, &l->b);
+}
+
+mdt_status mdt_wtable_add_vector(mdt_wtable *t, const float **v, const char *pfx, const char *name,
+                                 int64_t n) {
+    char nm[2 * MDT_NAME_MAX];
+    snprintf(nm, sizeof nm, "%s%s", pfx, name);
+    return mdt_wtable_add(t, nm, 1, n, 0, MDT_TP_REPLICATED, v);
 }
 
 void mdt_wtable_free(mdt_wtable *t) {
@@ -65,4 +72,12 @@ void mdt_wtable_free(mdt_wtable *t) {
     mdt_free((void *)t->bind);
     mdt_free(t->required);
     memset(t, 0, sizeof *t);
+}
+
+mdt_status mdt_cfg_check_dims(const char *family, const int64_t *dims, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (dims[i] > MDT_MAX_DIM)
+            return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: a %s size of %lld exceeds %lld",
+                            family, (long long)dims[i], (long long)MDT_MAX_DIM);
+    return MDT_OK;
 }

@@ -37,7 +37,7 @@ static mdt_tensor_set *inputs_for(mdt_model *m, int64_t img, int64_t txt, int64_
                            .timestep = 0.6,
                            .guidance = 3.5};
     mdt_tensor_set_create(&in);
-    EXPECT_OK(m->fam->make_inputs(m->impl, &p, in));
+    EXPECT_OK(mdt_model_make_inputs(m, &p, in));
     return in;
 }
 
