@@ -181,7 +181,28 @@ static void check_bf16_compute(const mdt_tensor_set *in, const float *a, const f
     EXPECT_OK(mdt_cpu_gemm_select(path));
 }
 
+/* Every embedded preset describes a model of the family it is filed under; unknown names and
+ * families give NULL. */
+static void check_presets(void) {
+    int n = 0;
+    for (const mdt_preset *p = mdt_presets; p->family; p++, n++) {
+        const mdt_family *fam = mdt_family_by_name(p->family);
+        cJSON *cfg = cJSON_Parse(p->text);
+        mdt_model *m = NULL;
+        EXPECT(fam && mdt_family_preset(fam, p->name) == p->text, "preset %s.%s found", p->family,
+               p->name);
+        EXPECT(cfg && mdt_model_describe(cfg, &m) == MDT_OK && m->fam == fam,
+               "preset %s.%s describes a %s model", p->family, p->name, p->family);
+        mdt_model_free(m);
+        cJSON_Delete(cfg);
+    }
+    EXPECT(n >= 5, "the five presets are embedded (%d)", n);
+    EXPECT(mdt_family_preset(mdt_family_by_name("flux"), "no-such") == NULL, "unknown preset");
+    EXPECT(mdt_family_preset(NULL, "tiny") == NULL, "no family");
+}
+
 int main(void) {
+    check_presets();
     snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_model_XXXXXX");
     if (!mkdtemp(g_dir))
         return 1;
