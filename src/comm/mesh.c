@@ -7,6 +7,8 @@
 #define _POSIX_C_SOURCE 200809L
 #include "mesh.h"
 
+#include "core/testhooks.h"
+
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -111,8 +113,7 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
     MDT_CHECK(split(m->world, m->t * R + m->r, m->u, &m->ulysses));
     MDT_CHECK(split(m->world, m->t, m->cp_index, &m->cp));
     m->tp_shard_index = m->t;
-    const char *bug = getenv("MESHDIT_TEST_SHARD_INDEX");
-    if (bug && strcmp(bug, "world") == 0)
+    if (mdt_test_hooks_get()->shard_index_world)
         m->tp_shard_index = m->world_rank; /* test-only: reproduce the upstream Neuron bug */
     *out = m;
     return MDT_OK;

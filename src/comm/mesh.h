@@ -5,7 +5,7 @@
  * that keeps ranks from hanging when one of them fails.
  *
  * Every shard index is a coordinate in a sub-communicator, never the world rank (the one
- * exception is the test-only MESHDIT_TEST_SHARD_INDEX=world switch, which exists to prove the
+ * exception is the test-only shard_index_world hook (core/testhooks.h), which exists to prove the
  * tests catch that bug). Communicators use MPI_ERRORS_RETURN; failures come back as MDT_E_MPI.
  */
 #ifndef MDT_MESH_H
