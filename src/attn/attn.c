@@ -41,9 +41,9 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
     float *to = mdt_arena_floats(ar, L * hn * D);
     if (!cur || !nxt || !lse || !tl || !to)
         return MDT_E_NOMEM;
-    mdt_k_fill(cur, 2 * blk, 0.0f);                         /* own block, rows padded to Lmax */
-    mdt_k_copy2d(cur, Lmax * D, K, L * D, hn, L * D);       // [hn, Lmax, D] <- [hn, L, D]
-    mdt_k_copy2d(cur + blk, Lmax * D, V, L * D, hn, L * D); // [hn, Lmax, D] <- [hn, L, D]
+    mdt_k()->fill(cur, 2 * blk, 0.0f);                         /* own block, rows padded to Lmax */
+    mdt_k()->copy2d(cur, Lmax * D, K, L * D, hn, L * D);       // [hn, Lmax, D] <- [hn, L, D]
+    mdt_k()->copy2d(cur + blk, Lmax * D, V, L * D, hn, L * D); // [hn, Lmax, D] <- [hn, L, D]
     mdt_counters *cn = mdt_counters_get();
     for (int s = 0; s < R; s++) {
         const int src = (r - s + R) % R;
@@ -57,7 +57,7 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
         } else {
             MDT_TRY(mdt_k_attention(ar, Q, cur, cur + blk, to, hn * D, tl, hn, L, Lmax, lens[src],
                                     D, scale));
-            mdt_k_lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
+            mdt_k()->lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
         }
         double t1 = mdt_now();
         cn->ring_compute_s += t1 - t0;
@@ -121,8 +121,8 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     for (int x = 0; x < 3 && st == MDT_OK; x++) {
         st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, src[x], sc, sd, recv, rc, rd);
         for (int i = 0; st == MDT_OK && i < U; i++) /* member i's rows of every head */
-            mdt_k_copy2d(qkv[x] + offs[i] * D, L * D, recv + rd[i], lens[i] * D, hn,
-                         lens[i] * D); // [hn, L, D] rows offs_i.. <- [hn, lens_i, D]
+            mdt_k()->copy2d(qkv[x] + offs[i] * D, L * D, recv + rd[i], lens[i] * D, hn,
+                            lens[i] * D); // [hn, L, D] rows offs_i.. <- [hn, lens_i, D]
     }
     if (st == MDT_OK) {
         if (R > 1) {
@@ -143,8 +143,8 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     if (st == MDT_OK)
         st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, ob, sc, sd, back, rc, rd);
     for (int j = 0; st == MDT_OK && j < U; j++) /* head group j at its columns */
-        mdt_k_copy2d(out + h0[j] * D, ld_out, back + rd[j], hc[j] * D, S_local,
-                     hc[j] * D); // [S_local, H D] cols h0_j D.. <- [S_local, hc_j D]
+        mdt_k()->copy2d(out + h0[j] * D, ld_out, back + rd[j], hc[j] * D, S_local,
+                        hc[j] * D); // [S_local, H D] cols h0_j D.. <- [S_local, hc_j D]
     mdt_arena_rewind(ar, mk);
     return st;
 }

@@ -177,7 +177,7 @@ static void stage_done(float *p, const float *h, int64_t n) {
         mdt_mem_device()->to_device(p, h, sizeof(float) * (size_t)n);
 }
 
-mdt_status mdt_mesh_use_device_comm(mdt_mesh *m, const mdt_backend_ops *ops) {
+mdt_status mdt_mesh_use_comm(mdt_mesh *m, const mdt_device_comm *ops) {
     mdt_status st = MDT_OK;
     if (!ops || !ops->comm_init)
         st = MDT_FAIL(MDT_E_UNSUPPORTED, "the device backend has no collective library");
