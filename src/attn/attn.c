@@ -18,8 +18,6 @@
 #include <math.h>
 #include <string.h>
 
-enum { MAX_U = 4096 };
-
 void mdt_attn_head_group(int64_t H, int U, int j, int64_t *h0, int64_t *hn) {
     mdt_split_range(H, U, j, h0, hn);
 }
@@ -29,7 +27,10 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
                                  const float *V, int64_t hn, int64_t L, int64_t D, float scale,
                                  float *O, int64_t ldO) {
     const int R = mesh->R, r = mesh->r;
-    int64_t lens[MAX_U], Lmax = 0, total = 0;
+    /* [R]: the last of the mesh's per-member arrays (mdt_attention's Ulysses path holds the rest)
+     */
+    int64_t *lens = mesh->member_i64 + 8 * (mesh->member_i64_n / MDT_MESH_MEMBER_I64);
+    int64_t Lmax = 0, total = 0;
     MDT_TRY(mdt_allgather_i64(mesh, MDT_GROUP_RING, L, lens));
     for (int i = 0; i < R; i++) {
         Lmax = lens[i] > Lmax ? lens[i] : Lmax;
@@ -95,10 +96,10 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     }
     /* Ulysses forward: my head group over the rows of every member of my Ulysses group */
     const int me = mesh->u;
-    int64_t lens[MAX_U], offs[MAX_U], h0[MAX_U], hc[MAX_U], L = 0;
-    int64_t sc[MAX_U], sd[MAX_U], rc[MAX_U], rd[MAX_U];
-    if (U > MAX_U)
-        return MDT_FAIL(MDT_E_UNSUPPORTED, "ulysses=%d is too large", U);
+    /* per-member sizes in the mesh's host scratch (8 arrays of U; ring_attention takes the 9th) */
+    const int64_t stride = mesh->member_i64_n / MDT_MESH_MEMBER_I64;
+    int64_t *lens = mesh->member_i64, *offs = lens + stride, *h0 = offs + stride, *hc = h0 + stride,
+            *sc = hc + stride, *sd = sc + stride, *rc = sd + stride, *rd = rc + stride, L = 0;
     MDT_TRY(mdt_allgather_i64(mesh, MDT_GROUP_ULYSSES, S_local, lens));
     for (int i = 0; i < U; i++) {
         offs[i] = L;

@@ -107,6 +107,10 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
     mdt_mesh_coords(m->world_rank, T, R, U, m->order, &m->t, &m->r, &m->u);
     m->cp_size = R * U;
     m->cp_index = m->r * U + m->u;
+    m->member_i64_n = MDT_MESH_MEMBER_I64 * (int64_t)(T > R * U ? T : R * U);
+    m->member_i64 = mdt_alloc(sizeof(int64_t) * (size_t)m->member_i64_n);
+    if (!m->member_i64)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
     /* colour = the coordinates along the other axes, key = the coordinate along this one */
     MDT_CHECK(split(m->world, m->r * U + m->u, m->t, &m->tp));
     MDT_CHECK(split(m->world, m->t * U + m->u, m->r, &m->ring));
@@ -119,6 +123,7 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
     return MDT_OK;
 fail:
     mesh_free_comms(m);
+    mdt_free(m->member_i64);
     mdt_free(m);
     return st;
 }
@@ -216,6 +221,7 @@ void mdt_mesh_free(mdt_mesh *m) {
     for (int g = 0; g < MDT_GROUP_COUNT; g++)
         if (m->dev_comm[g])
             m->dev_ops->comm_free(m->dev_comm[g]);
+    mdt_free(m->member_i64);
     mdt_free(m);
 }
 

@@ -39,6 +39,8 @@ typedef enum mdt_coll_kind {
 
 const char *mdt_coll_kind_name(mdt_coll_kind k);
 
+enum { MDT_MESH_MEMBER_I64 = 9 };
+
 struct mdt_mesh {
     MPI_Comm world, tp, ring, ulysses, cp;
     int world_size, world_rank;
@@ -58,6 +60,11 @@ struct mdt_mesh {
     MPI_Comm watch;
     int waiting; /* inside a watched wait (answers "waiting" to a question) */
     int64_t scratch_floats;
+    /* host scratch for callers' per-member sizes, counts and displacements (attn.c):
+     * MDT_MESH_MEMBER_I64 arrays as long as the largest group, made with the mesh so no step
+     * allocates them */
+    int64_t *member_i64;
+    int64_t member_i64_n;
     /* Device buffers (core's mdt_mem_device): staged through these host buffers and plain MPI
      * (the host-staged path: any number of ranks per GPU), or, once mdt_mesh_use_comm
      * succeeded, moved by the device library's communicators (NCCL), one per group. */
