@@ -62,10 +62,12 @@ NVCC     ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVFLAGS  ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-fvisibility=hidden,-Wall -Isrc
-CUDA_SRC := $(wildcard src/kernels/cuda/*.cu)
+# the plugin: the kernels by concern (kernels/cuda) and the NCCL collectives (comm/nccl.cu)
+CUDA_SRC := $(wildcard src/kernels/cuda/*.cu) src/comm/nccl.cu
+CUDA_HDR := $(wildcard src/kernels/cuda/*.cuh) src/kernels/ops.h src/comm/device_comm.h
 CUDA_LIB := $(if $(filter-out none,$(NVCC)),$(BUILD)/libmeshdit_cuda.so)
 
-$(BUILD)/libmeshdit_cuda.so: $(CUDA_SRC) src/backend/ops.h
+$(BUILD)/libmeshdit_cuda.so: $(CUDA_SRC) $(CUDA_HDR)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -shared -o $@ $(CUDA_SRC) -lcublas -ldl \
 	  -Xlinker -rpath,$(CUDA_HOME)/lib64:/usr/local/cuda/lib64

@@ -27,7 +27,7 @@ static void bench_attention(int64_t H, int64_t S, int64_t D, int reps) {
           *k = malloc(sizeof(float) * (size_t)(H * S * D));
     float *v = malloc(sizeof(float) * (size_t)(H * S * D)),
           *o = malloc(sizeof(float) * (size_t)(H * S * D));
-    float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(S, D, 0));
+    float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_kernels()->attention_ws_floats(S, D, 0));
     mdt_rng r;
     mdt_rng_seed(&r, 1);
     for (int64_t i = 0; i < H * S * D; i++)
@@ -36,7 +36,7 @@ static void bench_attention(int64_t H, int64_t S, int64_t D, int reps) {
     double t[32];
     for (int i = -1; i < reps; i++) {
         double t0 = mdt_now();
-        mdt_cpu_attention(q, k, v, o, H * D, NULL, H, S, S, S, D, 1.0f / 11.3f, 0, ws);
+        mdt_cpu_kernels()->attention(q, k, v, o, H * D, NULL, H, S, S, S, D, 1.0f / 11.3f, 0, ws);
         if (i >= 0)
             t[i] = mdt_now() - t0;
     }

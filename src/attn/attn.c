@@ -18,8 +18,6 @@
 #include <math.h>
 #include <string.h>
 
-enum { MAX_U = 4096 };
-
 void mdt_attn_head_group(int64_t H, int U, int j, int64_t *h0, int64_t *hn) {
     mdt_split_range(H, U, j, h0, hn);
 }
@@ -29,7 +27,10 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
                                  const float *V, int64_t hn, int64_t L, int64_t D, float scale,
                                  float *O, int64_t ldO) {
     const int R = mesh->R, r = mesh->r;
-    int64_t lens[MAX_U], Lmax = 0, total = 0;
+    /* [R]: the last of the mesh's per-member arrays (mdt_attention's Ulysses path holds the rest)
+     */
+    int64_t *lens = mesh->member_i64 + 8 * (mesh->member_i64_n / MDT_MESH_MEMBER_I64);
+    int64_t Lmax = 0, total = 0;
     MDT_TRY(mdt_allgather_i64(mesh, MDT_GROUP_RING, L, lens));
     for (int i = 0; i < R; i++) {
         Lmax = lens[i] > Lmax ? lens[i] : Lmax;
@@ -41,9 +42,9 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
     float *to = mdt_arena_floats(ar, L * hn * D);
     if (!cur || !nxt || !lse || !tl || !to)
         return MDT_E_NOMEM;
-    mdt_k_fill(cur, 2 * blk, 0.0f);                         /* own block, rows padded to Lmax */
-    mdt_k_copy2d(cur, Lmax * D, K, L * D, hn, L * D);       // [hn, Lmax, D] <- [hn, L, D]
-    mdt_k_copy2d(cur + blk, Lmax * D, V, L * D, hn, L * D); // [hn, Lmax, D] <- [hn, L, D]
+    mdt_k()->fill(cur, 2 * blk, 0.0f);                         /* own block, rows padded to Lmax */
+    mdt_k()->copy2d(cur, Lmax * D, K, L * D, hn, L * D);       // [hn, Lmax, D] <- [hn, L, D]
+    mdt_k()->copy2d(cur + blk, Lmax * D, V, L * D, hn, L * D); // [hn, Lmax, D] <- [hn, L, D]
     mdt_counters *cn = mdt_counters_get();
     for (int s = 0; s < R; s++) {
         const int src = (r - s + R) % R;
@@ -57,7 +58,7 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
         } else {
             MDT_TRY(mdt_k_attention(ar, Q, cur, cur + blk, to, hn * D, tl, hn, L, Lmax, lens[src],
                                     D, scale));
-            mdt_k_lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
+            mdt_k()->lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
         }
         double t1 = mdt_now();
         cn->ring_compute_s += t1 - t0;
@@ -95,10 +96,10 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     }
     /* Ulysses forward: my head group over the rows of every member of my Ulysses group */
     const int me = mesh->u;
-    int64_t lens[MAX_U], offs[MAX_U], h0[MAX_U], hc[MAX_U], L = 0;
-    int64_t sc[MAX_U], sd[MAX_U], rc[MAX_U], rd[MAX_U];
-    if (U > MAX_U)
-        return MDT_FAIL(MDT_E_UNSUPPORTED, "ulysses=%d is too large", U);
+    /* per-member sizes in the mesh's host scratch (8 arrays of U; ring_attention takes the 9th) */
+    const int64_t stride = mesh->member_i64_n / MDT_MESH_MEMBER_I64;
+    int64_t *lens = mesh->member_i64, *offs = lens + stride, *h0 = offs + stride, *hc = h0 + stride,
+            *sc = hc + stride, *sd = sc + stride, *rc = sd + stride, *rd = rc + stride, L = 0;
     MDT_TRY(mdt_allgather_i64(mesh, MDT_GROUP_ULYSSES, S_local, lens));
     for (int i = 0; i < U; i++) {
         offs[i] = L;
@@ -121,8 +122,8 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     for (int x = 0; x < 3 && st == MDT_OK; x++) {
         st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, src[x], sc, sd, recv, rc, rd);
         for (int i = 0; st == MDT_OK && i < U; i++) /* member i's rows of every head */
-            mdt_k_copy2d(qkv[x] + offs[i] * D, L * D, recv + rd[i], lens[i] * D, hn,
-                         lens[i] * D); // [hn, L, D] rows offs_i.. <- [hn, lens_i, D]
+            mdt_k()->copy2d(qkv[x] + offs[i] * D, L * D, recv + rd[i], lens[i] * D, hn,
+                            lens[i] * D); // [hn, L, D] rows offs_i.. <- [hn, lens_i, D]
     }
     if (st == MDT_OK) {
         if (R > 1) {
@@ -143,8 +144,8 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     if (st == MDT_OK)
         st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, ob, sc, sd, back, rc, rd);
     for (int j = 0; st == MDT_OK && j < U; j++) /* head group j at its columns */
-        mdt_k_copy2d(out + h0[j] * D, ld_out, back + rd[j], hc[j] * D, S_local,
-                     hc[j] * D); // [S_local, H D] cols h0_j D.. <- [S_local, hc_j D]
+        mdt_k()->copy2d(out + h0[j] * D, ld_out, back + rd[j], hc[j] * D, S_local,
+                        hc[j] * D); // [S_local, H D] cols h0_j D.. <- [S_local, hc_j D]
     mdt_arena_rewind(ar, mk);
     return st;
 }

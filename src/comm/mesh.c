@@ -7,6 +7,8 @@
 #define _POSIX_C_SOURCE 200809L
 #include "mesh.h"
 
+#include "core/testhooks.h"
+
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,19 +107,23 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
     mdt_mesh_coords(m->world_rank, T, R, U, m->order, &m->t, &m->r, &m->u);
     m->cp_size = R * U;
     m->cp_index = m->r * U + m->u;
+    m->member_i64_n = MDT_MESH_MEMBER_I64 * (int64_t)(T > R * U ? T : R * U);
+    m->member_i64 = mdt_alloc(sizeof(int64_t) * (size_t)m->member_i64_n);
+    if (!m->member_i64)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
     /* colour = the coordinates along the other axes, key = the coordinate along this one */
     MDT_CHECK(split(m->world, m->r * U + m->u, m->t, &m->tp));
     MDT_CHECK(split(m->world, m->t * U + m->u, m->r, &m->ring));
     MDT_CHECK(split(m->world, m->t * R + m->r, m->u, &m->ulysses));
     MDT_CHECK(split(m->world, m->t, m->cp_index, &m->cp));
     m->tp_shard_index = m->t;
-    const char *bug = getenv("MESHDIT_TEST_SHARD_INDEX");
-    if (bug && strcmp(bug, "world") == 0)
+    if (mdt_test_hooks_get()->shard_index_world)
         m->tp_shard_index = m->world_rank; /* test-only: reproduce the upstream Neuron bug */
     *out = m;
     return MDT_OK;
 fail:
     mesh_free_comms(m);
+    mdt_free(m->member_i64);
     mdt_free(m);
     return st;
 }
@@ -176,7 +182,7 @@ static void stage_done(float *p, const float *h, int64_t n) {
         mdt_mem_device()->to_device(p, h, sizeof(float) * (size_t)n);
 }
 
-mdt_status mdt_mesh_use_device_comm(mdt_mesh *m, const mdt_backend_ops *ops) {
+mdt_status mdt_mesh_use_comm(mdt_mesh *m, const mdt_device_comm *ops) {
     mdt_status st = MDT_OK;
     if (!ops || !ops->comm_init)
         st = MDT_FAIL(MDT_E_UNSUPPORTED, "the device backend has no collective library");
@@ -215,6 +221,7 @@ void mdt_mesh_free(mdt_mesh *m) {
     for (int g = 0; g < MDT_GROUP_COUNT; g++)
         if (m->dev_comm[g])
             m->dev_ops->comm_free(m->dev_comm[g]);
+    mdt_free(m->member_i64);
     mdt_free(m);
 }
 

@@ -5,13 +5,13 @@
  * that keeps ranks from hanging when one of them fails.
  *
  * Every shard index is a coordinate in a sub-communicator, never the world rank (the one
- * exception is the test-only MESHDIT_TEST_SHARD_INDEX=world switch, which exists to prove the
+ * exception is the test-only shard_index_world hook (core/testhooks.h), which exists to prove the
  * tests catch that bug). Communicators use MPI_ERRORS_RETURN; failures come back as MDT_E_MPI.
  */
 #ifndef MDT_MESH_H
 #define MDT_MESH_H
 
-#include "backend/ops.h"
+#include "comm/device_comm.h"
 #include "core/core.h"
 
 #include <mpi.h>
@@ -39,6 +39,8 @@ typedef enum mdt_coll_kind {
 
 const char *mdt_coll_kind_name(mdt_coll_kind k);
 
+enum { MDT_MESH_MEMBER_I64 = 9 };
+
 struct mdt_mesh {
     MPI_Comm world, tp, ring, ulysses, cp;
     int world_size, world_rank;
@@ -58,18 +60,25 @@ struct mdt_mesh {
     MPI_Comm watch;
     int waiting; /* inside a watched wait (answers "waiting" to a question) */
     int64_t scratch_floats;
+    /* host scratch for callers' per-member sizes, counts and displacements (attn.c):
+     * MDT_MESH_MEMBER_I64 arrays as long as the largest group, made with the mesh so no step
+     * allocates them */
+    int64_t *member_i64;
+    int64_t member_i64_n;
     /* Device buffers (core's mdt_mem_device): staged through these host buffers and plain MPI
-     * (the host-staged path: any number of ranks per GPU), or, once mdt_mesh_use_device_comm
-     * succeeded, moved by the backend's NCCL communicators, one per group. */
+     * (the host-staged path: any number of ranks per GPU), or, once mdt_mesh_use_comm
+     * succeeded, moved by the device library's communicators (NCCL), one per group. */
     float *stage[2];
     int64_t stage_floats[2];
-    const mdt_backend_ops *dev_ops;
+    const mdt_device_comm *dev_ops;
     void *dev_comm[MDT_GROUP_COUNT];
 };
 
-/* Bootstraps one device communicator (NCCL) per group of size > 1: the group's member 0 makes
- * the unique id, MPI broadcasts it inside the group. Collective; same verdict on every rank. */
-mdt_status mdt_mesh_use_device_comm(mdt_mesh *m, const mdt_backend_ops *ops);
+/* Bootstraps one device communicator per group of size > 1 with the device library `dc` (NCCL,
+ * from the loaded plugin: mdt_backend_device_comm; NULL: MDT_E_UNSUPPORTED): the group's member
+ * 0 makes the unique id, MPI broadcasts it inside the group. Collective; same verdict on every
+ * rank. */
+mdt_status mdt_mesh_use_comm(mdt_mesh *m, const mdt_device_comm *dc);
 
 /* Parses "tp,ring,ulysses" (any permutation) into order[3]. MDT_E_INVALID naming the bad axis. */
 mdt_status mdt_mesh_parse_order(const char *s, mdt_axis order[3]);

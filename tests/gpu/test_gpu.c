@@ -18,7 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const mdt_backend_ops *g;
+static const mdt_device_ops *g;   /* the device's memory */
+static const mdt_kernel_ops *gk;  /* its kernels (no counting: the front's job) */
+static const mdt_device_comm *gc; /* its collectives (NCCL), or NULL */
+static const mdt_kernel_ops *hk;  /* the CPU kernel set: the reference on the host */
 static uint64_t g_seed = 12345;
 
 static float frand(void) { /* xorshift, [-1, 1) */
@@ -45,7 +48,7 @@ static float *dev_f(const float *h, int64_t n) { return dev_copy(h, sizeof(float
 /* A device buffer of n floats filled with NaN (an element the op does not write stays NaN). */
 static float *dev_poison(int64_t n) {
     float *d = g->alloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
-    g->fill(d, n, NAN);
+    gk->fill(d, n, NAN);
     return d;
 }
 
@@ -73,20 +76,20 @@ static void test_linear(void) {
     float *y = hrand(M * ldy, 1); /* columns past N must survive */
     float *want = malloc(sizeof(float) * (size_t)(M * ldy));
     memcpy(want, y, sizeof(float) * (size_t)(M * ldy));
-    mdt_cpu_linear(x, ldx, w, b, want, ldy, M, K, N);
+    hk->linear(x, ldx, w, NULL, b, want, ldy, M, K, N);
     float *dx = dev_f(x, M * ldx), *dw = dev_f(w, N * K), *db = dev_f(b, N);
     float *dy = dev_f(y, M * ldy);
     for (int64_t i = 0; i < M; i++) /* poison only the columns the GEMM writes */
-        g->fill(dy + i * ldy, N, NAN);
-    g->linear(dx, ldx, dw, NULL, db, dy, ldy, M, K, N);
+        gk->fill(dy + i * ldy, N, NAN);
+    gk->linear(dx, ldx, dw, NULL, db, dy, ldy, M, K, N);
     float *got = back(dy, M * ldy);
     expect_close("linear f32 (strided, bias)", got, want, M * ldy, 1e-4);
     free(got);
     uint16_t *dwh = g->alloc(2 * (size_t)(N * K));
     g->to_bf16(dwh, dw, N * K);
     for (int64_t i = 0; i < M; i++)
-        g->fill(dy + i * ldy, N, NAN);
-    g->linear(dx, ldx, NULL, dwh, db, dy, ldy, M, K, N);
+        gk->fill(dy + i * ldy, N, NAN);
+    gk->linear(dx, ldx, NULL, dwh, db, dy, ldy, M, K, N);
     got = back(dy, M * ldy);
     expect_close("linear bf16 weights, fp32 accumulation", got, want, M * ldy, 2e-2);
     free(got), free(x), free(w), free(b), free(y), free(want);
@@ -101,15 +104,15 @@ static void test_norms(void) {
     float *dx = dev_f(x, M * C), *dsh = dev_f(sh, C), *dsc = dev_f(sc, C), *dw = dev_f(w, C);
     float *dy = dev_poison(M * C);
     for (int mod = 0; mod < 2; mod++) {
-        mdt_cpu_layernorm_modulate(x, want, M, C, 1e-6f, mod ? sh : NULL, mod ? sc : NULL);
-        g->fill(dy, M * C, NAN);
-        g->layernorm_modulate(dx, dy, M, C, 1e-6f, mod ? dsh : NULL, mod ? dsc : NULL);
+        hk->layernorm_modulate(x, want, M, C, 1e-6f, mod ? sh : NULL, mod ? sc : NULL);
+        gk->fill(dy, M * C, NAN);
+        gk->layernorm_modulate(dx, dy, M, C, 1e-6f, mod ? dsh : NULL, mod ? dsc : NULL);
         float *got = back(dy, M * C);
         expect_close(mod ? "layernorm + modulate" : "layernorm", got, want, M * C, 1e-4);
         free(got);
-        mdt_cpu_rmsnorm(x, mod ? w : NULL, want, M, C, 1e-5f);
-        g->fill(dy, M * C, NAN);
-        g->rmsnorm(dx, mod ? dw : NULL, dy, M, C, 1e-5f);
+        hk->rmsnorm(x, mod ? w : NULL, want, M, C, 1e-5f);
+        gk->fill(dy, M * C, NAN);
+        gk->rmsnorm(dx, mod ? dw : NULL, dy, M, C, 1e-5f);
         got = back(dy, M * C);
         expect_close(mod ? "rmsnorm (weight)" : "rmsnorm", got, want, M * C, 1e-4);
         free(got);
@@ -137,12 +140,12 @@ static void test_heads(void) {
         for (int64_t i = 0; i < H * Sdst * D; i++)
             want[i] = NAN;
         const int rope = c < 2;
-        mdt_cpu_heads_prepare(src, ld, S, H, D, cs[c].norm ? nw : NULL, 1e-6f, rope ? ct : NULL,
-                              rope ? st : NULL, rot, cs[c].kind, want, Sdst, s0);
+        hk->heads_prepare(src, ld, S, H, D, cs[c].norm ? nw : NULL, 1e-6f, rope ? ct : NULL,
+                          rope ? st : NULL, rot, cs[c].kind, want, Sdst, s0);
         float *dsrc = dev_f(src, S * ld), *dnw = dev_f(nw, D), *dct = dev_f(ct, S * rot),
               *dst_ = dev_f(st, S * rot), *dd = dev_poison(H * Sdst * D);
-        g->heads_prepare(dsrc, ld, S, H, D, cs[c].norm ? dnw : NULL, 1e-6f, rope ? dct : NULL,
-                         rope ? dst_ : NULL, rot, cs[c].kind == MDT_ROPE_HALF, dd, Sdst, s0);
+        gk->heads_prepare(dsrc, ld, S, H, D, cs[c].norm ? dnw : NULL, 1e-6f, rope ? dct : NULL,
+                          rope ? dst_ : NULL, rot, cs[c].kind, dd, Sdst, s0);
         float *got = back(dd, H * Sdst * D);
         /* rows outside [s0, s0 + S) are NaN in both: compare the written rows */
         float *gw = malloc(sizeof(float) * (size_t)(H * S * D)),
@@ -172,65 +175,65 @@ static void test_elementwise(void) {
     float *got;
     /* modulate_rows */
     memcpy(want, x, sizeof(float) * (size_t)(M * C));
-    mdt_cpu_modulate_rows(want, M, C, tab, 3 * C, idx, C, 2 * C);
-    g->modulate_rows(dx, M, C, dt, 3 * C, di, C, 2 * C);
+    hk->modulate_rows(want, M, C, tab, 3 * C, idx, C, 2 * C);
+    gk->modulate_rows(dx, M, C, dt, 3 * C, di, C, 2 * C);
     got = back(dx, M * C);
     expect_close("modulate_rows", got, want, M * C, 1e-5);
     free(got);
     /* gate_residual_rows (x is now the modulated one on both sides) */
-    mdt_cpu_gate_residual_rows(want, y, ld, tab, 3 * C, idx, 0, M, C);
-    g->gate_residual_rows(dx, dy, ld, dt, 3 * C, di, 0, M, C);
+    hk->gate_residual_rows(want, y, ld, tab, 3 * C, idx, 0, M, C);
+    gk->gate_residual_rows(dx, dy, ld, dt, 3 * C, di, 0, M, C);
     got = back(dx, M * C);
     expect_close("gate_residual_rows", got, want, M * C, 1e-5);
     free(got);
-    mdt_cpu_gate_residual(want, y, ld, gate, M, C);
-    g->gate_residual(dx, dy, ld, dg, M, C);
+    hk->gate_residual(want, y, ld, gate, M, C);
+    gk->gate_residual(dx, dy, ld, dg, M, C);
     got = back(dx, M * C);
     expect_close("gate_residual", got, want, M * C, 1e-5);
     free(got);
     /* gelu on a strided block, silu, add, add_bias */
     memcpy(want, y, sizeof(float) * (size_t)(M * ld));
-    mdt_cpu_gelu_rows(want + 3, ld, M, C);
-    g->gelu_rows(dy + 3, ld, M, C);
+    hk->gelu_rows(want + 3, ld, M, C);
+    gk->gelu_rows(dy + 3, ld, M, C);
     got = back(dy, M * ld);
     expect_close("gelu_rows (strided, tanh)", got, want, M * ld, 1e-5);
     free(got);
-    mdt_cpu_silu(want, M * ld);
-    g->silu(dy, M * ld);
+    hk->silu(want, M * ld);
+    gk->silu(dy, M * ld);
     got = back(dy, M * ld);
     expect_close("silu", got, want, M * ld, 1e-5);
     free(got);
-    mdt_cpu_add_bias(want, ld, gate, M, C);
-    g->add_bias(dy, ld, dg, M, C);
-    mdt_cpu_add(want, y, M * C);
+    hk->add_bias(want, ld, gate, M, C);
+    gk->add_bias(dy, ld, dg, M, C);
+    hk->add(want, y, M * C);
     float *dy0 = dev_f(y, M * C);
-    g->add(dy, dy0, M * C);
+    gk->add(dy, dy0, M * C);
     got = back(dy, M * ld);
     expect_close("add_bias + add", got, want, M * ld, 1e-5);
     free(got);
     /* swiglu: in [M, 2n] */
     const int64_t n = 128;
     float *in = hrand(M * 2 * n, 3), *din = dev_f(in, M * 2 * n), *dout = dev_poison(M * n);
-    mdt_cpu_swiglu(in, want, M, n);
-    g->swiglu(din, dout, M, n);
+    hk->swiglu(in, want, M, n);
+    gk->swiglu(din, dout, M, n);
     got = back(dout, M * n);
     expect_close("swiglu", got, want, M * n, 1e-5);
     free(got);
     /* copies */
     float *dc = dev_poison(M * ld);
-    g->copy2d(dc, ld, dx, C, M, C);
+    gk->copy2d(dc, ld, dx, C, M, C);
     float *cx = back(dx, M * C);
     got = back(dc, M * ld);
-    mdt_cpu_copy2d(want, C, got, ld, M, C);
+    hk->copy2d(want, C, got, ld, M, C);
     expect_close("copy2d", want, cx, M * C, 0);
     free(got);
     int64_t perm[41];
     for (int64_t i = 0; i < M; i++)
         perm[i] = (i * 17 + 3) % M;
     int64_t *dp = dev_copy(perm, sizeof perm);
-    g->copy_rows(dc, ld, dp, dx, C, NULL, M, C); /* scatter */
+    gk->copy_rows(dc, ld, dp, dx, C, NULL, M, C); /* scatter */
     float *dc2 = dev_poison(M * C);
-    g->copy_rows(dc2, C, NULL, dc, ld, dp, M, C); /* gather back */
+    gk->copy_rows(dc2, C, NULL, dc, ld, dp, M, C); /* gather back */
     got = back(dc2, M * C);
     expect_close("copy_rows scatter then gather", got, cx, M * C, 0);
     free(got), free(cx);
@@ -253,16 +256,16 @@ static void test_attention(void) {
         const float scale = 1.0f / sqrtf((float)D);
         float *q = hrand(H * Sq * D, 2), *k = hrand(H * Sk * D, 2), *v = hrand(H * Sk * D, 1);
         float *want = malloc(sizeof(float) * (size_t)(Sq * ld)), *wl = hrand(H * Sq, 1);
-        float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(Sk, D, 0));
+        float *ws = malloc(sizeof(float) * (size_t)hk->attention_ws_floats(Sk, D, 0));
         for (int64_t i = 0; i < Sq * ld; i++)
             want[i] = 0.0f;
-        mdt_cpu_attention(q, k, v, want, ld, wl, H, Sq, Sk, skv, D, scale, 0, ws);
+        hk->attention(q, k, v, want, ld, wl, H, Sq, Sk, skv, D, scale, 0, ws);
         float *dq = dev_f(q, H * Sq * D), *dk = dev_f(k, H * Sk * D), *dv = dev_f(v, H * Sk * D);
         float *dout = dev_poison(Sq * ld), *dl = dev_poison(H * Sq);
-        g->fill(dout, Sq * ld, 0.0f); /* the padding columns are not the kernel's */
+        gk->fill(dout, Sq * ld, 0.0f); /* the padding columns are not the kernel's */
         for (int64_t i = 0; i < Sq; i++)
-            g->fill(dout + i * ld, H * D, NAN);
-        g->attention(dq, dk, dv, dout, ld, dl, H, Sq, Sk, skv, D, scale, cs[c].bf16);
+            gk->fill(dout + i * ld, H * D, NAN);
+        gk->attention(dq, dk, dv, dout, ld, dl, H, Sq, Sk, skv, D, scale, cs[c].bf16, NULL);
         float *got = back(dout, Sq * ld), *gl = back(dl, H * Sq);
         char name[128];
         snprintf(name, sizeof name, "attention %s D=%lld, %lld of %lld keys",
@@ -295,8 +298,8 @@ static void test_attention(void) {
     Lr[0] = -INFINITY, l[1] = -INFINITY, Lr[2] = l[2] = -INFINITY;
     float *dO = dev_f(O, L * ldO), *dLr = dev_f(Lr, hn * L), *dob = dev_f(o, L * hn * D),
           *dl = dev_f(l, hn * L);
-    mdt_cpu_lse_merge(O, ldO, Lr, o, hn * D, l, hn, L, D);
-    g->lse_merge(dO, ldO, dLr, dob, hn * D, dl, hn, L, D);
+    hk->lse_merge(O, ldO, Lr, o, hn * D, l, hn, L, D);
+    gk->lse_merge(dO, ldO, dLr, dob, hn * D, dl, hn, L, D);
     float *gO = back(dO, L * ldO), *gL = back(dLr, hn * L);
     expect_close("lse_merge output", gO, O, L * ldO, 1e-5);
     int same_inf = 1;
@@ -311,32 +314,32 @@ static void test_attention(void) {
 static void test_nccl(void) {
     unsigned char id[128];
     char err[256] = "";
-    if (!g->comm_id || g->comm_id(id) != 0) {
+    if (!gc || gc->comm_id(id) != 0) {
         printf("  NCCL: not available (libnccl.so.2 not loadable): skipped\n");
         return;
     }
-    void *c = g->comm_init(1, id, 0, err, sizeof err);
+    void *c = gc->comm_init(1, id, 0, err, sizeof err);
     EXPECT(c != NULL, "NCCL one-rank communicator: %s", err);
     if (!c)
         return;
     const int64_t n = 1000;
     float *x = hrand(n, 1), *dx = dev_f(x, n), *dy = dev_poison(n);
-    EXPECT(g->comm_allreduce(c, dx, n, 1) == 0, "NCCL all-reduce");
+    EXPECT(gc->comm_allreduce(c, dx, n, 1) == 0, "NCCL all-reduce");
     float *got = back(dx, n);
     expect_close("NCCL all-reduce (1 rank: identity)", got, x, n, 0);
     free(got);
     int64_t cnt[1] = {n}, dsp[1] = {0};
-    EXPECT(g->comm_alltoallv(c, 1, dx, cnt, dsp, dy, cnt, dsp) == 0, "NCCL all-to-all");
+    EXPECT(gc->comm_alltoallv(c, 1, dx, cnt, dsp, dy, cnt, dsp) == 0, "NCCL all-to-all");
     got = back(dy, n);
     expect_close("NCCL all-to-all to itself", got, x, n, 0);
     free(got);
-    g->fill(dy, n, NAN);
-    EXPECT(g->comm_sendrecv(c, dx, 0, dy, 0, n) == 0 && g->comm_wait(c) == 0, "NCCL send/recv");
+    gk->fill(dy, n, NAN);
+    EXPECT(gc->comm_sendrecv(c, dx, 0, dy, 0, n) == 0 && gc->comm_wait(c) == 0, "NCCL send/recv");
     got = back(dy, n);
     expect_close("NCCL ring send/recv to itself", got, x, n, 0);
     free(got), free(x);
     g->free(dx), g->free(dy);
-    g->comm_free(c);
+    gc->comm_free(c);
     check_device();
 }
 
@@ -352,11 +355,11 @@ static void bench(void) {
     char err[256];
     for (int bf = 1; bf <= 3; bf++) { /* 1 mma.sync, 2 wmma, 3 -> 0: f32 */
         const int reps = bf == 1 ? 20 : 3, kind = bf == 3 ? 0 : bf;
-        g->attention(dq, dk, dv, dout, C, NULL, H, S, S, S, D, 0.088f, kind);
+        gk->attention(dq, dk, dv, dout, C, NULL, H, S, S, S, D, 0.088f, kind, NULL);
         g->check(err, sizeof err);
         double t0 = mdt_now();
         for (int r = 0; r < reps; r++)
-            g->attention(dq, dk, dv, dout, C, NULL, H, S, S, S, D, 0.088f, kind);
+            gk->attention(dq, dk, dv, dout, C, NULL, H, S, S, S, D, 0.088f, kind, NULL);
         g->check(err, sizeof err);
         const double t = (mdt_now() - t0) / reps, fl = 4.0 * H * S * S * D;
         printf("bench attention %s H=%lld S=%lld D=%lld: %.3f ms, %.1f TFLOP/s\n",
@@ -368,16 +371,16 @@ static void bench(void) {
     /* the block's largest GEMM: proj_out [S, 5C] x [C, 5C]^T in bf16 and f32 */
     const int64_t K = 5 * C;
     float *dx = dev_poison(M * K), *dw = dev_poison(C * K), *dy = dev_poison(M * C);
-    g->fill(dx, M * K, 0.01f), g->fill(dw, C * K, 0.02f);
+    gk->fill(dx, M * K, 0.01f), gk->fill(dw, C * K, 0.02f);
     uint16_t *dwh = g->alloc(2 * (size_t)(C * K));
     g->to_bf16(dwh, dw, C * K);
     for (int bf = 1; bf >= 0; bf--) {
         const int reps = 10;
-        g->linear(dx, K, bf ? NULL : dw, bf ? dwh : NULL, NULL, dy, C, M, K, C);
+        gk->linear(dx, K, bf ? NULL : dw, bf ? dwh : NULL, NULL, dy, C, M, K, C);
         g->check(err, sizeof err);
         double t0 = mdt_now();
         for (int r = 0; r < reps; r++)
-            g->linear(dx, K, bf ? NULL : dw, bf ? dwh : NULL, NULL, dy, C, M, K, C);
+            gk->linear(dx, K, bf ? NULL : dw, bf ? dwh : NULL, NULL, dy, C, M, K, C);
         g->check(err, sizeof err);
         const double t = (mdt_now() - t0) / reps, fl = 2.0 * M * K * C;
         printf("bench linear %s M=%lld K=%lld N=%lld: %.3f ms, %.1f TFLOP/s\n",
@@ -396,7 +399,8 @@ int main(int argc, char **argv) {
         printf("test_gpu: skipped: %s\n", mdt_last_error());
         return 77;
     }
-    g = mdt_backend_device_ops();
+    g = mdt_backend_device_ops(), gk = mdt_backend_kernels(), gc = mdt_backend_device_comm();
+    hk = mdt_cpu_kernels();
     char desc[256];
     mdt_backend_describe(desc, sizeof desc);
     printf("test_gpu on %s\n", desc);

@@ -25,6 +25,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "backend/backend.h"
+#include "core/testhooks.h"
 #include "harness.h"
 #include "models/model.h"
 
@@ -344,6 +345,12 @@ int main(int argc, char **argv) {
     const char *data = argv[1];
     const int T = atoi(argv[2]), R = atoi(argv[3]), U = atoi(argv[4]);
     mdt_mesh *mesh = NULL;
+    /* the library reads no environment for its test switches: this test installs them */
+    const char *shard = getenv("MESHDIT_TEST_SHARD_INDEX"),
+               *skip = getenv("MESHDIT_TEST_SKIP_CP_SPLIT");
+    const mdt_test_hooks hooks = {.shard_index_world = shard && strcmp(shard, "world") == 0,
+                                  .skip_cp_split = skip && strcmp(skip, "1") == 0};
+    mdt_test_hooks_set(&hooks);
     const char *dev = getenv("MESHDIT_TEST_DEVICE");
     const int cuda = dev && strcmp(dev, "cuda") == 0;
     const char *dt = getenv("MESHDIT_TEST_DTYPE");

@@ -1,6 +1,7 @@
 /* test_kernels.c — every fast CPU kernel against its reference in kernels/ref, on shapes that
  * cross tile boundaries (attention tiles are 64 queries x 256 keys). */
 #include "harness.h"
+#include "backend/cpu_backend.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/ref/ref.h"
@@ -10,6 +11,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The kernel set under test (each set this CPU runs, in turn). */
+static const mdt_kernel_ops *g_k;
 
 static float *rnd(mdt_rng *r, long n, double scale) {
     float *p = malloc(sizeof(float) * (size_t)n);
@@ -25,7 +29,7 @@ static void check_linear(mdt_rng *r, long M, long K, long N, long ldx, long ldy)
     for (long i = 0; i < M; i++)
         memcpy(xc + i * K, x + i * ldx, sizeof(float) * K);
     for (int with_bias = 0; with_bias < 2; with_bias++) {
-        mdt_cpu_linear(x, ldx, w, with_bias ? b : NULL, y, ldy, M, K, N);
+        g_k->linear(x, ldx, w, NULL, with_bias ? b : NULL, y, ldy, M, K, N);
         mdt_ref_linear(xc, w, with_bias ? b : NULL, yr, M, K, N);
         for (long i = 0; i < M; i++)
             memcpy(yc + i * N, y + i * ldy, sizeof(float) * N);
@@ -55,12 +59,12 @@ static void test_linear_bf16(mdt_rng *r) {
     uint16_t *wh = malloc(sizeof(uint16_t) * N * K);
     for (long i = 0; i < N * K; i++)
         wh[i] = mdt_f32_to_bf16(w[i]);
-    mdt_cpu_bf16_widen(wf, wh, N * K);
+    mdt_cpu_kernel_set_get()->bf16_widen(wf, wh, N * K);
     long widen_bad = 0;
     for (long i = 0; i < N * K; i++)
         widen_bad += wf[i] != mdt_bf16_to_f32(wh[i]);
     EXPECT(widen_bad == 0, "widening differs from mdt_bf16_to_f32 at %ld elements", widen_bad);
-    const long need = mdt_cpu_linear_bf16_ws_floats(77, K, N);
+    const long need = mdt_cpu_backend_linear_bf16_ws_floats(77, K, N);
     EXPECT(need >= (ops ? 77 * K / 2 : N * K), "scratch for a small matrix holds it whole (%ld)",
            need);
     for (int m = 0; m < 5; m++)
@@ -73,8 +77,9 @@ static void test_linear_bf16(mdt_rng *r) {
             for (long i = 0; i < M; i++)
                 memcpy(xc + i * K, x + i * ldx, sizeof(float) * K);
             for (int with_bias = 0; with_bias < 2; with_bias++) {
-                mdt_cpu_linear_bf16(x, ldx, wh, with_bias ? b : NULL, y, ldy, M, K, N, ws, wsn);
-                mdt_cpu_linear(x, ldx, wf, with_bias ? b : NULL, yf, ldy, M, K, N);
+                mdt_cpu_backend_linear_bf16(x, ldx, wh, with_bias ? b : NULL, y, ldy, M, K, N, ws,
+                                            wsn);
+                g_k->linear(x, ldx, wf, NULL, with_bias ? b : NULL, yf, ldy, M, K, N);
                 if (ops) /* the reference on the operands the onednn path multiplies */
                     mdt_ref_round_bf16(xc, M * K);
                 mdt_ref_linear_bf16(xc, wh, with_bias ? b : NULL, yr, M, K, N);
@@ -105,12 +110,13 @@ static void test_linear_bf16(mdt_rng *r) {
         float *xw = rnd(r, Mw * Kw, 1), *bw = rnd(r, Nw, 1), *ww = rnd(r, Nw * Kw, 0.2);
         float *yw = malloc(sizeof(float) * Mw * ldyw), *yrw = malloc(sizeof(float) * Mw * Nw),
               *ycw = malloc(sizeof(float) * Mw * Nw),
-              *wsw = malloc(sizeof(float) * (size_t)mdt_cpu_linear_bf16_ws_floats(Mw, Kw, Nw));
+              *wsw =
+                  malloc(sizeof(float) * (size_t)mdt_cpu_backend_linear_bf16_ws_floats(Mw, Kw, Nw));
         uint16_t *whw = malloc(sizeof(uint16_t) * Nw * Kw);
         for (long i = 0; i < Nw * Kw; i++)
             whw[i] = mdt_f32_to_bf16(ww[i]);
-        mdt_cpu_linear_bf16(xw, Kw, whw, bw, yw, ldyw, Mw, Kw, Nw, wsw,
-                            mdt_cpu_linear_bf16_ws_floats(Mw, Kw, Nw));
+        mdt_cpu_backend_linear_bf16(xw, Kw, whw, bw, yw, ldyw, Mw, Kw, Nw, wsw,
+                                    mdt_cpu_backend_linear_bf16_ws_floats(Mw, Kw, Nw));
         if (ops)
             mdt_ref_round_bf16(xw, Mw * Kw);
         mdt_ref_linear_bf16(xw, whw, bw, yrw, Mw, Kw, Nw);
@@ -127,7 +133,7 @@ static void test_linear_bf16(mdt_rng *r) {
             x[i] = 1.0f;
         for (int i = 0; i < 4 * 67; i++)
             y[i] = 5.0f;
-        mdt_cpu_linear_bf16(x, K, wh, NULL, y, N, 4, K, N, ws, 10);
+        mdt_cpu_backend_linear_bf16(x, K, wh, NULL, y, N, 4, K, N, ws, 10);
         const char *e = mdt_cpu_gemm_error();
         EXPECT(e && strstr(e, "scratch") && y[0] == 0.0f && y[4 * 67 - 1] == 0.0f,
                "short bf16 scratch: error '%s', y[0] = %g", e ? e : "(none)", y[0]);
@@ -141,10 +147,10 @@ static void test_norms(mdt_rng *r) {
     float *y = malloc(sizeof(float) * M * C), *yr = malloc(sizeof(float) * M * C);
     for (long i = 0; i < M * C; i++)
         x[i] += 5.0f; /* a mean far from zero: catches one-pass variance */
-    mdt_cpu_layernorm_modulate(x, y, M, C, 1e-6f, NULL, NULL);
+    g_k->layernorm_modulate(x, y, M, C, 1e-6f, NULL, NULL);
     mdt_ref_layernorm(x, yr, M, C, 1e-6f);
     EXPECT_CLOSE(y, yr, M * C, 1e-5);
-    mdt_cpu_layernorm_modulate(x, y, M, C, 1e-6f, shift, scale);
+    g_k->layernorm_modulate(x, y, M, C, 1e-6f, shift, scale);
     mdt_ref_modulate(yr, shift, scale, M, C);
     EXPECT_CLOSE(y, yr, M * C, 1e-5);
     free(x), free(shift), free(scale), free(y), free(yr);
@@ -160,8 +166,7 @@ static void test_heads_prepare(mdt_rng *r) {
         memcpy(tmp + s * H * D, src + s * ld, sizeof(float) * H * D); /* [S, H, D] */
     mdt_ref_rmsnorm(tmp, w, ref, S * H, D, 1e-6f);
     mdt_ref_rope_interleaved(ref, cs, sn, S, H, D);
-    mdt_cpu_heads_prepare(src, ld, S, H, D, w, 1e-6f, cs, sn, D, MDT_ROPE_INTERLEAVED, dst, Sdst,
-                          s0);
+    g_k->heads_prepare(src, ld, S, H, D, w, 1e-6f, cs, sn, D, MDT_ROPE_INTERLEAVED, dst, Sdst, s0);
     float *got = malloc(sizeof(float) * S * H * D);
     for (long s = 0; s < S; s++)
         for (long h = 0; h < H; h++)
@@ -174,8 +179,8 @@ static void test_heads_prepare(mdt_rng *r) {
             clean &= dst[h * Sdst * D + i] == 0.0f;
     EXPECT(clean, "heads_prepare wrote outside its rows");
     /* plain copy (v): no norm, no rope */
-    mdt_cpu_heads_prepare(src, ld, S, H, D, NULL, 0, NULL, NULL, 0, MDT_ROPE_INTERLEAVED, dst, Sdst,
-                          0);
+    g_k->heads_prepare(src, ld, S, H, D, NULL, 0, NULL, NULL, 0, MDT_ROPE_INTERLEAVED, dst, Sdst,
+                       0);
     EXPECT(dst[(2 * Sdst + 3) * D + 7] == src[3 * ld + 2 * D + 7], "plain head copy");
     free(src), free(w), free(cs), free(sn), free(dst), free(ref), free(tmp), free(got);
 }
@@ -188,7 +193,7 @@ static void test_rope_half(mdt_rng *r) {
     float *got = malloc(sizeof(float) * S * H * D);
     memcpy(ref, src, sizeof(float) * S * H * D);
     mdt_ref_rope_half(ref, cs, sn, S, H, D, rot);
-    mdt_cpu_heads_prepare(src, H * D, S, H, D, NULL, 0, cs, sn, rot, MDT_ROPE_HALF, dst, S, 0);
+    g_k->heads_prepare(src, H * D, S, H, D, NULL, 0, cs, sn, rot, MDT_ROPE_HALF, dst, S, 0);
     for (long s = 0; s < S; s++)
         for (long h = 0; h < H; h++)
             memcpy(got + (s * H + h) * D, dst + (h * S + s) * D, sizeof(float) * D);
@@ -197,17 +202,17 @@ static void test_rope_half(mdt_rng *r) {
     /* swiglu, rmsnorm, per-row modulation and gates */
     float *in = rnd(r, S * 2 * D, 2), *o1 = malloc(sizeof(float) * S * D),
           *o2 = malloc(sizeof(float) * S * D);
-    mdt_cpu_swiglu(in, o1, S, D);
+    g_k->swiglu(in, o1, S, D);
     mdt_ref_swiglu(in, o2, S, D);
     EXPECT_CLOSE(o1, o2, S * D, 1e-6);
     float *w = rnd(r, D, 1);
-    mdt_cpu_rmsnorm(in, w, o1, S, D, 1e-5f);
+    g_k->rmsnorm(in, w, o1, S, D, 1e-5f);
     mdt_ref_rmsnorm(in, w, o2, S, D, 1e-5f);
     EXPECT_CLOSE(o1, o2, S * D, 1e-6);
     float *table = rnd(r, 3 * 4 * D, 1); /* 3 rows of [shift | scale | gate | pad] */
     int64_t idx[7] = {2, 0, 1, 1, 2, 0, 2};
     memcpy(o1, o2, sizeof(float) * S * D);
-    mdt_cpu_modulate_rows(o1, S, D, table, 4 * D, idx, 0, D);
+    g_k->modulate_rows(o1, S, D, table, 4 * D, idx, 0, D);
     int ok = 1;
     for (long i = 0; i < S; i++)
         for (long c = 0; c < D; c++) {
@@ -217,7 +222,7 @@ static void test_rope_half(mdt_rng *r) {
         }
     EXPECT(ok, "modulate_rows picks each row's table entry");
     float *x = calloc((size_t)(S * D), sizeof(float));
-    mdt_cpu_gate_residual_rows(x, o2, D, table, 4 * D, idx, 2 * D, S, D);
+    g_k->gate_residual_rows(x, o2, D, table, 4 * D, idx, 2 * D, S, D);
     EXPECT(x[3 * D + 5] == table[1 * 4 * D + 2 * D + 5] * o2[3 * D + 5], "gate rows");
     free(src), free(cs), free(sn), free(ref), free(dst), free(got), free(in), free(o1), free(o2);
     free(w), free(table), free(x);
@@ -227,12 +232,12 @@ static void test_activations(mdt_rng *r) {
     const long n = 1000;
     float *a = rnd(r, n, 4), *b = malloc(sizeof(float) * n);
     memcpy(b, a, sizeof(float) * n);
-    mdt_cpu_gelu_tanh(a, n);
+    g_k->gelu_rows(a, n, 1, n);
     mdt_ref_gelu_tanh(b, n);
     EXPECT_CLOSE(a, b, n, 1e-6);
     float *c = rnd(r, n, 4), *d = malloc(sizeof(float) * n);
     memcpy(d, c, sizeof(float) * n);
-    mdt_cpu_silu(c, n);
+    g_k->silu(c, n);
     mdt_ref_silu(d, n);
     EXPECT_CLOSE(c, d, n, 1e-6);
     free(a), free(b), free(c), free(d);
@@ -246,9 +251,9 @@ static void test_nonfinite(void) {
     float a[8], g[8], sw[16], so[8];
     memcpy(a, in, sizeof a), memcpy(g, in, sizeof g);
     memcpy(sw, in, sizeof in), memcpy(sw + 8, in, sizeof in);
-    mdt_cpu_silu(a, 8);
-    mdt_cpu_gelu_tanh(g, 8);
-    mdt_cpu_swiglu(sw, so, 1, 8);
+    g_k->silu(a, 8);
+    g_k->gelu_rows(g, 8, 1, 8);
+    g_k->swiglu(sw, so, 1, 8);
     EXPECT(isnan(a[0]) && isnan(g[0]) && isnan(so[0]), "NaN in, NaN out: %g %g %g", a[0], g[0],
            so[0]);
     EXPECT(a[3] == 1e30f && fabsf(a[4]) == 0.0f && g[3] == 1e30f && fabsf(g[4]) == 0.0f,
@@ -262,7 +267,7 @@ static void test_nonfinite(void) {
     float k[40 * 8], v[40 * 8];
     for (int i = 0; i < 40 * 8; i++)
         k[i] = sc[i / 8], v[i] = 1.0f;
-    mdt_cpu_attention(q, k, v, out, 8, NULL, 1, 1, 40, 40, 8, 1.0f, 0, ws);
+    g_k->attention(q, k, v, out, 8, NULL, 1, 1, 40, 40, 8, 1.0f, 0, ws);
     EXPECT(isnan(out[0]), "a NaN key makes the attention row NaN, not a silent number: %g", out[0]);
 }
 
@@ -272,11 +277,11 @@ static void test_nonfinite(void) {
 static void check_attention(mdt_rng *r, long H, long Sq, long Sk, long valid, long D, int bf16) {
     float *q = rnd(r, H * Sq * D, 1), *k = rnd(r, H * Sk * D, 1), *v = rnd(r, H * Sk * D, 1);
     float *out = malloc(sizeof(float) * Sq * H * D), *lse = malloc(sizeof(float) * H * Sq);
-    float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(Sk, D, bf16));
+    float *ws = malloc(sizeof(float) * (size_t)g_k->attention_ws_floats(Sk, D, bf16));
     float *ro = malloc(sizeof(float) * Sq * D), *rl = malloc(sizeof(float) * Sq);
     float *go = malloc(sizeof(float) * Sq * D);
     float scale = 1.0f / sqrtf((float)D);
-    mdt_cpu_attention(q, k, v, out, H * D, lse, H, Sq, Sk, valid, D, scale, bf16, ws);
+    g_k->attention(q, k, v, out, H * D, lse, H, Sq, Sk, valid, D, scale, bf16, ws);
     if (bf16) {
         mdt_ref_round_bf16(q, H * Sq * D);
         mdt_ref_round_bf16(k, H * Sk * D);
@@ -309,7 +314,7 @@ static void test_attention(mdt_rng *r) {
         const int j = i / 8;
         k[i] = (float)j / 10.0f, v[i] = (float)j;
     }
-    mdt_cpu_attention(q, k, v, out, 8, NULL, 1, 4, 300, 300, 8, 1.0f, 0, ws);
+    g_k->attention(q, k, v, out, 8, NULL, 1, 4, 300, 300, 8, 1.0f, 0, ws);
     int finite = 1;
     for (int i = 0; i < 32; i++)
         finite &= isfinite(out[i]);
@@ -323,27 +328,27 @@ static void test_attention(mdt_rng *r) {
 static void test_lse_merge(mdt_rng *r) {
     const int64_t H = 3, Sq = 70, Sk = 300, D = 32, ld = H * D;
     float *q = rnd(r, H * Sq * D, 1), *k = rnd(r, H * Sk * D, 1), *v = rnd(r, H * Sk * D, 1);
-    float *ws = malloc(sizeof(float) * (size_t)mdt_cpu_attention_ws_floats(Sk, D, 0));
+    float *ws = malloc(sizeof(float) * (size_t)g_k->attention_ws_floats(Sk, D, 0));
     float *full = malloc(sizeof(float) * Sq * ld), *lf = malloc(sizeof(float) * H * Sq);
     float *o1 = malloc(sizeof(float) * Sq * ld), *l1 = malloc(sizeof(float) * H * Sq);
     float *o2 = malloc(sizeof(float) * Sq * ld), *l2 = malloc(sizeof(float) * H * Sq);
     float *kb = malloc(sizeof(float) * H * Sk * D), *vb = malloc(sizeof(float) * H * Sk * D);
-    mdt_cpu_attention(q, k, v, full, ld, lf, H, Sq, Sk, Sk, D, 0.2f, 0, ws);
+    g_k->attention(q, k, v, full, ld, lf, H, Sq, Sk, Sk, D, 0.2f, 0, ws);
     const int64_t splits[] = {1, 100, 257, 299};
     for (int c = 0; c < 4; c++) {
         const int64_t a = splits[c], b = Sk - a;
-        mdt_cpu_attention(q, k, v, o1, ld, l1, H, Sq, Sk, a, D, 0.2f, 0, ws); /* keys [0, a) */
+        g_k->attention(q, k, v, o1, ld, l1, H, Sq, Sk, a, D, 0.2f, 0, ws); /* keys [0, a) */
         for (int64_t h = 0; h < H; h++) /* keys [a, Sk) of every head, as their own block */
-            mdt_cpu_copy2d(kb + h * b * D, 0, k + (h * Sk + a) * D, 0, 1, b * D),
-                mdt_cpu_copy2d(vb + h * b * D, 0, v + (h * Sk + a) * D, 0, 1, b * D);
-        mdt_cpu_attention(q, kb, vb, o2, ld, l2, H, Sq, b, b, D, 0.2f, 0, ws);
-        mdt_cpu_lse_merge(o1, ld, l1, o2, ld, l2, H, Sq, D);
+            g_k->copy2d(kb + h * b * D, 0, k + (h * Sk + a) * D, 0, 1, b * D),
+                g_k->copy2d(vb + h * b * D, 0, v + (h * Sk + a) * D, 0, 1, b * D);
+        g_k->attention(q, kb, vb, o2, ld, l2, H, Sq, b, b, D, 0.2f, 0, ws);
+        g_k->lse_merge(o1, ld, l1, o2, ld, l2, H, Sq, D);
         EXPECT_CLOSE(o1, full, Sq * ld, 1e-5);
         EXPECT_CLOSE(l1, lf, H * Sq, 1e-5);
     }
-    mdt_cpu_attention(q, k, v, o2, ld, l2, H, Sq, Sk, 0, D, 0.2f, 0, ws); /* no valid keys */
+    g_k->attention(q, k, v, o2, ld, l2, H, Sq, Sk, 0, D, 0.2f, 0, ws); /* no valid keys */
     memcpy(o1, full, sizeof(float) * Sq * ld), memcpy(l1, lf, sizeof(float) * H * Sq);
-    mdt_cpu_lse_merge(o1, ld, l1, o2, ld, l2, H, Sq, D);
+    g_k->lse_merge(o1, ld, l1, o2, ld, l2, H, Sq, D);
     const void *po = o1, *pf = full; /* bitwise: nothing may change */
     EXPECT(memcmp(po, pf, sizeof(float) * Sq * ld) == 0, "an empty block changed the output");
     free(q), free(k), free(v), free(ws), free(full), free(lf), free(o1), free(l1), free(o2);
@@ -359,7 +364,7 @@ static void test_angle_table(mdt_rng *r) {
     for (int i = 0; i < N; i++)
         ax[i] = i % A, fr[i] = 1.0 / pow(10000.0, (double)(i >> 1) / 5.0);
     for (int dbl = 0; dbl < 2; dbl++) {
-        mdt_cpu_angle_table(pos, A, S, N, ax, fr, dbl, c, sn);
+        g_k->angle_table(pos, A, S, N, ax, fr, dbl, c, sn);
         double md = 0;
         for (int64_t s = 0; s < S; s++)
             for (int64_t i = 0; i < N; i++) {
@@ -397,6 +402,8 @@ int main(void) {
             char gd[96];
             mdt_cpu_gemm_describe(gd, sizeof gd);
             printf("kernels: %s, gemm %s\n", mdt_cpu_isa(), gd);
+            g_k = mdt_cpu_kernels();
+            EXPECT(strcmp(g_k->name, isas[i]) == 0, "table of %s is %s", isas[i], g_k->name);
             mdt_rng r;
             mdt_rng_seed(&r, 42);
             test_linear(&r);

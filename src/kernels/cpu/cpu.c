@@ -6,14 +6,13 @@
  * the seam, in f32 or with bf16 operands.
  *
  * Compiled once per instruction set (the Makefile sets MDT_CPU_ISA and -march: x86-64, AVX2 +
- * FMA, AVX-512), each build exporting one table (cpu_isa.h); cpu_dispatch.c picks the widest
- * the CPU runs at first use. Every function here is static: the table is the only way in.
+ * FMA, AVX-512), each build exporting one kernel set (cpu.h, the table of kernels/ops.h);
+ * cpu_dispatch.c picks the widest the CPU runs at first use. Every function here is static: the
+ * table is the only way in. Nothing here counts FLOPs (the backend's front table does).
  */
 #include "cpu.h"
 #include "cpu_isa.h"
 #include "gemm.h"
-
-#include "core/core.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -151,7 +150,13 @@ static void k_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const
                              ldy);
         }
     }
-    mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
+}
+
+/* fp32 weights only: bf16 weights take the CPU backend's linear (scratch, operand rounding). */
+static void k_linear(const float *x, int64_t ldx, const float *w, const uint16_t *wh,
+                     const float *b, float *y, int64_t ldy, int64_t M, int64_t K, int64_t N) {
+    (void)wh;
+    mdt_cpu_gemm_linear_f32(x, ldx, w, b, y, ldy, M, K, N); /* either GEMM path (gemm.h) */
 }
 
 static void k_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, float eps,
@@ -173,7 +178,6 @@ static void k_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C,
             for (int64_t c = 0; c < C; c++)
                 yr[c] = (xr[c] - mean) * inv;
     }
-    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 8.0 * (double)M * (double)C;
 }
 
 static void k_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, int64_t D,
@@ -211,7 +215,6 @@ static void k_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, 
                 }
             }
         }
-    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 8.0 * (double)S * (double)H * (double)D;
 }
 
 static void k_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_t C, float eps) {
@@ -228,7 +231,6 @@ static void k_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64
             for (int64_t c = 0; c < C; c++)
                 yr[c] = xr[c] * inv;
     }
-    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 4.0 * (double)M * (double)C;
 }
 
 static void k_modulate_rows(float *y, int64_t M, int64_t C, const float *table, int64_t ld,
@@ -239,7 +241,6 @@ static void k_modulate_rows(float *y, int64_t M, int64_t C, const float *table, 
         for (int64_t c = 0; c < C; c++)
             yr[c] = yr[c] * (1.0f + sc[c]) + sh[c];
     }
-    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 3.0 * (double)M * (double)C;
 }
 
 static void k_gate_residual_rows(float *x, const float *y, int64_t ldy, const float *table,
@@ -250,7 +251,6 @@ static void k_gate_residual_rows(float *x, const float *y, int64_t ldy, const fl
         for (int64_t c = 0; c < C; c++)
             x[i * C + c] += g[c] * y[i * ldy + c];
     }
-    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 2.0 * (double)M * (double)C;
 }
 
 static void k_swiglu(const float *in, float *out, int64_t M, int64_t n) {
@@ -260,7 +260,6 @@ static void k_swiglu(const float *in, float *out, int64_t M, int64_t n) {
         for (int64_t j = 0; j < n; j++)
             o[j] = v[j] * (g[j] / (1.0f + fast_expf(-g[j])));
     }
-    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 6.0 * (double)M * (double)n;
 }
 
 static void k_gelu_tanh(float *x, int64_t n) {
@@ -282,13 +281,11 @@ static void k_gelu_tanh(float *x, int64_t n) {
         /* 1 + tanh(u) = 2 - 2 / (1 + exp(2u)) */
         x[i] = 0.5f * v * (2.0f - 2.0f / (1.0f + fast_expf(2.0f * u)));
     }
-    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 10.0 * (double)n;
 }
 
 static void k_silu(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         x[i] = x[i] / (1.0f + fast_expf(-x[i]));
-    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 5.0 * (double)n;
 }
 
 static void k_gate_residual(float *x, const float *y, int64_t ldy, const float *gate, int64_t M,
@@ -296,7 +293,6 @@ static void k_gate_residual(float *x, const float *y, int64_t ldy, const float *
     for (int64_t i = 0; i < M; i++)
         for (int64_t c = 0; c < C; c++)
             x[i * C + c] += gate[c] * y[i * ldy + c];
-    mdt_counters_get()->flops[MDT_FLOP_OTHER] += 2.0 * (double)M * (double)C;
 }
 
 /* Attention tiles by operand type: f32, bf16. */
@@ -304,6 +300,7 @@ static const int64_t k_attn_bq[2] = {MDT_ATTN_BQ, MDT_ATTN_BQ16};
 static const int64_t k_attn_bk[2] = {MDT_ATTN_BK, MDT_ATTN_BK16};
 
 static int64_t k_attention_ws_floats(int64_t Sk, int64_t D, int bf16) {
+    bf16 = bf16 && mdt_cpu_gemm_bf16_operands(); /* bf16 operands need the onednn path */
     /* scores [BQ, BK] + accumulator [BQ, D] + running max and denominator [BQ] each; bf16
      * operands add P [BQ, BK], the Q tile [BQ, D] and one head's K and V [Sk, D] in halves
      * (rounded once per head, not once per query tile) */
@@ -401,6 +398,7 @@ static void softmax_tile(float *sc, uint16_t *pb, int64_t ld, float *acc, float 
 static void k_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
                         float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
                         float scale, int bf16, float *ws) {
+    bf16 = bf16 && mdt_cpu_gemm_bf16_operands(); /* bf16 operands need the onednn path */
     /* tiles: bf16 operands take larger ones (fewer, larger oneDNN calls; perf.md) */
     const int64_t BQ = k_attn_bq[bf16 != 0], BK = k_attn_bk[bf16 != 0];
     float *sc = ws;                                /* [BQ, BK] */
@@ -453,9 +451,6 @@ static void k_attention(const float *q, const float *k, const float *v, float *o
             }
         }
     }
-    mdt_counters *c = mdt_counters_get();
-    c->flops[MDT_FLOP_ATTN] += 4.0 * (double)H * (double)Sq * (double)sk_valid * (double)D;
-    c->attn_calls++;
 }
 
 static void k_copy2d(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
@@ -547,29 +542,32 @@ static void k_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t nc
 #define MDT_CPU_NAME "generic"
 #endif
 
-const mdt_cpu_kernels MDT_CPU_TABLE = {
-    .isa = MDT_CPU_NAME,
+const mdt_cpu_kernel_set MDT_CPU_TABLE = {
+    .k =
+        {
+            .name = MDT_CPU_NAME,
+            .copy2d = k_copy2d,
+            .copy_rows = k_copy_rows,
+            .fill = k_fill,
+            .add = k_add,
+            .add_bias = k_add_bias,
+            .angle_table = k_angle_table,
+            .linear = k_linear,
+            .layernorm_modulate = k_layernorm_modulate,
+            .heads_prepare = k_heads_prepare,
+            .rmsnorm = k_rmsnorm,
+            .modulate_rows = k_modulate_rows,
+            .gate_residual_rows = k_gate_residual_rows,
+            .gate_residual = k_gate_residual,
+            .swiglu = k_swiglu,
+            .gelu_rows = k_gelu_rows,
+            .silu = k_silu,
+            .attention_ws_floats = k_attention_ws_floats,
+            .attention = k_attention,
+            .lse_merge = k_lse_merge,
+        },
     .linear_bf16 = k_linear_bf16,
     .linear_bf16_ws_floats = k_linear_bf16_ws_floats,
-    .bf16_widen = k_bf16_widen,
     .to_bf16_rows = k_to_bf16_rows,
-    .layernorm_modulate = k_layernorm_modulate,
-    .heads_prepare = k_heads_prepare,
-    .rmsnorm = k_rmsnorm,
-    .modulate_rows = k_modulate_rows,
-    .gate_residual_rows = k_gate_residual_rows,
-    .swiglu = k_swiglu,
-    .gelu_tanh = k_gelu_tanh,
-    .silu = k_silu,
-    .gate_residual = k_gate_residual,
-    .angle_table = k_angle_table,
-    .copy2d = k_copy2d,
-    .copy_rows = k_copy_rows,
-    .fill = k_fill,
-    .add = k_add,
-    .add_bias = k_add_bias,
-    .gelu_rows = k_gelu_rows,
-    .lse_merge = k_lse_merge,
-    .attention_ws_floats = k_attention_ws_floats,
-    .attention = k_attention,
+    .bf16_widen = k_bf16_widen,
 };

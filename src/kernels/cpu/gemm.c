@@ -422,7 +422,6 @@ void mdt_cpu_gemm_linear_f32(const float *x, int64_t ldx, const float *w, const 
     if (M <= 0 || N <= 0)
         return;
     gemm(0, 1, M, N, K, 1.0f, x, ldx, w, K, b, 0.0f, y, ldy);
-    mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
 }
 
 void mdt_cpu_gemm_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b,
@@ -437,7 +436,7 @@ void mdt_cpu_gemm_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, c
         zero_c(y, ldy, M, N);
         return;
     }
-    mdt_cpu_to_bf16_rows(xh, K, x, ldx, M, K); // xh [M, K] = bf16(x)
+    mdt_cpu_kernel_set_get()->to_bf16_rows(xh, K, x, ldx, M, K); // xh [M, K] = bf16(x)
     mdt_cpu_gemm_linear_bf16h(xh, wh, b, y, ldy, M, K, N);
 }
 
@@ -446,5 +445,4 @@ void mdt_cpu_gemm_linear_bf16h(const uint16_t *xh, const uint16_t *wh, const flo
     if (M <= 0 || N <= 0)
         return;
     gemm(1, 1, M, N, K, 1.0f, xh, K, wh, K, b, 0.0f, y, ldy);
-    mdt_counters_get()->flops[MDT_FLOP_LINEAR] += 2.0 * (double)M * (double)N * (double)K;
 }

@@ -2,10 +2,10 @@
  * gemm.h — the CPU backend's one GEMM seam. Two paths, chosen once per process:
  *
  *   openblas  cblas_sgemm (f32 operands); bf16 weights are widened to f32 into panels first
- *             (mdt_cpu_linear_bf16). The path on CPUs without bf16 dot-product instructions.
- *   onednn    oneDNN matmul primitives (the library PyTorch uses on x86): f32 operands, or bf16 x
- *             bf16 operands with fp32 accumulation on AVX512-BF16 (vdpbf16ps) and AMX (tdpbf16ps)
- *             — oneDNN picks its own kernel for the CPU, up to an instruction-set cap.
+ *             (the kernel sets' linear_bf16). The path on CPUs without bf16 dot-product
+ * instructions. onednn    oneDNN matmul primitives (the library PyTorch uses on x86): f32 operands,
+ * or bf16 x bf16 operands with fp32 accumulation on AVX512-BF16 (vdpbf16ps) and AMX (tdpbf16ps) —
+ * oneDNN picks its own kernel for the CPU, up to an instruction-set cap.
  *
  * Selection: MESHDIT_CPU_GEMM=auto|openblas|onednn|onednn-amx|onednn-avx512bf16|onednn-avx512|
  * onednn-avx2 (read at first use), or mdt_cpu_gemm_select before any GEMM runs. "auto" is onednn
@@ -47,9 +47,10 @@ void mdt_cpu_gemm_run(int bf16, int transb, int64_t M, int64_t N, int64_t K, flo
                       const void *A, int64_t lda, const void *B, int64_t ldb, float beta, float *C,
                       int64_t ldc);
 
-/* y[M, N] = x[M, K] . w[N, K]^T (+ b) through the path in use (cpu.h's mdt_cpu_linear /
- * mdt_cpu_linear_bf16 call these). The bf16 form rounds x to bf16 into the caller's scratch
- * xh[xh_halves] (>= M K, else the GEMM fails with mdt_cpu_gemm_error) and needs the onednn path. */
+/* y[M, N] = x[M, K] . w[N, K]^T (+ b) through the path in use (the kernel sets' linear and the
+ * CPU backend's bf16 linear call these; no FLOPs counted). The bf16 form rounds x to bf16 into the
+ * caller's scratch xh[xh_halves] (>= M K, else the GEMM fails with mdt_cpu_gemm_error) and needs
+ * the onednn path. */
 void mdt_cpu_gemm_linear_f32(const float *x, int64_t ldx, const float *w, const float *b, float *y,
                              int64_t ldy, int64_t M, int64_t K, int64_t N);
 void mdt_cpu_gemm_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b,

@@ -1,0 +1,37 @@
+/*
+ * cpu_backend.h — the CPU backend (private to backend/, and to the kernel tests): its device
+ * kernel table is the kernel set in use (kernels/cpu) with the `linear` slot filled here from
+ * the GEMM seam (kernels/cpu/gemm.h) and the backend's bf16 scratch, which it owns: the widening
+ * panels, and the shared input rounded once (mdt_k_shared_begin). No FLOPs are counted here.
+ */
+#ifndef MDT_BACKEND_CPU_BACKEND_H
+#define MDT_BACKEND_CPU_BACKEND_H
+
+#include "core/core.h"
+#include "kernels/ops.h"
+
+/* (Re)starts the CPU backend with fp32 or bf16 linear weights; frees the scratch. */
+void mdt_cpu_backend_start(int bf16);
+/* The CPU backend's kernel table (the set in use, whose choice may change until work starts). */
+const mdt_kernel_ops *mdt_cpu_backend_kernels(void);
+/* As mdt_backend_reserve_linear / _release_scratch / _scratch_bytes (backend.h). */
+mdt_status mdt_cpu_backend_reserve_linear(int64_t K, int64_t N);
+void mdt_cpu_backend_release(void);
+int64_t mdt_cpu_backend_scratch_bytes(void);
+/* The first failure since the last call (scratch out of memory, a GEMM refused), cleared. */
+mdt_status mdt_cpu_backend_check(void);
+/* As mdt_k_shared_begin / _end (backend.h). */
+void mdt_cpu_backend_shared_begin(const float *x, int64_t ldx, int64_t M, int64_t K);
+void mdt_cpu_backend_shared_end(void);
+
+/* y[M, N] = x[M, K] . bf16 wh[N, K]^T (+ b) on the GEMM path in use, with the caller's scratch
+ * ws[ws_floats]: onednn path: x is rounded to bf16 into ws and multiplied as bf16 x bf16 with
+ * fp32 accumulation (AVX512-BF16 / AMX); openblas path: the kernel set's linear_bf16 (weights
+ * widened into ws, fp32 arithmetic). mdt_cpu_backend_linear_bf16_ws_floats is the size that
+ * keeps either at full speed (M: the most rows a call will have; onednn needs M K / 2 floats). */
+void mdt_cpu_backend_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b,
+                                 float *y, int64_t ldy, int64_t M, int64_t K, int64_t N, float *ws,
+                                 int64_t ws_floats);
+int64_t mdt_cpu_backend_linear_bf16_ws_floats(int64_t M, int64_t K, int64_t N);
+
+#endif /* MDT_BACKEND_CPU_BACKEND_H */
