@@ -59,7 +59,7 @@ mdt_status mdt_cp_take(mdt_cp *cp, const char *name, const void *x, size_t esize
 mdt_status mdt_cp_gather_rows(mdt_mesh *mesh, mdt_arena *ar, int P, int64_t B, int64_t S, int64_t O,
                               const float *loc, float *full) {
     if (P == 1) {
-        mdt_k_copy2d(full, 0, loc, 0, 1, B * S * O);
+        mdt_k()->copy2d(full, 0, loc, 0, 1, B * S * O);
         return MDT_OK;
     }
     int64_t counts[4096], r0, n;
@@ -75,8 +75,8 @@ mdt_status mdt_cp_gather_rows(mdt_mesh *mesh, mdt_arena *ar, int P, int64_t B, i
     const float *src = all;
     for (int j = 0; j < P; j++) {
         mdt_split_range(S, P, j, &r0, &n);
-        mdt_k_copy2d(full + r0 * O, S * O, src, n * O, B,
-                     n * O); // [B, S, O] rows r0.. <- [B, n, O]
+        mdt_k()->copy2d(full + r0 * O, S * O, src, n * O, B,
+                        n * O); // [B, S, O] rows r0.. <- [B, n, O]
         src += B * n * O;
     }
     mdt_arena_rewind(ar, mk);
@@ -117,7 +117,7 @@ mdt_status mdt_cp_give(mdt_cp *cp, const char *name, mdt_arena *ar, mdt_arena *h
         mdt_k_upload(ar, rows, sizeof(int64_t) * (size_t)(B * N > 0 ? B * N : 1));
     if (!drows)
         return MDT_E_NOMEM;
-    mdt_k_copy_rows(sel, O, NULL, full, O, drows, B * N, O); // [B N, O]
+    mdt_k()->copy_rows(sel, O, NULL, full, O, drows, B * N, O); // [B N, O]
     mdt_k_to_host(out, sel, sizeof(float) * (size_t)(B * N * O));
     mdt_arena_rewind(ar, mk);
     return MDT_OK;

@@ -60,16 +60,17 @@ mdt_status mdt_dit_check_heads(int64_t heads, int T) {
 }
 
 void mdt_dit_linear(const mdt_lin *l, const float *x, int64_t M, float *y, int64_t ldy) {
-    mdt_k_linear(x, l->in, l->w, l->wh, l->b, y, ldy, M, l->in, l->out_local);
+    mdt_k()->linear(x, l->in, l->w, l->wh, l->b, y, ldy, M, l->in, l->out_local);
 }
 
 mdt_status mdt_dit_row_linear(const mdt_dit *d, const mdt_lin *l, const float *x, int64_t ldx,
                               float *y, int64_t M) {
-    mdt_k_linear(x, ldx, l->w, l->wh, NULL, y, l->out, M, l->in_local, l->out); // [M, out] partial
+    mdt_k()->linear(x, ldx, l->w, l->wh, NULL, y, l->out, M, l->in_local,
+                    l->out); // [M, out] partial
     if (d->T > 1)
         MDT_TRY(mdt_allreduce_sum(d->mesh, MDT_GROUP_TP, y, M * l->out));
     if (l->b)
-        mdt_k_add_bias(y, l->out, l->b, M, l->out); // [M, out] += b[out]
+        mdt_k()->add_bias(y, l->out, l->b, M, l->out); // [M, out] += b[out]
     return MDT_OK;
 }
 
@@ -80,9 +81,9 @@ mdt_status mdt_dit_adaln(const mdt_dit *d, const mdt_lin *l, float *y) {
 
 void mdt_dit_mlp2(const mdt_lin *l1, const mdt_lin *l2, const float *x, int64_t M, float *h,
                   float *y) {
-    mdt_k_linear(x, l1->in, l1->w, l1->wh, l1->b, h, l1->out, M, l1->in, l1->out); // [M, hidden]
-    mdt_k_silu(h, M * l1->out);
-    mdt_k_linear(h, l2->in, l2->w, l2->wh, l2->b, y, l2->out, M, l2->in, l2->out); // [M, out]
+    mdt_k()->linear(x, l1->in, l1->w, l1->wh, l1->b, h, l1->out, M, l1->in, l1->out); // [M, hidden]
+    mdt_k()->silu(h, M * l1->out);
+    mdt_k()->linear(h, l2->in, l2->w, l2->wh, l2->b, y, l2->out, M, l2->in, l2->out); // [M, out]
 }
 
 void mdt_dit_timestep_embed(const float *t, int64_t n, int64_t dim, float *e) {
@@ -115,11 +116,11 @@ void mdt_dit_qkv(const mdt_dit *d, const mdt_qkv *w, const float *x, int64_t n, 
         const int r = rope && j < 2;
         mdt_dit_linear(lins[j], x, d->B * n, tmp, W); // [B*n, H/T D]
         for (int64_t b = 0; b < d->B; b++)
-            mdt_k_heads_prepare(tmp + b * n * W, W, n, H, D, norms[j], w->eps,
-                                r ? rope->cos_t + s0 * rope->rot : NULL,
-                                r ? rope->sin_t + s0 * rope->rot : NULL, r ? rope->rot : D,
-                                r ? rope->kind : MDT_ROPE_INTERLEAVED, dst[j] + b * H * S * D, S,
-                                s0); // [H/T, S, D] rows s0..s0+n
+            mdt_k()->heads_prepare(tmp + b * n * W, W, n, H, D, norms[j], w->eps,
+                                   r ? rope->cos_t + s0 * rope->rot : NULL,
+                                   r ? rope->sin_t + s0 * rope->rot : NULL, r ? rope->rot : D,
+                                   r ? rope->kind : MDT_ROPE_INTERLEAVED, dst[j] + b * H * S * D, S,
+                                   s0); // [H/T, S, D] rows s0..s0+n
     }
     mdt_k_shared_end();
 }

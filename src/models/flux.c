@@ -271,7 +271,7 @@ static mdt_status flux_read(const flux *f, mdt_dit *d, const mdt_tensor_set *in,
     float *cos_t = mdt_arena_floats(ar, S * D), *sin_t = mdt_arena_floats(ar, S * D); // [S/P, D]
     if (!x->hs || !x->ehs || !x->e256 || !x->pool || !ids_d || !cax_d || !cfr_d || !cos_t || !sin_t)
         return MDT_E_NOMEM;
-    mdt_k_angle_table(ids_d, A, S, D, cax_d, cfr_d, 1, cos_t, sin_t); // [S/P, D]
+    mdt_k()->angle_table(ids_d, A, S, D, cax_d, cfr_d, 1, cos_t, sin_t); // [S/P, D]
     x->rope = (mdt_rope){cos_t, sin_t, D, MDT_ROPE_INTERLEAVED};
     return MDT_OK;
 }
@@ -282,13 +282,13 @@ static mdt_status ff_residual(const mdt_dit *d, float *x, int64_t n, const float
                               float *ybuf) {
     const int64_t C = l2->out, B = d->B, Ml = l0->out_local;
     for (int64_t b = 0; b < B; b++)
-        mdt_k_layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
-                                 mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
-    mdt_dit_linear(l0, nbuf, B * n, hbuf, Ml);                                      // [B*n, 4C/T]
-    mdt_k_gelu_rows(hbuf, Ml, B * n, Ml);
+        mdt_k()->layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
+                                    mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
+    mdt_dit_linear(l0, nbuf, B * n, hbuf, Ml); // [B*n, 4C/T]
+    mdt_k()->gelu_rows(hbuf, Ml, B * n, Ml);
     MDT_TRY(mdt_dit_row_linear(d, l2, hbuf, Ml, ybuf, B * n)); // [B*n, C]
     for (int64_t b = 0; b < B; b++)
-        mdt_k_gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
+        mdt_k()->gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
     return MDT_OK;
 }
 
@@ -309,19 +309,19 @@ static mdt_status double_block(const flux *f, const flux_double *blk, const mdt_
     MDT_TRY(mdt_dit_adaln(d, &blk->norm1, mod));      // [B, 6C]
     MDT_TRY(mdt_dit_adaln(d, &blk->norm1_ctx, cmod)); // [B, 6C]
     for (int64_t b = 0; b < B; b++) {
-        mdt_k_layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, k_eps, mod + b * 6 * C,
-                                 mod + b * 6 * C + C); // [Si, C]
-        mdt_k_layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, k_eps, cmod + b * 6 * C,
-                                 cmod + b * 6 * C + C); // [St, C]
+        mdt_k()->layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, k_eps, mod + b * 6 * C,
+                                    mod + b * 6 * C + C); // [Si, C]
+        mdt_k()->layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, k_eps, cmod + b * 6 * C,
+                                    cmod + b * 6 * C + C); // [St, C]
     }
     mdt_dit_qkv(d, &blk->ctx, nc, St, 0, &in->rope, h, tmp);  /* text rows [0, St) */
     mdt_dit_qkv(d, &blk->img, nx, Si, St, &in->rope, h, tmp); /* image rows [St, S) */
     MDT_TRY(mdt_dit_attend(d, h, 1, ao, Cl));                 // [B, S/P, C/T]
     for (int64_t b = 0; b < B; b++) {
         MDT_TRY(mdt_dit_row_linear(d, &blk->to_out, ao + (b * S + St) * Cl, Cl, tmp, Si));
-        mdt_k_gate_residual(x + b * Si * C, tmp, C, mod + b * 6 * C + 2 * C, Si, C);
+        mdt_k()->gate_residual(x + b * Si * C, tmp, C, mod + b * 6 * C + 2 * C, Si, C);
         MDT_TRY(mdt_dit_row_linear(d, &blk->to_add_out, ao + b * S * Cl, Cl, tmp, St));
-        mdt_k_gate_residual(c + b * St * C, tmp, C, cmod + b * 6 * C + 2 * C, St, C);
+        mdt_k()->gate_residual(c + b * St * C, tmp, C, cmod + b * 6 * C + 2 * C, St, C);
     }
     MDT_TRY(ff_residual(d, x, Si, mod, &blk->ff0, &blk->ff2, nx, hb, tmp));
     return ff_residual(d, c, St, cmod, &blk->ffc0, &blk->ffc2, nc, hb, tmp);
@@ -341,17 +341,17 @@ static mdt_status single_block(const flux *f, const flux_single *blk, const mdt_
         return MDT_E_NOMEM;
     MDT_TRY(mdt_dit_adaln(d, &blk->norm, mod)); // [B, 3C]
     for (int64_t b = 0; b < B; b++)
-        mdt_k_layernorm_modulate(h + b * S * C, n + b * S * C, S, C, k_eps, mod + b * 3 * C,
-                                 mod + b * 3 * C + C); // [S, C]
+        mdt_k()->layernorm_modulate(h + b * S * C, n + b * S * C, S, C, k_eps, mod + b * 3 * C,
+                                    mod + b * 3 * C + C); // [S, C]
     mdt_k_shared_begin(n, C, B * S, C); /* n feeds proj_mlp and q, k, v: rounded once */
     mdt_dit_linear(&blk->proj_mlp, n, B * S, cat + Cl, W); // [B*S, 4C/T] in columns [C/T, W)
-    mdt_k_gelu_rows(cat + Cl, W, B * S, Ml);
+    mdt_k()->gelu_rows(cat + Cl, W, B * S, Ml);
     mdt_dit_qkv(d, &blk->qkv, n, S, 0, &in->rope, hd, tmp);
     mdt_k_shared_end();
     MDT_TRY(mdt_dit_attend(d, hd, 1, cat, W));                          // columns [0, C/T)
     MDT_TRY(mdt_dit_row_linear(d, &blk->proj_out, cat, W, tmp, B * S)); // [B*S, C]
     for (int64_t b = 0; b < B; b++)
-        mdt_k_gate_residual(h + b * S * C, tmp + b * S * C, C, mod + b * 3 * C + 2 * C, S, C);
+        mdt_k()->gate_residual(h + b * S * C, tmp + b * S * C, C, mod + b * 3 * C + 2 * C, S, C);
     return MDT_OK;
 }
 
@@ -378,12 +378,12 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_dit_mlp2(&f->t_lin1, &f->t_lin2, x.e256, B, cond, temb); // [B, C]
     if (f->guidance) {
         mdt_dit_mlp2(&f->g_lin1, &f->g_lin2, x.e256 + B * 256, B, cond, tmp); // [B, C]
-        mdt_k_add(temb, tmp, B * C);
+        mdt_k()->add(temb, tmp, B * C);
     }
     mdt_dit_mlp2(&f->p_lin1, &f->p_lin2, x.pool, B, cond, tmp); // [B, C]
-    mdt_k_add(temb, tmp, B * C);
-    mdt_k_copy2d(cond, 0, temb, 0, 1, B * C);
-    mdt_k_silu(cond, B * C);
+    mdt_k()->add(temb, tmp, B * C);
+    mdt_k()->copy2d(cond, 0, temb, 0, 1, B * C);
+    mdt_k()->silu(cond, B * C);
     d.cond = cond, d.cond_rows = B, d.cond_width = C;
     MDT_TRY(mdt_guard_finite(d.mesh, "time_text_embed", cond, B * C));
     mdt_dit_linear(&f->x_emb, x.hs, B * si, xs, C);   // [B, Si/P, C]
@@ -403,8 +403,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     float *h = mdt_arena_floats(ar, B * S * C); // [B, S/P, C] = cat(c, x) per batch
     if (!h)
         return MDT_E_NOMEM;
-    mdt_k_copy2d(h, S * C, c, st * C, B, st * C);           // text rows of every batch
-    mdt_k_copy2d(h + st * C, S * C, xs, si * C, B, si * C); // image rows after them
+    mdt_k()->copy2d(h, S * C, c, st * C, B, st * C);           // text rows of every batch
+    mdt_k()->copy2d(h + st * C, S * C, xs, si * C, B, si * C); // image rows after them
     for (int64_t i = 0; i < f->single_layers; i++) {
         mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(single_block(f, &f->sgl[i], &d, &x, &hd, h));
@@ -421,9 +421,9 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         return MDT_E_NOMEM;
     MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, emb)); // [B, 2C]
     for (int64_t b = 0; b < B; b++)
-        mdt_k_layernorm_modulate(h + (b * S + st) * C, xn + b * si * C, si, C, k_eps,
-                                 emb + b * 2 * C + C, emb + b * 2 * C); // [Si/P, C]
-    mdt_dit_linear(&f->proj_out, xn, B * si, ol, O);                    // [B, Si/P, O]
+        mdt_k()->layernorm_modulate(h + (b * S + st) * C, xn + b * si * C, si, C, k_eps,
+                                    emb + b * 2 * C + C, emb + b * 2 * C); // [Si/P, C]
+    mdt_dit_linear(&f->proj_out, xn, B * si, ol, O);                       // [B, Si/P, O]
     MDT_TRY(mdt_guard_finite(d.mesh, "proj_out", ol, B * si * O));
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Si, O}, &o));
     MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, B, x.Si, O, ol, NULL, 0, o->data));

@@ -232,7 +232,7 @@ static mdt_status h3_read(const h3 *f, mdt_dit *d, const mdt_tensor_set *in, h3_
     if (!pos_d || !cax_d || !cfr_d || !cos_t || !sin_t || !x->e || !x->ada_rows || !x->t_rows ||
         !x->ehs)
         return MDT_E_NOMEM;
-    mdt_k_angle_table(pos_d, 3, Sc, rot, cax_d, cfr_d, 0, cos_t, sin_t); // [S/P, 6F]
+    mdt_k()->angle_table(pos_d, 3, Sc, rot, cax_d, cfr_d, 0, cos_t, sin_t); // [S/P, 6F]
     x->rope = (mdt_rope){cos_t, sin_t, rot, MDT_ROPE_HALF};
     return MDT_OK;
 }
@@ -266,7 +266,7 @@ static mdt_status ff_part(const mdt_dit *d, const h3_block *b, const float *n, i
     if (!h2 || !h1)
         return MDT_E_NOMEM;
     mdt_dit_linear(&b->ff0, n, M, h2, 2 * Fl);
-    mdt_k_swiglu(h2, h1, M, Fl);
+    mdt_k()->swiglu(h2, h1, M, Fl);
     MDT_TRY(mdt_dit_row_linear(d, &b->ff2, h1, Fl, y, M)); // [M, C]
     mdt_arena_rewind(d->ar, mk);
     return MDT_OK;
@@ -281,15 +281,15 @@ static mdt_status refiner(const h3 *f, const mdt_dit *d, float *x, int64_t Nt) {
         return MDT_E_NOMEM;
     for (int64_t i = 0; i < f->refiner_layers; i++) {
         const h3_block *b = &f->ref[i];
-        mdt_k_rmsnorm(x, b->norm1, n, M, C, (float)f->norm_eps);
+        mdt_k()->rmsnorm(x, b->norm1, n, M, C, (float)f->norm_eps);
         MDT_TRY(attn_part(d, b, n, Nt, NULL, 0, y));
-        mdt_k_add(x, y, M * C);
-        mdt_k_rmsnorm(x, b->norm2, n, M, C, (float)f->norm_eps);
+        mdt_k()->add(x, y, M * C);
+        mdt_k()->rmsnorm(x, b->norm2, n, M, C, (float)f->norm_eps);
         MDT_TRY(ff_part(d, b, n, M, y));
-        mdt_k_add(x, y, M * C);
+        mdt_k()->add(x, y, M * C);
     }
-    mdt_k_rmsnorm(x, f->final_norm, n, M, C, (float)f->final_eps);
-    mdt_k_copy2d(x, 0, n, 0, 1, M * C);
+    mdt_k()->rmsnorm(x, f->final_norm, n, M, C, (float)f->final_eps);
+    mdt_k()->copy2d(x, 0, n, 0, 1, M * C);
     mdt_arena_rewind(d->ar, mk);
     return MDT_OK;
 }
@@ -325,13 +325,13 @@ static mdt_status scatter_modality(const mdt_dit *d, const h3_in *x, const mdt_l
     float *xin_h = mdt_arena_floats(d->ha, k * in); // [k, in] host
     if (!xin_h)
         return MDT_E_NOMEM;
-    mdt_cpu_copy_rows(xin_h, in, NULL, src, in, sr, k, in);
+    mdt_cpu_kernels()->copy_rows(xin_h, in, NULL, src, in, sr, k, in);
     const float *xin = mdt_k_upload(d->ar, xin_h, sizeof(float) * (size_t)(k * in)); // [k, in]
     float *y = mdt_arena_floats(d->ar, k * C);                                       // [k, C]
     if (!xin || !y)
         return MDT_E_NOMEM;
-    mdt_dit_linear(l, xin, k, y, C);             // [k, C]
-    mdt_k_copy_rows(h, C, dr, y, C, NULL, k, C); // rows of h [B, Sc, C]
+    mdt_dit_linear(l, xin, k, y, C);                // [k, C]
+    mdt_k()->copy_rows(h, C, dr, y, C, NULL, k, C); // rows of h [B, Sc, C]
     mdt_arena_rewind(d->ar, mk);
     return MDT_OK;
 }
@@ -343,7 +343,7 @@ static mdt_status pack(const h3 *f, const mdt_dit *d, const h3_in *x, float *h) 
     float *txt = mdt_arena_floats(d->ar, B * x->Nt * C); // [B, N_text, C]
     if (!txt)
         return MDT_E_NOMEM;
-    mdt_k_fill(h, B * x->Sc * C, 0.0f);
+    mdt_k()->fill(h, B * x->Sc * C, 0.0f);
     mdt_dit_linear(&f->ctx_emb, x->ehs, B * x->Nt, txt, C); // [B, N_text, C]
     MDT_TRY(refiner(f, d, txt, x->Nt));
     MDT_TRY(mdt_guard_finite(d->mesh, "token_refiner", txt, B * x->Nt * C));
@@ -351,7 +351,7 @@ static mdt_status pack(const h3 *f, const mdt_dit *d, const h3_in *x, float *h) 
     const int64_t *xsr_d = mdt_k_upload(d->ar, xsr, sizeof(int64_t) * (size_t)(nx ? nx : 1));
     if (!xsr_d)
         return MDT_E_NOMEM;
-    mdt_k_copy_rows(h, C, xdr, txt, C, xsr_d, nx, C); // text rows into h [B, S/P, C]
+    mdt_k()->copy_rows(h, C, xdr, txt, C, xsr_d, nx, C); // text rows into h [B, S/P, C]
     MDT_TRY(scatter_modality(d, x, &f->proj_in, x->hs, x->Nv, x->vidx, h));
     MDT_TRY(scatter_modality(d, x, &f->audio_proj_in, x->ahs, x->Na, x->aidx, h));
     return mdt_guard_finite(d->mesh, "proj_in / audio_proj_in", h, B * x->Sc * C);
@@ -364,20 +364,20 @@ static mdt_status block(const h3 *f, const mdt_dit *d, const h3_in *x, const h3_
     const int64_t C = f->hidden, Sc = x->Sc;
     MDT_TRY(mdt_dit_adaln(d, &b->adaln, mod)); // [T_n, 18C]
     for (int64_t bb = 0; bb < d->B; bb++) {
-        mdt_k_rmsnorm(h + bb * Sc * C, b->norm1, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
-        mdt_k_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, x->ada_rows, 0, C);
+        mdt_k()->rmsnorm(h + bb * Sc * C, b->norm1, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
+        mdt_k()->modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, x->ada_rows, 0, C);
     }
     MDT_TRY(attn_part(d, b, n, Sc, &x->rope, 1, y)); // [B*S/P, C]
     for (int64_t bb = 0; bb < d->B; bb++) {
-        mdt_k_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, x->ada_rows,
-                                 2 * C, Sc, C);
-        mdt_k_rmsnorm(h + bb * Sc * C, b->norm2, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
-        mdt_k_modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, x->ada_rows, 3 * C, 4 * C);
+        mdt_k()->gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, x->ada_rows,
+                                    2 * C, Sc, C);
+        mdt_k()->rmsnorm(h + bb * Sc * C, b->norm2, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
+        mdt_k()->modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, x->ada_rows, 3 * C, 4 * C);
     }
     MDT_TRY(ff_part(d, b, n, d->B * Sc, y)); // [B*S/P, C]
     for (int64_t bb = 0; bb < d->B; bb++)
-        mdt_k_gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, x->ada_rows,
-                                 5 * C, Sc, C);
+        mdt_k()->gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, x->ada_rows,
+                                    5 * C, Sc, C);
     return MDT_OK;
 }
 
@@ -401,7 +401,7 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     if (!th || !temb || !h || !mod || !n || !y || !vo || !ao)
         return MDT_E_NOMEM;
     mdt_dit_mlp2(&f->t_lin1, &f->t_lin2, x.e, x.Tn, th, temb); // [T_n, E]
-    mdt_k_silu(temb, x.Tn * E); // SiLU(temb): the input of every AdaLN projection
+    mdt_k()->silu(temb, x.Tn * E); // SiLU(temb): the input of every AdaLN projection
     d.cond = temb, d.cond_rows = x.Tn, d.cond_width = E;
     MDT_TRY(mdt_guard_finite(d.mesh, "time_embedder", temb, x.Tn * E));
     MDT_TRY(pack(f, &d, &x, h));
@@ -416,9 +416,9 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     /* norm_out: [shift | scale] per timestep, rows picked by timestep index */
     MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, mod)); // [T_n, 2C]
     for (int64_t bb = 0; bb < B; bb++) {
-        mdt_k_rmsnorm(h + bb * x.Sc * C, f->norm_out_w, n + bb * x.Sc * C, x.Sc, C,
-                      (float)f->final_eps);
-        mdt_k_modulate_rows(n + bb * x.Sc * C, x.Sc, C, mod, 2 * C, x.t_rows, 0, C);
+        mdt_k()->rmsnorm(h + bb * x.Sc * C, f->norm_out_w, n + bb * x.Sc * C, x.Sc, C,
+                         (float)f->final_eps);
+        mdt_k()->modulate_rows(n + bb * x.Sc * C, x.Sc, C, mod, 2 * C, x.t_rows, 0, C);
     }
     mdt_dit_linear(&f->proj_out, n, M, vo, f->Pv);             // [B, S/P, Pv]
     mdt_dit_linear(&f->audio_proj_out, n, M, ao, f->audio_in); // [B, S/P, audio]

@@ -114,7 +114,7 @@ static mdt_status repack(mdt_model *m, int to_packed) {
 static int bf16_slot(const mdt_model *m, int i) { return mdt_backend_bf16() && m->table.lin[i]; }
 
 mdt_status mdt_res_dev_prepare(mdt_model *m) {
-    const mdt_backend_ops *ops = mdt_backend_device_ops();
+    const mdt_device_ops *ops = mdt_backend_device_ops();
     int64_t nf = 0, nh = 0, bytes = 0, scratch = 0;
     for (int i = 0; i < m->table.n; i++) {
         const int64_t n = m->ws[i].local[0] * m->ws[i].local[1];
@@ -146,7 +146,7 @@ mdt_status mdt_res_dev_prepare(mdt_model *m) {
 /* Queues tensor i's host slice to the device (bf16: through the f32 scratch past the f32 slots,
  * converted on the device). Returns at once: the next tensor's read overlaps the copy. */
 void mdt_res_dev_upload(mdt_model *m, int i) {
-    const mdt_backend_ops *ops = mdt_backend_device_ops();
+    const mdt_device_ops *ops = mdt_backend_device_ops();
     const int64_t n = m->ws[i].local[0] * m->ws[i].local[1];
     if (n == 0)
         return;
@@ -182,7 +182,7 @@ mdt_status mdt_res_dev_finish(mdt_model *m) {
 }
 
 void mdt_res_dev_release(mdt_model *m) {
-    const mdt_backend_ops *ops = mdt_backend_device_ops();
+    const mdt_device_ops *ops = mdt_backend_device_ops();
     if (ops) {
         ops->free(m->dev_f32);
         ops->free(m->dev_bf16);
