@@ -43,7 +43,7 @@ endif
 LIB_SRC  := $(filter-out src/cli/% src/kernels/cpu/cpu.c,$(wildcard src/*/*.c src/*/*/*.c))
 CPU_OBJ  := $(CPU_ISAS:%=$(BUILD)/src/kernels/cpu/isa/cpu_%.o)
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CPU_OBJ)
-CLI_OBJ  := $(BUILD)/src/cli/main.o
+CLI_OBJ  := $(patsubst %.c,$(BUILD)/%.o,$(wildcard src/cli/*.c))
 TEST_SRC := $(wildcard tests/unit/test_*.c)
 TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 MPI_TEST_BIN := $(patsubst tests/mpi/%.c,$(BUILD)/tests/mpi/%,$(wildcard tests/mpi/test_*.c))
