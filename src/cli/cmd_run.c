@@ -128,7 +128,7 @@ static int parse_run(int argc, char **argv, run_args *a) {
 }
 
 int cmd_run(int argc, char **argv) {
-    run_args a;
+    run_args a = {0};
     int rc = parse_run(argc, argv, &a);
     if (rc)
         return rc;
