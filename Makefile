@@ -46,7 +46,7 @@ CPU_OBJ  := $(CPU_ISAS:%=$(BUILD)/src/kernels/cpu/isa/cpu_%.o)
 PRESETS  := $(sort $(wildcard configs/presets/*.json))
 PRESET_OBJ := $(BUILD)/gen/presets.o
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CPU_OBJ) $(PRESET_OBJ)
-CLI_OBJ  := $(BUILD)/src/cli/main.o
+CLI_OBJ  := $(patsubst %.c,$(BUILD)/%.o,$(wildcard src/cli/*.c))
 TEST_SRC := $(wildcard tests/unit/test_*.c)
 TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 MPI_TEST_BIN := $(patsubst tests/mpi/%.c,$(BUILD)/tests/mpi/%,$(wildcard tests/mpi/test_*.c))

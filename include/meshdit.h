@@ -3,8 +3,13 @@
  * (DiT) across many ranks with tensor and context parallelism.
  *
  * What is here: status codes and the thread-local error message, tensors and named tensor sets
- * (the inputs/outputs of a forward), model load / forward / free.
- * What is not: MPI (the command owns MPI_Init/Finalize), kernel and file-format internals.
+ * (the inputs/outputs of a forward), the device mesh and device selection, model load / forward /
+ * sample / free, run statistics and the run report, describe-only model views (inspect, random
+ * inputs, layout planning), random-weight checkpoints, tensor comparison, atomic output files.
+ * What is not: MPI (the caller owns MPI_Init/Finalize), kernel and file-format internals.
+ * A typical client (docs/api.md): mdt_mesh_create_world, mdt_device_select, mdt_model_load once,
+ * then mdt_sample or mdt_model_forward per request, mdt_run_stats_* / mdt_run_report_json,
+ * mdt_model_free, mdt_mesh_free.
  *
  * Conventions: every fallible call returns mdt_status (MDT_OK = 0, negative on error) and sets a
  * thread-local message (mdt_last_error()). The creator frees; every _free(NULL) is a no-op.
@@ -41,6 +46,10 @@ const char *mdt_status_str(mdt_status s);
 const char *mdt_last_error(void);
 /* "file.c:123" of the last failure on this thread. */
 const char *mdt_last_error_where(void);
+/* Records a printf-style message as this thread's last error and returns `code`: for a status
+ * that a client's callback hands back to the library (e.g. a test hook). */
+mdt_status mdt_error_set(mdt_status code, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
 typedef enum mdt_dtype {
     MDT_F32 = 0,
@@ -102,6 +111,50 @@ mdt_status mdt_mesh_create_world(int tp, int ring, int ulysses, const char *orde
 void mdt_mesh_free(mdt_mesh *m);
 int mdt_mesh_rank(const mdt_mesh *m); /* world rank (0 for NULL) */
 int mdt_mesh_size(const mdt_mesh *m); /* world size (1 for NULL) */
+/* Collective agreement on a verdict: every rank passes its own status and every rank returns
+ * MDT_OK only if all passed MDT_OK; otherwise the failure (and the message of the lowest failing
+ * rank) on every rank. NULL mesh: returns `local`. */
+mdt_status mdt_mesh_verdict(mdt_mesh *m, mdt_status local);
+/* 1 when a failure could not be agreed on (this rank failed inside a step while its peers wait in
+ * a collective): the caller must end the whole job (MPI_Abort), after printing the message. */
+int mdt_mesh_peers_stuck(const mdt_mesh *m);
+/* Coordinates (t, r, u) of world rank `rank` in a tp x ring x ulysses mesh laid out in `order`
+ * (as mdt_mesh_create_world; NULL = default), without creating it. Not collective. MDT_E_INVALID
+ * naming the bad axis for a malformed order. */
+mdt_status mdt_mesh_coords_of(const char *order, int rank, int tp, int ring, int ulysses, int *t,
+                              int *r, int *u);
+
+/* ---- process set-up and devices (the caller owns MPI) ---- */
+
+/* Prefixes this process's log lines with its world rank (call once after MPI_Init, world > 1). */
+void mdt_set_log_rank(int world_rank);
+/* Picks the CPU kernel set (`isa`: a name of MESHDIT_CPU_ISA) and the CPU GEMM path (`gemm`: a
+ * name of MESHDIT_CPU_GEMM); NULL or "" leaves either to its default. Local, before any work.
+ * MDT_E_UNSUPPORTED/MDT_E_INVALID naming the choice this CPU cannot run. */
+mdt_status mdt_cpu_kernels_select(const char *isa, const char *gemm);
+/* "512M", "8G", "1.5GiB", "1048576" -> bytes (binary units); -1 if malformed. */
+int64_t mdt_size_parse(const char *s);
+/* Selects the compute backend on every rank of `mesh`: `device` "cpu" or "cuda" (the GPU of the
+ * rank's node-local index modulo the GPUs), `dtype` "f32" or "bf16" (compute with bf16 weights),
+ * `comm` "auto", "mpi" or "nccl" (device collectives: NCCL communicators per mesh group; auto uses
+ * them when every rank has a GPU of its own). Collective over the world; same verdict everywhere.
+ * Call before mdt_model_load. */
+mdt_status mdt_device_select(mdt_mesh *mesh, const char *device, const char *dtype,
+                             const char *comm);
+
+/* The compute backend in force on this rank (after mdt_device_select). */
+typedef struct mdt_device_info {
+    const char *backend;     /* "cpu", "cuda" */
+    int gpu;                 /* 1 on a device backend */
+    char description[256];   /* the GPU in words (gpu only) */
+    int bf16;                /* compute with bf16 weights */
+    int bf16_operands;       /* CPU bf16: bf16 x bf16 GEMM operands (else widened to f32) */
+    const char *cpu_kernels; /* the CPU kernel set ("avx2") */
+    char cpu_gemm[96];       /* the CPU GEMM path in words */
+    int64_t scratch_bytes;   /* CPU bf16: operand or widening scratch */
+    int64_t device_mem_peak; /* gpu: most device bytes allocated at once */
+} mdt_device_info;
+void mdt_device_info_get(mdt_device_info *out);
 
 /* A loaded model (weights resident on this rank, ready for forward). */
 typedef struct mdt_model mdt_model;
@@ -141,6 +194,198 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
 
 /* Model family name ("flux"). */
 const char *mdt_model_family(const mdt_model *m);
+
+/* One weight tensor of a model's table, shape [d0] or [d0, d1]. */
+typedef struct mdt_weight_info {
+    const char *name;       /* checkpoint name; borrowed from the model */
+    const char *tp_style;   /* "colwise", "rowwise", "replicated", ... */
+    int ndim;               /* 1 or 2 */
+    int64_t shape[2];       /* full shape */
+    int64_t local_shape[2]; /* this rank's shard (loaded model) or the shard under the asked tp */
+    const char *stored;     /* dtype in the checkpoint ("BF16"), "MISSING", or "-" if unknown */
+    int64_t bytes_read;     /* loaded model: checkpoint bytes this rank read for it; else 0 */
+} mdt_weight_info;
+
+/* Accessors of a loaded model on this rank (not collective). */
+int mdt_model_weight_count(const mdt_model *m);
+/* The i-th weight (0 <= i < count) with this rank's local shape and bytes read. */
+mdt_status mdt_model_weight(const mdt_model *m, int i, mdt_weight_info *out);
+/* The layout the model runs under (1 x 1 x 1 without a mesh). */
+void mdt_model_layout(const mdt_model *m, int *tp, int *ring, int *ulysses);
+int64_t mdt_model_weight_bytes(const mdt_model *m); /* resident weight bytes on this rank */
+int64_t mdt_model_bytes_read(const mdt_model *m);   /* checkpoint bytes this rank read */
+
+/* Random inputs of a model's family (the `meshdit inputs` command); a family reads the fields
+ * it understands. */
+typedef struct mdt_random_inputs {
+    uint64_t seed;
+    int64_t batch;
+    int64_t img_tokens, txt_tokens;
+    double timestep, guidance;
+    int64_t audio_tokens; /* MiniMax-H3 */
+} mdt_random_inputs;
+/* Adds the family's inputs, drawn from p->seed, to `out` (created by the caller). Local. */
+mdt_status mdt_model_make_inputs(const mdt_model *m, const mdt_random_inputs *p,
+                                 mdt_tensor_set *out);
+
+/* ---- sampling, run statistics and the report ---- */
+
+typedef struct mdt_sample_params {
+    int steps;           /* > 0: the Euler flow-matching sampler over `steps` steps;
+                            0: `repeat` forwards of the same inputs (a benchmark) */
+    int repeat;          /* forwards when steps = 0 (>= 1) */
+    double step_timeout; /* the step watchdog, seconds; 0: 10 x the longest step so far, >= 60 */
+    /* optional, on every rank after each step or forward (1-based), with its seconds */
+    void (*on_step)(void *user, int step, int nsteps, double seconds);
+    void *user;
+} mdt_sample_params;
+mdt_sample_params mdt_sample_params_default(void); /* steps 0, repeat 1, no timeout, no callback */
+
+/* What the last mdt_sample did: per-rank facts (on world rank 0: every rank's; elsewhere only
+ * this rank's) and the step times. Opaque; mdt_run_stats_free frees it. */
+typedef struct mdt_run_stats mdt_run_stats;
+
+/* Runs the model: with p->steps > 0, the Euler flow-matching sampler: for i = 0..N-1, sigma_i =
+ * 1 - i/N, the family's timestep input (Flux: "timestep") set to sigma_i, one forward, then the
+ * latent input (Flux: "hidden_states") x <- x + (sigma_{i+1} - sigma_i) v with v the forward's
+ * output; the result is the final latent under the output name (Flux: "sample"). Both inputs
+ * must be F32; they are the sampler's state and are overwritten (the latent ends as the result).
+ * With steps = 0, `repeat` forwards; the result is the last one's outputs. `outputs` (created by
+ * the caller, empty) receives the result. Every output is checked finite (MDT_E_NUMERIC naming
+ * the tensor and element otherwise; a latent that goes non-finite is named with its step). With
+ * `stats` (optional), *stats receives the run statistics (gathered to world rank 0).
+ * Collective over the model's mesh; every rank returns the same status, except when
+ * mdt_mesh_peers_stuck is set afterwards (then the caller must end the job). */
+mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *inputs, const mdt_sample_params *p,
+                      mdt_tensor_set *outputs, mdt_run_stats **stats);
+void mdt_run_stats_free(mdt_run_stats *s);
+
+/* What one rank did in the last step (or forward) of a run. */
+typedef struct mdt_rank_stats {
+    int rank, tp, ring, ulysses, cp_index; /* world rank, mesh coordinates, CP chunk */
+    int64_t heads_local;                   /* attention heads on this rank's TP shard */
+    int64_t weight_bytes, peak_bytes, max_rss_kib, bytes_read;
+    double flops_linear, flops_attn, flops_other;
+    int64_t attn_calls, attn_query_rows, attn_kv_rows;     /* rows x heads */
+    int64_t bytes_tp, bytes_ring, bytes_ulysses, bytes_cp; /* sent per mesh group */
+    double ring_compute_s, ring_wait_s, prep_s;
+} mdt_rank_stats;
+
+int mdt_run_stats_steps(const mdt_run_stats *s);           /* steps or forwards run */
+int mdt_run_stats_sampled(const mdt_run_stats *s);         /* 1 if the sampler ran */
+double mdt_run_stats_step_seconds(const mdt_run_stats *s); /* median seconds per step */
+int mdt_run_stats_rank_count(const mdt_run_stats *s);      /* world on rank 0, else 1 */
+/* The i-th rank's facts (0 <= i < rank_count), or NULL. */
+const mdt_rank_stats *mdt_run_stats_rank(const mdt_run_stats *s, int i);
+/* The run report as JSON text (free() it): model, world, layout and mesh order, device, weights
+ * dtype, CPU kernels and GEMM path, `load_seconds` (as the caller measured the load), step times
+ * and every rank's facts, plus on world rank 0 each tensor's style, local shape and bytes read.
+ * Local; call on world rank 0 for every rank's facts. */
+mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, double load_seconds,
+                               char **json);
+
+/* ---- checks before a run, output files ---- */
+
+typedef struct mdt_memory_limit {
+    int64_t max_bytes;         /* > 0: the limit per rank (--max-memory); 0: what the process may
+                                  use (MemAvailable and the cgroup's limit) over the node's ranks */
+    const char *mem_available; /* with max_bytes 0: a size that replaces the system's figure
+                                  (MESHDIT_MEM_AVAILABLE), or NULL */
+    int device_activations;    /* activations live on a GPU: not counted */
+} mdt_memory_limit;
+/* Before any weight is read: this rank's weights plus the activations of `inputs` under the
+ * mesh's layout must fit the limit (MDT_E_NOMEM naming the need, the limit and the smallest TP
+ * degree that would fit). A checkpoint, inputs or layout the model cannot take pass (the loader
+ * names the problem). Collective over the world; same verdict everywhere. */
+mdt_status mdt_check_memory(const char *checkpoint_dir, mdt_mesh *mesh,
+                            const mdt_tensor_set *inputs, const mdt_memory_limit *lim);
+/* `path` can be written (its directory exists and is writable, it is not a directory). Local. */
+mdt_status mdt_output_check(const char *path);
+/* The same for a run's --out and (optional) --report, named in the message, which must differ. */
+mdt_status mdt_outputs_check(const char *out, const char *report);
+/* Writes `set` to `out` (safetensors) and, with `report`, `report_text` to it: both or neither
+ * (each staged beside its target and renamed only once both are written). Local. */
+mdt_status mdt_outputs_write(const char *out, const mdt_tensor_set *set, const char *report,
+                             const char *report_text);
+
+/* ---- describe-only model views: config and weight table, no weights ---- */
+
+typedef struct mdt_model_info mdt_model_info;
+/* Opens the view of exactly one of `checkpoint_dir` (its config.json; with `read_index` also the
+ * safetensors headers, so each weight's stored dtype is known) or `config_path` (a config.json).
+ * Local. Errors: MDT_E_NOTFOUND (no such file), MDT_E_IO, MDT_E_FORMAT, MDT_E_INVALID (bad
+ * config), MDT_E_UNSUPPORTED (unknown family). */
+mdt_status mdt_model_info_open(const char *checkpoint_dir, const char *config_path, int read_index,
+                               mdt_model_info **out);
+void mdt_model_info_free(mdt_model_info *info);
+const char *mdt_model_info_family(const mdt_model_info *info);     /* "flux" */
+const char *mdt_model_info_class_name(const mdt_model_info *info); /* "FluxTransformer2DModel" */
+int64_t mdt_model_info_heads(const mdt_model_info *info); /* num_attention_heads (0 if absent) */
+int mdt_model_info_weight_count(const mdt_model_info *info);
+/* The i-th weight with its local shape under TP degree `tp` (MDT_E_INVALID if it does not
+ * divide) and, for a view with the index, its stored dtype. */
+mdt_status mdt_model_info_weight(const mdt_model_info *info, int i, int tp, mdt_weight_info *out);
+/* The family's context-parallel plan: `gather` 0 = the inputs split over the CP group, 1 = the
+ * outputs gathered. Count, then the i-th entry's tensor name and sequence dimension. */
+int mdt_model_info_cp_count(const mdt_model_info *info, int gather);
+const char *mdt_model_info_cp_entry(const mdt_model_info *info, int gather, int i, int *dim);
+/* MDT_E_INVALID naming the constraint when the model cannot run under tp x ring x ulysses. */
+mdt_status mdt_model_info_check_layout(const mdt_model_info *info, int tp, int ring, int ulysses);
+mdt_status mdt_model_info_make_inputs(const mdt_model_info *info, const mdt_random_inputs *p,
+                                      mdt_tensor_set *out);
+
+/* ---- layout planning: the scaling model's estimate of every layout of N devices ---- */
+
+typedef struct mdt_device_spec {
+    const char *name;
+    double flops;     /* sustained FLOP/s */
+    double bw_intra;  /* bus bandwidth inside a node, bytes/s */
+    double bw_inter;  /* between nodes */
+    double latency;   /* seconds per collective call */
+    double mem_bytes; /* memory per device */
+    int node_size;    /* devices per node */
+} mdt_device_spec;
+/* The preset `name` ("cpu", "h100", "h200", "trn2"); MDT_E_NOTFOUND for another name. */
+mdt_status mdt_device_spec_preset(const char *name, mdt_device_spec *out);
+
+typedef struct mdt_layout_estimate {
+    int tp, ring, ulysses;
+    int valid;
+    char why[256];                                        /* why the layout is rejected */
+    double weight_bytes, act_bytes;                       /* per rank */
+    double flops_linear, flops_attn;                      /* per rank, one forward */
+    double bytes_tp, bytes_ulysses, bytes_ring, bytes_cp; /* sent per rank */
+    double t_compute, t_comm, t_step;                     /* seconds */
+} mdt_layout_estimate;
+/* Every tp x ring x ulysses layout of `devices` devices for one forward of `tokens` tokens at
+ * `elem_bytes` per element on `dev`: valid layouts first, fastest first. *out (free() it) gets
+ * *n entries. Local. */
+mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *dev, int devices,
+                            int64_t tokens, double elem_bytes, mdt_layout_estimate **out, int *n);
+
+/* ---- random-weight checkpoints ---- */
+
+int mdt_family_exists(const char *family);                         /* "flux", "minimax-h3" */
+int mdt_family_has_preset(const char *family, const char *preset); /* "tiny", ... */
+/* Writes a random-weight checkpoint in diffusers layout into `dir` (created if absent) for
+ * exactly one of `family`'s `preset` or the config.json at `config_path`: weights as one file or
+ * `shards` files plus an index, stored in `dtype` (MDT_F32, MDT_BF16, MDT_F16), from `seed`. */
+mdt_status mdt_checkpoint_gen(const char *family, const char *preset, const char *config_path,
+                              uint64_t seed, mdt_dtype dtype, int shards, const char *dir);
+
+/* ---- tensor comparison ---- */
+
+typedef struct mdt_tensor_diff {
+    int comparable;      /* same shape and both float dtypes; the rest is set only then */
+    double max_abs_diff; /* max |a - b| over elements, in f32 */
+    double max_abs_b;    /* max |b| */
+    int nonfinite;       /* a NaN or Inf in either */
+} mdt_tensor_diff;
+/* Compares `a` with the reference `b`, elementwise in f32. MDT_E_NOMEM only. */
+mdt_status mdt_tensor_compare(const mdt_tensor *a, const mdt_tensor *b, mdt_tensor_diff *d);
+const char *mdt_dtype_str(mdt_dtype dt); /* "F32" */
+/* "[2, 3]" into buf; returns buf. */
+const char *mdt_tensor_shape_str(const mdt_tensor *t, char *buf, size_t cap);
 
 #ifdef __cplusplus
 }

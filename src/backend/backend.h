@@ -85,7 +85,4 @@ void mdt_k_to_host(void *host_dst, const void *src, size_t bytes);
 void mdt_k_shared_begin(const float *x, int64_t ldx, int64_t M, int64_t K);
 void mdt_k_shared_end(void);
 
-/* removed once models/ call mdt_k() (and cli/ calls mdt_mesh_use_comm) */
-#include "backend/compat.h"
-
 #endif /* MDT_BACKEND_H */

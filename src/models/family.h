@@ -72,7 +72,7 @@ typedef struct mdt_family {
     /* One forward on this rank over its shards (m->T, m->mesh); activations from m->arena only. */
     mdt_status (*forward)(struct mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out);
     /* Random inputs for `meshdit inputs` (p->batch >= 1; token counts <= 0: the family's
-     * defaults), drawn from `rng` (see mdt_model_make_inputs). */
+     * defaults), drawn from `rng` (see mdt_model_random_inputs). */
     mdt_status (*make_inputs)(const void *impl, const mdt_inputs_params *p, mdt_rng *rng,
                               mdt_tensor_set *out);
     const mdt_cp_plan *cp_plan;

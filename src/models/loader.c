@@ -267,8 +267,8 @@ void mdt_model_free(mdt_model *m) {
 
 const char *mdt_model_family(const mdt_model *m) { return m->fam->name; }
 
-mdt_status mdt_model_make_inputs(const mdt_model *m, const mdt_inputs_params *p,
-                                 mdt_tensor_set *out) {
+mdt_status mdt_model_random_inputs(const mdt_model *m, const mdt_inputs_params *p,
+                                   mdt_tensor_set *out) {
     mdt_inputs_params q = *p;
     mdt_rng rng;
     q.batch = q.batch > 0 ? q.batch : 1;

@@ -75,8 +75,8 @@ mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p);
 
 /* Random inputs for a described or loaded model: the family's make_inputs with batch >= 1 and
  * an rng seeded with p->seed. */
-mdt_status mdt_model_make_inputs(const mdt_model *m, const mdt_inputs_params *p,
-                                 mdt_tensor_set *out);
+mdt_status mdt_model_random_inputs(const mdt_model *m, const mdt_inputs_params *p,
+                                   mdt_tensor_set *out);
 
 /* Creates a model from a config only (no weights; used by gen and inspect). */
 mdt_status mdt_model_describe(const cJSON *config, mdt_model **out);

@@ -303,7 +303,7 @@ static void check_balance(mdt_mesh *mesh) {
                                .timestep = 0.5,
                                .guidance = 3.5};
         mdt_tensor_set_create(&in), mdt_tensor_set_create(&out);
-        EXPECT_OK(mdt_model_make_inputs(m, &p, in));
+        EXPECT_OK(mdt_model_random_inputs(m, &p, in));
         int64_t g0[MDT_GROUP_COUNT];
         memcpy(g0, mesh->group_bytes, sizeof g0);
         mdt_counters_reset();

@@ -34,7 +34,7 @@ int main(void) {
                            .txt_tokens = S_txt,
                            .timestep = 1.0,
                            .guidance = 3.5};
-    EXPECT_OK(mdt_model_make_inputs(m, &p, in));
+    EXPECT_OK(mdt_model_random_inputs(m, &p, in));
     mdt_mem_reset_peak();
     mdt_counters_reset();
     EXPECT_OK(mdt_model_forward(m, in, out));

@@ -37,7 +37,7 @@ static mdt_tensor_set *inputs_for(mdt_model *m, int64_t img, int64_t txt, int64_
                            .timestep = 0.6,
                            .guidance = 3.5};
     mdt_tensor_set_create(&in);
-    EXPECT_OK(mdt_model_make_inputs(m, &p, in));
+    EXPECT_OK(mdt_model_random_inputs(m, &p, in));
     return in;
 }
 
@@ -100,12 +100,12 @@ static void check_shared_operand(void) {
         wh[i] = mdt_f32_to_bf16((float)((i * 104729) % 1000) / 1999.0f - 0.25f);
     for (int i = 0; i < N; i++)
         b[i] = (float)i * 0.125f;
-    mdt_k_linear(x, LDX, NULL, wh, b, y1, N, M, K, N);
+    mdt_k()->linear(x, LDX, NULL, wh, b, y1, N, M, K, N);
     mdt_k_shared_begin(x, LDX, M, K);
     mdt_k_shared_begin(x, LDX, M, K); /* nested: kept */
-    mdt_k_linear(x, LDX, NULL, wh, b, y2, N, M, K, N);
+    mdt_k()->linear(x, LDX, NULL, wh, b, y2, N, M, K, N);
     mdt_k_shared_end();
-    mdt_k_linear(x, LDX, NULL, wh, b, y3, N, M, K, N);
+    mdt_k()->linear(x, LDX, NULL, wh, b, y3, N, M, K, N);
     mdt_k_shared_end();
     int same = 1, changed = 0;
     for (int i = 0; i < M * N; i++)
@@ -113,7 +113,7 @@ static void check_shared_operand(void) {
     EXPECT(same, "linears on a shared input: the values of rounding it per GEMM");
     for (int i = 0; i < M * LDX; i++)
         x[i] += 1.0f;
-    mdt_k_linear(x, LDX, NULL, wh, b, y2, N, M, K, N);
+    mdt_k()->linear(x, LDX, NULL, wh, b, y2, N, M, K, N);
     for (int i = 0; i < M * N; i++)
         changed |= y1[i] != y2[i];
     EXPECT(changed, "after mdt_k_shared_end a changed input is not stale");

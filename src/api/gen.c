@@ -1,0 +1,38 @@
+/*
+ * gen.c — random-weight checkpoints for a client (meshdit.h): the families and their presets,
+ * and mdt_checkpoint_gen over a preset or a config file.
+ */
+#include "core/core.h"
+#include "io/checkpoint.h"
+#include "models/model.h"
+
+#include <cjson/cJSON.h>
+
+int mdt_family_exists(const char *family) { return mdt_family_by_name(family) != NULL; }
+
+int mdt_family_has_preset(const char *family, const char *preset) {
+    const mdt_family *fam = mdt_family_by_name(family);
+    return mdt_family_preset(fam, preset) != NULL;
+}
+
+mdt_status mdt_checkpoint_gen(const char *family, const char *preset, const char *config_path,
+                              uint64_t seed, mdt_dtype dtype, int shards, const char *dir) {
+    if (!preset == !config_path)
+        return MDT_FAIL(MDT_E_INVALID, "give exactly one of a preset or a config file");
+    if (preset) {
+        const mdt_family *fam = mdt_family_by_name(family);
+        const char *text = mdt_family_preset(fam, preset);
+        if (!text)
+            return MDT_FAIL(MDT_E_NOTFOUND, "unknown preset '%s' of model '%s'", preset, family);
+        return mdt_model_gen(text, seed, dtype, shards, dir);
+    }
+    cJSON *j;
+    MDT_TRY(mdt_config_load(config_path, &j));
+    char *text = cJSON_Print(j);
+    cJSON_Delete(j);
+    if (!text)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    mdt_status st = mdt_model_gen(text, seed, dtype, shards, dir);
+    cJSON_free(text);
+    return st;
+}

@@ -1,0 +1,73 @@
+/*
+ * layouts.c — layout planning for a client (meshdit.h): device presets and the scaling model's
+ * estimate (models/scaling.h) of every tp x ring x ulysses layout of N devices, best first.
+ */
+#include "api/info.h"
+#include "core/core.h"
+#include "models/scaling.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+mdt_status mdt_device_spec_preset(const char *name, mdt_device_spec *out) {
+    const mdt_device *d = mdt_device_preset(name);
+    if (!d)
+        return MDT_FAIL(MDT_E_NOTFOUND, "unknown device '%s' (cpu, h100, h200, trn2)", name);
+    *out = (mdt_device_spec){.name = d->name,
+                             .flops = d->flops,
+                             .bw_intra = d->bw_intra,
+                             .bw_inter = d->bw_inter,
+                             .latency = d->latency,
+                             .mem_bytes = d->mem_bytes,
+                             .node_size = d->node_size};
+    return MDT_OK;
+}
+
+/* Valid layouts first, then by predicted step time. */
+static int cmp_est(const void *a, const void *b) {
+    const mdt_estimate *x = a, *y = b;
+    if (x->valid != y->valid)
+        return y->valid - x->valid;
+    return (x->t_step > y->t_step) - (x->t_step < y->t_step);
+}
+
+mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *dev, int devices,
+                            int64_t tokens, double elem_bytes, mdt_layout_estimate **out, int *n) {
+    *out = NULL, *n = 0;
+    const mdt_device d = {.name = dev->name,
+                          .flops = dev->flops,
+                          .bw_intra = dev->bw_intra,
+                          .bw_inter = dev->bw_inter,
+                          .latency = dev->latency,
+                          .mem_bytes = dev->mem_bytes,
+                          .node_size = dev->node_size};
+    mdt_estimate *est = calloc(4096, sizeof *est); /* at most one per (T, R) pair */
+    int k = 0;
+    if (!est)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    for (long long T = 1; T <= devices; T++)
+        for (long long R = 1; T * R <= devices; R++)
+            if (devices % (T * R) == 0 && k < 4096)
+                mdt_estimate_layout(info->m, (int)T, (int)R, (int)(devices / (T * R)), tokens,
+                                    elem_bytes, &d, &est[k++]);
+    qsort(est, (size_t)k, sizeof *est, cmp_est);
+    mdt_layout_estimate *res = calloc((size_t)(k > 0 ? k : 1), sizeof *res);
+    if (!res) {
+        free(est);
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    }
+    for (int i = 0; i < k; i++) {
+        const mdt_estimate *e = &est[i];
+        mdt_layout_estimate *r = &res[i];
+        r->tp = e->T, r->ring = e->R, r->ulysses = e->U, r->valid = e->valid;
+        memcpy(r->why, e->why, sizeof r->why);
+        r->weight_bytes = e->weight_bytes, r->act_bytes = e->act_bytes;
+        r->flops_linear = e->flops_linear, r->flops_attn = e->flops_attn;
+        r->bytes_tp = e->bytes_tp, r->bytes_ulysses = e->bytes_ulysses;
+        r->bytes_ring = e->bytes_ring, r->bytes_cp = e->bytes_cp;
+        r->t_compute = e->t_compute, r->t_comm = e->t_comm, r->t_step = e->t_step;
+    }
+    free(est);
+    *out = res, *n = k;
+    return MDT_OK;
+}

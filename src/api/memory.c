@@ -1,0 +1,134 @@
+/*
+ * memory.c — the memory check of a run before any weight is read (meshdit.h: mdt_check_memory):
+ * this rank's weights plus activations (models/scaling.h: mdt_run_memory_at) against a limit
+ * per rank, and sizes in words ("8G").
+ */
+#include "comm/mesh.h"
+#include "backend/backend.h"
+#include "core/core.h"
+
+#include <cjson/cJSON.h>
+#include "models/scaling.h"
+
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int64_t mdt_size_parse(const char *s) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || !(v > 0))
+        return -1;
+    double mul = 1;
+    switch (*end) {
+    case 'k':
+    case 'K': mul = 1024.0, end++; break;
+    case 'm':
+    case 'M': mul = 1048576.0, end++; break;
+    case 'g':
+    case 'G': mul = 1073741824.0, end++; break;
+    case 't':
+    case 'T': mul = 1099511627776.0, end++; break;
+    default: break;
+    }
+    if (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0 || strcmp(end, "b") == 0)
+        end += strlen(end);
+    if (*end || v * mul > 9.0e18)
+        return -1;
+    return (int64_t)(v * mul);
+}
+
+/* Ranks of this job on this node: they share its memory. Collective over the world. */
+static int ranks_on_node(void) {
+    MPI_Comm node;
+    int n = 1;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
+        MPI_SUCCESS) {
+        MPI_Comm_size(node, &n);
+        MPI_Comm_free(&node);
+    }
+    return n;
+}
+
+/* The inputs as the memory estimate sees them: batch = dim 0 of the latent input; token rows =
+ * what the model's context-parallel plan splits (the sum of the sequence-dim-1 tensors, e.g.
+ * Flux's image + text rows, else the longest dim-0 one, e.g. MiniMax-H3's packed rows). */
+static mdt_run_inputs run_inputs_of(const mdt_model *m, const mdt_tensor_set *in) {
+    mdt_run_inputs r = {0};
+    const mdt_tensor *lat = mdt_tensor_set_get(in, m->fam->latent_input);
+    r.batch = lat && lat->ndim >= 1 ? lat->shape[0] : 1;
+    r.latent_f32 = lat ? mdt_tensor_numel(lat) * 4 : 0;
+    for (int i = 0; i < mdt_tensor_set_count(in); i++)
+        r.input_bytes += mdt_tensor_nbytes(mdt_tensor_set_at(in, i, &(const char *){NULL}));
+    int64_t rows1 = 0, rows0 = 0;
+    const mdt_cp_plan *cp = m->fam->cp_plan;
+    for (int i = 0; cp && i < cp->nsplit; i++) {
+        const mdt_tensor *t = mdt_tensor_set_get(in, cp->split[i].input);
+        if (t && cp->split[i].dim == 1 && t->ndim >= 2)
+            rows1 += t->shape[1];
+        else if (t && cp->split[i].dim == 0 && t->ndim >= 1 && t->shape[0] > rows0)
+            rows0 = t->shape[0];
+    }
+    r.rows = rows1 > 0 ? rows1 : rows0;
+    return r;
+}
+
+/* This rank's verdict: the limit is lim->max_bytes or, without it, the memory this process may
+ * use (the smaller of MemAvailable and its cgroup's limit, or lim->mem_available in their place)
+ * divided among the `nlocal` ranks of this node. */
+static mdt_status check_local(const char *ck, const mdt_mesh *mesh, const mdt_tensor_set *in,
+                              const mdt_memory_limit *lim, int nlocal) {
+    char what[256], src[64], b1[32], b2[32];
+    int64_t limit = lim->max_bytes;
+    if (limit > 0) {
+        snprintf(what, sizeof what, "the --max-memory limit of %s",
+                 mdt_fmt_size(limit, b1, sizeof b1));
+    } else {
+        const char *env = lim->mem_available;
+        int64_t avail;
+        if (env && *env) {
+            if ((avail = mdt_size_parse(env)) <= 0)
+                return MDT_FAIL(MDT_E_INVALID,
+                                "MESHDIT_MEM_AVAILABLE='%s' is not a size like 512M, 8G or "
+                                "1048576",
+                                env);
+            snprintf(src, sizeof src, "MESHDIT_MEM_AVAILABLE");
+        } else if ((avail = mdt_mem_available("", src, sizeof src)) < 0) {
+            return MDT_OK; /* nothing to go by: no check */
+        }
+        limit = avail / nlocal;
+        snprintf(what, sizeof what,
+                 "the %s this rank may use (%s: %s for the %d rank%s on this node; "
+                 "--max-memory SIZE overrides this check)",
+                 mdt_fmt_size(limit, b1, sizeof b1), src, mdt_fmt_size(avail, b2, sizeof b2),
+                 nlocal, nlocal > 1 ? "s" : "");
+    }
+    const int T = mesh ? mesh->T : 1, R = mesh ? mesh->R : 1, U = mesh ? mesh->U : 1;
+    char path[4096];
+    cJSON *cfg = NULL;
+    mdt_model *m = NULL;
+    snprintf(path, sizeof path, "%s/config.json", ck);
+    mdt_status st = mdt_config_load(path, &cfg);
+    if (st == MDT_OK)
+        st = mdt_model_describe(cfg, &m);
+    if (st == MDT_OK)
+        st = mdt_model_check_layout(m, T, R, U);
+    if (st == MDT_OK) {
+        mdt_run_inputs ri = run_inputs_of(m, in);
+        ri.bf16 = mdt_backend_bf16(), ri.device_acts = lim->device_activations;
+        st = mdt_check_run_memory(m, T, R, U, &ri, limit, what);
+    } else {
+        mdt_error_clear();
+        st = MDT_OK;
+    }
+    mdt_model_free(m);
+    cJSON_Delete(cfg);
+    return st;
+}
+
+mdt_status mdt_check_memory(const char *checkpoint_dir, mdt_mesh *mesh,
+                            const mdt_tensor_set *inputs, const mdt_memory_limit *lim) {
+    const int nlocal = ranks_on_node();
+    return mdt_mesh_agree(mesh, check_local(checkpoint_dir, mesh, inputs, lim, nlocal));
+}

@@ -1,0 +1,118 @@
+/*
+ * report.c — the run statistics of mdt_sample and the run report as JSON (meshdit.h:
+ * mdt_run_stats_*, mdt_run_report_json): the layout and device, the step times, every rank's
+ * facts and rank 0's view of each tensor. The keys are a contract (DESIGN.md §2, docs).
+ */
+#include "api/run_stats.h"
+#include "backend/backend.h"
+#include "models/model.h"
+
+#include <cjson/cJSON.h>
+#include <stdlib.h>
+#include <string.h>
+
+int mdt_run_stats_steps(const mdt_run_stats *s) { return s->steps; }
+int mdt_run_stats_sampled(const mdt_run_stats *s) { return s->sampled; }
+double mdt_run_stats_step_seconds(const mdt_run_stats *s) { return s->step_median_s; }
+int mdt_run_stats_rank_count(const mdt_run_stats *s) { return s->nranks; }
+
+const mdt_rank_stats *mdt_run_stats_rank(const mdt_run_stats *s, int i) {
+    return i >= 0 && i < s->nranks ? &s->pub[i] : NULL;
+}
+
+/* "tp,ring,ulysses": the mesh's order as --mesh-order spells it (the parser takes only that). */
+static void order_str(const mdt_mesh *mesh, char *buf, size_t cap) {
+    static const char *const names[MDT_AXIS_COUNT] = {"tp", "ring", "ulysses"};
+    if (!mesh) {
+        snprintf(buf, cap, "tp,ring,ulysses");
+        return;
+    }
+    snprintf(buf, cap, "%s,%s,%s", names[mesh->order[0]], names[mesh->order[1]],
+             names[mesh->order[2]]);
+}
+
+static void add_rank(cJSON *ranks, const mdt_rank_facts *f) {
+    cJSON *rk = cJSON_CreateObject();
+    cJSON_AddItemToArray(ranks, rk);
+    cJSON_AddNumberToObject(rk, "rank", f->rank);
+    cJSON *co = cJSON_AddObjectToObject(rk, "coords");
+    cJSON_AddNumberToObject(co, "tp", f->t);
+    cJSON_AddNumberToObject(co, "ring", f->r);
+    cJSON_AddNumberToObject(co, "ulysses", f->u);
+    cJSON_AddNumberToObject(co, "cp_index", f->cp_index);
+    cJSON_AddNumberToObject(rk, "heads_local", (double)f->heads_local);
+    cJSON_AddNumberToObject(rk, "weight_bytes", (double)f->weight_bytes);
+    cJSON_AddNumberToObject(rk, "peak_bytes", (double)f->peak_bytes);
+    cJSON_AddNumberToObject(rk, "max_rss_kib", (double)f->max_rss_kib);
+    cJSON_AddNumberToObject(rk, "bytes_read", (double)f->bytes_read);
+    cJSON *fl = cJSON_AddObjectToObject(rk, "flops_per_step");
+    cJSON_AddNumberToObject(fl, "linear", f->flops[MDT_FLOP_LINEAR]);
+    cJSON_AddNumberToObject(fl, "attention", f->flops[MDT_FLOP_ATTN]);
+    cJSON_AddNumberToObject(fl, "other", f->flops[MDT_FLOP_OTHER]);
+    cJSON *at = cJSON_AddObjectToObject(rk, "attention_per_step");
+    cJSON_AddNumberToObject(at, "calls", (double)f->attn_calls);
+    cJSON_AddNumberToObject(at, "query_rows_x_heads", (double)f->attn_q);
+    cJSON_AddNumberToObject(at, "kv_rows_x_heads", (double)f->attn_kv);
+    cJSON *cb = cJSON_AddObjectToObject(rk, "bytes_sent_per_step");
+    for (int k = 0; k < MDT_COLL_KIND_COUNT; k++)
+        cJSON_AddNumberToObject(cb, mdt_coll_kind_name((mdt_coll_kind)k), (double)f->coll[k]);
+    cJSON *ga = cJSON_AddObjectToObject(rk, "bytes_sent_per_step_by_axis");
+    for (int g = 0; g < MDT_GROUP_COUNT; g++)
+        cJSON_AddNumberToObject(ga, mdt_group_name((mdt_group)g), (double)f->group[g]);
+    cJSON *rg = cJSON_AddObjectToObject(rk, "ring_per_step");
+    cJSON_AddNumberToObject(rg, "ring_compute_seconds", f->ring_compute_s);
+    cJSON_AddNumberToObject(rg, "ring_wait_seconds", f->ring_wait_s);
+}
+
+mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, double load_seconds,
+                               char **json) {
+    *json = NULL;
+    const mdt_mesh *mesh = m->mesh;
+    char order[64];
+    order_str(mesh, order, sizeof order);
+    cJSON *r = cJSON_CreateObject();
+    cJSON_AddStringToObject(r, "model", m->fam->name);
+    cJSON_AddNumberToObject(r, "world", mesh ? mesh->world_size : 1);
+    cJSON *lay = cJSON_AddObjectToObject(r, "layout");
+    cJSON_AddNumberToObject(lay, "tp", mesh ? mesh->T : 1);
+    cJSON_AddNumberToObject(lay, "ring", mesh ? mesh->R : 1);
+    cJSON_AddNumberToObject(lay, "ulysses", mesh ? mesh->U : 1);
+    cJSON_AddStringToObject(lay, "mesh_order", order);
+    cJSON_AddStringToObject(r, "device", mdt_backend_name());
+    cJSON_AddStringToObject(r, "weights_dtype", mdt_backend_bf16() ? "bf16" : "f32");
+    cJSON_AddStringToObject(r, "cpu_kernels", mdt_cpu_isa());
+    char gemm[96];
+    mdt_cpu_gemm_describe(gemm, sizeof gemm);
+    cJSON_AddStringToObject(r, "cpu_gemm", gemm);
+    cJSON_AddStringToObject(r, "gemm_operands",
+                            mdt_backend_bf16() && mdt_cpu_gemm_bf16_operands() ? "bf16" : "f32");
+    cJSON_AddNumberToObject(r, "load_seconds", load_seconds);
+    cJSON_AddNumberToObject(r, "step_seconds_median", s->step_median_s);
+    cJSON_AddNumberToObject(r, "steps", s->steps);
+    cJSON *ranks = cJSON_AddArrayToObject(r, "ranks");
+    for (int i = 0; i < s->nranks; i++)
+        add_rank(ranks, &s->facts[i]);
+    if (!mesh || mesh->world_rank == 0) { /* per tensor: style, local shape, bytes read */
+        cJSON *tens = cJSON_AddArrayToObject(r, "tensors_rank0");
+        for (int i = 0; i < m->table.n; i++) {
+            const mdt_weight_spec *w = &m->table.specs[i];
+            cJSON *t = cJSON_CreateObject();
+            cJSON_AddItemToArray(tens, t);
+            cJSON_AddStringToObject(t, "name", w->name);
+            cJSON_AddStringToObject(t, "style", mdt_tp_style_name(w->style));
+            cJSON *ls = cJSON_AddArrayToObject(t, "local_shape");
+            for (int d = 0; d < w->ndim; d++)
+                cJSON_AddItemToArray(ls, cJSON_CreateNumber((double)m->ws[i].local[d]));
+            cJSON_AddNumberToObject(t, "bytes_read", (double)m->ws[i].bytes_read);
+        }
+    }
+    char *txt = cJSON_Print(r);
+    cJSON_Delete(r);
+    if (!txt)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    *json = malloc(strlen(txt) + 1); /* the caller frees it with free() */
+    if (*json)
+        memcpy(*json, txt, strlen(txt) + 1);
+    cJSON_free(txt);
+    return *json ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+}

@@ -1,0 +1,238 @@
+/*
+ * sample.c — the Euler flow-matching sampler and the repeated forward of a benchmark
+ * (meshdit.h: mdt_sample), with the step watchdog, the per-step counters and the run
+ * statistics gathered to world rank 0.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "api/run_stats.h"
+#include "io/checkpoint.h"
+#include "models/model.h"
+#include "tensor/tensor.h"
+
+#include <mpi.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+
+mdt_sample_params mdt_sample_params_default(void) {
+    return (mdt_sample_params){.steps = 0, .repeat = 1, .step_timeout = 0.0};
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static long max_rss_kib(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_maxrss;
+}
+
+static void public_view(const mdt_rank_facts *f, mdt_rank_stats *p) {
+    *p = (mdt_rank_stats){.rank = f->rank,
+                          .tp = f->t,
+                          .ring = f->r,
+                          .ulysses = f->u,
+                          .cp_index = f->cp_index,
+                          .heads_local = f->heads_local,
+                          .weight_bytes = f->weight_bytes,
+                          .peak_bytes = f->peak_bytes,
+                          .max_rss_kib = f->max_rss_kib,
+                          .bytes_read = f->bytes_read,
+                          .flops_linear = f->flops[MDT_FLOP_LINEAR],
+                          .flops_attn = f->flops[MDT_FLOP_ATTN],
+                          .flops_other = f->flops[MDT_FLOP_OTHER],
+                          .attn_calls = f->attn_calls,
+                          .attn_query_rows = f->attn_q,
+                          .attn_kv_rows = f->attn_kv,
+                          .bytes_tp = f->group[MDT_GROUP_TP],
+                          .bytes_ring = f->group[MDT_GROUP_RING],
+                          .bytes_ulysses = f->group[MDT_GROUP_ULYSSES],
+                          .bytes_cp = f->group[MDT_GROUP_CP],
+                          .ring_compute_s = f->ring_compute_s,
+                          .ring_wait_s = f->ring_wait_s,
+                          .prep_s = f->prep_s};
+}
+
+/* This rank's facts of the last step, gathered to world rank 0. Collective over the world. */
+static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, const int64_t *coll,
+                               const int64_t *group, mdt_run_stats *s) {
+    const mdt_mesh *mesh = m->mesh;
+    mdt_rank_facts mine = {0};
+    int64_t heads = 0;
+    mdt_cfg_int(m->config, "num_attention_heads", 0, 0, &heads);
+    mine.rank = mesh ? mesh->world_rank : 0;
+    mine.t = mesh ? mesh->t : 0, mine.r = mesh ? mesh->r : 0, mine.u = mesh ? mesh->u : 0;
+    mine.cp_index = mesh ? mesh->cp_index : 0;
+    mine.heads_local = heads / (mesh ? mesh->T : 1);
+    mine.weight_bytes = m->weight_bytes, mine.peak_bytes = mdt_mem_peak();
+    mine.max_rss_kib = max_rss_kib(), mine.bytes_read = m->bytes_read;
+    memcpy(mine.flops, per->flops, sizeof mine.flops);
+    mine.attn_calls = per->attn_calls, mine.attn_q = per->attn_query_rows;
+    mine.attn_kv = per->attn_kv_rows;
+    memcpy(mine.coll, coll, sizeof mine.coll);
+    memcpy(mine.group, group, sizeof mine.group);
+    mine.ring_wait_s = per->ring_wait_s, mine.ring_compute_s = per->ring_compute_s;
+    mine.prep_s = per->prep_s;
+    const int world = mesh ? mesh->world_size : 1;
+    s->facts = calloc((size_t)world, sizeof *s->facts);
+    s->pub = calloc((size_t)world, sizeof *s->pub);
+    if (!s->facts || !s->pub)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    if (mesh)
+        MPI_Gather(&mine, (int)sizeof mine, MPI_BYTE, s->facts, (int)sizeof mine, MPI_BYTE, 0,
+                   MPI_COMM_WORLD);
+    else
+        s->facts[0] = mine;
+    s->nranks = mine.rank == 0 ? world : 1;
+    if (mine.rank != 0)
+        s->facts[0] = mine;
+    for (int i = 0; i < s->nranks; i++)
+        public_view(&s->facts[i], &s->pub[i]);
+    return MDT_OK;
+}
+
+mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params *p,
+                      mdt_tensor_set *outputs, mdt_run_stats **stats) {
+    if (stats)
+        *stats = NULL;
+    const mdt_family *fam = m->fam;
+    mdt_mesh *mesh = m->mesh;
+    const int steps = p->steps, nsteps = steps > 0 ? steps : p->repeat;
+    if (steps < 0 || nsteps < 1)
+        return MDT_FAIL(MDT_E_INVALID, "sample: steps %d, repeat %d", steps, p->repeat);
+    if (mdt_tensor_set_count(outputs) != 0)
+        return MDT_FAIL(MDT_E_INVALID, "sample: the outputs set must be empty");
+    double *times = calloc((size_t)nsteps, sizeof(double));
+    mdt_counters per = {0};
+    int64_t coll[MDT_COLL_KIND_COUNT] = {0}, group[MDT_GROUP_COUNT] = {0};
+    mdt_tensor *lat = NULL, *tst = NULL;
+    mdt_tensor_set *res = NULL;
+    if (!times)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    if (steps > 0) {
+        lat = mdt_tensor_set_get(in, fam->latent_input);
+        tst = mdt_tensor_set_get(in, fam->timestep_input);
+        if (!lat || lat->dtype != MDT_F32 || !tst || tst->dtype != MDT_F32) {
+            free(times);
+            return MDT_FAIL(MDT_E_INVALID, "inputs: --steps needs F32 '%s' and '%s'",
+                            fam->latent_input, fam->timestep_input);
+        }
+    }
+    /* the step watchdog: a rank that does not reach a collective of a step within the bound ends
+     * the job with one line naming it; default: 10 x the longest step so far, at least 60 s */
+    double longest = 0.0;
+    mdt_status st = MDT_OK;
+    for (int i = 0; i < nsteps && st == MDT_OK; i++) {
+        if (mesh)
+            mdt_mesh_set_deadline(mesh, p->step_timeout > 0
+                                            ? p->step_timeout
+                                            : (10.0 * longest > 60.0 ? 10.0 * longest : 60.0));
+        /* flow-matching Euler: sigma_i = 1 - i/N, x <- x + (sigma_{i+1} - sigma_i) v */
+        double sig = 1.0 - (double)i / (double)nsteps, sig_next = 1.0 - (double)(i + 1) / nsteps;
+        if (tst)
+            for (int64_t b = 0; b < mdt_tensor_numel(tst); b++)
+                ((float *)tst->data)[b] = (float)sig;
+        mdt_tensor_set_free(res);
+        res = NULL;
+        /* the last of the plain forwards writes straight into the caller's set */
+        const int direct = steps == 0 && i == nsteps - 1;
+        if (!direct && (st = mdt_tensor_set_create(&res)) != MDT_OK)
+            break;
+        int64_t c0[MDT_COLL_KIND_COUNT] = {0}, gb0[MDT_GROUP_COUNT] = {0};
+        if (mesh) {
+            memcpy(c0, mesh->bytes_sent, sizeof c0);
+            memcpy(gb0, mesh->group_bytes, sizeof gb0);
+        }
+        mdt_counters_reset();
+        if (mesh && (st = mdt_mesh_barrier(mesh, "step start")) != MDT_OK)
+            break;
+        double ts = mdt_now();
+        st = mdt_model_forward(m, in, direct ? outputs : res);
+        times[i] = mdt_now() - ts;
+        longest = times[i] > longest ? times[i] : longest;
+        per = *mdt_counters_get();
+        for (int k = 0; mesh && k < MDT_COLL_KIND_COUNT; k++)
+            coll[k] = mesh->bytes_sent[k] - c0[k];
+        for (int g = 0; mesh && g < MDT_GROUP_COUNT; g++)
+            group[g] = mesh->group_bytes[g] - gb0[g];
+        if (st != MDT_OK && steps > 0) /* say which step: its input is ours, not the user's */
+            st = mdt_fail_prefix(st, "step %d of %d", i + 1, nsteps);
+        if (st != MDT_OK)
+            break;
+        if (lat) {
+            mdt_tensor *v = mdt_tensor_set_get(res, fam->output);
+            if (!v || mdt_tensor_numel(v) != mdt_tensor_numel(lat)) {
+                st = MDT_FAIL(MDT_E_INVALID,
+                              "the model output '%s' does not match the shape of "
+                              "'%s'; cannot sample",
+                              fam->output, fam->latent_input);
+                break;
+            }
+            float *x = lat->data;
+            const float *vv = v->data;
+            for (int64_t j = 0; j < mdt_tensor_numel(lat); j++)
+                x[j] += (float)(sig_next - sig) * vv[j];
+            const int64_t bad = mdt_first_nonfinite(x, mdt_tensor_numel(lat));
+            if (bad >= 0) {
+                st = MDT_FAIL(MDT_E_NUMERIC,
+                              "step %d of %d: the sampler's latent went non-finite at element "
+                              "%lld (the model output times the step size overflowed f32)",
+                              i + 1, nsteps, (long long)bad);
+                break;
+            }
+        }
+        if (p->on_step)
+            p->on_step(p->user, i + 1, nsteps, times[i]);
+    }
+    st = mdt_mesh_agree(mesh, st);
+    if (mesh)
+        mdt_mesh_set_deadline(mesh, 0); /* phases after the steps wait as long as they take */
+    mdt_tensor_set_free(res);
+    /* the sampler's result is the final latent, under the model's output name */
+    if (st == MDT_OK && lat)
+        st = mdt_tensor_set_add_copy(outputs, fam->output, lat);
+    for (int k = 0; st == MDT_OK && k < mdt_tensor_set_count(outputs); k++) {
+        const char *oname; /* never written with NaN or Inf, whatever the backend */
+        const mdt_tensor *t = mdt_tensor_set_at(outputs, k, &oname);
+        const int64_t bad =
+            t->dtype == MDT_F32 ? mdt_first_nonfinite(t->data, mdt_tensor_numel(t)) : -1;
+        if (bad >= 0)
+            st = MDT_FAIL(MDT_E_NUMERIC,
+                          "output '%s' holds a NaN or Inf at element %lld; not written", oname,
+                          (long long)bad);
+    }
+    st = mdt_mesh_agree(mesh, st);
+    if (st != MDT_OK || !stats) {
+        free(times);
+        return st;
+    }
+    mdt_run_stats *s = calloc(1, sizeof *s);
+    if (!s) {
+        free(times);
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    }
+    s->steps = nsteps, s->sampled = steps > 0;
+    s->step_median_s = median(times, nsteps);
+    free(times);
+    if ((st = gather_stats(m, &per, coll, group, s)) != MDT_OK) {
+        mdt_run_stats_free(s);
+        return st;
+    }
+    *stats = s;
+    return MDT_OK;
+}
+
+void mdt_run_stats_free(mdt_run_stats *s) {
+    if (!s)
+        return;
+    free(s->facts);
+    free(s->pub);
+    free(s);
+}

@@ -1,0 +1,62 @@
+/*
+ * cli.h — what the files of the `meshdit` command share: the world rank and size (set by main.c,
+ * which owns MPI), option parsing, the exit helpers and one entry per command. The command uses
+ * the library only through meshdit.h.
+ */
+#ifndef MDT_CLI_H
+#define MDT_CLI_H
+
+#include "meshdit.h"
+
+#include <stddef.h>
+#include <stdio.h>
+
+extern int cli_rank, cli_world; /* MPI_COMM_WORLD rank and size */
+
+/* ---- main.c ---- */
+void cli_usage(FILE *fp);
+/* Ends every process of the job (MPI_Abort): for a rank whose peers wait in a collective. */
+void cli_abort_job(int code);
+
+/* ---- test_env.c ---- */
+/* Reads MESHDIT_TEST_SHARD_INDEX, MESHDIT_TEST_SKIP_CP_SPLIT and MESHDIT_TEST_FAIL once and
+ * installs the library's test hooks. */
+void cli_test_env_install(void);
+
+/* ---- opts.c: --key value pairs after the command ---- */
+typedef struct cli_opts {
+    int n;
+    const char *keys[32], *vals[32];
+    int used[32];
+    const char *pos[4];
+    int npos;
+} cli_opts;
+
+/* Parses argv; `flags` (NULL-terminated, optional) names the options that take no value.
+ * Returns 0, or the usage exit code after printing why. */
+int cli_parse_opts(int argc, char **argv, cli_opts *o, const char *const *flags);
+const char *cli_opt_str(cli_opts *o, const char *key, const char *def);
+int cli_opt_int(cli_opts *o, const char *key, long long def, long long lo, long long hi,
+                long long *out);
+int cli_opt_double(cli_opts *o, const char *key, double def, double *out);
+/* The usage exit code naming the first option no command read, or 0. */
+int cli_opts_check_unused(cli_opts *o);
+
+/* Prints "meshdit: error: MESSAGE" from rank 0 (with the code and place under MESHDIT_DEBUG);
+ * returns the exit code 1. */
+int cli_fail_exit(mdt_status st);
+/* Prints "meshdit: usage error: " fmt (with `arg`) and the usage from rank 0; returns 2. */
+int cli_usage_exit(const char *fmt, const char *arg);
+/* `b` bytes in binary units with two decimals ("1.50 MiB"). */
+void cli_fmt_bytes(double b, char *buf, size_t cap);
+
+/* ---- the commands: argc/argv after the command's name; the return value is the exit code ---- */
+int cmd_gen(int argc, char **argv);     /* cmd_gen.c */
+int cmd_inputs(int argc, char **argv);  /* cmd_gen.c */
+int cmd_run(int argc, char **argv);     /* cmd_run.c */
+int cmd_compare(int argc, char **argv); /* cmd_compare.c */
+int cmd_gather(int argc, char **argv);  /* cmd_compare.c */
+int cmd_inspect(int argc, char **argv); /* cmd_inspect.c */
+int cmd_plan(int argc, char **argv);    /* cmd_inspect.c */
+
+#endif /* MDT_CLI_H */

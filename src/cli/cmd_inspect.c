@@ -1,0 +1,172 @@
+/*
+ * cmd_inspect.c — `meshdit inspect` (a model's weight table, each tensor's shard under a layout,
+ * the resident weights by TP degree and every rank's coordinates; no compute) and `meshdit plan`
+ * (the library's scaling-model estimate of every layout of N devices, best first).
+ */
+#include "cli/cli.h"
+
+#include <stdlib.h>
+
+/* Shape of a weight, full or local, in words ("[64, 32]"). */
+static const char *shape_str(int ndim, const int64_t *shape, char *buf, size_t cap) {
+    mdt_tensor t = {.ndim = ndim};
+    for (int d = 0; d < ndim; d++)
+        t.shape[d] = shape[d];
+    return mdt_tensor_shape_str(&t, buf, cap);
+}
+
+/* Parameters per rank under TP degree `tp` (a degree the model takes). */
+static double params_at(const mdt_model_info *info, int tp) {
+    double params = 0;
+    for (int i = 0; i < mdt_model_info_weight_count(info); i++) {
+        mdt_weight_info w = {0};
+        (void)mdt_model_info_weight(info, i, tp, &w);
+        params += (double)w.local_shape[0] * (w.ndim > 1 ? (double)w.local_shape[1] : 1.0);
+    }
+    return params;
+}
+
+/* The resident weights by TP degree and every rank's coordinates, shards and heads. */
+static void print_ranks(const mdt_model_info *info, long long tp, long long ring, long long uly,
+                        const char *order, const char *local_bytes) {
+    /* per-rank resident weights for every valid TP degree up to 16 (ring and ulysses do not
+     * shard weights: every CP rank holds its TP shard) */
+    printf("resident weights per rank by tp degree (any ring x ulysses):\n");
+    for (int T = 1; T <= 16; T++) {
+        if (mdt_model_info_check_layout(info, T, 1, 1) != MDT_OK)
+            continue;
+        const double params = params_at(info, T);
+        char f32b[32], bf16b[32];
+        cli_fmt_bytes(params * 4, f32b, sizeof f32b);
+        cli_fmt_bytes(params * 2, bf16b, sizeof bf16b);
+        printf("  tp=%-2d %6.3f B parameters per rank (%s f32, %s bf16)%s\n", T, params * 1e-9,
+               f32b, bf16b, T == tp ? "  <- this layout" : "");
+    }
+    const long long heads = (long long)mdt_model_info_heads(info);
+    for (long long rk = 0; rk < tp * ring * uly; rk++) {
+        int t = 0, r = 0, u = 0;
+        (void)mdt_mesh_coords_of(order, (int)rk, (int)tp, (int)ring, (int)uly, &t, &r, &u);
+        printf("rank %lld: tp %d, ring %d, ulysses %d, cp chunk %lld of %lld; %lld local heads "
+               "(%lld..%lld); weights %s resident\n",
+               rk, t, r, u, (long long)r * uly + u, ring * uly, heads / tp,
+               (long long)t * (heads / tp), (long long)(t + 1) * (heads / tp) - 1, local_bytes);
+    }
+}
+
+int cmd_inspect(int argc, char **argv) {
+    cli_opts o;
+    long long tp, ring, uly;
+    int rc = cli_parse_opts(argc, argv, &o, NULL);
+    if (rc)
+        return rc;
+    const char *ck = cli_opt_str(&o, "checkpoint", NULL), *cfgp = cli_opt_str(&o, "config", NULL);
+    const char *order = cli_opt_str(&o, "mesh-order", "tp,ring,ulysses");
+    if ((rc = cli_opt_int(&o, "tp", 1, 1, 4096, &tp)) ||
+        (rc = cli_opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
+        (rc = cli_opt_int(&o, "ulysses", 1, 1, 4096, &uly)) || (rc = cli_opts_check_unused(&o)))
+        return rc;
+    if (!!ck == !!cfgp)
+        return cli_usage_exit("inspect needs exactly one of --checkpoint DIR or --config FILE%s",
+                              "");
+    mdt_model_info *info = NULL;
+    int t0, r0, u0;
+    mdt_status st = mdt_mesh_coords_of(order, 0, 1, 1, 1, &t0, &r0, &u0); /* the order is valid */
+    if (st == MDT_OK)
+        st = mdt_model_info_open(ck, ck ? NULL : cfgp, 1, &info);
+    if (st == MDT_OK)
+        st = mdt_model_info_check_layout(info, (int)tp, (int)ring, (int)uly);
+    if (st != MDT_OK)
+        goto done;
+    printf("model %s (%s), %d tensors; layout tp %lld x ring %lld x ulysses %lld = %lld ranks "
+           "(mesh order %s)\n",
+           mdt_model_info_family(info), mdt_model_info_class_name(info),
+           mdt_model_info_weight_count(info), tp, ring, uly, tp * ring * uly, order);
+    for (int gather = 0; gather < 2; gather++) {
+        printf(gather ? "; gather" : "cp plan: split");
+        for (int i = 0; i < mdt_model_info_cp_count(info, gather); i++) {
+            int dim = 0;
+            const char *name = mdt_model_info_cp_entry(info, gather, i, &dim);
+            printf(" %s[dim %d]", name, dim);
+        }
+    }
+    printf("\n");
+    printf("%-64s %-14s %-26s %-14s %s\n", "tensor", "shape", "tp style", "local", "stored");
+    double total = 0, local_total = 0;
+    for (int i = 0; i < mdt_model_info_weight_count(info) && st == MDT_OK; i++) {
+        mdt_weight_info w;
+        char s1[64], s2[64];
+        if ((st = mdt_model_info_weight(info, i, (int)tp, &w)) != MDT_OK)
+            break;
+        total += (double)w.shape[0] * (w.ndim > 1 ? (double)w.shape[1] : 1.0);
+        local_total += (double)w.local_shape[0] * (w.ndim > 1 ? (double)w.local_shape[1] : 1.0);
+        printf("%-64s %-14s %-26s %-14s %s\n", w.name, shape_str(w.ndim, w.shape, s1, 64),
+               w.tp_style, shape_str(w.ndim, w.local_shape, s2, 64), w.stored);
+    }
+    if (st == MDT_OK) {
+        char b1[32], b2[32];
+        cli_fmt_bytes(total * 4, b1, sizeof b1);
+        cli_fmt_bytes(local_total * 4, b2, sizeof b2);
+        printf("parameters %.0f (%s in f32); per rank %.0f (%s in f32)\n", total, b1, local_total,
+               b2);
+        print_ranks(info, tp, ring, uly, order, b2);
+    }
+done:
+    mdt_model_info_free(info);
+    return st == MDT_OK ? 0 : cli_fail_exit(st);
+}
+
+int cmd_plan(int argc, char **argv) {
+    cli_opts o;
+    long long devices, tokens;
+    double mem_gib, elem;
+    int rc = cli_parse_opts(argc, argv, &o, NULL);
+    if (rc)
+        return rc;
+    const char *ck = cli_opt_str(&o, "checkpoint", NULL), *cfgp = cli_opt_str(&o, "config", NULL);
+    const char *devname = cli_opt_str(&o, "device", "h200");
+    if ((rc = cli_opt_int(&o, "devices", 1, 1, 4096, &devices)) ||
+        (rc = cli_opt_int(&o, "tokens", 4096, 1, 1 << 26, &tokens)) ||
+        (rc = cli_opt_double(&o, "device-mem", 0, &mem_gib)) ||
+        (rc = cli_opt_double(&o, "bytes", 2, &elem)) || (rc = cli_opts_check_unused(&o)))
+        return rc;
+    if (!!ck == !!cfgp)
+        return cli_usage_exit("plan needs exactly one of --checkpoint DIR or --config FILE%s", "");
+    mdt_device_spec dev;
+    if (mdt_device_spec_preset(devname, &dev) != MDT_OK)
+        return cli_usage_exit("unknown --device '%s' (cpu, h100, h200, trn2)", devname);
+    if (mem_gib > 0)
+        dev.mem_bytes = mem_gib * 1073741824.0;
+    mdt_model_info *info = NULL;
+    mdt_layout_estimate *est = NULL;
+    int n = 0;
+    mdt_status st = mdt_model_info_open(ck, ck ? NULL : cfgp, 0, &info);
+    if (st == MDT_OK)
+        st = mdt_plan_layouts(info, &dev, (int)devices, tokens, elem, &est, &n);
+    if (st != MDT_OK) {
+        mdt_model_info_free(info);
+        return cli_fail_exit(st);
+    }
+    printf("plan: %s, %lld tokens, %lld x %s (%.0f GiB, %.0f TFLOP/s sustained, %.0f GB/s in a "
+           "node of %d, %.0f GB/s across), %.0f-byte elements; one forward per step\n",
+           mdt_model_info_family(info), tokens, devices, dev.name, dev.mem_bytes / 1073741824.0,
+           dev.flops * 1e-12, dev.bw_intra * 1e-9, dev.node_size, dev.bw_inter * 1e-9, elem);
+    printf("%-16s %9s %9s %10s %10s %10s %10s %10s %9s %9s %9s\n", "tp x ring x uly", "weights",
+           "activ.", "lin TFLOP", "attn TFLOP", "tp GB", "ulysses GB", "ring GB", "compute s",
+           "comm s", "step s");
+    for (int i = 0; i < n; i++) {
+        const mdt_layout_estimate *e = &est[i];
+        char lay[32];
+        snprintf(lay, sizeof lay, "%d x %d x %d", e->tp, e->ring, e->ulysses);
+        if (!e->valid) {
+            printf("%-16s rejected: %s\n", lay, e->why);
+            continue;
+        }
+        printf("%-16s %8.2fG %8.2fG %10.2f %10.2f %10.2f %10.2f %10.2f %9.4f %9.4f %9.4f%s\n", lay,
+               e->weight_bytes / 1073741824.0, e->act_bytes / 1073741824.0, e->flops_linear * 1e-12,
+               e->flops_attn * 1e-12, e->bytes_tp * 1e-9, e->bytes_ulysses * 1e-9,
+               e->bytes_ring * 1e-9, e->t_compute, e->t_comm, e->t_step, i == 0 ? "  <- best" : "");
+    }
+    free(est);
+    mdt_model_info_free(info);
+    return 0;
+}

@@ -1,0 +1,205 @@
+/*
+ * cmd_run.c — `meshdit run`: the mesh, the device, the checks before any weight is read (output
+ * paths, memory), the load, then the library's sampler (--steps N) or N forwards (--repeat N),
+ * the output and report written both or neither, and the plan report on stdout.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "cli/cli.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The progress line on a terminal: "step i/N  seconds". */
+static void on_step(void *user, int step, int nsteps, double seconds) {
+    *(int *)user = 1;
+    fprintf(stderr, "\rstep %d/%d  %.3f s", step, nsteps, seconds);
+}
+
+/* The device line of rank 0: the GPU, or the CPU's bf16 path (nothing for the f32 CPU path). */
+static void print_device(const mdt_model *m) {
+    mdt_device_info d;
+    mdt_device_info_get(&d);
+    const double wmib = (double)mdt_model_weight_bytes(m) / 1048576.0;
+    if (d.gpu)
+        printf("device: %s, compute %s, weights %.1f MiB per rank, device memory peak %.2f GiB "
+               "(rank 0)\n",
+               d.description, d.bf16 ? "bf16 (fp32 accumulation)" : "f32", wmib,
+               (double)d.device_mem_peak / 1073741824.0);
+    else if (d.bf16 && d.bf16_operands)
+        printf("device: cpu, compute bf16 x bf16 GEMM operands with fp32 accumulation (linears, "
+               "QK^T, PV; norms, softmax and residuals fp32), weights %.1f MiB per rank, operand "
+               "scratch %.1f MiB (rank 0)\n",
+               wmib, (double)d.scratch_bytes / 1048576.0);
+    else if (d.bf16)
+        printf("device: cpu, compute bf16 weights widened to f32 panels for sgemm (fp32 "
+               "arithmetic), weights %.1f MiB per rank, widening scratch %.1f MiB (rank 0)\n",
+               wmib, (double)d.scratch_bytes / 1048576.0);
+}
+
+/* What every rank did (rank 0 holds the gathered facts), then the load and step times. */
+static void print_plan(const mdt_model *m, const char *order, const mdt_run_stats *s, double load_s,
+                       const char *out) {
+    char wb[32], pb[32];
+    mdt_device_info d;
+    int T, R, U;
+    mdt_device_info_get(&d);
+    mdt_model_layout(m, &T, &R, &U);
+    printf("plan: model %s, world %d = tp %d x ring %d x ulysses %d (mesh order %s), cpu kernels "
+           "%s, gemm %s\n",
+           mdt_model_family(m), cli_world, T, R, U, order, d.cpu_kernels, d.cpu_gemm);
+    double tot0 = 0;
+    for (int i = 0; i < mdt_run_stats_rank_count(s); i++) {
+        const mdt_rank_stats *f = mdt_run_stats_rank(s, i);
+        double tot = f->flops_linear + f->flops_attn + f->flops_other;
+        if (i == 0)
+            tot0 = tot;
+        cli_fmt_bytes((double)f->weight_bytes, wb, sizeof wb);
+        cli_fmt_bytes((double)f->peak_bytes, pb, sizeof pb);
+        printf("rank %d (tp %d, ring %d, ulysses %d): %lld tp-local heads, weights %s, peak %s, "
+               "read %lld B; per forward %.3f GFLOP (linear %.3f, attn %.3f), attn %lld/%lld "
+               "q/kv rows x heads; bytes sent tp %lld, ring %lld, ulysses %lld, cp %lld",
+               f->rank, f->tp, f->ring, f->ulysses, (long long)f->heads_local, wb, pb,
+               (long long)f->bytes_read, tot * 1e-9, f->flops_linear * 1e-9, f->flops_attn * 1e-9,
+               (long long)f->attn_query_rows, (long long)f->attn_kv_rows, (long long)f->bytes_tp,
+               (long long)f->bytes_ring, (long long)f->bytes_ulysses, (long long)f->bytes_cp);
+        if (f->ring_compute_s > 0)
+            printf("; ring compute %.4f s, wait %.4f s", f->ring_compute_s, f->ring_wait_s);
+        if (f->prep_s > 0)
+            printf("; input prep %.6f s", f->prep_s);
+        printf("\n");
+    }
+    const int sampling = mdt_run_stats_sampled(s);
+    const double med = mdt_run_stats_step_seconds(s);
+    printf("load %.3f s; %s %d: median %.6f s per %s (rank 0: %.2f GFLOP/s); wrote %s\n", load_s,
+           sampling ? "steps" : "forwards", mdt_run_stats_steps(s), med,
+           sampling ? "step" : "forward", med > 0 ? tot0 / med * 1e-9 : 0.0, out);
+}
+
+/* The options of `meshdit run`. */
+typedef struct run_args {
+    const char *ck, *inp, *out, *report, *order, *device, *dtype, *comm;
+    int quiet;
+    int64_t max_bytes;
+    long long tp, ring, uly, steps, repeat, step_timeout;
+} run_args;
+
+static int parse_run(int argc, char **argv, run_args *a) {
+    static const char *const flags[] = {"quiet", NULL};
+    cli_opts o;
+    int rc = cli_parse_opts(argc, argv, &o, flags);
+    if (rc)
+        return rc;
+    a->ck = cli_opt_str(&o, "checkpoint", NULL), a->inp = cli_opt_str(&o, "inputs", NULL);
+    a->out = cli_opt_str(&o, "out", NULL), a->report = cli_opt_str(&o, "report", NULL);
+    a->order = cli_opt_str(&o, "mesh-order", "tp,ring,ulysses");
+    const char *maxmem = cli_opt_str(&o, "max-memory", NULL);
+    a->device = cli_opt_str(&o, "device", "cpu"), a->dtype = cli_opt_str(&o, "dtype", "f32");
+    a->comm = cli_opt_str(&o, "comm", "auto");
+    a->quiet = cli_opt_str(&o, "quiet", NULL) != NULL;
+    if (strcmp(a->device, "cpu") != 0 && strcmp(a->device, "cuda") != 0)
+        return cli_usage_exit("--device must be cpu or cuda, got '%s'", a->device);
+    if (strcmp(a->dtype, "f32") != 0 && strcmp(a->dtype, "bf16") != 0)
+        return cli_usage_exit("--dtype must be f32 or bf16, got '%s'", a->dtype);
+    if (strcmp(a->comm, "auto") != 0 && strcmp(a->comm, "mpi") != 0 && strcmp(a->comm, "nccl") != 0)
+        return cli_usage_exit("--comm must be auto, mpi or nccl, got '%s'", a->comm);
+    a->max_bytes = 0;
+    if (maxmem && (a->max_bytes = mdt_size_parse(maxmem)) <= 0)
+        return cli_usage_exit("--max-memory takes a size like 512M, 8G or 1048576, got '%s'",
+                              maxmem);
+    if ((rc = cli_opt_int(&o, "tp", 1, 1, 4096, &a->tp)) ||
+        (rc = cli_opt_int(&o, "ring", 1, 1, 4096, &a->ring)) ||
+        (rc = cli_opt_int(&o, "ulysses", 1, 1, 4096, &a->uly)) ||
+        (rc = cli_opt_int(&o, "steps", 0, 0, 100000, &a->steps)) ||
+        (rc = cli_opt_int(&o, "repeat", 1, 1, 100000, &a->repeat)) ||
+        (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
+        (rc = cli_opts_check_unused(&o)))
+        return rc;
+    if (!a->ck || !a->inp || !a->out)
+        return cli_usage_exit("run needs --checkpoint DIR --inputs FILE --out FILE%s", "");
+    return 0;
+}
+
+int cmd_run(int argc, char **argv) {
+    run_args a = {0};
+    int rc = parse_run(argc, argv, &a);
+    if (rc)
+        return rc;
+    mdt_mesh *mesh = NULL;
+    mdt_model *m = NULL;
+    mdt_tensor_set *in = NULL, *res = NULL;
+    mdt_run_stats *stats = NULL;
+    mdt_status st = mdt_mesh_create_world((int)a.tp, (int)a.ring, (int)a.uly, a.order, &mesh);
+    if (st != MDT_OK)
+        return cli_fail_exit(st); /* same verdict on every rank: nothing to agree on */
+    /* rank 0 writes the outputs: it finds out now, not after the compute, that it cannot */
+    st = mdt_mesh_verdict(mesh, cli_rank == 0 ? mdt_outputs_check(a.out, a.report) : MDT_OK);
+    if (st == MDT_OK)
+        st = mdt_device_select(mesh, a.device, a.dtype, a.comm);
+    if (st != MDT_OK)
+        goto done;
+    /* the inputs first: the memory check counts their activations before the weights load */
+    st = mdt_mesh_verdict(mesh, mdt_tensor_set_load(a.inp, &in));
+    if (st != MDT_OK)
+        goto done;
+    const mdt_memory_limit lim = {.max_bytes = a.max_bytes,
+                                  .mem_available = getenv("MESHDIT_MEM_AVAILABLE"),
+                                  .device_activations = strcmp(a.device, "cuda") == 0};
+    if ((st = mdt_check_memory(a.ck, mesh, in, &lim)) != MDT_OK)
+        goto done;
+    mdt_load_params lp = mdt_load_params_default(); /* (the weights-only limit is checked above) */
+    lp.checkpoint_dir = a.ck, lp.mesh = mesh;
+    const double t0 = now_s();
+    st = mdt_model_load(&lp, &m);
+    const double load_s = now_s() - t0;
+    if (st == MDT_OK)
+        st = mdt_tensor_set_create(&res);
+    if (st != MDT_OK)
+        goto done;
+    const int progress = !a.quiet && cli_rank == 0 && a.steps > 0 && isatty(STDERR_FILENO);
+    int printed = 0;
+    mdt_sample_params sp = mdt_sample_params_default();
+    sp.steps = (int)a.steps, sp.repeat = (int)a.repeat, sp.step_timeout = (double)a.step_timeout;
+    sp.on_step = progress ? on_step : NULL, sp.user = &printed;
+    st = mdt_sample(m, in, &sp, res, &stats);
+    if (printed)
+        fprintf(stderr, "\n");
+    if (st != MDT_OK)
+        goto done;
+    if (cli_rank == 0) { /* the output and the report: both or neither */
+        char *txt = NULL;
+        st = a.report ? mdt_run_report_json(m, stats, load_s, &txt) : MDT_OK;
+        if (st == MDT_OK)
+            st = mdt_outputs_write(a.out, res, a.report, txt);
+        free(txt);
+    }
+    st = mdt_mesh_verdict(mesh, st);
+    if (st != MDT_OK)
+        goto done;
+    if (cli_rank == 0 && !a.quiet)
+        print_device(m);
+    st = mdt_mesh_verdict(mesh, st);
+    if (st == MDT_OK && !a.quiet && cli_rank == 0)
+        print_plan(m, a.order, stats, load_s, a.out);
+done:
+    if (st != MDT_OK && mdt_mesh_peers_stuck(mesh)) {
+        /* this rank failed inside a step while its peers wait in a collective: no agreement is
+         * possible, so report from here and end the whole job */
+        fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
+        fflush(stderr);
+        cli_abort_job(1);
+    }
+    mdt_run_stats_free(stats);
+    mdt_tensor_set_free(res);
+    mdt_tensor_set_free(in);
+    mdt_model_free(m);
+    mdt_mesh_free(mesh);
+    return st == MDT_OK ? 0 : cli_fail_exit(st);
+}

@@ -1,0 +1,112 @@
+/*
+ * opts.c — the command's option parsing (--key value pairs and flags) and its exit helpers:
+ * one line per failure from rank 0; exit codes 0 success, 1 failure, 2 usage error.
+ */
+#include "cli/cli.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+int cli_fail_exit(mdt_status st) {
+    if (cli_rank == 0) {
+        if (getenv("MESHDIT_DEBUG"))
+            fprintf(stderr, "meshdit: error: %s [%s, %s]\n", mdt_last_error(), mdt_status_str(st),
+                    mdt_last_error_where());
+        else
+            fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
+    }
+    return 1;
+}
+
+int cli_usage_exit(const char *fmt, const char *arg) {
+    if (cli_rank == 0) {
+        fprintf(stderr, "meshdit: usage error: ");
+        fprintf(stderr, fmt, arg);
+        fprintf(stderr, "\n");
+        cli_usage(stderr);
+    }
+    return 2;
+}
+
+int cli_parse_opts(int argc, char **argv, cli_opts *o, const char *const *flags) {
+    memset(o, 0, sizeof *o);
+    for (int i = 0; i < argc; i++) {
+        if (strncmp(argv[i], "--", 2) == 0) {
+            if (o->n == 32)
+                return cli_usage_exit("too many options%s", "");
+            int is_flag = 0;
+            for (int f = 0; flags && flags[f]; f++)
+                is_flag |= strcmp(argv[i] + 2, flags[f]) == 0;
+            o->keys[o->n] = argv[i] + 2;
+            if (is_flag) {
+                o->vals[o->n++] = "1";
+                continue;
+            }
+            if (i + 1 >= argc)
+                return cli_usage_exit("option %s needs a value", argv[i]);
+            o->vals[o->n++] = argv[++i];
+        } else {
+            if (o->npos == 4)
+                return cli_usage_exit("unexpected argument '%s'", argv[i]);
+            o->pos[o->npos++] = argv[i];
+        }
+    }
+    return 0;
+}
+
+const char *cli_opt_str(cli_opts *o, const char *key, const char *def) {
+    for (int i = 0; i < o->n; i++)
+        if (strcmp(o->keys[i], key) == 0) {
+            o->used[i] = 1;
+            return o->vals[i];
+        }
+    return def;
+}
+
+int cli_opt_int(cli_opts *o, const char *key, long long def, long long lo, long long hi,
+                long long *out) {
+    const char *v = cli_opt_str(o, key, NULL);
+    if (!v) {
+        *out = def;
+        return 0;
+    }
+    char *end;
+    long long x = strtoll(v, &end, 10);
+    if (*v == 0 || *end != 0 || x < lo || x > hi) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "--%s must be an integer in [%lld, %lld], got '%%s'", key, lo,
+                 hi);
+        return cli_usage_exit(msg, v);
+    }
+    *out = x;
+    return 0;
+}
+
+int cli_opt_double(cli_opts *o, const char *key, double def, double *out) {
+    const char *v = cli_opt_str(o, key, NULL);
+    if (!v) {
+        *out = def;
+        return 0;
+    }
+    char *end;
+    *out = strtod(v, &end);
+    if (*v == 0 || *end != 0 || !isfinite(*out))
+        return cli_usage_exit("bad number '%s'", v);
+    return 0;
+}
+
+int cli_opts_check_unused(cli_opts *o) {
+    for (int i = 0; i < o->n; i++)
+        if (!o->used[i])
+            return cli_usage_exit("unknown option --%s", o->keys[i]);
+    return 0;
+}
+
+void cli_fmt_bytes(double b, char *buf, size_t cap) {
+    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int i = 0;
+    while (b >= 1024.0 && i < 4)
+        b /= 1024.0, i++;
+    snprintf(buf, cap, "%.2f %s", b, u[i]);
+}
