@@ -325,10 +325,13 @@ int mdt_model_info_weight_count(const mdt_model_info *info);
 /* The i-th weight with its local shape under TP degree `tp` (MDT_E_INVALID if it does not
  * divide) and, for a view with the index, its stored dtype. */
 mdt_status mdt_model_info_weight(const mdt_model_info *info, int i, int tp, mdt_weight_info *out);
-/* The family's context-parallel plan: `gather` 0 = the inputs split over the CP group, 1 = the
- * outputs gathered. Count, then the i-th entry's tensor name and sequence dimension. */
+/* The family's context-parallel plan, the one its forward runs: `gather` 0 = the inputs split
+ * over the CP group, 1 = the outputs gathered. Count, then the i-th entry's tensor name, its
+ * sequence dimension and (`by`, optional) the input whose values pick an output's rows from the
+ * gathered packed sequence (NULL: the chunks concatenated in order). */
 int mdt_model_info_cp_count(const mdt_model_info *info, int gather);
-const char *mdt_model_info_cp_entry(const mdt_model_info *info, int gather, int i, int *dim);
+const char *mdt_model_info_cp_entry(const mdt_model_info *info, int gather, int i, int *dim,
+                                    const char **by);
 /* MDT_E_INVALID naming the constraint when the model cannot run under tp x ring x ulysses. */
 mdt_status mdt_model_info_check_layout(const mdt_model_info *info, int tp, int ring, int ulysses);
 mdt_status mdt_model_info_make_inputs(const mdt_model_info *info, const mdt_random_inputs *p,

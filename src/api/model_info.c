@@ -91,12 +91,15 @@ int mdt_model_info_cp_count(const mdt_model_info *info, int gather) {
     return !cp ? 0 : gather ? cp->ngather : cp->nsplit;
 }
 
-const char *mdt_model_info_cp_entry(const mdt_model_info *info, int gather, int i, int *dim) {
+const char *mdt_model_info_cp_entry(const mdt_model_info *info, int gather, int i, int *dim,
+                                    const char **by) {
     const mdt_cp_plan *cp = info->m->fam->cp_plan;
     if (i < 0 || i >= mdt_model_info_cp_count(info, gather))
         return NULL;
     const mdt_cp_split *e = gather ? &cp->gather[i] : &cp->split[i];
     *dim = e->dim;
+    if (by)
+        *by = e->by;
     return e->input;
 }
 

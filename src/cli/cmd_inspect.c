@@ -85,8 +85,8 @@ int cmd_inspect(int argc, char **argv) {
         printf(gather ? "; gather" : "cp plan: split");
         for (int i = 0; i < mdt_model_info_cp_count(info, gather); i++) {
             int dim = 0;
-            const char *name = mdt_model_info_cp_entry(info, gather, i, &dim);
-            printf(" %s[dim %d]", name, dim);
+            const char *by = NULL, *name = mdt_model_info_cp_entry(info, gather, i, &dim, &by);
+            printf(" %s[dim %d%s%s]", name, dim, by ? " by " : "", by ? by : "");
         }
     }
     printf("\n");

@@ -101,7 +101,8 @@ static void test_info_and_plan(void) {
     EXPECT(strcmp(mdt_model_info_family(v), "flux") == 0, "family");
     EXPECT(mdt_model_info_cp_count(v, 0) == 4 && mdt_model_info_cp_count(v, 1) == 1, "cp plan");
     int dim = -1;
-    EXPECT(strcmp(mdt_model_info_cp_entry(v, 1, 0, &dim), "sample") == 0 && dim == 1, "gather");
+    EXPECT(strcmp(mdt_model_info_cp_entry(v, 1, 0, &dim, NULL), "sample") == 0 && dim == 1,
+           "gather");
     mdt_weight_info w;
     EXPECT_OK(mdt_model_info_weight(v, 0, 2, &w));
     EXPECT(strcmp(w.stored, "F32") == 0, "stored %s", w.stored);
