@@ -74,7 +74,7 @@ static mdt_status split(MPI_Comm world, int colour, int key, MPI_Comm *out) {
 }
 
 static void mesh_free_comms(mdt_mesh *m) {
-    MPI_Comm *cs[] = {&m->tp, &m->ring, &m->ulysses, &m->cp, &m->watch, &m->world};
+    MPI_Comm *cs[] = {&m->tp, &m->ring, &m->ulysses, &m->cp, &m->watch, &m->agree, &m->world};
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
         if (*cs[i] != MPI_COMM_NULL)
             MPI_Comm_free(cs[i]);
@@ -87,11 +87,12 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
     mdt_mesh *m = mdt_calloc(sizeof *m);
     if (!m)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    m->world = m->tp = m->ring = m->ulysses = m->cp = m->watch = MPI_COMM_NULL;
+    m->world = m->tp = m->ring = m->ulysses = m->cp = m->watch = m->agree = MPI_COMM_NULL;
     MDT_CHECK(mdt_mesh_parse_order(order ? order : "tp,ring,ulysses", m->order));
     MDT_CHECK(mpi_check(MPI_Comm_dup(world, &m->world), "MPI_Comm_dup"));
     MDT_CHECK(mpi_check(MPI_Comm_set_errhandler(m->world, MPI_ERRORS_RETURN), "errhandler"));
     MDT_CHECK(mpi_check(MPI_Comm_dup(world, &m->watch), "MPI_Comm_dup"));
+    MDT_CHECK(mpi_check(MPI_Comm_dup(m->world, &m->agree), "MPI_Comm_dup"));
     MDT_CHECK(mpi_check(MPI_Comm_set_errhandler(m->watch, MPI_ERRORS_RETURN), "errhandler"));
     MPI_Comm_size(m->world, &m->world_size);
     MPI_Comm_rank(m->world, &m->world_rank);
@@ -235,7 +236,7 @@ mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local) {
         return local;
     int mine = local == MDT_OK ? INT_MAX : m->world_rank, first = INT_MAX, done = 0;
     MPI_Request rq;
-    if (MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, m->world, &rq) != MPI_SUCCESS)
+    if (MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, m->agree, &rq) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Iallreduce failed");
     /* A healthy rank waits as long as its peers need (a slow load is not a failure). A failed
      * rank waits a bounded time: peers blocked inside a step's collective never arrive, and
@@ -277,7 +278,7 @@ mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local) {
         pkt.code = (int)local;
         snprintf(pkt.msg, sizeof pkt.msg, "%s", mdt_last_error());
     }
-    if (MPI_Bcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, m->world) != MPI_SUCCESS)
+    if (MPI_Bcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, m->agree) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Bcast failed");
     if (strncmp(pkt.msg, "rank ", 5) == 0) /* already agreed on at an inner phase boundary */
         return MDT_FAIL((mdt_status)pkt.code, "%s", pkt.msg);

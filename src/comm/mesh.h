@@ -58,6 +58,9 @@ struct mdt_mesh {
      * questions that find which ranks did not arrive. */
     double deadline_s;
     MPI_Comm watch;
+    /* the failure agreement's own communicator: a rank that failed between two collectives
+     * agrees here, where no peer's compute collective can ever match its message */
+    MPI_Comm agree;
     int waiting; /* inside a watched wait (answers "waiting" to a question) */
     int64_t scratch_floats;
     /* host scratch for callers' per-member sizes, counts and displacements (attn.c):

@@ -359,8 +359,8 @@ static mdt_status pack(const h3 *f, const mdt_dit *d, const h3_in *x, float *h) 
 
 /* One transformer block on h [B, Sc, C]: RMSNorm, per-row AdaLN from the (timestep, modality)
  * table mod [3 T_n, 6C] (shift, scale, gate x 2), CP attention, SwiGLU FFN, gated residuals. */
-static mdt_status block(const h3 *f, const mdt_dit *d, const h3_in *x, const h3_block *b, float *h,
-                        float *mod, float *n, float *y) {
+static mdt_status block(const h3 *f, const mdt_dit *d, const h3_in *x, const h3_block *b, int first,
+                        float *h, float *mod, float *n, float *y) {
     const int64_t C = f->hidden, Sc = x->Sc;
     MDT_TRY(mdt_dit_adaln(d, &b->adaln, mod)); // [T_n, 18C]
     for (int64_t bb = 0; bb < d->B; bb++) {
@@ -374,6 +374,8 @@ static mdt_status block(const h3 *f, const mdt_dit *d, const h3_in *x, const h3_
         mdt_k()->rmsnorm(h + bb * Sc * C, b->norm2, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
         mdt_k()->modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, x->ada_rows, 3 * C, 4 * C);
     }
+    if (first) /* test seam: fail mid-step, between a block's collectives */
+        MDT_TRY(mdt_test_point("step", d->mesh ? d->mesh->world_rank : 0));
     MDT_TRY(ff_part(d, b, n, d->B * Sc, y)); // [B*S/P, C]
     for (int64_t bb = 0; bb < d->B; bb++)
         mdt_k()->gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, x->ada_rows,
@@ -407,9 +409,9 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     MDT_TRY(pack(f, &d, &x, h));
     for (int64_t i = 0; i < f->layers; i++) {
         char stage[48];
-        MDT_TRY(block(f, &d, &x, &f->blk[i], h, mod, n, y));
-        if (i == 0) /* test seam: fail mid-step */
-            MDT_TRY(mdt_test_point("step", d.mesh ? d.mesh->world_rank : 0));
+        MDT_TRY(block(f, &d, &x, &f->blk[i], i == 0, h, mod, n, y));
+        if (i == 0) /* test seam: fail just before a world collective (the guard below) */
+            MDT_TRY(mdt_test_point("stage", d.mesh ? d.mesh->world_rank : 0));
         snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
         MDT_TRY(mdt_guard_finite(d.mesh, stage, h, M * C));
     }

@@ -138,9 +138,11 @@ H3ARGS=(run --checkpoint "$DATA/h3_heads8" --inputs "$DATA/h3_heads8/inputs.safe
 mpi_error skipped-cp-split-h3 2 "no silent degrade.*computed the whole sequence" -- "${H3ARGS[@]}" --ring 2
 unset MESHDIT_TEST_SKIP_CP_SPLIT
 mpi_error h3-heads 3 "tp=3 does not divide 8 attention heads" -- "${H3ARGS[@]}" --tp 3
-# a rank that fails or dies mid-load or mid-step at 4 ranks: every rank exits non-zero within 30 s
+# a rank that fails or dies mid-load or mid-step at 4 ranks: every rank exits non-zero within 30 s,
+# with the failing rank's message (stage:2 fails just before a world collective: the agreement
+# has its own communicator, so the peers' collective cannot swallow it)
 export MESHDIT_AGREE_TIMEOUT=5
-for inj in load:2 step:2 load:1:kill step:3:kill; do
+for inj in load:2 step:2 stage:2 load:1:kill step:3:kill; do
     rm -f "$T"/rc.*
     start=$(date +%s)
     MESHDIT_TEST_FAIL=$inj timeout 60 "$MPIEXEC" -n 4 bash -c '"$@"; r=$?; echo $r > "'"$T"'/rc.${PMI_RANK:-0}"; exit $r' _ \
