@@ -137,8 +137,8 @@ int64_t mdt_size_parse(const char *s);
 /* Selects the compute backend on every rank of `mesh`: `device` "cpu" or "cuda" (the GPU of the
  * rank's node-local index modulo the GPUs), `dtype` "f32" or "bf16" (compute with bf16 weights),
  * `comm` "auto", "mpi" or "nccl" (device collectives: NCCL communicators per mesh group; auto uses
- * them when every rank has a GPU of its own). Collective over the world; same verdict everywhere.
- * Call before mdt_model_load. */
+ * them when every rank has a GPU of its own). Collective over MPI_COMM_WORLD even with a NULL
+ * mesh (it finds the node-local ranks); same verdict everywhere. Call before mdt_model_load. */
 mdt_status mdt_device_select(mdt_mesh *mesh, const char *device, const char *dtype,
                              const char *comm);
 
@@ -296,7 +296,8 @@ typedef struct mdt_memory_limit {
 /* Before any weight is read: this rank's weights plus the activations of `inputs` under the
  * mesh's layout must fit the limit (MDT_E_NOMEM naming the need, the limit and the smallest TP
  * degree that would fit). A checkpoint, inputs or layout the model cannot take pass (the loader
- * names the problem). Collective over the world; same verdict everywhere. */
+ * names the problem). Collective over MPI_COMM_WORLD even with a NULL mesh (it counts the ranks
+ * sharing this node's memory); same verdict everywhere. */
 mdt_status mdt_check_memory(const char *checkpoint_dir, mdt_mesh *mesh,
                             const mdt_tensor_set *inputs, const mdt_memory_limit *lim);
 /* `path` can be written (its directory exists and is writable, it is not a directory). Local. */

@@ -3,13 +3,12 @@
  * this rank's weights plus activations (models/scaling.h: mdt_run_memory_at) against a limit
  * per rank, and sizes in words ("8G").
  */
-#include "comm/mesh.h"
 #include "backend/backend.h"
+#include "comm/mesh.h"
 #include "core/core.h"
-
-#include <cjson/cJSON.h>
 #include "models/scaling.h"
 
+#include <cjson/cJSON.h>
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>

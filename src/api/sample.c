@@ -63,7 +63,7 @@ static void public_view(const mdt_rank_facts *f, mdt_rank_stats *p) {
 /* This rank's facts of the last step, gathered to world rank 0. Collective over the world. */
 static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, const int64_t *coll,
                                const int64_t *group, mdt_run_stats *s) {
-    const mdt_mesh *mesh = m->mesh;
+    mdt_mesh *mesh = m->mesh;
     mdt_rank_facts mine = {0};
     int64_t heads = 0;
     mdt_cfg_int(m->config, "num_attention_heads", 0, 0, &heads);
@@ -83,11 +83,12 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     const int world = mesh ? mesh->world_size : 1;
     s->facts = calloc((size_t)world, sizeof *s->facts);
     s->pub = calloc((size_t)world, sizeof *s->pub);
-    if (!s->facts || !s->pub)
-        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    if (mesh)
-        MPI_Gather(&mine, (int)sizeof mine, MPI_BYTE, s->facts, (int)sizeof mine, MPI_BYTE, 0,
-                   MPI_COMM_WORLD);
+    /* every rank learns whether all could allocate before any enters the gather */
+    MDT_TRY(
+        mdt_mesh_agree(mesh, s->facts && s->pub ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory")));
+    if (mesh && MPI_Gather(&mine, (int)sizeof mine, MPI_BYTE, s->facts, (int)sizeof mine, MPI_BYTE,
+                           0, mesh->world) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "run statistics: MPI_Gather failed");
     else
         s->facts[0] = mine;
     s->nranks = mine.rank == 0 ? world : 1;

@@ -54,11 +54,11 @@ mdt_status mdt_config_load(const char *path, cJSON **out);
 mdt_status mdt_cfg_int(const cJSON *cfg, const char *key, int required, int64_t def, int64_t *out);
 mdt_status mdt_cfg_bool(const cJSON *cfg, const char *key, int def, int *out);
 mdt_status mdt_cfg_double(const cJSON *cfg, const char *key, double def, double *out);
-/* Integer array; `*n` in: capacity, out: count. Missing key -> count 0. */
 /* Several integer (double) keys at once: `spec` lists "key=default" words in the order of dst
  * [n]; each is read as mdt_cfg_int(cfg, key, 0, default) (mdt_cfg_double) would. */
 mdt_status mdt_cfg_ints(const cJSON *cfg, const char *spec, int64_t *const *dst, int n);
 mdt_status mdt_cfg_doubles(const cJSON *cfg, const char *spec, double *const *dst, int n);
+/* Integer array; `*n` in: capacity, out: count. Missing key -> count 0. */
 mdt_status mdt_cfg_int_array(const cJSON *cfg, const char *key, int64_t *vals, int *n);
 /* String value into *out, NULL when absent or null; a present value of another type is an error
  * ("config.json: 'K' must be a string, not a number"), MDT_E_INVALID. */

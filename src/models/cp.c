@@ -5,6 +5,7 @@
 
 #include "backend/backend.h"
 #include "core/testhooks.h"
+#include "models/inputs.h"
 
 #include <string.h>
 
@@ -32,7 +33,7 @@ mdt_status mdt_cp_take(mdt_cp *cp, const char *name, const void *x, size_t esize
     if (i < 0 || cp->plan->split[i].dim >= ndim)
         return MDT_FAIL(MDT_E_INVALID,
                         "cp plan: the forward splits '%s', which the plan does not "
-                        "declare at that rank",
+                        "declare at that dim",
                         name);
     const int dim = cp->plan->split[i].dim;
     int64_t outer = 1, inner = (int64_t)esize;
@@ -83,17 +84,23 @@ mdt_status mdt_cp_gather_rows(mdt_mesh *mesh, mdt_arena *ar, int P, int64_t B, i
     return MDT_OK;
 }
 
-mdt_status mdt_cp_give(mdt_cp *cp, const char *name, mdt_arena *ar, mdt_arena *ha, int64_t B,
-                       int64_t S, int64_t O, const float *loc, const int64_t *idx, int64_t N,
-                       float *out) {
+mdt_status mdt_cp_give(mdt_cp *cp, const char *name, mdt_arena *ar, mdt_arena *ha,
+                       const mdt_tensor_set *in, int64_t S, const float *loc, mdt_tensor *out) {
     const int i = cp->plan ? find(cp->plan->gather, cp->plan->ngather, name) : -1;
-    if (i < 0 || (cp->plan->gather[i].by != NULL) != (idx != NULL))
+    const int64_t B = out->shape[0], N = out->shape[1], O = out->shape[2];
+    const char *by = i >= 0 ? cp->plan->gather[i].by : NULL;
+    if (i < 0)
         return MDT_FAIL(MDT_E_INVALID,
-                        "cp plan: the forward gathers '%s'%s, which the plan does "
+                        "cp plan: the forward gathers '%s', which the plan does "
                         "not declare",
-                        name, idx ? " by index" : "");
-    int64_t r0, n;
+                        name);
+    if (out->ndim != 3 || out->dtype != MDT_F32 || (!by && N != S))
+        return MDT_FAIL(MDT_E_INVALID, "cp plan: output '%s' is not [B, %lld, O] f32", name,
+                        (long long)S);
+    int64_t r0, n, *idx = NULL;
     mdt_split_range(S, cp->P, cp->chunk, &r0, &n);
+    if (by) /* the rows the plan names, checked against the sequence they index */
+        MDT_TRY(mdt_input_i64(in, by, 1, &N, 0, S, ha, &idx));
     cp->given |= 1u << i;
     cp->given_rows += n;
     mdt_arena_mark mk = mdt_arena_mark_get(ar);
@@ -101,8 +108,8 @@ mdt_status mdt_cp_give(mdt_cp *cp, const char *name, mdt_arena *ar, mdt_arena *h
     if (!full)
         return MDT_E_NOMEM;
     MDT_TRY(mdt_cp_gather_rows(cp->mesh, ar, cp->P, B, S, O, loc, full));
-    if (!idx) {
-        mdt_k_to_host(out, full, sizeof(float) * (size_t)(B * S * O));
+    if (!by) {
+        mdt_k_to_host(out->data, full, sizeof(float) * (size_t)(B * S * O));
         mdt_arena_rewind(ar, mk);
         return MDT_OK;
     }
@@ -118,7 +125,7 @@ mdt_status mdt_cp_give(mdt_cp *cp, const char *name, mdt_arena *ar, mdt_arena *h
     if (!drows)
         return MDT_E_NOMEM;
     mdt_k()->copy_rows(sel, O, NULL, full, O, drows, B * N, O); // [B N, O]
-    mdt_k_to_host(out, sel, sizeof(float) * (size_t)(B * N * O));
+    mdt_k_to_host(out->data, sel, sizeof(float) * (size_t)(B * N * O));
     mdt_arena_rewind(ar, mk);
     return MDT_OK;
 }

@@ -35,13 +35,13 @@ mdt_status mdt_cp_take(mdt_cp *cp, const char *name, const void *x, size_t esize
                        const int64_t *shape, mdt_arena *a, const void **local, int64_t *start,
                        int64_t *len);
 
-/* Gathers output `name`: every chunk c holds loc [B, n_c, O] (rows c of S, in the backend's
- * memory); full [B, S, O] in chunk order is built in `ar` and, for a plain gather, copied to the
- * host `out` [B, S, O]; for a `by` gather, out [B, N, O] gets full's rows idx[0:N] (idx: the host
- * values of the plan's `by` input, each in [0, S)). Collective over the CP group. */
-mdt_status mdt_cp_give(mdt_cp *cp, const char *name, mdt_arena *ar, mdt_arena *ha, int64_t B,
-                       int64_t S, int64_t O, const float *loc, const int64_t *idx, int64_t N,
-                       float *out);
+/* Gathers output `name` into the host tensor `out` [B, rows, O] the caller added: every chunk c
+ * holds loc [B, n_c, O] (rows c of S, in the backend's memory); full [B, S, O] is built in `ar`
+ * in chunk order; a plain gather copies it (rows = S), a `by` gather copies its rows idx[0:rows]
+ * where idx is the plan's `by` input, read from `in` here (length rows, each in [0, S)).
+ * Collective over the CP group. */
+mdt_status mdt_cp_give(mdt_cp *cp, const char *name, mdt_arena *ar, mdt_arena *ha,
+                       const mdt_tensor_set *in, int64_t S, const float *loc, mdt_tensor *out);
 
 /* MDT_OK when every split input was taken and every gathered output given (or P = 1);
  * MDT_E_INVALID naming the first that was not, otherwise. */

@@ -426,7 +426,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_dit_linear(&f->proj_out, xn, B * si, ol, O);                       // [B, Si/P, O]
     MDT_TRY(mdt_guard_finite(d.mesh, "proj_out", ol, B * si * O));
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Si, O}, &o));
-    MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, B, x.Si, O, ol, NULL, 0, o->data));
+    MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, in, x.Si, ol, o));
     /* no silent degrade: each query row once over the joint sequence, per block and batch */
     mdt_promise p = {0};
     mdt_dit_promise_cp(&d, &p, (int64_t[]){x.St, x.Si}, 2, (f->layers + f->single_layers) * B);

@@ -24,6 +24,7 @@
 
 #include "backend/backend.h"
 #include "core/testhooks.h"
+#include "kernels/cpu/cpu.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -429,9 +430,8 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Nv, f->Pv}, &ov));
     MDT_TRY(mdt_tensor_set_add(out, "audio_sample", MDT_F32, 3, (int64_t[]){B, x.Na, f->audio_in},
                                &oa));
-    MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, B, x.S, f->Pv, vo, x.vidx, x.Nv, ov->data));
-    MDT_TRY(mdt_cp_give(&d.cp, "audio_sample", ar, d.ha, B, x.S, f->audio_in, ao, x.aidx, x.Na,
-                        oa->data));
+    MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, in, x.S, vo, ov));
+    MDT_TRY(mdt_cp_give(&d.cp, "audio_sample", ar, d.ha, in, x.S, ao, oa));
     /* no silent degrade: the packed sequence in every block; the refiner on every rank */
     mdt_promise p = {0};
     mdt_dit_promise_cp(&d, &p, &x.S, 1, f->layers * B);

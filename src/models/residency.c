@@ -176,6 +176,9 @@ mdt_status mdt_res_dev_finish(mdt_model *m) {
         } else if (m->table.bind[i]) {
             *m->table.bind[i] = m->ws[i].dev;
         }
+        if (m->table.lin[i]) /* (as mdt_res_bind: the local shape does not depend on where) */
+            m->table.lin[i]->out_local = m->ws[i].local[0],
+            m->table.lin[i]->in_local = m->ws[i].local[1];
     }
     m->on_device = 1;
     return MDT_OK;

@@ -56,10 +56,25 @@ int main(void) {
                MDT_E_INVALID, "'y'", "does not declare");
     EXPECT_ERR(mdt_cp_take(&cp, "x", x, 4, 1, (int64_t[]){30}, &a, &loc, &s0, &n), MDT_E_INVALID,
                "'x'");
-    EXPECT_ERR(mdt_cp_give(&cp, "out", &a, &a, 1, 5, 1, x, idx, 5, x), MDT_E_INVALID, "'out'",
-               "by index");
-    EXPECT_ERR(mdt_cp_give(&cp, "picked", &a, &a, 1, 5, 1, x, NULL, 0, x), MDT_E_INVALID,
-               "'picked'");
+    mdt_tensor_set *in = NULL, *outs = NULL;
+    mdt_tensor *o5 = NULL, *o4 = NULL;
+    EXPECT_OK(mdt_tensor_set_create(&in));
+    EXPECT_OK(mdt_tensor_set_create(&outs));
+    EXPECT_OK(mdt_tensor_set_add(outs, "o5", MDT_F32, 3, (int64_t[]){1, 5, 1}, &o5));
+    EXPECT_OK(mdt_tensor_set_add(outs, "o4", MDT_F32, 3, (int64_t[]){1, 4, 1}, &o4));
+    EXPECT_ERR(mdt_cp_give(&cp, "nope", &a, &a, in, 5, x, o5), MDT_E_INVALID, "'nope'",
+               "does not declare");
+    EXPECT_ERR(mdt_cp_give(&cp, "out", &a, &a, in, 5, x, o4), MDT_E_INVALID, "'out'", "[B, 5, O]");
+    /* a `by` gather reads its index input itself: missing, or out of [0, S), is refused */
+    EXPECT_ERR(mdt_cp_give(&cp, "picked", &a, &a, in, 5, x, o4), MDT_E_INVALID, "'idx'", "missing");
+    mdt_tensor *ix = NULL;
+    EXPECT_OK(mdt_tensor_set_add(in, "idx", MDT_I64, 1, (int64_t[]){4}, &ix));
+    if (ix)
+        ((int64_t *)ix->data)[2] = 5;
+    EXPECT_ERR(mdt_cp_give(&cp, "picked", &a, &a, in, 5, x, o4), MDT_E_INVALID, "'idx'",
+               "outside [0, 5)");
+    mdt_tensor_set_free(in);
+    mdt_tensor_set_free(outs);
 
     /* every split taken but nothing gathered: the forward did not run the plan */
     EXPECT_ERR(mdt_cp_end(&cp), MDT_E_INVALID, "'out'", "did not gather");
@@ -72,9 +87,38 @@ int main(void) {
     EXPECT_OK(mdt_cp_take(&cp, "x", x, sizeof(float), 3, (int64_t[]){2, 5, 3}, &a, &loc, &s0, &n));
     EXPECT(cp.P == 1 && loc == x && s0 == 0 && n == 5, "P = 1: no copy, all rows");
     EXPECT_OK(mdt_cp_end(&cp));
+    /* one rank: a plain gather copies, a `by` gather picks the rows its index input names */
+    EXPECT_OK(mdt_cp_take(&cp, "idx", idx, sizeof(int64_t), 1, (int64_t[]){5}, &a, &loc, &s0, &n));
+    mdt_tensor_set *in1 = NULL, *o1 = NULL;
+    mdt_tensor *ix1 = NULL, *oall = NULL, *opick = NULL;
+    EXPECT_OK(mdt_tensor_set_create(&in1));
+    EXPECT_OK(mdt_tensor_set_create(&o1));
+    EXPECT_OK(mdt_tensor_set_add(in1, "idx", MDT_I64, 1, (int64_t[]){3}, &ix1));
+    EXPECT_OK(mdt_tensor_set_add(o1, "out", MDT_F32, 3, (int64_t[]){2, 5, 3}, &oall));
+    EXPECT_OK(mdt_tensor_set_add(o1, "picked", MDT_F32, 3, (int64_t[]){2, 3, 3}, &opick));
+    const int64_t pick[3] = {4, 0, 2};
+    if (ix1 && oall && opick) {
+        memcpy(ix1->data, pick, sizeof pick);
+        EXPECT_OK(mdt_cp_give(&cp, "out", &a, &a, in1, 5, x, oall));
+        EXPECT_OK(mdt_cp_give(&cp, "picked", &a, &a, in1, 5, x, opick));
+        const float *po = opick->data, *pa = oall->data;
+        int good = 1;
+        for (int b = 0; b < 2; b++)
+            for (int j = 0; j < 3; j++)
+                for (int c = 0; c < 3; c++)
+                    good &= po[(b * 3 + j) * 3 + c] == x[(b * 5 + pick[j]) * 3 + c];
+        for (int i = 0; i < 30; i++)
+            good &= pa[i] == x[i];
+        EXPECT(good, "gathered rows: all of them, and the picked ones in index order");
+    }
+    mdt_tensor_set_free(in1);
+    mdt_tensor_set_free(o1);
     float full[30];
     EXPECT_OK(mdt_cp_gather_rows(NULL, &a, 1, 2, 5, 3, x, full));
-    EXPECT(memcmp(full, x, sizeof x) == 0, "a gather over one chunk copies");
+    int same = 1;
+    for (int i = 0; i < 30; i++)
+        same &= full[i] == x[i];
+    EXPECT(same, "a gather over one chunk copies");
 
     /* the test seam's upstream bug: a mesh, but no split */
     mdt_test_hooks_set(&(mdt_test_hooks){.skip_cp_split = 1});
