@@ -13,13 +13,7 @@ mdt_status mdt_device_spec_preset(const char *name, mdt_device_spec *out) {
     const mdt_device *d = mdt_device_preset(name);
     if (!d)
         return MDT_FAIL(MDT_E_NOTFOUND, "unknown device '%s' (cpu, h100, h200, trn2)", name);
-    *out = (mdt_device_spec){.name = d->name,
-                             .flops = d->flops,
-                             .bw_intra = d->bw_intra,
-                             .bw_inter = d->bw_inter,
-                             .latency = d->latency,
-                             .mem_bytes = d->mem_bytes,
-                             .node_size = d->node_size};
+    *out = *d;
     return MDT_OK;
 }
 
@@ -34,13 +28,6 @@ static int cmp_est(const void *a, const void *b) {
 mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *dev, int devices,
                             int64_t tokens, double elem_bytes, mdt_layout_estimate **out, int *n) {
     *out = NULL, *n = 0;
-    const mdt_device d = {.name = dev->name,
-                          .flops = dev->flops,
-                          .bw_intra = dev->bw_intra,
-                          .bw_inter = dev->bw_inter,
-                          .latency = dev->latency,
-                          .mem_bytes = dev->mem_bytes,
-                          .node_size = dev->node_size};
     mdt_estimate *est = calloc(4096, sizeof *est); /* at most one per (T, R) pair */
     int k = 0;
     if (!est)
@@ -49,7 +36,7 @@ mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *d
         for (long long R = 1; T * R <= devices; R++)
             if (devices % (T * R) == 0 && k < 4096)
                 mdt_estimate_layout(info->m, (int)T, (int)R, (int)(devices / (T * R)), tokens,
-                                    elem_bytes, &d, &est[k++]);
+                                    elem_bytes, dev, &est[k++]);
     qsort(est, (size_t)k, sizeof *est, cmp_est);
     mdt_layout_estimate *res = calloc((size_t)(k > 0 ? k : 1), sizeof *res);
     if (!res) {

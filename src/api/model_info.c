@@ -139,12 +139,5 @@ int64_t mdt_model_bytes_read(const mdt_model *m) { return m->bytes_read; }
 
 mdt_status mdt_model_make_inputs(const mdt_model *m, const mdt_random_inputs *p,
                                  mdt_tensor_set *out) {
-    const mdt_inputs_params ip = {.seed = p->seed,
-                                  .batch = p->batch,
-                                  .img_tokens = p->img_tokens,
-                                  .txt_tokens = p->txt_tokens,
-                                  .timestep = p->timestep,
-                                  .guidance = p->guidance,
-                                  .audio_tokens = p->audio_tokens};
-    return mdt_model_random_inputs(m, &ip, out);
+    return mdt_model_random_inputs(m, p, out);
 }

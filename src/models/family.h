@@ -52,13 +52,7 @@ void mdt_wtable_free(mdt_wtable *t);
 mdt_status mdt_cfg_check_dims(const char *family, const int64_t *dims, size_t n);
 
 /* Parameters of `meshdit inputs`; a family reads the fields it understands. */
-typedef struct mdt_inputs_params {
-    uint64_t seed;
-    int64_t batch;
-    int64_t img_tokens, txt_tokens;
-    double timestep, guidance;
-    int64_t audio_tokens; /* MiniMax-H3 */
-} mdt_inputs_params;
+typedef mdt_random_inputs mdt_inputs_params; /* (meshdit.h) */
 
 typedef struct mdt_family {
     const char *name;       /* "flux" */

@@ -13,15 +13,10 @@
 
 #include "models/model.h"
 
-typedef struct mdt_device {
-    const char *name;
-    double flops;     /* sustained FLOP/s (peak x efficiency) */
-    double bw_intra;  /* bus bandwidth inside a node, bytes/s (TP, Ulysses) */
-    double bw_inter;  /* between nodes (used for axes that span nodes) */
-    double latency;   /* seconds per collective call */
-    double mem_bytes; /* memory per device */
-    int node_size;    /* devices per node */
-} mdt_device;
+/* A device preset (meshdit.h: mdt_device_spec): sustained FLOP/s (peak x efficiency), bus
+ * bandwidth inside a node (TP, Ulysses) and between nodes (axes that span nodes), latency per
+ * collective call, memory and devices per node. */
+typedef mdt_device_spec mdt_device;
 
 /* "cpu" (this development machine, measured), "h100", "h200", "trn2" (one NeuronCore). */
 const mdt_device *mdt_device_preset(const char *name);
