@@ -78,6 +78,13 @@ static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e
              mdt_escape(item->string, nm, sizeof nm));
     if (!cJSON_IsObject(item))
         return MDT_FAIL(MDT_E_FORMAT, "%s: entry is not a JSON object", what);
+    static const char *const keys[3] = {"dtype", "shape", "data_offsets"};
+    int seen[3] = {0, 0, 0};
+    for (const cJSON *a = item->child; a; a = a->next) /* a repeated key is ambiguous */
+        for (int k = 0; k < 3; k++)
+            if (a->string && strcmp(a->string, keys[k]) == 0 && seen[k]++)
+                return MDT_FAIL(MDT_E_FORMAT, "%s: key '%s' appears twice in its entry", what,
+                                keys[k]);
     const cJSON *dt = cJSON_GetObjectItemCaseSensitive(item, "dtype");
     const cJSON *sh = cJSON_GetObjectItemCaseSensitive(item, "shape");
     const cJSON *off = cJSON_GetObjectItemCaseSensitive(item, "data_offsets");

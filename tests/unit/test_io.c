@@ -205,6 +205,10 @@ static void test_malformed(void) {
                "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
                "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
                -1, 8, MDT_E_FORMAT, "twice");
+    expect_bad("dupkey.safetensors", /* which dtype? refused, not the first one taken */
+               "{\"a\":{\"dtype\":\"F32\",\"dtype\":\"BF16\",\"shape\":[1],"
+               "\"data_offsets\":[0,4]}}",
+               -1, 4, MDT_E_FORMAT, "'dtype' appears twice");
     expect_bad("huge.safetensors",
                "{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,4294967296],"
                "\"data_offsets\":[0,8]}}",
