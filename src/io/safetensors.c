@@ -53,12 +53,20 @@ static int cmp_entry_ptr_begin(const void *a, const void *b) {
     return x->end < y->end ? -1 : (x->end > y->end);
 }
 
-static mdt_status pread_all(int fd, void *dst, int64_t nbytes, int64_t off, const char *path,
-                            const char *what) {
+/* Reads `nbytes` at `off` of the file's bytes: pread()s for a file, a bounds-checked copy for a
+ * blob in memory (mdt_st_open_mem). */
+static mdt_status pread_all(const mdt_st_file *f, void *dst, int64_t nbytes, int64_t off,
+                            const char *path, const char *what) {
+    if (f->mem) {
+        if (off < 0 || nbytes < 0 || off > f->file_size || nbytes > f->file_size - off)
+            return MDT_FAIL(MDT_E_IO, "%s: %s: ends early", path, what);
+        memcpy(dst, f->mem + off, (size_t)nbytes);
+        return MDT_OK;
+    }
     char *p = dst;
     while (nbytes > 0) {
         size_t chunk = nbytes > (1 << 30) ? (size_t)1 << 30 : (size_t)nbytes;
-        ssize_t r = pread(fd, p, chunk, (off_t)off);
+        ssize_t r = pread(f->fd, p, chunk, (off_t)off);
         if (r < 0 && errno == EINTR)
             continue;
         if (r < 0)
@@ -262,11 +270,11 @@ static mdt_status check_entries(const char *path, int64_t n, const mdt_st_budget
     return MDT_OK;
 }
 
+static mdt_status st_parse(mdt_st_file *f, mdt_st_budget *budget);
+
 mdt_status mdt_st_open_fd_budget(int fd, const char *path, mdt_st_budget *budget,
                                  mdt_st_file **out) {
     mdt_status st = MDT_OK;
-    char *hdr = NULL;
-    cJSON *root = NULL;
     *out = NULL;
     mdt_st_file *f = mdt_calloc(sizeof *f);
     if (!f) {
@@ -277,11 +285,46 @@ mdt_status mdt_st_open_fd_budget(int fd, const char *path, mdt_st_budget *budget
     f->path = dup_shown(path);
     if (!f->path)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
-    path = f->path; /* from here on only messages use it */
     struct stat sb;
     if (fstat(f->fd, &sb) != 0 || !S_ISREG(sb.st_mode))
-        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: not a regular file", path));
+        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: not a regular file", f->path));
     f->file_size = (int64_t)sb.st_size;
+    MDT_CHECK(st_parse(f, budget));
+    *out = f;
+    return MDT_OK;
+fail:
+    mdt_st_close(f);
+    return st;
+}
+
+mdt_status mdt_st_open_mem(const void *data, size_t size, const char *name, mdt_st_file **out) {
+    mdt_status st = MDT_OK;
+    mdt_st_budget budget = {0, 0, 0};
+    *out = NULL;
+    mdt_st_file *f = mdt_calloc(sizeof *f);
+    if (!f)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    f->fd = -1;
+    f->mem = data ? data : (const void *)"";
+    f->file_size = (int64_t)size;
+    f->path = dup_shown(name);
+    if (!f->path)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    MDT_CHECK(st_parse(f, &budget));
+    *out = f;
+    return MDT_OK;
+fail:
+    mdt_st_close(f);
+    return st;
+}
+
+/* Validates the header of `f` (its bytes, size and shown path set) and builds its tables;
+ * on failure the caller closes `f`. */
+static mdt_status st_parse(mdt_st_file *f, mdt_st_budget *budget) {
+    mdt_status st = MDT_OK;
+    char *hdr = NULL;
+    cJSON *root = NULL;
+    const char *path = f->path; /* only messages use it */
     if (f->file_size < 8)
         MDT_CHECK(MDT_FAIL(MDT_E_FORMAT,
                            "%s: %lld bytes is too short for a safetensors file (needs an 8-byte "
@@ -291,7 +334,7 @@ mdt_status mdt_st_open_fd_budget(int fd, const char *path, mdt_st_budget *budget
      * either is impossible is not a safetensors file at all, and its bytes are never echoed. */
     unsigned char lenb[9];
     const int64_t nlen = f->file_size >= 9 ? 9 : 8;
-    MDT_CHECK(pread_all(f->fd, lenb, nlen, 0, path, "header length"));
+    MDT_CHECK(pread_all(f, lenb, nlen, 0, path, "header length"));
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--)
         hlen = (hlen << 8) | lenb[i];
@@ -331,7 +374,7 @@ mdt_status mdt_st_open_fd_budget(int fd, const char *path, mdt_st_budget *budget
     hdr = mdt_alloc((size_t)hlen + 1);
     if (!hdr)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "%s: out of memory for header", path));
-    MDT_CHECK(pread_all(f->fd, hdr, (int64_t)hlen, 8, path, "header"));
+    MDT_CHECK(pread_all(f, hdr, (int64_t)hlen, 8, path, "header"));
     hdr[hlen] = 0;
     if (hdr[0] != '{')
         MDT_CHECK(
@@ -386,14 +429,9 @@ mdt_status mdt_st_open_fd_budget(int fd, const char *path, mdt_st_budget *budget
     budget->header_bytes += (int64_t)hlen;
     budget->entries += f->n;
     budget->json_values += js.values;
-    cJSON_Delete(root);
-    mdt_free(hdr);
-    *out = f;
-    return MDT_OK;
 fail:
     cJSON_Delete(root);
     mdt_free(hdr);
-    mdt_st_close(f);
     return st;
 }
 
@@ -432,7 +470,7 @@ mdt_status mdt_st_read_range(const mdt_st_file *f, const mdt_st_entry *e, int64_
                         f->path, nm, (long long)offset, (long long)(offset + nbytes),
                         (long long)(e->end - e->begin));
     snprintf(what, sizeof what, "tensor '%s'", nm);
-    MDT_TRY(pread_all(f->fd, dst, nbytes, f->data_start + e->begin + offset, f->path, what));
+    MDT_TRY(pread_all(f, dst, nbytes, f->data_start + e->begin + offset, f->path, what));
     mdt_counters_get()->bytes_read += nbytes;
     return MDT_OK;
 }
@@ -463,11 +501,12 @@ mdt_status mdt_st_read_f32(const mdt_st_file *f, const mdt_st_entry *e, int64_t 
 }
 
 /* ---- writer ---- */
-mdt_status mdt_st_stage(mdt_out *out, const char *path, int n, const char *const *names,
-                        const mdt_tensor *const *tensors, const char *const *meta) {
+/* The header of n tensors laid out in order (JSON text, free with cJSON_free) and its length
+ * padded to 8 bytes, so that the data section starts aligned. */
+static mdt_status st_header(int n, const char *const *names, const mdt_tensor *const *tensors,
+                            const char *const *meta, char **json, size_t *padded) {
     mdt_status st = MDT_OK;
-    char *json = NULL;
-    int staged = 0;
+    *json = NULL;
     cJSON *root = cJSON_CreateObject();
     if (!root)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
@@ -492,31 +531,76 @@ mdt_status mdt_st_stage(mdt_out *out, const char *path, int n, const char *const
         cJSON_AddItemToArray(of, cJSON_CreateNumber((double)(off + nb)));
         off += nb;
     }
-    json = cJSON_PrintUnformatted(root);
-    if (!json)
+    *json = cJSON_PrintUnformatted(root);
+    if (!*json)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
-    size_t jl = strlen(json), padded = (jl + 7) & ~(size_t)7; /* data starts 8-aligned */
+    *padded = (strlen(*json) + 7) & ~(size_t)7;
+fail:
+    cJSON_Delete(root);
+    return st;
+}
+
+static void put_len(unsigned char lenb[8], size_t padded) {
+    for (int i = 0; i < 8; i++)
+        lenb[i] = (unsigned char)(((uint64_t)padded >> (8 * i)) & 0xffu);
+}
+
+mdt_status mdt_st_stage(mdt_out *out, const char *path, int n, const char *const *names,
+                        const mdt_tensor *const *tensors, const char *const *meta) {
+    mdt_status st = MDT_OK;
+    char *json = NULL;
+    size_t padded = 0;
+    int staged = 0;
+    MDT_TRY(st_header(n, names, tensors, meta, &json, &padded));
+    const size_t jl = strlen(json);
     /* staged beside the target (a short temporary: a NAME_MAX-byte name works), committed by
      * rename with the mode of a new file (0666 & ~umask), never over a non-regular file */
     MDT_CHECK(mdt_out_begin(out, path));
     staged = 1;
     unsigned char lenb[8];
-    for (int i = 0; i < 8; i++)
-        lenb[i] = (unsigned char)(((uint64_t)padded >> (8 * i)) & 0xffu);
+    put_len(lenb, padded);
     MDT_CHECK(mdt_out_write(out, lenb, 8));
     MDT_CHECK(mdt_out_write(out, json, jl));
     MDT_CHECK(mdt_out_write(out, "        ", padded - jl));
     for (int i = 0; i < n; i++)
         MDT_CHECK(mdt_out_write(out, tensors[i]->data, (size_t)mdt_tensor_nbytes(tensors[i])));
     cJSON_free(json);
-    cJSON_Delete(root);
     return MDT_OK;
 fail:
     if (staged)
         mdt_out_abort(out, 1);
     cJSON_free(json);
-    cJSON_Delete(root);
     return st;
+}
+
+mdt_status mdt_st_serialize(int n, const char *const *names, const mdt_tensor *const *tensors,
+                            const char *const *meta, unsigned char **blob, size_t *size) {
+    char *json = NULL;
+    size_t padded = 0;
+    *blob = NULL, *size = 0;
+    MDT_TRY(st_header(n, names, tensors, meta, &json, &padded));
+    size_t total = 8 + padded;
+    for (int i = 0; i < n; i++)
+        total += (size_t)mdt_tensor_nbytes(tensors[i]);
+    unsigned char *b = mdt_alloc(total);
+    if (!b) {
+        cJSON_free(json);
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory for a %zu-byte safetensors blob", total);
+    }
+    const size_t jl = strlen(json);
+    put_len(b, padded);
+    for (size_t i = 0; i < padded; i++) /* the header, then space padding */
+        b[8 + i] = i < jl ? (unsigned char)json[i] : ' ';
+    size_t off = 8 + padded;
+    for (int i = 0; i < n; i++) {
+        const size_t nb = (size_t)mdt_tensor_nbytes(tensors[i]);
+        if (nb)
+            memcpy(b + off, tensors[i]->data, nb);
+        off += nb;
+    }
+    cJSON_free(json);
+    *blob = b, *size = total;
+    return MDT_OK;
 }
 
 mdt_status mdt_st_write(const char *path, int n, const char *const *names,
@@ -527,12 +611,10 @@ mdt_status mdt_st_write(const char *path, int n, const char *const *names,
 }
 
 /* ---- public whole-file helpers on mdt_tensor_set ---- */
-mdt_status mdt_tensor_set_load(const char *path, mdt_tensor_set **out) {
-    mdt_st_file *f = NULL;
+mdt_status mdt_st_read_set(const mdt_st_file *f, mdt_tensor_set **out) {
     mdt_tensor_set *set = NULL;
     mdt_status st;
     *out = NULL;
-    MDT_TRY(mdt_st_open(path, &f));
     MDT_CHECK(mdt_tensor_set_create(&set));
     for (int i = 0; i < f->n; i++) {
         const mdt_st_entry *e = &f->entries[i];
@@ -540,12 +622,19 @@ mdt_status mdt_tensor_set_load(const char *path, mdt_tensor_set **out) {
         MDT_CHECK(mdt_tensor_set_add(set, e->name, e->dtype, e->ndim, e->shape, &t));
         MDT_CHECK(mdt_st_read_range(f, e, 0, e->end - e->begin, t->data));
     }
-    mdt_st_close(f);
     *out = set;
     return MDT_OK;
 fail:
-    mdt_st_close(f);
     mdt_tensor_set_free(set);
+    return st;
+}
+
+mdt_status mdt_tensor_set_load(const char *path, mdt_tensor_set **out) {
+    mdt_st_file *f = NULL;
+    *out = NULL;
+    MDT_TRY(mdt_st_open(path, &f));
+    const mdt_status st = mdt_st_read_set(f, out);
+    mdt_st_close(f);
     return st;
 }
 

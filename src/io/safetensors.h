@@ -37,7 +37,8 @@ typedef struct mdt_st_entry {
 
 typedef struct mdt_st_file {
     char *path; /* as messages show it: escaped (mdt_escape), so never used to open a file */
-    int fd;
+    int fd;     /* -1 for a blob in memory */
+    const unsigned char *mem; /* the blob (mdt_st_open_mem), borrowed; NULL for a file */
     int64_t file_size;
     int64_t data_start; /* 8 + header length */
     int n;
@@ -62,6 +63,9 @@ mdt_status mdt_st_open_budget(const char *path, mdt_st_budget *budget, mdt_st_fi
 mdt_status mdt_st_open_fd(int fd, const char *path, mdt_st_file **out);
 mdt_status mdt_st_open_fd_budget(int fd, const char *path, mdt_st_budget *budget,
                                  mdt_st_file **out);
+/* The same validation and limits on a blob in memory (a request of `meshdit serve`), borrowed:
+ * it must outlive the handle. `name` names it in messages. Reads copy out of the blob. */
+mdt_status mdt_st_open_mem(const void *data, size_t size, const char *name, mdt_st_file **out);
 void mdt_st_close(mdt_st_file *f);
 /* Entry called `name`, or NULL. */
 const mdt_st_entry *mdt_st_find(const mdt_st_file *f, const char *name);
@@ -86,6 +90,11 @@ mdt_status mdt_st_write(const char *path, int n, const char *const *names,
  * mdt_out_commit) or aborts it. On failure nothing is left staged. */
 mdt_status mdt_st_stage(mdt_out *o, const char *path, int n, const char *const *names,
                         const mdt_tensor *const *tensors, const char *const *meta);
+/* The same bytes as mdt_st_write, into one block of memory: *blob (mdt_free it) of *size bytes. */
+mdt_status mdt_st_serialize(int n, const char *const *names, const mdt_tensor *const *tensors,
+                            const char *const *meta, unsigned char **blob, size_t *size);
+/* Every tensor of an open file, in its stored dtype, into a new set (*out; the caller frees). */
+mdt_status mdt_st_read_set(const mdt_st_file *f, mdt_tensor_set **out);
 /* mdt_tensor_set_save, staged only (as mdt_st_stage). */
 mdt_status mdt_tensor_set_stage(mdt_out *o, const mdt_tensor_set *set, const char *path);
 

@@ -687,6 +687,47 @@ static void test_open_bounds(void) {
     cJSON_InitHooks(NULL);
 }
 
+/* A blob in memory (a request of `meshdit serve`): the bytes mdt_st_serialize makes are what
+ * mdt_st_write puts in a file, read back from memory with the file reader's checks; a cut blob
+ * fails as a cut file does. */
+static void test_memory_blobs(void) {
+    float a[6] = {1, 2, 3, 4, 5, 6};
+    const mdt_tensor ta = {.dtype = MDT_F32, .ndim = 2, .shape = {2, 3}, .data = a};
+    const char *names[] = {"a"};
+    const mdt_tensor *ts[] = {&ta};
+    const char *meta[] = {"op", "forward", NULL};
+    unsigned char *blob = NULL;
+    size_t n = 0;
+    EXPECT(mdt_st_serialize(1, names, ts, meta, &blob, &n) == MDT_OK, "%s", mdt_last_error());
+    EXPECT(mdt_st_write(tpath("mem.safetensors"), 1, names, ts, meta) == MDT_OK, "%s",
+           mdt_last_error());
+    FILE *fp = fopen(tpath("mem.safetensors"), "rb");
+    unsigned char file[256];
+    size_t got = fp ? fread(file, 1, sizeof file, fp) : 0;
+    if (fp)
+        fclose(fp);
+    EXPECT(got == n && memcmp(file, blob, n) == 0, "%s", mdt_last_error());
+    mdt_st_file *f = NULL;
+    mdt_tensor_set *set = NULL;
+    EXPECT(mdt_st_open_mem(blob, n, "request", &f) == MDT_OK, "%s", mdt_last_error());
+    if (f) {
+        EXPECT(f->fd == -1 && strcmp(mdt_st_meta(f, "op"), "forward") == 0, "%s", mdt_last_error());
+        EXPECT(mdt_st_read_set(f, &set) == MDT_OK, "%s", mdt_last_error());
+        const mdt_tensor *t = set ? mdt_tensor_set_get(set, "a") : NULL;
+        int same = t && t->shape[1] == 3;
+        for (int i = 0; same && i < 6; i++)
+            same = ((const float *)t->data)[i] == a[i];
+        EXPECT(same, "%s", "the tensor read back from memory differs");
+        mdt_tensor_set_free(set);
+        mdt_st_close(f);
+    }
+    EXPECT_ERR(mdt_st_open_mem(blob, n - 4, "request", &f), MDT_E_FORMAT, "request",
+               "run past the end of the data section");
+    EXPECT_ERR(mdt_st_open_mem(blob, 5, "request", &f), MDT_E_FORMAT, "request", "too short");
+    EXPECT_ERR(mdt_st_open_mem(NULL, 0, "request", &f), MDT_E_FORMAT, "request", "too short");
+    mdt_free(blob);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_io_XXXXXX");
     if (!mkdtemp(g_dir))
@@ -701,6 +742,7 @@ int main(void) {
     test_shard_paths();
     test_nul_and_ambiguous();
     test_open_bounds();
+    test_memory_blobs();
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0)
