@@ -5,7 +5,7 @@
 CC       ?= gcc
 MPI_PKG  ?= mpich
 BUILD    ?= build
-PKGS     := $(MPI_PKG) openblas libcjson
+PKGS     := $(MPI_PKG) openblas libcjson libzmq
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 

@@ -284,6 +284,40 @@ const mdt_rank_stats *mdt_run_stats_rank(const mdt_run_stats *s, int i);
 mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, double load_seconds,
                                char **json);
 
+/* ---- the resident server (docs/serve.md) ---- */
+
+typedef struct mdt_serve_params {
+    const char
+        *endpoint;    /* "ipc://PATH" or "tcp://HOST:PORT"; NULL: ipc:///tmp/meshdit-UID-PID.sock */
+    int listen_any;   /* allow a tcp host that is not loopback (no authentication!) */
+    int max_sessions; /* sessions open at once (default 4) */
+    int64_t max_session_bytes; /* bytes kept over all sessions (default 1 GiB) */
+    int64_t max_request_bytes; /* a larger request is dropped by ZeroMQ unread (default 2 GiB) */
+    double step_timeout;       /* the step watchdog (mdt_sample_params), 0: its default */
+    /* optional, on world rank 0 once the endpoint is bound, with the endpoint as bound */
+    void (*on_ready)(void *user, const char *endpoint);
+    void *user;
+} mdt_serve_params;
+mdt_serve_params mdt_serve_params_default(void);
+
+/* Refuses an endpoint the server would not bind: a scheme other than ipc:// and tcp://, an ipc
+ * path that is too long, exists and is not a socket, or is the socket of a running server, a tcp
+ * host that is not loopback (127.0.0.0/8, ::1, localhost) unless `listen_any`. MDT_E_INVALID
+ * naming the problem. Local (call it before the load to fail early). */
+mdt_status mdt_serve_endpoint_check(const char *endpoint, int listen_any);
+
+/* Serves `m` until a "close" request or mdt_serve_stop: world rank 0 binds a ZeroMQ ROUTER socket
+ * on the endpoint (an ipc socket file owner-only), receives each request, validates it and
+ * broadcasts it over the mesh's world; every rank runs it; rank 0 replies. A bad request gets an
+ * error reply and the server goes on. Collective over the model's mesh (every rank calls it);
+ * MDT_OK on close or stop, on every rank. A failure that ends the server (the endpoint cannot be
+ * bound, MPI fails) is returned on every rank, except when mdt_mesh_peers_stuck is set (a rank
+ * failed inside a step: the caller must end the job). */
+mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p);
+/* Asks mdt_serve to stop (async-signal-safe: a SIGTERM/SIGINT handler calls it on any rank).
+ * Every rank leaves within about a second of the first rank that was asked. */
+void mdt_serve_stop(void);
+
 /* ---- checks before a run, output files ---- */
 
 typedef struct mdt_memory_limit {

@@ -1,0 +1,651 @@
+/*
+ * serve.c — the resident server (meshdit.h: mdt_serve; the protocol is docs/serve.md). World
+ * rank 0 owns a ZeroMQ ROUTER socket on the endpoint; a request that passes validation
+ * (serve_proto.c) is broadcast over a duplicate of the mesh's world communicator — a header
+ * (operation, blob size), then the blob — and every rank parses and runs it; rank 0 replies.
+ * A request that fails validation is answered by rank 0 alone: the other ranks never see it.
+ *
+ * Stopping without a hang: SIGTERM/SIGINT handlers (the caller's) call mdt_serve_stop, which
+ * sets a flag. Rank 0 checks it between polls of its socket (100 ms); the other ranks wait for the
+ * next header in MPI_Ibcast polled with MPI_Test, and one that sees the flag sends rank 0 a note
+ * (one int, tag k_tag_stop); rank 0, on its flag or a note, broadcasts the STOP header and every
+ * rank leaves. At the end every rank says how many notes it sent and rank 0 receives the ones
+ * still in flight, so nothing is pending at MPI_Finalize.
+ *
+ * Not here: option parsing and signal handlers (the caller), the messages (serve_proto.c), the
+ * sessions (serve_session.c).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "api/serve.h"
+
+#include "comm/mesh.h"
+#include "models/model.h"
+
+#include <arpa/inet.h>
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <mpi.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+static volatile sig_atomic_t g_stop;
+
+void mdt_serve_stop(void) { g_stop = 1; }
+
+enum { k_tag_stop = 7717, k_poll_ms = 100 };
+#define CHUNK_BYTES ((int64_t)1 << 28) /* a blob is broadcast in pieces of this many bytes */
+
+mdt_serve_params mdt_serve_params_default(void) {
+    return (mdt_serve_params){.max_sessions = 4,
+                              .max_session_bytes = (int64_t)1 << 30,
+                              .max_request_bytes = (int64_t)2 << 30};
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- endpoints ---- */
+
+#define IPC_PATH_MAX ((int)sizeof(((struct sockaddr_un *)0)->sun_path) - 1)
+
+static mdt_status ipc_check(const char *path) {
+    char shown[MDT_ESC_NAME];
+    mdt_escape(path, shown, sizeof shown);
+    if (!path[0] || strcmp(path, "*") == 0)
+        return MDT_FAIL(MDT_E_INVALID, "endpoint ipc://%s: name the socket's path", shown);
+    if ((int)strlen(path) > IPC_PATH_MAX)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "endpoint ipc://%s: the path has %zu bytes, over the %d of a unix socket",
+                        shown, strlen(path), IPC_PATH_MAX);
+    struct stat sb;
+    if (lstat(path, &sb) != 0) {
+        if (errno == ENOENT)
+            return MDT_OK;
+        return MDT_FAIL(MDT_E_INVALID, "endpoint ipc://%s: %s", shown, strerror(errno));
+    }
+    if (!S_ISSOCK(sb.st_mode))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "endpoint ipc://%s: the path exists and is not a socket (refusing to "
+                        "replace it)",
+                        shown);
+    /* a socket file: a running server answers a connect; a stale one (a server that died) is
+     * replaced by the bind */
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0)
+        return MDT_FAIL(MDT_E_INVALID, "endpoint ipc://%s: socket(): %s", shown, strerror(errno));
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    memcpy(a.sun_path, path, strlen(path) + 1);
+    const int live = connect(fd, (const struct sockaddr *)&a, sizeof a) == 0;
+    close(fd);
+    if (live)
+        return MDT_FAIL(MDT_E_INVALID, "endpoint ipc://%s: a running server listens there", shown);
+    return MDT_OK;
+}
+
+/* 127.0.0.0/8, ::1 (bracketed or not) or localhost. */
+static int host_is_loopback(const char *host) {
+    char h[64];
+    size_t n = strlen(host);
+    if (n == 0 || n >= sizeof h)
+        return 0;
+    if (strcmp(host, "localhost") == 0)
+        return 1;
+    memcpy(h, host, n + 1);
+    if (h[0] == '[' && h[n - 1] == ']')
+        h[n - 1] = 0, memmove(h, h + 1, n - 1);
+    struct in_addr a4;
+    struct in6_addr a6;
+    if (inet_pton(AF_INET, h, &a4) == 1)
+        return (ntohl(a4.s_addr) >> 24) == 127;
+    if (inet_pton(AF_INET6, h, &a6) == 1)
+        return IN6_IS_ADDR_LOOPBACK(&a6);
+    return 0;
+}
+
+static mdt_status tcp_check(const char *ep, const char *hostport, int listen_any) {
+    char shown[MDT_ESC_NAME], host[256];
+    mdt_escape(ep, shown, sizeof shown);
+    const char *colon = strrchr(hostport, ':');
+    if (!colon || colon == hostport || (size_t)(colon - hostport) >= sizeof host)
+        return MDT_FAIL(MDT_E_INVALID, "endpoint %s: tcp endpoints are tcp://HOST:PORT", shown);
+    memcpy(host, hostport, (size_t)(colon - hostport));
+    host[colon - hostport] = 0;
+    const char *port = colon + 1;
+    char *end = NULL;
+    const long pn = strtol(port, &end, 10);
+    if (strcmp(port, "*") != 0 && (!*port || *end || pn < 1 || pn > 65535))
+        return MDT_FAIL(MDT_E_INVALID, "endpoint %s: the port must be 1 to 65535 or *", shown);
+    if (!listen_any && !host_is_loopback(host))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "endpoint %s: '%s' is not a loopback address; the server has no "
+                        "authentication, so listening beyond this machine needs --listen-any",
+                        shown, mdt_escape(host, shown, sizeof shown));
+    return MDT_OK;
+}
+
+mdt_status mdt_serve_endpoint_check(const char *ep, int listen_any) {
+    char shown[MDT_ESC_NAME];
+    if (!ep)
+        return MDT_OK; /* the default ipc endpoint */
+    if (strncmp(ep, "ipc://", 6) == 0)
+        return ipc_check(ep + 6);
+    if (strncmp(ep, "tcp://", 6) == 0)
+        return tcp_check(ep, ep + 6, listen_any);
+    return MDT_FAIL(MDT_E_INVALID, "endpoint '%s': must be ipc://PATH or tcp://HOST:PORT",
+                    mdt_escape(ep, shown, sizeof shown));
+}
+
+/* ---- the server's state on one rank ---- */
+
+typedef struct serve_ctx {
+    mdt_model *m;
+    mdt_mesh *mesh; /* NULL: one rank, no MPI */
+    const mdt_serve_params *p;
+    MPI_Comm comm; /* the world, duplicated: the server's own traffic */
+    int rank, world;
+    void *zctx, *sock; /* rank 0 */
+    char endpoint[1024];
+    char ipc_path[128]; /* the socket file this server created, removed at the end */
+    mdt_serve_sessions ss;
+    int stop;      /* rank 0: a stop was asked here or by a note */
+    int note_sent; /* ranks > 0: a stop note is in flight */
+    int note_val;  /* its payload */
+    MPI_Request note_rq;
+    int *notes_recv; /* rank 0: notes received per rank */
+} serve_ctx;
+
+/* Rank 0: binds the ROUTER socket (ipc: owner-only), *after* the checks. */
+static mdt_status bind_socket(serve_ctx *c) {
+    char def[128], shown[MDT_ESC_NAME];
+    const char *ep = c->p->endpoint;
+    if (!ep) {
+        snprintf(def, sizeof def, "ipc:///tmp/meshdit-%u-%ld.sock", (unsigned)getuid(),
+                 (long)getpid());
+        ep = def;
+    }
+    MDT_TRY(mdt_serve_endpoint_check(ep, c->p->listen_any));
+    mdt_escape(ep, shown, sizeof shown);
+    c->zctx = zmq_ctx_new();
+    c->sock = c->zctx ? zmq_socket(c->zctx, ZMQ_ROUTER) : NULL;
+    if (!c->sock)
+        return MDT_FAIL(MDT_E_IO, "endpoint %s: cannot create a ZeroMQ socket: %s", shown,
+                        zmq_strerror(zmq_errno()));
+    const int zero = 0;
+    const int64_t maxmsg = c->p->max_request_bytes;
+    /* replies to a client that left are dropped (ROUTER_MANDATORY off), nothing waits for a
+     * peer at close (LINGER 0), and a message over the limit is never read into memory */
+    if (zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero) != 0 ||
+        zmq_setsockopt(c->sock, ZMQ_ROUTER_MANDATORY, &zero, sizeof zero) != 0 ||
+        zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0)
+        return MDT_FAIL(MDT_E_IO, "endpoint %s: socket options: %s", shown,
+                        zmq_strerror(zmq_errno()));
+    const int ipc = strncmp(ep, "ipc://", 6) == 0;
+    const mode_t old = umask(077); /* the socket file is created owner-only */
+    const int rc = zmq_bind(c->sock, ep);
+    const int err = zmq_errno();
+    umask(old);
+    if (rc != 0)
+        return MDT_FAIL(MDT_E_IO, "endpoint %s: cannot bind: %s", shown, zmq_strerror(err));
+    if (ipc)
+        snprintf(c->ipc_path, sizeof c->ipc_path, "%s", ep + 6);
+    if (ipc && chmod(ep + 6, 0600) != 0)
+        return MDT_FAIL(MDT_E_IO, "endpoint %s: chmod 0600: %s", shown, strerror(errno));
+    size_t n = sizeof c->endpoint;
+    if (zmq_getsockopt(c->sock, ZMQ_LAST_ENDPOINT, c->endpoint, &n) != 0)
+        snprintf(c->endpoint, sizeof c->endpoint, "%s", ep);
+    return MDT_OK;
+}
+
+/* Ranks > 0, waiting for a header: tell rank 0 once that a stop was asked here. */
+static mdt_status note_stop(serve_ctx *c) {
+    if (!g_stop || c->note_sent)
+        return MDT_OK;
+    c->note_val = 1;
+    if (MPI_Isend(&c->note_val, 1, MPI_INT, 0, k_tag_stop, c->comm, &c->note_rq) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "serve: sending the stop note to rank 0 failed");
+    c->note_sent = 1;
+    return MDT_OK;
+}
+
+/* Rank 0: stop notes that arrived. */
+static mdt_status take_notes(serve_ctx *c) {
+    int flag = 0;
+    MPI_Status s;
+    while (c->world > 1) {
+        if (MPI_Iprobe(MPI_ANY_SOURCE, k_tag_stop, c->comm, &flag, &s) != MPI_SUCCESS)
+            return MDT_FAIL(MDT_E_MPI, "serve: probing for stop notes failed");
+        if (!flag)
+            return MDT_OK;
+        int v;
+        if (MPI_Recv(&v, 1, MPI_INT, s.MPI_SOURCE, k_tag_stop, c->comm, MPI_STATUS_IGNORE) !=
+            MPI_SUCCESS)
+            return MDT_FAIL(MDT_E_MPI, "serve: receiving a stop note failed");
+        c->notes_recv[s.MPI_SOURCE]++;
+        c->stop = 1;
+    }
+    return MDT_OK;
+}
+
+/* The header {op, blob bytes} from rank 0. Non-blocking on every rank (a non-blocking collective
+ * matches only non-blocking ones); the other ranks poll it so that a stop signal reaches them. */
+static mdt_status bcast_header(serve_ctx *c, int64_t hdr[2]) {
+    if (c->world == 1)
+        return MDT_OK;
+    MPI_Request rq;
+    if (MPI_Ibcast(hdr, 2, MPI_INT64_T, 0, c->comm, &rq) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "serve: broadcasting a request header failed");
+    if (c->rank == 0)
+        return MPI_Wait(&rq, MPI_STATUS_IGNORE) == MPI_SUCCESS
+                   ? MDT_OK
+                   : MDT_FAIL(MDT_E_MPI, "serve: broadcasting a request header failed");
+    for (;;) {
+        int done = 0;
+        if (MPI_Test(&rq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+            return MDT_FAIL(MDT_E_MPI, "serve: waiting for a request header failed");
+        if (done)
+            return MDT_OK;
+        MDT_TRY(note_stop(c));
+        const struct timespec ts = {0, 2000000}; /* 2 ms: an idle rank uses no CPU to speak of */
+        nanosleep(&ts, NULL);
+    }
+}
+
+static mdt_status bcast_blob(serve_ctx *c, unsigned char *blob, int64_t n) {
+    for (int64_t off = 0; c->world > 1 && off < n; off += CHUNK_BYTES) {
+        const int len = (int)(n - off < CHUNK_BYTES ? n - off : CHUNK_BYTES);
+        if (MPI_Bcast(blob + off, len, MPI_BYTE, 0, c->comm) != MPI_SUCCESS)
+            return MDT_FAIL(MDT_E_MPI, "serve: broadcasting a request failed");
+    }
+    return MDT_OK;
+}
+
+/* After the loop, on every rank: rank 0 receives every stop note still in flight. */
+static mdt_status drain_notes(serve_ctx *c) {
+    if (c->world == 1)
+        return MDT_OK;
+    int sent = c->note_sent;
+    int *all = c->rank == 0 ? mdt_calloc(sizeof(int) * (size_t)c->world) : NULL;
+    if (c->rank == 0 && !all)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    mdt_status st = MDT_OK;
+    if (MPI_Gather(&sent, 1, MPI_INT, all, 1, MPI_INT, 0, c->comm) != MPI_SUCCESS)
+        st = MDT_FAIL(MDT_E_MPI, "serve: the closing gather failed");
+    for (int r = 0; st == MDT_OK && c->rank == 0 && r < c->world; r++)
+        for (; c->notes_recv[r] < all[r]; c->notes_recv[r]++) {
+            int v;
+            MPI_Recv(&v, 1, MPI_INT, r, k_tag_stop, c->comm, MPI_STATUS_IGNORE);
+        }
+    if (c->note_sent)
+        MPI_Wait(&c->note_rq, MPI_STATUS_IGNORE);
+    mdt_free(all);
+    return st;
+}
+
+/* ---- the operations, run on every rank ---- */
+
+static const char *axis_name(mdt_axis a) {
+    return a == MDT_AXIS_TP ? "tp" : a == MDT_AXIS_RING ? "ring" : "ulysses";
+}
+
+static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned char **reply,
+                          size_t *rn) {
+    int64_t wb = mdt_model_weight_bytes(c->m);
+    int64_t *all = c->rank == 0 ? mdt_calloc(sizeof(int64_t) * (size_t)c->world) : NULL;
+    mdt_status st = (c->rank == 0 && !all) ? MDT_FAIL(MDT_E_NOMEM, "out of memory") : MDT_OK;
+    if (c->world > 1 &&
+        MPI_Gather(&wb, 1, MPI_INT64_T, all, 1, MPI_INT64_T, 0, c->comm) != MPI_SUCCESS)
+        st = MDT_FAIL(MDT_E_MPI, "serve: gathering the weight bytes failed");
+    else if (all)
+        all[0] = wb;
+    if (c->rank != 0 || st != MDT_OK) {
+        mdt_free(all);
+        return st;
+    }
+    char *cfg = cJSON_PrintUnformatted(c->m->config);
+    const cJSON *cls = cJSON_GetObjectItemCaseSensitive(c->m->config, "_class_name");
+    char *wlist = mdt_alloc((size_t)c->world * 24 + 1);
+    char tp[16], ring[16], uly[16], world[16], order[32], ms[32], msb[32], mrb[32];
+    int T, R, U;
+    mdt_device_info d;
+    mdt_device_info_get(&d);
+    mdt_model_layout(c->m, &T, &R, &U);
+    snprintf(tp, sizeof tp, "%d", T), snprintf(ring, sizeof ring, "%d", R);
+    snprintf(uly, sizeof uly, "%d", U), snprintf(world, sizeof world, "%d", c->world);
+    if (c->mesh)
+        snprintf(order, sizeof order, "%s,%s,%s", axis_name(c->mesh->order[0]),
+                 axis_name(c->mesh->order[1]), axis_name(c->mesh->order[2]));
+    else
+        snprintf(order, sizeof order, "tp,ring,ulysses");
+    snprintf(ms, sizeof ms, "%d", c->p->max_sessions);
+    snprintf(msb, sizeof msb, "%lld", (long long)c->p->max_session_bytes);
+    snprintf(mrb, sizeof mrb, "%lld", (long long)c->p->max_request_bytes);
+    if (!cfg || !wlist)
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    else {
+        size_t off = 0;
+        for (int i = 0; i < c->world; i++)
+            off += (size_t)sprintf(wlist + off, "%s%lld", i ? "," : "", (long long)all[i]);
+        const char *meta[] = {"op",
+                              "info",
+                              "id",
+                              r->id,
+                              "protocol",
+                              "1",
+                              "family",
+                              mdt_model_family(c->m),
+                              "class_name",
+                              cJSON_IsString(cls) ? cls->valuestring : "",
+                              "config",
+                              cfg,
+                              "world",
+                              world,
+                              "tp",
+                              tp,
+                              "ring",
+                              ring,
+                              "ulysses",
+                              uly,
+                              "mesh_order",
+                              order,
+                              "device",
+                              d.backend,
+                              "dtype",
+                              d.bf16 ? "bf16" : "f32",
+                              "weight_bytes",
+                              wlist,
+                              "max_sessions",
+                              ms,
+                              "max_session_bytes",
+                              msb,
+                              "max_request_bytes",
+                              mrb,
+                              NULL};
+        st = mdt_serve_reply_ok(meta, NULL, reply, rn);
+    }
+    cJSON_free(cfg);
+    mdt_free(wlist);
+    mdt_free(all);
+    return st;
+}
+
+/* A forward: the session's kept tensors merged in, every rank's verdict agreed before and after.
+ * A failure is a reply (the forward's own message), not an end of the server, unless the peers
+ * are stuck (then the caller ends the job). */
+static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char **reply, size_t *rn,
+                             mdt_status *fatal) {
+    mdt_tensor_set *out = NULL;
+    mdt_status st = mdt_serve_sessions_prepare(&c->ss, r);
+    if (st == MDT_OK)
+        st = mdt_tensor_set_create(&out);
+    st = mdt_mesh_verdict(c->mesh, st);
+    double secs = 0;
+    if (st == MDT_OK) {
+        mdt_sample_params sp = mdt_sample_params_default();
+        sp.steps = 0, sp.repeat = 1, sp.step_timeout = c->p->step_timeout;
+        const double t0 = now_s();
+        st = mdt_sample(c->m, r->tensors, &sp, out, NULL);
+        secs = now_s() - t0;
+        if (st != MDT_OK && mdt_mesh_peers_stuck(c->mesh))
+            *fatal = st;
+    }
+    if (st == MDT_OK) {
+        const int64_t before = mdt_serve_sessions_bytes_of(&c->ss, r->session);
+        st = mdt_mesh_verdict(c->mesh, mdt_serve_sessions_commit(&c->ss, r));
+        if (st != MDT_OK && r->session[0] &&
+            before != mdt_serve_sessions_bytes_of(&c->ss, r->session))
+            mdt_serve_sessions_end(&c->ss, r->session); /* some ranks stored it: none keeps it */
+    }
+    if (c->rank == 0) {
+        if (st != MDT_OK)
+            st = mdt_serve_reply_error("forward", r->id, mdt_last_error(), reply, rn);
+        else {
+            char sec[32], got[32], kept[32];
+            snprintf(sec, sizeof sec, "%.6f", secs);
+            snprintf(got, sizeof got, "%lld", (long long)r->bytes);
+            snprintf(kept, sizeof kept, "%lld",
+                     (long long)mdt_serve_sessions_bytes_of(&c->ss, r->session));
+            const char *meta[] = {"op", "forward",        "id", r->id,           "step_seconds",
+                                  sec,  "bytes_received", got,  "session_bytes", kept,
+                                  NULL};
+            st = mdt_serve_reply_ok(meta, out, reply, rn);
+        }
+    } else {
+        st = MDT_OK;
+    }
+    mdt_tensor_set_free(out);
+    return st;
+}
+
+/* Runs one request on every rank; *reply on rank 0. A status other than MDT_OK ends the
+ * server (only *fatal failures and failures to build the reply). */
+static mdt_status run_request(serve_ctx *c, mdt_serve_request *r, unsigned char **reply, size_t *rn,
+                              mdt_status *fatal) {
+    const char *meta[] = {"op", r->op_name, "id", r->id, NULL};
+    switch (r->op) {
+    case MDT_SERVE_OP_INFO: return op_info(c, r, reply, rn);
+    case MDT_SERVE_OP_FORWARD: return op_forward(c, r, reply, rn, fatal);
+    case MDT_SERVE_OP_END_SESSION:
+        mdt_serve_sessions_end(&c->ss, r->session);
+        return c->rank == 0 ? mdt_serve_reply_ok(meta, NULL, reply, rn) : MDT_OK;
+    case MDT_SERVE_OP_CLOSE:
+        return c->rank == 0 ? mdt_serve_reply_ok(meta, NULL, reply, rn) : MDT_OK;
+    case MDT_SERVE_OP_STOP: break;
+    }
+    return MDT_OK;
+}
+
+/* ---- rank 0's socket ---- */
+
+/* Receives one message: frames[0] identity, [1] delimiter, [2] blob; frames past three are read
+ * and dropped. *n: frames seen (0: nothing was there). */
+static mdt_status recv_message(serve_ctx *c, zmq_msg_t fr[3], int *n) {
+    *n = 0;
+    for (int more = 1; more;) {
+        zmq_msg_t extra;
+        zmq_msg_t *dst = *n < 3 ? &fr[*n] : &extra;
+        zmq_msg_init(dst);
+        int rc;
+        while ((rc = zmq_msg_recv(dst, c->sock, *n == 0 ? ZMQ_DONTWAIT : 0)) < 0 &&
+               zmq_errno() == EINTR)
+            ;
+        if (rc < 0) {
+            zmq_msg_close(dst);
+            if (*n == 0 && zmq_errno() == EAGAIN)
+                return MDT_OK;
+            return MDT_FAIL(MDT_E_IO, "serve: receiving a request failed: %s",
+                            zmq_strerror(zmq_errno()));
+        }
+        more = zmq_msg_more(dst);
+        if (*n >= 3)
+            zmq_msg_close(&extra);
+        (*n)++;
+    }
+    return MDT_OK;
+}
+
+/* Sends a reply to the client `id`; a client that left is none of the server's concern (ROUTER
+ * drops it), so nothing here fails the server. */
+static void send_reply(serve_ctx *c, zmq_msg_t *id, const unsigned char *blob, size_t n) {
+    const void *parts[3] = {zmq_msg_data(id), "", blob};
+    const size_t sizes[3] = {zmq_msg_size(id), 0, n};
+    for (int i = 0; i < 3; i++)
+        while (zmq_send(c->sock, parts[i], sizes[i], ZMQ_DONTWAIT | (i < 2 ? ZMQ_SNDMORE : 0)) <
+                   0 &&
+               zmq_errno() == EINTR)
+            ;
+}
+
+static void reply_error(serve_ctx *c, zmq_msg_t *id, const char *op, const char *rid,
+                        const char *msg) {
+    unsigned char *b = NULL;
+    size_t n = 0;
+    if (mdt_serve_reply_error(op, rid, msg, &b, &n) == MDT_OK)
+        send_reply(c, id, b, n);
+    mdt_free(b);
+}
+
+/* Rank 0: waits for the next valid request (answering invalid ones itself) or a stop. On return
+ * *r holds the request and id the client's identity, or hdr[0] is MDT_SERVE_OP_STOP. */
+static mdt_status next_request(serve_ctx *c, mdt_serve_request *r, zmq_msg_t *id, int64_t hdr[2],
+                               zmq_msg_t *blob) {
+    for (;;) {
+        MDT_TRY(take_notes(c));
+        if (g_stop || c->stop) {
+            hdr[0] = MDT_SERVE_OP_STOP, hdr[1] = 0;
+            return MDT_OK;
+        }
+        zmq_pollitem_t it = {c->sock, 0, ZMQ_POLLIN, 0};
+        const int rc = zmq_poll(&it, 1, k_poll_ms);
+        if (rc < 0 && zmq_errno() != EINTR)
+            return MDT_FAIL(MDT_E_IO, "serve: polling the socket failed: %s",
+                            zmq_strerror(zmq_errno()));
+        if (rc <= 0)
+            continue;
+        zmq_msg_t fr[3];
+        int n = 0;
+        MDT_TRY(recv_message(c, fr, &n));
+        if (n == 0)
+            continue;
+        mdt_status st = MDT_OK;
+        if (n != 3 || zmq_msg_size(&fr[1]) != 0)
+            st = MDT_FAIL(MDT_E_FORMAT,
+                          "request: %d frames; a request is [empty delimiter, safetensors blob] "
+                          "(a REQ socket adds the delimiter, a DEALER must send it)",
+                          n - 1);
+        else
+            st = mdt_serve_request_parse(zmq_msg_data(&fr[2]), zmq_msg_size(&fr[2]), r);
+        if (st != MDT_OK) {
+            reply_error(c, &fr[0], r->op_name, r->id, mdt_last_error());
+            mdt_serve_request_free(r);
+            for (int i = 0; i < n && i < 3; i++)
+                zmq_msg_close(&fr[i]);
+            continue;
+        }
+        *id = fr[0];
+        zmq_msg_close(&fr[1]);
+        *blob = fr[2];
+        hdr[0] = r->op, hdr[1] = r->bytes;
+        return MDT_OK;
+    }
+}
+
+/* ---- the loop ---- */
+
+/* One turn on every rank: the next request (or stop) from rank 0, run, replied. *done set on
+ * close or stop. */
+static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
+    mdt_serve_request r;
+    memset(&r, 0, sizeof r);
+    zmq_msg_t id, zblob;
+    int have_msg = 0;
+    int64_t hdr[2] = {0, 0};
+    unsigned char *blob = NULL, *reply = NULL;
+    size_t rn = 0;
+    mdt_status st = MDT_OK;
+    if (c->rank == 0) {
+        st = next_request(c, &r, &id, hdr, &zblob);
+        have_msg = st == MDT_OK && hdr[0] != MDT_SERVE_OP_STOP;
+        if (st != MDT_OK) /* the socket failed: every rank stops, rank 0 says why */
+            hdr[0] = MDT_SERVE_OP_STOP, hdr[1] = 0;
+    }
+    const mdt_status local = st;
+    if ((st = bcast_header(c, hdr)) != MDT_OK) {
+        *fatal = st;
+        goto out;
+    }
+    if (hdr[0] == MDT_SERVE_OP_STOP) {
+        *done = 1;
+        st = local;
+        goto out;
+    }
+    /* the blob: every rank makes room (agreed), then it is broadcast and parsed */
+    if (c->rank == 0)
+        blob = zmq_msg_data(&zblob);
+    else if (!(blob = mdt_alloc((size_t)(hdr[1] ? hdr[1] : 1))))
+        st = MDT_FAIL(MDT_E_NOMEM, "rank %d: no memory for a request of %lld bytes", c->rank,
+                      (long long)hdr[1]);
+    st = mdt_mesh_verdict(c->mesh, st);
+    if (st == MDT_OK) {
+        if ((st = bcast_blob(c, blob, hdr[1])) != MDT_OK) {
+            *fatal = st;
+            goto out;
+        }
+        if (c->rank != 0)
+            st = mdt_serve_request_parse(blob, (size_t)hdr[1], &r);
+        st = mdt_mesh_verdict(c->mesh, st);
+    }
+    if (st == MDT_OK)
+        st = run_request(c, &r, &reply, &rn, fatal);
+    else if (c->rank == 0)
+        st = mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), &reply, &rn);
+    if (c->rank == 0 && reply)
+        send_reply(c, &id, reply, rn);
+    if (*fatal == MDT_OK)
+        st = mdt_mesh_verdict(c->mesh, st); /* building a reply failed: stop everywhere */
+    *done = st != MDT_OK || *fatal != MDT_OK || hdr[0] == MDT_SERVE_OP_CLOSE;
+out:
+    if (have_msg) {
+        zmq_msg_close(&id);
+        zmq_msg_close(&zblob); /* rank 0's blob lives in it */
+    }
+    if (c->rank != 0)
+        mdt_free(blob);
+    mdt_free(reply);
+    mdt_serve_request_free(&r);
+    return st;
+}
+
+mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
+    serve_ctx c;
+    memset(&c, 0, sizeof c);
+    c.m = m, c.p = p, c.mesh = m->mesh;
+    c.comm = MPI_COMM_NULL;
+    c.rank = c.mesh ? c.mesh->world_rank : 0;
+    c.world = c.mesh ? c.mesh->world_size : 1;
+    mdt_status st = mdt_serve_sessions_init(&c.ss, p->max_sessions, p->max_session_bytes);
+    if (st == MDT_OK && c.rank == 0 && c.world > 1 &&
+        !(c.notes_recv = mdt_calloc(sizeof(int) * (size_t)c.world)))
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    if (c.mesh && MPI_Comm_dup(c.mesh->world, &c.comm) != MPI_SUCCESS)
+        st = MDT_FAIL(MDT_E_MPI, "serve: duplicating the world communicator failed");
+    if (st == MDT_OK && c.rank == 0)
+        st = bind_socket(&c);
+    st = mdt_mesh_verdict(c.mesh, st);
+    if (st == MDT_OK && c.rank == 0 && p->on_ready)
+        p->on_ready(p->user, c.endpoint);
+    mdt_status fatal = MDT_OK;
+    for (int done = 0; st == MDT_OK && !done;)
+        st = serve_one(&c, &done, &fatal);
+    if (fatal != MDT_OK) {
+        st = fatal; /* no agreement possible: the caller ends the job */
+    } else {
+        const mdt_status dn = drain_notes(&c);
+        st = mdt_mesh_verdict(c.mesh, st != MDT_OK ? st : dn);
+    }
+    if (c.sock)
+        zmq_close(c.sock);
+    if (c.zctx)
+        zmq_ctx_term(c.zctx);
+    struct stat sb;
+    if (c.ipc_path[0] && lstat(c.ipc_path, &sb) == 0 && S_ISSOCK(sb.st_mode))
+        unlink(c.ipc_path); /* ZeroMQ leaves the file behind */
+    if (c.comm != MPI_COMM_NULL)
+        MPI_Comm_free(&c.comm);
+    mdt_serve_sessions_free(&c.ss);
+    mdt_free(c.notes_recv);
+    return st;
+}

@@ -1,0 +1,183 @@
+/*
+ * serve_proto.c — the server's messages (docs/serve.md): a request blob is a safetensors blob
+ * read by the same validating reader as files (io/safetensors.h: mdt_st_open_mem), whose
+ * __metadata__ names the operation; a reply is a safetensors blob with "status" and either the
+ * outputs or a one-line "error". No socket, no MPI, no model here: this is what
+ * tests/fuzz/fuzz_request.c feeds hostile bytes to.
+ */
+#include "api/serve.h"
+
+#include "io/safetensors.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static const struct {
+    const char *name;
+    mdt_serve_op op;
+} k_ops[] = {{"info", MDT_SERVE_OP_INFO},
+             {"forward", MDT_SERVE_OP_FORWARD},
+             {"end_session", MDT_SERVE_OP_END_SESSION},
+             {"close", MDT_SERVE_OP_CLOSE}};
+
+/* A name the protocol carries (session, id, kept tensor): 1..MDT_SERVE_NAME_MAX bytes, no control
+ * characters and no comma (the "keep" separator). */
+static int good_name(const char *s, size_t max) {
+    size_t n = strlen(s);
+    if (n == 0 || n > max)
+        return 0;
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)s[i] < 0x20 || s[i] == 0x7f || s[i] == ',')
+            return 0;
+    return 1;
+}
+
+static mdt_status parse_keep(const char *v, mdt_serve_request *r) {
+    char shown[MDT_ESC_NAME];
+    const size_t n = strlen(v);
+    if (r->keep_buf)
+        return MDT_FAIL(MDT_E_INVALID, "request: \"keep\" appears twice");
+    r->keep_buf = mdt_alloc(n + 1);
+    if (!r->keep_buf)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    memcpy(r->keep_buf, v, n + 1);
+    char *p = r->keep_buf;
+    for (;;) {
+        char *comma = strchr(p, ',');
+        if (comma)
+            *comma = 0;
+        if (r->n_keep == MDT_SERVE_KEEP_MAX)
+            return MDT_FAIL(MDT_E_INVALID, "request: \"keep\" names more than %d tensors",
+                            MDT_SERVE_KEEP_MAX);
+        if (!good_name(p, 1024))
+            return MDT_FAIL(MDT_E_INVALID,
+                            "request: \"keep\" must be tensor names separated by commas, got '%s'",
+                            mdt_escape(v, shown, sizeof shown));
+        for (int i = 0; i < r->n_keep; i++)
+            if (strcmp(r->keep[i], p) == 0)
+                return MDT_FAIL(MDT_E_INVALID, "request: \"keep\" names '%s' twice",
+                                mdt_escape(p, shown, sizeof shown));
+        r->keep[r->n_keep++] = p;
+        if (!comma)
+            return MDT_OK;
+        p = comma + 1;
+    }
+}
+
+/* One __metadata__ key of a request into *r. */
+static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r) {
+    char shown[MDT_ESC_NAME], key[MDT_ESC_NAME];
+    if (strcmp(k, "op") == 0) {
+        for (size_t i = 0; i < sizeof k_ops / sizeof k_ops[0]; i++)
+            if (strcmp(v, k_ops[i].name) == 0) {
+                r->op = k_ops[i].op;
+                strcpy(r->op_name, k_ops[i].name);
+                return MDT_OK;
+            }
+        return MDT_FAIL(MDT_E_INVALID,
+                        "request: unknown op '%s' (info, forward, end_session or close)",
+                        mdt_escape(v, shown, sizeof shown));
+    }
+    if (strcmp(k, "id") == 0 || strcmp(k, "session") == 0) {
+        if (!good_name(v, MDT_SERVE_NAME_MAX))
+            return MDT_FAIL(MDT_E_INVALID,
+                            "request: \"%s\" must be 1 to %d bytes without control characters "
+                            "or commas, got '%s'",
+                            k, MDT_SERVE_NAME_MAX, mdt_escape(v, shown, sizeof shown));
+        strcpy(k[0] == 'i' ? r->id : r->session, v);
+        return MDT_OK;
+    }
+    if (strcmp(k, "keep") == 0)
+        return parse_keep(v, r);
+    if (strcmp(k, "end_session") == 0) {
+        if (strcmp(v, "1") != 0 && strcmp(v, "true") != 0)
+            return MDT_FAIL(MDT_E_INVALID, "request: \"end_session\" must be \"1\" or \"true\"");
+        r->end_session = 1;
+        return MDT_OK;
+    }
+    return MDT_FAIL(MDT_E_INVALID,
+                    "request: unknown metadata key '%s' (op, id, session, keep, end_session)",
+                    mdt_escape(k, key, sizeof key));
+}
+
+/* What each operation may carry. */
+static mdt_status check_request(const mdt_serve_request *r, int ntensors) {
+    if (!r->op_name[0])
+        return MDT_FAIL(MDT_E_INVALID, "request: __metadata__ has no \"op\"");
+    if (r->op != MDT_SERVE_OP_FORWARD && ntensors > 0)
+        return MDT_FAIL(MDT_E_INVALID, "request: op '%s' takes no tensors (got %d)", r->op_name,
+                        ntensors);
+    if (r->op != MDT_SERVE_OP_FORWARD && (r->n_keep || r->end_session))
+        return MDT_FAIL(MDT_E_INVALID, "request: \"keep\" and \"end_session\" go with a forward");
+    if (r->op != MDT_SERVE_OP_FORWARD && r->op != MDT_SERVE_OP_END_SESSION && r->session[0])
+        return MDT_FAIL(MDT_E_INVALID, "request: op '%s' takes no \"session\"", r->op_name);
+    if (r->op == MDT_SERVE_OP_END_SESSION && !r->session[0])
+        return MDT_FAIL(MDT_E_INVALID, "request: op 'end_session' needs a \"session\"");
+    if ((r->n_keep || r->end_session) && !r->session[0])
+        return MDT_FAIL(MDT_E_INVALID, "request: \"keep\" and \"end_session\" need a \"session\"");
+    return MDT_OK;
+}
+
+mdt_status mdt_serve_request_parse(const void *blob, size_t size, mdt_serve_request *r) {
+    mdt_st_file *f = NULL;
+    mdt_status st = MDT_OK;
+    memset(r, 0, sizeof *r);
+    r->bytes = (int64_t)size;
+    MDT_TRY(mdt_st_open_mem(blob, size, "request", &f));
+    for (int i = 0; i < f->n_meta; i++)
+        MDT_CHECK(parse_meta(f->meta_keys[i], f->meta_vals[i], r));
+    MDT_CHECK(check_request(r, f->n));
+    MDT_CHECK(mdt_st_read_set(f, &r->tensors));
+fail:
+    mdt_st_close(f);
+    return st;
+}
+
+void mdt_serve_request_free(mdt_serve_request *r) {
+    if (!r)
+        return;
+    mdt_tensor_set_free(r->tensors);
+    mdt_free(r->keep_buf);
+    memset(r, 0, sizeof *r);
+}
+
+mdt_status mdt_serve_reply_ok(const char *const *meta, const mdt_tensor_set *outputs,
+                              unsigned char **blob, size_t *size) {
+    enum { MAX_META = 64 };
+    const char *kv[2 * MAX_META + 3] = {"status", "ok"};
+    int n = 2;
+    for (int i = 0; meta && meta[i] && meta[i + 1] && n < 2 * MAX_META; i += 2)
+        if (meta[i + 1][0]) /* an empty value (no "id" sent) is left out */
+            kv[n++] = meta[i], kv[n++] = meta[i + 1];
+    kv[n] = NULL;
+    const int nt = outputs ? mdt_tensor_set_count(outputs) : 0;
+    const char **names = mdt_alloc(sizeof(char *) * (size_t)(nt ? nt : 1));
+    const mdt_tensor **ts = mdt_alloc(sizeof(mdt_tensor *) * (size_t)(nt ? nt : 1));
+    mdt_status st = MDT_OK;
+    if (!names || !ts)
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    for (int i = 0; st == MDT_OK && i < nt; i++)
+        ts[i] = mdt_tensor_set_at(outputs, i, &names[i]);
+    if (st == MDT_OK)
+        st = mdt_st_serialize(nt, names, ts, kv, blob, size);
+    mdt_free(names);
+    mdt_free((void *)ts);
+    return st;
+}
+
+mdt_status mdt_serve_reply_error(const char *op, const char *id, const char *msg,
+                                 unsigned char **blob, size_t *size) {
+    char line[1024];
+    snprintf(line, sizeof line, "%s", msg && msg[0] ? msg : "unknown error");
+    for (char *c = line; *c; c++) /* one line, whatever the message held */
+        if (*c == '\n' || *c == '\r')
+            *c = ' ';
+    const char *kv[9] = {"status", "error", "error", line};
+    int n = 4;
+    if (op && op[0])
+        kv[n++] = "op", kv[n++] = op;
+    if (id && id[0])
+        kv[n++] = "id", kv[n++] = id;
+    kv[n] = NULL;
+    return mdt_st_serialize(0, NULL, NULL, kv, blob, size);
+}
