@@ -42,6 +42,23 @@ int cli_opt_double(cli_opts *o, const char *key, double def, double *out);
 /* The usage exit code naming the first option no command read, or 0. */
 int cli_opts_check_unused(cli_opts *o);
 
+/* The layout, device and memory options `run` and `serve` share: --tp --ring --ulysses
+ * --mesh-order --device --dtype --comm --max-memory. */
+typedef struct cli_layout {
+    long long tp, ring, uly;
+    const char *order, *device, *dtype, *comm;
+    int64_t max_bytes; /* --max-memory, 0 if absent */
+} cli_layout;
+/* Reads those options from `o`; returns 0 or the usage exit code after printing why. */
+int cli_parse_layout(cli_opts *o, cli_layout *l);
+/* The checks before any weight is read, then the load: this rank's weights plus the activations
+ * of `inputs` against --max-memory (or what the node has), then mdt_model_load shard-on-read
+ * over `mesh` (after mdt_device_select). Collective; *load_s gets the load's seconds. */
+mdt_status cli_load_model(const cli_layout *l, const char *checkpoint, mdt_mesh *mesh,
+                          const mdt_tensor_set *inputs, mdt_model **m, double *load_s);
+/* Monotonic seconds. */
+double cli_now_s(void);
+
 /* Prints "meshdit: error: MESSAGE" from rank 0 (with the code and place under MESHDIT_DEBUG);
  * returns the exit code 1. */
 int cli_fail_exit(mdt_status st);
@@ -58,5 +75,6 @@ int cmd_compare(int argc, char **argv); /* cmd_compare.c */
 int cmd_gather(int argc, char **argv);  /* cmd_compare.c */
 int cmd_inspect(int argc, char **argv); /* cmd_inspect.c */
 int cmd_plan(int argc, char **argv);    /* cmd_inspect.c */
+int cmd_serve(int argc, char **argv);   /* cmd_serve.c */
 
 #endif /* MDT_CLI_H */

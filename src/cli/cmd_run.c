@@ -11,12 +11,6 @@
 #include <time.h>
 #include <unistd.h>
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* The progress line on a terminal: "step i/N  seconds". */
 static void on_step(void *user, int step, int nsteps, double seconds) {
     *(int *)user = 1;
@@ -85,10 +79,10 @@ static void print_plan(const mdt_model *m, const char *order, const mdt_run_stat
 
 /* The options of `meshdit run`. */
 typedef struct run_args {
-    const char *ck, *inp, *out, *report, *order, *device, *dtype, *comm;
+    const char *ck, *inp, *out, *report;
+    cli_layout l;
     int quiet;
-    int64_t max_bytes;
-    long long tp, ring, uly, steps, repeat, step_timeout;
+    long long steps, repeat, step_timeout;
 } run_args;
 
 static int parse_run(int argc, char **argv, run_args *a) {
@@ -99,24 +93,8 @@ static int parse_run(int argc, char **argv, run_args *a) {
         return rc;
     a->ck = cli_opt_str(&o, "checkpoint", NULL), a->inp = cli_opt_str(&o, "inputs", NULL);
     a->out = cli_opt_str(&o, "out", NULL), a->report = cli_opt_str(&o, "report", NULL);
-    a->order = cli_opt_str(&o, "mesh-order", "tp,ring,ulysses");
-    const char *maxmem = cli_opt_str(&o, "max-memory", NULL);
-    a->device = cli_opt_str(&o, "device", "cpu"), a->dtype = cli_opt_str(&o, "dtype", "f32");
-    a->comm = cli_opt_str(&o, "comm", "auto");
     a->quiet = cli_opt_str(&o, "quiet", NULL) != NULL;
-    if (strcmp(a->device, "cpu") != 0 && strcmp(a->device, "cuda") != 0)
-        return cli_usage_exit("--device must be cpu or cuda, got '%s'", a->device);
-    if (strcmp(a->dtype, "f32") != 0 && strcmp(a->dtype, "bf16") != 0)
-        return cli_usage_exit("--dtype must be f32 or bf16, got '%s'", a->dtype);
-    if (strcmp(a->comm, "auto") != 0 && strcmp(a->comm, "mpi") != 0 && strcmp(a->comm, "nccl") != 0)
-        return cli_usage_exit("--comm must be auto, mpi or nccl, got '%s'", a->comm);
-    a->max_bytes = 0;
-    if (maxmem && (a->max_bytes = mdt_size_parse(maxmem)) <= 0)
-        return cli_usage_exit("--max-memory takes a size like 512M, 8G or 1048576, got '%s'",
-                              maxmem);
-    if ((rc = cli_opt_int(&o, "tp", 1, 1, 4096, &a->tp)) ||
-        (rc = cli_opt_int(&o, "ring", 1, 1, 4096, &a->ring)) ||
-        (rc = cli_opt_int(&o, "ulysses", 1, 1, 4096, &a->uly)) ||
+    if ((rc = cli_parse_layout(&o, &a->l)) ||
         (rc = cli_opt_int(&o, "steps", 0, 0, 100000, &a->steps)) ||
         (rc = cli_opt_int(&o, "repeat", 1, 1, 100000, &a->repeat)) ||
         (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
@@ -136,29 +114,22 @@ int cmd_run(int argc, char **argv) {
     mdt_model *m = NULL;
     mdt_tensor_set *in = NULL, *res = NULL;
     mdt_run_stats *stats = NULL;
-    mdt_status st = mdt_mesh_create_world((int)a.tp, (int)a.ring, (int)a.uly, a.order, &mesh);
+    mdt_status st =
+        mdt_mesh_create_world((int)a.l.tp, (int)a.l.ring, (int)a.l.uly, a.l.order, &mesh);
     if (st != MDT_OK)
         return cli_fail_exit(st); /* same verdict on every rank: nothing to agree on */
     /* rank 0 writes the outputs: it finds out now, not after the compute, that it cannot */
     st = mdt_mesh_verdict(mesh, cli_rank == 0 ? mdt_outputs_check(a.out, a.report) : MDT_OK);
     if (st == MDT_OK)
-        st = mdt_device_select(mesh, a.device, a.dtype, a.comm);
+        st = mdt_device_select(mesh, a.l.device, a.l.dtype, a.l.comm);
     if (st != MDT_OK)
         goto done;
     /* the inputs first: the memory check counts their activations before the weights load */
     st = mdt_mesh_verdict(mesh, mdt_tensor_set_load(a.inp, &in));
     if (st != MDT_OK)
         goto done;
-    const mdt_memory_limit lim = {.max_bytes = a.max_bytes,
-                                  .mem_available = getenv("MESHDIT_MEM_AVAILABLE"),
-                                  .device_activations = strcmp(a.device, "cuda") == 0};
-    if ((st = mdt_check_memory(a.ck, mesh, in, &lim)) != MDT_OK)
-        goto done;
-    mdt_load_params lp = mdt_load_params_default(); /* (the weights-only limit is checked above) */
-    lp.checkpoint_dir = a.ck, lp.mesh = mesh;
-    const double t0 = now_s();
-    st = mdt_model_load(&lp, &m);
-    const double load_s = now_s() - t0;
+    double load_s = 0;
+    st = cli_load_model(&a.l, a.ck, mesh, in, &m, &load_s);
     if (st == MDT_OK)
         st = mdt_tensor_set_create(&res);
     if (st != MDT_OK)
@@ -187,7 +158,7 @@ int cmd_run(int argc, char **argv) {
         print_device(m);
     st = mdt_mesh_verdict(mesh, st);
     if (st == MDT_OK && !a.quiet && cli_rank == 0)
-        print_plan(m, a.order, stats, load_s, a.out);
+        print_plan(m, a.l.order, stats, load_s, a.out);
 done:
     if (st != MDT_OK && mdt_mesh_peers_stuck(mesh)) {
         /* this rank failed inside a step while its peers wait in a collective: no agreement is

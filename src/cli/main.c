@@ -8,6 +8,7 @@
  *   gather   TP shards back into one checkpoint             cmd_compare.c
  *   inspect  weight table, shards and ranks of a layout     cmd_inspect.c
  *   plan     the scaling model's estimate of every layout   cmd_inspect.c
+ *   serve    the resident server over ZeroMQ                cmd_serve.c
  *
  * The only code that calls MPI_Init/Finalize and exit(), and the only file of the command that
  * uses MPI; the commands use the library through meshdit.h alone. Library failures come back as
@@ -39,7 +40,12 @@ void cli_usage(FILE *fp) {
         "          [--mesh-order ORDER]\n"
         "  gather  --checkpoint DIR --out DIR [--tp T]   (under mpiexec -n T)\n"
         "  plan    (--checkpoint DIR | --config FILE) --devices N [--device cpu|h100|h200|trn2]\n"
-        "          [--device-mem GiB] [--tokens S] [--bytes 2|4]\n");
+        "          [--device-mem GiB] [--tokens S] [--bytes 2|4]\n"
+        "  serve   --checkpoint DIR [--listen ipc://PATH|tcp://HOST:PORT] [--listen-any]\n"
+        "          [--tp T --ring R --ulysses U] [--mesh-order O] [--device cpu|cuda]\n"
+        "          [--dtype f32|bf16] [--comm auto|mpi|nccl] [--max-memory SIZE]\n"
+        "          [--max-sessions N] [--max-session-bytes SIZE] [--max-request-bytes SIZE]\n"
+        "          [--step-timeout S]   (docs/serve.md)\n");
 }
 
 void cli_abort_job(int code) { MPI_Abort(MPI_COMM_WORLD, code); }
@@ -49,7 +55,7 @@ static const struct {
     int (*fn)(int argc, char **argv);
 } k_commands[] = {{"gen", cmd_gen},         {"inputs", cmd_inputs},   {"run", cmd_run},
                   {"compare", cmd_compare}, {"inspect", cmd_inspect}, {"gather", cmd_gather},
-                  {"plan", cmd_plan}};
+                  {"plan", cmd_plan},       {"serve", cmd_serve}};
 
 static int dispatch(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0) {

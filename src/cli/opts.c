@@ -2,11 +2,13 @@
  * opts.c — the command's option parsing (--key value pairs and flags) and its exit helpers:
  * one line per failure from rank 0; exit codes 0 success, 1 failure, 2 usage error.
  */
+#define _POSIX_C_SOURCE 200809L
 #include "cli/cli.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 int cli_fail_exit(mdt_status st) {
     if (cli_rank == 0) {
@@ -109,4 +111,50 @@ void cli_fmt_bytes(double b, char *buf, size_t cap) {
     while (b >= 1024.0 && i < 4)
         b /= 1024.0, i++;
     snprintf(buf, cap, "%.2f %s", b, u[i]);
+}
+
+int cli_parse_layout(cli_opts *o, cli_layout *l) {
+    l->order = cli_opt_str(o, "mesh-order", "tp,ring,ulysses");
+    const char *maxmem = cli_opt_str(o, "max-memory", NULL);
+    l->device = cli_opt_str(o, "device", "cpu"), l->dtype = cli_opt_str(o, "dtype", "f32");
+    l->comm = cli_opt_str(o, "comm", "auto");
+    if (strcmp(l->device, "cpu") != 0 && strcmp(l->device, "cuda") != 0)
+        return cli_usage_exit("--device must be cpu or cuda, got '%s'", l->device);
+    if (strcmp(l->dtype, "f32") != 0 && strcmp(l->dtype, "bf16") != 0)
+        return cli_usage_exit("--dtype must be f32 or bf16, got '%s'", l->dtype);
+    if (strcmp(l->comm, "auto") != 0 && strcmp(l->comm, "mpi") != 0 && strcmp(l->comm, "nccl") != 0)
+        return cli_usage_exit("--comm must be auto, mpi or nccl, got '%s'", l->comm);
+    l->max_bytes = 0;
+    if (maxmem && (l->max_bytes = mdt_size_parse(maxmem)) <= 0)
+        return cli_usage_exit("--max-memory takes a size like 512M, 8G or 1048576, got '%s'",
+                              maxmem);
+    int rc;
+    if ((rc = cli_opt_int(o, "tp", 1, 1, 4096, &l->tp)) ||
+        (rc = cli_opt_int(o, "ring", 1, 1, 4096, &l->ring)) ||
+        (rc = cli_opt_int(o, "ulysses", 1, 1, 4096, &l->uly)))
+        return rc;
+    return 0;
+}
+
+double cli_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+mdt_status cli_load_model(const cli_layout *l, const char *checkpoint, mdt_mesh *mesh,
+                          const mdt_tensor_set *inputs, mdt_model **m, double *load_s) {
+    const mdt_memory_limit lim = {.max_bytes = l->max_bytes,
+                                  .mem_available = getenv("MESHDIT_MEM_AVAILABLE"),
+                                  .device_activations = strcmp(l->device, "cuda") == 0};
+    *load_s = 0;
+    mdt_status st = mdt_check_memory(checkpoint, mesh, inputs, &lim);
+    if (st != MDT_OK)
+        return st;
+    mdt_load_params lp = mdt_load_params_default(); /* (the weights-only limit is checked above) */
+    lp.checkpoint_dir = checkpoint, lp.mesh = mesh;
+    const double t0 = cli_now_s();
+    st = mdt_model_load(&lp, m);
+    *load_s = cli_now_s() - t0;
+    return st;
 }

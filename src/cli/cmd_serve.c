@@ -1,0 +1,112 @@
+/*
+ * cmd_serve.c — `meshdit serve`: the mesh, the device, the endpoint checked before any weight is
+ * read, the load once, then the library's server (mdt_serve, docs/serve.md) until a "close"
+ * request or SIGTERM/SIGINT on any rank (exit 0). Rank 0 prints "serving on ENDPOINT" once the
+ * endpoint is bound, so that a script can wait for that line.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "cli/cli.h"
+
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void on_signal(int sig) {
+    (void)sig;
+    mdt_serve_stop(); /* a flag: every rank leaves the loop within about a second */
+}
+
+static void on_ready(void *user, const char *endpoint) {
+    (void)user;
+    printf("serving on %s\n", endpoint);
+    fflush(stdout);
+}
+
+typedef struct serve_args {
+    const char *ck, *listen;
+    int listen_any;
+    cli_layout l;
+    long long max_sessions, step_timeout;
+    int64_t max_session_bytes, max_request_bytes;
+} serve_args;
+
+/* A size option (--max-session-bytes 1G) into *out, `def` when absent. */
+static int opt_size(cli_opts *o, const char *key, int64_t def, int64_t *out) {
+    const char *v = cli_opt_str(o, key, NULL);
+    *out = def;
+    if (v && (*out = mdt_size_parse(v)) <= 0) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "--%s takes a size like 512M, 8G or 1048576, got '%%s'", key);
+        return cli_usage_exit(msg, v);
+    }
+    return 0;
+}
+
+static int parse_serve(int argc, char **argv, serve_args *a) {
+    static const char *const flags[] = {"listen-any", NULL};
+    cli_opts o;
+    int rc = cli_parse_opts(argc, argv, &o, flags);
+    if (rc)
+        return rc;
+    const mdt_serve_params def = mdt_serve_params_default();
+    a->ck = cli_opt_str(&o, "checkpoint", NULL);
+    a->listen = cli_opt_str(&o, "listen", NULL);
+    a->listen_any = cli_opt_str(&o, "listen-any", NULL) != NULL;
+    if ((rc = cli_parse_layout(&o, &a->l)) ||
+        (rc = cli_opt_int(&o, "max-sessions", def.max_sessions, 0, 1 << 20, &a->max_sessions)) ||
+        (rc = opt_size(&o, "max-session-bytes", def.max_session_bytes, &a->max_session_bytes)) ||
+        (rc = opt_size(&o, "max-request-bytes", def.max_request_bytes, &a->max_request_bytes)) ||
+        (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
+        (rc = cli_opts_check_unused(&o)))
+        return rc;
+    if (!a->ck)
+        return cli_usage_exit("serve needs --checkpoint DIR%s", "");
+    return 0;
+}
+
+int cmd_serve(int argc, char **argv) {
+    serve_args a = {0};
+    int rc = parse_serve(argc, argv, &a);
+    if (rc)
+        return rc;
+    mdt_mesh *mesh = NULL;
+    mdt_model *m = NULL;
+    mdt_tensor_set *none = NULL;
+    mdt_status st =
+        mdt_mesh_create_world((int)a.l.tp, (int)a.l.ring, (int)a.l.uly, a.l.order, &mesh);
+    if (st != MDT_OK)
+        return cli_fail_exit(st);
+    /* the endpoint is rank 0's: refused now, not after the load */
+    st = mdt_mesh_verdict(mesh, cli_rank == 0 ? mdt_serve_endpoint_check(a.listen, a.listen_any)
+                                              : MDT_OK);
+    if (st == MDT_OK)
+        st = mdt_device_select(mesh, a.l.device, a.l.dtype, a.l.comm);
+    if (st == MDT_OK) /* no inputs yet: the memory check counts the weights */
+        st = mdt_mesh_verdict(mesh, mdt_tensor_set_create(&none));
+    double load_s = 0;
+    if (st == MDT_OK)
+        st = cli_load_model(&a.l, a.ck, mesh, none, &m, &load_s);
+    if (st == MDT_OK) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_signal; /* no SA_RESTART: a wait returns and sees the flag */
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGTERM, &sa, NULL);
+        sigaction(SIGINT, &sa, NULL);
+        mdt_serve_params p = mdt_serve_params_default();
+        p.endpoint = a.listen, p.listen_any = a.listen_any;
+        p.max_sessions = (int)a.max_sessions, p.max_session_bytes = a.max_session_bytes;
+        p.max_request_bytes = a.max_request_bytes, p.step_timeout = (double)a.step_timeout;
+        p.on_ready = cli_rank == 0 ? on_ready : NULL;
+        st = mdt_serve(m, &p);
+    }
+    if (st != MDT_OK && mdt_mesh_peers_stuck(mesh)) {
+        fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
+        fflush(stderr);
+        cli_abort_job(1);
+    }
+    mdt_tensor_set_free(none);
+    mdt_model_free(m);
+    mdt_mesh_free(mesh);
+    return st == MDT_OK ? 0 : cli_fail_exit(st);
+}
