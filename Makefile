@@ -52,7 +52,7 @@ TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 MPI_TEST_BIN := $(patsubst tests/mpi/%.c,$(BUILD)/tests/mpi/%,$(wildcard tests/mpi/test_*.c))
 FUZZ_NAMES := $(patsubst tests/fuzz/fuzz_%.c,%,$(wildcard tests/fuzz/fuzz_*.c))
 REPLAY_BIN := $(FUZZ_NAMES:%=$(BUILD)/tests/replay_%)
-ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] tests/mpi/*.c tests/gpu/*.c tests/fuzz/*.c bench/*.c)
+ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] tests/mpi/*.c tests/cli/*.c tests/gpu/*.c tests/fuzz/*.c bench/*.c)
 
 .DEFAULT_GOAL := all
 
@@ -77,7 +77,8 @@ cuda: $(CUDA_LIB)
 .PHONY: all test check cuda format format-check cppcheck tidy demo clean goldens bench fuzz fuzz-build \
         valgrind test-sanitize campaign
 
-all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN) $(CUDA_LIB) $(BUILD)/tests/gpu/test_gpu
+all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN) $(CUDA_LIB) $(BUILD)/tests/gpu/test_gpu \
+     $(BUILD)/tests/serve_client
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -112,6 +113,11 @@ $(BUILD)/tests/mpi/%: $(BUILD)/tests/mpi/%.o $(BUILD)/libmeshdit.a
 $(BUILD)/tests/gpu/test_gpu: tests/gpu/test_gpu.c $(BUILD)/libmeshdit.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests/unit $(LDFLAGS) -o $@ $< $(BUILD)/libmeshdit.a $(LDLIBS)
+
+# the test client of `meshdit serve` (tests/cli/test_serve.sh), on libzmq directly
+$(BUILD)/tests/serve_client: tests/cli/serve_client.c $(BUILD)/libmeshdit.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $< $(BUILD)/libmeshdit.a $(LDLIBS)
 
 $(BUILD)/tests/mpi/%.o: tests/mpi/%.c
 	@mkdir -p $(dir $@)
@@ -176,7 +182,7 @@ format-check:
 
 cppcheck:
 	cppcheck --quiet --error-exitcode=1 --std=c11 --enable=warning,performance,portability \
-	  --inline-suppr --suppress=missingIncludeSystem -Iinclude -Isrc -Itests/unit src tests/unit tests/mpi
+	  --inline-suppr --suppress=missingIncludeSystem -Iinclude -Isrc -Itests/unit src tests/unit tests/mpi tests/cli
 
 tidy:
 	clang-tidy --quiet $(filter %.c,$(ALL_SRC)) -- -std=c11 -Iinclude -Isrc -Itests/unit $(PKG_CFLAGS)

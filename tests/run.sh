@@ -100,6 +100,9 @@ negative "world-rank shard index, tp=2 x ulysses=2" MESHDIT_TEST_SHARD_INDEX=wor
 negative "CP split skipped, ring=2 x ulysses=2" MESHDIT_TEST_SKIP_CP_SPLIT=1 -- 4 1 2 2 tp,ring,ulysses
 echo "== cli"
 run env BIN="$BUILD/meshdit" MPIEXEC="$MPIEXEC" bash tests/cli/test_cli.sh
+echo "== serve (the resident server over ZeroMQ, a C client)"
+run timeout 300 env BIN="$BUILD/meshdit" CLIENT="$BUILD/tests/serve_client" MPIEXEC="$MPIEXEC" \
+    bash tests/cli/test_serve.sh
 # the hostile-input campaign's quick subset (docs/reliability.md), strict: a case in a bad class
 # (crash, hang, NaN output, output left behind, unclean error) fails. The script is Python
 # (standard library); make test needs no Python, so without python3 it is skipped, said so.

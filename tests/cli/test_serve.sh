@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# test_serve.sh — `meshdit serve` end to end (docs/serve.md) with the C client
+# build/tests/serve_client: info; a forward equal byte for byte to `meshdit run` on the same
+# layout (and to the diffusers golden within 2e-5); a session that sends the constant tensors
+# once; error replies to a malformed blob, a bad shape and an unknown op, each followed by a good
+# forward (the server is alive); a client that leaves before its reply; close; SIGTERM to mpiexec
+# and to rank 1 alone (every rank exits 0 within 10 s); a rank that fails inside a forward;
+# endpoints refused before the load. Every wait is bounded, so the test cannot hang.
+set -u
+BIN=${BIN:-build/meshdit}
+CLIENT=${CLIENT:-build/tests/serve_client}
+MPIEXEC=${MPIEXEC:-$(command -v mpiexec.mpich || command -v mpiexec)}
+DATA=${DATA:-tests/data}
+CK=$DATA/flux_tiny
+IN=$CK/inputs.safetensors
+T=$(mktemp -d /tmp/mdt_serve_XXXXXX)
+EP=ipc://$T/s.sock
+SPID=
+cleanup() {
+    [ -n "$SPID" ] && kill -KILL "$SPID" 2>/dev/null
+    rm -rf "$T"
+}
+trap cleanup EXIT
+pass=0 fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
+client() { timeout 60 "$CLIENT" "$EP" "$@" --timeout 30000; }
+CONST=encoder_hidden_states,pooled_projections,txt_ids,img_ids
+
+# start_server LOG [serve options]: mpiexec in the background, waits (<= 30 s) for "serving on"
+start_server() {
+    local log=$1; shift
+    "$MPIEXEC" -n 2 "$BIN" serve --checkpoint "$CK" --tp 2 --listen "$EP" "$@" >"$log" 2>&1 &
+    SPID=$!
+    for _ in $(seq 300); do
+        grep -q "^serving on $EP\$" "$log" && return 0
+        kill -0 "$SPID" 2>/dev/null || break
+        sleep 0.1
+    done
+    bad "server did not start: $(cat "$log")"
+    return 1
+}
+# stopped_within SECONDS: the server's mpiexec ended in time; STOPPED = its exit status
+stopped_within() {
+    local n=$(($1 * 10))
+    STOPPED="still running after $1 s"
+    for _ in $(seq "$n"); do
+        if ! kill -0 "$SPID" 2>/dev/null; then
+            wait "$SPID"; STOPPED=$?; SPID=; return 0
+        fi
+        sleep 0.1
+    done
+    return 1
+}
+field() { grep "^$1=" "$2" | head -1 | cut -d= -f2-; }
+
+# ---- endpoints refused before any weight is read (one line, exit 1) ----
+refused() { # name pattern -- serve args
+    local name=$1 pat=$2; shift 3
+    timeout 60 "$MPIEXEC" -n 2 "$BIN" serve --checkpoint "$CK" --tp 2 "$@" >"$T/out" 2>"$T/err"
+    local rc=$?
+    if [ "$rc" = 1 ] && [ "$(grep -c . "$T/err")" = 1 ] && grep -q -- "$pat" "$T/err" &&
+        ! grep -q "serving on" "$T/out"; then ok; else bad "$name: exit $rc, $(cat "$T/err")"; fi
+}
+refused "tcp on a non-loopback address" "not a loopback address" -- --listen tcp://10.1.2.3:5555
+refused "tcp on every interface" "needs --listen-any" -- --listen 'tcp://*:5555'
+touch "$T/plain"
+refused "ipc path that is a regular file" "exists and is not a socket" -- --listen "ipc://$T/plain"
+refused "unknown scheme" "must be ipc://PATH or tcp://HOST:PORT" -- --listen inproc://x
+[ -f "$T/plain" ] && ok || bad "the regular file at the ipc path was touched"
+
+# ---- one server: info, forwards, sessions, faults, close ----
+if start_server "$T/log"; then
+    [ "$(stat -c %a "$T/s.sock")" = 600 ] && ok || bad "socket mode $(stat -c %a "$T/s.sock"), wanted 600"
+    refused "ipc socket of a running server" "a running server listens there" -- --listen "$EP"
+
+    client info >"$T/info"; rc=$?
+    if [ $rc = 0 ] && [ "$(field family "$T/info")" = flux ] && [ "$(field tp "$T/info")" = 2 ] &&
+        [ "$(field world "$T/info")" = 2 ] && [ "$(field dtype "$T/info")" = f32 ] &&
+        field weight_bytes "$T/info" | grep -Eq '^[0-9]+,[0-9]+$' &&
+        [ "$(field config_bytes "$T/info")" -gt 100 ]; then ok; else bad "info: rc $rc $(cat "$T/info")"; fi
+
+    # a forward equals `meshdit run` on the same layout byte for byte, and the golden within 2e-5
+    client forward "$IN" "$T/o.safetensors" >"$T/f0"; rc=$?
+    timeout 120 "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$CK" --inputs "$IN" --tp 2 \
+        --out "$T/run.safetensors" --quiet
+    if [ $rc = 0 ] && cmp -s "$T/o.safetensors" "$T/run.safetensors"; then ok; else
+        bad "forward differs from run: rc $rc $(cat "$T/f0")"; fi
+    "$BIN" compare "$T/o.safetensors" "$CK/expected.safetensors" --tol 2e-5 >/dev/null && ok ||
+        bad "forward vs the diffusers golden beyond 2e-5"
+
+    # a session: the constant tensors sent once, then omitted; the same bytes, fewer received
+    client forward "$IN" "$T/s1.safetensors" --session gen1 --keep "$CONST" >"$T/f1"; rc1=$?
+    client forward "$IN" "$T/s2.safetensors" --session gen1 --omit "$CONST" >"$T/f2"; rc2=$?
+    b1=$(field bytes_received "$T/f1"); b2=$(field bytes_received "$T/f2")
+    if [ $rc1 = 0 ] && [ $rc2 = 0 ] && cmp -s "$T/s1.safetensors" "$T/o.safetensors" &&
+        cmp -s "$T/s2.safetensors" "$T/o.safetensors" && [ "$b2" -lt "$b1" ] &&
+        [ "$(field session_bytes "$T/f2")" -gt 0 ]; then ok; else
+        bad "session: rc $rc1/$rc2, bytes $b1/$b2, $(cat "$T/f1" "$T/f2")"; fi
+    # negative control: without the session the omitted tensors are missing
+    client forward "$IN" "$T/x.safetensors" --omit "$CONST" >"$T/f3"
+    grep -q "^error=.*encoder_hidden_states" "$T/f3" && ok || bad "omitted tensors without a session: $(cat "$T/f3")"
+    # the session ends; a forward naming it is refused
+    client forward "$IN" "$T/x.safetensors" --session gen1 --omit "$CONST" --end-session >/dev/null &&
+        ok || bad "the last forward of a session failed"
+    client forward "$IN" "$T/x.safetensors" --session gen1 --omit "$CONST" >"$T/f4"
+    grep -q "^error=.*session 'gen1' is not open" "$T/f4" && ok || bad "ended session: $(cat "$T/f4")"
+    # a session over the byte limit is refused (the server was started with 1 GiB; ask for more
+    # sessions than allowed instead: 4 open, the fifth refused)
+    for s in a b c d; do client forward "$IN" "$T/x.safetensors" --session "$s" --keep txt_ids >/dev/null; done
+    client forward "$IN" "$T/x.safetensors" --session e --keep txt_ids >"$T/f5"
+    grep -q "^error=.*--max-sessions 4" "$T/f5" && ok || bad "fifth session: $(cat "$T/f5")"
+    for s in a b c d; do client end_session --session "$s" >/dev/null || bad "end_session $s"; done
+
+    # faults: each gets an error reply, and the server still computes the same bytes after it
+    alive() { # name
+        client forward "$IN" "$T/a.safetensors" >/dev/null && cmp -s "$T/a.safetensors" "$T/o.safetensors" &&
+            ok || bad "$1: the server did not serve a good forward afterwards"
+    }
+    client raw "$CK/config.json" >"$T/e1"; rc=$?
+    [ $rc = 1 ] && grep -q "^error=request: " "$T/e1" && ok || bad "malformed blob: rc $rc $(cat "$T/e1")"
+    alive "malformed blob"
+    client forward "$IN" "$T/x.safetensors" --truncate encoder_hidden_states >"$T/e2"; rc=$?
+    [ $rc = 1 ] && grep -q "^error=.*encoder_hidden_states' has shape \[1, 48, 31\], expected \[1, 48, 32\]" "$T/e2" &&
+        ok || bad "bad shape: rc $rc $(cat "$T/e2")"
+    alive "bad shape"
+    client bogus >"$T/e3"; rc=$?
+    [ $rc = 1 ] && grep -q "^error=request: unknown op 'bogus'" "$T/e3" && ok || bad "unknown op: rc $rc $(cat "$T/e3")"
+    # a client that sends a forward and leaves before the reply; then a new client is served
+    client leave "$IN" >/dev/null || bad "leaving client could not send"
+    alive "client gone before its reply"
+
+    # close: a reply, then every rank exits 0 and the socket file is gone
+    client close >"$T/c"; rc=$?
+    stopped_within 10; st=$STOPPED
+    [ $rc = 0 ] && [ "$st" = 0 ] && [ ! -e "$T/s.sock" ] && ok || bad "close: rc $rc, server $st, $(cat "$T/log")"
+fi
+
+# ---- SIGTERM to mpiexec, then to rank 1 alone: every rank exits 0 within 10 s ----
+if start_server "$T/log2"; then
+    client info >/dev/null || bad "info before SIGTERM"
+    kill -TERM "$SPID"
+    stopped_within 10; st=$STOPPED
+    [ "$st" = 0 ] && ok || bad "SIGTERM to mpiexec: $st, $(cat "$T/log2")"
+fi
+rank_pid() { # the pid of world rank $1 of the server (PMI_RANK in its environment)
+    local p c
+    for p in $(pgrep -P "$SPID"); do
+        for c in $p $(pgrep -P "$p"); do
+            tr '\0' '\n' <"/proc/$c/environ" 2>/dev/null | grep -qx "PMI_RANK=$1" && { echo "$c"; return; }
+        done
+    done
+}
+if start_server "$T/log3"; then
+    r1=$(rank_pid 1)
+    if [ -n "$r1" ]; then
+        kill -TERM "$r1"
+        stopped_within 10; st=$STOPPED
+        [ "$st" = 0 ] && ok || bad "SIGTERM to rank 1: $st, $(cat "$T/log3")"
+    else
+        bad "rank 1's pid not found"
+    fi
+fi
+
+# ---- a rank that fails inside a forward: the waiting client gets the one-line error (the step
+# watchdog, 2 s, fires before the failed rank's agreement timeout, 20 s), then the job ends
+# with exit 1 instead of hanging ----
+if MESHDIT_TEST_FAIL=step:1 start_server "$T/log4" --step-timeout 2; then
+    client forward "$IN" "$T/x.safetensors" >"$T/f6"; rc=$?
+    stopped_within 15; st=$STOPPED
+    [ $rc = 1 ] && grep -q "^error=step watchdog: " "$T/f6" && [ "$st" != 0 ] &&
+        [ "$(grep -c "^meshdit: error: " "$T/log4")" = 1 ] && ok ||
+        bad "failing rank: rc $rc, server $st, $(cat "$T/f6" "$T/log4")"
+fi
+
+echo "serve: $pass passed, $fail failed"
+[ "$fail" = 0 ]
