@@ -294,6 +294,8 @@ typedef struct mdt_serve_params {
     int64_t max_session_bytes; /* bytes kept over all sessions (default 1 GiB) */
     int64_t max_request_bytes; /* a larger request is dropped by ZeroMQ unread (default 2 GiB) */
     double step_timeout;       /* the step watchdog (mdt_sample_params), 0: its default */
+    int64_t max_memory;        /* > 0: a forward whose weights plus activations per rank would
+                                  exceed it gets an error reply before it runs (--max-memory) */
     /* optional, on world rank 0 once the endpoint is bound, with the endpoint as bound */
     void (*on_ready)(void *user, const char *endpoint);
     void *user;

@@ -3,6 +3,7 @@
  * this rank's weights plus activations (models/scaling.h: mdt_run_memory_at) against a limit
  * per rank, and sizes in words ("8G").
  */
+#include "api/memory.h"
 #include "backend/backend.h"
 #include "comm/mesh.h"
 #include "core/core.h"
@@ -130,4 +131,17 @@ mdt_status mdt_check_memory(const char *checkpoint_dir, mdt_mesh *mesh,
                             const mdt_tensor_set *inputs, const mdt_memory_limit *lim) {
     const int nlocal = ranks_on_node();
     return mdt_mesh_agree(mesh, check_local(checkpoint_dir, mesh, inputs, lim, nlocal));
+}
+
+mdt_status mdt_check_forward_memory(const mdt_model *m, const mdt_tensor_set *inputs, int64_t limit,
+                                    int device_activations) {
+    char what[96], b[32];
+    if (limit <= 0)
+        return MDT_OK;
+    snprintf(what, sizeof what, "the --max-memory limit of %s", mdt_fmt_size(limit, b, sizeof b));
+    mdt_run_inputs ri = run_inputs_of(m, inputs);
+    ri.bf16 = mdt_backend_bf16(), ri.device_acts = device_activations;
+    const mdt_mesh *mesh = m->mesh;
+    return mdt_check_run_memory(m, mesh ? mesh->T : 1, mesh ? mesh->R : 1, mesh ? mesh->U : 1, &ri,
+                                limit, what);
 }

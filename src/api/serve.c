@@ -18,6 +18,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "api/serve.h"
 
+#include "api/memory.h"
 #include "comm/mesh.h"
 #include "models/model.h"
 
@@ -388,7 +389,11 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
 static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char **reply, size_t *rn,
                              mdt_status *fatal) {
     mdt_tensor_set *out = NULL;
+    mdt_device_info d;
+    mdt_device_info_get(&d);
     mdt_status st = mdt_serve_sessions_prepare(&c->ss, r);
+    if (st == MDT_OK) /* with --max-memory, this forward's activations too, before it runs */
+        st = mdt_check_forward_memory(c->m, r->tensors, c->p->max_memory, d.gpu);
     if (st == MDT_OK)
         st = mdt_tensor_set_create(&out);
     st = mdt_mesh_verdict(c->mesh, st);

@@ -53,7 +53,7 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
     a->listen = cli_opt_str(&o, "listen", NULL);
     a->listen_any = cli_opt_str(&o, "listen-any", NULL) != NULL;
     if ((rc = cli_parse_layout(&o, &a->l)) ||
-        (rc = cli_opt_int(&o, "max-sessions", def.max_sessions, 0, 1 << 20, &a->max_sessions)) ||
+        (rc = cli_opt_int(&o, "max-sessions", def.max_sessions, 0, 4096, &a->max_sessions)) ||
         (rc = opt_size(&o, "max-session-bytes", def.max_session_bytes, &a->max_session_bytes)) ||
         (rc = opt_size(&o, "max-request-bytes", def.max_request_bytes, &a->max_request_bytes)) ||
         (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
@@ -97,6 +97,7 @@ int cmd_serve(int argc, char **argv) {
         p.endpoint = a.listen, p.listen_any = a.listen_any;
         p.max_sessions = (int)a.max_sessions, p.max_session_bytes = a.max_session_bytes;
         p.max_request_bytes = a.max_request_bytes, p.step_timeout = (double)a.step_timeout;
+        p.max_memory = a.l.max_bytes; /* every forward checked against --max-memory */
         p.on_ready = cli_rank == 0 ? on_ready : NULL;
         st = mdt_serve(m, &p);
     }

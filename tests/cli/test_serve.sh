@@ -69,8 +69,11 @@ refused "ipc path that is a regular file" "exists and is not a socket" -- --list
 refused "unknown scheme" "must be ipc://PATH or tcp://HOST:PORT" -- --listen inproc://x
 [ -f "$T/plain" ] && ok || bad "the regular file at the ipc path was touched"
 
-# ---- one server: info, forwards, sessions, faults, close ----
-if start_server "$T/log"; then
+# ---- one server: info, forwards, sessions, faults, close (--max-memory 3M: the tiny inputs
+# fit, the 1536-token ones need 5.1 MiB per rank and are refused before the forward) ----
+"$BIN" inputs --checkpoint "$CK" --img-tokens 1024 --txt-tokens 512 --out "$T/big.safetensors" >/dev/null ||
+    bad "inputs for the memory check"
+if start_server "$T/log" --max-memory 3M; then
     [ "$(stat -c %a "$T/s.sock")" = 600 ] && ok || bad "socket mode $(stat -c %a "$T/s.sock"), wanted 600"
     refused "ipc socket of a running server" "a running server listens there" -- --listen "$EP"
 
@@ -124,6 +127,10 @@ if start_server "$T/log"; then
     [ $rc = 1 ] && grep -q "^error=.*encoder_hidden_states' has shape \[1, 48, 31\], expected \[1, 48, 32\]" "$T/e2" &&
         ok || bad "bad shape: rc $rc $(cat "$T/e2")"
     alive "bad shape"
+    client forward "$T/big.safetensors" "$T/x.safetensors" >"$T/e4"; rc=$?
+    [ $rc = 1 ] && grep -q "^error=.*over the --max-memory limit of 3.0 MiB" "$T/e4" && ok ||
+        bad "forward over --max-memory: rc $rc $(cat "$T/e4")"
+    alive "forward over --max-memory"
     client bogus >"$T/e3"; rc=$?
     [ $rc = 1 ] && grep -q "^error=request: unknown op 'bogus'" "$T/e3" && ok || bad "unknown op: rc $rc $(cat "$T/e3")"
     # a client that sends a forward and leaves before the reply; then a new client is served
