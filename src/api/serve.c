@@ -118,7 +118,7 @@ static int host_is_loopback(const char *host) {
 }
 
 static mdt_status tcp_check(const char *ep, const char *hostport, int listen_any) {
-    char shown[MDT_ESC_NAME], host[256];
+    char shown[MDT_ESC_NAME], host[256], hshown[MDT_ESC_NAME];
     mdt_escape(ep, shown, sizeof shown);
     const char *colon = strrchr(hostport, ':');
     if (!colon || colon == hostport || (size_t)(colon - hostport) >= sizeof host)
@@ -134,7 +134,7 @@ static mdt_status tcp_check(const char *ep, const char *hostport, int listen_any
         return MDT_FAIL(MDT_E_INVALID,
                         "endpoint %s: '%s' is not a loopback address; the server has no "
                         "authentication, so listening beyond this machine needs --listen-any",
-                        shown, mdt_escape(host, shown, sizeof shown));
+                        shown, mdt_escape(host, hshown, sizeof hshown));
     return MDT_OK;
 }
 
@@ -179,19 +179,26 @@ static mdt_status bind_socket(serve_ctx *c) {
         ep = def;
     }
     MDT_TRY(mdt_serve_endpoint_check(ep, c->p->listen_any));
+    char lo[64];
+    if (strncmp(ep, "tcp://localhost:", 16) == 0 && strlen(ep) < 40) { /* ZeroMQ takes no names */
+        snprintf(lo, sizeof lo, "tcp://127.0.0.1:%s", ep + 16);
+        ep = lo;
+    }
     mdt_escape(ep, shown, sizeof shown);
     c->zctx = zmq_ctx_new();
     c->sock = c->zctx ? zmq_socket(c->zctx, ZMQ_ROUTER) : NULL;
     if (!c->sock)
         return MDT_FAIL(MDT_E_IO, "endpoint %s: cannot create a ZeroMQ socket: %s", shown,
                         zmq_strerror(zmq_errno()));
-    const int zero = 0;
+    const int zero = 0, one = 1;
     const int64_t maxmsg = c->p->max_request_bytes;
     /* replies to a client that left are dropped (ROUTER_MANDATORY off), nothing waits for a
      * peer at close (LINGER 0), and a message over the limit is never read into memory */
     if (zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero) != 0 ||
         zmq_setsockopt(c->sock, ZMQ_ROUTER_MANDATORY, &zero, sizeof zero) != 0 ||
-        zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0)
+        zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0 ||
+        (strncmp(ep, "tcp://[", 7) == 0 && /* an IPv6 host: ZeroMQ binds IPv4 only by default */
+         zmq_setsockopt(c->sock, ZMQ_IPV6, &one, sizeof one) != 0))
         return MDT_FAIL(MDT_E_IO, "endpoint %s: socket options: %s", shown,
                         zmq_strerror(zmq_errno()));
     const int ipc = strncmp(ep, "ipc://", 6) == 0;

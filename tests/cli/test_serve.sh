@@ -143,6 +143,17 @@ if start_server "$T/log" --max-memory 3M; then
     [ $rc = 0 ] && [ "$st" = 0 ] && [ ! -e "$T/s.sock" ] && ok || bad "close: rc $rc, server $st, $(cat "$T/log")"
 fi
 
+# ---- a loopback tcp endpoint on a free port: the port is on the "serving on" line ----
+"$MPIEXEC" -n 2 "$BIN" serve --checkpoint "$CK" --tp 2 --listen 'tcp://127.0.0.1:*' >"$T/logt" 2>&1 &
+SPID=$!
+for _ in $(seq 300); do grep -q "^serving on " "$T/logt" && break; kill -0 "$SPID" 2>/dev/null || break; sleep 0.1; done
+TEP=$(sed -n 's/^serving on //p' "$T/logt")
+if [[ $TEP =~ ^tcp://127\.0\.0\.1:[0-9]+$ ]] && timeout 60 "$CLIENT" "$TEP" info >/dev/null &&
+    timeout 60 "$CLIENT" "$TEP" close >/dev/null && stopped_within 10 && [ "$STOPPED" = 0 ]; then ok; else
+    bad "tcp loopback: '$TEP', $(cat "$T/logt")"
+    kill -TERM "$SPID" 2>/dev/null; stopped_within 10
+fi
+
 # ---- SIGTERM to mpiexec, then to rank 1 alone: every rank exits 0 within 10 s ----
 if start_server "$T/log2"; then
     client info >/dev/null || bad "info before SIGTERM"
