@@ -161,11 +161,12 @@ if start_server "$T/log2"; then
     stopped_within 10; st=$STOPPED
     [ "$st" = 0 ] && ok || bad "SIGTERM to mpiexec: $st, $(cat "$T/log2")"
 fi
-rank_pid() { # the pid of world rank $1 of the server (PMI_RANK in its environment)
+rank_pid() { # the pid of world rank $1 of the server (its launcher's rank variable)
     local p c
     for p in $(pgrep -P "$SPID"); do
         for c in $p $(pgrep -P "$p"); do
-            tr '\0' '\n' <"/proc/$c/environ" 2>/dev/null | grep -qx "PMI_RANK=$1" && { echo "$c"; return; }
+            tr '\0' '\n' <"/proc/$c/environ" 2>/dev/null |
+                grep -Eqx "(PMI_RANK|OMPI_COMM_WORLD_RANK)=$1" && { echo "$c"; return; }
         done
     done
 }
