@@ -150,19 +150,7 @@ mdt_status mdt_serve_reply_ok(const char *const *meta, const mdt_tensor_set *out
         if (meta[i + 1][0]) /* an empty value (no "id" sent) is left out */
             kv[n++] = meta[i], kv[n++] = meta[i + 1];
     kv[n] = NULL;
-    const int nt = outputs ? mdt_tensor_set_count(outputs) : 0;
-    const char **names = mdt_alloc(sizeof(char *) * (size_t)(nt ? nt : 1));
-    const mdt_tensor **ts = mdt_alloc(sizeof(mdt_tensor *) * (size_t)(nt ? nt : 1));
-    mdt_status st = MDT_OK;
-    if (!names || !ts)
-        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    for (int i = 0; st == MDT_OK && i < nt; i++)
-        ts[i] = mdt_tensor_set_at(outputs, i, &names[i]);
-    if (st == MDT_OK)
-        st = mdt_st_serialize(nt, names, ts, kv, blob, size);
-    mdt_free(names);
-    mdt_free((void *)ts);
-    return st;
+    return mdt_tensor_set_serialize(outputs, kv, blob, size);
 }
 
 mdt_status mdt_serve_reply_error(const char *op, const char *id, const char *msg,

@@ -638,8 +638,18 @@ mdt_status mdt_tensor_set_load(const char *path, mdt_tensor_set **out) {
     return st;
 }
 
-mdt_status mdt_tensor_set_stage(mdt_out *o, const mdt_tensor_set *set, const char *path) {
-    int n = mdt_tensor_set_count(set);
+/* The set as parallel arrays of names and tensors (borrowed), then `fn` on them: the one
+ * flattening the file stager and the in-memory serializer share. */
+typedef struct set_sink {
+    mdt_out *o;
+    const char *path;
+    const char *const *meta;
+    unsigned char **blob;
+    size_t *size;
+} set_sink;
+
+static mdt_status set_write(const mdt_tensor_set *set, const set_sink *k) {
+    const int n = set ? mdt_tensor_set_count(set) : 0;
     const char **names = mdt_alloc(sizeof(char *) * (size_t)(n ? n : 1));
     const mdt_tensor **ts = mdt_alloc(sizeof(mdt_tensor *) * (size_t)(n ? n : 1));
     mdt_status st = MDT_OK;
@@ -648,10 +658,22 @@ mdt_status mdt_tensor_set_stage(mdt_out *o, const mdt_tensor_set *set, const cha
     for (int i = 0; st == MDT_OK && i < n; i++)
         ts[i] = mdt_tensor_set_at(set, i, &names[i]);
     if (st == MDT_OK)
-        st = mdt_st_stage(o, path, n, names, ts, NULL);
+        st = k->o ? mdt_st_stage(k->o, k->path, n, names, ts, k->meta)
+                  : mdt_st_serialize(n, names, ts, k->meta, k->blob, k->size);
     mdt_free(names);
     mdt_free((void *)ts);
     return st;
+}
+
+mdt_status mdt_tensor_set_stage(mdt_out *o, const mdt_tensor_set *set, const char *path) {
+    const set_sink k = {.o = o, .path = path};
+    return set_write(set, &k);
+}
+
+mdt_status mdt_tensor_set_serialize(const mdt_tensor_set *set, const char *const *meta,
+                                    unsigned char **blob, size_t *size) {
+    const set_sink k = {.meta = meta, .blob = blob, .size = size};
+    return set_write(set, &k);
 }
 
 mdt_status mdt_tensor_set_save(const mdt_tensor_set *set, const char *path) {

@@ -97,5 +97,9 @@ mdt_status mdt_st_serialize(int n, const char *const *names, const mdt_tensor *c
 mdt_status mdt_st_read_set(const mdt_st_file *f, mdt_tensor_set **out);
 /* mdt_tensor_set_save, staged only (as mdt_st_stage). */
 mdt_status mdt_tensor_set_stage(mdt_out *o, const mdt_tensor_set *set, const char *path);
+/* The whole set (NULL: none) as one safetensors blob with `meta` as __metadata__, as
+ * mdt_st_serialize. */
+mdt_status mdt_tensor_set_serialize(const mdt_tensor_set *set, const char *const *meta,
+                                    unsigned char **blob, size_t *size);
 
 #endif /* MDT_SAFETENSORS_H */
