@@ -15,11 +15,13 @@
  * status codes; the commands print one line per failure ("meshdit: error: ...") from rank 0.
  * Exit codes: 0 success, 1 failure or comparison beyond tolerance, 2 usage error.
  */
+#define _POSIX_C_SOURCE 200809L
 #include "cli/cli.h"
 
 #include <mpi.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 int cli_rank = 0, cli_world = 1;
 
@@ -48,7 +50,17 @@ void cli_usage(FILE *fp) {
         "          [--step-timeout S]   (docs/serve.md)\n");
 }
 
-void cli_abort_job(int code) { MPI_Abort(MPI_COMM_WORLD, code); }
+/* The launcher forwards a rank's stdout and stderr through pipes, and on MPI_Abort it kills every
+ * rank and may exit before it has drained those pipes: the one error line just printed was lost
+ * that way under CI's MPICH (Hydra). So the line is flushed and the launcher given half a second
+ * to forward it before the job is ended; the job is failing anyway, and its peers are stuck. */
+void cli_abort_job(int code) {
+    fflush(stdout);
+    fflush(stderr);
+    const struct timespec wait = {0, 500000000};
+    nanosleep(&wait, NULL);
+    MPI_Abort(MPI_COMM_WORLD, code);
+}
 
 static const struct {
     const char *name;
