@@ -75,7 +75,7 @@ $(BUILD)/libmeshdit_cuda.so: $(CUDA_SRC) $(CUDA_HDR)
 cuda: $(CUDA_LIB)
 
 .PHONY: all test check cuda format format-check cppcheck tidy demo clean goldens bench fuzz fuzz-build \
-        valgrind test-sanitize campaign
+        valgrind test-sanitize campaign venv test-python
 
 all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN) $(CUDA_LIB) $(BUILD)/tests/gpu/test_gpu \
      $(BUILD)/tests/serve_client
@@ -198,6 +198,20 @@ bench: $(BUILD)/meshdit $(BENCH_BIN)
 
 goldens:
 	python3 scripts/make_goldens.py
+
+# the Python package against real servers and diffusers pipelines (tests/python): a venv from
+# PyPI (tests/python/requirements.txt) in $(VENV), the package installed with `pip install ./python`
+VENV ?= .venv
+$(VENV)/.installed: tests/python/requirements.txt python/pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check ./python
+	touch $@
+
+venv: $(VENV)/.installed
+
+test-python: $(BUILD)/meshdit venv
+	MESHDIT_BIN=$(abspath $(BUILD)/meshdit) OPENBLAS_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q tests/python
 
 clean:
 	rm -rf $(BUILD) $(FUZZ_BUILD) build-asan

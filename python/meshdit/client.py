@@ -1,0 +1,128 @@
+"""A client of `meshdit serve`: one ZeroMQ connection, requests and replies as blobs.
+
+The protocol is docs/serve.md. The socket is a DEALER (the server's is a ROUTER): every request
+carries an ``id`` and a reply with another id (a late reply to a request that timed out) is
+dropped, so a timeout never leaves the connection out of step the way a REQ socket would be.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Callable, Mapping
+
+import zmq
+
+from . import _blob
+
+
+class MeshditError(RuntimeError):
+    """A request failed: the server's one-line error, or no reply in time, or the server ended."""
+
+
+class ServerError(MeshditError):
+    """The server answered with an error reply; `.error` is its one line, `.metadata` the rest."""
+
+    def __init__(self, op: str, error: str, metadata: Mapping[str, str]):
+        super().__init__(f"meshdit serve: {op}: {error}")
+        self.op, self.error, self.metadata = op, error, dict(metadata)
+
+
+_ids = itertools.count(1)
+
+
+class Client:
+    """One connection to a server at `endpoint` (``ipc://PATH`` or ``tcp://HOST:PORT``).
+
+    timeout: seconds to wait for a reply (None: no bound). alive: called every 100 ms while
+    waiting; it returns None while the server can still answer, or a message that ends the wait
+    with a MeshditError (the launcher's check that its server process is still running).
+    """
+
+    def __init__(self, endpoint: str, timeout: float | None = 600.0,
+                 alive: Callable[[], str | None] | None = None):
+        self.endpoint, self.timeout, self._alive = endpoint, timeout, alive
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if endpoint.startswith("tcp://[") or endpoint.count(":") > 2:
+            self._sock.setsockopt(zmq.IPV6, 1)
+        self._sock.connect(endpoint)
+        self.bytes_sent = 0  # request bytes over the connection's life
+        self.bytes_received = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def request(self, metadata: Mapping[str, str], tensors: Mapping[str, _blob.Raw] | None = None,
+                timeout: float | None = -1.0) -> tuple[dict, dict]:
+        """Sends one request and waits for its reply: (metadata, {name: numpy array}).
+
+        Raises ServerError for an error reply, MeshditError when no reply comes in time or the
+        server ended. timeout -1 means the client's default.
+        """
+        if self._sock is None:
+            raise MeshditError("meshdit: the client is closed")
+        op = str(metadata.get("op", "?"))
+        rid = f"py{os.getpid()}-{next(_ids)}"
+        parts = _blob.encode({**metadata, "id": rid}, tensors)
+        body = b"".join(parts)
+        self._sock.send_multipart([b"", body], copy=False)
+        self.bytes_sent += len(body)
+        limit = self.timeout if timeout == -1.0 else timeout
+        t0 = time.monotonic()
+        while True:
+            if self._sock.poll(100, zmq.POLLIN):
+                frames = self._sock.recv_multipart(copy=False)
+                blob = frames[-1].buffer
+                self.bytes_received += len(blob)
+                try:
+                    meta, out = _blob.decode(blob)
+                except ValueError as e:
+                    raise MeshditError(f"meshdit serve: {op}: {e}") from None
+                if meta.get("id") not in (rid, None):
+                    continue  # the late reply of an earlier request that timed out
+                if meta.get("status") != "ok":
+                    raise ServerError(op, meta.get("error", "(an error reply without a message)"),
+                                      meta)
+                return meta, out
+            why = self._alive() if self._alive else None
+            if why:
+                raise MeshditError(f"meshdit serve: {op}: {why}")
+            if limit is not None and time.monotonic() - t0 > limit:
+                raise MeshditError(f"meshdit serve: {op}: no reply from {self.endpoint} within "
+                                   f"{limit:g} s")
+
+    def info(self) -> dict:
+        """The server's `info` metadata (family, class_name, config text, layout, memory)."""
+        meta, _ = self.request({"op": "info"})
+        return meta
+
+    def forward(self, tensors: Mapping[str, _blob.Raw], session: str | None = None,
+                keep=(), end_session: bool = False) -> tuple[dict, dict]:
+        """One transformer forward: (reply metadata, outputs as float32 numpy arrays)."""
+        meta = {"op": "forward"}
+        if session is not None:
+            meta["session"] = session
+            if keep:
+                meta["keep"] = _blob.names(keep)
+            if end_session:
+                meta["end_session"] = "1"
+        return self.request(meta, tensors)
+
+    def end_session(self, session: str) -> None:
+        self.request({"op": "end_session", "session": session})
+
+    def close_server(self, timeout: float = 30.0) -> None:
+        """Asks the server to exit (every rank, exit 0); the reply comes first."""
+        self.request({"op": "close"}, timeout=timeout)
+
+    def close(self) -> None:
+        """Closes this connection (the server goes on)."""
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

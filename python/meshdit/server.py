@@ -1,0 +1,182 @@
+"""Starting and stopping a `meshdit serve` job from Python.
+
+`Server` runs ``launcher + [binary, "serve", ...]`` as a child process (in its own process group),
+waits for rank 0's ``serving on ENDPOINT`` line, and stops the job when closed: a ``close``
+request first (every rank exits 0), then SIGTERM to the group, then SIGKILL. The job's stdout and
+stderr go to a log file, so a failed start or a rank that fails later is reported with the
+server's own one-line error.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import weakref
+from typing import Sequence
+
+from .client import Client, MeshditError
+
+_LAYOUT = ("tp", "ring", "ulysses")
+
+
+def find_binary(binary: str | None = None) -> str:
+    """The meshdit executable: `binary`, else $MESHDIT_BIN, else `meshdit` on PATH."""
+    cand = binary or os.environ.get("MESHDIT_BIN") or shutil.which("meshdit")
+    if not cand:
+        raise MeshditError("meshdit: no meshdit executable: pass binary=PATH, set MESHDIT_BIN, or "
+                           "put meshdit on PATH (it is build/meshdit after `make`)")
+    if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
+        raise MeshditError(f"meshdit: '{cand}' is not an executable file")
+    return os.path.abspath(cand)
+
+
+def default_launcher(world: int) -> list:
+    """``[mpiexec, -n, world]``, MPICH's mpiexec when both are installed (the tests use MPICH)."""
+    mpiexec = shutil.which("mpiexec.mpich") or shutil.which("mpiexec")
+    if not mpiexec:
+        raise MeshditError("meshdit: no mpiexec on PATH: install MPICH or pass launcher=[...]")
+    return [mpiexec, "-n", str(world)]
+
+
+def _size_arg(v) -> str:
+    return str(v) if isinstance(v, str) else str(int(v))
+
+
+class Server:
+    """A `meshdit serve` job owned by this process. Use `client` to talk to it; `close()` ends it.
+
+    Options follow `meshdit serve` (docs/serve.md): tp, ring, ulysses, mesh_order, device, dtype,
+    comm, max_memory, max_sessions, max_session_bytes, max_request_bytes, step_timeout; `extra`
+    is appended as is. `launcher` is the command line that starts `world` ranks (default
+    ``mpiexec -n tp*ring*ulysses``); `endpoint` defaults to a socket in a private temp dir.
+    """
+
+    def __init__(self, checkpoint: str, *, tp: int = 1, ring: int = 1, ulysses: int = 1,
+                 mesh_order: str | None = None, device: str | None = None,
+                 dtype: str | None = None, comm: str | None = None, max_memory=None,
+                 max_sessions: int | None = None, max_session_bytes=None,
+                 max_request_bytes=None, step_timeout: float | None = None,
+                 launcher: Sequence[str] | None = None, binary: str | None = None,
+                 endpoint: str | None = None, extra: Sequence[str] = (), env=None,
+                 startup_timeout: float = 600.0, timeout: float | None = None):
+        if not os.path.isdir(checkpoint):
+            raise MeshditError(f"meshdit: checkpoint '{checkpoint}' is not a directory")
+        for k, v in zip(_LAYOUT, (tp, ring, ulysses)):
+            if not isinstance(v, int) or v < 1:
+                raise MeshditError(f"meshdit: {k}={v!r}: must be an integer >= 1")
+        world = tp * ring * ulysses
+        self._tmp = tempfile.mkdtemp(prefix="meshdit-")
+        self.endpoint = endpoint or f"ipc://{self._tmp}/serve.sock"
+        args = [find_binary(binary), "serve", "--checkpoint", os.path.abspath(checkpoint),
+                "--tp", str(tp), "--ring", str(ring), "--ulysses", str(ulysses),
+                "--listen", self.endpoint]
+        opt = {"--mesh-order": mesh_order, "--device": device, "--dtype": dtype, "--comm": comm,
+               "--max-memory": max_memory, "--max-sessions": max_sessions,
+               "--max-session-bytes": max_session_bytes,
+               "--max-request-bytes": max_request_bytes, "--step-timeout": step_timeout}
+        for k, v in opt.items():
+            if v is not None:
+                args += [k, _size_arg(v) if k.startswith("--max") else str(v)]
+        args += list(extra)
+        self.command = list(launcher if launcher is not None else default_launcher(world)) + args
+        self.log_path = os.path.join(self._tmp, "serve.log")
+        self._log = open(self.log_path, "wb")
+        run_env = dict(os.environ if env is None else env)
+        run_env.setdefault("OPENBLAS_NUM_THREADS", "1")  # one thread per rank
+        try:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
+                                         stderr=subprocess.STDOUT, env=run_env,
+                                         start_new_session=True)
+        except OSError as e:
+            self._log.close()
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise MeshditError(f"meshdit: cannot start {self.command[0]}: {e}") from None
+        # a Server dropped or left at exit without close(): SIGTERM at once (weakref.finalize
+        # also runs at interpreter exit)
+        self._finalizer = weakref.finalize(self, _stop, self.proc, self._log, self._tmp, 0.0)
+        self._wait_ready(startup_timeout)
+        self.client = Client(self.endpoint, timeout=timeout, alive=self._alive)
+
+    # -- the job's state ------------------------------------------------------------------------
+    def log(self) -> str:
+        """Everything the job printed so far."""
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def error_line(self) -> str:
+        """The job's last `meshdit: error: ...` line, or its last line, or ''."""
+        lines = [ln for ln in self.log().splitlines() if ln.strip()]
+        errs = [ln for ln in lines if ln.startswith("meshdit: ")]
+        return (errs or lines or [""])[-1]
+
+    def _alive(self) -> str | None:
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        line = self.error_line()
+        return f"the server exited with status {rc}" + (f": {line}" if line else "")
+
+    def _wait_ready(self, timeout: float) -> None:
+        want = "serving on "
+        t0 = time.monotonic()
+        while True:
+            for ln in self.log().splitlines():
+                if ln.startswith(want):
+                    self.endpoint = ln[len(want):].strip()  # tcp://HOST:* prints the port
+                    return
+            why = self._alive()
+            if why or time.monotonic() - t0 > timeout:
+                if not why:
+                    why = f"no 'serving on' line within {timeout:g} s"
+                self.close()
+                raise MeshditError(f"meshdit serve did not start: {why}")
+            time.sleep(0.05)
+
+    # -- ending it ------------------------------------------------------------------------------
+    def close(self) -> int | None:
+        """Ends the job (close request, then SIGTERM, then SIGKILL); returns its exit status."""
+        client, closed = getattr(self, "client", None), False
+        if client is not None and self.proc.poll() is None:
+            try:
+                client.close_server(timeout=30.0)
+                closed = True
+            except MeshditError:
+                pass
+        if client is not None:
+            client.close()
+        self.client = None
+        if self._finalizer.detach() is None:
+            return self.proc.poll()  # closed before
+        return _stop(self.proc, self._log, self._tmp, 10.0 if closed else 0.0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _stop(proc, log, tmp, grace: float) -> int | None:
+    """Waits `grace` s for the job to end by itself (after a close request), then SIGTERM to its
+    process group (every rank exits 0 within seconds), then SIGKILL; removes the temp dir."""
+    for sig, wait in ((None, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            break
+        if sig is not None:
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+    log.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return proc.poll()

@@ -1,0 +1,269 @@
+"""`meshdit.Transformer`: a diffusers transformer whose forward runs on a `meshdit serve` mesh.
+
+A pipeline keeps its text encoders, scheduler and VAE in this process; only the transformer
+lives on the mesh. The object stands in for the family's diffusers model: it is a diffusers
+``ModelMixin`` (so ``FluxPipeline.from_pretrained(DIR, transformer=t)`` accepts it), has
+``.config`` (the checkpoint's config.json, attribute access as diffusers' FrozenDict), ``.dtype``,
+``.device``, ``cache_context(name)``, and ``forward``/``__call__`` with the family's diffusers
+argument names and return types. Arguments meshdit does not implement (LoRA scales, ControlNet
+residuals, IP-adapter inputs) raise ``NotImplementedError``; nothing is silently ignored.
+
+Needs torch and diffusers (the rest of the package does not).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.configuration_utils import FrozenDict
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.modeling_utils import ModelMixin
+
+from . import _blob
+from ._sessions import Planner
+from .client import Client, MeshditError, ServerError
+from .server import Server
+
+_BF16 = torch.bfloat16
+
+
+def _to_raw(name: str, value) -> _blob.Raw:
+    """A forward argument as request bytes: floats in their own precision (f64 as f32, which the
+    server computes in anyway), integers and bools as they are; CPU copy only when needed."""
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.float64:
+        t = t.to(torch.float32)
+    t = t.contiguous()
+    if t.dtype == _BF16:
+        return _blob.Raw("BF16", tuple(t.shape), memoryview(t.view(torch.int16).numpy().reshape(-1).view(np.uint8)))
+    try:
+        return _blob.raw(t.numpy())
+    except TypeError:
+        raise TypeError(f"meshdit: argument '{name}' has dtype {t.dtype}, which meshdit does not "
+                        f"take") from None
+
+
+def _refuse(**args) -> None:
+    """Raises for an argument meshdit would otherwise have to ignore."""
+    for name, v in args.items():
+        if v is None or v is False or (isinstance(v, dict) and not v):
+            continue
+        what = f"keys {sorted(v)}" if isinstance(v, dict) else "a value"
+        raise NotImplementedError(
+            f"meshdit: '{name}' with {what} is not supported (LoRA scales, ControlNet residuals "
+            f"and IP-adapter inputs are not implemented); meshdit runs the checkpoint's own weights")
+
+
+class Transformer(ModelMixin):
+    """The family-neutral part. Make one with `from_pretrained` or `connect`; they return the
+    family's subclass (`FluxTransformer`, `MiniMaxH3Transformer`)."""
+
+    family: str = ""
+    class_name: str = ""
+    per_step: frozenset = frozenset()  # inputs that change every step: never kept in a session
+
+    def __init__(self, client: Client, info: dict, server: Server | None = None,
+                 torch_dtype: torch.dtype = torch.float32, sessions: bool = True):
+        super().__init__()
+        self._client, self._server, self.info = client, server, dict(info)
+        self._internal_dict = FrozenDict(json.loads(info["config"]))
+        self._dtype, self._device = torch_dtype, torch.device("cpu")
+        cap = min(4, int(info.get("max_sessions", "0"))) if sessions else 0
+        self._planner = Planner(cap)
+        self._cache_name = None
+        self.stats = {"forwards": 0, "request_bytes": [], "step_seconds": [], "wall_seconds": []}
+
+    # ---- making one ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, checkpoint: str, *, tp: int = 1, ring: int = 1, ulysses: int = 1,
+                        mesh_order: str | None = None, device: str | None = None,
+                        dtype: str | None = None, launcher=None, binary: str | None = None,
+                        torch_dtype: torch.dtype = torch.float32, sessions: bool = True,
+                        timeout: float | None = None, **serve_options) -> "Transformer":
+        """Starts ``meshdit serve`` on `checkpoint` (a diffusers transformer directory) with the
+        given layout and connects. device/dtype are the mesh's (``cpu``/``cuda``,
+        ``f32``/``bf16``); torch_dtype is what `.dtype` reports to the pipeline. Other keyword
+        arguments are serve options (comm, max_memory, max_sessions, step_timeout, endpoint, ...).
+        timeout: seconds a forward may take (None: no bound; the server process is watched, so a
+        server that dies ends the wait with its error line)."""
+        server = Server(checkpoint, tp=tp, ring=ring, ulysses=ulysses, mesh_order=mesh_order,
+                        device=device, dtype=dtype, launcher=launcher, binary=binary,
+                        timeout=timeout, **serve_options)
+        try:
+            return cls._attach(server.client, server, torch_dtype, sessions)
+        except BaseException:
+            server.close()
+            raise
+
+    @classmethod
+    def connect(cls, endpoint: str, *, torch_dtype: torch.dtype = torch.float32,
+                sessions: bool = True, timeout: float | None = 600.0) -> "Transformer":
+        """Attaches to a running server (``close()`` then leaves it running)."""
+        client = Client(endpoint, timeout=timeout)
+        try:
+            return cls._attach(client, None, torch_dtype, sessions)
+        except BaseException:
+            client.close()
+            raise
+
+    @classmethod
+    def _attach(cls, client, server, torch_dtype, sessions):
+        info = client.info()
+        sub = _FAMILIES.get(info.get("family"))
+        if sub is None:
+            raise MeshditError(f"meshdit: the server runs family '{info.get('family')}', which "
+                               f"this package does not know")
+        if cls is not Transformer and not issubclass(sub, cls):
+            raise MeshditError(f"meshdit: the server runs {sub.class_name}, not {cls.class_name}")
+        return sub(client, info, server, torch_dtype, sessions)
+
+    # ---- what a pipeline reads ----------------------------------------------------------------
+    @property
+    def config(self) -> FrozenDict:
+        return self._internal_dict
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def to(self, *args, **kwargs):
+        """Records the device and dtype the pipeline asks for (outputs come back in the dtype and
+        on the device of `hidden_states`); the weights stay on the mesh."""
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, torch.dtype):
+                self._dtype = a
+            elif isinstance(a, (str, torch.device)):
+                self._device = torch.device(a)
+        return self
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str, **kwargs):
+        prev, self._cache_name = self._cache_name, name
+        try:
+            yield
+        finally:
+            self._cache_name = prev
+
+    # ---- the forward --------------------------------------------------------------------------
+    def _run(self, inputs: dict[str, Any], like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Sends the inputs that are not None, returns the outputs as `like`'s dtype and device."""
+        t0 = time.perf_counter()
+        raws = {n: _to_raw(n, v) for n, v in inputs.items() if v is not None}
+        session, send, keep, ended, fps = self._planner.plan(raws, self.per_step)
+        for s in ended:
+            self._client.end_session(s)
+        try:
+            meta, out = self._client.forward(send, session=session, keep=keep)
+            self._planner.commit(session, fps)
+        except ServerError as e:
+            if session is None or f"session '{session}'" not in e.error:
+                raise
+            # the session is gone or over a server limit: this forward goes without one, and so
+            # do later ones when a limit was the reason
+            self._planner.forget(session)
+            if "limit" in e.error:
+                self._planner.capacity = 0
+            meta, out = self._client.forward(raws)
+        self.stats["forwards"] += 1
+        self.stats["request_bytes"].append(int(meta.get("bytes_received", 0)))
+        self.stats["step_seconds"].append(float(meta.get("step_seconds", "nan")))
+        res = {k: torch.from_numpy(np.array(v)).to(dtype=like.dtype, device=like.device)
+               for k, v in out.items()}
+        self.stats["wall_seconds"].append(time.perf_counter() - t0)
+        return res
+
+    # ---- ending it ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Ends this object's sessions, then the server it started (or just the connection)."""
+        if self._client is None:
+            return
+        try:
+            for s in list(self._planner.open):
+                self._planner.forget(s)
+                if self._server is None or self._server.proc.poll() is None:
+                    self._client.end_session(s)
+        except MeshditError:
+            pass
+        if self._server is not None:
+            self._server.close()
+        else:
+            self._client.close()
+        self._client = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        i = self.info
+        return (f"{type(self).__name__}(meshdit serve at {self._client.endpoint if self._client else 'closed'}, "
+                f"tp={i.get('tp')} ring={i.get('ring')} ulysses={i.get('ulysses')}, "
+                f"device={i.get('device')}, dtype={i.get('dtype')})")
+
+
+class FluxTransformer(Transformer):
+    """Stands in for diffusers' FluxTransformer2DModel."""
+
+    family, class_name = "flux", "FluxTransformer2DModel"
+    per_step = frozenset({"hidden_states", "timestep"})
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
+                pooled_projections: torch.Tensor = None, timestep: torch.LongTensor = None,
+                img_ids: torch.Tensor = None, txt_ids: torch.Tensor = None,
+                guidance: torch.Tensor = None, joint_attention_kwargs: dict | None = None,
+                controlnet_block_samples=None, controlnet_single_block_samples=None,
+                return_dict: bool = True, controlnet_blocks_repeat: bool = False):
+        _refuse(joint_attention_kwargs=joint_attention_kwargs,
+                controlnet_block_samples=controlnet_block_samples,
+                controlnet_single_block_samples=controlnet_single_block_samples,
+                controlnet_blocks_repeat=controlnet_blocks_repeat)
+        out = self._run({"hidden_states": hidden_states,
+                         "encoder_hidden_states": encoder_hidden_states,
+                         "pooled_projections": pooled_projections, "timestep": timestep,
+                         "img_ids": img_ids, "txt_ids": txt_ids, "guidance": guidance},
+                        like=hidden_states)
+        if not return_dict:
+            return (out["sample"],)
+        return Transformer2DModelOutput(sample=out["sample"])
+
+
+class MiniMaxH3Transformer(Transformer):
+    """Stands in for diffusers' MiniMaxH3Transformer3DModel."""
+
+    family, class_name = "minimax-h3", "MiniMaxH3Transformer3DModel"
+    per_step = frozenset({"hidden_states", "audio_hidden_states", "timestep"})
+
+    def forward(self, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor,
+                encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
+                timestep_indices: torch.Tensor, token_tags: torch.Tensor,
+                position_ids: torch.Tensor, video_indices: torch.Tensor,
+                audio_indices: torch.Tensor, text_indices: torch.Tensor,
+                attention_kwargs: dict | None = None, return_dict: bool = True):
+        _refuse(attention_kwargs=attention_kwargs)
+        out = self._run({"hidden_states": hidden_states,
+                         "audio_hidden_states": audio_hidden_states,
+                         "encoder_hidden_states": encoder_hidden_states, "timestep": timestep,
+                         "timestep_indices": timestep_indices, "token_tags": token_tags,
+                         "position_ids": position_ids, "video_indices": video_indices,
+                         "audio_indices": audio_indices, "text_indices": text_indices},
+                        like=hidden_states)
+        if not return_dict:
+            return out["sample"], out["audio_sample"]
+        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerOutput
+        return MiniMaxH3TransformerOutput(sample=out["sample"], audio_sample=out["audio_sample"])
+
+
+_FAMILIES = {c.family: c for c in (FluxTransformer, MiniMaxH3Transformer)}
