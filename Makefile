@@ -75,7 +75,7 @@ $(BUILD)/libmeshdit_cuda.so: $(CUDA_SRC) $(CUDA_HDR)
 cuda: $(CUDA_LIB)
 
 .PHONY: all test check cuda format format-check cppcheck tidy demo clean goldens bench fuzz fuzz-build \
-        valgrind test-sanitize campaign venv test-python
+        valgrind test-sanitize campaign venv test-python demo-python
 
 all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN) $(CUDA_LIB) $(BUILD)/tests/gpu/test_gpu \
      $(BUILD)/tests/serve_client
@@ -209,6 +209,10 @@ $(VENV)/.installed: tests/python/requirements.txt python/pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+# FluxPipeline with diffusers' transformer and with meshdit's on 4 ranks: two PNGs in out/diffusers-demo
+demo-python: $(BUILD)/meshdit venv
+	MESHDIT_BIN=$(abspath $(BUILD)/meshdit) $(VENV)/bin/python scripts/diffusers-demo
 
 test-python: $(BUILD)/meshdit venv
 	MESHDIT_BIN=$(abspath $(BUILD)/meshdit) OPENBLAS_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q tests/python

@@ -58,3 +58,36 @@ def test_flux_pipeline_true_cfg_sessions(flux_root, flux_ref):
         sent = t.stats["request_bytes"]
     assert len(sent) == 4 and max(sent[2:]) < min(sent[:2]) / 3, sent
     assert rel(img, flux_ref["cfg"]) <= TOL
+
+
+# ---- MiniMax-H3: diffusers 0.42.1's modular pipeline, text to video + audio ----------------
+@pytest.fixture(scope="module")
+def h3_root(tmp_path_factory):
+    import h3_pipeline
+    root = str(tmp_path_factory.mktemp("h3_pipe"))
+    h3_pipeline.build(root, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def h3_ref(h3_root):
+    import h3_pipeline
+    pipe = h3_pipeline.load(h3_root)
+    return h3_pipeline.generate(pipe, seed=5, steps=2), h3_pipeline.generate(pipe, seed=6, steps=2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
+def test_h3_pipeline(h3_root, h3_ref, layout):
+    import h3_pipeline
+    ref, other = h3_ref
+    with meshdit.Transformer.from_pretrained(f"{h3_root}/transformer", **layout) as t:
+        assert isinstance(t, meshdit.MiniMaxH3Transformer)
+        pipe = h3_pipeline.load(h3_root, transformer=t)
+        got = h3_pipeline.generate(pipe, seed=5, steps=2)
+        assert t.stats["forwards"] == 2
+    assert set(got) == set(ref) == {"video", "audio"}
+    for k in ref:
+        assert got[k].shape == ref[k].shape
+        print(f"h3 {layout} {k}: max rel diff {rel(got[k], ref[k]):.2e}")
+        assert rel(got[k], ref[k]) <= TOL
+        assert rel(other[k], ref[k]) > 100 * TOL  # the comparison can fail
