@@ -50,6 +50,9 @@ class Client:
         self._sock.connect(endpoint)
         self.bytes_sent = 0  # request bytes over the connection's life
         self.bytes_received = 0
+        # the server's --max-request-bytes (from info): ZeroMQ drops a larger message without a
+        # reply, so such a request is refused here instead of waiting for nothing
+        self.max_request_bytes: int | None = None
 
     # -- requests -------------------------------------------------------------------------------
     def request(self, metadata: Mapping[str, str], tensors: Mapping[str, _blob.Raw] | None = None,
@@ -65,6 +68,9 @@ class Client:
         rid = f"py{os.getpid()}-{next(_ids)}"
         parts = _blob.encode({**metadata, "id": rid}, tensors)
         body = b"".join(parts)
+        if self.max_request_bytes is not None and len(body) > self.max_request_bytes:
+            raise MeshditError(f"meshdit serve: {op}: the request is {len(body):,} bytes, over the "
+                               f"server's --max-request-bytes {self.max_request_bytes:,}")
         self._sock.send_multipart([b"", body], copy=False)
         self.bytes_sent += len(body)
         limit = self.timeout if timeout == -1.0 else timeout
@@ -94,6 +100,8 @@ class Client:
     def info(self) -> dict:
         """The server's `info` metadata (family, class_name, config text, layout, memory)."""
         meta, _ = self.request({"op": "info"})
+        if meta.get("max_request_bytes", "").isdigit():
+            self.max_request_bytes = int(meta["max_request_bytes"])
         return meta
 
     def forward(self, tensors: Mapping[str, _blob.Raw], session: str | None = None,

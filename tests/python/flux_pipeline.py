@@ -120,8 +120,10 @@ def _perturb_norms(model, gen, scale=0.1):
                 p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
 
 
-def build(root: str, seed: int = 0) -> None:
-    """Write a complete, deterministic (for a seed) tiny FluxPipeline under root."""
+def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> None:
+    """Write a complete, deterministic (for a seed) tiny FluxPipeline under root.
+    transformer_config overrides FluxTransformer2DModel arguments (a bigger transformer for
+    benchmarks: keep joint_attention_dim, pooled_projection_dim and in_channels)."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline,
                            FluxTransformer2DModel)
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -132,7 +134,7 @@ def build(root: str, seed: int = 0) -> None:
     tokenizer_2 = _t5_tokenizer()
 
     torch.manual_seed(seed)
-    transformer = FluxTransformer2DModel(
+    transformer = FluxTransformer2DModel(**{**dict(
         patch_size=1,
         in_channels=4 * LATENT_CHANNELS,
         out_channels=None,
@@ -144,7 +146,7 @@ def build(root: str, seed: int = 0) -> None:
         pooled_projection_dim=POOLED_DIM,
         guidance_embeds=True,
         axes_dims_rope=AXES_DIMS_ROPE,
-    )
+    ), **(transformer_config or {})})
     _perturb_norms(transformer, gen)
 
     torch.manual_seed(seed + 1)

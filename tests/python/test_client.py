@@ -246,3 +246,13 @@ def test_a_session_ended_elsewhere_is_recovered(flux_tp2):
         flux_tp2._client.end_session(s)
     b = flux_tp2(**dict(args, hidden_states=args["hidden_states"].clone()))
     assert torch.equal(a, b.sample)
+
+
+def test_a_request_over_the_servers_limit_is_refused_before_sending():
+    """ZeroMQ would drop it without a reply: the client refuses it and the server goes on."""
+    args = tensors(os.path.join(FLUX, "inputs.safetensors"))
+    with meshdit.Transformer.from_pretrained(FLUX, max_request_bytes="4K") as t:
+        assert t._client.max_request_bytes == 4096
+        with pytest.raises(meshdit.MeshditError, match="over the server's --max-request-bytes 4,096"):
+            t(**args)
+        assert t.info["family"] == "flux" and t._client.info()["status"] == "ok"
