@@ -88,6 +88,7 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
     if (!m)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     m->world = m->tp = m->ring = m->ulysses = m->cp = m->watch = m->agree = MPI_COMM_NULL;
+    m->note_rank = -1;
     MDT_CHECK(mdt_mesh_parse_order(order ? order : "tp,ring,ulysses", m->order));
     MDT_CHECK(mpi_check(MPI_Comm_dup(world, &m->world), "MPI_Comm_dup"));
     MDT_CHECK(mpi_check(MPI_Comm_set_errhandler(m->world, MPI_ERRORS_RETURN), "errhandler"));
@@ -234,6 +235,9 @@ int mdt_mesh_size(const mdt_mesh *m) { return m ? m->world_size : 1; }
 mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local) {
     if (!m || m->world_size == 1 || m->peers_stuck) /* stuck: the job is being ended */
         return local;
+    m->agreements++;
+    if (local != MDT_OK)
+        mdt_mesh_note_failure(m, local);
     int mine = local == MDT_OK ? INT_MAX : m->world_rank, first = INT_MAX, done = 0;
     MPI_Request rq;
     if (MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, m->agree, &rq) != MPI_SUCCESS)
@@ -267,6 +271,7 @@ mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local) {
         nanosleep(&ms, NULL);
     }
     m->waiting = 0;
+    mdt_mesh_poll_notes(m); /* rank 0: this agreement's notes are answered by it */
     if (first == INT_MAX)
         return MDT_OK;
     struct {
@@ -357,11 +362,11 @@ mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n) {
     MDT_TRY(
         mpi_check(MPI_Ireduce_scatter_block(full, mine, (int)chunk, MPI_FLOAT, MPI_SUM, comm, &rq),
                   "all-reduce (reduce-scatter)"));
-    MDT_TRY(mdt_mesh_wait(m, 1, &rq, what));
+    MDT_TRY(mdt_mesh_wait(m, comm, 1, &rq, what));
     MDT_TRY(mpi_check(
         MPI_Iallgather(mine, (int)chunk, MPI_FLOAT, full, (int)chunk, MPI_FLOAT, comm, &rq),
         "all-reduce (all-gather)"));
-    MDT_TRY(mdt_mesh_wait(m, 1, &rq, what));
+    MDT_TRY(mdt_mesh_wait(m, comm, 1, &rq, what));
     if (dev)
         mdt_mem_device()->to_device(buf, full, sizeof(float) * (size_t)n);
     else
@@ -379,7 +384,7 @@ mdt_status mdt_bcast_floats(mdt_mesh *m, mdt_group g, int root, float *buf, int6
         MPI_Request rq;
         MDT_TRY(mpi_check(MPI_Ibcast(buf + off, c, MPI_FLOAT, root, mdt_mesh_comm(m, g), &rq),
                           "MPI_Bcast"));
-        MDT_TRY(mdt_mesh_wait(m, 1, &rq, "broadcast"));
+        MDT_TRY(mdt_mesh_wait(m, mdt_mesh_comm(m, g), 1, &rq, "broadcast"));
     }
     if (mdt_group_rank(m, g) == root)
         count(m, g, MDT_COLL_BCAST, n * 4);
@@ -399,7 +404,7 @@ mdt_status mdt_allgather_floats(mdt_mesh *m, mdt_group g, const float *send, flo
     MDT_TRY(mpi_check(
         MPI_Iallgather(hs, (int)n, MPI_FLOAT, hr, (int)n, MPI_FLOAT, mdt_mesh_comm(m, g), &rq),
         "MPI_Allgather"));
-    MDT_TRY(mdt_mesh_wait(m, 1, &rq, "all-gather"));
+    MDT_TRY(mdt_mesh_wait(m, mdt_mesh_comm(m, g), 1, &rq, "all-gather"));
     stage_done(recv, hr, n * P);
     count(m, g, MDT_COLL_ALLGATHER, (int64_t)(P - 1) * n * 4);
     return MDT_OK;
@@ -429,7 +434,7 @@ mdt_status mdt_allgatherv_floats(mdt_mesh *m, mdt_group g, const float *send, fl
     MDT_TRY(mpi_check(
         MPI_Iallgatherv(hs, cnt[me], MPI_FLOAT, hr, cnt, dsp, MPI_FLOAT, mdt_mesh_comm(m, g), &rq),
         "MPI_Allgatherv"));
-    MDT_TRY(mdt_mesh_wait(m, 1, &rq, "all-gather"));
+    MDT_TRY(mdt_mesh_wait(m, mdt_mesh_comm(m, g), 1, &rq, "all-gather"));
     stage_done(recv, hr, off);
     count(m, g, MDT_COLL_ALLGATHER, (int64_t)(P - 1) * counts[me] * 4);
     return MDT_OK;
@@ -441,7 +446,7 @@ mdt_status mdt_allgather_i64(mdt_mesh *m, mdt_group g, int64_t v, int64_t *all) 
     MDT_TRY(mpi_check(
         MPI_Iallgather(&x, 1, MPI_LONG_LONG, all, 1, MPI_LONG_LONG, mdt_mesh_comm(m, g), &rq),
         "length exchange (MPI_Allgather)"));
-    return mdt_mesh_wait(m, 1, &rq, "length exchange");
+    return mdt_mesh_wait(m, mdt_mesh_comm(m, g), 1, &rq, "length exchange");
 }
 
 mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, const int64_t *scounts,
@@ -479,7 +484,7 @@ mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, con
     MDT_TRY(mpi_check(
         MPI_Ialltoallv(hs, sc, sd, MPI_FLOAT, hr, rc, rd, MPI_FLOAT, mdt_mesh_comm(m, g), &rq),
         "MPI_Alltoallv"));
-    MDT_TRY(mdt_mesh_wait(m, 1, &rq, "ulysses all-to-all"));
+    MDT_TRY(mdt_mesh_wait(m, mdt_mesh_comm(m, g), 1, &rq, "ulysses all-to-all"));
     stage_done(recv, hr, recv_end);
     count(m, g, MDT_COLL_ALLTOALL, sent * 4);
     return MDT_OK;
@@ -523,7 +528,7 @@ mdt_status mdt_ring_wait(mdt_mesh *m, mdt_ring_req *rq) {
         return m->dev_ops->comm_wait(m->dev_comm[rq->group]) == 0
                    ? MDT_OK
                    : MDT_FAIL(MDT_E_MPI, "NCCL ring transfer failed");
-    MDT_TRY(mdt_mesh_wait(m, 2, rq->req, "ring send/receive"));
+    MDT_TRY(mdt_mesh_wait(m, mdt_mesh_comm(m, rq->group), 2, rq->req, "ring send/receive"));
     if (rq->host_recv)
         stage_done(rq->recv, rq->host_recv, rq->n);
     return MDT_OK;

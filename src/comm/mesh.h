@@ -62,6 +62,14 @@ struct mdt_mesh {
      * agrees here, where no peer's compute collective can ever match its message */
     MPI_Comm agree;
     int waiting; /* inside a watched wait (answers "waiting" to a question) */
+    /* failure notes (watchdog.c): agreements started so far (the same count on every rank);
+     * the note this rank sent when it failed (kept until the mesh is freed: the send is not
+     * waited for); on rank 0, the note of a failed rank for the coming agreement (-1: none) */
+    int64_t agreements;
+    char note_out[1024];
+    int note_rank, note_code;
+    int64_t note_epoch;
+    char note_msg[1024];
     int64_t scratch_floats;
     /* host scratch for callers' per-member sizes, counts and displacements (attn.c):
      * MDT_MESH_MEMBER_I64 arrays as long as the largest group, made with the mesh so no step
@@ -149,18 +157,29 @@ mdt_status mdt_ring_wait(mdt_mesh *m, mdt_ring_req *rq);
 /* ---- the step watchdog (watchdog.c) ---- */
 /* Arms (seconds > 0) or disarms (0) the stall bound for every later collective wait. */
 void mdt_mesh_set_deadline(mdt_mesh *m, double seconds);
-/* Waits for n requests of a collective ("tp all-reduce"): spins briefly, then sleeps
+/* Waits for n requests of a collective ("tp all-reduce") over `comm`: spins briefly, then sleeps
  * with backoff (a waiting rank does not burn a core), answering other ranks' watchdog questions.
  * Past the deadline: asks every rank whether it is alive and waiting; the lowest waiting rank
  * returns MDT_E_MPI naming the ranks that did not arrive, with m->peers_stuck set (the caller
  * ends the job); other waiting ranks keep waiting for that end, then report as well. */
-mdt_status mdt_mesh_wait(mdt_mesh *m, int n, MPI_Request *rq, const char *what);
+mdt_status mdt_mesh_wait(mdt_mesh *m, MPI_Comm comm, int n, MPI_Request *rq, const char *what);
 /* Barrier over the whole mesh, watched. */
 mdt_status mdt_mesh_barrier(mdt_mesh *m, const char *what);
 /* *v <- the minimum of every rank's *v (world), watched. */
 mdt_status mdt_mesh_min_i64(mdt_mesh *m, int64_t *v, const char *what);
 /* Answers pending watchdog questions (for wait loops outside this file). */
 void mdt_mesh_watch_serve(mdt_mesh *m);
+/* A rank that failed, on its way into the failure agreement: sends world rank 0 a note (its
+ * rank, status and message, tagged with the agreement it precedes) on the `watch` communicator.
+ * Rank 0 keeps the note (mdt_mesh_poll_notes); when it then waits in a collective whose
+ * communicator has the failed rank as a member and that collective has not completed
+ * NOTE_GRACE_S (2 s) after the note was seen — the failed rank has left every collective, so it
+ * never will — the wait ends with the failed rank's message ("rank K: ...") and m->peers_stuck
+ * set, instead of waiting for the step watchdog: the job ends with the real error at once, and
+ * a server's client gets it as its reply. The agreement the note preceded clears it. */
+void mdt_mesh_note_failure(mdt_mesh *m, mdt_status local);
+/* Rank 0: receives pending failure notes, keeps the first one for the coming agreement. */
+void mdt_mesh_poll_notes(mdt_mesh *m);
 /* Called by a waiting loop that passed the deadline: see mdt_mesh_wait. */
 mdt_status mdt_mesh_stalled(mdt_mesh *m, const char *what, double waited);
 

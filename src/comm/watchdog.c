@@ -19,7 +19,15 @@
 #include <string.h>
 #include <time.h>
 
-enum { TAG_ASK = 9101, TAG_ANSWER = 9102, SPIN_NS = 1000000, NAP_MAX_NS = 1000000 };
+enum {
+    TAG_ASK = 9101,
+    TAG_ANSWER = 9102,
+    TAG_FAILED = 9103,
+    NOTE_HEAD = 12, /* int64 agreement, int32 status, then the message */
+    NOTE_GRACE_S = 2,
+    SPIN_NS = 1000000,
+    NAP_MAX_NS = 1000000
+};
 
 void mdt_mesh_set_deadline(mdt_mesh *m, double seconds) {
     if (m)
@@ -43,6 +51,72 @@ void mdt_mesh_watch_serve(mdt_mesh *m) {
         const int a[2] = {m->world_rank, m->waiting}; /* tiny: sent eagerly, never blocks */
         MPI_Send(a, 2, MPI_INT, st.MPI_SOURCE, TAG_ANSWER, m->watch);
     }
+}
+
+void mdt_mesh_note_failure(mdt_mesh *m, mdt_status local) {
+    if (!m || m->world_rank == 0 || m->world_size == 1 || m->watch == MPI_COMM_NULL)
+        return;
+    const int32_t code = (int32_t)local;
+    memcpy(m->note_out, &m->agreements, 8);
+    memcpy(m->note_out + 8, &code, 4);
+    snprintf(m->note_out + NOTE_HEAD, sizeof m->note_out - NOTE_HEAD, "%s", mdt_last_error());
+    const int n = NOTE_HEAD + (int)strlen(m->note_out + NOTE_HEAD) + 1;
+    MPI_Request r; /* small: sent eagerly; rank 0 may be gone, so it is not waited for */
+    if (MPI_Isend(m->note_out, n, MPI_BYTE, 0, TAG_FAILED, m->watch, &r) == MPI_SUCCESS)
+        MPI_Request_free(&r);
+}
+
+void mdt_mesh_poll_notes(mdt_mesh *m) {
+    if (!m || m->world_rank != 0 || m->watch == MPI_COMM_NULL)
+        return;
+    if (m->note_rank >= 0 && m->note_epoch <= m->agreements)
+        m->note_rank = -1; /* the agreement it preceded was held: its failure was agreed on */
+    for (;;) {
+        int flag = 0, n = 0;
+        MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_FAILED, m->watch, &flag, &st) != MPI_SUCCESS || !flag)
+            return;
+        char buf[sizeof m->note_msg + NOTE_HEAD + 1];
+        MPI_Get_count(&st, MPI_BYTE, &n);
+        if (n < 0 || n > (int)sizeof buf - 1)
+            n = (int)sizeof buf - 1;
+        MPI_Recv(buf, n, MPI_BYTE, st.MPI_SOURCE, TAG_FAILED, m->watch, MPI_STATUS_IGNORE);
+        buf[n] = '\0';
+        int64_t epoch = 0;
+        int32_t code = 0;
+        if (n < NOTE_HEAD)
+            continue;
+        memcpy(&epoch, buf, 8);
+        memcpy(&code, buf + 8, 4);
+        if (epoch != m->agreements + 1 || code == MDT_OK || m->note_rank >= 0)
+            continue; /* stale, or a second failed rank (the first one is reported) */
+        m->note_rank = st.MPI_SOURCE, m->note_code = code, m->note_epoch = epoch;
+        const size_t len = strnlen(buf + NOTE_HEAD, sizeof m->note_msg - 1);
+        memcpy(m->note_msg, buf + NOTE_HEAD, len);
+        m->note_msg[len] = '\0';
+    }
+}
+
+/* Whether world rank `k` belongs to `comm`. */
+static int is_member(const mdt_mesh *m, MPI_Comm comm, int k) {
+    MPI_Group w, g;
+    int out = MPI_UNDEFINED;
+    if (comm == MPI_COMM_NULL || MPI_Comm_group(m->world, &w) != MPI_SUCCESS)
+        return 0;
+    if (MPI_Comm_group(comm, &g) == MPI_SUCCESS) {
+        MPI_Group_translate_ranks(w, 1, &k, g, &out);
+        MPI_Group_free(&g);
+    }
+    MPI_Group_free(&w);
+    return out != MPI_UNDEFINED;
+}
+
+/* The failure of the noted rank, as the agreement would word it; the job is being ended. */
+static mdt_status noted_failure(mdt_mesh *m) {
+    m->peers_stuck = 1;
+    if (strncmp(m->note_msg, "rank ", 5) == 0) /* already agreed on at an inner phase boundary */
+        return MDT_FAIL((mdt_status)m->note_code, "%s", m->note_msg);
+    return MDT_FAIL((mdt_status)m->note_code, "rank %d: %s", m->note_rank, m->note_msg);
 }
 
 /* Asks every rank, listens for the grace period; the lowest rank that is itself waiting reports. */
@@ -113,8 +187,9 @@ mdt_status mdt_mesh_stalled(mdt_mesh *m, const char *what, double waited) {
                     missing > 1 ? "s" : "", list, what, waited);
 }
 
-mdt_status mdt_mesh_wait(mdt_mesh *m, int n, MPI_Request *rq, const char *what) {
+mdt_status mdt_mesh_wait(mdt_mesh *m, MPI_Comm comm, int n, MPI_Request *rq, const char *what) {
     const double t0 = mdt_now();
+    double noted = -1; /* when a failure note of a member of `comm` was seen (0: not a member) */
     long ns = 20000;
     int done = 0;
     MPI_Status sts[4];
@@ -132,6 +207,15 @@ mdt_status mdt_mesh_wait(mdt_mesh *m, int n, MPI_Request *rq, const char *what) 
         if (waited * 1e9 < SPIN_NS)
             continue;
         mdt_mesh_watch_serve(m);
+        /* a member of this collective failed and went to the agreement: once any message of
+         * its that was already on the way has had NOTE_GRACE_S to land, it never comes */
+        mdt_mesh_poll_notes(m);
+        if (m->note_rank >= 0 && noted < 0)
+            noted = is_member(m, comm, m->note_rank) ? mdt_now() : 0.0;
+        if (noted > 0 && mdt_now() - noted > NOTE_GRACE_S) {
+            m->waiting = 0;
+            return noted_failure(m); /* the requests are abandoned: the job is being ended */
+        }
         if (m->deadline_s > 0 && waited > m->deadline_s) {
             const mdt_status st = mdt_mesh_stalled(m, what, waited);
             m->waiting = 0;
@@ -150,7 +234,7 @@ mdt_status mdt_mesh_barrier(mdt_mesh *m, const char *what) {
     MPI_Request r;
     if (MPI_Ibarrier(m->world, &r) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "%s: MPI_Ibarrier failed", what);
-    return mdt_mesh_wait(m, 1, &r, what);
+    return mdt_mesh_wait(m, m->world, 1, &r, what);
 }
 
 mdt_status mdt_mesh_min_i64(mdt_mesh *m, int64_t *v, const char *what) {
@@ -160,7 +244,7 @@ mdt_status mdt_mesh_min_i64(mdt_mesh *m, int64_t *v, const char *what) {
     MPI_Request r;
     if (MPI_Iallreduce(&in, &out, 1, MPI_LONG_LONG, MPI_MIN, m->world, &r) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "%s: MPI_Iallreduce failed", what);
-    MDT_TRY(mdt_mesh_wait(m, 1, &r, what));
+    MDT_TRY(mdt_mesh_wait(m, m->world, 1, &r, what));
     *v = (int64_t)out;
     return MDT_OK;
 }
