@@ -29,6 +29,19 @@ const mdt_device *mdt_device_preset(const char *name) {
     return NULL;
 }
 
+/* Whether weight `name` is the query projection of an attention block: a separate to_q, or a
+ * fused projection that holds the query (Flux.2's single blocks: attn.to_qkv_mlp_proj). */
+static int is_query_proj(const char *name) {
+    static const char *const k_suffix[] = {"attn.to_q.weight", "attn.to_qkv_mlp_proj.weight"};
+    const size_t len = strlen(name);
+    for (size_t i = 0; i < sizeof k_suffix / sizeof k_suffix[0]; i++) {
+        const size_t n = strlen(k_suffix[i]);
+        if (len >= n && strcmp(name + len - n, k_suffix[i]) == 0)
+            return 1;
+    }
+    return 0;
+}
+
 static int64_t cfg_or(const mdt_model *m, const char *key, int64_t def) {
     int64_t v = def;
     if (mdt_cfg_int(m->config, key, 0, def, &v) != MDT_OK)
@@ -56,9 +69,7 @@ void mdt_estimate_layout(const mdt_model *m, int T, int R, int U, int64_t S, dou
         int64_t loc[2];
         mdt_shard_local_shape(w, T, loc);
         weights += (double)loc[0] * (w->ndim > 1 ? (double)loc[1] : 1.0) * b;
-        const size_t len = strlen(w->name);
-        if (len >= 16 && strcmp(w->name + len - 16, "attn.to_q.weight") == 0)
-            n_attn++;
+        n_attn += is_query_proj(w->name);
         if (w->ndim != 2 || w->style == MDT_TP_REPLICATED_INPUT_ROWWISE)
             continue; /* AdaLN projections run on timestep rows: ~no FLOPs */
         const double p = (double)w->shape[0] * (double)w->shape[1];

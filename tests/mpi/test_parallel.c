@@ -191,7 +191,7 @@ static long long expected_query_pairs(const mdt_model *m, const mdt_tensor_set *
     mdt_cfg_int(m->config, "num_layers", 1, 0, &layers);
     const mdt_tensor *hs = mdt_tensor_set_get(in, "hidden_states");
     const mdt_tensor *ehs = mdt_tensor_set_get(in, "encoder_hidden_states");
-    if (strcmp(m->fam->name, "flux") == 0) {
+    if (strcmp(m->fam->name, "flux") == 0 || strcmp(m->fam->name, "flux2") == 0) {
         mdt_cfg_int(m->config, "num_single_layers", 1, 0, &singles);
         return (long long)(layers + singles) * hs->shape[0] * heads *
                (hs->shape[1] + ehs->shape[1]);
@@ -389,9 +389,10 @@ int main(int argc, char **argv) {
     }
     if (mesh) {
         char d[512];
-        const char *cases[] = {"flux_guidance", "flux_bf16_sharded", "flux_tiny", "h3_tiny",
-                               "h3_heads8"};
-        for (int i = 0; i < 5; i++) {
+        const char *cases[] = {"flux_guidance",  "flux_bf16_sharded", "flux_tiny",
+                               "h3_tiny",        "h3_heads8",         "flux2_tiny",
+                               "flux2_guidance", "flux2_heads3",      "flux2_bf16_sharded"};
+        for (int i = 0; i < 9; i++) {
             snprintf(d, sizeof d, "%s/%s", data, cases[i]);
             char cfgp[600];
             cJSON *cfg = NULL;

@@ -1,0 +1,550 @@
+/*
+ * flux2.c — diffusers' Flux2Transformer2DModel (FLUX.2 [dev] and [klein]): config, weight table
+ * with TP styles, CP plan, forward, random inputs. Semantics follow diffusers 0.42 exactly:
+ * timestep (and guidance) x1000 through cos-then-sin sinusoids of timestep_guidance_channels and
+ * a SiLU MLP each, summed (temb); no bias anywhere; the modulations are shared by all blocks of a
+ * kind: three projections of SiLU(temb) computed once per forward (double image and double text:
+ * (shift, scale, gate) x 2; single: shift, scale, gate) and norm_out's (scale, shift), scale
+ * first; LayerNorm without affine and per-head RMSNorm with weights, both with the config's eps;
+ * RoPE on interleaved pairs from the first len(axes_dims_rope) id columns with theta rope_theta,
+ * angles in float64 then rounded to float32; text first in the joint sequence; SwiGLU
+ * feed-forwards SiLU(first half) * second half; the single blocks' fused to_qkv_mlp_proj
+ * [q | k | v | gate | value] and to_out over [attention | MLP].
+ *
+ * TP (diffusers' _tp_plan, plus the rest meshdit's styles allow): q/k/v colwise, to_out.0 and
+ * to_add_out rowwise, ff(_context).linear_in packed colwise [gate | value] and linear_out rowwise,
+ * the single blocks' to_qkv_mlp_proj packed colwise [q, k, v, gate, value] and to_out packed
+ * rowwise [attention, MLP]; beyond diffusers: the four modulation projections and
+ * context_embedder replicated-input rowwise, the timestep/guidance MLPs colwise then rowwise;
+ * x_embedder and proj_out replicated. The projections of a packed output are views of its local
+ * rows (lin_rows), so SwiGLU's halves land where the kernel wants them without a copy.
+ * CP (diffusers' _cp_plan): image and text tokens and their ids split into P chunks each; a
+ * rank's joint sequence is its text chunk then its image chunk; the output gathered.
+ */
+#include "models/dit.h"
+
+#include "backend/backend.h"
+#include "core/testhooks.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F2_MAX_AXES = 8, F2_MAX_DOUBLE = 64, F2_MAX_SINGLE = 128 };
+
+typedef struct f2_double {
+    mdt_lin to_out, to_add_out, ff_in, ff_out, ffc_in, ffc_out;
+    mdt_qkv img, ctx; /* the image and text streams' q/k/v with their norms */
+} f2_double;
+
+typedef struct f2_single {
+    mdt_lin qkv_mlp, out; /* attn.to_qkv_mlp_proj, attn.to_out */
+    mdt_qkv norms;        /* norm_q / norm_k only: q, k, v are views of qkv_mlp */
+} f2_single;
+
+typedef struct flux2 {
+    int64_t patch, in_ch, out_ch, layers, single_layers, head_dim, heads, joint_dim, t_ch;
+    double mlp_ratio, theta, eps;
+    int guidance, naxes;
+    int64_t axes[F2_MAX_AXES];
+    int64_t inner, mlp_hidden;
+    mdt_lin t_lin1, t_lin2, g_lin1, g_lin2, mod_img, mod_txt, mod_single, x_emb, ctx_emb, norm_out,
+        proj_out;
+    f2_double dbl[F2_MAX_DOUBLE];
+    f2_single sgl[F2_MAX_SINGLE];
+} flux2;
+
+static const mdt_cp_plan k_flux2_cp_plan = {
+    .nsplit = 4,
+    .split = {{"hidden_states", 1, NULL},
+              {"encoder_hidden_states", 1, NULL},
+              {"img_ids", 0, NULL},
+              {"txt_ids", 0, NULL}},
+    .ngather = 1,
+    .gather = {{"sample", 1, NULL}},
+};
+
+/* ---- weight table (no Flux.2 linear has a bias) ---- */
+static const mdt_attn_names k_added = {"attn.add_q_proj", "attn.add_k_proj",   "attn.add_v_proj",
+                                       "attn.to_add_out", "attn.norm_added_q", "attn.norm_added_k"};
+
+/* The block structure of the last tensor appended (a packed weight: each block sharded alone). */
+static void set_blocks(mdt_wtable *t, int n, const int64_t *sizes) {
+    mdt_weight_spec *w = &t->specs[t->n - 1];
+    w->nblocks = n;
+    memcpy(w->blocks, sizes, sizeof(int64_t) * (size_t)n);
+}
+
+/* A TimestepEmbedding `pfx`: linear_1 colwise [C, in] (this rank's hidden features), linear_2
+ * rowwise [C, C]. */
+static mdt_status add_embedder(mdt_wtable *t, mdt_lin *l1, mdt_lin *l2, const char *pfx, int64_t C,
+                               int64_t in) {
+    MDT_TRY(mdt_wtable_add_linear(t, l1, pfx, "linear_1", C, in, MDT_TP_COLWISE, 0));
+    return mdt_wtable_add_linear(t, l2, pfx, "linear_2", C, C, MDT_TP_ROWWISE, 0);
+}
+
+/* A Flux2FeedForward `pfx ff`: linear_in packed colwise [gate | value] [2 M, C], linear_out
+ * rowwise [C, M]. */
+static mdt_status add_ff(mdt_wtable *t, mdt_lin *in, mdt_lin *out, const char *pfx, const char *ff,
+                         int64_t C, int64_t M) {
+    char nm[MDT_NAME_MAX];
+    snprintf(nm, sizeof nm, "%s.linear_in", ff);
+    MDT_TRY(mdt_wtable_add_linear(t, in, pfx, nm, 2 * M, C, MDT_TP_PACKED_COLWISE, 0));
+    set_blocks(t, 2, (int64_t[]){M, M});
+    snprintf(nm, sizeof nm, "%s.linear_out", ff);
+    return mdt_wtable_add_linear(t, out, pfx, nm, C, M, MDT_TP_ROWWISE, 0);
+}
+
+static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
+    const int64_t C = f->inner, M = f->mlp_hidden, D = f->head_dim;
+    const mdt_tp_style rep = MDT_TP_REPLICATED, adaln = MDT_TP_REPLICATED_INPUT_ROWWISE;
+    const float eps = (float)f->eps;
+    char p[MDT_NAME_MAX];
+    MDT_TRY(add_embedder(t, &f->t_lin1, &f->t_lin2, "time_guidance_embed.timestep_embedder.", C,
+                         f->t_ch));
+    if (f->guidance)
+        MDT_TRY(add_embedder(t, &f->g_lin1, &f->g_lin2, "time_guidance_embed.guidance_embedder.", C,
+                             f->t_ch));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->mod_img, "double_stream_modulation_img.", "linear", 6 * C,
+                                  C, adaln, 0));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->mod_txt, "double_stream_modulation_txt.", "linear", 6 * C,
+                                  C, adaln, 0));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->mod_single, "single_stream_modulation.", "linear", 3 * C,
+                                  C, adaln, 0));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->x_emb, "", "x_embedder", C, f->in_ch, rep, 0));
+    MDT_TRY(
+        mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->joint_dim, adaln, 0));
+    for (int64_t i = 0; i < f->layers; i++) {
+        f2_double *b = &f->dbl[i];
+        snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
+        MDT_TRY(mdt_dit_declare_attention(t, p, &mdt_attn_self, &b->img, &b->to_out, C, C, 0));
+        MDT_TRY(mdt_dit_declare_attention(t, p, &k_added, &b->ctx, &b->to_add_out, C, C, 0));
+        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->img, D, eps));
+        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &k_added, &b->ctx, D, eps));
+        MDT_TRY(add_ff(t, &b->ff_in, &b->ff_out, p, "ff", C, M));
+        MDT_TRY(add_ff(t, &b->ffc_in, &b->ffc_out, p, "ff_context", C, M));
+    }
+    for (int64_t i = 0; i < f->single_layers; i++) {
+        f2_single *b = &f->sgl[i];
+        snprintf(p, sizeof p, "single_transformer_blocks.%lld.", (long long)i);
+        MDT_TRY(mdt_wtable_add_linear(t, &b->qkv_mlp, p, "attn.to_qkv_mlp_proj", 3 * C + 2 * M, C,
+                                      MDT_TP_PACKED_COLWISE, 0));
+        set_blocks(t, 5, (int64_t[]){C, C, C, M, M});
+        MDT_TRY(mdt_wtable_add_linear(t, &b->out, p, "attn.to_out", C, C + M, MDT_TP_PACKED_ROWWISE,
+                                      0));
+        set_blocks(t, 2, (int64_t[]){C, M});
+        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->norms, D, eps));
+    }
+    MDT_TRY(mdt_wtable_add_linear(t, &f->norm_out, "norm_out.", "linear", 2 * C, C, adaln, 0));
+    return mdt_wtable_add_linear(t, &f->proj_out, "", "proj_out", f->patch * f->patch * f->out_ch,
+                                 C, rep, 0);
+}
+
+static mdt_status flux2_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
+    flux2 *f = impl;
+    int64_t ax[F2_MAX_AXES] = {0};
+    int nax = F2_MAX_AXES;
+    int64_t *const ints[] = {&f->patch,    &f->in_ch, &f->out_ch,    &f->layers, &f->single_layers,
+                             &f->head_dim, &f->heads, &f->joint_dim, &f->t_ch};
+    double *const dbls[] = {&f->mlp_ratio, &f->theta, &f->eps};
+    MDT_TRY(mdt_cfg_ints(cfg,
+                         "patch_size=1 in_channels=128 out_channels=0 num_layers=8 "
+                         "num_single_layers=48 attention_head_dim=128 num_attention_heads=48 "
+                         "joint_attention_dim=15360 timestep_guidance_channels=256",
+                         ints, 9));
+    MDT_TRY(mdt_cfg_doubles(cfg, "mlp_ratio=3 rope_theta=2000 eps=1e-6", dbls, 3));
+    MDT_TRY(mdt_cfg_bool(cfg, "guidance_embeds", 1, &f->guidance));
+    MDT_TRY(mdt_cfg_int_array(cfg, "axes_dims_rope", ax, &nax));
+    if (nax == 0) {
+        ax[0] = ax[1] = ax[2] = ax[3] = 32;
+        nax = 4;
+    }
+    if (f->out_ch == 0)
+        f->out_ch = f->in_ch;
+    if (f->patch < 1 || f->in_ch < 1 || f->out_ch < 1 || f->layers < 0 || f->single_layers < 0 ||
+        f->head_dim < 2 || f->heads < 1 || f->joint_dim < 1 || f->t_ch < 2 || f->t_ch % 2)
+        return MDT_FAIL(MDT_E_INVALID, "config.json: Flux.2 sizes must be positive "
+                                       "(timestep_guidance_channels even)");
+    if (!(f->mlp_ratio > 0) || !(f->theta > 0) || !(f->eps > 0) || !isfinite(f->mlp_ratio) ||
+        !isfinite(f->theta) || !isfinite(f->eps))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "config.json: mlp_ratio, rope_theta and eps must be positive and finite");
+    const int64_t dims[] = {f->patch, f->in_ch,     f->out_ch, f->head_dim,
+                            f->heads, f->joint_dim, f->t_ch,   f->patch * f->patch * f->out_ch};
+    MDT_TRY(mdt_cfg_check_dims("Flux.2", dims, sizeof dims / sizeof dims[0]));
+    f->inner = f->heads * f->head_dim;
+    if (f->inner > MDT_MAX_DIM || (double)f->inner * f->mlp_ratio > (double)MDT_MAX_DIM)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: Flux.2 widths exceed %lld",
+                        (long long)MDT_MAX_DIM);
+    f->mlp_hidden = (int64_t)((double)f->inner * f->mlp_ratio); /* int(dim * mlp_ratio) */
+    if (f->mlp_hidden < 1)
+        return MDT_FAIL(MDT_E_INVALID, "config.json: int(inner x mlp_ratio) = 0");
+    if (f->layers > F2_MAX_DOUBLE || f->single_layers > F2_MAX_SINGLE)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: at most %d double and %d single blocks",
+                        F2_MAX_DOUBLE, F2_MAX_SINGLE);
+    int64_t axsum = 0;
+    for (int i = 0; i < nax; i++) {
+        if (ax[i] <= 0 || ax[i] % 2)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "config.json: axes_dims_rope[%d] = %lld must be even and positive", i,
+                            (long long)ax[i]);
+        axsum += ax[i];
+    }
+    if (axsum != f->head_dim)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "config.json: axes_dims_rope sum to %lld but attention_head_dim is %lld",
+                        (long long)axsum, (long long)f->head_dim);
+    f->naxes = nax;
+    memcpy(f->axes, ax, sizeof ax);
+    return flux2_table(f, t);
+}
+
+static mdt_status flux2_check_layout(const void *impl, int T, int R, int U) {
+    const flux2 *f = impl;
+    (void)R, (void)U;
+    MDT_TRY(mdt_dit_check_heads(f->heads, T));
+    if (f->mlp_hidden % T)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "tp=%d does not divide the MLP width %lld (int(inner x mlp_ratio), "
+                        "sharded in every feed-forward)",
+                        T, (long long)f->mlp_hidden);
+    if (f->joint_dim % T)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "tp=%d does not divide joint_attention_dim %lld (the input features "
+                        "context_embedder is sharded on)",
+                        T, (long long)f->joint_dim);
+    return MDT_OK;
+}
+
+/* ---- forward ---- */
+
+/* A forward's inputs on this rank: read, checked, cut by the CP plan and uploaded. */
+typedef struct f2_in {
+    int64_t Si, St, si, st; /* image and text rows: whole and this rank's chunk */
+    const float *hs, *ehs;  /* [B, si, in], [B, st, joint] */
+    const float *e;         /* [2, B, t_ch] timestep and guidance sinusoids */
+    mdt_rope rope;          /* [st + si, D] text rows first */
+} f2_in;
+
+/* Rotary columns: per axis of width d, pair j has frequency 1/theta^(2j/d), each value repeated
+ * for the two channels of its pair; col_axis/col_freq [D]: the id column and frequency of each. */
+static void rope_columns(const flux2 *f, int32_t *col_axis, double *col_freq) {
+    int64_t off = 0;
+    for (int a = 0; a < f->naxes; a++) {
+        const int64_t d = f->axes[a];
+        for (int64_t j = 0; j < d / 2; j++) {
+            const double fr = 1.0 / pow(f->theta, (double)(2 * j) / (double)d);
+            col_axis[off + 2 * j] = col_axis[off + 2 * j + 1] = a;
+            col_freq[off + 2 * j] = col_freq[off + 2 * j + 1] = fr;
+        }
+        off += d;
+    }
+}
+
+/* ids [S, A >= naxes] (only the first naxes columns are used, like diffusers), 2-D or 3-D (batch 0
+ * is used, like diffusers), any number type, cut to this chunk; *A receives the row width. */
+static mdt_status read_ids(const flux2 *f, mdt_dit *d, const mdt_tensor_set *in, const char *name,
+                           int64_t S, const float **ids, int64_t *A) {
+    const int is3 = mdt_input_dim(in, name, 2) >= 0;
+    float *full;
+    int64_t s0, n;
+    MDT_TRY(mdt_input_f32(in, name, is3 ? 3 : 2, is3 ? (int64_t[]){-1, S, -1} : (int64_t[]){S, -1},
+                          d->ha, &full));
+    *A = mdt_input_dim(in, name, is3 ? 2 : 1);
+    if (*A < f->naxes || (is3 && mdt_input_dim(in, name, 0) < 1))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: '%s' must be [%lld, A] or [B, %lld, A] with A >= %d (one column "
+                        "per rotary axis of axes_dims_rope)",
+                        name, (long long)S, (long long)S, f->naxes);
+    return mdt_cp_take(&d->cp, name, full, sizeof(float), 2, (int64_t[]){S, *A}, d->ha,
+                       (const void **)ids, &s0, &n);
+}
+
+static mdt_status flux2_read(const flux2 *f, mdt_dit *d, const mdt_tensor_set *in, f2_in *x) {
+    const int64_t B = mdt_input_dim(in, "hidden_states", 0), D = f->head_dim, Tc = f->t_ch;
+    const int64_t Si = mdt_input_dim(in, "hidden_states", 1);
+    const int64_t St = mdt_input_dim(in, "encoder_hidden_states", 1);
+    mdt_arena *ha = d->ha, *ar = d->ar;
+    int64_t s0, Ai, At;
+    if (B < 1 || Si < 1)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'hidden_states' must be [B, S_img, %lld] with B, S_img >= 1",
+                        (long long)f->in_ch);
+    if (St < 1)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] with S_txt >= 1",
+                        (long long)f->joint_dim);
+    const float *hs, *ehs, *img_ids, *txt_ids;
+    float *ts, *g = NULL;
+    const int64_t shs[] = {B, Si, f->in_ch}, sehs[] = {B, St, f->joint_dim};
+    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 3, shs, ha, &hs));
+    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, sehs, ha, &ehs));
+    MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ha, &ts));
+    MDT_TRY(read_ids(f, d, in, "img_ids", Si, &img_ids, &Ai));
+    MDT_TRY(read_ids(f, d, in, "txt_ids", St, &txt_ids, &At));
+    if (f->guidance) /* without guidance_embeds diffusers ignores it, and so do we */
+        MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ha, &g));
+    MDT_TRY(
+        mdt_cp_take(&d->cp, "hidden_states", hs, 4, 3, shs, ha, (const void **)&hs, &s0, &x->si));
+    MDT_TRY(mdt_cp_take(&d->cp, "encoder_hidden_states", ehs, 4, 3, sehs, ha, (const void **)&ehs,
+                        &s0, &x->st));
+    d->B = B, x->Si = Si, x->St = St;
+    const int64_t S = x->si + x->st, A = f->naxes;
+    float *e = mdt_arena_floats(ha, 2 * B * Tc);                      // [2, B, t_ch] host: t, g
+    float *ids = mdt_arena_floats(ha, S * A);                         // [S/P, axes] text first
+    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, D);   // [D] host
+    double *col_freq = (double *)(void *)mdt_arena_floats(ha, 2 * D); // [D] host
+    if (!e || !ids || !col_axis || !col_freq)
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < B; b++)
+        ts[b] = ts[b] * 1000.0f;
+    mdt_dit_timestep_embed(ts, B, Tc, e);
+    for (int64_t b = 0; g && b < B; b++)
+        g[b] = g[b] * 1000.0f;
+    if (g)
+        mdt_dit_timestep_embed(g, B, Tc, e + B * Tc);
+    for (int64_t s = 0; s < S; s++) /* [S/P, axes]: the first naxes columns, text rows first */
+        for (int64_t a = 0; a < A; a++)
+            ids[s * A + a] = s < x->st ? txt_ids[s * At + a] : img_ids[(s - x->st) * Ai + a];
+    rope_columns(f, col_axis, col_freq);
+    /* to the backend's memory (the same pointers on the CPU backend) */
+    x->hs = mdt_k_upload(ar, hs, sizeof(float) * (size_t)(B * x->si * f->in_ch));
+    x->ehs = mdt_k_upload(ar, ehs, sizeof(float) * (size_t)(B * x->st * f->joint_dim));
+    x->e = mdt_k_upload(ar, e, sizeof(float) * (size_t)(2 * B * Tc));
+    const float *ids_d = mdt_k_upload(ar, ids, sizeof(float) * (size_t)(S * A));
+    const int32_t *cax_d = mdt_k_upload(ar, col_axis, sizeof(int32_t) * (size_t)D);
+    const double *cfr_d = mdt_k_upload(ar, col_freq, sizeof(double) * (size_t)D);
+    float *cos_t = mdt_arena_floats(ar, S * D), *sin_t = mdt_arena_floats(ar, S * D); // [S/P, D]
+    if (!x->hs || !x->ehs || !x->e || !ids_d || !cax_d || !cfr_d || !cos_t || !sin_t)
+        return MDT_E_NOMEM;
+    mdt_k()->angle_table(ids_d, A, S, D, cax_d, cfr_d, 1, cos_t, sin_t); // [S/P, D]
+    x->rope = (mdt_rope){cos_t, sin_t, D, MDT_ROPE_INTERLEAVED};
+    return MDT_OK;
+}
+
+/* Local output rows [r0, r0 + n) of a colwise or packed-colwise linear as a linear of its own: a
+ * view of the resident weight (rows of [out_local, in], f32 or bf16), no copy. */
+static mdt_lin lin_rows(const mdt_lin *l, int64_t r0, int64_t n) {
+    mdt_lin v = *l;
+    v.w = l->w ? l->w + r0 * l->in : NULL;
+    v.wh = l->wh ? l->wh + r0 * l->in : NULL;
+    v.b = l->b ? l->b + r0 : NULL;
+    v.out = v.out_local = n;
+    return v;
+}
+
+/* s [M, n] = SiLU(gate) * value (Flux2SwiGLU) on this rank's features, where l's local output
+ * rows [r0, r0 + n) are the gate and [r0 + n, r0 + 2n) the value; each half is projected into
+ * the place the swiglu kernel wants ([value | gate]). h [M, 2n] scratch. */
+static void swiglu_proj(const mdt_lin *l, int64_t r0, int64_t n, const float *x, int64_t M,
+                        float *h, float *s) {
+    const mdt_lin gate = lin_rows(l, r0, n), value = lin_rows(l, r0 + n, n);
+    mdt_k_shared_begin(x, l->in, M, l->in);    /* x feeds both halves: rounded once */
+    mdt_dit_linear(&value, x, M, h, 2 * n);    // [M, n] in columns [0, n)
+    mdt_dit_linear(&gate, x, M, h + n, 2 * n); // [M, n] in columns [n, 2n)
+    mdt_k_shared_end();
+    mdt_k()->swiglu(h, s, M, n); // [M, n]
+}
+
+/* x [B, n, C] += gate * FF(LN(x) (1 + scale) + shift), the feed-forward half of a double block
+ * with the stream's shared modulation mod [B, 6C]. */
+static mdt_status ff_residual(const flux2 *f, const mdt_dit *d, float *x, int64_t n,
+                              const float *mod, const mdt_lin *l_in, const mdt_lin *l_out,
+                              float *nbuf, float *hbuf, float *sbuf, float *ybuf) {
+    const int64_t C = f->inner, B = d->B, Ml = l_out->in_local;
+    for (int64_t b = 0; b < B; b++)
+        mdt_k()->layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, (float)f->eps,
+                                    mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
+    swiglu_proj(l_in, 0, Ml, nbuf, B * n, hbuf, sbuf);                                 // [B*n, M/T]
+    MDT_TRY(mdt_dit_row_linear(d, l_out, sbuf, Ml, ybuf, B * n));                      // [B*n, C]
+    for (int64_t b = 0; b < B; b++)
+        mdt_k()->gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
+    return MDT_OK;
+}
+
+/* Flux2TransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention; modulations
+ * mi, mt [B, 6C] shared by every double block. */
+static mdt_status double_block(const flux2 *f, const f2_double *blk, const mdt_dit *d,
+                               const f2_in *in, const float *mi, const float *mt,
+                               const mdt_heads *h, float *x, float *c) {
+    const int64_t C = f->inner, B = d->B, Si = in->si, St = in->st, S = Si + St;
+    const int64_t Cl = blk->img.q.out_local, Ml = blk->ff_out.in_local, n = Si > St ? Si : St;
+    const float eps = (float)f->eps;
+    float *nx = mdt_arena_floats(d->ar, B * Si * C);     // [B, Si, C]
+    float *nc = mdt_arena_floats(d->ar, B * St * C);     // [B, St, C]
+    float *tmp = mdt_arena_floats(d->ar, B * S * C);     // [B*max(Si,St), C]
+    float *ao = mdt_arena_floats(d->ar, B * S * Cl);     // [B, S, C/T]
+    float *hb = mdt_arena_floats(d->ar, B * n * 2 * Ml); // [B*n, 2M/T] = [value | gate]
+    float *sb = mdt_arena_floats(d->ar, B * n * Ml);     // [B*n, M/T]
+    if (!nx || !nc || !tmp || !ao || !hb || !sb)
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < B; b++) {
+        mdt_k()->layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, eps, mi + b * 6 * C,
+                                    mi + b * 6 * C + C); // [Si, C]
+        mdt_k()->layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, eps, mt + b * 6 * C,
+                                    mt + b * 6 * C + C); // [St, C]
+    }
+    mdt_dit_qkv(d, &blk->ctx, nc, St, 0, &in->rope, h, tmp);  /* text rows [0, St) */
+    mdt_dit_qkv(d, &blk->img, nx, Si, St, &in->rope, h, tmp); /* image rows [St, S) */
+    MDT_TRY(mdt_dit_attend(d, h, 1, ao, Cl));                 // [B, S/P, C/T]
+    for (int64_t b = 0; b < B; b++) {
+        MDT_TRY(mdt_dit_row_linear(d, &blk->to_out, ao + (b * S + St) * Cl, Cl, tmp, Si));
+        mdt_k()->gate_residual(x + b * Si * C, tmp, C, mi + b * 6 * C + 2 * C, Si, C);
+        MDT_TRY(mdt_dit_row_linear(d, &blk->to_add_out, ao + b * S * Cl, Cl, tmp, St));
+        mdt_k()->gate_residual(c + b * St * C, tmp, C, mt + b * 6 * C + 2 * C, St, C);
+    }
+    MDT_TRY(ff_residual(f, d, x, Si, mi, &blk->ff_in, &blk->ff_out, nx, hb, sb, tmp));
+    return ff_residual(f, d, c, St, mt, &blk->ffc_in, &blk->ffc_out, nc, hb, sb, tmp);
+}
+
+/* Flux2SingleTransformerBlock: h [B, S, C] += gate * to_out([attn(n) | SwiGLU(n)]) with
+ * n = LN(h)(1 + scale) + shift and the shared modulation mod [B, 3C]; to_qkv_mlp_proj's local
+ * rows are [q_k | k_k | v_k | gate_k | value_k], to_out's local columns [attn_k | mlp_k]. */
+static mdt_status single_block(const flux2 *f, const f2_single *blk, const mdt_dit *d,
+                               const f2_in *in, const float *mod, const mdt_heads *hd, float *h) {
+    const int64_t C = f->inner, B = d->B, S = in->si + in->st, M = B * S;
+    const int64_t Cl = d->heads * d->head_dim, Ml = f->mlp_hidden / d->T, W = Cl + Ml;
+    float *n = mdt_arena_floats(d->ar, M * C);       // [B, S, C]
+    float *g2 = mdt_arena_floats(d->ar, M * 2 * Ml); // [B*S, 2M/T] = [value | gate]
+    float *sw = mdt_arena_floats(d->ar, M * Ml);     // [B*S, M/T]
+    float *cat = mdt_arena_floats(d->ar, M * W);     // [B, S, (C + M)/T] = [attn | mlp]
+    float *tmp = mdt_arena_floats(d->ar, M * C);     // [B*S, C]
+    if (!n || !g2 || !sw || !cat || !tmp)
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < B; b++)
+        mdt_k()->layernorm_modulate(h + b * S * C, n + b * S * C, S, C, (float)f->eps,
+                                    mod + b * 3 * C, mod + b * 3 * C + C); // [S, C]
+    const mdt_qkv qkv = {lin_rows(&blk->qkv_mlp, 0, Cl),
+                         lin_rows(&blk->qkv_mlp, Cl, Cl),
+                         lin_rows(&blk->qkv_mlp, 2 * Cl, Cl),
+                         blk->norms.norm_q,
+                         blk->norms.norm_k,
+                         blk->norms.eps};
+    mdt_k_shared_begin(n, C, M, C); /* n feeds q, k, v and the MLP halves: rounded once */
+    mdt_dit_qkv(d, &qkv, n, S, 0, &in->rope, hd, tmp);
+    swiglu_proj(&blk->qkv_mlp, 3 * Cl, Ml, n, M, g2, sw); // [B*S, M/T]
+    mdt_k_shared_end();
+    mdt_k()->copy2d(cat + Cl, W, sw, Ml, M, Ml);               // columns [C/T, W)
+    MDT_TRY(mdt_dit_attend(d, hd, 1, cat, W));                 // columns [0, C/T)
+    MDT_TRY(mdt_dit_row_linear(d, &blk->out, cat, W, tmp, M)); // [B*S, C]
+    for (int64_t b = 0; b < B; b++)
+        mdt_k()->gate_residual(h + b * S * C, tmp + b * S * C, C, mod + b * 3 * C + 2 * C, S, C);
+    return MDT_OK;
+}
+
+/* temb [B, C] = linear_2(SiLU(linear_1(e))): a TimestepEmbedding, linear_1 colwise into this
+ * rank's hidden features hid [B, C/T], linear_2 rowwise. */
+static mdt_status embed(const mdt_dit *d, const mdt_lin *l1, const mdt_lin *l2, const float *e,
+                        float *hid, float *y) {
+    mdt_dit_linear(l1, e, d->B, hid, l1->out_local); // [B, C/T]
+    mdt_k()->silu(hid, d->B * l1->out_local);
+    return mdt_dit_row_linear(d, l2, hid, l1->out_local, y, d->B); // [B, C]
+}
+
+static mdt_status flux2_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
+    const flux2 *f = m->impl;
+    const double t_prep = mdt_now();
+    mdt_dit d;
+    f2_in x;
+    mdt_dit_begin(&d, m, f->heads, f->head_dim);
+    MDT_TRY(flux2_read(f, &d, in, &x));
+    mdt_counters_get()->prep_s += mdt_now() - t_prep;
+    const int64_t C = f->inner, B = d.B, si = x.si, st = x.st, S = si + st, O = f->proj_out.out;
+    mdt_arena *ar = d.ar;
+    char stage[48];
+    mdt_heads hd;
+    float *hid = mdt_arena_floats(ar, B * C);     // [B, C/T] embedder hidden
+    float *temb = mdt_arena_floats(ar, B * C);    // [B, C]
+    float *tmp = mdt_arena_floats(ar, B * C);     // [B, C]
+    float *mi = mdt_arena_floats(ar, B * 6 * C);  // [B, 6C] double blocks, image
+    float *mt = mdt_arena_floats(ar, B * 6 * C);  // [B, 6C] double blocks, text
+    float *ms = mdt_arena_floats(ar, B * 3 * C);  // [B, 3C] single blocks
+    float *mo = mdt_arena_floats(ar, B * 2 * C);  // [B, 2C] norm_out (scale, shift)
+    float *xs = mdt_arena_floats(ar, B * si * C); // [B, Si/P, C] image stream
+    float *c = mdt_arena_floats(ar, B * st * C);  // [B, St/P, C] text stream
+    if (!hid || !temb || !tmp || !mi || !mt || !ms || !mo || !xs || !c ||
+        mdt_dit_heads_alloc(&d, S, &hd) != MDT_OK)
+        return MDT_E_NOMEM;
+    /* conditioning: temb = time(t) (+ guidance(g)); every modulation reads SiLU(temb) */
+    MDT_TRY(embed(&d, &f->t_lin1, &f->t_lin2, x.e, hid, temb)); // [B, C]
+    if (f->guidance) {
+        MDT_TRY(embed(&d, &f->g_lin1, &f->g_lin2, x.e + B * f->t_ch, hid, tmp)); // [B, C]
+        mdt_k()->add(temb, tmp, B * C);
+    }
+    mdt_k()->silu(temb, B * C);
+    d.cond = temb, d.cond_rows = B, d.cond_width = C;
+    MDT_TRY(mdt_guard_finite(d.mesh, "time_guidance_embed", temb, B * C));
+    MDT_TRY(mdt_dit_adaln(&d, &f->mod_img, mi));    // [B, 6C]
+    MDT_TRY(mdt_dit_adaln(&d, &f->mod_txt, mt));    // [B, 6C]
+    MDT_TRY(mdt_dit_adaln(&d, &f->mod_single, ms)); // [B, 3C]
+    MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, mo));   // [B, 2C]
+    mdt_dit_linear(&f->x_emb, x.hs, B * si, xs, C); // [B, Si/P, C]
+    MDT_TRY(mdt_dit_row_linear(&d, &f->ctx_emb, x.ehs + d.k * f->ctx_emb.in_local, f->joint_dim, c,
+                               B * st)); // [B, St/P, C]: replicated input, this rank's features
+    MDT_TRY(mdt_guard_finite(d.mesh, "x_embedder", xs, B * si * C));
+    MDT_TRY(mdt_guard_finite(d.mesh, "context_embedder", c, B * st * C));
+    for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
+        mdt_arena_mark mk = mdt_arena_mark_get(ar);
+        MDT_TRY(double_block(f, &f->dbl[i], &d, &x, mi, mt, &hd, xs, c));
+        mdt_arena_rewind(ar, mk);
+        snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
+        MDT_TRY(mdt_guard_finite(d.mesh, stage, xs, B * si * C));
+        MDT_TRY(mdt_guard_finite(d.mesh, stage, c, B * st * C));
+        if (i == 0) /* test seam: fail mid-step */
+            MDT_TRY(mdt_test_point("step", d.mesh ? d.mesh->world_rank : 0));
+    }
+    float *h = mdt_arena_floats(ar, B * S * C); // [B, S/P, C] = cat(c, x) per batch
+    if (!h)
+        return MDT_E_NOMEM;
+    mdt_k()->copy2d(h, S * C, c, st * C, B, st * C);           // text rows of every batch
+    mdt_k()->copy2d(h + st * C, S * C, xs, si * C, B, si * C); // image rows after them
+    for (int64_t i = 0; i < f->single_layers; i++) {
+        mdt_arena_mark mk = mdt_arena_mark_get(ar);
+        MDT_TRY(single_block(f, &f->sgl[i], &d, &x, ms, &hd, h));
+        mdt_arena_rewind(ar, mk);
+        snprintf(stage, sizeof stage, "single_transformer_blocks.%lld", (long long)i);
+        MDT_TRY(mdt_guard_finite(d.mesh, stage, h, B * S * C));
+    }
+    /* norm_out on the image rows: mo = (scale, shift), scale first */
+    float *ol = mdt_arena_floats(ar, B * si * O); // [B, Si/P, O]
+    mdt_tensor *o;
+    if (!ol)
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < B; b++)
+        mdt_k()->layernorm_modulate(h + (b * S + st) * C, xs + b * si * C, si, C, (float)f->eps,
+                                    mo + b * 2 * C + C, mo + b * 2 * C); // [Si/P, C]
+    mdt_dit_linear(&f->proj_out, xs, B * si, ol, O);                     // [B, Si/P, O]
+    MDT_TRY(mdt_guard_finite(d.mesh, "proj_out", ol, B * si * O));
+    MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Si, O}, &o));
+    MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, in, x.Si, ol, o));
+    /* no silent degrade: each query row once over the joint sequence, per block and batch */
+    mdt_promise p = {0};
+    mdt_dit_promise_cp(&d, &p, (int64_t[]){x.St, x.Si}, 2, (f->layers + f->single_layers) * B);
+    return mdt_dit_end(&d, &p);
+}
+
+/* ---- random inputs: the ids Flux2Pipeline builds ---- */
+static mdt_status flux2_make_inputs(const void *impl, const mdt_inputs_params *p, mdt_rng *rng,
+                                    mdt_tensor_set *out) {
+    const flux2 *f = impl;
+    const int64_t B = p->batch, Si = p->img_tokens > 0 ? p->img_tokens : 16, A = f->naxes;
+    const int64_t St = p->txt_tokens > 0 ? p->txt_tokens : 8, w = (int64_t)ceil(sqrt((double)Si));
+    mdt_tensor *t;
+    MDT_TRY(mdt_inputs_add_normal(out, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, rng));
+    MDT_TRY(mdt_inputs_add_normal(out, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim},
+                                  rng));
+    MDT_TRY(mdt_inputs_add_const(out, "timestep", B, p->timestep, NULL));
+    /* image ids (t, h, w, l) = (0, row, col, 0) of a near-square latent grid; text (0, 0, 0, l) */
+    MDT_TRY(mdt_tensor_set_add(out, "img_ids", MDT_I64, 2, (int64_t[]){Si, A}, &t));
+    for (int64_t s = 0; s < Si; s++)
+        for (int64_t a = 0; a < A; a++)
+            ((int64_t *)t->data)[s * A + a] = a == 1 ? s / w : a == 2 ? s % w : 0;
+    MDT_TRY(mdt_tensor_set_add(out, "txt_ids", MDT_I64, 2, (int64_t[]){St, A}, &t));
+    for (int64_t s = 0; s < St; s++)
+        for (int64_t a = 0; a < A; a++)
+            ((int64_t *)t->data)[s * A + a] = a == A - 1 ? s : 0;
+    return f->guidance ? mdt_inputs_add_const(out, "guidance", B, p->guidance, NULL) : MDT_OK;
+}
+
+const mdt_family mdt_family_flux2 =
+    MDT_FAMILY(flux2, "flux2", "Flux2Transformer2DModel", k_flux2_cp_plan, "sample");
