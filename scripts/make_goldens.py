@@ -20,6 +20,7 @@ import diffusers
 import safetensors
 from diffusers import FluxTransformer2DModel, MiniMaxH3Transformer3DModel
 from safetensors.torch import save_file
+from goldens_qwenimage import qwenimage_cases
 
 
 def perturb_norms(model, gen):
@@ -160,6 +161,7 @@ def main():
         assert len(set(json.load(fp)["weight_map"].values())) == 2
 
     h3_cases(args.out)
+    qwenimage_cases(args.out)
 
 
 def h3_layout(segments, timesteps):
