@@ -20,6 +20,7 @@ import diffusers
 import safetensors
 from diffusers import FluxTransformer2DModel, MiniMaxH3Transformer3DModel
 from safetensors.torch import save_file
+from goldens_qwenimage import qwenimage_cases
 
 from goldens_flux2 import flux2_cases
 
@@ -163,6 +164,7 @@ def main():
 
     h3_cases(args.out)
     flux2_cases(args.out)
+    qwenimage_cases(args.out)
 
 
 def h3_layout(segments, timesteps):

@@ -196,6 +196,14 @@ static long long expected_query_pairs(const mdt_model *m, const mdt_tensor_set *
         return (long long)(layers + singles) * hs->shape[0] * heads *
                (hs->shape[1] + ehs->shape[1]);
     }
+    if (strcmp(m->fam->name, "qwenimage") == 0) { /* masked text tokens are never attended */
+        const mdt_tensor *mk = mdt_tensor_set_get(in, "encoder_hidden_states_mask");
+        long long rows = (long long)hs->shape[0] * hs->shape[1];
+        for (int64_t i = 0; i < hs->shape[0] * ehs->shape[1]; i++) /* BOOL or I64 masks */
+            rows += !mk || (mk->dtype == MDT_BOOL ? ((const uint8_t *)mk->data)[i]
+                                                  : ((const int64_t *)mk->data)[i]) != 0;
+        return (long long)(layers * heads) * rows;
+    }
     mdt_cfg_int(m->config, "num_refiner_layers", 0, 2, &refiner);
     const int64_t S = mdt_tensor_set_get(in, "position_ids")->shape[0];
     return (long long)hs->shape[0] * heads *
@@ -391,8 +399,10 @@ int main(int argc, char **argv) {
         char d[512];
         const char *cases[] = {"flux_guidance",  "flux_bf16_sharded", "flux_tiny",
                                "h3_tiny",        "h3_heads8",         "flux2_tiny",
-                               "flux2_guidance", "flux2_heads3",      "flux2_bf16_sharded"};
-        for (int i = 0; i < 9; i++) {
+                               "flux2_guidance", "flux2_heads3",      "flux2_bf16_sharded",
+                               "qwenimage_tiny", "qwenimage_mask",    "qwenimage_bf16_sharded",
+                               "qwenimage_frames"};
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             snprintf(d, sizeof d, "%s/%s", data, cases[i]);
             char cfgp[600];
             cJSON *cfg = NULL;

@@ -1,0 +1,521 @@
+/*
+ * qwenimage.c — diffusers' QwenImageTransformer2DModel (Qwen-Image, diffusers 0.42.1): config,
+ * weight table with TP styles, CP plan, forward, random inputs. Semantics follow diffusers:
+ * Timesteps(256, cos first, scale=1000): the angle is (t f) rounded, then x1000 (not t x1000
+ * first, as Flux); TimestepEmbedding's SiLU MLP gives temb and every modulation reads SiLU(temb);
+ * the text is RMSNorm'd (txt_norm, eps 1e-6, weight) then projected (txt_in), the latents by
+ * img_in; every block is dual-stream: image and text each with their own modulation table
+ * (img_mod.1 / txt_mod.1: [shift, scale, gate] x 2), LayerNorm eps 1e-6 without affine, their
+ * own q/k/v with per-head RMSNorm (eps 1e-6), one joint attention over [text | image], their own
+ * GELU(tanh) MLP; norm_out is AdaLayerNormContinuous (scale first), proj_out on the image rows.
+ * RoPE (QwenEmbedRope, scale_rope=True): complex pairs (interleaved channels), per axis a of
+ * width d the pair j turns at 1/1e4^(2j/d) (float32, angle = position x frequency in float32);
+ * image i of img_shapes, a (F, H, W) grid, puts its row (f, y, x) at positions
+ * (i + f, y - ceil(H/2), x - ceil(W/2)); text token j at top + j on all three axes, top =
+ * max over images of max(H/2, W/2); diffusers' table holds 4096 positions per sign.
+ *
+ * Non-tensor arguments: `img_shapes` is int64 [B, n, 3] (or [B, 3] for n = 1): image i of
+ * element b is (frames, height, width) in patches, images in sequence order; every element must
+ * hold the same shapes (diffusers uses element 0's for all). The text mask masks keys only and
+ * image keys are always attended, so a masked text token never reaches an image row (the only
+ * output): the forward drops the masked text rows before the split, each kept row keeping its
+ * RoPE position — the same result as diffusers' masked softmax, with less work. Elements whose
+ * masks differ run one pass each. Refused: `guidance` (diffusers 0.42.1 fails with it),
+ * `txt_seq_lens` (removed in 0.42.1), `additional_t_cond` and `controlnet_block_samples`;
+ * attention_kwargs carries only a LoRA scale in diffusers (no tensor, nothing to encode). The
+ * configs zero_cond_t, use_additional_t_cond and use_layer3d_rope (Qwen-Image-Edit-2511 and
+ * Layered variants) are refused; the real Qwen-Image config has all three false.
+ *
+ * TP: diffusers' _tp_plan (q/k/v and added q/k/v colwise, to_out.0 / to_add_out rowwise,
+ * img_mlp / txt_mlp net.0.proj colwise, net.2 rowwise), plus img_mod.1, txt_mod.1 and
+ * norm_out.linear as replicated-input rowwise (diffusers keeps them replicated); embedders,
+ * txt_norm and proj_out replicated. CP: diffusers' _cp_plan: hidden_states and (the kept rows of)
+ * encoder_hidden_states split on dim 1 into P chunks each, the rotary rows with them (each rank
+ * builds its own), the joint sequence of a rank is its text chunk then its image chunk; `sample`
+ * gathered on dim 1 after proj_out.
+ */
+#include "models/dit.h"
+
+#include "backend/backend.h"
+#include "core/testhooks.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <string.h>
+
+enum { QWEN_MAX_LAYERS = 128, QWEN_ROPE_POS = 4096 };
+static const float k_eps = 1e-6f;
+
+typedef struct qwen_block {
+    mdt_lin img_mod, txt_mod, to_out, to_add_out, img_ff0, img_ff2, txt_ff0, txt_ff2;
+    mdt_qkv img, txt; /* the image and text streams' q/k/v with their norms */
+} qwen_block;
+
+typedef struct qwen {
+    int64_t patch, in_ch, out_ch, layers, head_dim, heads, joint_dim, axes[3];
+    int64_t inner, mlp_hidden;
+    mdt_lin t_lin1, t_lin2, img_in, txt_in, norm_out, proj_out;
+    const float *txt_norm;
+    qwen_block blk[QWEN_MAX_LAYERS];
+} qwen;
+
+static const mdt_cp_plan k_qwen_cp_plan = {
+    .nsplit = 2,
+    .split = {{"hidden_states", 1, NULL}, {"encoder_hidden_states", 1, NULL}},
+    .ngather = 1,
+    .gather = {{"sample", 1, NULL}},
+};
+
+/* ---- weight table (every Qwen-Image linear has a bias) ---- */
+static const mdt_attn_names k_added = {"attn.add_q_proj", "attn.add_k_proj",   "attn.add_v_proj",
+                                       "attn.to_add_out", "attn.norm_added_q", "attn.norm_added_k"};
+
+static mdt_status qwen_table(qwen *f, mdt_wtable *t) {
+    const int64_t C = f->inner, M = f->mlp_hidden, D = f->head_dim;
+    const mdt_tp_style rep = MDT_TP_REPLICATED, adaln = MDT_TP_REPLICATED_INPUT_ROWWISE;
+    const char *te = "time_text_embed.timestep_embedder.";
+    char p[MDT_NAME_MAX];
+    MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin1, te, "linear_1", C, 256, rep, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin2, te, "linear_2", C, C, rep, 1));
+    MDT_TRY(mdt_wtable_add_vector(t, &f->txt_norm, "", "txt_norm.weight", f->joint_dim));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->img_in, "", "img_in", C, f->in_ch, rep, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->txt_in, "", "txt_in", C, f->joint_dim, rep, 1));
+    for (int64_t i = 0; i < f->layers; i++) {
+        qwen_block *b = &f->blk[i];
+        snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
+        MDT_TRY(mdt_wtable_add_linear(t, &b->img_mod, p, "img_mod.1", 6 * C, C, adaln, 1));
+        MDT_TRY(mdt_wtable_add_linear(t, &b->txt_mod, p, "txt_mod.1", 6 * C, C, adaln, 1));
+        MDT_TRY(mdt_dit_declare_attention(t, p, &mdt_attn_self, &b->img, &b->to_out, C, C, 1));
+        MDT_TRY(mdt_dit_declare_attention(t, p, &k_added, &b->txt, &b->to_add_out, C, C, 1));
+        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->img, D, k_eps));
+        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &k_added, &b->txt, D, k_eps));
+        MDT_TRY(mdt_dit_declare_ff(t, p, "img_mlp", &b->img_ff0, &b->img_ff2, C, M, 0, 1));
+        MDT_TRY(mdt_dit_declare_ff(t, p, "txt_mlp", &b->txt_ff0, &b->txt_ff2, C, M, 0, 1));
+    }
+    MDT_TRY(mdt_wtable_add_linear(t, &f->norm_out, "norm_out.", "linear", 2 * C, C, adaln, 1));
+    return mdt_wtable_add_linear(t, &f->proj_out, "", "proj_out", f->patch * f->patch * f->out_ch,
+                                 C, rep, 1);
+}
+
+static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
+    qwen *f = impl;
+    static const char *const variants[] = {"zero_cond_t", "use_additional_t_cond",
+                                           "use_layer3d_rope"};
+    int nax = 4;
+    int64_t *const ints[] = {&f->patch,    &f->in_ch, &f->layers,
+                             &f->head_dim, &f->heads, &f->joint_dim};
+    MDT_TRY(mdt_cfg_ints(cfg,
+                         "patch_size=2 in_channels=64 num_layers=60 attention_head_dim=128 "
+                         "num_attention_heads=24 joint_attention_dim=3584",
+                         ints, 6));
+    /* out_channels: absent -> 16 (the signature's default); null or 0 -> in_channels */
+    const int oc_given = cJSON_GetObjectItemCaseSensitive(cfg, "out_channels") != NULL;
+    MDT_TRY(mdt_cfg_int(cfg, "out_channels", 0, oc_given ? 0 : 16, &f->out_ch));
+    if (f->out_ch == 0)
+        f->out_ch = f->in_ch;
+    for (int i = 0; i < 3; i++) {
+        int on;
+        MDT_TRY(mdt_cfg_bool(cfg, variants[i], 0, &on));
+        if (on)
+            return MDT_FAIL(MDT_E_UNSUPPORTED,
+                            "config.json: %s = true is not supported (a Qwen-Image-Edit-2511 / "
+                            "Layered variant; meshdit runs the config with zero_cond_t, "
+                            "use_additional_t_cond and use_layer3d_rope false)",
+                            variants[i]);
+    }
+    MDT_TRY(mdt_cfg_int_array(cfg, "axes_dims_rope", f->axes, &nax));
+    if (nax == 0)
+        f->axes[0] = 16, f->axes[1] = 56, f->axes[2] = 56, nax = 3;
+    if (nax != 3)
+        return MDT_FAIL(MDT_E_INVALID, "config.json: axes_dims_rope must hold 3 values, not %d",
+                        nax);
+    if (f->patch < 1 || f->in_ch < 1 || f->out_ch < 1 || f->layers < 0 || f->head_dim < 2 ||
+        f->heads < 1 || f->joint_dim < 1)
+        return MDT_FAIL(MDT_E_INVALID, "config.json: Qwen-Image sizes must be positive");
+    const int64_t dims[] = {f->patch, f->in_ch, f->out_ch, f->head_dim, f->heads, f->joint_dim};
+    MDT_TRY(mdt_cfg_check_dims("Qwen-Image", dims, sizeof dims / sizeof dims[0]));
+    if (f->patch * f->patch * f->out_ch > MDT_MAX_DIM || 4 * f->heads * f->head_dim > MDT_MAX_DIM)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: Qwen-Image widths exceed %lld",
+                        (long long)MDT_MAX_DIM);
+    if (f->layers > QWEN_MAX_LAYERS)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: at most %d transformer blocks",
+                        QWEN_MAX_LAYERS);
+    for (int i = 0; i < 3; i++)
+        if (f->axes[i] <= 0 || f->axes[i] % 2)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "config.json: axes_dims_rope[%d] = %lld must be even and positive", i,
+                            (long long)f->axes[i]);
+    if (f->axes[0] + f->axes[1] + f->axes[2] != f->head_dim)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "config.json: axes_dims_rope sum to %lld but attention_head_dim is %lld",
+                        (long long)(f->axes[0] + f->axes[1] + f->axes[2]), (long long)f->head_dim);
+    f->inner = f->heads * f->head_dim;
+    f->mlp_hidden = 4 * f->inner;
+    return qwen_table(f, t);
+}
+
+static mdt_status qwen_check_layout(const void *impl, int T, int R, int U) {
+    (void)R, (void)U;
+    return mdt_dit_check_heads(((const qwen *)impl)->heads, T);
+}
+
+/* ---- forward ---- */
+
+/* A forward's inputs, read and checked (host memory but e256). */
+typedef struct qwen_in {
+    int64_t B, Si, St;     /* batch, image rows, text rows */
+    const float *hs, *ehs; /* [B, Si, in], [B, St, joint] */
+    const uint8_t *mask;   /* [B, St]: 1 = attended text token; NULL = no mask */
+    float *img_pos;        /* [Si, 3]: (frame, row, column) rotary positions */
+    int64_t txt_pos0;      /* text token j sits at txt_pos0 + j on every axis */
+    const float *e256;     /* [B, 256] timestep sinusoids (backend memory) */
+} qwen_in;
+
+/* e [n, 256] = [cos, sin] of ((t f_i) x 1000), f_i = exp(-ln(1e4) i / 128) in float32 math:
+ * diffusers' Timesteps(256, flip_sin_to_cos, shift 0, scale=1000). */
+static void timestep_embed(const float *t, int64_t n, float *e) {
+    for (int64_t b = 0; b < n; b++)
+        for (int64_t i = 0; i < 128; i++) {
+            const float fr = expf(-logf(10000.0f) * (float)i / 128.0f), a = t[b] * fr;
+            e[b * 256 + i] = cosf(a * 1000.0f);
+            e[b * 256 + 128 + i] = sinf(a * 1000.0f);
+        }
+}
+
+/* encoder_hidden_states_mask [B, St] (optional): BOOL, or numbers that are 0 or 1. */
+static mdt_status read_mask(const mdt_tensor_set *in, qwen_in *x, mdt_arena *ha) {
+    const char *name = "encoder_hidden_states_mask";
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    const int64_t n = x->B * x->St;
+    uint8_t *mk = t ? (uint8_t *)(void *)mdt_arena_floats(ha, n / 4 + 1) : NULL; // [B, St] host
+    float *v;
+    x->mask = mk;
+    if (!t)
+        return MDT_OK;
+    if (!mk)
+        return MDT_E_NOMEM;
+    if (t->dtype == MDT_BOOL && t->ndim == 2 && t->shape[0] == x->B && t->shape[1] == x->St) {
+        for (int64_t i = 0; i < n; i++)
+            mk[i] = ((const uint8_t *)t->data)[i] != 0;
+        return MDT_OK;
+    }
+    MDT_TRY(mdt_input_f32(in, name, 2, (int64_t[]){x->B, x->St}, ha, &v));
+    for (int64_t i = 0; i < n; i++) {
+        if (v[i] != 0.0f && v[i] != 1.0f)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "inputs: tensor '%s' element %lld is %g; a mask holds 1 (attended "
+                            "text token) or 0 (padding)",
+                            name, (long long)i, (double)v[i]);
+        mk[i] = v[i] != 0.0f;
+    }
+    return MDT_OK;
+}
+
+/* img_shapes int64 [B, n, 3] or [B, 3]: every element's images (frames, height, width), equal
+ * across the batch, covering exactly the Si image rows; the rotary positions of each row. */
+static mdt_status read_img_shapes(const mdt_tensor_set *in, qwen_in *x, mdt_arena *ha) {
+    const char *name = "img_shapes";
+    const int is3 = mdt_input_dim(in, name, 2) >= 0;
+    const int64_t n = is3 ? mdt_input_dim(in, name, 1) : 1, B = x->B;
+    int64_t *v, rows = 0, top = 0;
+    MDT_TRY(mdt_input_i64(in, name, is3 ? 3 : 2, is3 ? (int64_t[]){B, n, 3} : (int64_t[]){B, 3}, 1,
+                          MDT_MAX_DIM, ha, &v));
+    for (int64_t b = 1; b < B; b++)
+        if (memcmp(v, v + b * n * 3, sizeof(int64_t) * (size_t)(n * 3)) != 0)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "inputs: '%s' of batch element %lld differs from element 0's "
+                            "(diffusers builds the rotary table from element 0's alone); run "
+                            "different shapes as separate batches",
+                            name, (long long)b);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t F = v[3 * i], H = v[3 * i + 1], W = v[3 * i + 2];
+        if (i + F > QWEN_ROPE_POS || H > 2 * QWEN_ROPE_POS || W > 2 * QWEN_ROPE_POS)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "inputs: '%s' image %lld is (%lld, %lld, %lld): diffusers' rotary "
+                            "table allows image index + frames <= %d and height, width <= %d",
+                            name, (long long)i, (long long)F, (long long)H, (long long)W,
+                            QWEN_ROPE_POS, 2 * QWEN_ROPE_POS);
+        rows += F * H * W;
+        top = H / 2 > top ? H / 2 : top;
+        top = W / 2 > top ? W / 2 : top;
+    }
+    if (rows != x->Si)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: '%s' covers %lld image rows (frames x height x width summed) but "
+                        "'hidden_states' has %lld",
+                        name, (long long)rows, (long long)x->Si);
+    if (top + x->St > QWEN_ROPE_POS)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: %lld text tokens from rotary position %lld exceed diffusers' "
+                        "table of %d positions",
+                        (long long)x->St, (long long)top, QWEN_ROPE_POS);
+    x->txt_pos0 = top;
+    float *pos = x->img_pos = mdt_arena_floats(ha, 3 * x->Si); // [Si, 3] host
+    if (!pos)
+        return MDT_E_NOMEM;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t F = v[3 * i], H = v[3 * i + 1], W = v[3 * i + 2];
+        for (int64_t s = 0; s < F * H * W; s++, pos += 3) { /* (frame, row, col) of row s */
+            const int64_t fr = i + s / (H * W), y = s / W % H - (H - H / 2),
+                          xc = s % W - (W - W / 2);
+            pos[0] = (float)fr, pos[1] = (float)y, pos[2] = (float)xc;
+        }
+    }
+    return MDT_OK;
+}
+
+static mdt_status qwen_read(const qwen *f, mdt_dit *d, const mdt_tensor_set *in, qwen_in *x) {
+    static const char *const refused[][2] = {
+        {"guidance", "diffusers 0.42.1's QwenImage forward fails with it"},
+        {"txt_seq_lens", "removed in diffusers 0.42.1; pad with encoder_hidden_states_mask"},
+        {"additional_t_cond", "it needs use_additional_t_cond, which is not supported"},
+        {"controlnet_block_samples", "ControlNet residuals are not supported"}};
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
+        if (mdt_tensor_set_get(in, refused[i][0]))
+            return MDT_FAIL(MDT_E_UNSUPPORTED, "inputs: '%s' is not accepted: %s", refused[i][0],
+                            refused[i][1]);
+    const int64_t B = mdt_input_dim(in, "hidden_states", 0);
+    const int64_t Si = mdt_input_dim(in, "hidden_states", 1);
+    const int64_t St = mdt_input_dim(in, "encoder_hidden_states", 1);
+    float *ts;
+    if (B < 1 || Si < 1)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'hidden_states' must be [B, S_img, %lld] with B, S_img >= 1",
+                        (long long)f->in_ch);
+    if (St < 1)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] with S_txt >= 1",
+                        (long long)f->joint_dim);
+    *x = (qwen_in){.B = B, .Si = Si, .St = St};
+    MDT_TRY(
+        mdt_input_f32_view(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, d->ha, &x->hs));
+    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim},
+                               d->ha, &x->ehs));
+    MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, d->ha, &ts));
+    MDT_TRY(read_mask(in, x, d->ha));
+    MDT_TRY(read_img_shapes(in, x, d->ha));
+    float *e256 = mdt_arena_floats(d->ha, B * 256); // [B, 256] host
+    if (!e256)
+        return MDT_E_NOMEM;
+    timestep_embed(ts, B, e256);
+    x->e256 = mdt_k_upload(d->ar, e256, sizeof(float) * (size_t)(B * 256));
+    return x->e256 ? MDT_OK : MDT_E_NOMEM;
+}
+
+/* Rotary tables [st + si, D] of a rank's joint rows (backend memory): text token keep[j] at
+ * txt_pos0 + keep[j], then image rows s0i.. at their positions. */
+static mdt_status rope_table(const qwen *f, const mdt_dit *d, const qwen_in *x, const int64_t *keep,
+                             int64_t st, int64_t s0i, int64_t si, mdt_rope *r) {
+    const int64_t D = f->head_dim, S = st + si;
+    float *pos = mdt_arena_floats(d->ha, 3 * S);                    // [S, 3] host
+    int32_t *cax = (int32_t *)(void *)mdt_arena_floats(d->ha, D);   // [D] host
+    double *cfr = (double *)(void *)mdt_arena_floats(d->ha, 2 * D); // [D] host
+    float *cos_t = mdt_arena_floats(d->ar, S * D), *sin_t = mdt_arena_floats(d->ar, S * D);
+    if (!pos || !cax || !cfr || !cos_t || !sin_t)
+        return MDT_E_NOMEM;
+    for (int64_t j = 0; j < st; j++)
+        pos[3 * j] = pos[3 * j + 1] = pos[3 * j + 2] = (float)(x->txt_pos0 + keep[j]);
+    memcpy(pos + 3 * st, x->img_pos + 3 * s0i, sizeof(float) * (size_t)(3 * si));
+    for (int64_t a = 0, c = 0; a < 3; a++) /* pair j of axis a: both channels, one frequency */
+        for (int64_t j = 0; j < f->axes[a] / 2; j++, c += 2) {
+            const float fr = 1.0f / powf(10000.0f, (float)(2 * j) / (float)f->axes[a]);
+            cax[c] = cax[c + 1] = (int32_t)a;
+            cfr[c] = cfr[c + 1] = (double)fr;
+        }
+    const float *pos_d = mdt_k_upload(d->ar, pos, sizeof(float) * (size_t)(3 * S));
+    const int32_t *cax_d = mdt_k_upload(d->ar, cax, sizeof(int32_t) * (size_t)D);
+    const double *cfr_d = mdt_k_upload(d->ar, cfr, sizeof(double) * (size_t)D);
+    if (!pos_d || !cax_d || !cfr_d)
+        return MDT_E_NOMEM;
+    mdt_k()->angle_table(pos_d, 3, S, D, cax_d, cfr_d, 0, cos_t, sin_t); // [S, D] float32 angles
+    *r = (mdt_rope){cos_t, sin_t, D, MDT_ROPE_INTERLEAVED};
+    return MDT_OK;
+}
+
+/* x [B, n, C] += gate * MLP(LN(x) (1 + scale) + shift): a stream's MLP half (mod [B, 6C]). */
+static mdt_status ff_residual(const mdt_dit *d, float *x, int64_t n, const float *mod,
+                              const mdt_lin *l0, const mdt_lin *l2, float *nbuf, float *hbuf,
+                              float *ybuf) {
+    const int64_t C = l2->out, B = d->B, Ml = l0->out_local;
+    for (int64_t b = 0; b < B; b++)
+        mdt_k()->layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
+                                    mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
+    mdt_dit_linear(l0, nbuf, B * n, hbuf, Ml); // [B*n, 4C/T]
+    mdt_k()->gelu_rows(hbuf, Ml, B * n, Ml);
+    MDT_TRY(mdt_dit_row_linear(d, l2, hbuf, Ml, ybuf, B * n)); // [B*n, C]
+    for (int64_t b = 0; b < B; b++)
+        mdt_k()->gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
+    return MDT_OK;
+}
+
+/* QwenImageTransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention. */
+static mdt_status double_block(const qwen_block *blk, const mdt_dit *d, const mdt_rope *rope,
+                               const mdt_heads *h, int64_t si, int64_t st, float *x, float *c) {
+    const int64_t C = blk->to_out.out, B = d->B, S = si + st, Cl = blk->img.q.out_local;
+    float *mod = mdt_arena_floats(d->ar, B * 6 * C);                     // [B, 6C] image
+    float *cmod = mdt_arena_floats(d->ar, B * 6 * C);                    // [B, 6C] text
+    float *nx = mdt_arena_floats(d->ar, B * si * C);                     // [B, si, C]
+    float *nc = mdt_arena_floats(d->ar, B * st * C);                     // [B, st, C]
+    float *tmp = mdt_arena_floats(d->ar, B * S * C);                     // [B*max(si,st), C]
+    float *ao = mdt_arena_floats(d->ar, B * S * Cl);                     // [B, S, C/T]
+    float *hb = mdt_arena_floats(d->ar, B * S * blk->img_ff0.out_local); // [B*n, 4C/T]
+    if (!mod || !cmod || !nx || !nc || !tmp || !ao || !hb)
+        return MDT_E_NOMEM;
+    MDT_TRY(mdt_dit_adaln(d, &blk->img_mod, mod));  // [B, 6C]
+    MDT_TRY(mdt_dit_adaln(d, &blk->txt_mod, cmod)); // [B, 6C]
+    for (int64_t b = 0; b < B; b++) {
+        mdt_k()->layernorm_modulate(x + b * si * C, nx + b * si * C, si, C, k_eps, mod + b * 6 * C,
+                                    mod + b * 6 * C + C); // [si, C]
+        mdt_k()->layernorm_modulate(c + b * st * C, nc + b * st * C, st, C, k_eps, cmod + b * 6 * C,
+                                    cmod + b * 6 * C + C); // [st, C]
+    }
+    mdt_dit_qkv(d, &blk->txt, nc, st, 0, rope, h, tmp);  /* text rows [0, st) */
+    mdt_dit_qkv(d, &blk->img, nx, si, st, rope, h, tmp); /* image rows [st, S) */
+    MDT_TRY(mdt_dit_attend(d, h, 1, ao, Cl));            // [B, S/P, C/T]
+    for (int64_t b = 0; b < B; b++) {
+        MDT_TRY(mdt_dit_row_linear(d, &blk->to_out, ao + (b * S + st) * Cl, Cl, tmp, si));
+        mdt_k()->gate_residual(x + b * si * C, tmp, C, mod + b * 6 * C + 2 * C, si, C);
+        MDT_TRY(mdt_dit_row_linear(d, &blk->to_add_out, ao + b * S * Cl, Cl, tmp, st));
+        mdt_k()->gate_residual(c + b * st * C, tmp, C, cmod + b * 6 * C + 2 * C, st, C);
+    }
+    MDT_TRY(ff_residual(d, x, si, mod, &blk->img_ff0, &blk->img_ff2, nx, hb, tmp));
+    return ff_residual(d, c, st, cmod, &blk->txt_ff0, &blk->txt_ff2, nc, hb, tmp);
+}
+
+/* One pass over batch elements [b0, b0 + n) that attend the same text tokens keep[0:Sv): their
+ * image rows and kept text rows split into P chunks each, the local joint sequence [text chunk |
+ * image chunk] through the blocks, norm_out and proj_out on the image rows, gathered into rows
+ * b0.. of `sample`; what their attention owes is added to `p`. */
+static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const float *cond,
+                           int64_t b0, int64_t n, const int64_t *keep, int64_t Sv,
+                           mdt_tensor *sample, mdt_promise *p) {
+    const int64_t C = f->inner, J = f->joint_dim, Si = x->Si, O = f->proj_out.out;
+    mdt_arena *ar = d->ar, *ha = d->ha;
+    const mdt_arena_mark mk = mdt_arena_mark_get(ar), hk = mdt_arena_mark_get(ha);
+    const void *hs, *ehs;
+    int64_t s0i, si, s0t, st;
+    char stage[48];
+    float *txt = mdt_arena_floats(ha, n * Sv * J); // [n, Sv, J] host: the attended text rows
+    if (!txt)
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < n; b++)
+        for (int64_t j = 0; j < Sv; j++)
+            memcpy(txt + (b * Sv + j) * J, x->ehs + ((b0 + b) * x->St + keep[j]) * J,
+                   sizeof(float) * (size_t)J);
+    MDT_TRY(mdt_cp_take(&d->cp, "hidden_states", x->hs + b0 * Si * f->in_ch, 4, 3,
+                        (int64_t[]){n, Si, f->in_ch}, ha, &hs, &s0i, &si));
+    MDT_TRY(mdt_cp_take(&d->cp, "encoder_hidden_states", txt, 4, 3, (int64_t[]){n, Sv, J}, ha, &ehs,
+                        &s0t, &st));
+    mdt_rope rope;
+    mdt_heads hd;
+    MDT_TRY(rope_table(f, d, x, keep + s0t, st, s0i, si, &rope));
+    d->B = n, d->cond = cond + b0 * C, d->cond_rows = n, d->cond_width = C;
+    const float *hs_d = mdt_k_upload(ar, hs, sizeof(float) * (size_t)(n * si * f->in_ch));
+    const float *ehs_d = mdt_k_upload(ar, ehs, sizeof(float) * (size_t)(n * st * J));
+    float *tn = mdt_arena_floats(ar, n * st * J); // [n, St/P, J] txt_norm(text)
+    float *xs = mdt_arena_floats(ar, n * si * C); // [n, Si/P, C] image stream
+    float *c = mdt_arena_floats(ar, n * st * C);  // [n, St/P, C] text stream
+    float *emb = mdt_arena_floats(ar, n * 2 * C); // [n, 2C] norm_out (scale, shift)
+    float *xn = mdt_arena_floats(ar, n * si * C); // [n, Si/P, C]
+    float *ol = mdt_arena_floats(ar, n * si * O); // [n, Si/P, O]
+    if (!hs_d || !ehs_d || !tn || !xs || !c || !emb || !xn || !ol ||
+        mdt_dit_heads_alloc(d, st + si, &hd) != MDT_OK)
+        return MDT_E_NOMEM;
+    mdt_dit_linear(&f->img_in, hs_d, n * si, xs, C); // [n, Si/P, C]
+    mdt_k()->rmsnorm(ehs_d, f->txt_norm, tn, n * st, J, k_eps);
+    mdt_dit_linear(&f->txt_in, tn, n * st, c, C); // [n, St/P, C]
+    MDT_TRY(mdt_guard_finite(d->mesh, "img_in", xs, n * si * C));
+    MDT_TRY(mdt_guard_finite(d->mesh, "txt_in", c, n * st * C));
+    for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
+        const mdt_arena_mark bk = mdt_arena_mark_get(ar);
+        MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c));
+        mdt_arena_rewind(ar, bk);
+        snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
+        MDT_TRY(mdt_guard_finite(d->mesh, stage, xs, n * si * C));
+        MDT_TRY(mdt_guard_finite(d->mesh, stage, c, n * st * C));
+        if (i == 0) /* test seam: fail mid-step */
+            MDT_TRY(mdt_test_point("step", d->mesh ? d->mesh->world_rank : 0));
+    }
+    MDT_TRY(mdt_dit_adaln(d, &f->norm_out, emb)); // [n, 2C] scale first
+    for (int64_t b = 0; b < n; b++)
+        mdt_k()->layernorm_modulate(xs + b * si * C, xn + b * si * C, si, C, k_eps,
+                                    emb + b * 2 * C + C, emb + b * 2 * C); // [Si/P, C]
+    mdt_dit_linear(&f->proj_out, xn, n * si, ol, O);                       // [n, Si/P, O]
+    MDT_TRY(mdt_guard_finite(d->mesh, "proj_out", ol, n * si * O));
+    mdt_tensor part = *sample; /* rows b0 .. b0 + n of sample [B, Si, O] */
+    part.shape[0] = n, part.data = (float *)sample->data + b0 * Si * O;
+    MDT_TRY(mdt_cp_give(&d->cp, "sample", ar, ha, NULL, Si, ol, &part));
+    /* no silent degrade: each query row once over the joint sequence, per block and element */
+    mdt_dit_promise_cp(d, p, (int64_t[]){Sv, Si}, 2, f->layers * n);
+    mdt_arena_rewind(ar, mk), mdt_arena_rewind(ha, hk);
+    return MDT_OK;
+}
+
+/* keep[0:Sv) = the text tokens element b attends (all without a mask); returns Sv. */
+static int64_t kept_tokens(const qwen_in *x, int64_t b, int64_t *keep) {
+    int64_t Sv = 0;
+    for (int64_t j = 0; j < x->St; j++)
+        if (!x->mask || x->mask[b * x->St + j])
+            keep[Sv++] = j;
+    return Sv;
+}
+
+static mdt_status qwen_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
+    const qwen *f = m->impl;
+    const double t_prep = mdt_now();
+    mdt_dit d;
+    qwen_in x;
+    mdt_promise p = {0};
+    mdt_tensor *o;
+    mdt_dit_begin(&d, m, f->heads, f->head_dim);
+    MDT_TRY(qwen_read(f, &d, in, &x));
+    mdt_counters_get()->prep_s += mdt_now() - t_prep;
+    const int64_t B = x.B, C = f->inner, St = x.St;
+    float *h1 = mdt_arena_floats(d.ar, B * C);                         // [B, C]
+    float *cond = mdt_arena_floats(d.ar, B * C);                       // [B, C] SiLU(temb)
+    int64_t *keep = (int64_t *)(void *)mdt_arena_floats(d.ha, 2 * St); // [St] host
+    if (!h1 || !cond || !keep)
+        return MDT_E_NOMEM;
+    /* temb = TimestepEmbedding(Timesteps(t)); every modulation reads SiLU(temb) */
+    mdt_dit_mlp2(&f->t_lin1, &f->t_lin2, x.e256, B, h1, cond); // [B, C]
+    mdt_k()->silu(cond, B * C);
+    MDT_TRY(mdt_guard_finite(d.mesh, "time_text_embed", cond, B * C));
+    MDT_TRY(
+        mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Si, f->proj_out.out}, &o));
+    /* one pass for the batch when every element attends the same text tokens, else one each */
+    int same = 1;
+    for (int64_t b = 1; x.mask && b < B; b++)
+        same = same && memcmp(x.mask, x.mask + b * St, (size_t)St) == 0;
+    for (int64_t b0 = 0, n = same ? B : 1; b0 < B; b0 += n)
+        MDT_TRY(qwen_run(f, &d, &x, cond, b0, n, keep, kept_tokens(&x, b0, keep), o, &p));
+    return mdt_dit_end(&d, &p);
+}
+
+/* ---- random inputs: one (1, h, w) image per element, the most square grid of S_img ---- */
+static mdt_status qwen_make_inputs(const void *impl, const mdt_inputs_params *p, mdt_rng *rng,
+                                   mdt_tensor_set *out) {
+    const qwen *f = impl;
+    const int64_t B = p->batch, Si = p->img_tokens > 0 ? p->img_tokens : 16;
+    const int64_t St = p->txt_tokens > 0 ? p->txt_tokens : 8;
+    int64_t h = 1;
+    mdt_tensor *mask, *shapes;
+    for (int64_t k = 2; k * k <= Si; k++) /* the largest divisor up to sqrt(S_img) */
+        h = Si % k == 0 ? k : h;
+    MDT_TRY(mdt_inputs_add_normal(out, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, rng));
+    MDT_TRY(mdt_inputs_add_normal(out, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim},
+                                  rng));
+    MDT_TRY(mdt_tensor_set_add(out, "encoder_hidden_states_mask", MDT_I64, 2, (int64_t[]){B, St},
+                               &mask));
+    for (int64_t i = 0; i < B * St; i++)
+        ((int64_t *)mask->data)[i] = 1;
+    MDT_TRY(mdt_inputs_add_const(out, "timestep", B, p->timestep, NULL));
+    MDT_TRY(mdt_tensor_set_add(out, "img_shapes", MDT_I64, 3, (int64_t[]){B, 1, 3}, &shapes));
+    for (int64_t b = 0; b < B; b++) {
+        int64_t *s = (int64_t *)shapes->data + 3 * b;
+        s[0] = 1, s[1] = h, s[2] = Si / h;
+    }
+    return MDT_OK;
+}
+
+const mdt_family mdt_family_qwenimage =
+    MDT_FAMILY(qwen, "qwenimage", "QwenImageTransformer2DModel", k_qwen_cp_plan, "sample");
