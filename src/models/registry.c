@@ -10,7 +10,9 @@
 
 extern const mdt_family mdt_family_flux;
 extern const mdt_family mdt_family_minimax_h3;
-static const mdt_family *const k_families[] = {&mdt_family_flux, &mdt_family_minimax_h3};
+extern const mdt_family mdt_family_wan;
+static const mdt_family *const k_families[] = {&mdt_family_flux, &mdt_family_minimax_h3,
+                                               &mdt_family_wan};
 enum { N_FAMILIES = sizeof k_families / sizeof k_families[0] };
 
 const mdt_family *mdt_family_by_name(const char *name) {
@@ -32,7 +34,8 @@ mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out) {
     if (!*out)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "config.json: model class '%s' is not supported "
-                        "(supported: FluxTransformer2DModel, MiniMaxH3Transformer3DModel)",
+                        "(supported: FluxTransformer2DModel, MiniMaxH3Transformer3DModel, "
+                        "WanTransformer3DModel)",
                         mdt_escape(cls, shown, sizeof shown));
     return MDT_OK;
 }
