@@ -21,6 +21,8 @@ import safetensors
 from diffusers import FluxTransformer2DModel, MiniMaxH3Transformer3DModel
 from safetensors.torch import save_file
 
+from goldens_wan import wan_cases
+
 
 def perturb_norms(model, gen):
     # RMSNorm weights start at 1; make them non-trivial so a wrong weight use shows.
@@ -160,6 +162,7 @@ def main():
         assert len(set(json.load(fp)["weight_map"].values())) == 2
 
     h3_cases(args.out)
+    wan_cases(args.out)
 
 
 def h3_layout(segments, timesteps):

@@ -196,6 +196,14 @@ static long long expected_query_pairs(const mdt_model *m, const mdt_tensor_set *
         return (long long)(layers + singles) * hs->shape[0] * heads *
                (hs->shape[1] + ehs->shape[1]);
     }
+    if (strcmp(m->fam->name, "wan") == 0) { /* self-attention, text (and image) cross-attention */
+        int64_t p[3] = {1, 2, 2};
+        int np = 3;
+        mdt_cfg_int_array(m->config, "patch_size", p, &np);
+        const mdt_tensor *img = mdt_tensor_set_get(in, "encoder_hidden_states_image");
+        const int64_t S = hs->shape[2] / p[0] * (hs->shape[3] / p[1]) * (hs->shape[4] / p[2]);
+        return (long long)layers * hs->shape[0] * heads * S * (img ? 3 : 2);
+    }
     mdt_cfg_int(m->config, "num_refiner_layers", 0, 2, &refiner);
     const int64_t S = mdt_tensor_set_get(in, "position_ids")->shape[0];
     return (long long)hs->shape[0] * heads *
@@ -390,8 +398,9 @@ int main(int argc, char **argv) {
     if (mesh) {
         char d[512];
         const char *cases[] = {"flux_guidance", "flux_bf16_sharded", "flux_tiny", "h3_tiny",
-                               "h3_heads8"};
-        for (int i = 0; i < 5; i++) {
+                               "h3_heads8",     "wan_tiny",          "wan_ti2v",  "wan_odd",
+                               "wan_i2v",       "wan_flf2v_bf16"};
+        for (int i = 0; i < 10; i++) {
             snprintf(d, sizeof d, "%s/%s", data, cases[i]);
             char cfgp[600];
             cJSON *cfg = NULL;
