@@ -56,8 +56,9 @@ void mdt_estimate_layout(const mdt_model *m, int T, int R, int U, int64_t S, dou
         int64_t loc[2];
         mdt_shard_local_shape(w, T, loc);
         weights += (double)loc[0] * (w->ndim > 1 ? (double)loc[1] : 1.0) * b;
-        const size_t len = strlen(w->name);
-        if (len >= 16 && strcmp(w->name + len - 16, "attn.to_q.weight") == 0)
+        const size_t len = strlen(w->name); /* self-attention: attn (Flux, H3) or attn1 (Wan) */
+        if ((len >= 16 && strcmp(w->name + len - 16, "attn.to_q.weight") == 0) ||
+            (len >= 17 && strcmp(w->name + len - 17, "attn1.to_q.weight") == 0))
             n_attn++;
         if (w->ndim != 2 || w->style == MDT_TP_REPLICATED_INPUT_ROWWISE)
             continue; /* AdaLN projections run on timestep rows: ~no FLOPs */
