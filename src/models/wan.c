@@ -187,10 +187,10 @@ static mdt_status wan_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
                             f->freq_dim, f->ffn,      f->image_dim, f->added_kv, f->rope_max,
                             f->pos_len,  f->patch[0], f->patch[1],  f->patch[2]};
     MDT_TRY(mdt_cfg_check_dims("Wan", dims, sizeof dims / sizeof dims[0]));
-    if (f->heads * f->head_dim > MDT_MAX_DIM || 6 * f->heads * f->head_dim > MDT_MAX_DIM ||
-        f->in_ch * f->patch[0] * f->patch[1] * f->patch[2] > MDT_MAX_DIM ||
-        f->out_ch * f->patch[0] * f->patch[1] * f->patch[2] > MDT_MAX_DIM ||
-        f->pos_len * f->image_dim > MDT_MAX_DIM)
+    const int64_t pp = f->patch[0] * f->patch[1]; /* each product below stays < 2^49 */
+    if (6 * f->heads * f->head_dim > MDT_MAX_DIM || pp > MDT_MAX_DIM ||
+        pp * f->patch[2] > MDT_MAX_DIM || f->in_ch * (pp * f->patch[2]) > MDT_MAX_DIM ||
+        f->out_ch * (pp * f->patch[2]) > MDT_MAX_DIM || f->pos_len * f->image_dim > MDT_MAX_DIM)
         return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: Wan widths exceed %lld",
                         (long long)MDT_MAX_DIM);
     if (f->layers > WAN_MAX_LAYERS)
