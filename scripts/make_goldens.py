@@ -24,6 +24,8 @@ from goldens_qwenimage import qwenimage_cases
 
 from goldens_flux2 import flux2_cases
 
+from goldens_wan import wan_cases
+
 
 def perturb_norms(model, gen):
     # RMSNorm weights start at 1; make them non-trivial so a wrong weight use shows.
@@ -165,6 +167,7 @@ def main():
     h3_cases(args.out)
     flux2_cases(args.out)
     qwenimage_cases(args.out)
+    wan_cases(args.out)
 
 
 def h3_layout(segments, timesteps):

@@ -134,6 +134,61 @@ mdt_status mdt_dit_attend(const mdt_dit *d, const mdt_heads *h, int cp, float *o
     return MDT_OK;
 }
 
+mdt_status mdt_dit_attend_kv(const mdt_dit *d, const float *q, int64_t Sq, const float *k,
+                             const float *v, int64_t Sk, float *out, int64_t ld) {
+    const int64_t H = d->heads, D = d->head_dim;
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int64_t b = 0; b < d->B; b++)
+        MDT_TRY(mdt_k_attention(d->ar, q + b * H * Sq * D, k + b * H * Sk * D, v + b * H * Sk * D,
+                                out + b * Sq * ld, ld, NULL, H, Sq, Sk, Sk, D,
+                                scale)); // [Sq, H/T D]
+    mdt_counters *cn = mdt_counters_get();
+    cn->attn_query_rows += d->B * H * Sq;
+    cn->attn_kv_rows += d->B * H * Sk;
+    return MDT_OK;
+}
+
+mdt_status mdt_dit_rmsnorm_tp(const mdt_dit *d, const float *x, float *y, int64_t M, int64_t W,
+                              int64_t width, const float *w, float eps) {
+    if (d->T == 1 || M == 0) {
+        mdt_k()->rmsnorm(x, w, y, M, W, eps); // [M, W]
+        return MDT_OK;
+    }
+    /* no kernel reduces a row to a scalar or scales rows by scalars, so: squares by the
+     * per-row product kernel, row sums by a GEMM with ones, the all-reduce, 1/sqrt on the host
+     * (M floats), the per-row factor times w as an outer-product GEMM, then the product */
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar), hk = mdt_arena_mark_get(d->ha);
+    float *one_h = mdt_arena_floats(d->ha, W), *s_h = mdt_arena_floats(d->ha, M); // host
+    int64_t *row_h = (int64_t *)(void *)mdt_arena_floats(d->ha, 2 * M);           // host [M]
+    float *t = mdt_arena_floats(d->ar, M * W), *ss = mdt_arena_floats(d->ar, M);  // [M, W], [M]
+    if (!one_h || !s_h || !row_h || !t || !ss)
+        return MDT_E_NOMEM;
+    for (int64_t j = 0; j < W; j++)
+        one_h[j] = 1.0f;
+    for (int64_t i = 0; i < M; i++)
+        row_h[i] = i;
+    const float *one = mdt_k_upload(d->ar, one_h, sizeof(float) * (size_t)W);
+    const int64_t *rows = mdt_k_upload(d->ar, row_h, sizeof(int64_t) * (size_t)M);
+    if (!one || !rows)
+        return MDT_E_NOMEM;
+    mdt_k()->fill(t, M * W, 0.0f);
+    mdt_k()->gate_residual_rows(t, x, W, x, W, rows, 0, M, W); // [M, W] = x * x
+    mdt_k()->linear(t, W, one, NULL, NULL, ss, 1, M, W, 1);    // [M] this rank's sums
+    MDT_TRY(mdt_allreduce_sum(d->mesh, MDT_GROUP_TP, ss, M));  // [M] whole rows
+    mdt_k_to_host(s_h, ss, sizeof(float) * (size_t)M);
+    for (int64_t i = 0; i < M; i++)
+        s_h[i] = 1.0f / sqrtf(s_h[i] / (float)width + eps);
+    const float *s = mdt_k_upload(d->ar, s_h, sizeof(float) * (size_t)M);
+    if (!s)
+        return MDT_E_NOMEM;
+    mdt_k()->linear(s, 1, w, NULL, NULL, t, W, M, 1, W); // [M, W] = s_i w_j
+    mdt_k()->fill(y, M * W, 0.0f);
+    mdt_k()->gate_residual_rows(y, x, W, t, W, rows, 0, M, W); // [M, W] = x s w
+    mdt_arena_rewind(d->ar, mk);
+    mdt_arena_rewind(d->ha, hk);
+    return MDT_OK;
+}
+
 /* This rank's Ulysses head group [*h0, *h0 + *hn) and coordinates under the layout. */
 static void layout_of(const mdt_dit *d, int *R, int *U, int *r, int64_t *hn) {
     const mdt_mesh *mesh = d->mesh;
@@ -158,6 +213,14 @@ void mdt_dit_promise_cp(const mdt_dit *d, mdt_promise *p, const int64_t *parts, 
     p->unscattered_q += calls * d->heads * L;
     p->ringless_kv += calls * hn * L;
     p->cp_calls += calls;
+}
+
+void mdt_dit_promise_kv(const mdt_dit *d, mdt_promise *p, int64_t S, int64_t Sk, int64_t calls) {
+    int64_t s0, n;
+    mdt_split_range(S, d->mesh ? d->mesh->cp_size : 1, d->mesh ? d->mesh->cp_index : 0, &s0, &n);
+    p->want_q += calls * d->heads * n, p->want_kv += calls * d->heads * Sk;
+    p->whole_q += calls * d->heads * S, p->unscattered_q += calls * d->heads * n;
+    p->ringless_kv += calls * d->heads * Sk;
 }
 
 void mdt_dit_promise_local(const mdt_dit *d, mdt_promise *p, int64_t S, int64_t calls) {

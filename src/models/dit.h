@@ -97,11 +97,30 @@ void mdt_dit_qkv(const mdt_dit *d, const mdt_qkv *w, const float *x, int64_t n, 
  * CP ranks when `cp`, else local); out [B, S, ld] token-major, heads at columns [0, H/T D). */
 mdt_status mdt_dit_attend(const mdt_dit *d, const mdt_heads *h, int cp, float *out, int64_t ld);
 
+/* Attention of every batch element's Sq local query rows q [B, H/T, Sq, D] over Sk keys and
+ * values k, v [B, H/T, Sk, D] that this rank holds whole (cross-attention to a context that is
+ * not split under CP, e.g. the text): plain attention, no exchange; out [B, Sq, ld] token-major,
+ * heads at columns [0, H/T D). Counted as local attention (promise: mdt_dit_promise_kv). */
+mdt_status mdt_dit_attend_kv(const mdt_dit *d, const float *q, int64_t Sq, const float *k,
+                             const float *v, int64_t Sk, float *out, int64_t ld);
+
+/* ---- norms ---- */
+/* RMSNorm over a row's whole width (diffusers' "rms_norm_across_heads", Wan's QK norm) when each
+ * TP rank holds W of its `width` columns (its heads): y [M, W] = x [M, W] / sqrt(ss / width +
+ * eps) * w [W] (this rank's slice of the weight), where ss, the sum of squares of the whole row,
+ * is this rank's sum all-reduced over TP. T = 1: the plain rmsnorm kernel. y != x. Collective
+ * over TP. */
+mdt_status mdt_dit_rmsnorm_tp(const mdt_dit *d, const float *x, float *y, int64_t M, int64_t W,
+                              int64_t width, const float *w, float eps);
+
 /* ---- no silent degrade ---- */
 /* Adds to `p` what `calls` CP attention calls over a sequence made of nparts parts (each split
  * on its own into P chunks, lengths parts[]) must do on this rank under its layout. */
 void mdt_dit_promise_cp(const mdt_dit *d, mdt_promise *p, const int64_t *parts, int nparts,
                         int64_t calls);
+/* Adds `calls` mdt_dit_attend_kv calls of this rank's chunk of S query rows (split into the
+ * layout's CP chunks) over Sk keys held whole. */
+void mdt_dit_promise_kv(const mdt_dit *d, mdt_promise *p, int64_t S, int64_t Sk, int64_t calls);
 /* Adds `calls` local attention calls over S rows (every rank the same, e.g. a text refiner). */
 void mdt_dit_promise_local(const mdt_dit *d, mdt_promise *p, int64_t S, int64_t calls);
 /* Ends the forward: the CP plan fully executed (mdt_cp_end), then what this rank did against

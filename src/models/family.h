@@ -43,6 +43,11 @@ mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *pfx, con
 /* Appends a tensor of rank 1 or 2 (shape[1] ignored for rank 1). */
 mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0, int64_t d1,
                           mdt_tp_style style, const float **bind);
+/* Declares that tensor i of t, a 2-D view [d0, d1], is stored in the checkpoint with `ndim`
+ * (3 .. MDT_MAX_DIMS) dims `shape`, shape[0] = d0 and the product of the rest = d1: a Conv3d
+ * weight [out, in, kt, kh, kw] used as the linear [out, in kt kh kw], a table [1, 6, C] as
+ * [1, 6 C]. The loader checks, and gen and gather write, the stored dims. */
+mdt_status mdt_wtable_set_stored_shape(mdt_wtable *t, int i, int ndim, const int64_t *shape);
 /* Appends the replicated vector `pfx name` [n] (norm weights). */
 mdt_status mdt_wtable_add_vector(mdt_wtable *t, const float **v, const char *pfx, const char *name,
                                  int64_t n);

@@ -116,13 +116,15 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *m
         const mdt_ckpt_ref *ref;
         MDT_TRY(mdt_ckpt_find(ck, w->name, &ref));
         const mdt_st_entry *e = ref->entry;
-        int same = e->ndim == w->ndim;
-        for (int d = 0; same && d < w->ndim; d++)
-            same = e->shape[d] == w->shape[d];
+        int64_t want[MDT_MAX_DIMS];
+        const int nd = mdt_weight_stored_shape(w, want);
+        int same = e->ndim == nd;
+        for (int d = 0; same && d < nd; d++)
+            same = e->shape[d] == want[d];
         if (!same)
             return MDT_FAIL(MDT_E_INVALID, "%s: tensor '%s': shape %s but config.json implies %s",
                             ref->file->path, w->name, mdt_shape_str(e->ndim, e->shape, sb1, 96),
-                            mdt_shape_str(w->ndim, w->shape, sb2, 96));
+                            mdt_shape_str(nd, want, sb2, 96));
         if (!mdt_dtype_is_float(e->dtype))
             return MDT_FAIL(MDT_E_INVALID, "%s: tensor '%s': dtype %s is not a float type",
                             ref->file->path, w->name, mdt_dtype_name(e->dtype));

@@ -12,8 +12,10 @@ extern const mdt_family mdt_family_flux;
 extern const mdt_family mdt_family_minimax_h3;
 extern const mdt_family mdt_family_flux2;
 extern const mdt_family mdt_family_qwenimage;
+extern const mdt_family mdt_family_wan;
 static const mdt_family *const k_families[] = {&mdt_family_flux, &mdt_family_minimax_h3,
-                                               &mdt_family_flux2, &mdt_family_qwenimage};
+                                               &mdt_family_flux2, &mdt_family_qwenimage,
+                                               &mdt_family_wan};
 enum { N_FAMILIES = sizeof k_families / sizeof k_families[0] };
 
 const mdt_family *mdt_family_by_name(const char *name) {
@@ -36,7 +38,8 @@ mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out) {
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "config.json: model class '%s' is not supported "
                         "(supported: FluxTransformer2DModel, MiniMaxH3Transformer3DModel, "
-                        "Flux2Transformer2DModel, QwenImageTransformer2DModel)",
+                        "Flux2Transformer2DModel, QwenImageTransformer2DModel, "
+                        "WanTransformer3DModel)",
                         mdt_escape(cls, shown, sizeof shown));
     return MDT_OK;
 }

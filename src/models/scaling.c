@@ -29,10 +29,12 @@ const mdt_device *mdt_device_preset(const char *name) {
     return NULL;
 }
 
-/* Whether weight `name` is the query projection of an attention block: a separate to_q, or a
- * fused projection that holds the query (Flux.2's single blocks: attn.to_qkv_mlp_proj). */
+/* Whether weight `name` is the query projection of a self-attention block: a separate to_q
+ * (attn: Flux, H3, Qwen-Image; attn1: Wan), or a fused projection that holds the query (Flux.2's
+ * single blocks: attn.to_qkv_mlp_proj). */
 static int is_query_proj(const char *name) {
-    static const char *const k_suffix[] = {"attn.to_q.weight", "attn.to_qkv_mlp_proj.weight"};
+    static const char *const k_suffix[] = {"attn.to_q.weight", "attn1.to_q.weight",
+                                           "attn.to_qkv_mlp_proj.weight"};
     const size_t len = strlen(name);
     for (size_t i = 0; i < sizeof k_suffix / sizeof k_suffix[0]; i++) {
         const size_t n = strlen(k_suffix[i]);

@@ -78,8 +78,7 @@ static mdt_status gather_host(mdt_model *m, const char *dir) {
         }
         if (st == MDT_OK && me == 0) {
             ts[i].dtype = m->ws[i].stored;
-            ts[i].ndim = w->ndim;
-            ts[i].shape[0] = w->shape[0], ts[i].shape[1] = w->shape[1];
+            ts[i].ndim = mdt_weight_stored_shape(w, ts[i].shape);
             ts[i].data = mdt_alloc(mdt_dtype_size(ts[i].dtype) * (size_t)numel);
             st = ts[i].data ? mdt_convert_from_f32(ts[i].dtype, full, ts[i].data, numel)
                             : MDT_FAIL(MDT_E_NOMEM, "out of memory");
@@ -154,9 +153,7 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
         int64_t numel = spec_numel(w);
         float *tmp = mdt_alloc(sizeof(float) * (size_t)numel);
         ts[i].dtype = dtype;
-        ts[i].ndim = w->ndim;
-        ts[i].shape[0] = w->shape[0];
-        ts[i].shape[1] = w->shape[1];
+        ts[i].ndim = mdt_weight_stored_shape(w, ts[i].shape);
         ts[i].data = mdt_alloc(mdt_dtype_size(dtype) * (size_t)numel);
         if (!tmp || !ts[i].data) {
             mdt_free(tmp);

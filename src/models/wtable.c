@@ -66,6 +66,20 @@ mdt_status mdt_wtable_add_vector(mdt_wtable *t, const float **v, const char *pfx
     return mdt_wtable_add(t, nm, 1, n, 0, MDT_TP_REPLICATED, v);
 }
 
+mdt_status mdt_wtable_set_stored_shape(mdt_wtable *t, int i, int ndim, const int64_t *shape) {
+    mdt_weight_spec *w = i >= 0 && i < t->n ? &t->specs[i] : NULL;
+    int64_t rest = 1;
+    for (int d = 1; w && d < ndim && ndim <= MDT_MAX_DIMS; d++)
+        rest *= shape[d];
+    if (!w || w->ndim != 2 || ndim < 3 || ndim > MDT_MAX_DIMS || shape[0] != w->shape[0] ||
+        rest != w->shape[1])
+        return MDT_FAIL(MDT_E_INVALID, "weight table: tensor %d cannot be stored as %d dims", i,
+                        ndim);
+    w->stored_ndim = ndim;
+    memcpy(w->stored, shape, sizeof(int64_t) * (size_t)ndim);
+    return MDT_OK;
+}
+
 void mdt_wtable_free(mdt_wtable *t) {
     mdt_free((void *)t->lin);
     mdt_free(t->specs);

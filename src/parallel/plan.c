@@ -74,6 +74,13 @@ mdt_status mdt_shard_local_shape(const mdt_weight_spec *w, int T, int64_t local[
     return MDT_OK;
 }
 
+int mdt_weight_stored_shape(const mdt_weight_spec *w, int64_t shape[MDT_MAX_DIMS]) {
+    const int n = w->stored_ndim > 0 ? w->stored_ndim : w->ndim;
+    for (int d = 0; d < n; d++)
+        shape[d] = w->stored_ndim > 0 ? w->stored[d] : w->shape[d];
+    return n;
+}
+
 void mdt_split_range(int64_t S, int P, int c, int64_t *start, int64_t *len) {
     int64_t base = S / P, extra = S % P;
     *len = base + (c < extra ? 1 : 0);

@@ -32,7 +32,15 @@ typedef struct mdt_weight_spec {
     mdt_tp_style style;
     int nblocks;                    /* packed styles: blocks along the shard dim */
     int64_t blocks[MDT_MAX_BLOCKS]; /* absolute block sizes, summing to the shard dim */
+    /* > 0: the checkpoint stores the tensor with these dims, held as the 2-D view `shape` =
+     * [stored[0], product of the rest] (row-major: the same bytes), e.g. a Conv3d weight
+     * [out, in, kt, kh, kw] used as the linear [out, in kt kh kw]; 0: stored as `shape` */
+    int stored_ndim;
+    int64_t stored[MDT_MAX_DIMS];
 } mdt_weight_spec;
+
+/* The dims the checkpoint stores w with (its `stored` dims, else its view); returns ndim. */
+int mdt_weight_stored_shape(const mdt_weight_spec *w, int64_t shape[MDT_MAX_DIMS]);
 
 /* Dimension a style shards (0 or 1), or -1 for replicated. */
 int mdt_tp_shard_dim(mdt_tp_style s);

@@ -204,6 +204,14 @@ static long long expected_query_pairs(const mdt_model *m, const mdt_tensor_set *
                                                   : ((const int64_t *)mk->data)[i]) != 0;
         return (long long)(layers * heads) * rows;
     }
+    if (strcmp(m->fam->name, "wan") == 0) { /* self-attention, text (and image) cross-attention */
+        int64_t p[3] = {1, 2, 2};
+        int np = 3;
+        mdt_cfg_int_array(m->config, "patch_size", p, &np);
+        const mdt_tensor *img = mdt_tensor_set_get(in, "encoder_hidden_states_image");
+        const int64_t S = hs->shape[2] / p[0] * (hs->shape[3] / p[1]) * (hs->shape[4] / p[2]);
+        return (long long)layers * hs->shape[0] * heads * S * (img ? 3 : 2);
+    }
     mdt_cfg_int(m->config, "num_refiner_layers", 0, 2, &refiner);
     const int64_t S = mdt_tensor_set_get(in, "position_ids")->shape[0];
     return (long long)hs->shape[0] * heads *
@@ -397,11 +405,12 @@ int main(int argc, char **argv) {
     }
     if (mesh) {
         char d[512];
-        const char *cases[] = {"flux_guidance",  "flux_bf16_sharded", "flux_tiny",
-                               "h3_tiny",        "h3_heads8",         "flux2_tiny",
-                               "flux2_guidance", "flux2_heads3",      "flux2_bf16_sharded",
-                               "qwenimage_tiny", "qwenimage_mask",    "qwenimage_bf16_sharded",
-                               "qwenimage_frames"};
+        const char *cases[] = {"flux_guidance",    "flux_bf16_sharded", "flux_tiny",
+                               "h3_tiny",          "h3_heads8",         "flux2_tiny",
+                               "flux2_guidance",   "flux2_heads3",      "flux2_bf16_sharded",
+                               "qwenimage_tiny",   "qwenimage_mask",    "qwenimage_bf16_sharded",
+                               "qwenimage_frames", "wan_tiny",          "wan_ti2v",
+                               "wan_odd",          "wan_i2v",           "wan_flf2v_bf16"};
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             snprintf(d, sizeof d, "%s/%s", data, cases[i]);
             char cfgp[600];

@@ -1,0 +1,736 @@
+/*
+ * wan.c — diffusers' WanTransformer3DModel (Wan 2.1 and 2.2 text-to-video, Wan 2.1
+ * image-to-video and first-last-frame, Wan 2.2 TI2V-5B with per-token timesteps): config,
+ * weight table with TP styles, CP plan, forward, random inputs. Wan 2.2 A14B is two such
+ * transformers the pipeline switches between by timestep: nothing extra here.
+ *
+ * Semantics follow diffusers 0.42.1 (transformer_wan.py): a Conv3d patch embedding with stride =
+ * kernel (a linear over each patch's (c, t, h, w) values); the unscaled sinusoid of the timestep
+ * (cos first) through linear-SiLU-linear gives temb, and time_proj(SiLU(temb)) the six shared
+ * modulation rows (shift, scale, gate of the self-attention, then of the FFN) each block adds to
+ * its own scale_shift_table; text through linear-GELU(tanh)-linear; per block: LayerNorm (no
+ * affine, eps) + modulation, self-attention with RMSNorm of q and k over the whole inner width
+ * (across heads) and interleaved-pair RoPE from the (frame, row, column) of each token (axes
+ * head_dim - 4 (head_dim / 6), 2 (head_dim / 6) twice, float64 angles), gated residual;
+ * LayerNorm with affine (cross_attn_norm, else none) and cross-attention of the video queries
+ * (q normed, no RoPE) to the text keys/values (k normed), plus, for I2V, to the image tokens'
+ * add_k_proj / add_v_proj keys/values (k normed), the two results summed, ungated residual;
+ * LayerNorm + modulation, GELU(tanh) FFN, gated residual; out: LayerNorm, shift/scale = temb +
+ * scale_shift_table (no projection), proj_out, unpatchify to [B, C, F, H, W]. A timestep of
+ * shape [B, S] (TI2V) gives every token its own modulation: computed here once per distinct
+ * timestep value and picked per token (the same numbers as diffusers' per-token tables).
+ * I2V image embeddings: LayerNorm, linear, GELU (erf), linear, LayerNorm (eps 1e-5, affine), with
+ * pos_embed added first for first-last-frame models (input [2B, N, D] viewed as [B, 2N, D]).
+ * diffusers' I2V attention takes the last 512 context tokens as text; here the text is
+ * encoder_hidden_states and the image tokens encoder_hidden_states_image, whatever their lengths
+ * (equal to diffusers when the text has 512 tokens, as Wan's pipelines pad it).
+ *
+ * TP: q/k/v, add_k_proj/add_v_proj and the FFN input colwise (the across-heads norm weights
+ * sharded with them; the norm's sum of squares all-reduced over TP, mdt_dit_rmsnorm_tp), to_out
+ * and the FFN output rowwise; time_embedder and text_embedder as colwise-then-rowwise MLPs;
+ * time_proj replicated-input rowwise; patch embedding, image embedder, proj_out and the
+ * modulation tables replicated. CP (diffusers' _cp_plan): the video tokens split (after the
+ * patch embedding, with their rotary rows and, for [B, S] timesteps, their timesteps), the text
+ * and image tokens stay whole on every rank, the output tokens gathered before unpatchify.
+ */
+#include "models/dit.h"
+
+#include "backend/backend.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { WAN_MAX_LAYERS = 96 };
+static const float k_img_eps = 1e-5f; /* the image embedder's LayerNorms (torch's default) */
+
+typedef struct wan_block {
+    mdt_qkv a1, a2;         /* attn1 / attn2 q, k, v; norm_q/norm_k: across-heads weights [A/T] */
+    mdt_lin o1, o2;         /* to_out.0 of attn1 / attn2 */
+    mdt_lin ak, av;         /* attn2.add_k_proj / add_v_proj (I2V) */
+    const float *n_ak;      /* attn2.norm_added_k [A/T] (I2V) */
+    mdt_lin ff0, ff2;       /* ffn.net.0.proj, ffn.net.2 */
+    const float *n2w, *n2b; /* norm2 (cross_attn_norm) */
+    const float *sst;       /* scale_shift_table [6C] */
+} wan_block;
+
+typedef struct wan {
+    int64_t patch[3], heads, head_dim, in_ch, out_ch, text_dim, freq_dim, ffn, layers;
+    int64_t image_dim, added_kv, rope_max, pos_len;
+    int cross_norm;
+    double eps;
+    int64_t C, Pin, Pout, axes[3]; /* width, patch widths in and out, rotary axes (t, h, w) */
+    mdt_lin patch_emb, t1, t2, tproj, x1, x2, img0, img2, proj_out;
+    const float *img_n1w, *img_n1b, *img_n2w, *img_n2b, *img_pos, *sst_out;
+    wan_block blk[WAN_MAX_LAYERS];
+} wan;
+
+/* ---- weight table ---- */
+
+/* A colwise vector `pfx name`.weight [n]: sharded with the heads it normalises. */
+static mdt_status add_colwise(mdt_wtable *t, const float **v, const char *pfx, const char *name,
+                              int64_t n) {
+    char nm[2 * MDT_NAME_MAX];
+    snprintf(nm, sizeof nm, "%s%s.weight", pfx, name);
+    return mdt_wtable_add(t, nm, 1, n, 0, MDT_TP_COLWISE, v);
+}
+
+/* WanAttention `pfx attnI.`: q, k, v colwise [A, C], to_out rowwise, norm_q / norm_k [A]. */
+static mdt_status add_attention(const wan *f, mdt_wtable *t, const char *pfx, const char *attn,
+                                mdt_qkv *w, mdt_lin *out) {
+    char n[6][48], p[MDT_NAME_MAX + 8];
+    const char *sfx[6] = {"to_q", "to_k", "to_v", "to_out.0", "norm_q", "norm_k"};
+    for (int i = 0; i < 6; i++)
+        snprintf(n[i], sizeof n[i], "%s.%s", attn, sfx[i]);
+    const mdt_attn_names names = {n[0], n[1], n[2], n[3], n[4], n[5]};
+    const int64_t A = f->heads * f->head_dim;
+    MDT_TRY(mdt_dit_declare_attention(t, pfx, &names, w, out, A, f->C, 1));
+    snprintf(p, sizeof p, "%s%s.", pfx, attn);
+    w->eps = (float)f->eps;
+    MDT_TRY(add_colwise(t, &w->norm_q, p, "norm_q", A));
+    return add_colwise(t, &w->norm_k, p, "norm_k", A);
+}
+
+static mdt_status add_block(const wan *f, mdt_wtable *t, wan_block *b, const char *pfx) {
+    const int64_t C = f->C, A = f->heads * f->head_dim;
+    MDT_TRY(add_attention(f, t, pfx, "attn1", &b->a1, &b->o1));
+    MDT_TRY(add_attention(f, t, pfx, "attn2", &b->a2, &b->o2));
+    if (f->added_kv) {
+        MDT_TRY(mdt_wtable_add_linear(t, &b->ak, pfx, "attn2.add_k_proj", A, f->added_kv,
+                                      MDT_TP_COLWISE, 1));
+        MDT_TRY(mdt_wtable_add_linear(t, &b->av, pfx, "attn2.add_v_proj", A, f->added_kv,
+                                      MDT_TP_COLWISE, 1));
+        char p[MDT_NAME_MAX + 8];
+        snprintf(p, sizeof p, "%sattn2.", pfx);
+        MDT_TRY(add_colwise(t, &b->n_ak, p, "norm_added_k", A));
+    }
+    if (f->cross_norm) {
+        MDT_TRY(mdt_wtable_add_vector(t, &b->n2w, pfx, "norm2.weight", C));
+        MDT_TRY(mdt_wtable_add_vector(t, &b->n2b, pfx, "norm2.bias", C));
+    }
+    MDT_TRY(mdt_dit_declare_ff(t, pfx, "ffn", &b->ff0, &b->ff2, C, f->ffn, 0, 1));
+    char nm[MDT_NAME_MAX + 24];
+    snprintf(nm, sizeof nm, "%sscale_shift_table", pfx);
+    MDT_TRY(mdt_wtable_add(t, nm, 2, 1, 6 * C, MDT_TP_REPLICATED, &b->sst));
+    return mdt_wtable_set_stored_shape(t, t->n - 1, 3, (int64_t[]){1, 6, C});
+}
+
+static mdt_status wan_table(wan *f, mdt_wtable *t) {
+    const int64_t C = f->C, I = f->image_dim;
+    const mdt_tp_style rep = MDT_TP_REPLICATED, col = MDT_TP_COLWISE, row = MDT_TP_ROWWISE;
+    const char *ce = "condition_embedder.";
+    char pfx[MDT_NAME_MAX];
+    MDT_TRY(mdt_wtable_add_linear(t, &f->patch_emb, "", "patch_embedding", C, f->Pin, rep, 1));
+    MDT_TRY(mdt_wtable_set_stored_shape(
+        t, t->n - 2, 5, (int64_t[]){C, f->in_ch, f->patch[0], f->patch[1], f->patch[2]}));
+    snprintf(pfx, sizeof pfx, "%stime_embedder.", ce);
+    MDT_TRY(mdt_wtable_add_linear(t, &f->t1, pfx, "linear_1", C, f->freq_dim, col, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->t2, pfx, "linear_2", C, C, row, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->tproj, ce, "time_proj", 6 * C, C,
+                                  MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
+    snprintf(pfx, sizeof pfx, "%stext_embedder.", ce);
+    MDT_TRY(mdt_wtable_add_linear(t, &f->x1, pfx, "linear_1", C, f->text_dim, col, 1));
+    MDT_TRY(mdt_wtable_add_linear(t, &f->x2, pfx, "linear_2", C, C, row, 1));
+    if (I) {
+        snprintf(pfx, sizeof pfx, "%simage_embedder.", ce);
+        MDT_TRY(mdt_wtable_add_vector(t, &f->img_n1w, pfx, "norm1.weight", I));
+        MDT_TRY(mdt_wtable_add_vector(t, &f->img_n1b, pfx, "norm1.bias", I));
+        MDT_TRY(mdt_wtable_add_linear(t, &f->img0, pfx, "ff.net.0.proj", I, I, rep, 1));
+        MDT_TRY(mdt_wtable_add_linear(t, &f->img2, pfx, "ff.net.2", C, I, rep, 1));
+        MDT_TRY(mdt_wtable_add_vector(t, &f->img_n2w, pfx, "norm2.weight", C));
+        MDT_TRY(mdt_wtable_add_vector(t, &f->img_n2b, pfx, "norm2.bias", C));
+        if (f->pos_len) {
+            char nm[MDT_NAME_MAX + 16];
+            snprintf(nm, sizeof nm, "%spos_embed", pfx);
+            MDT_TRY(mdt_wtable_add(t, nm, 2, 1, f->pos_len * I, rep, &f->img_pos));
+            MDT_TRY(mdt_wtable_set_stored_shape(t, t->n - 1, 3, (int64_t[]){1, f->pos_len, I}));
+        }
+    }
+    for (int64_t i = 0; i < f->layers; i++) {
+        snprintf(pfx, sizeof pfx, "blocks.%lld.", (long long)i);
+        MDT_TRY(add_block(f, t, &f->blk[i], pfx));
+    }
+    MDT_TRY(mdt_wtable_add_linear(t, &f->proj_out, "", "proj_out", f->Pout, C, rep, 1));
+    MDT_TRY(mdt_wtable_add(t, "scale_shift_table", 2, 1, 2 * C, rep, &f->sst_out));
+    return mdt_wtable_set_stored_shape(t, t->n - 1, 3, (int64_t[]){1, 2, C});
+}
+
+static mdt_status wan_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
+    wan *f = impl;
+    int np = 3, cross = 1;
+    const char *qk = NULL;
+    int64_t *const ints[] = {&f->heads,     &f->head_dim, &f->in_ch,    &f->out_ch,
+                             &f->text_dim,  &f->freq_dim, &f->ffn,      &f->layers,
+                             &f->image_dim, &f->added_kv, &f->rope_max, &f->pos_len};
+    MDT_TRY(mdt_cfg_ints(cfg,
+                         "num_attention_heads=40 attention_head_dim=128 in_channels=16 "
+                         "out_channels=0 text_dim=4096 freq_dim=256 ffn_dim=13824 num_layers=40 "
+                         "image_dim=0 added_kv_proj_dim=0 rope_max_seq_len=1024 "
+                         "pos_embed_seq_len=0",
+                         ints, 12));
+    MDT_TRY(mdt_cfg_int_array(cfg, "patch_size", f->patch, &np));
+    if (np == 0)
+        f->patch[0] = 1, f->patch[1] = 2, f->patch[2] = 2, np = 3;
+    MDT_TRY(mdt_cfg_bool(cfg, "cross_attn_norm", 1, &cross));
+    MDT_TRY(mdt_cfg_double(cfg, "eps", 1e-6, &f->eps));
+    MDT_TRY(mdt_cfg_string(cfg, "qk_norm", &qk)); /* 0.42.1 ignores it: norms always present */
+    f->cross_norm = cross;
+    if (f->out_ch == 0)
+        f->out_ch = f->in_ch;
+    if (np != 3 || f->heads < 1 || f->head_dim < 2 || f->head_dim % 2 || f->in_ch < 1 ||
+        f->out_ch < 1 || f->text_dim < 1 || f->freq_dim < 2 || f->freq_dim % 2 || f->ffn < 1 ||
+        f->layers < 0 || f->image_dim < 0 || f->added_kv < 0 || f->rope_max < 1 || f->pos_len < 0 ||
+        f->patch[0] < 1 || f->patch[1] < 1 || f->patch[2] < 1 || !(f->eps > 0))
+        return MDT_FAIL(MDT_E_INVALID, "config.json: Wan sizes must be positive (patch_size three "
+                                       "values, attention_head_dim and freq_dim even, eps > 0)");
+    const int64_t dims[] = {f->heads,    f->head_dim, f->in_ch,     f->out_ch,   f->text_dim,
+                            f->freq_dim, f->ffn,      f->image_dim, f->added_kv, f->rope_max,
+                            f->pos_len,  f->patch[0], f->patch[1],  f->patch[2]};
+    MDT_TRY(mdt_cfg_check_dims("Wan", dims, sizeof dims / sizeof dims[0]));
+    const int64_t pp = f->patch[0] * f->patch[1]; /* each product below stays < 2^49 */
+    if (6 * f->heads * f->head_dim > MDT_MAX_DIM || pp > MDT_MAX_DIM ||
+        pp * f->patch[2] > MDT_MAX_DIM || f->in_ch * (pp * f->patch[2]) > MDT_MAX_DIM ||
+        f->out_ch * (pp * f->patch[2]) > MDT_MAX_DIM || f->pos_len * f->image_dim > MDT_MAX_DIM)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: Wan widths exceed %lld",
+                        (long long)MDT_MAX_DIM);
+    if (f->layers > WAN_MAX_LAYERS)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: at most %d Wan blocks", WAN_MAX_LAYERS);
+    f->C = f->heads * f->head_dim;
+    if (!f->image_dim != !f->added_kv || (f->added_kv && f->added_kv != f->C))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "config.json: image_dim and added_kv_proj_dim come together (Wan 2.1 "
+                        "I2V), added_kv_proj_dim = num_attention_heads x attention_head_dim = "
+                        "%lld (got image_dim %lld, added_kv_proj_dim %lld)",
+                        (long long)f->C, (long long)f->image_dim, (long long)f->added_kv);
+    if (f->pos_len && (!f->image_dim || f->pos_len % 2))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "config.json: pos_embed_seq_len %lld needs image_dim and "
+                        "must be even (two images' tokens)",
+                        (long long)f->pos_len);
+    /* the rotary axes of WanRotaryPosEmbed: h = w = 2 (D / 6), t the rest */
+    f->axes[1] = f->axes[2] = 2 * (f->head_dim / 6);
+    f->axes[0] = f->head_dim - 2 * f->axes[1];
+    f->Pin = f->in_ch * f->patch[0] * f->patch[1] * f->patch[2];
+    f->Pout = f->out_ch * f->patch[0] * f->patch[1] * f->patch[2];
+    return wan_table(f, t);
+}
+
+static mdt_status wan_check_layout(const void *impl, int T, int R, int U) {
+    (void)R, (void)U; /* the sharded widths are heads x head_dim: heads % T covers them */
+    return mdt_dit_check_heads(((const wan *)impl)->heads, T);
+}
+
+/* ---- inputs ---- */
+
+/* A forward's inputs on this rank: read, checked, cut by the CP plan and uploaded. */
+typedef struct wan_in {
+    int64_t F, H, W, Fp, Hp, Wp, S; /* latent frames, height, width; post-patch grid; tokens */
+    int64_t s0, n;                  /* this rank's tokens [s0, s0 + n) */
+    int64_t Nt, Ni, Tn;             /* text and image tokens, distinct timesteps */
+    const float *x;                 /* [B, n, Pin] patches of my tokens */
+    const float *ehs, *img;         /* [B, Nt, text_dim]; [B, Ni, image_dim] or NULL */
+    const float *e;                 /* [Tn, freq] sinusoids of the distinct timesteps */
+    const int64_t *trow;            /* [B n] modulation row (distinct timestep) of my tokens */
+    mdt_rope rope;                  /* [n, D] */
+} wan_in;
+
+static int cmp_float(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* Distinct values tv[*Tn] (sorted) of t [N] and each element's index among them, idx [N]. */
+static void distinct(const float *t, int64_t N, float *tv, int64_t *Tn, int64_t *idx) {
+    int64_t k = 0;
+    memcpy(tv, t, sizeof(float) * (size_t)N);
+    qsort(tv, (size_t)N, sizeof(float), cmp_float);
+    for (int64_t i = 0; i < N; i++)
+        if (k == 0 || tv[i] != tv[k - 1])
+            tv[k++] = tv[i];
+    for (int64_t i = 0; i < N; i++) {
+        int64_t lo = 0, hi = k - 1;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (tv[mid] < t[i])
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        idx[i] = lo;
+    }
+    *Tn = k;
+}
+
+/* The latent video x [B, Cin, F, H, W] as patches p [B, S, Cin pt ph pw] in token order
+ * (frame, row, column) and feature order (c, t, h, w), the Conv3d weight's. */
+static void patchify(const wan *f, const wan_in *x, int64_t B, const float *v, float *p) {
+    const int64_t pt = f->patch[0], ph = f->patch[1], pw = f->patch[2], Cin = f->in_ch;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t s = 0; s < x->S; s++) {
+            const int64_t fr = s / (x->Hp * x->Wp), r = s / x->Wp % x->Hp, c = s % x->Wp;
+            float *o = p + (b * x->S + s) * f->Pin;
+            for (int64_t ch = 0; ch < Cin; ch++)
+                for (int64_t i = 0; i < pt; i++)
+                    for (int64_t j = 0; j < ph; j++)
+                        for (int64_t k = 0; k < pw; k++)
+                            *o++ = v[(((b * Cin + ch) * x->F + fr * pt + i) * x->H + r * ph + j) *
+                                         x->W +
+                                     c * pw + k];
+        }
+}
+
+/* proj_out rows y [B, S, Pout] (feature order (t, h, w, c)) as the video [B, Cout, F' pt,
+ * H' ph, W' pw], diffusers' reshape and permute. */
+static void unpatchify(const wan *f, const wan_in *x, int64_t B, const float *y, float *v) {
+    const int64_t pt = f->patch[0], ph = f->patch[1], pw = f->patch[2], Co = f->out_ch;
+    const int64_t F = x->Fp * pt, H = x->Hp * ph, W = x->Wp * pw;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t s = 0; s < x->S; s++) {
+            const int64_t fr = s / (x->Hp * x->Wp), r = s / x->Wp % x->Hp, c = s % x->Wp;
+            const float *o = y + (b * x->S + s) * f->Pout;
+            for (int64_t i = 0; i < pt; i++)
+                for (int64_t j = 0; j < ph; j++)
+                    for (int64_t k = 0; k < pw; k++)
+                        for (int64_t ch = 0; ch < Co; ch++)
+                            v[(((b * Co + ch) * F + fr * pt + i) * H + r * ph + j) * W + c * pw +
+                              k] = *o++;
+        }
+}
+
+/* Reads the optional image embeddings: [B, Ni, image_dim], or with pos_embed [2B, Ni/2, D]
+ * viewed as [B, Ni, D] (diffusers' view(-1, 2 N, D)). */
+static mdt_status read_image(const wan *f, mdt_dit *d, const mdt_tensor_set *in, wan_in *x,
+                             const float **img) {
+    const char *nm = "encoder_hidden_states_image";
+    const int64_t B = d->B, n0 = mdt_input_dim(in, nm, 0), n1 = mdt_input_dim(in, nm, 1);
+    *img = NULL, x->Ni = 0;
+    if (!f->image_dim) {
+        if (n0 >= 0)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "inputs: '%s' is given but config.json has no "
+                            "image_dim (not an image-to-video model)",
+                            nm);
+        return MDT_OK;
+    }
+    if (n0 < 0)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: '%s' [B, N_image, %lld] is required (config.json has image_dim)",
+                        nm, (long long)f->image_dim);
+    const int pos = f->pos_len > 0;
+    if (pos && n1 * 2 != f->pos_len)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: '%s' must be [2B, %lld, %lld] (two images, pos_embed_seq_len "
+                        "%lld)",
+                        nm, (long long)(f->pos_len / 2), (long long)f->image_dim,
+                        (long long)f->pos_len);
+    if (n1 < 1)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: '%s' must hold at least one token", nm);
+    MDT_TRY(
+        mdt_input_f32_view(in, nm, 3, (int64_t[]){pos ? 2 * B : B, n1, f->image_dim}, d->ha, img));
+    x->Ni = pos ? 2 * n1 : n1;
+    return MDT_OK;
+}
+
+static mdt_status wan_read(const wan *f, mdt_dit *d, const mdt_tensor_set *in, wan_in *x) {
+    mdt_arena *ha = d->ha, *ar = d->ar;
+    const int64_t B = mdt_input_dim(in, "hidden_states", 0), D = f->head_dim;
+    const int64_t pt = f->patch[0], ph = f->patch[1], pw = f->patch[2];
+    *x = (wan_in){.F = mdt_input_dim(in, "hidden_states", 2),
+                  .H = mdt_input_dim(in, "hidden_states", 3),
+                  .W = mdt_input_dim(in, "hidden_states", 4),
+                  .Nt = mdt_input_dim(in, "encoder_hidden_states", 1)};
+    if (B < 1 || x->F < pt || x->H < ph || x->W < pw)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'hidden_states' must be [B, %lld, F, H, W] with F >= %lld, H >= "
+                        "%lld, W >= %lld (patch_size)",
+                        (long long)f->in_ch, (long long)pt, (long long)ph, (long long)pw);
+    if (x->Nt < 1)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'encoder_hidden_states' must be [B, N_text, %lld], N_text >= 1",
+                        (long long)f->text_dim);
+    x->Fp = x->F / pt, x->Hp = x->H / ph, x->Wp = x->W / pw, x->S = x->Fp * x->Hp * x->Wp;
+    if (x->Fp > f->rope_max || x->Hp > f->rope_max || x->Wp > f->rope_max)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'hidden_states' has a %lld x %lld x %lld patch grid, beyond "
+                        "rope_max_seq_len %lld",
+                        (long long)x->Fp, (long long)x->Hp, (long long)x->Wp,
+                        (long long)f->rope_max);
+    d->B = B;
+    const int64_t S = x->S, shs[] = {B, f->in_ch, x->F, x->H, x->W};
+    const int tok_t = mdt_input_dim(in, "timestep", 1) >= 0; /* [B, S]: per-token (TI2V) */
+    const float *hs;
+    float *ts;
+    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 5, shs, ha, &hs));
+    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, (int64_t[]){B, x->Nt, f->text_dim},
+                               ha, &x->ehs));
+    MDT_TRY(read_image(f, d, in, x, &x->img));
+    MDT_TRY(mdt_input_f32(in, "timestep", tok_t ? 2 : 1, (int64_t[]){B, S}, ha, &ts));
+    /* per token: the timestep's row among the distinct values (every rank the same table) */
+    float *pat = mdt_arena_floats(ha, B * S * f->Pin);                  // [B, S, Pin] host
+    float *tv = mdt_arena_floats(ha, B * S);                            // [Tn] host
+    int64_t *tix = (int64_t *)(void *)mdt_arena_floats(ha, 2 * B * S);  // [B, S] host
+    int64_t *ttok = (int64_t *)(void *)mdt_arena_floats(ha, 2 * B * S); // [B, S] host
+    if (!pat || !tv || !tix || !ttok)
+        return MDT_E_NOMEM;
+    distinct(ts, tok_t ? B * S : B, tv, &x->Tn, tix);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t s = 0; s < S; s++)
+            ttok[b * S + s] = tok_t ? tix[b * S + s] : tix[b];
+    patchify(f, x, B, hs, pat);
+    /* the plan: video tokens (after the patch embedding) and their timesteps split */
+    const void *pat_l, *trow_l;
+    MDT_TRY(mdt_cp_take(&d->cp, "hidden_states", pat, 4, 3, (int64_t[]){B, S, f->Pin}, ha, &pat_l,
+                        &x->s0, &x->n));
+    MDT_TRY(
+        mdt_cp_take(&d->cp, "timestep", ttok, 8, 2, (int64_t[]){B, S}, ha, &trow_l, &x->s0, &x->n));
+    const int64_t n = x->n;
+    float *e_h = mdt_arena_floats(ha, x->Tn * f->freq_dim);           // [Tn, freq] host
+    float *pos = mdt_arena_floats(ha, 3 * n);                         // [n, 3] host
+    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, D);   // [D] host
+    double *col_freq = (double *)(void *)mdt_arena_floats(ha, 2 * D); // [D] host
+    if (!e_h || !pos || !col_axis || !col_freq)
+        return MDT_E_NOMEM;
+    mdt_dit_timestep_embed(tv, x->Tn, f->freq_dim, e_h); /* unscaled t, cos first */
+    for (int64_t i = 0; i < n; i++) {                    /* (frame, row, column) of my tokens */
+        const int64_t s = x->s0 + i, fr = s / (x->Hp * x->Wp), r = s / x->Wp % x->Hp;
+        pos[3 * i] = (float)fr, pos[3 * i + 1] = (float)r, pos[3 * i + 2] = (float)(s % x->Wp);
+    }
+    /* rotary columns: axis a of width d, pair j at frequency 1 / 1e4^(2j / d) (float64, like
+     * get_1d_rotary_pos_embed), each value repeated for both channels of its pair */
+    for (int a = 0, off = 0; a < 3; off += (int)f->axes[a], a++)
+        for (int64_t j = 0; j < f->axes[a] / 2; j++) {
+            col_axis[off + 2 * j] = col_axis[off + 2 * j + 1] = a;
+            col_freq[off + 2 * j] = col_freq[off + 2 * j + 1] =
+                1.0 / pow(10000.0, (double)(2 * j) / (double)f->axes[a]);
+        }
+    /* to the backend's memory (the same pointers on the CPU backend) */
+    x->x = mdt_k_upload(ar, pat_l, sizeof(float) * (size_t)(B * n * f->Pin));
+    x->ehs = mdt_k_upload(ar, x->ehs, sizeof(float) * (size_t)(B * x->Nt * f->text_dim));
+    x->img = x->img ? mdt_k_upload(ar, x->img, sizeof(float) * (size_t)(B * x->Ni * f->image_dim))
+                    : NULL;
+    x->e = mdt_k_upload(ar, e_h, sizeof(float) * (size_t)(x->Tn * f->freq_dim));
+    x->trow = mdt_k_upload(ar, trow_l, sizeof(int64_t) * (size_t)(B * n));
+    const float *pos_d = mdt_k_upload(ar, pos, sizeof(float) * (size_t)(3 * n));
+    const int32_t *cax_d = mdt_k_upload(ar, col_axis, sizeof(int32_t) * (size_t)D);
+    const double *cfr_d = mdt_k_upload(ar, col_freq, sizeof(double) * (size_t)D);
+    float *cos_t = mdt_arena_floats(ar, n * D), *sin_t = mdt_arena_floats(ar, n * D);
+    if (!x->x || !x->ehs || (f->image_dim && !x->img) || !x->e || !x->trow || !pos_d || !cax_d ||
+        !cfr_d || !cos_t || !sin_t)
+        return MDT_E_NOMEM;
+    mdt_k()->angle_table(pos_d, 3, n, D, cax_d, cfr_d, 1, cos_t, sin_t); // [n, D]
+    x->rope = (mdt_rope){cos_t, sin_t, D, MDT_ROPE_INTERLEAVED};
+    return MDT_OK;
+}
+
+/* ---- blocks ---- */
+
+/* dst [B, H/T, n, D] head-major = heads of l(x [B n, in]), then (norm not NULL) RMSNorm over the
+ * whole inner width with this rank's slice of the weight, then (rope not NULL) RoPE. tmp, tmp2
+ * [B n, H/T D] scratch. */
+static mdt_status project(const wan *f, const mdt_dit *d, const mdt_lin *l, const float *x,
+                          int64_t n, const float *norm, const mdt_rope *rope, float *dst,
+                          float *tmp, float *tmp2) {
+    const int64_t W = l->out_local, H = d->heads, D = d->head_dim;
+    const float *src = tmp;
+    mdt_dit_linear(l, x, d->B * n, tmp, W); // [B n, H/T D]
+    if (norm) {
+        MDT_TRY(mdt_dit_rmsnorm_tp(d, tmp, tmp2, d->B * n, W, l->out, norm, (float)f->eps));
+        src = tmp2;
+    }
+    for (int64_t b = 0; b < d->B; b++)
+        mdt_k()->heads_prepare(src + b * n * W, W, n, H, D, NULL, 0.0f, rope ? rope->cos_t : NULL,
+                               rope ? rope->sin_t : NULL, rope ? rope->rot : D,
+                               MDT_ROPE_INTERLEAVED, dst + b * H * n * D, n, 0); // [H/T, n, D]
+    return MDT_OK;
+}
+
+/* attn1 on my tokens nx [B, n, C]: y [B n, C] = to_out(attention over the whole video). */
+static mdt_status self_attention(const wan *f, const mdt_dit *d, const wan_in *x,
+                                 const wan_block *b, const float *nx, float *y) {
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+    const int64_t n = x->n, M = d->B * n, W = b->a1.q.out_local;
+    mdt_heads h;
+    float *tmp = mdt_arena_floats(d->ar, M * W), *tmp2 = mdt_arena_floats(d->ar, M * W);
+    float *ao = mdt_arena_floats(d->ar, M * W); // [B, n, A/T]
+    if (!tmp || !tmp2 || !ao || mdt_dit_heads_alloc(d, n, &h) != MDT_OK)
+        return MDT_E_NOMEM;
+    mdt_k_shared_begin(nx, f->C, M, f->C); /* one bf16 rounding of nx for q, k, v */
+    mdt_status st = project(f, d, &b->a1.q, nx, n, b->a1.norm_q, &x->rope, h.q, tmp, tmp2);
+    if (st == MDT_OK)
+        st = project(f, d, &b->a1.k, nx, n, b->a1.norm_k, &x->rope, h.k, tmp, tmp2);
+    if (st == MDT_OK)
+        st = project(f, d, &b->a1.v, nx, n, NULL, NULL, h.v, tmp, tmp2);
+    mdt_k_shared_end();
+    MDT_TRY(st);
+    MDT_TRY(mdt_dit_attend(d, &h, 1, ao, W));            // [B, n, A/T]
+    MDT_TRY(mdt_dit_row_linear(d, &b->o1, ao, W, y, M)); // [B n, C]
+    mdt_arena_rewind(d->ar, mk);
+    return MDT_OK;
+}
+
+/* Keys and values of a whole context c [B, N, in] (every rank the same): k normed. */
+static mdt_status context_kv(const wan *f, const mdt_dit *d, const mdt_lin *lk, const mdt_lin *lv,
+                             const float *nk, const float *c, int64_t N, float *k, float *v,
+                             float *tmp, float *tmp2) {
+    mdt_k_shared_begin(c, lk->in, d->B * N, lk->in);
+    mdt_status st = project(f, d, lk, c, N, nk, NULL, k, tmp, tmp2); // [B, H/T, N, D]
+    if (st == MDT_OK)
+        st = project(f, d, lv, c, N, NULL, NULL, v, tmp, tmp2); // [B, H/T, N, D]
+    mdt_k_shared_end();
+    return st;
+}
+
+/* attn2 on my tokens nx [B, n, C] over the whole text ctx [B, Nt, C] (and image tokens img
+ * [B, Ni, C]): y [B n, C] = to_out(attention to text + attention to image). */
+static mdt_status cross_attention(const wan *f, const mdt_dit *d, const wan_in *x,
+                                  const wan_block *b, const float *nx, const float *ctx,
+                                  const float *img, float *y) {
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+    const int64_t n = x->n, M = d->B * n, W = b->a2.q.out_local, Nc = x->Nt > x->Ni ? x->Nt : x->Ni;
+    const int64_t R = (M > d->B * Nc ? M : d->B * Nc) * W; /* rows of the scratch */
+    float *tmp = mdt_arena_floats(d->ar, R), *tmp2 = mdt_arena_floats(d->ar, R); // [rows, A/T]
+    float *q = mdt_arena_floats(d->ar, M * W);                                   // [B, H/T, n, D]
+    float *k = mdt_arena_floats(d->ar, d->B * Nc * W);                           // [B, H/T, N, D]
+    float *v = mdt_arena_floats(d->ar, d->B * Nc * W);                           // [B, H/T, N, D]
+    float *ao = mdt_arena_floats(d->ar, M * W);                                  // [B, n, A/T]
+    float *ai = mdt_arena_floats(d->ar, img ? M * W : 1);                        // [B, n, A/T]
+    if (!tmp || !tmp2 || !q || !k || !v || !ao || !ai)
+        return MDT_E_NOMEM;
+    MDT_TRY(project(f, d, &b->a2.q, nx, n, b->a2.norm_q, NULL, q, tmp, tmp2));
+    if (img) { /* I2V: the same queries over the image tokens, added to the text result */
+        MDT_TRY(context_kv(f, d, &b->ak, &b->av, b->n_ak, img, x->Ni, k, v, tmp, tmp2));
+        MDT_TRY(mdt_dit_attend_kv(d, q, n, k, v, x->Ni, ai, W)); // [B, n, A/T]
+    }
+    MDT_TRY(context_kv(f, d, &b->a2.k, &b->a2.v, b->a2.norm_k, ctx, x->Nt, k, v, tmp, tmp2));
+    MDT_TRY(mdt_dit_attend_kv(d, q, n, k, v, x->Nt, ao, W)); // [B, n, A/T]
+    if (img)
+        mdt_k()->add(ao, ai, M * W);
+    MDT_TRY(mdt_dit_row_linear(d, &b->o2, ao, W, y, M)); // [B n, C]
+    mdt_arena_rewind(d->ar, mk);
+    return MDT_OK;
+}
+
+/* FFN on nx [M, C]: y [M, C] = net.2(GELU_tanh(net.0(nx))), TP-sharded. */
+static mdt_status feed_forward(const mdt_dit *d, const wan_block *b, const float *nx, int64_t M,
+                               float *y) {
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+    const int64_t Fl = b->ff0.out_local;
+    float *hb = mdt_arena_floats(d->ar, M * Fl); // [M, F/T]
+    if (!hb)
+        return MDT_E_NOMEM;
+    mdt_dit_linear(&b->ff0, nx, M, hb, Fl);
+    mdt_k()->gelu_rows(hb, Fl, M, Fl);
+    MDT_TRY(mdt_dit_row_linear(d, &b->ff2, hb, Fl, y, M)); // [M, C]
+    mdt_arena_rewind(d->ar, mk);
+    return MDT_OK;
+}
+
+/* y [M, C] = LayerNorm(x) * w + b (affine as modulation: scale w - 1, shift b). */
+static mdt_status layernorm_affine(const mdt_dit *d, const float *x, float *y, int64_t M, int64_t C,
+                                   float eps, const float *w, const float *b) {
+    float *wm1 = mdt_arena_floats(d->ar, C); // [C]
+    if (!wm1)
+        return MDT_E_NOMEM;
+    mdt_k()->fill(wm1, C, -1.0f);
+    mdt_k()->add(wm1, w, C);
+    mdt_k()->layernorm_modulate(x, y, M, C, eps, b, wm1); // [M, C]
+    return MDT_OK;
+}
+
+/* WanTransformerBlock on my tokens h [B, n, C]; tproj [Tn, 6C] the shared modulation rows. */
+static mdt_status block(const wan *f, const mdt_dit *d, const wan_in *x, const wan_block *b,
+                        const float *tproj, const float *ctx, const float *img, float *h) {
+    const int64_t C = f->C, M = d->B * x->n, T6 = 6 * C;
+    const float eps = (float)f->eps;
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+    float *mod = mdt_arena_floats(d->ar, x->Tn * T6); // [Tn, 6C] this block's rows
+    float *nx = mdt_arena_floats(d->ar, M * C);       // [B, n, C]
+    float *y = mdt_arena_floats(d->ar, M * C);        // [B, n, C]
+    if (!mod || !nx || !y)
+        return MDT_E_NOMEM;
+    mdt_k()->copy2d(mod, T6, tproj, T6, x->Tn, T6);
+    mdt_k()->add_bias(mod, T6, b->sst, x->Tn, T6); // table + timestep_proj
+    /* 1. self-attention: shift 0, scale 1, gate 2 */
+    mdt_k()->layernorm_modulate(h, nx, M, C, eps, NULL, NULL);
+    mdt_k()->modulate_rows(nx, M, C, mod, T6, x->trow, 0, C);
+    MDT_TRY(self_attention(f, d, x, b, nx, y));
+    mdt_k()->gate_residual_rows(h, y, C, mod, T6, x->trow, 2 * C, M, C);
+    /* 2. cross-attention, ungated */
+    if (f->cross_norm)
+        MDT_TRY(layernorm_affine(d, h, nx, M, C, eps, b->n2w, b->n2b));
+    else
+        mdt_k()->copy2d(nx, C, h, C, M, C);
+    MDT_TRY(cross_attention(f, d, x, b, nx, ctx, img, y));
+    mdt_k()->add(h, y, M * C);
+    /* 3. feed-forward: shift 3, scale 4, gate 5 */
+    mdt_k()->layernorm_modulate(h, nx, M, C, eps, NULL, NULL);
+    mdt_k()->modulate_rows(nx, M, C, mod, T6, x->trow, 3 * C, 4 * C);
+    MDT_TRY(feed_forward(d, b, nx, M, y));
+    mdt_k()->gate_residual_rows(h, y, C, mod, T6, x->trow, 5 * C, M, C);
+    mdt_arena_rewind(d->ar, mk);
+    return MDT_OK;
+}
+
+/* ---- conditioning ---- */
+
+/* y [M, C] = l2(act(l1(x [M, in]))) with l1 colwise and l2 rowwise (gelu: GELU(tanh), else
+ * SiLU): diffusers' TimestepEmbedding and PixArtAlphaTextProjection, TP-sharded. */
+static mdt_status mlp_tp(const mdt_dit *d, const mdt_lin *l1, const mdt_lin *l2, const float *x,
+                         int64_t M, int gelu, float *y) {
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+    const int64_t Hl = l1->out_local;
+    float *hb = mdt_arena_floats(d->ar, M * Hl); // [M, C/T]
+    if (!hb)
+        return MDT_E_NOMEM;
+    mdt_dit_linear(l1, x, M, hb, Hl);
+    if (gelu)
+        mdt_k()->gelu_rows(hb, Hl, M, Hl);
+    else
+        mdt_k()->silu(hb, M * Hl);
+    MDT_TRY(mdt_dit_row_linear(d, l2, hb, Hl, y, M)); // [M, C]
+    mdt_arena_rewind(d->ar, mk);
+    return MDT_OK;
+}
+
+/* WanImageEmbedding: y [B Ni, C] = LN2(ff(LN1(img (+ pos_embed)))), GELU (erf) on the host: no
+ * kernel has it and it runs once per forward on the image tokens. */
+static mdt_status image_embed(const wan *f, const mdt_dit *d, const wan_in *x, float *y) {
+    const int64_t I = f->image_dim, M = d->B * x->Ni;
+    mdt_arena_mark mk = mdt_arena_mark_get(d->ar), hk = mdt_arena_mark_get(d->ha);
+    float *a = mdt_arena_floats(d->ar, M * I), *g = mdt_arena_floats(d->ar, M * I); // [M, I]
+    float *g_h = mdt_arena_floats(d->ha, M * I);                                    // host
+    float *z = mdt_arena_floats(d->ar, M * f->C);                                   // [M, C]
+    if (!a || !g || !g_h || !z)
+        return MDT_E_NOMEM;
+    mdt_k()->copy2d(a, I, x->img, I, M, I);
+    for (int64_t b = 0; f->pos_len && b < d->B; b++)
+        mdt_k()->add(a + b * x->Ni * I, f->img_pos, x->Ni * I); // + pos_embed [2N, I]
+    MDT_TRY(layernorm_affine(d, a, g, M, I, k_img_eps, f->img_n1w, f->img_n1b));
+    mdt_dit_linear(&f->img0, g, M, a, I); // [M, I]
+    mdt_k_to_host(g_h, a, sizeof(float) * (size_t)(M * I));
+    for (int64_t i = 0; i < M * I; i++)
+        g_h[i] = 0.5f * g_h[i] * (1.0f + erff(g_h[i] * 0.70710678118654752f));
+    const float *gd = mdt_k_upload(d->ar, g_h, sizeof(float) * (size_t)(M * I));
+    if (!gd)
+        return MDT_E_NOMEM;
+    mdt_dit_linear(&f->img2, gd, M, z, f->C); // [M, C]
+    MDT_TRY(layernorm_affine(d, z, y, M, f->C, k_img_eps, f->img_n2w, f->img_n2b));
+    mdt_arena_rewind(d->ar, mk);
+    mdt_arena_rewind(d->ha, hk);
+    return MDT_OK;
+}
+
+static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
+    const wan *f = m->impl;
+    mdt_dit d;
+    wan_in x;
+    mdt_dit_begin(&d, m, f->heads, f->head_dim);
+    MDT_TRY(wan_read(f, &d, in, &x));
+    const int64_t C = f->C, B = d.B, M = B * x.n, Tn = x.Tn, O = f->Pout;
+    mdt_arena *ar = d.ar;
+    char stage[48];
+    float *temb = mdt_arena_floats(ar, Tn * C);      // [Tn, C]
+    float *cond = mdt_arena_floats(ar, Tn * C);      // [Tn, C] SiLU(temb)
+    float *tproj = mdt_arena_floats(ar, Tn * 6 * C); // [Tn, 6C]
+    float *ctx = mdt_arena_floats(ar, B * x.Nt * C); // [B, Nt, C]
+    float *img = mdt_arena_floats(ar, B * x.Ni * C); // [B, Ni, C]
+    float *h = mdt_arena_floats(ar, M * C);          // [B, n, C] my tokens
+    if (!temb || !cond || !tproj || !ctx || !img || !h)
+        return MDT_E_NOMEM;
+    /* conditioning: temb, the shared modulation rows time_proj(SiLU(temb)), text, image */
+    MDT_TRY(mlp_tp(&d, &f->t1, &f->t2, x.e, Tn, 0, temb)); // [Tn, C]
+    mdt_k()->copy2d(cond, C, temb, C, Tn, C);
+    mdt_k()->silu(cond, Tn * C);
+    d.cond = cond, d.cond_rows = Tn, d.cond_width = C;
+    MDT_TRY(mdt_dit_adaln(&d, &f->tproj, tproj)); // [Tn, 6C]
+    MDT_TRY(mdt_guard_finite(d.mesh, "condition_embedder.time_proj", tproj, Tn * 6 * C));
+    MDT_TRY(mlp_tp(&d, &f->x1, &f->x2, x.ehs, B * x.Nt, 1, ctx)); // [B, Nt, C]
+    MDT_TRY(mdt_guard_finite(d.mesh, "condition_embedder.text_embedder", ctx, B * x.Nt * C));
+    if (x.img) {
+        MDT_TRY(image_embed(f, &d, &x, img)); // [B, Ni, C]
+        MDT_TRY(mdt_guard_finite(d.mesh, "condition_embedder.image_embedder", img, B * x.Ni * C));
+    }
+    mdt_dit_linear(&f->patch_emb, x.x, M, h, C); // [B, n, C]
+    MDT_TRY(mdt_guard_finite(d.mesh, "patch_embedding", h, M * C));
+    for (int64_t i = 0; i < f->layers; i++) {
+        MDT_TRY(block(f, &d, &x, &f->blk[i], tproj, ctx, x.img ? img : NULL, h));
+        snprintf(stage, sizeof stage, "blocks.%lld", (long long)i);
+        MDT_TRY(mdt_guard_finite(d.mesh, stage, h, M * C));
+    }
+    /* norm_out: shift, scale = scale_shift_table + temb (per distinct timestep, picked per token)
+     */
+    float *tab = mdt_arena_floats(ar, Tn * 2 * C);     // [Tn, 2C]
+    float *nx = mdt_arena_floats(ar, M * C);           // [B, n, C]
+    float *ol = mdt_arena_floats(ar, M * O);           // [B, n, O]
+    float *full = mdt_arena_floats(d.ha, B * x.S * O); // [B, S, O] host
+    mdt_tensor *o, rows = {.dtype = MDT_F32, .ndim = 3, .shape = {B, x.S, O}, .data = full};
+    if (!tab || !nx || !ol || !full)
+        return MDT_E_NOMEM;
+    mdt_k()->copy2d(tab, 2 * C, temb, C, Tn, C);
+    mdt_k()->copy2d(tab + C, 2 * C, temb, C, Tn, C);
+    mdt_k()->add_bias(tab, 2 * C, f->sst_out, Tn, 2 * C);
+    mdt_k()->layernorm_modulate(h, nx, M, C, (float)f->eps, NULL, NULL);
+    mdt_k()->modulate_rows(nx, M, C, tab, 2 * C, x.trow, 0, C);
+    mdt_dit_linear(&f->proj_out, nx, M, ol, O); // [B, n, O]
+    MDT_TRY(mdt_guard_finite(d.mesh, "proj_out", ol, M * O));
+    MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, in, x.S, ol, &rows)); // [B, S, O]
+    MDT_TRY(mdt_tensor_set_add(
+        out, "sample", MDT_F32, 5,
+        (int64_t[]){B, f->out_ch, x.Fp * f->patch[0], x.Hp * f->patch[1], x.Wp * f->patch[2]}, &o));
+    unpatchify(f, &x, B, full, o->data);
+    /* no silent degrade: per block and batch element, the video over CP, text and image whole */
+    mdt_promise p = {0};
+    mdt_dit_promise_cp(&d, &p, &x.S, 1, f->layers * B);
+    mdt_dit_promise_kv(&d, &p, x.S, x.Nt, f->layers * B);
+    if (x.img)
+        mdt_dit_promise_kv(&d, &p, x.S, x.Ni, f->layers * B);
+    return mdt_dit_end(&d, &p);
+}
+
+/* ---- random inputs ---- */
+
+/* A near-square grid of `n` tokens: 2 frames when n is even and >= 8, rows the largest divisor of
+ * the rest not above its square root. */
+static void grid_of(int64_t n, int64_t g[3]) {
+    g[0] = n % 2 == 0 && n >= 8 ? 2 : 1;
+    const int64_t r = n / g[0];
+    g[1] = 1;
+    for (int64_t i = 1; i * i <= r; i++)
+        if (r % i == 0)
+            g[1] = i;
+    g[2] = r / g[1];
+}
+
+static mdt_status wan_make_inputs(const void *impl, const mdt_inputs_params *p, mdt_rng *rng,
+                                  mdt_tensor_set *out) {
+    const wan *f = impl;
+    const int64_t B = p->batch, Nt = p->txt_tokens > 0 ? p->txt_tokens : 8;
+    int64_t g[3];
+    grid_of(p->img_tokens > 0 ? p->img_tokens : 16, g);
+    MDT_TRY(mdt_inputs_add_normal(
+        out, "hidden_states", 5,
+        (int64_t[]){B, f->in_ch, g[0] * f->patch[0], g[1] * f->patch[1], g[2] * f->patch[2]}, rng));
+    MDT_TRY(mdt_inputs_add_normal(out, "encoder_hidden_states", 3, (int64_t[]){B, Nt, f->text_dim},
+                                  rng));
+    if (f->image_dim) /* CLIP ViT-H/14's 257 tokens per image; two for first-last-frame */
+        MDT_TRY(mdt_inputs_add_normal(
+            out, "encoder_hidden_states_image", 3,
+            (int64_t[]){f->pos_len ? 2 * B : B, f->pos_len ? f->pos_len / 2 : 257, f->image_dim},
+            rng));
+    /* the sigma on Wan's 1000 training timesteps, as its pipelines pass it */
+    return mdt_inputs_add_const(out, "timestep", B, p->timestep * 1000.0, NULL);
+}
+
+/* diffusers' _cp_plan: the block input hidden_states [B, S, C] (here the patch sequence it is
+ * made from) and the rotary rows split on the tokens; timestep split on dim 1 (per token: a
+ * [B] timestep is every token's); encoder_hidden_states (text, and image) whole; proj_out's
+ * tokens gathered. */
+static const mdt_cp_plan k_wan_cp_plan = {
+    .nsplit = 2,
+    .split = {{"hidden_states", 1, NULL}, {"timestep", 1, NULL}},
+    .ngather = 1,
+    .gather = {{"sample", 1, NULL}},
+};
+
+const mdt_family mdt_family_wan =
+    MDT_FAMILY(wan, "wan", "WanTransformer3DModel", k_wan_cp_plan, "sample");
