@@ -71,6 +71,8 @@ static mdt_run_inputs run_inputs_of(const mdt_model *m, const mdt_tensor_set *in
             rows0 = t->shape[0];
     }
     r.rows = rows1 > 0 ? rows1 : rows0;
+    if (m->fam->token_rows)
+        r.rows = m->fam->token_rows(m->impl, in);
     return r;
 }
 

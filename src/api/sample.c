@@ -137,9 +137,13 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
                                             : (10.0 * longest > 60.0 ? 10.0 * longest : 60.0));
         /* flow-matching Euler: sigma_i = 1 - i/N, x <- x + (sigma_{i+1} - sigma_i) v */
         double sig = 1.0 - (double)i / (double)nsteps, sig_next = 1.0 - (double)(i + 1) / nsteps;
+        const double tscale = fam->timestep_scale > 0 ? fam->timestep_scale : 1.0;
+        /* sigma in the model's units; a per-token timestep ([B, S], Wan 2.2 TI2V) keeps its
+         * zeros: those are conditioning tokens (the clean first frame), never noised */
         if (tst)
             for (int64_t b = 0; b < mdt_tensor_numel(tst); b++)
-                ((float *)tst->data)[b] = (float)sig;
+                if (tst->ndim < 2 || ((float *)tst->data)[b] != 0.0f)
+                    ((float *)tst->data)[b] = (float)(sig * tscale);
         mdt_tensor_set_free(res);
         res = NULL;
         /* the last of the plain forwards writes straight into the caller's set */

@@ -77,12 +77,17 @@ typedef struct mdt_family {
     const mdt_cp_plan *cp_plan;
     const char *latent_input;   /* input the sampler integrates (Flux: hidden_states) */
     const char *timestep_input; /* input the sampler sets to sigma (Flux: timestep) */
-    const char *output;         /* forward output (Flux: sample) */
+    double timestep_scale;      /* the sampler's timestep is sigma x this (0: 1; Wan: 1000) */
+    /* Token rows per sequence of these inputs, for the memory estimate (NULL: what the CP plan
+     * splits, as for Flux and MiniMax-H3; Wan's latent is [B, C, F, H, W]). */
+    int64_t (*token_rows)(const void *impl, const mdt_tensor_set *in);
+    const char *output; /* forward output (Flux: sample) */
 } mdt_family;
 
 /* A family's descriptor, from its hooks PREFIX_configure, PREFIX_check_layout, PREFIX_forward and
  * PREFIX_make_inputs, its private state type PREFIX, its CP plan and its forward output; the
- * sampler integrates "hidden_states" with the sigma in "timestep" (diffusers' argument names). */
+ * sampler integrates "hidden_states" with the sigma in "timestep" (diffusers' argument names).
+ * A family with a timestep scale or token_rows hook writes its descriptor out (wan.c). */
 #define MDT_FAMILY(PREFIX, NAME, CLASS, PLAN, OUTPUT)                                              \
     {                                                                                              \
         .name = NAME, .class_name = CLASS, .impl_size = sizeof(PREFIX),                            \

@@ -732,5 +732,37 @@ static const mdt_cp_plan k_wan_cp_plan = {
     .gather = {{"sample", 1, NULL}},
 };
 
-const mdt_family mdt_family_wan =
-    MDT_FAMILY(wan, "wan", "WanTransformer3DModel", k_wan_cp_plan, "sample");
+/* Video tokens after patchify plus the text and image tokens every rank holds whole: the rows
+ * the memory estimate counts (the latent's dim 1 is its channels, not tokens). */
+static int64_t wan_token_rows(const void *impl, const mdt_tensor_set *in) {
+    const wan *f = impl;
+    const mdt_tensor *x = mdt_tensor_set_get(in, "hidden_states"),
+                     *e = mdt_tensor_set_get(in, "encoder_hidden_states"),
+                     *im = mdt_tensor_set_get(in, "encoder_hidden_states_image");
+    int64_t rows = 0;
+    if (x && x->ndim == 5)
+        rows +=
+            x->shape[2] / f->patch[0] * (x->shape[3] / f->patch[1]) * (x->shape[4] / f->patch[2]);
+    if (e && e->ndim == 3)
+        rows += e->shape[1];
+    if (im && im->ndim == 3)
+        rows += im->shape[1];
+    return rows;
+}
+
+/* Wan takes the scheduler's timestep (0..1000), so the sampler's sigma is scaled by 1000. */
+const mdt_family mdt_family_wan = {
+    .name = "wan",
+    .class_name = "WanTransformer3DModel",
+    .impl_size = sizeof(wan),
+    .configure = wan_configure,
+    .check_layout = wan_check_layout,
+    .forward = wan_forward,
+    .make_inputs = wan_make_inputs,
+    .cp_plan = &k_wan_cp_plan,
+    .latent_input = "hidden_states",
+    .timestep_input = "timestep",
+    .output = "sample",
+    .timestep_scale = 1000.0,
+    .token_rows = wan_token_rows,
+};
