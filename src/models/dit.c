@@ -202,11 +202,18 @@ void mdt_dit_promise_cp(const mdt_dit *d, mdt_promise *p, const int64_t *parts, 
     int R, U, r;
     int64_t hn, L = 0, S = 0, s0, n;
     layout_of(d, &R, &U, &r, &hn);
+    int64_t own = 0;                   /* my chunk's rows */
     for (int i = 0; i < nparts; i++) { /* my sequence block: the chunks of my Ulysses group */
         S += parts[i];
-        for (int j = 0; j < U; j++)
+        for (int j = 0; j < U; j++) {
             mdt_split_range(parts[i], R * U, r * U + j, &s0, &n), L += n;
+            if (d->mesh && j == d->mesh->u)
+                own += n;
+        }
     }
+    /* the all-to-all receives the group's other rows of my heads and sends my rows of the
+     * others' heads: a rank with no rows and no heads (S < R U and heads < U) moves nothing */
+    p->ulysses_elems += calls * (hn * (L - own) + own * (d->heads - hn));
     p->want_q += calls * hn * L;
     p->want_kv += calls * hn * S;
     p->whole_q += calls * d->heads * S;
@@ -235,7 +242,7 @@ mdt_status mdt_dit_end(const mdt_dit *d, mdt_promise *p) {
     layout_of(d, &R, &U, &r, &hn);
     p->owes[MDT_GROUP_TP] = d->T > 1;
     p->owes[MDT_GROUP_RING] = R > 1 && hn > 0 && p->cp_calls > 0;
-    p->owes[MDT_GROUP_ULYSSES] = U > 1 && p->cp_calls > 0;
+    p->owes[MDT_GROUP_ULYSSES] = U > 1 && p->cp_calls > 0 && p->ulysses_elems > 0;
     p->owes[MDT_GROUP_CP] = R * U > 1 && d->cp.given_rows > 0;
     return mdt_model_check_promise(d->m, p);
 }

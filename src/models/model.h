@@ -68,6 +68,7 @@ typedef struct mdt_promise {
     int64_t ringless_kv;       /* key pairs if the ring passed nothing */
     int owes[MDT_GROUP_COUNT]; /* groups that must have moved bytes */
     int64_t cp_calls;          /* CP attention calls of the forward (dit.c) */
+    int64_t ulysses_elems;     /* (head, row) pairs this rank's all-to-alls send and receive */
 } mdt_promise;
 /* Compares what this forward did (counters and group bytes since mdt_model_forward began) with
  * the promise; MDT_E_INVALID naming the axis that did nothing otherwise. */

@@ -115,6 +115,15 @@ if timeout 300 "$MPIEXEC" -n 2 "$BIN" gather --checkpoint "$DATA/flux_bf16_shard
    "$BIN" compare "$T/g.safetensors" "$DATA/flux_bf16_sharded/expected.safetensors" >/dev/null; then ok
 else bad "gather tp=2 shards back to a full checkpoint"; fi
 
+# Ulysses 4 over 2 heads and 3 + 2 tokens: rank 3 holds no token and no head, moves nothing in
+# the all-to-alls, and that is not a silent degrade; the result equals the single rank
+"$BIN" inputs --checkpoint "$DATA/flux_tiny" --img-tokens 3 --txt-tokens 2 --out "$T/few.safetensors" >/dev/null
+if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$T/few.safetensors" --out "$T/few1.safetensors" --quiet &&
+   timeout 300 "$MPIEXEC" -n 4 "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$T/few.safetensors" \
+       --out "$T/few4.safetensors" --ulysses 4 --quiet >"$T/few.txt" 2>&1 &&
+   "$BIN" compare "$T/few4.safetensors" "$T/few1.safetensors" --tol 1e-5 >/dev/null; then ok
+else bad "ulysses 4 with an empty rank: $(tail -2 "$T/few.txt")"; fi
+
 # mpi_error NAME N PATTERN -- ARGS...: under mpiexec -n N every rank exits non-zero, and exactly
 # one error line (rank 0's) names the problem
 mpi_error() {
