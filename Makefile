@@ -202,10 +202,10 @@ goldens:
 # the Python package against real servers and diffusers pipelines (tests/python): a venv from
 # PyPI (tests/python/requirements.txt) in $(VENV), the package installed with `pip install ./python`
 VENV ?= .venv
-$(VENV)/.installed: tests/python/requirements.txt python/pyproject.toml
+$(VENV)/.installed: tests/python/requirements.txt python/pyproject.toml $(wildcard python/meshdit/*.py)
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check ./python
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --force-reinstall --no-deps ./python
 	touch $@
 
 venv: $(VENV)/.installed

@@ -29,7 +29,8 @@ void cli_usage(FILE *fp) {
     fprintf(
         fp,
         "usage: meshdit <command> [options]\n"
-        "  gen     --model flux|minimax-h3 (--preset NAME | --config FILE) --out DIR\n"
+        "  gen     --model flux|flux2|minimax-h3|qwenimage|wan (--preset NAME | --config FILE)\n"
+        "          --out DIR\n"
         "          [--seed N] [--dtype f32|bf16|f16] [--shards K]\n"
         "  inputs  --checkpoint DIR --out FILE [--seed N] [--img-tokens N] [--txt-tokens N]\n"
         "          [--batch N] [--timestep T] [--guidance G] [--audio-tokens N]\n"
