@@ -7,13 +7,14 @@
 from .client import Client, MeshditError, ServerError
 from .server import Server
 
-__all__ = ["Client", "Server", "MeshditError", "ServerError", "Transformer", "FluxTransformer",
-           "MiniMaxH3Transformer"]
+_DROP_INS = ("Transformer", "FluxTransformer", "MiniMaxH3Transformer", "Flux2Transformer",
+             "QwenImageTransformer", "WanTransformer")
+__all__ = ["Client", "Server", "MeshditError", "ServerError", *_DROP_INS]
 __version__ = "0.1.0"
 
 
 def __getattr__(name):  # the torch layer is imported on first use only
-    if name in ("Transformer", "FluxTransformer", "MiniMaxH3Transformer"):
+    if name in _DROP_INS:
         from . import transformer
         return getattr(transformer, name)
     raise AttributeError(f"module 'meshdit' has no attribute {name!r}")

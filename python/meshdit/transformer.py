@@ -55,10 +55,13 @@ def _refuse(**args) -> None:
     for name, v in args.items():
         if v is None or v is False or (isinstance(v, dict) and not v):
             continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
+            continue  # a count or a value at its default
         what = f"keys {sorted(v)}" if isinstance(v, dict) else "a value"
         raise NotImplementedError(
-            f"meshdit: '{name}' with {what} is not supported (LoRA scales, ControlNet residuals "
-            f"and IP-adapter inputs are not implemented); meshdit runs the checkpoint's own weights")
+            f"meshdit: '{name}' with {what} is not supported (LoRA scales, ControlNet residuals, "
+            f"IP-adapter inputs and KV caches are not implemented); meshdit runs the checkpoint's "
+            f"own weights on the inputs it is given")
 
 
 class Transformer(ModelMixin):
@@ -266,4 +269,94 @@ class MiniMaxH3Transformer(Transformer):
         return MiniMaxH3TransformerOutput(sample=out["sample"], audio_sample=out["audio_sample"])
 
 
-_FAMILIES = {c.family: c for c in (FluxTransformer, MiniMaxH3Transformer)}
+class Flux2Transformer(Transformer):
+    """Stands in for diffusers' Flux2Transformer2DModel."""
+
+    family, class_name = "flux2", "Flux2Transformer2DModel"
+    per_step = frozenset({"hidden_states", "timestep"})
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
+                timestep: torch.LongTensor = None, img_ids: torch.Tensor = None,
+                txt_ids: torch.Tensor = None, guidance: torch.Tensor = None,
+                joint_attention_kwargs: dict | None = None, return_dict: bool = True,
+                kv_cache=None, kv_cache_mode: str | None = None, num_ref_tokens: int = 0,
+                ref_fixed_timestep: float = 0.0):
+        _refuse(joint_attention_kwargs=joint_attention_kwargs, kv_cache=kv_cache,
+                kv_cache_mode=kv_cache_mode, num_ref_tokens=num_ref_tokens,
+                ref_fixed_timestep=ref_fixed_timestep)
+        out = self._run({"hidden_states": hidden_states,
+                         "encoder_hidden_states": encoder_hidden_states, "timestep": timestep,
+                         "img_ids": img_ids, "txt_ids": txt_ids, "guidance": guidance},
+                        like=hidden_states)
+        if not return_dict:
+            return (out["sample"],)
+        from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
+        return Flux2Transformer2DModelOutput(sample=out["sample"])
+
+
+def _img_shapes(img_shapes, batch: int):
+    """diffusers' `img_shapes` (per batch element, a list of (frames, height, width) in patches)
+    as meshdit's int64 [B, n, 3] tensor (docs/models.md, Qwen-Image)."""
+    if img_shapes is None or isinstance(img_shapes, torch.Tensor):
+        return img_shapes
+    try:
+        t = torch.tensor([[tuple(int(d) for d in s) for s in elem] for elem in img_shapes],
+                         dtype=torch.int64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meshdit: img_shapes must be, per batch element, the same number of "
+                         f"(frames, height, width) triples ({e})") from None
+    if t.ndim != 3 or t.shape[2] != 3 or t.shape[0] != batch:
+        raise ValueError(f"meshdit: img_shapes has shape {list(t.shape)}, expected "
+                         f"[{batch}, n, 3] (one list of (frames, height, width) per batch element)")
+    return t
+
+
+class QwenImageTransformer(Transformer):
+    """Stands in for diffusers' QwenImageTransformer2DModel. `img_shapes` goes as an int64
+    [B, n, 3] tensor, `encoder_hidden_states_mask` as it is."""
+
+    family, class_name = "qwenimage", "QwenImageTransformer2DModel"
+    per_step = frozenset({"hidden_states", "timestep"})
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
+                encoder_hidden_states_mask: torch.Tensor = None,
+                timestep: torch.LongTensor = None, img_shapes=None,
+                guidance: torch.Tensor = None, attention_kwargs: dict | None = None,
+                controlnet_block_samples=None, additional_t_cond=None,
+                return_dict: bool = True):
+        _refuse(guidance=guidance, attention_kwargs=attention_kwargs,
+                controlnet_block_samples=controlnet_block_samples,
+                additional_t_cond=additional_t_cond)
+        out = self._run({"hidden_states": hidden_states,
+                         "encoder_hidden_states": encoder_hidden_states,
+                         "encoder_hidden_states_mask": encoder_hidden_states_mask,
+                         "timestep": timestep,
+                         "img_shapes": _img_shapes(img_shapes, hidden_states.shape[0])},
+                        like=hidden_states)
+        if not return_dict:
+            return (out["sample"],)
+        return Transformer2DModelOutput(sample=out["sample"])
+
+
+class WanTransformer(Transformer):
+    """Stands in for diffusers' WanTransformer3DModel (Wan 2.1/2.2: T2V, I2V, TI2V)."""
+
+    family, class_name = "wan", "WanTransformer3DModel"
+    per_step = frozenset({"hidden_states", "timestep"})
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.LongTensor,
+                encoder_hidden_states: torch.Tensor,
+                encoder_hidden_states_image: torch.Tensor | None = None,
+                return_dict: bool = True, attention_kwargs: dict | None = None):
+        _refuse(attention_kwargs=attention_kwargs)
+        out = self._run({"hidden_states": hidden_states, "timestep": timestep,
+                         "encoder_hidden_states": encoder_hidden_states,
+                         "encoder_hidden_states_image": encoder_hidden_states_image},
+                        like=hidden_states)
+        if not return_dict:
+            return (out["sample"],)
+        return Transformer2DModelOutput(sample=out["sample"])
+
+
+_FAMILIES = {c.family: c for c in (FluxTransformer, MiniMaxH3Transformer, Flux2Transformer,
+                                   QwenImageTransformer, WanTransformer)}

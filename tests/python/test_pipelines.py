@@ -1,7 +1,7 @@
 """Real diffusers pipelines end to end: the same pipeline, weights and seed, once with diffusers'
 own transformer and once with `meshdit.Transformer` on several layouts; the decoded outputs
 agree within 1e-4 relative (f32). The pipelines are built locally from small random components
-(tests/python/flux_pipeline.py, h3_pipeline.py): nothing is downloaded."""
+(tests/python/*_pipeline.py): nothing is downloaded."""
 import numpy as np
 import pytest
 import torch
@@ -91,3 +91,66 @@ def test_h3_pipeline(h3_root, h3_ref, layout):
         print(f"h3 {layout} {k}: max rel diff {rel(got[k], ref[k]):.2e}")
         assert rel(got[k], ref[k]) <= TOL
         assert rel(other[k], ref[k]) > 100 * TOL  # the comparison can fail
+
+
+# ---- Qwen-Image: QwenImagePipeline, a batch of two prompts with true CFG and padded masks ----
+@pytest.fixture(scope="module")
+def qwen_root(tmp_path_factory):
+    import qwenimage_pipeline
+    root = str(tmp_path_factory.mktemp("qwen_pipe"))
+    qwenimage_pipeline.build(root, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def qwen_ref(qwen_root):
+    import qwenimage_pipeline
+    pipe = qwenimage_pipeline.load(qwen_root)
+    return (qwenimage_pipeline.generate(pipe, seed=7, steps=2),
+            qwenimage_pipeline.generate(pipe, seed=8, steps=2))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
+def test_qwenimage_pipeline(qwen_root, qwen_ref, layout):
+    import qwenimage_pipeline
+    ref, other = qwen_ref
+    with meshdit.Transformer.from_pretrained(f"{qwen_root}/transformer", **layout) as t:
+        assert isinstance(t, meshdit.QwenImageTransformer)
+        pipe = qwenimage_pipeline.load(qwen_root, transformer=t)
+        got = qwenimage_pipeline.generate(pipe, seed=7, steps=2)
+        assert t.stats["forwards"] == 4  # 2 steps x (prompt, negative prompt)
+    assert got.shape == ref.shape and got.shape[0] == 2
+    print(f"qwenimage {layout}: max rel diff {rel(got, ref):.2e}")
+    assert rel(got, ref) <= TOL
+    assert rel(other, ref) > 100 * TOL  # the comparison can fail
+
+
+# ---- Wan 2.1: WanPipeline, text to video with classifier-free guidance ---------------------
+@pytest.fixture(scope="module")
+def wan_root(tmp_path_factory):
+    import wan_pipeline
+    root = str(tmp_path_factory.mktemp("wan_pipe"))
+    wan_pipeline.build(root, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def wan_ref(wan_root):
+    import wan_pipeline
+    pipe = wan_pipeline.load(wan_root)
+    return wan_pipeline.generate(pipe, seed=9, steps=2), wan_pipeline.generate(pipe, seed=10, steps=2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
+def test_wan_pipeline(wan_root, wan_ref, layout):
+    import wan_pipeline
+    ref, other = wan_ref
+    with meshdit.Transformer.from_pretrained(f"{wan_root}/transformer", **layout) as t:
+        assert isinstance(t, meshdit.WanTransformer)
+        pipe = wan_pipeline.load(wan_root, transformer=t)
+        got = wan_pipeline.generate(pipe, seed=9, steps=2)
+        assert t.stats["forwards"] == 4  # 2 steps x (prompt, negative prompt)
+    assert got.shape == ref.shape and got.ndim == 4
+    print(f"wan {layout}: max rel diff {rel(got, ref):.2e}")
+    assert rel(got, ref) <= TOL
+    assert rel(other, ref) > 100 * TOL  # the comparison can fail

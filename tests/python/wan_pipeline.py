@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""A tiny but real diffusers WanPipeline (Wan 2.1 text-to-video), built locally from random components.
+
+Nothing is downloaded: every component is created here with random weights and saved with
+``save_pretrained``, so ``WanPipeline.from_pretrained(root)`` works offline (see `load` for the one
+environment gap). The tokenizer is built from a local, in-memory vocabulary (no prompt-embedding shortcut):
+``T5TokenizerFast`` (= ``T5Tokenizer`` in transformers 5, a ``tokenizers`` Unigram model, the class of
+Wan's google/umt5-xxl tokenizer): ``<pad>``=0, ``</s>``=1, ``<unk>``=2, then ``▁``, single characters and
+``▁word`` pieces with scores.
+
+Sizes (Wan2.1-T2V layout, scaled down):
+
+* transformer: ``WanTransformer3DModel`` 2 blocks, 4 heads x head_dim 16 (inner 64; RoPE splits the head
+  dim 8/4/4 over frames/rows/columns), ffn 128, freq_dim 32, text_dim 32 (= UMT5 d_model), in/out channels 8
+  (= VAE z_dim), patch (1, 2, 2), qk_norm rms_norm_across_heads, cross_attn_norm, rope_max_seq_len 32,
+  float32. Every constant parameter (norm weights at 1, zero biases) is perturbed so that it matters.
+* vae: ``AutoencoderKLWan`` base_dim 8, dim_mult (1, 1, 1, 1), 1 res block, z_dim 8, temporal downsampling
+  (False, True, True): spatial /8, temporal /4 (5 frames -> 2 latent frames); random latents_mean/std.
+* text_encoder: ``UMT5EncoderModel`` d_model 32, 2 layers, 4 heads x d_kv 8, d_ff 64, gated-gelu (as umt5).
+* scheduler: ``UniPCMultistepScheduler`` with Wan2.1-T2V's shipped config (flow_prediction, use_flow_sigmas,
+  flow_shift 3.0, solver_order 2): integer timesteps 0..999.
+* transformer_2: None, boundary_ratio None, expand_timesteps False (Wan 2.1, not 2.2 A14B / TI2V).
+
+generate() asks for 5 frames at 32 x 48 (latents [1, 8, 2, 4, 6] -> 2 x 2 x 3 = 12 video tokens), 32 text
+tokens, guidance_scale 5 with a negative prompt, so each step calls the transformer twice (cond, uncond).
+
+Usage: ``python tests/python/wan_pipeline.py [--meshdit build/meshdit] [--keep DIR] [--steps N]`` builds into
+a temp dir, runs the pipeline twice with diffusers' own transformer and prints shapes, times and the max abs
+difference between the two runs (must be 0); then a non-Module stand-in for the transformer, and meshdit run on
+the pipeline's captured first transformer call, compared with diffusers' output of that call.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+# Sizes; also used by callers that want to know the layout.
+HEADS = 4
+HEAD_DIM = 16
+TEXT_DIM = 32  # UMT5 d_model = transformer text_dim
+LATENT_CHANNELS = 8  # VAE z_dim = transformer in_channels
+TXT_LEN = 32  # max_sequence_length used by generate()
+NUM_FRAMES = 5
+HEIGHT, WIDTH = 32, 48
+PROMPT = "a red cat on a table"
+NEGATIVE_PROMPT = "blurry static gray low quality"
+
+TRANSFORMER_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=HEADS,
+    attention_head_dim=HEAD_DIM,
+    in_channels=LATENT_CHANNELS,
+    out_channels=LATENT_CHANNELS,
+    text_dim=TEXT_DIM,
+    freq_dim=32,
+    ffn_dim=128,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    added_kv_proj_dim=None,
+    rope_max_seq_len=32,
+    pos_embed_seq_len=None,
+)
+
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json.
+SCHEDULER_CONFIG = dict(
+    beta_end=0.02, beta_schedule="linear", beta_start=0.0001, disable_corrector=[],
+    dynamic_thresholding_ratio=0.995, final_sigmas_type="zero", flow_shift=3.0, lower_order_final=True,
+    num_train_timesteps=1000, predict_x0=True, prediction_type="flow_prediction", rescale_betas_zero_snr=False,
+    sample_max_value=1.0, solver_order=2, solver_p=None, solver_type="bh2", steps_offset=0, thresholding=False,
+    timestep_spacing="linspace", trained_betas=None, use_beta_sigmas=False, use_exponential_sigmas=False,
+    use_flow_sigmas=True, use_karras_sigmas=False,
+)
+
+_WORDS = [
+    "a", "an", "the", "of", "on", "in", "with", "and", "video", "red", "green", "blue", "white", "black",
+    "gray", "cube", "sphere", "cat", "dog", "table", "small", "big", "car", "tree", "house", "sky", "blurry",
+    "static", "low", "quality", "walks", "runs",
+]
+
+
+def _t5_tokenizer():
+    """A UMT5-style tokenizer (sentencepiece Unigram) over a small local vocabulary."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    seen = {p for p, _ in pieces}
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"
+    for c in chars:
+        for p, s in ((c, -6.0), ("\u2581" + c, -5.0)):
+            if p not in seen:
+                seen.add(p)
+                pieces.append((p, s))
+    for w in _WORDS:
+        p = "\u2581" + w
+        if p not in seen:
+            seen.add(p)
+            pieces.append((p, -1.0 - 0.01 * len(pieces)))
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def _perturb_constants(model, gen, scale=0.1):
+    """Every parameter that is one constant (norm weights/gammas at 1, zero biases) gets noise, so that a
+    wrong use of it shows in the output."""
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            if flat.numel() and bool((flat == flat[0]).all()):
+                p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> None:
+    """Write a complete, deterministic (for a seed) tiny WanPipeline under root (float32, random weights).
+    transformer_config overrides WanTransformer3DModel arguments (keep text_dim, in/out_channels, patch_size)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    gen = torch.Generator("cpu").manual_seed(seed + 12345)
+
+    tokenizer = _t5_tokenizer()
+
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(**{**TRANSFORMER_CONFIG, **(transformer_config or {})}).eval()
+    _perturb_constants(transformer, gen)
+
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=LATENT_CHANNELS,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        latents_mean=[round(v, 4) for v in (0.5 * torch.randn(LATENT_CHANNELS, generator=gen)).tolist()],
+        latents_std=[round(v, 4) for v in (1.0 + torch.rand(LATENT_CHANNELS, generator=gen)).tolist()],
+    ).eval()
+    _perturb_constants(vae, gen)
+
+    torch.manual_seed(seed + 2)
+    t5_cfg = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=TEXT_DIM,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        is_encoder_decoder=False,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
+    text_encoder = UMT5EncoderModel(t5_cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        # Unit-scale embeddings (the default init is tiny) so that the prompt moves the encoder output.
+        emb = text_encoder.get_input_embeddings().weight
+        emb.copy_(torch.randn(emb.shape, generator=gen))
+    _perturb_constants(text_encoder, gen)
+
+    scheduler = UniPCMultistepScheduler(**SCHEDULER_CONFIG)
+
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer, transformer_2=None, boundary_ratio=None, expand_timesteps=False)
+    os.makedirs(root, exist_ok=True)
+    pipe.save_pretrained(root, safe_serialization=True)
+
+
+def _transformer_from_dir(path):
+    """WanTransformer3DModel from a save_pretrained directory without accelerate: from_config, then the
+    safetensors weights with a strict load_state_dict (all float32, so `_keep_in_fp32_modules` changes nothing)."""
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(path))
+    model.load_state_dict(load_file(os.path.join(path, "diffusion_pytorch_model.safetensors")), strict=True)
+    return model.eval()
+
+
+def load(root: str, transformer=None):
+    """Load the pipeline from root on CPU (float32); use `transformer` instead of root/transformer if given.
+
+    Without accelerate, diffusers' from_pretrained refuses WanTransformer3DModel: it declares
+    `_keep_in_fp32_modules`, which forces low_cpu_mem_usage=True, which needs accelerate. So when no transformer
+    is given, root/transformer is built with from_config + a strict load_state_dict (`_transformer_from_dir`) and
+    passed in as transformer=; with accelerate installed plain from_pretrained is used. A drop-in that is a
+    diffusers ModelMixin is passed as WanPipeline.from_pretrained(root, transformer=obj); anything else would be
+    refused by pipeline_loading_utils.maybe_raise_or_warn ("... should be ModelMixin"), so the pipeline is then
+    loaded with transformer=None (root/transformer is not read) and the object attached with
+    register_modules(transformer=obj). transformer_2 stays None (model_index.json has [null, null])."""
+    from diffusers import WanPipeline
+    from diffusers.models.modeling_utils import ModelMixin
+    from diffusers.utils import is_accelerate_available
+
+    kwargs = {"dtype": torch.float32}
+    if transformer is None:
+        if is_accelerate_available():
+            pipe = WanPipeline.from_pretrained(root, **kwargs)
+        else:
+            pipe = WanPipeline.from_pretrained(
+                root, transformer=_transformer_from_dir(os.path.join(root, "transformer")), **kwargs)
+    elif isinstance(transformer, ModelMixin):
+        pipe = WanPipeline.from_pretrained(root, transformer=transformer, **kwargs)
+    else:
+        pipe = WanPipeline.from_pretrained(root, transformer=None, **kwargs)
+        pipe.register_modules(transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate(pipe, seed: int = 0, steps: int = 2, prompt: str = PROMPT, negative_prompt: str = NEGATIVE_PROMPT,
+             guidance_scale: float = 5.0, num_frames: int = NUM_FRAMES, height: int = HEIGHT, width: int = WIDTH,
+             **kwargs) -> np.ndarray:
+    """Run the pipeline; return the decoded video as float32 numpy [F, H, W, 3] in [0, 1] (default
+    [5, 32, 48, 3]). With guidance_scale > 1 (default 5) every step calls the transformer twice: the prompt, then
+    the negative prompt. Other keyword arguments go to the pipeline."""
+    generator = torch.Generator("cpu").manual_seed(seed)
+    with torch.inference_mode():
+        out = pipe(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=TXT_LEN,
+            generator=generator,
+            output_type="np",
+            **kwargs,
+        )
+    return np.asarray(out.frames[0], dtype=np.float32)
+
+
+# ---- __main__: determinism, a non-Module stand-in, and meshdit on the pipeline's real transformer inputs ----
+
+
+class _ForwardProxy:
+    """A plain object (not a torch.nn.Module) in front of a transformer: .config, .dtype, .device,
+    cache_context, a forward with the wrapped signature, __call__. What a meshdit drop-in looks like to the
+    pipeline."""
+
+    def __init__(self, model):
+        self._model = model
+        self.config = model.config
+        self.dtype = model.dtype
+        self.device = model.device
+        self.cache_context = model.cache_context
+        self.forward = model.forward  # bound method: inspect.signature gives the diffusers parameters
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def _capture_calls(model):
+    """Forward hook keeping the kwargs and output of every call of the model, in call order."""
+    calls = []
+
+    def hook(module, args, kwargs, output):
+        sample = output[0] if isinstance(output, tuple) else output.sample
+        calls.append({"kwargs": {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in kwargs.items()},
+                      "sample": sample.detach().clone()})
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    return calls, handle
+
+
+def _save_inputs(kwargs, path):
+    """The tensor kwargs as safetensors (float32 floats, int64 ints); notes on anything else."""
+    from safetensors.torch import save_file
+
+    tensors, notes = {}, []
+    for name, value in kwargs.items():
+        if not torch.is_tensor(value):
+            if value is not None and name != "return_dict":
+                notes.append(f"{name}={value!r} (not a tensor, not saved)")
+            continue
+        if value.is_floating_point():
+            if value.dtype != torch.float32:
+                notes.append(f"{name}: {value.dtype} -> float32")
+            value = value.to(torch.float32)
+        else:
+            if value.dtype != torch.int64:
+                notes.append(f"{name}: {value.dtype} -> int64")
+            value = value.to(torch.int64)
+        tensors[name] = value.contiguous()
+    save_file(tensors, path)
+    return tensors, notes
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--meshdit", default=os.path.join(here, "..", "..", "build", "meshdit"))
+    ap.add_argument("--keep", help="build into this directory (kept) instead of a temporary one")
+    ap.add_argument("--steps", type=int, default=2)
+    args = ap.parse_args()
+    meshdit = os.path.abspath(args.meshdit)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+    root = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="wan_pipe_")
+    ok = True
+    try:
+        t0 = time.perf_counter()
+        build(root, seed=0)
+        t1 = time.perf_counter()
+        pipe = load(root)
+        t2 = time.perf_counter()
+        calls, handle = _capture_calls(pipe.transformer)
+        a = generate(pipe, seed=0, steps=args.steps)
+        t3 = time.perf_counter()
+        handle.remove()
+        b = generate(pipe, seed=0, steps=args.steps)
+        t4 = time.perf_counter()
+        c = generate(pipe, seed=1, steps=args.steps)
+        cfg = pipe.transformer.config
+        for tp in (2, 4):
+            assert cfg.num_attention_heads % tp == 0 and cfg.ffn_dim % tp == 0, tp
+        print(f"root: {root}")
+        for name in ("transformer", "vae", "text_encoder"):
+            m = getattr(pipe, name)
+            print(f"{name}: {type(m).__name__} params={sum(p.numel() for p in m.parameters())} dtype={m.dtype}")
+        print(f"tokenizer: {type(pipe.tokenizer).__name__} vocab={len(pipe.tokenizer)}; "
+              f"scheduler: {type(pipe.scheduler).__name__}; transformer_2: {pipe.transformer_2}")
+        print(f"video shape: {a.shape} dtype: {a.dtype} range: [{a.min():.4f}, {a.max():.4f}] "
+              f"clamped {float(np.mean((a <= 0) | (a >= 1))):.1%}")
+        print(f"build: {t1 - t0:.2f}s  load: {t2 - t1:.2f}s  generate ({args.steps} steps, "
+              f"{len(calls)} transformer calls): {t3 - t2:.2f}s, {t4 - t3:.2f}s")
+        diff = float(np.max(np.abs(a - b)))
+        print(f"max abs diff between two runs (same seed): {diff}")
+        print(f"max abs diff vs seed 1: {float(np.max(np.abs(a - c))):.4f}")
+        ok &= diff == 0.0
+
+        # The same pipeline with a plain-object stand-in for the transformer must give the same video.
+        proxy_pipe = load(root, transformer=_ForwardProxy(pipe.transformer))
+        d = float(np.max(np.abs(a - generate(proxy_pipe, seed=0, steps=args.steps))))
+        print(f"non-Module stand-in ({type(proxy_pipe.transformer).__name__}): max|diff| = {d:.3e}")
+        ok &= d == 0.0
+
+        if not os.path.exists(meshdit):
+            print(f"meshdit not found at {meshdit}; skipping the meshdit check")
+        else:
+            # The first transformer call (step 0, cond) and the first uncond call, replayed in meshdit.
+            from safetensors.torch import load_file
+
+            tdir = os.path.join(root, "transformer")
+            for i, call in enumerate(calls[:2]):
+                tag = "step0" if i == 0 else "step0_uncond"
+                inp, outp = f"/tmp/wan_{tag}.safetensors", f"/tmp/wan_{tag}_out.safetensors"
+                tensors, notes = _save_inputs(call["kwargs"], inp)
+                print(f"call {i} ({tag}) transformer inputs: " + ", ".join(
+                    f"{k} {list(v.shape)} {str(v.dtype)[6:]}" for k, v in tensors.items())
+                    + f"; timestep {tensors['timestep'].tolist()}")
+                for n in notes:
+                    print(f"  note: {n}")
+                cmd = [meshdit, "run", "--checkpoint", tdir, "--inputs", inp, "--out", outp, "--quiet"]
+                t0 = time.perf_counter()
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                print(f"$ meshdit {' '.join(cmd[1:])}: rc {r.returncode} ({time.perf_counter() - t0:.2f}s)")
+                if r.returncode:
+                    print("meshdit refused the pipeline's inputs:\n" + r.stdout + r.stderr)
+                    ok = False
+                    continue
+                ref, got = call["sample"], load_file(outp).get("sample")
+                if got is None or tuple(got.shape) != tuple(ref.shape):
+                    print(f"  sample: meshdit {None if got is None else list(got.shape)} vs diffusers "
+                          f"{list(ref.shape)}")
+                    ok = False
+                    continue
+                rel = _rel(got, ref)
+                print(f"  meshdit vs diffusers sample {list(ref.shape)}: max|a-b| "
+                      f"{float((got - ref).abs().max()):.3e}, max|b| {float(ref.abs().max()):.3e}, rel {rel:.3e}")
+                ok &= rel < 1e-4
+        print("OK" if ok else "FAILED")
+        return 0 if ok else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
