@@ -55,6 +55,14 @@ def encode(metadata: Mapping[str, str], tensors: Mapping[str, Raw] | None = None
     header = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
     parts, off = [], 0
     for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"meshdit: {name!r} cannot name a tensor")
+        if not isinstance(t, Raw):
+            t = raw(t)  # a numpy array (or anything np.asarray takes)
+        data = t.data if isinstance(t.data, memoryview) else memoryview(t.data)
+        t = t._replace(data=data.cast("B") if data.format != "B" or data.ndim != 1 else data)
+        if any(not isinstance(d, int) or d < 0 for d in t.shape):
+            raise ValueError(f"meshdit: tensor '{name}': shape {list(t.shape)}")
         n = len(t.data)
         count = 1
         for d in t.shape:
@@ -91,13 +99,19 @@ def decode(blob) -> tuple[dict, dict]:
     meta = header.pop("__metadata__", None) or {}
     data = buf[8 + n:]
     out = {}
+    if not isinstance(meta, dict):
+        raise ValueError("meshdit: a reply's __metadata__ is not a JSON object")
     for name, e in header.items():
-        dt, shape, (b, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
-        if dt not in _NP or not 0 <= b <= end <= len(data):
-            raise ValueError(f"meshdit: a reply's tensor '{name}' has dtype {dt} or offsets "
-                             f"[{b}, {end}] outside its {len(data)} data bytes")
-        a = np.frombuffer(data[b:end], dtype=_NP[dt])
-        out[name] = a.reshape(shape)
+        try:
+            dt, shape, (b, end) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
+            ok = dt in _NP and 0 <= b <= end <= len(data) and all(d >= 0 for d in shape)
+            a = np.frombuffer(data[b:end], dtype=_NP[dt]).reshape(shape) if ok else None
+        except (KeyError, TypeError, ValueError):
+            a = None
+        if a is None:
+            raise ValueError(f"meshdit: a reply's tensor '{name}' is not a valid entry "
+                             f"(dtype, shape and offsets within its {len(data)} data bytes)")
+        out[name] = a
     return meta, out
 
 

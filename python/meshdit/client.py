@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
+import threading
 import time
 from typing import Callable, Mapping
 
@@ -42,12 +44,30 @@ class Client:
     def __init__(self, endpoint: str, timeout: float | None = 600.0,
                  alive: Callable[[], str | None] | None = None):
         self.endpoint, self.timeout, self._alive = endpoint, timeout, alive
+        if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://")):
+            raise MeshditError(f"meshdit: endpoint {endpoint!r} is neither ipc://PATH nor "
+                               f"tcp://HOST:PORT")
+        if endpoint.startswith("ipc://"):
+            # ZeroMQ would wait for a socket file to appear: say at once that there is no server
+            path = endpoint[len("ipc://"):]
+            try:
+                is_sock = stat.S_ISSOCK(os.stat(path).st_mode)
+            except OSError as e:
+                raise MeshditError(f"meshdit: no server at {endpoint}: {e.strerror}") from None
+            if not is_sock:
+                raise MeshditError(f"meshdit: no server at {endpoint}: '{path}' is not a socket")
+        self._lock = threading.Lock()  # one request at a time over the one socket
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if endpoint.startswith("tcp://[") or endpoint.count(":") > 2:
             self._sock.setsockopt(zmq.IPV6, 1)
-        self._sock.connect(endpoint)
+        try:
+            self._sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            self._sock.close(0)
+            self._sock = None
+            raise MeshditError(f"meshdit: cannot connect to {endpoint}: {e}") from None
         self.bytes_sent = 0  # request bytes over the connection's life
         self.bytes_received = 0
         # the server's --max-request-bytes (from info): ZeroMQ drops a larger message without a
@@ -60,8 +80,13 @@ class Client:
         """Sends one request and waits for its reply: (metadata, {name: numpy array}).
 
         Raises ServerError for an error reply, MeshditError when no reply comes in time or the
-        server ended. timeout -1 means the client's default.
+        server ended. timeout -1 means the client's default. Thread-safe: requests from several
+        threads take turns.
         """
+        with self._lock:
+            return self._request(metadata, tensors, timeout)
+
+    def _request(self, metadata, tensors, timeout):
         if self._sock is None:
             raise MeshditError("meshdit: the client is closed")
         op = str(metadata.get("op", "?"))
@@ -76,7 +101,9 @@ class Client:
         limit = self.timeout if timeout == -1.0 else timeout
         t0 = time.monotonic()
         while True:
-            if self._sock.poll(100, zmq.POLLIN):
+            left = None if limit is None else limit - (time.monotonic() - t0)
+            wait_ms = 100 if left is None else max(0, min(100, int(left * 1000)))
+            if self._sock.poll(wait_ms, zmq.POLLIN):
                 frames = self._sock.recv_multipart(copy=False)
                 blob = frames[-1].buffer
                 self.bytes_received += len(blob)
@@ -93,7 +120,7 @@ class Client:
             why = self._alive() if self._alive else None
             if why:
                 raise MeshditError(f"meshdit serve: {op}: {why}")
-            if limit is not None and time.monotonic() - t0 > limit:
+            if limit is not None and time.monotonic() - t0 >= limit:
                 raise MeshditError(f"meshdit serve: {op}: no reply from {self.endpoint} within "
                                    f"{limit:g} s")
 
@@ -116,8 +143,8 @@ class Client:
                 meta["end_session"] = "1"
         return self.request(meta, tensors)
 
-    def end_session(self, session: str) -> None:
-        self.request({"op": "end_session", "session": session})
+    def end_session(self, session: str, timeout: float | None = -1.0) -> None:
+        self.request({"op": "end_session", "session": session}, timeout=timeout)
 
     def close_server(self, timeout: float = 30.0) -> None:
         """Asks the server to exit (every rank, exit 0); the reply comes first."""
@@ -125,9 +152,10 @@ class Client:
 
     def close(self) -> None:
         """Closes this connection (the server goes on)."""
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(0)
+                self._sock = None
 
     def __enter__(self):
         return self

@@ -8,9 +8,14 @@ server's own one-line error.
 """
 from __future__ import annotations
 
+import ctypes
+import numbers
 import os
+import re
+import shlex
 import shutil
 import signal
+import sys
 import subprocess
 import tempfile
 import time
@@ -62,15 +67,22 @@ class Server:
                  launcher: Sequence[str] | None = None, binary: str | None = None,
                  endpoint: str | None = None, extra: Sequence[str] = (), env=None,
                  startup_timeout: float = 600.0, timeout: float | None = None):
-        if not os.path.isdir(checkpoint):
+        if not isinstance(checkpoint, (str, os.PathLike)) or not os.path.isdir(checkpoint):
             raise MeshditError(f"meshdit: checkpoint '{checkpoint}' is not a directory")
+        layout = []
         for k, v in zip(_LAYOUT, (tp, ring, ulysses)):
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise MeshditError(f"meshdit: {k}={v!r}: must be an integer >= 1")
+            layout.append(int(v))
+        tp, ring, ulysses = layout
         world = tp * ring * ulysses
+        exe = find_binary(binary)  # both resolved before anything is made
+        launch = (default_launcher(world) if launcher is None else
+                  shlex.split(launcher) if isinstance(launcher, str) else list(launcher))
+        extra = shlex.split(extra) if isinstance(extra, str) else list(extra)
         self._tmp = tempfile.mkdtemp(prefix="meshdit-")
         self.endpoint = endpoint or f"ipc://{self._tmp}/serve.sock"
-        args = [find_binary(binary), "serve", "--checkpoint", os.path.abspath(checkpoint),
+        args = [exe, "serve", "--checkpoint", os.path.abspath(checkpoint),
                 "--tp", str(tp), "--ring", str(ring), "--ulysses", str(ulysses),
                 "--listen", self.endpoint]
         opt = {"--mesh-order": mesh_order, "--device": device, "--dtype": dtype, "--comm": comm,
@@ -80,8 +92,8 @@ class Server:
         for k, v in opt.items():
             if v is not None:
                 args += [k, _size_arg(v) if k.startswith("--max") else str(v)]
-        args += list(extra)
-        self.command = list(launcher if launcher is not None else default_launcher(world)) + args
+        args += extra
+        self.command = launch + args
         self.log_path = os.path.join(self._tmp, "serve.log")
         self._log = open(self.log_path, "wb")
         run_env = dict(os.environ if env is None else env)
@@ -89,7 +101,7 @@ class Server:
         try:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, env=run_env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         except OSError as e:
             self._log.close()
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -98,7 +110,14 @@ class Server:
         # also runs at interpreter exit)
         self._finalizer = weakref.finalize(self, _stop, self.proc, self._log, self._tmp, 0.0)
         self._wait_ready(startup_timeout)
-        self.client = Client(self.endpoint, timeout=timeout, alive=self._alive)
+        alive = weakref.WeakMethod(self._alive)  # no cycle: a dropped Server is stopped at once
+        self.client = Client(self.endpoint, timeout=timeout,
+                             alive=lambda: (alive() or (lambda: "the server was closed"))())
+        try:
+            self.info = self.client.info()  # also teaches the client --max-request-bytes
+        except BaseException:
+            self.close()
+            raise
 
     # -- the job's state ------------------------------------------------------------------------
     def log(self) -> str:
@@ -110,10 +129,17 @@ class Server:
             return ""
 
     def error_line(self) -> str:
-        """The job's last `meshdit: error: ...` line, or its last line, or ''."""
-        lines = [ln for ln in self.log().splitlines() if ln.strip()]
+        """The job's last `meshdit: error: ...` line; else, for a rank the launcher saw killed,
+        which signal; else its last line, or ''."""
+        lines = [ln.strip() for ln in self.log().splitlines() if ln.strip()]
         errs = [ln for ln in lines if ln.startswith("meshdit: ")]
-        return (errs or lines or [""])[-1]
+        if errs:
+            return errs[-1]
+        for ln in reversed(lines):  # MPICH: "... EXIT STRING: Killed (signal 9)"
+            m = re.search(r"(Killed|Terminated|Segmentation fault|Aborted)?\s*\(signal (\d+)\)", ln)
+            if m:
+                return f"a rank was killed (signal {m.group(2)}{', ' + m.group(1) if m.group(1) else ''})"
+        return (lines or [""])[-1]
 
     def _alive(self) -> str | None:
         rc = self.proc.poll()
@@ -160,6 +186,17 @@ class Server:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _die_with_parent() -> None:
+    """In the launcher's child process: the kernel sends it SIGTERM when this process ends
+    (Linux PR_SET_PDEATHSIG), so a Python process that is killed does not leave its server
+    running; the launcher passes SIGTERM on to every rank, which exits 0. Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
 
 
 def _stop(proc, log, tmp, grace: float) -> int | None:

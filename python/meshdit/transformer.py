@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import threading
 import time
 from typing import Any
 
@@ -80,6 +82,8 @@ class Transformer(ModelMixin):
         self._dtype, self._device = torch_dtype, torch.device("cpu")
         cap = min(4, int(info.get("max_sessions", "0"))) if sessions else 0
         self._planner = Planner(cap)
+        self._stale: list[str] = []  # sessions to end on the server before the next request
+        self._lock = threading.RLock()
         self._cache_name = None
         self.stats = {"forwards": 0, "request_bytes": [], "step_seconds": [], "wall_seconds": []}
 
@@ -89,13 +93,17 @@ class Transformer(ModelMixin):
                         mesh_order: str | None = None, device: str | None = None,
                         dtype: str | None = None, launcher=None, binary: str | None = None,
                         torch_dtype: torch.dtype = torch.float32, sessions: bool = True,
-                        timeout: float | None = None, **serve_options) -> "Transformer":
+                        timeout: float | None = None, subfolder: str | None = None,
+                        **serve_options) -> "Transformer":
         """Starts ``meshdit serve`` on `checkpoint` (a diffusers transformer directory) with the
         given layout and connects. device/dtype are the mesh's (``cpu``/``cuda``,
         ``f32``/``bf16``); torch_dtype is what `.dtype` reports to the pipeline. Other keyword
         arguments are serve options (comm, max_memory, max_sessions, step_timeout, endpoint, ...).
         timeout: seconds a forward may take (None: no bound; the server process is watched, so a
-        server that dies ends the wait with its error line)."""
+        server that dies ends the wait with its error line). subfolder: as diffusers'
+        (``from_pretrained(PIPELINE_DIR, subfolder="transformer")``)."""
+        if subfolder:  # diffusers' from_pretrained(ROOT, subfolder="transformer")
+            checkpoint = os.path.join(checkpoint, subfolder)
         server = Server(checkpoint, tp=tp, ring=ring, ulysses=ulysses, mesh_order=mesh_order,
                         device=device, dtype=dtype, launcher=launcher, binary=binary,
                         timeout=timeout, **serve_options)
@@ -150,6 +158,21 @@ class Transformer(ModelMixin):
                 self._device = torch.device(a)
         return self
 
+    def half(self):
+        return self.to(torch.float16)
+
+    def float(self):
+        return self.to(torch.float32)
+
+    def bfloat16(self):
+        return self.to(torch.bfloat16)
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def cuda(self, device=None):
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else device or "cuda")
+
     @contextlib.contextmanager
     def cache_context(self, name: str, **kwargs):
         prev, self._cache_name = self._cache_name, name
@@ -161,23 +184,14 @@ class Transformer(ModelMixin):
     # ---- the forward --------------------------------------------------------------------------
     def _run(self, inputs: dict[str, Any], like: torch.Tensor) -> dict[str, torch.Tensor]:
         """Sends the inputs that are not None, returns the outputs as `like`'s dtype and device."""
+        if self._client is None:
+            raise MeshditError(f"meshdit: this {type(self).__name__} is closed")
         t0 = time.perf_counter()
+        if not isinstance(like, torch.Tensor):
+            like = torch.as_tensor(like)
         raws = {n: _to_raw(n, v) for n, v in inputs.items() if v is not None}
-        session, send, keep, ended, fps = self._planner.plan(raws, self.per_step)
-        for s in ended:
-            self._client.end_session(s)
-        try:
-            meta, out = self._client.forward(send, session=session, keep=keep)
-            self._planner.commit(session, fps)
-        except ServerError as e:
-            if session is None or f"session '{session}'" not in e.error:
-                raise
-            # the session is gone or over a server limit: this forward goes without one, and so
-            # do later ones when a limit was the reason
-            self._planner.forget(session)
-            if "limit" in e.error:
-                self._planner.capacity = 0
-            meta, out = self._client.forward(raws)
+        with self._lock:
+            meta, out = self._forward(raws)
         self.stats["forwards"] += 1
         self.stats["request_bytes"].append(int(meta.get("bytes_received", 0)))
         self.stats["step_seconds"].append(float(meta.get("step_seconds", "nan")))
@@ -186,18 +200,56 @@ class Transformer(ModelMixin):
         self.stats["wall_seconds"].append(time.perf_counter() - t0)
         return res
 
+    def _forward(self, raws):
+        """One forward through the planner. A session whose server-side state is not known for
+        sure (an error reply, a timeout, an interrupt) is forgotten here and ended on the server
+        before the next request, so a later forward never builds on stale tensors."""
+        for s in self._stale:
+            with contextlib.suppress(MeshditError):
+                self._client.end_session(s, timeout=5.0)
+        self._stale.clear()
+        session, send, keep, ended, fps = self._planner.plan(raws, self.per_step)
+        for s in ended:
+            self._client.end_session(s)
+        try:
+            meta, out = self._client.forward(send, session=session, keep=keep)
+        except ServerError as e:
+            if session is None:
+                raise
+            self._planner.forget(session)
+            self._stale.append(session)
+            if "limit" in e.error and f"session '{session}'" in e.error:
+                self._planner.capacity = 0  # over a server limit: no sessions from now on
+            elif len(send) == len(raws):
+                raise  # everything was sent: the error is the inputs', not the session's
+            # the session lost tensors it should hold (ended by the server, say): resend all
+            return self._client.forward(raws)
+        except BaseException:
+            if session is not None:
+                self._planner.forget(session)
+                self._stale.append(session)
+            raise
+        self._planner.commit(session, fps)
+        return meta, out
+
     # ---- ending it ----------------------------------------------------------------------------
     def close(self) -> None:
         """Ends this object's sessions, then the server it started (or just the connection)."""
         if self._client is None:
             return
-        try:
-            for s in list(self._planner.open):
+        with self._lock:
+            sessions = self._stale + list(self._planner.open)
+            self._stale.clear()
+            for s in sessions:
                 self._planner.forget(s)
-                if self._server is None or self._server.proc.poll() is None:
-                    self._client.end_session(s)
-        except MeshditError:
-            pass
+            # a server this object started ends with its sessions; a shared one is told (briefly:
+            # a server that is gone must not hold up close)
+            if self._server is None:
+                for s in sessions:
+                    try:
+                        self._client.end_session(s, timeout=1.0)
+                    except MeshditError:
+                        break
         if self._server is not None:
             self._server.close()
         else:
@@ -233,6 +285,9 @@ class FluxTransformer(Transformer):
                 controlnet_block_samples=controlnet_block_samples,
                 controlnet_single_block_samples=controlnet_single_block_samples,
                 controlnet_blocks_repeat=controlnet_blocks_repeat)
+        if guidance is not None and not self.config.get("guidance_embeds", False):
+            raise ValueError("meshdit: 'guidance' was given, but this FluxTransformer2DModel has "
+                             "no guidance embedding (config guidance_embeds is false)")
         out = self._run({"hidden_states": hidden_states,
                          "encoder_hidden_states": encoder_hidden_states,
                          "pooled_projections": pooled_projections, "timestep": timestep,
@@ -284,6 +339,8 @@ class Flux2Transformer(Transformer):
         _refuse(joint_attention_kwargs=joint_attention_kwargs, kv_cache=kv_cache,
                 kv_cache_mode=kv_cache_mode, num_ref_tokens=num_ref_tokens,
                 ref_fixed_timestep=ref_fixed_timestep)
+        if not self.config.get("guidance_embeds", True):
+            guidance = None  # diffusers' Flux2 reads guidance only with a guidance embedder
         out = self._run({"hidden_states": hidden_states,
                          "encoder_hidden_states": encoder_hidden_states, "timestep": timestep,
                          "img_ids": img_ids, "txt_ids": txt_ids, "guidance": guidance},

@@ -4,6 +4,7 @@ bytes, the same results; sessions off is the negative control), refused argument
 replies, a server that cannot start or dies, connect/close."""
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -221,9 +222,86 @@ def test_connect_and_close(tmp_path):
         assert t.info["tp"] == "2" and t.info["family"] == "flux"
     assert srv.client.info()["world"] == "2"  # a connected drop-in's close leaves the server
     assert srv.close() == 0 and not os.path.exists(sock)  # close request: every rank exits 0
+    t0 = time.monotonic()  # a socket file that is not there: said at once, not after a timeout
+    with pytest.raises(meshdit.MeshditError, match="no server at ipc://.*nobody.sock"):
+        meshdit.Client("ipc://" + str(tmp_path / "nobody.sock"), timeout=30)
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(meshdit.MeshditError, match="is not a socket"):
+        meshdit.Transformer.connect("ipc://" + str(tmp_path / "plain"))
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(meshdit.MeshditError, match="neither ipc"):
+        meshdit.Client("udp://x")
+    with pytest.raises(meshdit.MeshditError, match="no reply"):  # tcp: nobody listens
+        meshdit.Client("tcp://127.0.0.1:9", timeout=0.5).info()
+    with pytest.raises(meshdit.MeshditError, match="is closed"):  # use after close
+        t(**tensors(os.path.join(FLUX, "inputs.safetensors")))
+
+
+def test_an_interrupted_forward_leaves_no_stale_session(flux_tp2):
+    """A forward that times out (or is interrupted) leaves its session in an unknown state:
+    it is ended, and the next forwards send everything again and equal a fresh client's."""
+    args = tensors(os.path.join(FLUX, "inputs.safetensors"))
+    ref = flux_tp2(**args).sample
+    other = dict(args, encoder_hidden_states=args["encoder_hidden_states"] * 0.5)
+    flux_tp2._client.timeout = 1e-4  # the reply cannot come in time
     with pytest.raises(meshdit.MeshditError, match="no reply"):
-        c = meshdit.Client("ipc://" + str(tmp_path / "nobody.sock"), timeout=0.5)
-        c.info()
+        flux_tp2(**other)
+    flux_tp2._client.timeout = None
+    assert not any(s in flux_tp2._planner.open for s in flux_tp2._stale)
+    with meshdit.Transformer.connect(flux_tp2._client.endpoint, sessions=False) as plain:
+        want = plain(**other).sample
+    assert torch.equal(flux_tp2(**other).sample, want)
+    assert torch.equal(flux_tp2(**args).sample, ref) and not torch.equal(want, ref)
+
+
+def test_guidance_without_an_embedder_is_refused(tmp_path):
+    args = tensors(os.path.join(FLUX, "inputs.safetensors"))
+    with meshdit.Transformer.from_pretrained(FLUX) as t:
+        if t.config.get("guidance_embeds"):
+            pytest.skip("the tiny Flux has guidance embeds")
+        with pytest.raises(ValueError, match="no guidance embedding"):
+            t(**args, guidance=torch.ones(1))
+
+
+def test_a_dropped_server_is_stopped_without_gc():
+    import gc
+    gc.disable()
+    try:
+        srv = meshdit.Server(FLUX)
+        proc = srv.proc
+        del srv  # no cycle keeps it: stopped at once
+        assert proc.wait(timeout=20) is not None
+    finally:
+        gc.enable()
+
+
+def test_a_killed_owner_does_not_leave_its_server():
+    code = ("import meshdit, sys, time; s = meshdit.Server(sys.argv[1], tp=2, max_sessions=7); "
+            "print(s.proc.pid, flush=True); time.sleep(600)")
+    py = subprocess.Popen([sys.executable, "-c", code, FLUX], stdout=subprocess.PIPE, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python")))
+    pid = int(py.stdout.readline())
+    py.kill()
+    py.wait()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 20:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+            break  # ended (a zombie: its parent is gone, init reaps it)
+        time.sleep(0.2)
+    else:
+        os.killpg(pid, 9)
+        pytest.fail("the server outlived the process that started it")
+    while True:  # no rank left either (they exit within seconds of the launcher's SIGTERM)
+        out = subprocess.run(["pgrep", "-f", "serve --checkpoint .* --max-sessions 7"],
+                             capture_output=True)
+        if out.returncode == 1 or time.monotonic() - t0 > 20:
+            break
+        time.sleep(0.2)
+    assert out.returncode == 1, out.stdout
 
 
 def test_planner_keeps_one_session_when_a_small_tensor_changes():
@@ -258,3 +336,14 @@ def test_a_request_over_the_servers_limit_is_refused_before_sending():
         with pytest.raises(meshdit.MeshditError, match="over the server's --max-request-bytes 4,096"):
             t(**args)
         assert t.info["family"] == "flux" and t._client.info()["status"] == "ok"
+
+
+def test_a_killed_rank_is_named():
+    """rank 1 is killed (SIGKILL) mid-forward: the wait ends with the signal, not the launcher's
+    advice text."""
+    env = dict(os.environ, MESHDIT_TEST_FAIL="step:1:kill")
+    with meshdit.Transformer.from_pretrained(FLUX, tp=2, env=env) as t:
+        t0 = time.monotonic()
+        with pytest.raises(meshdit.MeshditError, match=r"a rank was killed \(signal 9"):
+            t(**tensors(os.path.join(FLUX, "inputs.safetensors")))
+        assert time.monotonic() - t0 < 30
