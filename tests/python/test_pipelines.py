@@ -154,3 +154,58 @@ def test_wan_pipeline(wan_root, wan_ref, layout):
     print(f"wan {layout}: max rel diff {rel(got, ref):.2e}")
     assert rel(got, ref) <= TOL
     assert rel(other, ref) > 100 * TOL  # the comparison can fail
+
+
+# ---- Flux.2 [klein]: Flux2KleinPipeline, two prompts with CFG, text and image-conditioned --------
+@pytest.fixture(scope="module")
+def flux2_root(tmp_path_factory):
+    import flux2_pipeline
+    root = str(tmp_path_factory.mktemp("flux2_pipe"))
+    flux2_pipeline.build(root, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def flux2_ref(flux2_root):
+    import flux2_pipeline
+    pipe = flux2_pipeline.load(flux2_root)
+    image = flux2_pipeline.reference_image()
+    return {"text": flux2_pipeline.generate(pipe, seed=11),
+            "edit": flux2_pipeline.generate(pipe, seed=11, image=image),
+            "other": flux2_pipeline.generate(pipe, seed=12, image=image)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
+def test_flux2_pipeline(flux2_root, flux2_ref, layout):
+    import flux2_pipeline
+    with meshdit.Transformer.from_pretrained(f"{flux2_root}/transformer", **layout) as t:
+        assert isinstance(t, meshdit.Flux2Transformer)
+        pipe = flux2_pipeline.load(flux2_root, transformer=t)
+        text = flux2_pipeline.generate(pipe, seed=11)
+        edit = flux2_pipeline.generate(pipe, seed=11, image=flux2_pipeline.reference_image())
+        assert t.stats["forwards"] == 8  # 2 runs x 2 steps x (prompt, negative prompt)
+    for name, got in (("text", text), ("edit", edit)):
+        ref = flux2_ref[name]
+        assert got.shape == ref.shape == (2, flux2_pipeline.HEIGHT, flux2_pipeline.WIDTH, 3)
+        print(f"flux2 {layout} {name}: max rel diff {rel(got, ref):.2e}")
+        assert rel(got, ref) <= TOL
+    assert rel(flux2_ref["other"], flux2_ref["edit"]) > 100 * TOL  # the comparison can fail
+    assert rel(flux2_ref["text"], flux2_ref["edit"]) > 100 * TOL  # the reference image matters
+
+
+def test_flux2_dev_pipeline_guidance(flux2_root):
+    """FLUX.2 [dev]'s Flux2Pipeline (guidance-distilled: a guidance tensor on every forward) from
+    prompt_embeds, with a transformer that has the guidance embedder; tp2 x ulysses2 against diffusers,
+    and a different guidance scale differs (the guidance input reaches the mesh)."""
+    import flux2_pipeline
+    flux2_pipeline.build_dev(flux2_root, seed=0)
+    embeds = flux2_pipeline.dev_prompt_embeds(flux2_pipeline.load(flux2_root))
+    ref_pipe = flux2_pipeline.load_dev(flux2_root)
+    ref = flux2_pipeline.generate_dev(ref_pipe, embeds, seed=13)
+    other = flux2_pipeline.generate_dev(ref_pipe, embeds, seed=13, guidance_scale=1.5)
+    with meshdit.Transformer.from_pretrained(f"{flux2_root}/transformer_dev", tp=2, ulysses=2) as t:
+        got = flux2_pipeline.generate_dev(flux2_pipeline.load_dev(flux2_root, transformer=t), embeds, seed=13)
+        assert t.stats["forwards"] == 2
+    print(f"flux2 dev tp2 x ulysses2: max rel diff {rel(got, ref):.2e}")
+    assert got.shape == ref.shape and rel(got, ref) <= TOL
+    assert rel(other, ref) > 100 * TOL
