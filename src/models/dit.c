@@ -59,6 +59,29 @@ mdt_status mdt_dit_check_heads(int64_t heads, int T) {
     return MDT_OK;
 }
 
+mdt_status mdt_dit_check_tp(int T, int64_t n, const char *what, const char *why) {
+    if (n % T != 0)
+        return MDT_FAIL(MDT_E_INVALID, "tp=%d does not divide %s %lld (%s)", T, what, (long long)n,
+                        why);
+    return MDT_OK;
+}
+
+mdt_status mdt_dit_check_rope_axes(const int64_t *ax, int nax, int64_t head_dim) {
+    int64_t sum = 0;
+    for (int i = 0; i < nax; i++) {
+        if (ax[i] <= 0 || ax[i] % 2)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "config.json: axes_dims_rope[%d] = %lld must be even and positive", i,
+                            (long long)ax[i]);
+        sum += ax[i];
+    }
+    if (sum != head_dim)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "config.json: axes_dims_rope sum to %lld but attention_head_dim is %lld",
+                        (long long)sum, (long long)head_dim);
+    return MDT_OK;
+}
+
 void mdt_dit_linear(const mdt_lin *l, const float *x, int64_t M, float *y, int64_t ldy) {
     mdt_k()->linear(x, l->in, l->w, l->wh, l->b, y, ldy, M, l->in, l->out_local);
 }

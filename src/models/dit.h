@@ -65,6 +65,12 @@ mdt_status mdt_dit_declare_ff(mdt_wtable *t, const char *pfx, const char *ff, md
                               mdt_lin *l2, int64_t C, int64_t hidden, int gated, int bias);
 /* MDT_E_INVALID unless tp divides the attention heads. */
 mdt_status mdt_dit_check_heads(int64_t heads, int T);
+/* MDT_E_INVALID unless tp divides n, a width sharded over TP: "tp=T does not divide WHAT n (WHY)".
+ */
+mdt_status mdt_dit_check_tp(int T, int64_t n, const char *what, const char *why);
+/* config.json's axes_dims_rope ax[nax]: MDT_E_INVALID unless each is even and positive and they
+ * sum to the head dimension. */
+mdt_status mdt_dit_check_rope_axes(const int64_t *ax, int nax, int64_t head_dim);
 
 /* ---- linears ---- */
 /* y [M, l->out_local] (rows ldy apart) = x [M, l->in] . W_local^T + b_local: replicated and

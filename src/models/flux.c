@@ -12,10 +12,9 @@
  * ids) split into P chunks each; the joint sequence of a rank is its text chunk then its image
  * chunk; the output's image rows gathered.
  */
-#include "models/dit.h"
+#include "models/joint.h"
 
 #include "backend/backend.h"
-#include "core/testhooks.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -25,8 +24,8 @@ enum { FLUX_MAX_AXES = 4 };
 static const float k_eps = 1e-6f;
 
 typedef struct flux_double {
-    mdt_lin norm1, norm1_ctx, to_out, to_add_out, ff0, ff2, ffc0, ffc2;
-    mdt_qkv img, ctx; /* the image and text streams' q/k/v with their norms */
+    mdt_lin norm1, norm1_ctx, ff0, ff2, ffc0, ffc2;
+    mdt_joint_attn attn; /* the image and text streams' q/k/v, norms and outputs */
 } flux_double;
 
 typedef struct flux_single {
@@ -48,20 +47,7 @@ typedef struct flux {
     flux_single sgl_store[128];
 } flux;
 
-static const mdt_cp_plan k_flux_cp_plan = {
-    .nsplit = 4,
-    .split = {{"hidden_states", 1, NULL},
-              {"encoder_hidden_states", 1, NULL},
-              {"img_ids", 0, NULL},
-              {"txt_ids", 0, NULL}},
-    .ngather = 1,
-    .gather = {{"sample", 1, NULL}},
-};
-
 /* ---- weight table (every Flux linear has a bias) ---- */
-static const mdt_attn_names k_added = {"attn.add_q_proj", "attn.add_k_proj",   "attn.add_v_proj",
-                                       "attn.to_add_out", "attn.norm_added_q", "attn.norm_added_k"};
-
 static mdt_status flux_table(flux *f, mdt_wtable *t) {
     const int64_t C = f->inner, M = f->mlp_hidden, D = f->head_dim;
     const mdt_tp_style rep = MDT_TP_REPLICATED, adaln = MDT_TP_REPLICATED_INPUT_ROWWISE;
@@ -88,12 +74,10 @@ static mdt_status flux_table(flux *f, mdt_wtable *t) {
         MDT_TRY(mdt_wtable_add_linear(t, &b->norm1, p, "norm1.linear", 6 * C, C, adaln, 1));
         MDT_TRY(
             mdt_wtable_add_linear(t, &b->norm1_ctx, p, "norm1_context.linear", 6 * C, C, adaln, 1));
-        MDT_TRY(mdt_dit_declare_attention(t, p, &mdt_attn_self, &b->img, &b->to_out, C, C, 1));
-        MDT_TRY(mdt_dit_declare_attention(t, p, &k_added, &b->ctx, &b->to_add_out, C, C, 1));
+        MDT_TRY(mdt_joint_declare_attention(t, p, &b->attn, C, 1));
         MDT_TRY(mdt_dit_declare_ff(t, p, "ff", &b->ff0, &b->ff2, C, M, 0, 1));
         MDT_TRY(mdt_dit_declare_ff(t, p, "ff_context", &b->ffc0, &b->ffc2, C, M, 0, 1));
-        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->img, D, k_eps));
-        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &k_added, &b->ctx, D, k_eps));
+        MDT_TRY(mdt_joint_declare_qk_norms(t, p, &b->attn, D, k_eps));
     }
     for (int64_t i = 0; i < f->single_layers; i++) {
         flux_single *b = &f->sgl[i];
@@ -108,9 +92,8 @@ static mdt_status flux_table(flux *f, mdt_wtable *t) {
         po->nblocks = 2, po->blocks[0] = C, po->blocks[1] = M;
         MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->qkv, D, k_eps));
     }
-    MDT_TRY(mdt_wtable_add_linear(t, &f->norm_out, "norm_out.", "linear", 2 * C, C, adaln, 1));
-    return mdt_wtable_add_linear(t, &f->proj_out, "", "proj_out", f->patch * f->patch * f->out_ch,
-                                 C, rep, 1);
+    return mdt_joint_declare_out(t, &f->norm_out, &f->proj_out, C, f->patch * f->patch * f->out_ch,
+                                 1);
 }
 
 static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
@@ -149,19 +132,7 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     MDT_TRY(mdt_cfg_check_dims("Flux", dims, sizeof dims / sizeof dims[0]));
     if (f->layers > 64 || f->single_layers > 128)
         return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: at most 64 double and 128 single blocks");
-    int64_t axsum = 0;
-    for (int i = 0; i < nax; i++) {
-        if (ax[i] <= 0 || ax[i] % 2)
-            return MDT_FAIL(MDT_E_INVALID,
-                            "config.json: axes_dims_rope[%d] = %lld must be even "
-                            "and positive",
-                            i, (long long)ax[i]);
-        axsum += ax[i];
-    }
-    if (axsum != f->head_dim)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "config.json: axes_dims_rope sum to %lld but attention_head_dim is %lld",
-                        (long long)axsum, (long long)f->head_dim);
+    MDT_TRY(mdt_dit_check_rope_axes(ax, nax, f->head_dim));
     f->naxes = nax;
     memcpy(f->axes, ax, sizeof ax);
     f->inner = f->heads * f->head_dim;
@@ -176,79 +147,27 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
 
 /* A forward's inputs on this rank: read, checked, cut by the CP plan and uploaded. */
 typedef struct flux_in {
-    int64_t Si, St, si, st; /* image and text rows: whole and this rank's chunk */
-    const float *hs, *ehs;  /* [B, si, in], [B, st, joint] */
-    const float *e256;      /* [2, B, 256] timestep and guidance projections */
-    const float *pool;      /* [B, pooled] */
-    mdt_rope rope;          /* [st + si, D] text rows first */
+    mdt_joint_in s;    /* the image and text streams, this rank's chunks */
+    const float *e256; /* [2, B, 256] timestep and guidance projections */
+    const float *pool; /* [B, pooled] */
+    mdt_rope rope;     /* [st + si, D] text rows first */
 } flux_in;
 
-/* Rotary columns: per axis of width d, pair j has frequency 1/1e4^(2j/d), each value repeated for
- * the two channels of its pair; col_axis/col_freq [D]: the id column and frequency of each. */
-static void rope_columns(const flux *f, int32_t *col_axis, double *col_freq) {
-    int64_t off = 0;
-    for (int a = 0; a < f->naxes; a++) {
-        const int64_t d = f->axes[a];
-        for (int64_t j = 0; j < d / 2; j++) {
-            const double fr = 1.0 / pow(10000.0, (double)(2 * j) / (double)d);
-            col_axis[off + 2 * j] = col_axis[off + 2 * j + 1] = a;
-            col_freq[off + 2 * j] = col_freq[off + 2 * j + 1] = fr;
-        }
-        off += d;
-    }
-}
-
-/* ids [S, naxes], 2-D or (deprecated, like diffusers: batch 0 is used) 3-D, cut to this chunk. */
-static mdt_status read_ids(const flux *f, mdt_dit *d, const mdt_tensor_set *in, const char *name,
-                           int64_t S, const float **ids) {
-    const int is3 = mdt_input_dim(in, name, 2) >= 0;
-    float *full;
-    int64_t s0, n;
-    MDT_TRY(mdt_input_f32(in, name, is3 ? 3 : 2,
-                          is3 ? (int64_t[]){-1, S, f->naxes} : (int64_t[]){S, f->naxes}, d->ha,
-                          &full));
-    return mdt_cp_take(&d->cp, name, full, sizeof(float), 2, (int64_t[]){S, f->naxes}, d->ha,
-                       (const void **)ids, &s0, &n);
-}
-
 static mdt_status flux_read(const flux *f, mdt_dit *d, const mdt_tensor_set *in, flux_in *x) {
-    const int64_t B = mdt_input_dim(in, "hidden_states", 0), D = f->head_dim, A = f->naxes;
-    const int64_t Si = mdt_input_dim(in, "hidden_states", 1);
-    const int64_t St = mdt_input_dim(in, "encoder_hidden_states", 1);
+    MDT_TRY(mdt_joint_read_streams(d, in, f->in_ch, f->joint_dim, 1, &x->s));
+    const int64_t B = x->s.B;
     mdt_arena *ha = d->ha, *ar = d->ar;
-    int64_t s0;
-    if (B < 1 || Si < 1)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "inputs: 'hidden_states' must be [B, S_img, %lld] with "
-                        "B, S_img >= 1",
-                        (long long)f->in_ch);
-    if (St < 1)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] "
-                        "with S_txt >= 1",
-                        (long long)f->joint_dim);
-    const float *hs, *ehs, *img_ids, *txt_ids;
+    const float *img_ids, *txt_ids;
     float *pooled, *ts, *g = NULL;
-    const int64_t shs[] = {B, Si, f->in_ch}, sehs[] = {B, St, f->joint_dim};
-    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 3, shs, ha, &hs));
-    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, sehs, ha, &ehs));
+    int64_t Ai, At;
     MDT_TRY(mdt_input_f32(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ha, &pooled));
     MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ha, &ts));
-    MDT_TRY(read_ids(f, d, in, "img_ids", Si, &img_ids));
-    MDT_TRY(read_ids(f, d, in, "txt_ids", St, &txt_ids));
+    MDT_TRY(mdt_joint_read_ids(d, in, "img_ids", x->s.Si, f->naxes, 1, &img_ids, &Ai));
+    MDT_TRY(mdt_joint_read_ids(d, in, "txt_ids", x->s.St, f->naxes, 1, &txt_ids, &At));
     if (f->guidance)
         MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ha, &g));
-    MDT_TRY(
-        mdt_cp_take(&d->cp, "hidden_states", hs, 4, 3, shs, ha, (const void **)&hs, &s0, &x->si));
-    MDT_TRY(mdt_cp_take(&d->cp, "encoder_hidden_states", ehs, 4, 3, sehs, ha, (const void **)&ehs,
-                        &s0, &x->st));
-    d->B = B, x->Si = Si, x->St = St;
-    const int64_t S = x->si + x->st;
-    float *e256 = mdt_arena_floats(ha, 2 * B * 256);                  // [2, B, 256] host: t, g
-    float *ids = mdt_arena_floats(ha, S * A);                         // [S/P, axes] text first
-    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, D);   // [D] host
-    double *col_freq = (double *)(void *)mdt_arena_floats(ha, 2 * D); // [D] host
-    if (!e256 || !ids || !col_axis || !col_freq)
+    float *e256 = mdt_arena_floats(ha, 2 * B * 256); // [2, B, 256] host: t, g
+    if (!e256)
         return MDT_E_NOMEM;
     for (int64_t b = 0; b < B; b++)
         ts[b] = ts[b] * 1000.0f;
@@ -257,81 +176,50 @@ static mdt_status flux_read(const flux *f, mdt_dit *d, const mdt_tensor_set *in,
         g[b] = g[b] * 1000.0f;
     if (g)
         mdt_dit_timestep_embed(g, B, 256, e256 + B * 256);
-    memcpy(ids, txt_ids, sizeof(float) * (size_t)(x->st * A));
-    memcpy(ids + x->st * A, img_ids, sizeof(float) * (size_t)(x->si * A));
-    rope_columns(f, col_axis, col_freq);
+    MDT_TRY(mdt_joint_rope(d, txt_ids, At, img_ids, Ai, x->s.st, x->s.si, f->naxes, f->axes,
+                           10000.0, &x->rope));
     /* to the backend's memory (the same pointers on the CPU backend) */
-    x->hs = mdt_k_upload(ar, hs, sizeof(float) * (size_t)(B * x->si * f->in_ch));
-    x->ehs = mdt_k_upload(ar, ehs, sizeof(float) * (size_t)(B * x->st * f->joint_dim));
+    x->s.hs = mdt_k_upload(ar, x->s.hs, sizeof(float) * (size_t)(B * x->s.si * f->in_ch));
+    x->s.ehs = mdt_k_upload(ar, x->s.ehs, sizeof(float) * (size_t)(B * x->s.st * f->joint_dim));
     x->e256 = mdt_k_upload(ar, e256, sizeof(float) * (size_t)(2 * B * 256));
     x->pool = mdt_k_upload(ar, pooled, sizeof(float) * (size_t)(B * f->pooled_dim));
-    const float *ids_d = mdt_k_upload(ar, ids, sizeof(float) * (size_t)(S * A));
-    const int32_t *cax_d = mdt_k_upload(ar, col_axis, sizeof(int32_t) * (size_t)D);
-    const double *cfr_d = mdt_k_upload(ar, col_freq, sizeof(double) * (size_t)D);
-    float *cos_t = mdt_arena_floats(ar, S * D), *sin_t = mdt_arena_floats(ar, S * D); // [S/P, D]
-    if (!x->hs || !x->ehs || !x->e256 || !x->pool || !ids_d || !cax_d || !cfr_d || !cos_t || !sin_t)
+    return x->s.hs && x->s.ehs && x->e256 && x->pool ? MDT_OK : MDT_E_NOMEM;
+}
+
+/* What every block of one forward reads: the model, the inputs, the heads' scratch. */
+typedef struct flux_run {
+    const flux *f;
+    const flux_in *in;
+    const mdt_heads *hd;
+} flux_run;
+
+/* FluxTransformerBlock i: image x [B, si, C] and text c [B, st, C], joint attention. */
+static mdt_status double_block(const void *ctx, const mdt_dit *d, int64_t i, float *x, float *c) {
+    const flux_run *run = ctx;
+    const flux_double *blk = &run->f->dbl[i];
+    const int64_t C = run->f->inner, B = d->B;
+    mdt_joint_rows r = {.x = x, .c = c, .si = run->in->s.si, .st = run->in->s.st};
+    float *mod = mdt_arena_floats(d->ar, B * 6 * C);  // [B, 6C] image
+    float *cmod = mdt_arena_floats(d->ar, B * 6 * C); // [B, 6C] text
+    if (!mod || !cmod || mdt_joint_rows_alloc(d, C, blk->attn.img.q.out_local, &r) != MDT_OK)
         return MDT_E_NOMEM;
-    mdt_k()->angle_table(ids_d, A, S, D, cax_d, cfr_d, 1, cos_t, sin_t); // [S/P, D]
-    x->rope = (mdt_rope){cos_t, sin_t, D, MDT_ROPE_INTERLEAVED};
-    return MDT_OK;
-}
-
-/* x [B, n, C] += gate * FF(LN(x) (1 + scale) + shift), the MLP half of a double block. */
-static mdt_status ff_residual(const mdt_dit *d, float *x, int64_t n, const float *mod,
-                              const mdt_lin *l0, const mdt_lin *l2, float *nbuf, float *hbuf,
-                              float *ybuf) {
-    const int64_t C = l2->out, B = d->B, Ml = l0->out_local;
-    for (int64_t b = 0; b < B; b++)
-        mdt_k()->layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
-                                    mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
-    mdt_dit_linear(l0, nbuf, B * n, hbuf, Ml); // [B*n, 4C/T]
-    mdt_k()->gelu_rows(hbuf, Ml, B * n, Ml);
-    MDT_TRY(mdt_dit_row_linear(d, l2, hbuf, Ml, ybuf, B * n)); // [B*n, C]
-    for (int64_t b = 0; b < B; b++)
-        mdt_k()->gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
-    return MDT_OK;
-}
-
-/* FluxTransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention. */
-static mdt_status double_block(const flux *f, const flux_double *blk, const mdt_dit *d,
-                               const flux_in *in, const mdt_heads *h, float *x, float *c) {
-    const int64_t C = f->inner, B = d->B, Si = in->si, St = in->st, S = Si + St;
-    const int64_t Cl = blk->img.q.out_local;
-    float *mod = mdt_arena_floats(d->ar, B * 6 * C);                 // [B, 6C] image
-    float *cmod = mdt_arena_floats(d->ar, B * 6 * C);                // [B, 6C] text
-    float *nx = mdt_arena_floats(d->ar, B * Si * C);                 // [B, Si, C]
-    float *nc = mdt_arena_floats(d->ar, B * St * C);                 // [B, St, C]
-    float *tmp = mdt_arena_floats(d->ar, B * S * C);                 // [B*max(Si,St), C]
-    float *ao = mdt_arena_floats(d->ar, B * S * Cl);                 // [B, S, C/T]
-    float *hb = mdt_arena_floats(d->ar, B * S * blk->ff0.out_local); // [B*n, 4C/T]
-    if (!mod || !cmod || !nx || !nc || !tmp || !ao || !hb)
+    float *hb = mdt_arena_floats(d->ar, B * (r.si + r.st) * blk->ff0.out_local); // [B*n, 4C/T]
+    if (!hb)
         return MDT_E_NOMEM;
     MDT_TRY(mdt_dit_adaln(d, &blk->norm1, mod));      // [B, 6C]
     MDT_TRY(mdt_dit_adaln(d, &blk->norm1_ctx, cmod)); // [B, 6C]
-    for (int64_t b = 0; b < B; b++) {
-        mdt_k()->layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, k_eps, mod + b * 6 * C,
-                                    mod + b * 6 * C + C); // [Si, C]
-        mdt_k()->layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, k_eps, cmod + b * 6 * C,
-                                    cmod + b * 6 * C + C); // [St, C]
-    }
-    mdt_dit_qkv(d, &blk->ctx, nc, St, 0, &in->rope, h, tmp);  /* text rows [0, St) */
-    mdt_dit_qkv(d, &blk->img, nx, Si, St, &in->rope, h, tmp); /* image rows [St, S) */
-    MDT_TRY(mdt_dit_attend(d, h, 1, ao, Cl));                 // [B, S/P, C/T]
-    for (int64_t b = 0; b < B; b++) {
-        MDT_TRY(mdt_dit_row_linear(d, &blk->to_out, ao + (b * S + St) * Cl, Cl, tmp, Si));
-        mdt_k()->gate_residual(x + b * Si * C, tmp, C, mod + b * 6 * C + 2 * C, Si, C);
-        MDT_TRY(mdt_dit_row_linear(d, &blk->to_add_out, ao + b * S * Cl, Cl, tmp, St));
-        mdt_k()->gate_residual(c + b * St * C, tmp, C, cmod + b * 6 * C + 2 * C, St, C);
-    }
-    MDT_TRY(ff_residual(d, x, Si, mod, &blk->ff0, &blk->ff2, nx, hb, tmp));
-    return ff_residual(d, c, St, cmod, &blk->ffc0, &blk->ffc2, nc, hb, tmp);
+    MDT_TRY(mdt_joint_attention(d, &blk->attn, mod, cmod, k_eps, &run->in->rope, run->hd, &r));
+    MDT_TRY(mdt_joint_ff_gelu(d, x, r.si, mod, k_eps, &blk->ff0, &blk->ff2, r.nx, hb, r.tmp));
+    return mdt_joint_ff_gelu(d, c, r.st, cmod, k_eps, &blk->ffc0, &blk->ffc2, r.nc, hb, r.tmp);
 }
 
 /* FluxSingleTransformerBlock: h [B, S, C] += gate * proj_out([attn(n) | GELU(proj_mlp(n))]),
  * n = LN(h)(1 + scale) + shift; proj_out's local columns are [attn block k | mlp block k]. */
-static mdt_status single_block(const flux *f, const flux_single *blk, const mdt_dit *d,
-                               const flux_in *in, const mdt_heads *hd, float *h) {
-    const int64_t C = f->inner, B = d->B, S = in->si + in->st;
+static mdt_status single_block(const void *ctx, const mdt_dit *d, int64_t i, float *h) {
+    const flux_run *run = ctx;
+    const flux_single *blk = &run->f->sgl[i];
+    const mdt_heads *hd = run->hd;
+    const int64_t C = run->f->inner, B = d->B, S = run->in->s.si + run->in->s.st;
     const int64_t Cl = blk->qkv.q.out_local, Ml = blk->proj_mlp.out_local, W = Cl + Ml;
     float *mod = mdt_arena_floats(d->ar, B * 3 * C); // [B, 3C] shift, scale, gate
     float *n = mdt_arena_floats(d->ar, B * S * C);   // [B, S, C]
@@ -346,7 +234,7 @@ static mdt_status single_block(const flux *f, const flux_single *blk, const mdt_
     mdt_k_shared_begin(n, C, B * S, C); /* n feeds proj_mlp and q, k, v: rounded once */
     mdt_dit_linear(&blk->proj_mlp, n, B * S, cat + Cl, W); // [B*S, 4C/T] in columns [C/T, W)
     mdt_k()->gelu_rows(cat + Cl, W, B * S, Ml);
-    mdt_dit_qkv(d, &blk->qkv, n, S, 0, &in->rope, hd, tmp);
+    mdt_dit_qkv(d, &blk->qkv, n, S, 0, &run->in->rope, hd, tmp);
     mdt_k_shared_end();
     MDT_TRY(mdt_dit_attend(d, hd, 1, cat, W));                          // columns [0, C/T)
     MDT_TRY(mdt_dit_row_linear(d, &blk->proj_out, cat, W, tmp, B * S)); // [B*S, C]
@@ -363,9 +251,9 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_dit_begin(&d, m, f->heads, f->head_dim);
     MDT_TRY(flux_read(f, &d, in, &x));
     mdt_counters_get()->prep_s += mdt_now() - t_prep;
-    const int64_t C = f->inner, B = d.B, si = x.si, st = x.st, S = si + st, O = f->proj_out.out;
+    const int64_t C = f->inner, B = d.B, si = x.s.si, st = x.s.st, S = si + st;
     mdt_arena *ar = d.ar;
-    char stage[48];
+    float *h;
     mdt_heads hd;
     float *cond = mdt_arena_floats(ar, B * C);    // [B, C] SiLU(temb)
     float *temb = mdt_arena_floats(ar, B * C);    // [B, C]
@@ -386,51 +274,20 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_k()->silu(cond, B * C);
     d.cond = cond, d.cond_rows = B, d.cond_width = C;
     MDT_TRY(mdt_guard_finite(d.mesh, "time_text_embed", cond, B * C));
-    mdt_dit_linear(&f->x_emb, x.hs, B * si, xs, C);   // [B, Si/P, C]
-    mdt_dit_linear(&f->ctx_emb, x.ehs, B * st, c, C); // [B, St/P, C]
+    mdt_dit_linear(&f->x_emb, x.s.hs, B * si, xs, C);   // [B, Si/P, C]
+    mdt_dit_linear(&f->ctx_emb, x.s.ehs, B * st, c, C); // [B, St/P, C]
     MDT_TRY(mdt_guard_finite(d.mesh, "x_embedder", xs, B * si * C));
     MDT_TRY(mdt_guard_finite(d.mesh, "context_embedder", c, B * st * C));
-    for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
-        mdt_arena_mark mk = mdt_arena_mark_get(ar);
-        MDT_TRY(double_block(f, &f->dbl[i], &d, &x, &hd, xs, c));
-        mdt_arena_rewind(ar, mk);
-        snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
-        MDT_TRY(mdt_guard_finite(d.mesh, stage, xs, B * si * C));
-        MDT_TRY(mdt_guard_finite(d.mesh, stage, c, B * st * C));
-        if (i == 0) /* test seam: fail mid-step */
-            MDT_TRY(mdt_test_point("step", d.mesh ? d.mesh->world_rank : 0));
-    }
-    float *h = mdt_arena_floats(ar, B * S * C); // [B, S/P, C] = cat(c, x) per batch
-    if (!h)
-        return MDT_E_NOMEM;
-    mdt_k()->copy2d(h, S * C, c, st * C, B, st * C);           // text rows of every batch
-    mdt_k()->copy2d(h + st * C, S * C, xs, si * C, B, si * C); // image rows after them
-    for (int64_t i = 0; i < f->single_layers; i++) {
-        mdt_arena_mark mk = mdt_arena_mark_get(ar);
-        MDT_TRY(single_block(f, &f->sgl[i], &d, &x, &hd, h));
-        mdt_arena_rewind(ar, mk);
-        snprintf(stage, sizeof stage, "single_transformer_blocks.%lld", (long long)i);
-        MDT_TRY(mdt_guard_finite(d.mesh, stage, h, B * S * C));
-    }
+    MDT_TRY(mdt_joint_blocks(&d, &x.s, C, xs, c, f->layers, double_block, f->single_layers,
+                             single_block, &(flux_run){f, &x, &hd}, &h));
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */
     float *emb = mdt_arena_floats(ar, B * 2 * C); // [B, 2C]
     float *xn = mdt_arena_floats(ar, B * si * C); // [B, Si/P, C]
-    float *ol = mdt_arena_floats(ar, B * si * O); // [B, Si/P, O]
-    mdt_tensor *o;
-    if (!emb || !xn || !ol)
+    if (!emb || !xn)
         return MDT_E_NOMEM;
     MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, emb)); // [B, 2C]
-    for (int64_t b = 0; b < B; b++)
-        mdt_k()->layernorm_modulate(h + (b * S + st) * C, xn + b * si * C, si, C, k_eps,
-                                    emb + b * 2 * C + C, emb + b * 2 * C); // [Si/P, C]
-    mdt_dit_linear(&f->proj_out, xn, B * si, ol, O);                       // [B, Si/P, O]
-    MDT_TRY(mdt_guard_finite(d.mesh, "proj_out", ol, B * si * O));
-    MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Si, O}, &o));
-    MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, in, x.Si, ol, o));
-    /* no silent degrade: each query row once over the joint sequence, per block and batch */
-    mdt_promise p = {0};
-    mdt_dit_promise_cp(&d, &p, (int64_t[]){x.St, x.Si}, 2, (f->layers + f->single_layers) * B);
-    return mdt_dit_end(&d, &p);
+    return mdt_joint_finish(&d, in, &x.s, h, emb, k_eps, &f->proj_out, xn,
+                            (f->layers + f->single_layers) * B, out);
 }
 
 static mdt_status flux_check_layout(const void *impl, int T, int R, int U) {
@@ -463,4 +320,4 @@ static mdt_status flux_make_inputs(const void *impl, const mdt_inputs_params *p,
 }
 
 const mdt_family mdt_family_flux =
-    MDT_FAMILY(flux, "flux", "FluxTransformer2DModel", k_flux_cp_plan, "sample");
+    MDT_FAMILY(flux, "flux", "FluxTransformer2DModel", mdt_joint_cp_plan, "sample");

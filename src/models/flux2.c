@@ -21,10 +21,9 @@
  * CP (diffusers' _cp_plan): image and text tokens and their ids split into P chunks each; a
  * rank's joint sequence is its text chunk then its image chunk; the output gathered.
  */
-#include "models/dit.h"
+#include "models/joint.h"
 
 #include "backend/backend.h"
-#include "core/testhooks.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -33,8 +32,8 @@
 enum { F2_MAX_AXES = 8, F2_MAX_DOUBLE = 64, F2_MAX_SINGLE = 128 };
 
 typedef struct f2_double {
-    mdt_lin to_out, to_add_out, ff_in, ff_out, ffc_in, ffc_out;
-    mdt_qkv img, ctx; /* the image and text streams' q/k/v with their norms */
+    mdt_lin ff_in, ff_out, ffc_in, ffc_out;
+    mdt_joint_attn attn; /* the image and text streams' q/k/v, norms and outputs */
 } f2_double;
 
 typedef struct f2_single {
@@ -54,20 +53,7 @@ typedef struct flux2 {
     f2_single sgl[F2_MAX_SINGLE];
 } flux2;
 
-static const mdt_cp_plan k_flux2_cp_plan = {
-    .nsplit = 4,
-    .split = {{"hidden_states", 1, NULL},
-              {"encoder_hidden_states", 1, NULL},
-              {"img_ids", 0, NULL},
-              {"txt_ids", 0, NULL}},
-    .ngather = 1,
-    .gather = {{"sample", 1, NULL}},
-};
-
 /* ---- weight table (no Flux.2 linear has a bias) ---- */
-static const mdt_attn_names k_added = {"attn.add_q_proj", "attn.add_k_proj",   "attn.add_v_proj",
-                                       "attn.to_add_out", "attn.norm_added_q", "attn.norm_added_k"};
-
 /* The block structure of the last tensor appended (a packed weight: each block sharded alone). */
 static void set_blocks(mdt_wtable *t, int n, const int64_t *sizes) {
     mdt_weight_spec *w = &t->specs[t->n - 1];
@@ -117,10 +103,8 @@ static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
     for (int64_t i = 0; i < f->layers; i++) {
         f2_double *b = &f->dbl[i];
         snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
-        MDT_TRY(mdt_dit_declare_attention(t, p, &mdt_attn_self, &b->img, &b->to_out, C, C, 0));
-        MDT_TRY(mdt_dit_declare_attention(t, p, &k_added, &b->ctx, &b->to_add_out, C, C, 0));
-        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->img, D, eps));
-        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &k_added, &b->ctx, D, eps));
+        MDT_TRY(mdt_joint_declare_attention(t, p, &b->attn, C, 0));
+        MDT_TRY(mdt_joint_declare_qk_norms(t, p, &b->attn, D, eps));
         MDT_TRY(add_ff(t, &b->ff_in, &b->ff_out, p, "ff", C, M));
         MDT_TRY(add_ff(t, &b->ffc_in, &b->ffc_out, p, "ff_context", C, M));
     }
@@ -135,9 +119,8 @@ static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
         set_blocks(t, 2, (int64_t[]){C, M});
         MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->norms, D, eps));
     }
-    MDT_TRY(mdt_wtable_add_linear(t, &f->norm_out, "norm_out.", "linear", 2 * C, C, adaln, 0));
-    return mdt_wtable_add_linear(t, &f->proj_out, "", "proj_out", f->patch * f->patch * f->out_ch,
-                                 C, rep, 0);
+    return mdt_joint_declare_out(t, &f->norm_out, &f->proj_out, C, f->patch * f->patch * f->out_ch,
+                                 0);
 }
 
 static mdt_status flux2_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
@@ -182,18 +165,7 @@ static mdt_status flux2_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     if (f->layers > F2_MAX_DOUBLE || f->single_layers > F2_MAX_SINGLE)
         return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: at most %d double and %d single blocks",
                         F2_MAX_DOUBLE, F2_MAX_SINGLE);
-    int64_t axsum = 0;
-    for (int i = 0; i < nax; i++) {
-        if (ax[i] <= 0 || ax[i] % 2)
-            return MDT_FAIL(MDT_E_INVALID,
-                            "config.json: axes_dims_rope[%d] = %lld must be even and positive", i,
-                            (long long)ax[i]);
-        axsum += ax[i];
-    }
-    if (axsum != f->head_dim)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "config.json: axes_dims_rope sum to %lld but attention_head_dim is %lld",
-                        (long long)axsum, (long long)f->head_dim);
+    MDT_TRY(mdt_dit_check_rope_axes(ax, nax, f->head_dim));
     f->naxes = nax;
     memcpy(f->axes, ax, sizeof ax);
     return flux2_table(f, t);
@@ -203,98 +175,35 @@ static mdt_status flux2_check_layout(const void *impl, int T, int R, int U) {
     const flux2 *f = impl;
     (void)R, (void)U;
     MDT_TRY(mdt_dit_check_heads(f->heads, T));
-    if (f->mlp_hidden % T)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "tp=%d does not divide the MLP width %lld (int(inner x mlp_ratio), "
-                        "sharded in every feed-forward)",
-                        T, (long long)f->mlp_hidden);
-    if (f->joint_dim % T)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "tp=%d does not divide joint_attention_dim %lld (the input features "
-                        "context_embedder is sharded on)",
-                        T, (long long)f->joint_dim);
-    return MDT_OK;
+    MDT_TRY(mdt_dit_check_tp(T, f->mlp_hidden, "the MLP width",
+                             "int(inner x mlp_ratio), sharded in every feed-forward"));
+    return mdt_dit_check_tp(T, f->joint_dim, "joint_attention_dim",
+                            "the input features context_embedder is sharded on");
 }
 
 /* ---- forward ---- */
 
 /* A forward's inputs on this rank: read, checked, cut by the CP plan and uploaded. */
 typedef struct f2_in {
-    int64_t Si, St, si, st; /* image and text rows: whole and this rank's chunk */
-    const float *hs, *ehs;  /* [B, si, in], [B, st, joint] */
-    const float *e;         /* [2, B, t_ch] timestep and guidance sinusoids */
-    mdt_rope rope;          /* [st + si, D] text rows first */
+    mdt_joint_in s; /* the image and text streams, this rank's chunks */
+    const float *e; /* [2, B, t_ch] timestep and guidance sinusoids */
+    mdt_rope rope;  /* [st + si, D] text rows first */
 } f2_in;
 
-/* Rotary columns: per axis of width d, pair j has frequency 1/theta^(2j/d), each value repeated
- * for the two channels of its pair; col_axis/col_freq [D]: the id column and frequency of each. */
-static void rope_columns(const flux2 *f, int32_t *col_axis, double *col_freq) {
-    int64_t off = 0;
-    for (int a = 0; a < f->naxes; a++) {
-        const int64_t d = f->axes[a];
-        for (int64_t j = 0; j < d / 2; j++) {
-            const double fr = 1.0 / pow(f->theta, (double)(2 * j) / (double)d);
-            col_axis[off + 2 * j] = col_axis[off + 2 * j + 1] = a;
-            col_freq[off + 2 * j] = col_freq[off + 2 * j + 1] = fr;
-        }
-        off += d;
-    }
-}
-
-/* ids [S, A >= naxes] (only the first naxes columns are used, like diffusers), 2-D or 3-D (batch 0
- * is used, like diffusers), any number type, cut to this chunk; *A receives the row width. */
-static mdt_status read_ids(const flux2 *f, mdt_dit *d, const mdt_tensor_set *in, const char *name,
-                           int64_t S, const float **ids, int64_t *A) {
-    const int is3 = mdt_input_dim(in, name, 2) >= 0;
-    float *full;
-    int64_t s0, n;
-    MDT_TRY(mdt_input_f32(in, name, is3 ? 3 : 2, is3 ? (int64_t[]){-1, S, -1} : (int64_t[]){S, -1},
-                          d->ha, &full));
-    *A = mdt_input_dim(in, name, is3 ? 2 : 1);
-    if (*A < f->naxes || (is3 && mdt_input_dim(in, name, 0) < 1))
-        return MDT_FAIL(MDT_E_INVALID,
-                        "inputs: '%s' must be [%lld, A] or [B, %lld, A] with A >= %d (one column "
-                        "per rotary axis of axes_dims_rope)",
-                        name, (long long)S, (long long)S, f->naxes);
-    return mdt_cp_take(&d->cp, name, full, sizeof(float), 2, (int64_t[]){S, *A}, d->ha,
-                       (const void **)ids, &s0, &n);
-}
-
 static mdt_status flux2_read(const flux2 *f, mdt_dit *d, const mdt_tensor_set *in, f2_in *x) {
-    const int64_t B = mdt_input_dim(in, "hidden_states", 0), D = f->head_dim, Tc = f->t_ch;
-    const int64_t Si = mdt_input_dim(in, "hidden_states", 1);
-    const int64_t St = mdt_input_dim(in, "encoder_hidden_states", 1);
+    MDT_TRY(mdt_joint_read_streams(d, in, f->in_ch, f->joint_dim, 1, &x->s));
+    const int64_t B = x->s.B, Tc = f->t_ch;
     mdt_arena *ha = d->ha, *ar = d->ar;
-    int64_t s0, Ai, At;
-    if (B < 1 || Si < 1)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "inputs: 'hidden_states' must be [B, S_img, %lld] with B, S_img >= 1",
-                        (long long)f->in_ch);
-    if (St < 1)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] with S_txt >= 1",
-                        (long long)f->joint_dim);
-    const float *hs, *ehs, *img_ids, *txt_ids;
+    const float *img_ids, *txt_ids;
     float *ts, *g = NULL;
-    const int64_t shs[] = {B, Si, f->in_ch}, sehs[] = {B, St, f->joint_dim};
-    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 3, shs, ha, &hs));
-    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, sehs, ha, &ehs));
+    int64_t Ai, At;
     MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ha, &ts));
-    MDT_TRY(read_ids(f, d, in, "img_ids", Si, &img_ids, &Ai));
-    MDT_TRY(read_ids(f, d, in, "txt_ids", St, &txt_ids, &At));
+    MDT_TRY(mdt_joint_read_ids(d, in, "img_ids", x->s.Si, f->naxes, 0, &img_ids, &Ai));
+    MDT_TRY(mdt_joint_read_ids(d, in, "txt_ids", x->s.St, f->naxes, 0, &txt_ids, &At));
     if (f->guidance) /* without guidance_embeds diffusers ignores it, and so do we */
         MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ha, &g));
-    MDT_TRY(
-        mdt_cp_take(&d->cp, "hidden_states", hs, 4, 3, shs, ha, (const void **)&hs, &s0, &x->si));
-    MDT_TRY(mdt_cp_take(&d->cp, "encoder_hidden_states", ehs, 4, 3, sehs, ha, (const void **)&ehs,
-                        &s0, &x->st));
-    d->B = B, x->Si = Si, x->St = St;
-    const int64_t S = x->si + x->st, A = f->naxes;
-    float *e = mdt_arena_floats(ha, 2 * B * Tc);                      // [2, B, t_ch] host: t, g
-    float *ids = mdt_arena_floats(ha, S * A);                         // [S/P, axes] text first
-    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(ha, D);   // [D] host
-    double *col_freq = (double *)(void *)mdt_arena_floats(ha, 2 * D); // [D] host
-    if (!e || !ids || !col_axis || !col_freq)
+    float *e = mdt_arena_floats(ha, 2 * B * Tc); // [2, B, t_ch] host: t, g
+    if (!e)
         return MDT_E_NOMEM;
     for (int64_t b = 0; b < B; b++)
         ts[b] = ts[b] * 1000.0f;
@@ -303,23 +212,13 @@ static mdt_status flux2_read(const flux2 *f, mdt_dit *d, const mdt_tensor_set *i
         g[b] = g[b] * 1000.0f;
     if (g)
         mdt_dit_timestep_embed(g, B, Tc, e + B * Tc);
-    for (int64_t s = 0; s < S; s++) /* [S/P, axes]: the first naxes columns, text rows first */
-        for (int64_t a = 0; a < A; a++)
-            ids[s * A + a] = s < x->st ? txt_ids[s * At + a] : img_ids[(s - x->st) * Ai + a];
-    rope_columns(f, col_axis, col_freq);
+    MDT_TRY(mdt_joint_rope(d, txt_ids, At, img_ids, Ai, x->s.st, x->s.si, f->naxes, f->axes,
+                           f->theta, &x->rope));
     /* to the backend's memory (the same pointers on the CPU backend) */
-    x->hs = mdt_k_upload(ar, hs, sizeof(float) * (size_t)(B * x->si * f->in_ch));
-    x->ehs = mdt_k_upload(ar, ehs, sizeof(float) * (size_t)(B * x->st * f->joint_dim));
+    x->s.hs = mdt_k_upload(ar, x->s.hs, sizeof(float) * (size_t)(B * x->s.si * f->in_ch));
+    x->s.ehs = mdt_k_upload(ar, x->s.ehs, sizeof(float) * (size_t)(B * x->s.st * f->joint_dim));
     x->e = mdt_k_upload(ar, e, sizeof(float) * (size_t)(2 * B * Tc));
-    const float *ids_d = mdt_k_upload(ar, ids, sizeof(float) * (size_t)(S * A));
-    const int32_t *cax_d = mdt_k_upload(ar, col_axis, sizeof(int32_t) * (size_t)D);
-    const double *cfr_d = mdt_k_upload(ar, col_freq, sizeof(double) * (size_t)D);
-    float *cos_t = mdt_arena_floats(ar, S * D), *sin_t = mdt_arena_floats(ar, S * D); // [S/P, D]
-    if (!x->hs || !x->ehs || !x->e || !ids_d || !cax_d || !cfr_d || !cos_t || !sin_t)
-        return MDT_E_NOMEM;
-    mdt_k()->angle_table(ids_d, A, S, D, cax_d, cfr_d, 1, cos_t, sin_t); // [S/P, D]
-    x->rope = (mdt_rope){cos_t, sin_t, D, MDT_ROPE_INTERLEAVED};
-    return MDT_OK;
+    return x->s.hs && x->s.ehs && x->e ? MDT_OK : MDT_E_NOMEM;
 }
 
 /* Local output rows [r0, r0 + n) of a colwise or packed-colwise linear as a linear of its own: a
@@ -362,47 +261,47 @@ static mdt_status ff_residual(const flux2 *f, const mdt_dit *d, float *x, int64_
     return MDT_OK;
 }
 
-/* Flux2TransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention; modulations
- * mi, mt [B, 6C] shared by every double block. */
-static mdt_status double_block(const flux2 *f, const f2_double *blk, const mdt_dit *d,
-                               const f2_in *in, const float *mi, const float *mt,
-                               const mdt_heads *h, float *x, float *c) {
-    const int64_t C = f->inner, B = d->B, Si = in->si, St = in->st, S = Si + St;
-    const int64_t Cl = blk->img.q.out_local, Ml = blk->ff_out.in_local, n = Si > St ? Si : St;
-    const float eps = (float)f->eps;
-    float *nx = mdt_arena_floats(d->ar, B * Si * C);     // [B, Si, C]
-    float *nc = mdt_arena_floats(d->ar, B * St * C);     // [B, St, C]
-    float *tmp = mdt_arena_floats(d->ar, B * S * C);     // [B*max(Si,St), C]
-    float *ao = mdt_arena_floats(d->ar, B * S * Cl);     // [B, S, C/T]
+/* What every block of one forward reads: the model, the inputs, the modulations shared by all
+ * blocks of a kind (mi, mt [B, 6C] double image and text, ms [B, 3C] single), the heads. */
+typedef struct f2_run {
+    const flux2 *f;
+    const f2_in *in;
+    const float *mi, *mt, *ms;
+    const mdt_heads *hd;
+} f2_run;
+
+/* Flux2TransformerBlock i: image x [B, si, C] and text c [B, st, C], joint attention. */
+static mdt_status double_block(const void *ctx, const mdt_dit *d, int64_t i, float *x, float *c) {
+    const f2_run *run = ctx;
+    const flux2 *f = run->f;
+    const f2_in *in = run->in;
+    const f2_double *blk = &f->dbl[i];
+    const float *mi = run->mi, *mt = run->mt;
+    const int64_t B = d->B, Ml = blk->ff_out.in_local;
+    mdt_joint_rows r = {.x = x, .c = c, .si = in->s.si, .st = in->s.st};
+    const int64_t n = r.si > r.st ? r.si : r.st;
+    if (mdt_joint_rows_alloc(d, f->inner, blk->attn.img.q.out_local, &r) != MDT_OK)
+        return MDT_E_NOMEM;
     float *hb = mdt_arena_floats(d->ar, B * n * 2 * Ml); // [B*n, 2M/T] = [value | gate]
     float *sb = mdt_arena_floats(d->ar, B * n * Ml);     // [B*n, M/T]
-    if (!nx || !nc || !tmp || !ao || !hb || !sb)
+    if (!hb || !sb)
         return MDT_E_NOMEM;
-    for (int64_t b = 0; b < B; b++) {
-        mdt_k()->layernorm_modulate(x + b * Si * C, nx + b * Si * C, Si, C, eps, mi + b * 6 * C,
-                                    mi + b * 6 * C + C); // [Si, C]
-        mdt_k()->layernorm_modulate(c + b * St * C, nc + b * St * C, St, C, eps, mt + b * 6 * C,
-                                    mt + b * 6 * C + C); // [St, C]
-    }
-    mdt_dit_qkv(d, &blk->ctx, nc, St, 0, &in->rope, h, tmp);  /* text rows [0, St) */
-    mdt_dit_qkv(d, &blk->img, nx, Si, St, &in->rope, h, tmp); /* image rows [St, S) */
-    MDT_TRY(mdt_dit_attend(d, h, 1, ao, Cl));                 // [B, S/P, C/T]
-    for (int64_t b = 0; b < B; b++) {
-        MDT_TRY(mdt_dit_row_linear(d, &blk->to_out, ao + (b * S + St) * Cl, Cl, tmp, Si));
-        mdt_k()->gate_residual(x + b * Si * C, tmp, C, mi + b * 6 * C + 2 * C, Si, C);
-        MDT_TRY(mdt_dit_row_linear(d, &blk->to_add_out, ao + b * S * Cl, Cl, tmp, St));
-        mdt_k()->gate_residual(c + b * St * C, tmp, C, mt + b * 6 * C + 2 * C, St, C);
-    }
-    MDT_TRY(ff_residual(f, d, x, Si, mi, &blk->ff_in, &blk->ff_out, nx, hb, sb, tmp));
-    return ff_residual(f, d, c, St, mt, &blk->ffc_in, &blk->ffc_out, nc, hb, sb, tmp);
+    MDT_TRY(mdt_joint_attention(d, &blk->attn, mi, mt, (float)f->eps, &in->rope, run->hd, &r));
+    MDT_TRY(ff_residual(f, d, x, r.si, mi, &blk->ff_in, &blk->ff_out, r.nx, hb, sb, r.tmp));
+    return ff_residual(f, d, c, r.st, mt, &blk->ffc_in, &blk->ffc_out, r.nc, hb, sb, r.tmp);
 }
 
 /* Flux2SingleTransformerBlock: h [B, S, C] += gate * to_out([attn(n) | SwiGLU(n)]) with
  * n = LN(h)(1 + scale) + shift and the shared modulation mod [B, 3C]; to_qkv_mlp_proj's local
  * rows are [q_k | k_k | v_k | gate_k | value_k], to_out's local columns [attn_k | mlp_k]. */
-static mdt_status single_block(const flux2 *f, const f2_single *blk, const mdt_dit *d,
-                               const f2_in *in, const float *mod, const mdt_heads *hd, float *h) {
-    const int64_t C = f->inner, B = d->B, S = in->si + in->st, M = B * S;
+static mdt_status single_block(const void *ctx, const mdt_dit *d, int64_t i, float *h) {
+    const f2_run *run = ctx;
+    const flux2 *f = run->f;
+    const f2_in *in = run->in;
+    const f2_single *blk = &f->sgl[i];
+    const float *mod = run->ms;
+    const mdt_heads *hd = run->hd;
+    const int64_t C = f->inner, B = d->B, S = in->s.si + in->s.st, M = B * S;
     const int64_t Cl = d->heads * d->head_dim, Ml = f->mlp_hidden / d->T, W = Cl + Ml;
     float *n = mdt_arena_floats(d->ar, M * C);       // [B, S, C]
     float *g2 = mdt_arena_floats(d->ar, M * 2 * Ml); // [B*S, 2M/T] = [value | gate]
@@ -449,9 +348,9 @@ static mdt_status flux2_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tens
     mdt_dit_begin(&d, m, f->heads, f->head_dim);
     MDT_TRY(flux2_read(f, &d, in, &x));
     mdt_counters_get()->prep_s += mdt_now() - t_prep;
-    const int64_t C = f->inner, B = d.B, si = x.si, st = x.st, S = si + st, O = f->proj_out.out;
+    const int64_t C = f->inner, B = d.B, si = x.s.si, st = x.s.st, S = si + st;
     mdt_arena *ar = d.ar;
-    char stage[48];
+    float *h;
     mdt_heads hd;
     float *hid = mdt_arena_floats(ar, B * C);     // [B, C/T] embedder hidden
     float *temb = mdt_arena_floats(ar, B * C);    // [B, C]
@@ -474,53 +373,21 @@ static mdt_status flux2_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tens
     mdt_k()->silu(temb, B * C);
     d.cond = temb, d.cond_rows = B, d.cond_width = C;
     MDT_TRY(mdt_guard_finite(d.mesh, "time_guidance_embed", temb, B * C));
-    MDT_TRY(mdt_dit_adaln(&d, &f->mod_img, mi));    // [B, 6C]
-    MDT_TRY(mdt_dit_adaln(&d, &f->mod_txt, mt));    // [B, 6C]
-    MDT_TRY(mdt_dit_adaln(&d, &f->mod_single, ms)); // [B, 3C]
-    MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, mo));   // [B, 2C]
-    mdt_dit_linear(&f->x_emb, x.hs, B * si, xs, C); // [B, Si/P, C]
-    MDT_TRY(mdt_dit_row_linear(&d, &f->ctx_emb, x.ehs + d.k * f->ctx_emb.in_local, f->joint_dim, c,
+    MDT_TRY(mdt_dit_adaln(&d, &f->mod_img, mi));      // [B, 6C]
+    MDT_TRY(mdt_dit_adaln(&d, &f->mod_txt, mt));      // [B, 6C]
+    MDT_TRY(mdt_dit_adaln(&d, &f->mod_single, ms));   // [B, 3C]
+    MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, mo));     // [B, 2C]
+    mdt_dit_linear(&f->x_emb, x.s.hs, B * si, xs, C); // [B, Si/P, C]
+    MDT_TRY(mdt_dit_row_linear(&d, &f->ctx_emb, x.s.ehs + d.k * f->ctx_emb.in_local, f->joint_dim,
+                               c,
                                B * st)); // [B, St/P, C]: replicated input, this rank's features
     MDT_TRY(mdt_guard_finite(d.mesh, "x_embedder", xs, B * si * C));
     MDT_TRY(mdt_guard_finite(d.mesh, "context_embedder", c, B * st * C));
-    for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
-        mdt_arena_mark mk = mdt_arena_mark_get(ar);
-        MDT_TRY(double_block(f, &f->dbl[i], &d, &x, mi, mt, &hd, xs, c));
-        mdt_arena_rewind(ar, mk);
-        snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
-        MDT_TRY(mdt_guard_finite(d.mesh, stage, xs, B * si * C));
-        MDT_TRY(mdt_guard_finite(d.mesh, stage, c, B * st * C));
-        if (i == 0) /* test seam: fail mid-step */
-            MDT_TRY(mdt_test_point("step", d.mesh ? d.mesh->world_rank : 0));
-    }
-    float *h = mdt_arena_floats(ar, B * S * C); // [B, S/P, C] = cat(c, x) per batch
-    if (!h)
-        return MDT_E_NOMEM;
-    mdt_k()->copy2d(h, S * C, c, st * C, B, st * C);           // text rows of every batch
-    mdt_k()->copy2d(h + st * C, S * C, xs, si * C, B, si * C); // image rows after them
-    for (int64_t i = 0; i < f->single_layers; i++) {
-        mdt_arena_mark mk = mdt_arena_mark_get(ar);
-        MDT_TRY(single_block(f, &f->sgl[i], &d, &x, ms, &hd, h));
-        mdt_arena_rewind(ar, mk);
-        snprintf(stage, sizeof stage, "single_transformer_blocks.%lld", (long long)i);
-        MDT_TRY(mdt_guard_finite(d.mesh, stage, h, B * S * C));
-    }
-    /* norm_out on the image rows: mo = (scale, shift), scale first */
-    float *ol = mdt_arena_floats(ar, B * si * O); // [B, Si/P, O]
-    mdt_tensor *o;
-    if (!ol)
-        return MDT_E_NOMEM;
-    for (int64_t b = 0; b < B; b++)
-        mdt_k()->layernorm_modulate(h + (b * S + st) * C, xs + b * si * C, si, C, (float)f->eps,
-                                    mo + b * 2 * C + C, mo + b * 2 * C); // [Si/P, C]
-    mdt_dit_linear(&f->proj_out, xs, B * si, ol, O);                     // [B, Si/P, O]
-    MDT_TRY(mdt_guard_finite(d.mesh, "proj_out", ol, B * si * O));
-    MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Si, O}, &o));
-    MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, in, x.Si, ol, o));
-    /* no silent degrade: each query row once over the joint sequence, per block and batch */
-    mdt_promise p = {0};
-    mdt_dit_promise_cp(&d, &p, (int64_t[]){x.St, x.Si}, 2, (f->layers + f->single_layers) * B);
-    return mdt_dit_end(&d, &p);
+    MDT_TRY(mdt_joint_blocks(&d, &x.s, C, xs, c, f->layers, double_block, f->single_layers,
+                             single_block, &(f2_run){f, &x, mi, mt, ms, &hd}, &h));
+    /* norm_out on the image rows (mo = (scale, shift)) into xs, free now */
+    return mdt_joint_finish(&d, in, &x.s, h, mo, (float)f->eps, &f->proj_out, xs,
+                            (f->layers + f->single_layers) * B, out);
 }
 
 /* ---- random inputs: the ids Flux2Pipeline builds ---- */
@@ -547,4 +414,4 @@ static mdt_status flux2_make_inputs(const void *impl, const mdt_inputs_params *p
 }
 
 const mdt_family mdt_family_flux2 =
-    MDT_FAMILY(flux2, "flux2", "Flux2Transformer2DModel", k_flux2_cp_plan, "sample");
+    MDT_FAMILY(flux2, "flux2", "Flux2Transformer2DModel", mdt_joint_cp_plan, "sample");

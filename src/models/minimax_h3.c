@@ -145,12 +145,8 @@ static mdt_status h3_check_layout(const void *impl, int T, int R, int U) {
     const h3 *f = impl;
     (void)R, (void)U;
     MDT_TRY(mdt_dit_check_heads(f->heads, T));
-    if (f->time_embed % T != 0)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "tp=%d does not divide time_embed_dim %lld (the input features the AdaLN "
-                        "projections are sharded on)",
-                        T, (long long)f->time_embed);
-    return MDT_OK;
+    return mdt_dit_check_tp(T, f->time_embed, "time_embed_dim",
+                            "the input features the AdaLN projections are sharded on");
 }
 
 /* ---- forward ---- */

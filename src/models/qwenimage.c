@@ -34,10 +34,9 @@
  * builds its own), the joint sequence of a rank is its text chunk then its image chunk; `sample`
  * gathered on dim 1 after proj_out.
  */
-#include "models/dit.h"
+#include "models/joint.h"
 
 #include "backend/backend.h"
-#include "core/testhooks.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -47,8 +46,8 @@ enum { QWEN_MAX_LAYERS = 128, QWEN_ROPE_POS = 4096 };
 static const float k_eps = 1e-6f;
 
 typedef struct qwen_block {
-    mdt_lin img_mod, txt_mod, to_out, to_add_out, img_ff0, img_ff2, txt_ff0, txt_ff2;
-    mdt_qkv img, txt; /* the image and text streams' q/k/v with their norms */
+    mdt_lin img_mod, txt_mod, img_ff0, img_ff2, txt_ff0, txt_ff2;
+    mdt_joint_attn attn; /* the image and text streams' q/k/v, norms and outputs */
 } qwen_block;
 
 typedef struct qwen {
@@ -67,8 +66,6 @@ static const mdt_cp_plan k_qwen_cp_plan = {
 };
 
 /* ---- weight table (every Qwen-Image linear has a bias) ---- */
-static const mdt_attn_names k_added = {"attn.add_q_proj", "attn.add_k_proj",   "attn.add_v_proj",
-                                       "attn.to_add_out", "attn.norm_added_q", "attn.norm_added_k"};
 
 static mdt_status qwen_table(qwen *f, mdt_wtable *t) {
     const int64_t C = f->inner, M = f->mlp_hidden, D = f->head_dim;
@@ -85,16 +82,13 @@ static mdt_status qwen_table(qwen *f, mdt_wtable *t) {
         snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
         MDT_TRY(mdt_wtable_add_linear(t, &b->img_mod, p, "img_mod.1", 6 * C, C, adaln, 1));
         MDT_TRY(mdt_wtable_add_linear(t, &b->txt_mod, p, "txt_mod.1", 6 * C, C, adaln, 1));
-        MDT_TRY(mdt_dit_declare_attention(t, p, &mdt_attn_self, &b->img, &b->to_out, C, C, 1));
-        MDT_TRY(mdt_dit_declare_attention(t, p, &k_added, &b->txt, &b->to_add_out, C, C, 1));
-        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->img, D, k_eps));
-        MDT_TRY(mdt_dit_declare_qk_norms(t, p, &k_added, &b->txt, D, k_eps));
+        MDT_TRY(mdt_joint_declare_attention(t, p, &b->attn, C, 1));
+        MDT_TRY(mdt_joint_declare_qk_norms(t, p, &b->attn, D, k_eps));
         MDT_TRY(mdt_dit_declare_ff(t, p, "img_mlp", &b->img_ff0, &b->img_ff2, C, M, 0, 1));
         MDT_TRY(mdt_dit_declare_ff(t, p, "txt_mlp", &b->txt_ff0, &b->txt_ff2, C, M, 0, 1));
     }
-    MDT_TRY(mdt_wtable_add_linear(t, &f->norm_out, "norm_out.", "linear", 2 * C, C, adaln, 1));
-    return mdt_wtable_add_linear(t, &f->proj_out, "", "proj_out", f->patch * f->patch * f->out_ch,
-                                 C, rep, 1);
+    return mdt_joint_declare_out(t, &f->norm_out, &f->proj_out, C, f->patch * f->patch * f->out_ch,
+                                 1);
 }
 
 static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
@@ -140,15 +134,7 @@ static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     if (f->layers > QWEN_MAX_LAYERS)
         return MDT_FAIL(MDT_E_UNSUPPORTED, "config.json: at most %d transformer blocks",
                         QWEN_MAX_LAYERS);
-    for (int i = 0; i < 3; i++)
-        if (f->axes[i] <= 0 || f->axes[i] % 2)
-            return MDT_FAIL(MDT_E_INVALID,
-                            "config.json: axes_dims_rope[%d] = %lld must be even and positive", i,
-                            (long long)f->axes[i]);
-    if (f->axes[0] + f->axes[1] + f->axes[2] != f->head_dim)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "config.json: axes_dims_rope sum to %lld but attention_head_dim is %lld",
-                        (long long)(f->axes[0] + f->axes[1] + f->axes[2]), (long long)f->head_dim);
+    MDT_TRY(mdt_dit_check_rope_axes(f->axes, 3, f->head_dim));
     f->inner = f->heads * f->head_dim;
     f->mlp_hidden = 4 * f->inner;
     return qwen_table(f, t);
@@ -274,23 +260,11 @@ static mdt_status qwen_read(const qwen *f, mdt_dit *d, const mdt_tensor_set *in,
         if (mdt_tensor_set_get(in, refused[i][0]))
             return MDT_FAIL(MDT_E_UNSUPPORTED, "inputs: '%s' is not accepted: %s", refused[i][0],
                             refused[i][1]);
-    const int64_t B = mdt_input_dim(in, "hidden_states", 0);
-    const int64_t Si = mdt_input_dim(in, "hidden_states", 1);
-    const int64_t St = mdt_input_dim(in, "encoder_hidden_states", 1);
+    mdt_joint_in s; /* whole: each pass of qwen_run cuts its own batch elements */
     float *ts;
-    if (B < 1 || Si < 1)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "inputs: 'hidden_states' must be [B, S_img, %lld] with B, S_img >= 1",
-                        (long long)f->in_ch);
-    if (St < 1)
-        return MDT_FAIL(MDT_E_INVALID,
-                        "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] with S_txt >= 1",
-                        (long long)f->joint_dim);
-    *x = (qwen_in){.B = B, .Si = Si, .St = St};
-    MDT_TRY(
-        mdt_input_f32_view(in, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, d->ha, &x->hs));
-    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim},
-                               d->ha, &x->ehs));
+    MDT_TRY(mdt_joint_read_streams(d, in, f->in_ch, f->joint_dim, 0, &s));
+    const int64_t B = s.B;
+    *x = (qwen_in){.B = B, .Si = s.Si, .St = s.St, .hs = s.hs, .ehs = s.ehs};
     MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, d->ha, &ts));
     MDT_TRY(read_mask(in, x, d->ha));
     MDT_TRY(read_img_shapes(in, x, d->ha));
@@ -332,54 +306,23 @@ static mdt_status rope_table(const qwen *f, const mdt_dit *d, const qwen_in *x, 
     return MDT_OK;
 }
 
-/* x [B, n, C] += gate * MLP(LN(x) (1 + scale) + shift): a stream's MLP half (mod [B, 6C]). */
-static mdt_status ff_residual(const mdt_dit *d, float *x, int64_t n, const float *mod,
-                              const mdt_lin *l0, const mdt_lin *l2, float *nbuf, float *hbuf,
-                              float *ybuf) {
-    const int64_t C = l2->out, B = d->B, Ml = l0->out_local;
-    for (int64_t b = 0; b < B; b++)
-        mdt_k()->layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, k_eps,
-                                    mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
-    mdt_dit_linear(l0, nbuf, B * n, hbuf, Ml); // [B*n, 4C/T]
-    mdt_k()->gelu_rows(hbuf, Ml, B * n, Ml);
-    MDT_TRY(mdt_dit_row_linear(d, l2, hbuf, Ml, ybuf, B * n)); // [B*n, C]
-    for (int64_t b = 0; b < B; b++)
-        mdt_k()->gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
-    return MDT_OK;
-}
-
 /* QwenImageTransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention. */
 static mdt_status double_block(const qwen_block *blk, const mdt_dit *d, const mdt_rope *rope,
                                const mdt_heads *h, int64_t si, int64_t st, float *x, float *c) {
-    const int64_t C = blk->to_out.out, B = d->B, S = si + st, Cl = blk->img.q.out_local;
-    float *mod = mdt_arena_floats(d->ar, B * 6 * C);                     // [B, 6C] image
-    float *cmod = mdt_arena_floats(d->ar, B * 6 * C);                    // [B, 6C] text
-    float *nx = mdt_arena_floats(d->ar, B * si * C);                     // [B, si, C]
-    float *nc = mdt_arena_floats(d->ar, B * st * C);                     // [B, st, C]
-    float *tmp = mdt_arena_floats(d->ar, B * S * C);                     // [B*max(si,st), C]
-    float *ao = mdt_arena_floats(d->ar, B * S * Cl);                     // [B, S, C/T]
-    float *hb = mdt_arena_floats(d->ar, B * S * blk->img_ff0.out_local); // [B*n, 4C/T]
-    if (!mod || !cmod || !nx || !nc || !tmp || !ao || !hb)
+    const int64_t C = blk->attn.to_out.out, B = d->B;
+    mdt_joint_rows r = {.x = x, .c = c, .si = si, .st = st};
+    float *mod = mdt_arena_floats(d->ar, B * 6 * C);  // [B, 6C] image
+    float *cmod = mdt_arena_floats(d->ar, B * 6 * C); // [B, 6C] text
+    if (!mod || !cmod || mdt_joint_rows_alloc(d, C, blk->attn.img.q.out_local, &r) != MDT_OK)
+        return MDT_E_NOMEM;
+    float *hb = mdt_arena_floats(d->ar, B * (si + st) * blk->img_ff0.out_local); // [B*n, 4C/T]
+    if (!hb)
         return MDT_E_NOMEM;
     MDT_TRY(mdt_dit_adaln(d, &blk->img_mod, mod));  // [B, 6C]
     MDT_TRY(mdt_dit_adaln(d, &blk->txt_mod, cmod)); // [B, 6C]
-    for (int64_t b = 0; b < B; b++) {
-        mdt_k()->layernorm_modulate(x + b * si * C, nx + b * si * C, si, C, k_eps, mod + b * 6 * C,
-                                    mod + b * 6 * C + C); // [si, C]
-        mdt_k()->layernorm_modulate(c + b * st * C, nc + b * st * C, st, C, k_eps, cmod + b * 6 * C,
-                                    cmod + b * 6 * C + C); // [st, C]
-    }
-    mdt_dit_qkv(d, &blk->txt, nc, st, 0, rope, h, tmp);  /* text rows [0, st) */
-    mdt_dit_qkv(d, &blk->img, nx, si, st, rope, h, tmp); /* image rows [st, S) */
-    MDT_TRY(mdt_dit_attend(d, h, 1, ao, Cl));            // [B, S/P, C/T]
-    for (int64_t b = 0; b < B; b++) {
-        MDT_TRY(mdt_dit_row_linear(d, &blk->to_out, ao + (b * S + st) * Cl, Cl, tmp, si));
-        mdt_k()->gate_residual(x + b * si * C, tmp, C, mod + b * 6 * C + 2 * C, si, C);
-        MDT_TRY(mdt_dit_row_linear(d, &blk->to_add_out, ao + b * S * Cl, Cl, tmp, st));
-        mdt_k()->gate_residual(c + b * st * C, tmp, C, cmod + b * 6 * C + 2 * C, st, C);
-    }
-    MDT_TRY(ff_residual(d, x, si, mod, &blk->img_ff0, &blk->img_ff2, nx, hb, tmp));
-    return ff_residual(d, c, st, cmod, &blk->txt_ff0, &blk->txt_ff2, nc, hb, tmp);
+    MDT_TRY(mdt_joint_attention(d, &blk->attn, mod, cmod, k_eps, rope, h, &r));
+    MDT_TRY(mdt_joint_ff_gelu(d, x, si, mod, k_eps, &blk->img_ff0, &blk->img_ff2, r.nx, hb, r.tmp));
+    return mdt_joint_ff_gelu(d, c, st, cmod, k_eps, &blk->txt_ff0, &blk->txt_ff2, r.nc, hb, r.tmp);
 }
 
 /* One pass over batch elements [b0, b0 + n) that attend the same text tokens keep[0:Sv): their
@@ -394,7 +337,6 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     const mdt_arena_mark mk = mdt_arena_mark_get(ar), hk = mdt_arena_mark_get(ha);
     const void *hs, *ehs;
     int64_t s0i, si, s0t, st;
-    char stage[48];
     float *txt = mdt_arena_floats(ha, n * Sv * J); // [n, Sv, J] host: the attended text rows
     if (!txt)
         return MDT_E_NOMEM;
@@ -429,12 +371,7 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
         const mdt_arena_mark bk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c));
-        mdt_arena_rewind(ar, bk);
-        snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
-        MDT_TRY(mdt_guard_finite(d->mesh, stage, xs, n * si * C));
-        MDT_TRY(mdt_guard_finite(d->mesh, stage, c, n * st * C));
-        if (i == 0) /* test seam: fail mid-step */
-            MDT_TRY(mdt_test_point("step", d->mesh ? d->mesh->world_rank : 0));
+        MDT_TRY(mdt_joint_block_done(d, bk, "transformer_blocks", i, C, xs, si, c, st));
     }
     MDT_TRY(mdt_dit_adaln(d, &f->norm_out, emb)); // [n, 2C] scale first
     for (int64_t b = 0; b < n; b++)

@@ -1,0 +1,222 @@
+/*
+ * joint.c — see joint.h.
+ */
+#include "models/joint.h"
+
+#include "backend/backend.h"
+#include "core/testhooks.h"
+
+#include <math.h>
+#include <stdio.h>
+
+const mdt_attn_names mdt_attn_added = {"attn.add_q_proj", "attn.add_k_proj",   "attn.add_v_proj",
+                                       "attn.to_add_out", "attn.norm_added_q", "attn.norm_added_k"};
+
+const mdt_cp_plan mdt_joint_cp_plan = {
+    .nsplit = 4,
+    .split = {{"hidden_states", 1, NULL},
+              {"encoder_hidden_states", 1, NULL},
+              {"img_ids", 0, NULL},
+              {"txt_ids", 0, NULL}},
+    .ngather = 1,
+    .gather = {{"sample", 1, NULL}},
+};
+
+mdt_status mdt_joint_declare_attention(mdt_wtable *t, const char *pfx, mdt_joint_attn *w, int64_t C,
+                                       int bias) {
+    MDT_TRY(mdt_dit_declare_attention(t, pfx, &mdt_attn_self, &w->img, &w->to_out, C, C, bias));
+    return mdt_dit_declare_attention(t, pfx, &mdt_attn_added, &w->ctx, &w->to_add_out, C, C, bias);
+}
+
+mdt_status mdt_joint_declare_qk_norms(mdt_wtable *t, const char *pfx, mdt_joint_attn *w, int64_t D,
+                                      float eps) {
+    MDT_TRY(mdt_dit_declare_qk_norms(t, pfx, &mdt_attn_self, &w->img, D, eps));
+    return mdt_dit_declare_qk_norms(t, pfx, &mdt_attn_added, &w->ctx, D, eps);
+}
+
+mdt_status mdt_joint_declare_out(mdt_wtable *t, mdt_lin *norm_out, mdt_lin *proj_out, int64_t C,
+                                 int64_t O, int bias) {
+    MDT_TRY(mdt_wtable_add_linear(t, norm_out, "norm_out.", "linear", 2 * C, C,
+                                  MDT_TP_REPLICATED_INPUT_ROWWISE, bias));
+    return mdt_wtable_add_linear(t, proj_out, "", "proj_out", O, C, MDT_TP_REPLICATED, bias);
+}
+
+mdt_status mdt_joint_read_streams(mdt_dit *d, const mdt_tensor_set *in, int64_t in_ch,
+                                  int64_t joint, int split, mdt_joint_in *x) {
+    const int64_t B = mdt_input_dim(in, "hidden_states", 0);
+    const int64_t Si = mdt_input_dim(in, "hidden_states", 1);
+    const int64_t St = mdt_input_dim(in, "encoder_hidden_states", 1);
+    int64_t s0;
+    if (B < 1 || Si < 1)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'hidden_states' must be [B, S_img, %lld] with B, S_img >= 1",
+                        (long long)in_ch);
+    if (St < 1)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: 'encoder_hidden_states' must be [B, S_txt, %lld] with S_txt >= 1",
+                        (long long)joint);
+    const int64_t shs[] = {B, Si, in_ch}, sehs[] = {B, St, joint};
+    *x = (mdt_joint_in){.B = B, .Si = Si, .St = St, .si = Si, .st = St};
+    d->B = B;
+    MDT_TRY(mdt_input_f32_view(in, "hidden_states", 3, shs, d->ha, &x->hs));
+    MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, sehs, d->ha, &x->ehs));
+    if (!split)
+        return MDT_OK;
+    MDT_TRY(mdt_cp_take(&d->cp, "hidden_states", x->hs, 4, 3, shs, d->ha, (const void **)&x->hs,
+                        &s0, &x->si));
+    return mdt_cp_take(&d->cp, "encoder_hidden_states", x->ehs, 4, 3, sehs, d->ha,
+                       (const void **)&x->ehs, &s0, &x->st);
+}
+
+mdt_status mdt_joint_read_ids(mdt_dit *d, const mdt_tensor_set *in, const char *name, int64_t S,
+                              int naxes, int exact, const float **ids, int64_t *A) {
+    const int is3 = mdt_input_dim(in, name, 2) >= 0;
+    float *full;
+    int64_t s0, n;
+    MDT_TRY(mdt_input_f32(in, name, is3 ? 3 : 2, is3 ? (int64_t[]){-1, S, -1} : (int64_t[]){S, -1},
+                          d->ha, &full));
+    *A = mdt_input_dim(in, name, is3 ? 2 : 1);
+    if (*A < naxes || (exact && *A != naxes) || (is3 && mdt_input_dim(in, name, 0) < 1))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: '%s' must be [%lld, A] or [B, %lld, A] with A %s %d (one column "
+                        "per rotary axis of axes_dims_rope)",
+                        name, (long long)S, (long long)S, exact ? "=" : ">=", naxes);
+    return mdt_cp_take(&d->cp, name, full, sizeof(float), 2, (int64_t[]){S, *A}, d->ha,
+                       (const void **)ids, &s0, &n);
+}
+
+mdt_status mdt_joint_rope(const mdt_dit *d, const float *txt_ids, int64_t At, const float *img_ids,
+                          int64_t Ai, int64_t st, int64_t si, int naxes, const int64_t *axes,
+                          double theta, mdt_rope *rope) {
+    const int64_t S = st + si, A = naxes;
+    int64_t D = 0;
+    for (int a = 0; a < naxes; a++)
+        D += axes[a];
+    float *ids = mdt_arena_floats(d->ha, S * A);                         // [S/P, axes] text first
+    int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(d->ha, D);   // [D] host
+    double *col_freq = (double *)(void *)mdt_arena_floats(d->ha, 2 * D); // [D] host
+    if (!ids || !col_axis || !col_freq)
+        return MDT_E_NOMEM;
+    for (int64_t s = 0; s < S; s++) /* the first naxes columns, text rows first */
+        for (int64_t a = 0; a < A; a++)
+            ids[s * A + a] = s < st ? txt_ids[s * At + a] : img_ids[(s - st) * Ai + a];
+    /* per axis of width w, pair j: frequency 1/theta^(2j/w) on both of its channels */
+    for (int64_t a = 0, off = 0; a < A; off += axes[a], a++)
+        for (int64_t j = 0; j < axes[a] / 2; j++) {
+            const double fr = 1.0 / pow(theta, (double)(2 * j) / (double)axes[a]);
+            col_axis[off + 2 * j] = col_axis[off + 2 * j + 1] = (int32_t)a;
+            col_freq[off + 2 * j] = col_freq[off + 2 * j + 1] = fr;
+        }
+    const float *ids_d = mdt_k_upload(d->ar, ids, sizeof(float) * (size_t)(S * A));
+    const int32_t *cax_d = mdt_k_upload(d->ar, col_axis, sizeof(int32_t) * (size_t)D);
+    const double *cfr_d = mdt_k_upload(d->ar, col_freq, sizeof(double) * (size_t)D);
+    float *cos_t = mdt_arena_floats(d->ar, S * D), *sin_t = mdt_arena_floats(d->ar, S * D);
+    if (!ids_d || !cax_d || !cfr_d || !cos_t || !sin_t)
+        return MDT_E_NOMEM;
+    mdt_k()->angle_table(ids_d, A, S, D, cax_d, cfr_d, 1, cos_t, sin_t); // [S/P, D]
+    *rope = (mdt_rope){cos_t, sin_t, D, MDT_ROPE_INTERLEAVED};
+    return MDT_OK;
+}
+
+mdt_status mdt_joint_rows_alloc(const mdt_dit *d, int64_t C, int64_t Cl, mdt_joint_rows *r) {
+    const int64_t B = d->B, S = r->si + r->st;
+    r->nx = mdt_arena_floats(d->ar, B * r->si * C); // [B, si, C]
+    r->nc = mdt_arena_floats(d->ar, B * r->st * C); // [B, st, C]
+    r->tmp = mdt_arena_floats(d->ar, B * S * C);    // [B*max(si,st), C]
+    r->ao = mdt_arena_floats(d->ar, B * S * Cl);    // [B, S, C/T]
+    return r->nx && r->nc && r->tmp && r->ao ? MDT_OK : MDT_E_NOMEM;
+}
+
+mdt_status mdt_joint_attention(const mdt_dit *d, const mdt_joint_attn *w, const float *mi,
+                               const float *mt, float eps, const mdt_rope *rope, const mdt_heads *h,
+                               const mdt_joint_rows *r) {
+    const int64_t C = w->to_out.out, B = d->B, si = r->si, st = r->st, S = si + st;
+    const int64_t Cl = w->img.q.out_local;
+    for (int64_t b = 0; b < B; b++) {
+        mdt_k()->layernorm_modulate(r->x + b * si * C, r->nx + b * si * C, si, C, eps,
+                                    mi + b * 6 * C, mi + b * 6 * C + C); // [si, C]
+        mdt_k()->layernorm_modulate(r->c + b * st * C, r->nc + b * st * C, st, C, eps,
+                                    mt + b * 6 * C, mt + b * 6 * C + C); // [st, C]
+    }
+    mdt_dit_qkv(d, &w->ctx, r->nc, st, 0, rope, h, r->tmp);  /* text rows [0, st) */
+    mdt_dit_qkv(d, &w->img, r->nx, si, st, rope, h, r->tmp); /* image rows [st, S) */
+    MDT_TRY(mdt_dit_attend(d, h, 1, r->ao, Cl));             // [B, S/P, C/T]
+    for (int64_t b = 0; b < B; b++) {
+        MDT_TRY(mdt_dit_row_linear(d, &w->to_out, r->ao + (b * S + st) * Cl, Cl, r->tmp, si));
+        mdt_k()->gate_residual(r->x + b * si * C, r->tmp, C, mi + b * 6 * C + 2 * C, si, C);
+        MDT_TRY(mdt_dit_row_linear(d, &w->to_add_out, r->ao + b * S * Cl, Cl, r->tmp, st));
+        mdt_k()->gate_residual(r->c + b * st * C, r->tmp, C, mt + b * 6 * C + 2 * C, st, C);
+    }
+    return MDT_OK;
+}
+
+mdt_status mdt_joint_ff_gelu(const mdt_dit *d, float *x, int64_t n, const float *mod, float eps,
+                             const mdt_lin *l0, const mdt_lin *l2, float *nbuf, float *hbuf,
+                             float *ybuf) {
+    const int64_t C = l2->out, B = d->B, Ml = l0->out_local;
+    for (int64_t b = 0; b < B; b++)
+        mdt_k()->layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, eps,
+                                    mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
+    mdt_dit_linear(l0, nbuf, B * n, hbuf, Ml);                                         // [B*n, M/T]
+    mdt_k()->gelu_rows(hbuf, Ml, B * n, Ml);
+    MDT_TRY(mdt_dit_row_linear(d, l2, hbuf, Ml, ybuf, B * n)); // [B*n, C]
+    for (int64_t b = 0; b < B; b++)
+        mdt_k()->gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
+    return MDT_OK;
+}
+
+mdt_status mdt_joint_block_done(const mdt_dit *d, mdt_arena_mark mk, const char *name, int64_t i,
+                                int64_t C, const float *x, int64_t nx, const float *c, int64_t nc) {
+    char stage[48];
+    mdt_arena_rewind(d->ar, mk);
+    snprintf(stage, sizeof stage, "%s.%lld", name, (long long)i);
+    MDT_TRY(mdt_guard_finite(d->mesh, stage, x, d->B * nx * C));
+    if (!c)
+        return MDT_OK;
+    MDT_TRY(mdt_guard_finite(d->mesh, stage, c, d->B * nc * C));
+    return i == 0 ? mdt_test_point("step", d->mesh ? d->mesh->world_rank : 0) : MDT_OK;
+}
+
+mdt_status mdt_joint_blocks(const mdt_dit *d, const mdt_joint_in *x, int64_t C, float *xs, float *c,
+                            int64_t nd, mdt_joint_double_fn dbl, int64_t ns,
+                            mdt_joint_single_fn sgl, const void *ctx, float **h) {
+    const int64_t B = d->B, si = x->si, st = x->st, S = si + st;
+    for (int64_t i = 0; i < nd; i++) {
+        const mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+        MDT_TRY(dbl(ctx, d, i, xs, c));
+        MDT_TRY(mdt_joint_block_done(d, mk, "transformer_blocks", i, C, xs, si, c, st));
+    }
+    *h = mdt_arena_floats(d->ar, B * S * C); // [B, S/P, C] = cat(c, x) per batch
+    if (!*h)
+        return MDT_E_NOMEM;
+    mdt_k()->copy2d(*h, S * C, c, st * C, B, st * C);           // text rows of every batch
+    mdt_k()->copy2d(*h + st * C, S * C, xs, si * C, B, si * C); // image rows after them
+    for (int64_t i = 0; i < ns; i++) {
+        const mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
+        MDT_TRY(sgl(ctx, d, i, *h));
+        MDT_TRY(mdt_joint_block_done(d, mk, "single_transformer_blocks", i, C, *h, S, NULL, 0));
+    }
+    return MDT_OK;
+}
+
+mdt_status mdt_joint_finish(mdt_dit *d, const mdt_tensor_set *in, const mdt_joint_in *x,
+                            const float *h, const float *mo, float eps, const mdt_lin *proj_out,
+                            float *xn, int64_t calls, mdt_tensor_set *out) {
+    const int64_t B = d->B, C = proj_out->in, si = x->si, st = x->st, S = si + st;
+    const int64_t O = proj_out->out;
+    float *ol = mdt_arena_floats(d->ar, B * si * O); // [B, Si/P, O]
+    mdt_tensor *o;
+    if (!ol)
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < B; b++)
+        mdt_k()->layernorm_modulate(h + (b * S + st) * C, xn + b * si * C, si, C, eps,
+                                    mo + b * 2 * C + C, mo + b * 2 * C); // [Si/P, C]
+    mdt_dit_linear(proj_out, xn, B * si, ol, O);                         // [B, Si/P, O]
+    MDT_TRY(mdt_guard_finite(d->mesh, "proj_out", ol, B * si * O));
+    MDT_TRY(mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x->Si, O}, &o));
+    MDT_TRY(mdt_cp_give(&d->cp, "sample", d->ar, d->ha, in, x->Si, ol, o));
+    /* no silent degrade: each query row once over the joint sequence, per block and batch */
+    mdt_promise p = {0};
+    mdt_dit_promise_cp(d, &p, (int64_t[]){x->St, x->Si}, 2, calls);
+    return mdt_dit_end(d, &p);
+}
