@@ -41,7 +41,7 @@ import tempfile
 import numpy as np
 import torch
 
-from qwenimage_pipeline import _bytes_to_unicode, _perturb_constants
+from pipeline_util import bpe_vocab, perturb_constants as _perturb_constants
 
 HEADS = 4
 HEAD_DIM = 16
@@ -69,20 +69,7 @@ _CHAT_TEMPLATE = (
 def _make_tokenizer():
     from transformers import Qwen2Tokenizer
 
-    b2u = _bytes_to_unicode()
-    vocab = {}
-    for b in range(256):
-        vocab.setdefault(b2u[b], len(vocab))
-    merges = []
-    for w in _WORDS:
-        syms = [b2u[b] for b in w.encode("utf-8")]
-        while len(syms) > 1:
-            if (syms[0], syms[1]) not in merges:
-                merges.append((syms[0], syms[1]))
-            syms = [syms[0] + syms[1]] + syms[2:]
-            vocab.setdefault(syms[0], len(vocab))
-    for token in _SPECIALS:
-        vocab[token] = len(vocab)
+    vocab, merges = bpe_vocab(_WORDS, _SPECIALS)
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=_SPECIALS[1:], model_max_length=40960)
     tok.chat_template = _CHAT_TEMPLATE
     return tok

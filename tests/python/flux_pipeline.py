@@ -41,6 +41,8 @@ import time
 import numpy as np
 import torch
 
+from pipeline_util import bytes_to_unicode as _bytes_to_unicode, t5_tokenizer
+
 # Transformer size; also used by callers that want to know the layout.
 HEADS = 4
 HEAD_DIM = 32
@@ -55,20 +57,6 @@ _WORDS = [
     "blue", "white", "black", "cube", "sphere", "cat", "dog", "table", "small",
     "big", "car", "tree", "house", "sky",
 ]
-
-
-def _bytes_to_unicode():
-    """GPT-2 / CLIP byte -> printable unicode character table."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
-          + list(range(ord("\xae"), ord("\xff") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 def _clip_tokenizer():
@@ -93,25 +81,6 @@ def _clip_tokenizer():
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
 
 
-def _t5_tokenizer():
-    from transformers import T5TokenizerFast
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    seen = {p for p, _ in pieces}
-    chars = "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"
-    for c in chars:
-        for p, s in ((c, -6.0), ("\u2581" + c, -5.0)):
-            if p not in seen:
-                seen.add(p)
-                pieces.append((p, s))
-    for w in _WORDS:
-        p = "\u2581" + w
-        if p not in seen:
-            seen.add(p)
-            pieces.append((p, -1.0 - 0.01 * len(pieces)))
-    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
-
-
 def _perturb_norms(model, gen, scale=0.1):
     """Move every all-ones norm weight slightly away from 1 (deterministically)."""
     with torch.no_grad():
@@ -131,7 +100,7 @@ def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> N
     gen = torch.Generator("cpu").manual_seed(seed + 12345)
 
     tokenizer = _clip_tokenizer()
-    tokenizer_2 = _t5_tokenizer()
+    tokenizer_2 = t5_tokenizer(_WORDS)
 
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel(**{**dict(

@@ -43,6 +43,9 @@ import time
 import numpy as np
 import torch
 
+from pipeline_util import (ForwardProxy as _ForwardProxy, capture_calls as _capture_calls,
+                           perturb_constants as _perturb_constants, rel as _rel, save_inputs as _save_inputs)
+
 
 PROMPT = "a red fox trots through fresh snow at dawn"
 HEIGHT, WIDTH = 16, 24
@@ -80,16 +83,6 @@ _COMPONENTS = {
     "vae": ("diffusers", "AutoencoderKLMiniMaxH3"),
     "audio_vae": ("diffusers", "AutoencoderKLMiniMaxH3Audio"),
 }
-
-
-def _perturb_constants(model, gen, scale=0.1):
-    """Every parameter that is one constant (norm weights at 1, zero biases, zero-initialised gates/scales/register
-    tokens, Snake alphas) gets noise, so that a wrong use of it shows in the output."""
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            flat = p.detach().reshape(-1)
-            if flat.numel() and bool((flat == flat[0]).all()):
-                p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
 
 
 def _make_tokenizer():
@@ -295,60 +288,6 @@ def generate(pipe, seed: int = 0, steps: int = 2) -> dict:
 
 
 # ---- __main__: determinism, a non-Module stand-in, and meshdit on the pipeline's real transformer inputs ----
-
-
-class _ForwardProxy:
-    """A plain object (not a torch.nn.Module) in front of a transformer: .config, .dtype, .device, a forward
-    with the wrapped signature, __call__. What a meshdit drop-in looks like to the pipeline."""
-
-    def __init__(self, model):
-        self._model = model
-        self.config = model.config
-        self.dtype = model.dtype
-        self.device = model.device
-        self.forward = model.forward  # bound method: inspect.signature gives the diffusers parameters
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-
-def _capture_calls(model):
-    """Forward hook keeping the kwargs and outputs of every call of the model, in call order."""
-    calls = []
-
-    def hook(module, args, kwargs, output):
-        outs = output if isinstance(output, tuple) else (output.sample, output.audio_sample)
-        calls.append({"kwargs": {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in kwargs.items()},
-                      "sample": outs[0].detach().clone(), "audio_sample": outs[1].detach().clone()})
-
-    handle = model.register_forward_hook(hook, with_kwargs=True)
-    return calls, handle
-
-
-def _save_inputs(kwargs, path):
-    from safetensors.torch import save_file
-
-    tensors, notes = {}, []
-    for name, value in kwargs.items():
-        if not torch.is_tensor(value):
-            if value is not None and name != "return_dict":
-                notes.append(f"{name}={value!r} (not a tensor, not saved)")
-            continue
-        if value.is_floating_point():
-            if value.dtype != torch.float32:
-                notes.append(f"{name}: {value.dtype} -> float32")
-            value = value.to(torch.float32)
-        else:
-            if value.dtype != torch.int64:
-                notes.append(f"{name}: {value.dtype} -> int64")
-            value = value.to(torch.int64)
-        tensors[name] = value.contiguous()
-    save_file(tensors, path)
-    return tensors, notes
-
-
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def main():

@@ -40,7 +40,6 @@ stand-in for the transformer, and replays every transformer call of the first ru
 """
 
 import argparse
-import contextlib
 import os
 import shutil
 import subprocess
@@ -50,6 +49,9 @@ import time
 
 import numpy as np
 import torch
+
+from pipeline_util import (ForwardProxy as _ForwardProxy, bpe_vocab, capture_calls as _capture_calls,
+                           perturb_constants as _perturb_constants, rel as _rel, save_inputs as _save_inputs)
 
 # Transformer size; also used by callers that want to know the layout.
 HEADS = 4
@@ -79,52 +81,14 @@ _WORDS = [" a", " an", " on", " in", " with", " under", " photo", " red", " gree
           " sky", " blurry", " low", " quality", "a", "blurry"]
 
 
-def _bytes_to_unicode():
-    """GPT-2 / Qwen2 byte -> printable unicode character table."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
-          + list(range(ord("\xae"), ord("\xff") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
 def _make_tokenizer():
     """Qwen2Tokenizer over a local byte-level BPE: byte symbols, one left-to-right merge chain per word,
     Qwen's specials (pad = eos = unk = <|endoftext|>)."""
     from transformers import Qwen2Tokenizer
 
-    b2u = _bytes_to_unicode()
-    vocab = {}
-    for b in range(256):
-        vocab.setdefault(b2u[b], len(vocab))
-    merges = []
-    for w in _TEMPLATE_WORDS + _WORDS:
-        syms = [b2u[b] for b in w.encode("utf-8")]
-        while len(syms) > 1:
-            pair = (syms[0], syms[1])
-            if pair not in merges:
-                merges.append(pair)
-            syms = [syms[0] + syms[1]] + syms[2:]
-            vocab.setdefault(syms[0], len(vocab))
-    for token in _SPECIALS:
-        vocab[token] = len(vocab)
+    vocab, merges = bpe_vocab(_TEMPLATE_WORDS + _WORDS, _SPECIALS)
     return Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=_SPECIALS[1:],
                           model_max_length=32768)
-
-
-def _perturb_constants(model, gen, scale=0.1):
-    """Every parameter that is one constant (norm weights at 1, zero biases, zero-initialised projections)
-    gets noise, so that a wrong use of it shows in the output."""
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            flat = p.detach().reshape(-1)
-            if flat.numel() and bool((flat == flat[0]).all()):
-                p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
 
 
 def _make_text_encoder(tokenizer, seed):
@@ -289,78 +253,6 @@ def generate(pipe, seed: int = 0, steps: int = 2, height: int = HEIGHT, width: i
 
 
 # ---- __main__: determinism, a non-Module stand-in, and meshdit on the pipeline's real transformer inputs ----
-
-
-class _ForwardProxy:
-    """A plain object (not a torch.nn.Module) in front of a transformer, with exactly what QwenImagePipeline
-    uses: .config, .dtype, .device, cache_context(name), forward (diffusers' signature) and __call__. Any
-    other attribute the pipeline or DiffusionPipeline asks for is recorded in `probes` (and is missing)."""
-
-    def __init__(self, model):
-        self._model = model
-        self.config = model.config
-        self.dtype = model.dtype
-        self.device = model.device
-        self.forward = model.forward  # bound method: inspect.signature gives the diffusers parameters
-        self.probes = []
-
-    @contextlib.contextmanager
-    def cache_context(self, name, **kwargs):
-        yield
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-    def __getattr__(self, name):  # only reached for attributes not set above
-        if not name.startswith("__"):
-            self.__dict__.setdefault("probes", []).append(name)
-        raise AttributeError(name)
-
-
-def _capture_calls(model):
-    """Forward hook keeping the kwargs and output of every call of the model, in call order."""
-    calls = []
-
-    def hook(module, args, kwargs, output):
-        out = output[0] if isinstance(output, tuple) else output.sample
-        calls.append({"kwargs": {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in kwargs.items()},
-                      "sample": out.detach().clone()})
-
-    handle = model.register_forward_hook(hook, with_kwargs=True)
-    return calls, handle
-
-
-def _save_inputs(kwargs, path):
-    """The transformer call's kwargs as meshdit inputs: float tensors as float32, integer/bool tensors as
-    int64, img_shapes (a list per batch element of (frames, height, width) tuples) as int64 [B, n, 3];
-    None, attention_kwargs={} (a LoRA scale only) and return_dict are not saved."""
-    from safetensors.torch import save_file
-
-    tensors, notes = {}, []
-    for name, value in kwargs.items():
-        if name == "img_shapes" and value is not None:
-            tensors[name] = torch.tensor([[list(s) for s in elem] for elem in value], dtype=torch.int64)
-            notes.append(f"img_shapes={value!r} -> int64 {list(tensors[name].shape)}")
-            continue
-        if not torch.is_tensor(value):
-            if value is not None and name != "return_dict" and value != {}:
-                notes.append(f"{name}={value!r} (not a tensor, not saved)")
-            continue
-        if value.is_floating_point():
-            if value.dtype != torch.float32:
-                notes.append(f"{name}: {value.dtype} -> float32")
-            value = value.to(torch.float32)
-        else:
-            if value.dtype != torch.int64:
-                notes.append(f"{name}: {value.dtype} -> int64")
-            value = value.to(torch.int64)
-        tensors[name] = value.contiguous()
-    save_file(tensors, path)
-    return tensors, notes
-
-
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _main():

@@ -41,6 +41,10 @@ import time
 import numpy as np
 import torch
 
+from pipeline_util import (ForwardProxy as _ForwardProxy, capture_calls as _capture_calls,
+                           perturb_constants as _perturb_constants, rel as _rel, save_inputs as _save_inputs,
+                           t5_tokenizer)
+
 # Sizes; also used by callers that want to know the layout.
 HEADS = 4
 HEAD_DIM = 16
@@ -88,36 +92,6 @@ _WORDS = [
 ]
 
 
-def _t5_tokenizer():
-    """A UMT5-style tokenizer (sentencepiece Unigram) over a small local vocabulary."""
-    from transformers import T5TokenizerFast
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    seen = {p for p, _ in pieces}
-    chars = "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"
-    for c in chars:
-        for p, s in ((c, -6.0), ("\u2581" + c, -5.0)):
-            if p not in seen:
-                seen.add(p)
-                pieces.append((p, s))
-    for w in _WORDS:
-        p = "\u2581" + w
-        if p not in seen:
-            seen.add(p)
-            pieces.append((p, -1.0 - 0.01 * len(pieces)))
-    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
-
-
-def _perturb_constants(model, gen, scale=0.1):
-    """Every parameter that is one constant (norm weights/gammas at 1, zero biases) gets noise, so that a
-    wrong use of it shows in the output."""
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            flat = p.detach().reshape(-1)
-            if flat.numel() and bool((flat == flat[0]).all()):
-                p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-
-
 def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> None:
     """Write a complete, deterministic (for a seed) tiny WanPipeline under root (float32, random weights).
     transformer_config overrides WanTransformer3DModel arguments (keep text_dim, in/out_channels, patch_size)."""
@@ -126,7 +100,7 @@ def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> N
 
     gen = torch.Generator("cpu").manual_seed(seed + 12345)
 
-    tokenizer = _t5_tokenizer()
+    tokenizer = t5_tokenizer(_WORDS)
 
     torch.manual_seed(seed)
     transformer = WanTransformer3DModel(**{**TRANSFORMER_CONFIG, **(transformer_config or {})}).eval()
@@ -246,63 +220,6 @@ def generate(pipe, seed: int = 0, steps: int = 2, prompt: str = PROMPT, negative
 
 
 # ---- __main__: determinism, a non-Module stand-in, and meshdit on the pipeline's real transformer inputs ----
-
-
-class _ForwardProxy:
-    """A plain object (not a torch.nn.Module) in front of a transformer: .config, .dtype, .device,
-    cache_context, a forward with the wrapped signature, __call__. What a meshdit drop-in looks like to the
-    pipeline."""
-
-    def __init__(self, model):
-        self._model = model
-        self.config = model.config
-        self.dtype = model.dtype
-        self.device = model.device
-        self.cache_context = model.cache_context
-        self.forward = model.forward  # bound method: inspect.signature gives the diffusers parameters
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-
-def _capture_calls(model):
-    """Forward hook keeping the kwargs and output of every call of the model, in call order."""
-    calls = []
-
-    def hook(module, args, kwargs, output):
-        sample = output[0] if isinstance(output, tuple) else output.sample
-        calls.append({"kwargs": {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in kwargs.items()},
-                      "sample": sample.detach().clone()})
-
-    handle = model.register_forward_hook(hook, with_kwargs=True)
-    return calls, handle
-
-
-def _save_inputs(kwargs, path):
-    """The tensor kwargs as safetensors (float32 floats, int64 ints); notes on anything else."""
-    from safetensors.torch import save_file
-
-    tensors, notes = {}, []
-    for name, value in kwargs.items():
-        if not torch.is_tensor(value):
-            if value is not None and name != "return_dict":
-                notes.append(f"{name}={value!r} (not a tensor, not saved)")
-            continue
-        if value.is_floating_point():
-            if value.dtype != torch.float32:
-                notes.append(f"{name}: {value.dtype} -> float32")
-            value = value.to(torch.float32)
-        else:
-            if value.dtype != torch.int64:
-                notes.append(f"{name}: {value.dtype} -> int64")
-            value = value.to(torch.int64)
-        tensors[name] = value.contiguous()
-    save_file(tensors, path)
-    return tensors, notes
-
-
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def main():
