@@ -263,7 +263,8 @@ void mdt_run_stats_free(mdt_run_stats *s);
 /* What one rank did in the last step (or forward) of a run. */
 typedef struct mdt_rank_stats {
     int rank, tp, ring, ulysses, cp_index; /* world rank, mesh coordinates, CP chunk */
-    int64_t heads_local;                   /* attention heads on this rank's TP shard */
+    int node_rank, node_size; /* rank among the ranks sharing its host's memory (picks the GPU) */
+    int64_t heads_local;      /* attention heads on this rank's TP shard */
     int64_t weight_bytes, peak_bytes, max_rss_kib, bytes_read;
     double flops_linear, flops_attn, flops_other;
     int64_t attn_calls, attn_query_rows, attn_kv_rows;     /* rows x heads */

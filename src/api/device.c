@@ -24,14 +24,7 @@ mdt_status mdt_cpu_kernels_select(const char *isa, const char *gemm) {
  * "auto" with a GPU per rank), NCCL communicators per mesh group. */
 mdt_status mdt_device_select(mdt_mesh *mesh, const char *device, const char *dtype,
                              const char *comm) {
-    MPI_Comm node;
-    int local = 0, nlocal = 1;
-    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
-        MPI_SUCCESS) {
-        MPI_Comm_rank(node, &local);
-        MPI_Comm_size(node, &nlocal);
-        MPI_Comm_free(&node);
-    }
+    const int local = mesh ? mesh->node_rank : 0, nlocal = mesh ? mesh->node_size : 1;
     const int cuda = strcmp(device, "cuda") == 0, bf16 = strcmp(dtype, "bf16") == 0;
     mdt_status st = mdt_mesh_agree(
         mesh, mdt_backend_select(cuda ? MDT_BACKEND_CUDA : MDT_BACKEND_CPU, local, bf16));

@@ -40,6 +40,10 @@ static void add_rank(cJSON *ranks, const mdt_rank_facts *f) {
     cJSON_AddNumberToObject(co, "ring", f->r);
     cJSON_AddNumberToObject(co, "ulysses", f->u);
     cJSON_AddNumberToObject(co, "cp_index", f->cp_index);
+    cJSON *no = cJSON_AddObjectToObject(rk, "node");
+    cJSON_AddStringToObject(no, "host", f->host);
+    cJSON_AddNumberToObject(no, "rank", f->node_rank);
+    cJSON_AddNumberToObject(no, "ranks", f->node_size);
     cJSON_AddNumberToObject(rk, "heads_local", (double)f->heads_local);
     cJSON_AddNumberToObject(rk, "weight_bytes", (double)f->weight_bytes);
     cJSON_AddNumberToObject(rk, "peak_bytes", (double)f->peak_bytes);

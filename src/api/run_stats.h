@@ -11,6 +11,8 @@
 /* What one rank did in the last step, gathered to world rank 0 as bytes. */
 typedef struct mdt_rank_facts {
     int rank, t, r, u, cp_index;
+    int node_rank, node_size; /* among the ranks sharing this rank's host */
+    char host[64];
     int64_t heads_local, weight_bytes, peak_bytes, max_rss_kib, bytes_read;
     double flops[MDT_FLOP_KIND_COUNT];
     int64_t attn_calls, attn_q, attn_kv;

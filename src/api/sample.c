@@ -40,6 +40,8 @@ static void public_view(const mdt_rank_facts *f, mdt_rank_stats *p) {
                           .ring = f->r,
                           .ulysses = f->u,
                           .cp_index = f->cp_index,
+                          .node_rank = f->node_rank,
+                          .node_size = f->node_size,
                           .heads_local = f->heads_local,
                           .weight_bytes = f->weight_bytes,
                           .peak_bytes = f->peak_bytes,
@@ -70,6 +72,9 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     mine.rank = mesh ? mesh->world_rank : 0;
     mine.t = mesh ? mesh->t : 0, mine.r = mesh ? mesh->r : 0, mine.u = mesh ? mesh->u : 0;
     mine.cp_index = mesh ? mesh->cp_index : 0;
+    mine.node_rank = mesh ? mesh->node_rank : 0, mine.node_size = mesh ? mesh->node_size : 1;
+    if (mesh)
+        memcpy(mine.host, mesh->host, sizeof mine.host);
     mine.heads_local = heads / (mesh ? mesh->T : 1);
     mine.weight_bytes = m->weight_bytes, mine.peak_bytes = mdt_mem_peak();
     mine.max_rss_kib = max_rss_kib(), mine.bytes_read = m->bytes_read;

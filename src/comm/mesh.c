@@ -80,6 +80,22 @@ static void mesh_free_comms(mdt_mesh *m) {
             MPI_Comm_free(cs[i]);
 }
 
+/* This rank's host name and its rank among the ranks sharing the host's memory. */
+static mdt_status placement(mdt_mesh *m) {
+    MPI_Comm node;
+    char name[MPI_MAX_PROCESSOR_NAME];
+    int len = 0;
+    if (MPI_Get_processor_name(name, &len) != MPI_SUCCESS)
+        len = 0;
+    snprintf(m->host, sizeof m->host, "%.*s", len, name);
+    MDT_TRY(mpi_check(
+        MPI_Comm_split_type(m->world, MPI_COMM_TYPE_SHARED, m->world_rank, MPI_INFO_NULL, &node),
+        "MPI_Comm_split_type"));
+    MPI_Comm_rank(node, &m->node_rank);
+    MPI_Comm_size(node, &m->node_size);
+    return mpi_check(MPI_Comm_free(&node), "MPI_Comm_free");
+}
+
 mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char *order,
                                 mdt_mesh **out) {
     mdt_status st;
@@ -119,6 +135,7 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
     MDT_CHECK(split(m->world, m->t * R + m->r, m->u, &m->ulysses));
     MDT_CHECK(split(m->world, m->t, m->cp_index, &m->cp));
     m->tp_shard_index = m->t;
+    MDT_CHECK(placement(m));
     if (mdt_test_hooks_get()->shard_index_world)
         m->tp_shard_index = m->world_rank; /* test-only: reproduce the upstream Neuron bug */
     *out = m;

@@ -49,6 +49,10 @@ struct mdt_mesh {
     int cp_size, cp_index; /* R U, r U + u */
     mdt_axis order[3];     /* outermost first */
     int tp_shard_index;    /* = t (or the world rank under the test-only bug switch) */
+    /* placement: this rank's host (MPI_Get_processor_name) and its rank among the ranks that
+     * share the host's memory (MPI_COMM_TYPE_SHARED: the rank a device is picked with) */
+    char host[64];
+    int node_rank, node_size;
     int64_t bytes_sent[MDT_COLL_KIND_COUNT]; /* per kind, summed over groups */
     int64_t group_bytes[MDT_GROUP_COUNT];    /* per group, summed over kinds */
     float *scratch;                          /* collective scratch, grown on first use */

@@ -109,6 +109,10 @@ for n in 2 4; do
        "$BIN" compare "$T/tp$n.safetensors" "$DATA/flux_guidance/expected.safetensors" --tol 1e-4 >/dev/null &&
        grep -q '"allreduce"' "$T/tp$n.json" && grep -q "rank $((n - 1)) (tp $((n - 1))" "$T/tp$n.txt"; then ok
     else bad "mpiexec -n $n run --tp $n: $(tail -3 "$T/tp$n.txt")"; fi
+    # placement: every rank on this one host, node-local ranks 0 .. n-1 in world order
+    nodes=$(tr -d ' \n\t' <"$T/tp$n.json" | grep -o '"node":{[^}]*}')
+    want=$(for ((k = 0; k < n; k++)); do printf '"node":{"host":"%s","rank":%d,"ranks":%d}\n' "$(hostname)" $k $n; done)
+    [ "$nodes" = "$want" ] && ok || bad "report placement for -n $n: $(echo $nodes)"
 done
 if timeout 300 "$MPIEXEC" -n 2 "$BIN" gather --checkpoint "$DATA/flux_bf16_sharded" --out "$T/gathered" >/dev/null &&
    "$BIN" run --checkpoint "$T/gathered" --inputs "$DATA/flux_bf16_sharded/inputs.safetensors" --out "$T/g.safetensors" --quiet &&
