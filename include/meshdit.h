@@ -408,6 +408,10 @@ mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *d
 
 int mdt_family_exists(const char *family);                         /* "flux", "minimax-h3" */
 int mdt_family_has_preset(const char *family, const char *preset); /* "tiny", ... */
+/* The families ("flux, flux2, ...") and every preset by family ("flux: tiny, medium; ..."), for
+ * messages; truncated to cap. */
+void mdt_family_names(char *buf, size_t cap);
+void mdt_preset_names(char *buf, size_t cap);
 /* Writes a random-weight checkpoint in diffusers layout into `dir` (created if absent) for
  * exactly one of `family`'s `preset` or the config.json at `config_path`: weights as one file or
  * `shards` files plus an index, stored in `dtype` (MDT_F32, MDT_BF16, MDT_F16), from `seed`. */

@@ -15,6 +15,10 @@ int mdt_family_has_preset(const char *family, const char *preset) {
     return mdt_family_preset(fam, preset) != NULL;
 }
 
+void mdt_family_names(char *buf, size_t cap) { mdt_family_list(buf, cap, 0); }
+
+void mdt_preset_names(char *buf, size_t cap) { mdt_preset_list(buf, cap); }
+
 mdt_status mdt_checkpoint_gen(const char *family, const char *preset, const char *config_path,
                               uint64_t seed, mdt_dtype dtype, int shards, const char *dir) {
     if (!preset == !config_path)

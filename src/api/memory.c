@@ -39,7 +39,8 @@ int64_t mdt_size_parse(const char *s) {
     return (int64_t)(v * mul);
 }
 
-/* Ranks of this job on this node: they share its memory. Collective over the world. */
+/* Ranks of this job on this node: they share its memory. Collective over the world (for a
+ * caller without a mesh; a mesh knows it: node_size). */
 static int ranks_on_node(void) {
     MPI_Comm node;
     int n = 1;
@@ -131,7 +132,7 @@ static mdt_status check_local(const char *ck, const mdt_mesh *mesh, const mdt_te
 
 mdt_status mdt_check_memory(const char *checkpoint_dir, mdt_mesh *mesh,
                             const mdt_tensor_set *inputs, const mdt_memory_limit *lim) {
-    const int nlocal = ranks_on_node();
+    const int nlocal = mesh ? mesh->node_size : ranks_on_node(); /* the mesh found it once */
     return mdt_mesh_agree(mesh, check_local(checkpoint_dir, mesh, inputs, lim, nlocal));
 }
 

@@ -29,14 +29,17 @@ int cmd_gen(int argc, char **argv) {
                                               : MDT_DTYPE_COUNT;
     if (dt == MDT_DTYPE_COUNT)
         return cli_usage_exit("--dtype must be f32, bf16 or f16, got '%s'", dts);
-    if (preset && !mdt_family_exists(model))
-        return cli_usage_exit(
-            "unknown --model '%s' (supported: flux, flux2, minimax-h3, qwenimage, wan)", model);
-    if (preset && !mdt_family_has_preset(model, preset))
-        return cli_usage_exit(
-            "unknown --preset '%s' (flux: tiny, medium, narrow, block; flux2, minimax-h3, "
-            "qwenimage, wan: tiny)",
-            preset);
+    char known[512], msg[640];
+    if (preset && !mdt_family_exists(model)) {
+        mdt_family_names(known, sizeof known);
+        snprintf(msg, sizeof msg, "unknown --model '%%s' (supported: %s)", known);
+        return cli_usage_exit(msg, model);
+    }
+    if (preset && !mdt_family_has_preset(model, preset)) {
+        mdt_preset_names(known, sizeof known);
+        snprintf(msg, sizeof msg, "unknown --preset '%%s' (%s)", known);
+        return cli_usage_exit(msg, preset);
+    }
     mdt_status st = mdt_checkpoint_gen(model, preset, preset ? NULL : cfg, (uint64_t)seed, dt,
                                        (int)shards, out);
     if (st != MDT_OK)

@@ -102,6 +102,11 @@ typedef struct mdt_preset {
 } mdt_preset;
 extern const mdt_preset mdt_presets[]; /* ends with a NULL family */
 
+/* The families this build knows, comma-separated: their names ("flux, minimax-h3, ...") or, with
+ * class_names, their diffusers classes. Truncated to cap. */
+void mdt_family_list(char *buf, size_t cap, int class_names);
+/* Every preset by family: "flux: tiny, medium, ...; flux2: tiny; ...". Truncated to cap. */
+void mdt_preset_list(char *buf, size_t cap);
 /* config.json text of preset `name` of family `f` ("tiny", "medium"), or NULL. */
 const char *mdt_family_preset(const mdt_family *f, const char *name);
 

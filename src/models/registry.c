@@ -6,6 +6,7 @@
 
 #include "io/checkpoint.h"
 
+#include <stdio.h>
 #include <string.h>
 
 extern const mdt_family mdt_family_flux;
@@ -33,15 +34,36 @@ mdt_status mdt_family_from_config(const cJSON *config, const mdt_family **out) {
         return MDT_FAIL(MDT_E_INVALID, "config.json: '_class_name' is missing (which model is "
                                        "this?)");
     *out = mdt_family_by_name(cls);
-    char shown[MDT_ESC_NAME];
+    char shown[MDT_ESC_NAME], known[512];
+    mdt_family_list(known, sizeof known, 1);
     if (!*out)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
-                        "config.json: model class '%s' is not supported "
-                        "(supported: FluxTransformer2DModel, MiniMaxH3Transformer3DModel, "
-                        "Flux2Transformer2DModel, QwenImageTransformer2DModel, "
-                        "WanTransformer3DModel)",
-                        mdt_escape(cls, shown, sizeof shown));
+                        "config.json: model class '%s' is not supported (supported: %s)",
+                        mdt_escape(cls, shown, sizeof shown), known);
     return MDT_OK;
+}
+
+void mdt_family_list(char *buf, size_t cap, int class_names) {
+    size_t n = 0;
+    buf[0] = 0;
+    for (int i = 0; i < N_FAMILIES && n < cap; i++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%s", i ? ", " : "",
+                              class_names ? k_families[i]->class_name : k_families[i]->name);
+}
+
+void mdt_preset_list(char *buf, size_t cap) {
+    size_t n = 0;
+    buf[0] = 0;
+    for (int i = 0; i < N_FAMILIES; i++) {
+        const char *sep = n ? "; " : "";
+        for (const mdt_preset *p = mdt_presets; p->family && n < cap; p++)
+            if (strcmp(p->family, k_families[i]->name) == 0) {
+                n += (size_t)snprintf(buf + n, cap - n, "%s%s%s%s", sep,
+                                      *sep != ',' ? k_families[i]->name : "",
+                                      *sep != ',' ? ": " : "", p->name);
+                sep = ", ";
+            }
+    }
 }
 
 const char *mdt_family_preset(const mdt_family *f, const char *name) {
