@@ -2,6 +2,8 @@
 own transformer and once with `meshdit.Transformer` on several layouts; the decoded outputs
 agree within 1e-4 relative (f32). The pipelines are built locally from small random components
 (tests/python/*_pipeline.py): nothing is downloaded."""
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -60,100 +62,50 @@ def test_flux_pipeline_true_cfg_sessions(flux_root, flux_ref):
     assert rel(img, flux_ref["cfg"]) <= TOL
 
 
-# ---- MiniMax-H3: diffusers 0.42.1's modular pipeline, text to video + audio ----------------
-@pytest.fixture(scope="module")
-def h3_root(tmp_path_factory):
-    import h3_pipeline
-    root = str(tmp_path_factory.mktemp("h3_pipe"))
-    h3_pipeline.build(root, seed=0)
-    return root
+# ---- MiniMax-H3 (modular pipeline, text to video + audio), Qwen-Image (a batch of two prompts
+# with true CFG and padded masks), Wan 2.1 (text to video with CFG): the same check for each ----
+# family: (builder module, drop-in class, seeds of the reference and of the control, transformer
+# calls of one 2-step generate, a check of the output's shape)
+FAMILIES = {
+    "h3": ("h3_pipeline", meshdit.MiniMaxH3Transformer, (5, 6), 2, lambda out: set(out) == {"video", "audio"}),
+    "qwenimage": ("qwenimage_pipeline", meshdit.QwenImageTransformer, (7, 8), 4,
+                  lambda out: out["out"].shape[0] == 2),  # 2 steps x (prompt, negative prompt)
+    "wan": ("wan_pipeline", meshdit.WanTransformer, (9, 10), 4, lambda out: out["out"].ndim == 4),
+}
+_built = {}
 
 
-@pytest.fixture(scope="module")
-def h3_ref(h3_root):
-    import h3_pipeline
-    pipe = h3_pipeline.load(h3_root)
-    return h3_pipeline.generate(pipe, seed=5, steps=2), h3_pipeline.generate(pipe, seed=6, steps=2)
+def _outputs(x):
+    return x if isinstance(x, dict) else {"out": x}
+
+
+def _family(name, tmp_path_factory):
+    """The family's pipeline built once per module, and diffusers' outputs for both seeds."""
+    if name not in _built:
+        mod = importlib.import_module(FAMILIES[name][0])
+        root = str(tmp_path_factory.mktemp(f"{name}_pipe"))
+        mod.build(root, seed=0)
+        pipe = mod.load(root)
+        ref, other = (_outputs(mod.generate(pipe, seed=s, steps=2)) for s in FAMILIES[name][2])
+        _built[name] = (mod, root, ref, other)
+    return _built[name]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
-def test_h3_pipeline(h3_root, h3_ref, layout):
-    import h3_pipeline
-    ref, other = h3_ref
-    with meshdit.Transformer.from_pretrained(f"{h3_root}/transformer", **layout) as t:
-        assert isinstance(t, meshdit.MiniMaxH3Transformer)
-        pipe = h3_pipeline.load(h3_root, transformer=t)
-        got = h3_pipeline.generate(pipe, seed=5, steps=2)
-        assert t.stats["forwards"] == 2
-    assert set(got) == set(ref) == {"video", "audio"}
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_pipeline(name, layout, tmp_path_factory):
+    mod, root, ref, other = _family(name, tmp_path_factory)
+    _, cls, (seed, _), forwards, shape_ok = FAMILIES[name]
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
+        assert isinstance(t, cls)
+        got = _outputs(mod.generate(mod.load(root, transformer=t), seed=seed, steps=2))
+        assert t.stats["forwards"] == forwards  # every transformer call ran on the mesh
+    assert shape_ok(got) and set(got) == set(ref)
     for k in ref:
         assert got[k].shape == ref[k].shape
-        print(f"h3 {layout} {k}: max rel diff {rel(got[k], ref[k]):.2e}")
+        print(f"{name} {layout} {k}: max rel diff {rel(got[k], ref[k]):.2e}")
         assert rel(got[k], ref[k]) <= TOL
         assert rel(other[k], ref[k]) > 100 * TOL  # the comparison can fail
-
-
-# ---- Qwen-Image: QwenImagePipeline, a batch of two prompts with true CFG and padded masks ----
-@pytest.fixture(scope="module")
-def qwen_root(tmp_path_factory):
-    import qwenimage_pipeline
-    root = str(tmp_path_factory.mktemp("qwen_pipe"))
-    qwenimage_pipeline.build(root, seed=0)
-    return root
-
-
-@pytest.fixture(scope="module")
-def qwen_ref(qwen_root):
-    import qwenimage_pipeline
-    pipe = qwenimage_pipeline.load(qwen_root)
-    return (qwenimage_pipeline.generate(pipe, seed=7, steps=2),
-            qwenimage_pipeline.generate(pipe, seed=8, steps=2))
-
-
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
-def test_qwenimage_pipeline(qwen_root, qwen_ref, layout):
-    import qwenimage_pipeline
-    ref, other = qwen_ref
-    with meshdit.Transformer.from_pretrained(f"{qwen_root}/transformer", **layout) as t:
-        assert isinstance(t, meshdit.QwenImageTransformer)
-        pipe = qwenimage_pipeline.load(qwen_root, transformer=t)
-        got = qwenimage_pipeline.generate(pipe, seed=7, steps=2)
-        assert t.stats["forwards"] == 4  # 2 steps x (prompt, negative prompt)
-    assert got.shape == ref.shape and got.shape[0] == 2
-    print(f"qwenimage {layout}: max rel diff {rel(got, ref):.2e}")
-    assert rel(got, ref) <= TOL
-    assert rel(other, ref) > 100 * TOL  # the comparison can fail
-
-
-# ---- Wan 2.1: WanPipeline, text to video with classifier-free guidance ---------------------
-@pytest.fixture(scope="module")
-def wan_root(tmp_path_factory):
-    import wan_pipeline
-    root = str(tmp_path_factory.mktemp("wan_pipe"))
-    wan_pipeline.build(root, seed=0)
-    return root
-
-
-@pytest.fixture(scope="module")
-def wan_ref(wan_root):
-    import wan_pipeline
-    pipe = wan_pipeline.load(wan_root)
-    return wan_pipeline.generate(pipe, seed=9, steps=2), wan_pipeline.generate(pipe, seed=10, steps=2)
-
-
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
-def test_wan_pipeline(wan_root, wan_ref, layout):
-    import wan_pipeline
-    ref, other = wan_ref
-    with meshdit.Transformer.from_pretrained(f"{wan_root}/transformer", **layout) as t:
-        assert isinstance(t, meshdit.WanTransformer)
-        pipe = wan_pipeline.load(wan_root, transformer=t)
-        got = wan_pipeline.generate(pipe, seed=9, steps=2)
-        assert t.stats["forwards"] == 4  # 2 steps x (prompt, negative prompt)
-    assert got.shape == ref.shape and got.ndim == 4
-    print(f"wan {layout}: max rel diff {rel(got, ref):.2e}")
-    assert rel(got, ref) <= TOL
-    assert rel(other, ref) > 100 * TOL  # the comparison can fail
 
 
 # ---- Flux.2 [klein]: Flux2KleinPipeline, two prompts with CFG, text and image-conditioned --------
