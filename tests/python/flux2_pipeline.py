@@ -34,14 +34,13 @@ first transformer call in ``meshdit run`` and compares with diffusers.
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 import torch
 
-from pipeline_util import bpe_vocab, perturb_constants as _perturb_constants
+from pipeline_util import bpe_vocab, capture_calls, perturb_constants as _perturb_constants, replay
 
 HEADS = 4
 HEAD_DIM = 16
@@ -226,32 +225,16 @@ def main():
     try:
         build(root)
         pipe = load(root)
-        calls = []
-        hook = pipe.transformer.register_forward_hook(
-            lambda m, a, kw, out: calls.append((dict(kw), out[0] if isinstance(out, tuple) else out.sample)),
-            with_kwargs=True)
+        calls, hook = capture_calls(pipe.transformer)
         a = generate(pipe, seed=0, image=reference_image())
         hook.remove()
         b = generate(pipe, seed=0, image=reference_image())
         print(f"images {a.shape}, {len(calls)} transformer calls, max|a-b| between runs {np.abs(a - b).max()}")
         ok = bool(np.abs(a - b).max() == 0)
-        kw, ref = calls[0]
-        print("first call: " + ", ".join(f"{k} {list(v.shape)}" for k, v in kw.items() if torch.is_tensor(v)))
         if os.path.exists(args.meshdit):
-            from safetensors.torch import load_file, save_file
-
-            inp, outp = os.path.join(root, "call0.safetensors"), os.path.join(root, "call0_out.safetensors")
-            save_file({k: (v.float() if v.is_floating_point() else v.long()).contiguous()
-                       for k, v in kw.items() if torch.is_tensor(v)}, inp)
-            r = subprocess.run([args.meshdit, "run", "--checkpoint", os.path.join(root, "transformer"),
-                                "--inputs", inp, "--out", outp, "--quiet"], capture_output=True, text=True)
-            if r.returncode:
-                print("meshdit run failed:\n" + r.stdout + r.stderr)
-                return 1
-            got = load_file(outp)["sample"]
-            rel = float((got - ref).abs().max() / ref.abs().max())
-            print(f"meshdit run vs diffusers, first call: rel {rel:.3e}")
-            ok &= rel < 1e-4
+            ok &= replay(args.meshdit, os.path.join(root, "transformer"), calls[0],
+                         os.path.join(root, "call0.safetensors"), os.path.join(root, "call0_out.safetensors"),
+                         "first call")
         print("OK" if ok else "FAILED")
         return 0 if ok else 1
     finally:

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from pipeline_util import (ForwardProxy as _ForwardProxy, capture_calls as _capture_calls,
-                           perturb_constants as _perturb_constants, rel as _rel, save_inputs as _save_inputs)
+                           perturb_constants as _perturb_constants, replay as _replay)
 
 
 PROMPT = "a red fox trots through fresh snow at dawn"
@@ -353,34 +353,10 @@ def main():
 
         # Every denoising step's transformer call, replayed in meshdit: step 0 (one distinct timestep, t = 0 for
         # both modalities) and the later ones (video and audio on their own schedules: two timesteps).
-        from safetensors.torch import load_file
-
         for step, call in enumerate(calls):
-            inp, outp = f"/tmp/h3_step{step}.safetensors", f"/tmp/h3_step{step}_out.safetensors"
-            tensors, notes = _save_inputs(call["kwargs"], inp)
-            print(f"step {step} transformer inputs: " + ", ".join(
-                f"{k} {list(v.shape)} {str(v.dtype)[6:]}" for k, v in tensors.items())
-                + f"; timestep {[round(float(t), 6) for t in tensors['timestep']]}")
-            for n in notes:
-                print(f"  note: {n}")
-            cmd = [meshdit, "run", "--checkpoint", tdir, "--inputs", inp, "--out", outp, "--quiet"]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            print(f"$ {' '.join(cmd[1:])}: rc {r.returncode}")
-            if r.returncode:
-                print("meshdit refused the pipeline's inputs:\n" + r.stdout + r.stderr)
-                ok = False
-                continue
-            out = load_file(outp)
-            for k in ("sample", "audio_sample"):
-                ref, got = call[k], out.get(k)
-                if got is None or tuple(got.shape) != tuple(ref.shape):
-                    print(f"  {k}: meshdit {None if got is None else list(got.shape)} vs diffusers {list(ref.shape)}")
-                    ok = False
-                    continue
-                rel = _rel(got, ref)
-                print(f"  meshdit vs diffusers, step {step} {k:12s} {list(ref.shape)}: max|a-b| "
-                      f"{float((got - ref).abs().max()):.3e}, max|b| {float(ref.abs().max()):.3e}, rel {rel:.3e}")
-                ok &= rel < 1e-4
+            print(f"step {step} timestep {[round(float(t), 6) for t in call['kwargs']['timestep']]}")
+            ok &= _replay(meshdit, tdir, call, f"/tmp/h3_step{step}.safetensors", f"/tmp/h3_step{step}_out.safetensors",
+                          f"step {step}", outputs=("sample", "audio_sample"))
         print("OK" if ok else "FAILED")
         return 0 if ok else 1
     finally:

@@ -147,3 +147,37 @@ def save_inputs(kwargs, path):
 def rel(a, b):
     """max |a - b| / max |b| of two torch tensors."""
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def replay(meshdit, checkpoint, call, inp, outp, label, outputs=("sample",)):
+    """One captured transformer call (capture_calls) replayed in `meshdit run` on `checkpoint`: its inputs
+    saved to `inp` (save_inputs, notes printed), the run's outputs in `outp` compared with diffusers' for
+    each name in `outputs` (max |a - b| / max |b| < 1e-4). Prints what it did; returns whether it agreed."""
+    import subprocess
+    import time
+
+    from safetensors.torch import load_file
+
+    tensors, notes = save_inputs(call["kwargs"], inp)
+    print(f"{label} inputs: " + ", ".join(f"{k} {list(v.shape)} {str(v.dtype)[6:]}" for k, v in tensors.items()))
+    for n in notes:
+        print(f"  note: {n}")
+    cmd = [meshdit, "run", "--checkpoint", checkpoint, "--inputs", inp, "--out", outp, "--quiet"]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    print(f"  $ meshdit {' '.join(cmd[1:])}: rc {r.returncode} ({time.perf_counter() - t0:.2f}s)")
+    if r.returncode:
+        print("meshdit refused the pipeline's inputs:\n" + r.stdout + r.stderr)
+        return False
+    out, ok = load_file(outp), True
+    for name in outputs:
+        ref, got = call[name], out.get(name)
+        if got is None or tuple(got.shape) != tuple(ref.shape):
+            print(f"  {name}: meshdit {None if got is None else list(got.shape)} vs diffusers {list(ref.shape)}")
+            ok = False
+            continue
+        e = rel(got, ref)
+        print(f"  meshdit vs diffusers {name} {list(ref.shape)}: max|a-b| {float((got - ref).abs().max()):.3e}, "
+              f"max|b| {float(ref.abs().max()):.3e}, rel {e:.3e}")
+        ok &= e < 1e-4
+    return ok

@@ -42,7 +42,6 @@ stand-in for the transformer, and replays every transformer call of the first ru
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +50,7 @@ import numpy as np
 import torch
 
 from pipeline_util import (ForwardProxy as _ForwardProxy, bpe_vocab, capture_calls as _capture_calls,
-                           perturb_constants as _perturb_constants, rel as _rel, save_inputs as _save_inputs)
+                           perturb_constants as _perturb_constants, replay as _replay)
 
 # Transformer size; also used by callers that want to know the layout.
 HEADS = 4
@@ -307,36 +306,14 @@ def _main():
         if not os.path.exists(meshdit):
             print(f"meshdit not found at {meshdit}; skipping the meshdit checks")
             return 0 if ok else 1
-        from safetensors.torch import load_file
-
         tdir = os.path.join(root, "transformer")
         for i, call in enumerate(calls):
-            inp, outp = f"/tmp/qwenimage_step{i}.safetensors", f"/tmp/qwenimage_step{i}_out.safetensors"
-            tensors, notes = _save_inputs(call["kwargs"], inp)
-            print(f"call {i} ({'cond' if i % 2 == 0 else 'uncond'}, step {i // 2}) inputs: " + ", ".join(
-                f"{k} {list(v.shape)} {str(v.dtype)[6:]}" for k, v in tensors.items()))
-            mask = tensors.get("encoder_hidden_states_mask")
+            mask = call["kwargs"].get("encoder_hidden_states_mask")
             if mask is not None:
-                print(f"  mask per element: {mask.sum(1).tolist()} of {mask.shape[1]} attended")
-            for n in notes:
-                print(f"  note: {n}")
-            cmd = [meshdit, "run", "--checkpoint", tdir, "--inputs", inp, "--out", outp, "--quiet"]
-            t0 = time.perf_counter()
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            print(f"  $ meshdit {' '.join(cmd[1:])}: rc {r.returncode} ({time.perf_counter() - t0:.2f}s)")
-            if r.returncode:
-                print("meshdit refused the pipeline's inputs:\n" + r.stdout + r.stderr)
-                ok = False
-                continue
-            got, ref = load_file(outp).get("sample"), call["sample"]
-            if got is None or tuple(got.shape) != tuple(ref.shape):
-                print(f"  sample: meshdit {None if got is None else list(got.shape)} vs diffusers {list(ref.shape)}")
-                ok = False
-                continue
-            rel = _rel(got, ref)
-            print(f"  meshdit vs diffusers sample {list(ref.shape)}: max|a-b| {float((got - ref).abs().max()):.3e}, "
-                  f"max|b| {float(ref.abs().max()):.3e}, rel {rel:.3e}")
-            ok &= rel < 1e-4
+                print(f"call {i}: text mask per element {mask.sum(1).tolist()} of {mask.shape[1]} attended")
+            ok &= _replay(meshdit, tdir, call, f"/tmp/qwenimage_step{i}.safetensors",
+                          f"/tmp/qwenimage_step{i}_out.safetensors",
+                          f"call {i} ({'cond' if i % 2 == 0 else 'uncond'}, step {i // 2})")
         print("OK" if ok else "FAILED")
         return 0 if ok else 1
     finally:

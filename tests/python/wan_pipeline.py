@@ -33,7 +33,6 @@ the pipeline's captured first transformer call, compared with diffusers' output 
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 
 from pipeline_util import (ForwardProxy as _ForwardProxy, capture_calls as _capture_calls,
-                           perturb_constants as _perturb_constants, rel as _rel, save_inputs as _save_inputs,
+                           perturb_constants as _perturb_constants, replay as _replay,
                            t5_tokenizer)
 
 # Sizes; also used by callers that want to know the layout.
@@ -275,36 +274,12 @@ def main():
             print(f"meshdit not found at {meshdit}; skipping the meshdit check")
         else:
             # The first transformer call (step 0, cond) and the first uncond call, replayed in meshdit.
-            from safetensors.torch import load_file
-
             tdir = os.path.join(root, "transformer")
             for i, call in enumerate(calls[:2]):
                 tag = "step0" if i == 0 else "step0_uncond"
-                inp, outp = f"/tmp/wan_{tag}.safetensors", f"/tmp/wan_{tag}_out.safetensors"
-                tensors, notes = _save_inputs(call["kwargs"], inp)
-                print(f"call {i} ({tag}) transformer inputs: " + ", ".join(
-                    f"{k} {list(v.shape)} {str(v.dtype)[6:]}" for k, v in tensors.items())
-                    + f"; timestep {tensors['timestep'].tolist()}")
-                for n in notes:
-                    print(f"  note: {n}")
-                cmd = [meshdit, "run", "--checkpoint", tdir, "--inputs", inp, "--out", outp, "--quiet"]
-                t0 = time.perf_counter()
-                r = subprocess.run(cmd, capture_output=True, text=True)
-                print(f"$ meshdit {' '.join(cmd[1:])}: rc {r.returncode} ({time.perf_counter() - t0:.2f}s)")
-                if r.returncode:
-                    print("meshdit refused the pipeline's inputs:\n" + r.stdout + r.stderr)
-                    ok = False
-                    continue
-                ref, got = call["sample"], load_file(outp).get("sample")
-                if got is None or tuple(got.shape) != tuple(ref.shape):
-                    print(f"  sample: meshdit {None if got is None else list(got.shape)} vs diffusers "
-                          f"{list(ref.shape)}")
-                    ok = False
-                    continue
-                rel = _rel(got, ref)
-                print(f"  meshdit vs diffusers sample {list(ref.shape)}: max|a-b| "
-                      f"{float((got - ref).abs().max()):.3e}, max|b| {float(ref.abs().max()):.3e}, rel {rel:.3e}")
-                ok &= rel < 1e-4
+                print(f"call {i} timestep {call['kwargs']['timestep'].tolist()}")
+                ok &= _replay(meshdit, tdir, call, f"/tmp/wan_{tag}.safetensors", f"/tmp/wan_{tag}_out.safetensors",
+                              f"call {i} ({tag})")
         print("OK" if ok else "FAILED")
         return 0 if ok else 1
     finally:
