@@ -40,7 +40,8 @@ import tempfile
 import numpy as np
 import torch
 
-from pipeline_util import bpe_vocab, capture_calls, perturb_constants as _perturb_constants, replay
+from pipeline_util import (bpe_vocab, capture_calls, load_pipeline, perturb_constants as _perturb_constants,
+                           replay)
 
 HEADS = 4
 HEAD_DIM = 16
@@ -129,18 +130,8 @@ def load(root: str, transformer=None):
     given: a diffusers ModelMixin through from_pretrained(transformer=...), any other object (a meshdit
     drop-in) attached with register_modules (diffusers refuses a non-ModelMixin there)."""
     from diffusers import Flux2KleinPipeline
-    from diffusers.models.modeling_utils import ModelMixin
 
-    kwargs = {"dtype": torch.float32}
-    if transformer is None:
-        pipe = Flux2KleinPipeline.from_pretrained(root, **kwargs)
-    elif isinstance(transformer, ModelMixin):
-        pipe = Flux2KleinPipeline.from_pretrained(root, transformer=transformer, **kwargs)
-    else:
-        pipe = Flux2KleinPipeline.from_pretrained(root, transformer=None, **kwargs)
-        pipe.register_modules(transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_pipeline(Flux2KleinPipeline, root, transformer)
 
 
 def build_dev(root: str, seed: int = 0) -> None:

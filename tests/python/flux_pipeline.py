@@ -41,7 +41,7 @@ import time
 import numpy as np
 import torch
 
-from pipeline_util import bytes_to_unicode as _bytes_to_unicode, t5_tokenizer
+from pipeline_util import load_pipeline, bytes_to_unicode as _bytes_to_unicode, t5_tokenizer
 
 # Transformer size; also used by callers that want to know the layout.
 HEADS = 4
@@ -211,19 +211,8 @@ def load(root: str, transformer=None):
     from root/transformer and the pipeline calls the object exactly as it calls FluxTransformer2DModel.
     """
     from diffusers import FluxPipeline
-    from diffusers.models.modeling_utils import ModelMixin
 
-    # `dtype` is diffusers 0.42's name; `torch_dtype` still works but logs a FutureWarning.
-    kwargs = {"dtype": torch.float32}
-    if transformer is None:
-        pipe = FluxPipeline.from_pretrained(root, **kwargs)
-    elif isinstance(transformer, ModelMixin):
-        pipe = FluxPipeline.from_pretrained(root, transformer=transformer, **kwargs)
-    else:
-        pipe = FluxPipeline.from_pretrained(root, transformer=None, **kwargs)
-        pipe.register_modules(transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_pipeline(FluxPipeline, root, transformer)
 
 
 def generate(pipe, seed: int = 0, steps: int = 2, size: int = 64,

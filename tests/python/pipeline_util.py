@@ -181,3 +181,26 @@ def replay(meshdit, checkpoint, call, inp, outp, label, outputs=("sample",)):
               f"max|b| {float(ref.abs().max()):.3e}, rel {e:.3e}")
         ok &= e < 1e-4
     return ok
+
+
+def load_pipeline(cls, root, transformer=None, default_transformer=None):
+    """cls.from_pretrained(root) on CPU in float32, with `transformer` instead of root/transformer if given.
+    diffusers accepts from_pretrained(transformer=obj) only for a ModelMixin (model_index.json names the
+    diffusers class; pipeline_loading_utils.maybe_raise_or_warn refuses anything else), so any other object
+    (a meshdit drop-in) is attached with register_modules after loading with transformer=None, and
+    root/transformer is then not read. `default_transformer` (a callable) builds the model used when no
+    transformer is given (a family whose from_pretrained needs accelerate)."""
+    from diffusers.models.modeling_utils import ModelMixin
+
+    kwargs = {"dtype": torch.float32}
+    if transformer is None and default_transformer is not None:
+        transformer = default_transformer()
+    if transformer is None:
+        pipe = cls.from_pretrained(root, **kwargs)
+    elif isinstance(transformer, ModelMixin):
+        pipe = cls.from_pretrained(root, transformer=transformer, **kwargs)
+    else:
+        pipe = cls.from_pretrained(root, transformer=None, **kwargs)
+        pipe.register_modules(transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

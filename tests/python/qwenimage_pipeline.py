@@ -49,7 +49,7 @@ import time
 import numpy as np
 import torch
 
-from pipeline_util import (ForwardProxy as _ForwardProxy, bpe_vocab, capture_calls as _capture_calls,
+from pipeline_util import (load_pipeline, ForwardProxy as _ForwardProxy, bpe_vocab, capture_calls as _capture_calls,
                            perturb_constants as _perturb_constants, replay as _replay)
 
 # Transformer size; also used by callers that want to know the layout.
@@ -200,18 +200,8 @@ def load(root: str, transformer=None):
     diffusers'/transformers' from_pretrained (QwenImage declares no `_keep_in_fp32_modules`, so no accelerate
     fallback is needed)."""
     from diffusers import QwenImagePipeline
-    from diffusers.models.modeling_utils import ModelMixin
 
-    kwargs = {"dtype": torch.float32}
-    if transformer is None:
-        pipe = QwenImagePipeline.from_pretrained(root, **kwargs)
-    elif isinstance(transformer, ModelMixin):
-        pipe = QwenImagePipeline.from_pretrained(root, transformer=transformer, **kwargs)
-    else:
-        pipe = QwenImagePipeline.from_pretrained(root, transformer=None, **kwargs)
-        pipe.register_modules(transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_pipeline(QwenImagePipeline, root, transformer)
 
 
 def generate(pipe, seed: int = 0, steps: int = 2, height: int = HEIGHT, width: int = WIDTH,

@@ -40,7 +40,7 @@ import time
 import numpy as np
 import torch
 
-from pipeline_util import (ForwardProxy as _ForwardProxy, capture_calls as _capture_calls,
+from pipeline_util import (load_pipeline, ForwardProxy as _ForwardProxy, capture_calls as _capture_calls,
                            perturb_constants as _perturb_constants, replay as _replay,
                            t5_tokenizer)
 
@@ -175,23 +175,11 @@ def load(root: str, transformer=None):
     loaded with transformer=None (root/transformer is not read) and the object attached with
     register_modules(transformer=obj). transformer_2 stays None (model_index.json has [null, null])."""
     from diffusers import WanPipeline
-    from diffusers.models.modeling_utils import ModelMixin
     from diffusers.utils import is_accelerate_available
 
-    kwargs = {"dtype": torch.float32}
-    if transformer is None:
-        if is_accelerate_available():
-            pipe = WanPipeline.from_pretrained(root, **kwargs)
-        else:
-            pipe = WanPipeline.from_pretrained(
-                root, transformer=_transformer_from_dir(os.path.join(root, "transformer")), **kwargs)
-    elif isinstance(transformer, ModelMixin):
-        pipe = WanPipeline.from_pretrained(root, transformer=transformer, **kwargs)
-    else:
-        pipe = WanPipeline.from_pretrained(root, transformer=None, **kwargs)
-        pipe.register_modules(transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    default = None if is_accelerate_available() else (
+        lambda: _transformer_from_dir(os.path.join(root, "transformer")))
+    return load_pipeline(WanPipeline, root, transformer, default_transformer=default)
 
 
 def generate(pipe, seed: int = 0, steps: int = 2, prompt: str = PROMPT, negative_prompt: str = NEGATIVE_PROMPT,
