@@ -267,6 +267,8 @@ typedef struct mdt_rank_stats {
     int64_t heads_local;      /* attention heads on this rank's TP shard */
     int64_t weight_bytes, peak_bytes, max_rss_kib, bytes_read;
     double flops_linear, flops_attn, flops_other;
+    double seconds_linear, seconds_attn, seconds_other;    /* in those kernels (CPU: host wall time;
+                                                              a GPU: the launches only) */
     int64_t attn_calls, attn_query_rows, attn_kv_rows;     /* rows x heads */
     int64_t bytes_tp, bytes_ring, bytes_ulysses, bytes_cp; /* sent per mesh group */
     double ring_compute_s, ring_wait_s, prep_s;
@@ -377,32 +379,69 @@ mdt_status mdt_model_info_make_inputs(const mdt_model_info *info, const mdt_rand
 
 /* ---- layout planning: the scaling model's estimate of every layout of N devices ---- */
 
+/* The collectives a layout's step time is made of: TP all-reduce, Ulysses all-to-all, Ring
+ * send/receive, the CP output all-gather. */
+typedef enum mdt_coll_cost_kind {
+    MDT_COST_ALLREDUCE = 0,
+    MDT_COST_ALLTOALL,
+    MDT_COST_SENDRECV,
+    MDT_COST_ALLGATHER,
+    MDT_COST_KIND_COUNT
+} mdt_coll_cost_kind;
+enum { MDT_LINK_INTRA = 0, MDT_LINK_INTER = 1, MDT_LINK_COUNT = 2 };
+
+/* One collective over one kind of link: seconds = calls x latency + bytes sent per rank / bw.
+ * bw 0: not measured (the spec's flat bw_intra / bw_inter and latency are used). */
+typedef struct mdt_link_cost {
+    double latency; /* seconds per call */
+    double bw;      /* bytes sent per rank per second */
+} mdt_link_cost;
+
 typedef struct mdt_device_spec {
-    const char *name;
-    double flops;     /* sustained FLOP/s */
-    double bw_intra;  /* bus bandwidth inside a node, bytes/s */
-    double bw_inter;  /* between nodes */
-    double latency;   /* seconds per collective call */
-    double mem_bytes; /* memory per device */
-    int node_size;    /* devices per node */
+    char name[64];
+    double flops;       /* sustained FLOP/s of the linears (GEMM) */
+    double flops_attn;  /* of attention; 0: flops */
+    double flops_other; /* of the element-wise kernels (norms, gates, activations); 0: ignored */
+    double bw_intra;    /* bus bandwidth inside a node, bytes/s */
+    double bw_inter;    /* between nodes */
+    double latency;     /* seconds per collective call */
+    double mem_bytes;   /* memory per device */
+    int node_size;      /* devices per node */
+    int calibrated;     /* 1: measured on the machine (mdt_calibrate); 0: published figures */
+    char source[192];   /* where the numbers come from */
+    mdt_link_cost coll[MDT_LINK_COUNT][MDT_COST_KIND_COUNT]; /* measured per collective */
 } mdt_device_spec;
 /* The preset `name` ("cpu", "h100", "h200", "trn2"); MDT_E_NOTFOUND for another name. */
 mdt_status mdt_device_spec_preset(const char *name, mdt_device_spec *out);
+/* A device file written by mdt_calibrate / `meshdit plan --calibrate` (README: Several hosts); an
+ * error naming the file and the field for anything missing, non-finite or out of range. Local. */
+mdt_status mdt_device_spec_load(const char *path, mdt_device_spec *out);
+/* Writes `dev` as a device file (atomically: a temporary file renamed over `path`). Local. */
+mdt_status mdt_device_spec_save(const mdt_device_spec *dev, const char *path);
+/* Measures this machine for the planner, collective over MPI_COMM_WORLD (launch it the way the
+ * model will run, e.g. across the hosts): on every rank at once the kernels' sustained rates at
+ * the shapes of `info`'s model for `tokens` tokens (linears, attention, element-wise), then each
+ * collective between the ranks of one host and between hosts (latency and bandwidth fitted from
+ * two message sizes). A link the launch does not have (one host, one rank per host) stays
+ * unmeasured. Every rank returns the same spec and status. */
+mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_spec *out);
 
 typedef struct mdt_layout_estimate {
     int tp, ring, ulysses;
     int valid;
     char why[256];                                        /* why the layout is rejected */
     double weight_bytes, act_bytes;                       /* per rank */
-    double flops_linear, flops_attn;                      /* per rank, one forward */
+    double flops_linear, flops_attn, flops_other;         /* per rank, one forward */
     double bytes_tp, bytes_ulysses, bytes_ring, bytes_cp; /* sent per rank */
     double t_compute, t_comm, t_step;                     /* seconds */
 } mdt_layout_estimate;
-/* Every tp x ring x ulysses layout of `devices` devices for one forward of `tokens` tokens at
- * `elem_bytes` per element on `dev`: valid layouts first, fastest first. *out (free() it) gets
- * *n entries. Local. */
+/* Every tp x ring x ulysses layout of `devices` devices for one forward of `tokens` tokens (the
+ * attention sequence) of which `txt_tokens` are the text stream's (joint models: part of
+ * `tokens`; cross-attention models: the encoder sequence) at `elem_bytes` per element on `dev`:
+ * valid layouts first, fastest first. *out (free() it) gets *n entries. Local. */
 mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *dev, int devices,
-                            int64_t tokens, double elem_bytes, mdt_layout_estimate **out, int *n);
+                            int64_t tokens, int64_t txt_tokens, double elem_bytes,
+                            mdt_layout_estimate **out, int *n);
 
 /* ---- random-weight checkpoints ---- */
 

@@ -26,7 +26,8 @@ static int cmp_est(const void *a, const void *b) {
 }
 
 mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *dev, int devices,
-                            int64_t tokens, double elem_bytes, mdt_layout_estimate **out, int *n) {
+                            int64_t tokens, int64_t txt_tokens, double elem_bytes,
+                            mdt_layout_estimate **out, int *n) {
     *out = NULL, *n = 0;
     mdt_estimate *est = calloc(4096, sizeof *est); /* at most one per (T, R) pair */
     int k = 0;
@@ -36,7 +37,7 @@ mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *d
         for (long long R = 1; T * R <= devices; R++)
             if (devices % (T * R) == 0 && k < 4096)
                 mdt_estimate_layout(info->m, (int)T, (int)R, (int)(devices / (T * R)), tokens,
-                                    elem_bytes, dev, &est[k++]);
+                                    txt_tokens, elem_bytes, dev, &est[k++]);
     qsort(est, (size_t)k, sizeof *est, cmp_est);
     mdt_layout_estimate *res = calloc((size_t)(k > 0 ? k : 1), sizeof *res);
     if (!res) {
@@ -50,6 +51,7 @@ mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *d
         memcpy(r->why, e->why, sizeof r->why);
         r->weight_bytes = e->weight_bytes, r->act_bytes = e->act_bytes;
         r->flops_linear = e->flops_linear, r->flops_attn = e->flops_attn;
+        r->flops_other = e->flops_other;
         r->bytes_tp = e->bytes_tp, r->bytes_ulysses = e->bytes_ulysses;
         r->bytes_ring = e->bytes_ring, r->bytes_cp = e->bytes_cp;
         r->t_compute = e->t_compute, r->t_comm = e->t_comm, r->t_step = e->t_step;

@@ -53,6 +53,10 @@ static void add_rank(cJSON *ranks, const mdt_rank_facts *f) {
     cJSON_AddNumberToObject(fl, "linear", f->flops[MDT_FLOP_LINEAR]);
     cJSON_AddNumberToObject(fl, "attention", f->flops[MDT_FLOP_ATTN]);
     cJSON_AddNumberToObject(fl, "other", f->flops[MDT_FLOP_OTHER]);
+    cJSON *ks = cJSON_AddObjectToObject(rk, "kernel_seconds_per_step");
+    cJSON_AddNumberToObject(ks, "linear", f->seconds[MDT_FLOP_LINEAR]);
+    cJSON_AddNumberToObject(ks, "attention", f->seconds[MDT_FLOP_ATTN]);
+    cJSON_AddNumberToObject(ks, "other", f->seconds[MDT_FLOP_OTHER]);
     cJSON *at = cJSON_AddObjectToObject(rk, "attention_per_step");
     cJSON_AddNumberToObject(at, "calls", (double)f->attn_calls);
     cJSON_AddNumberToObject(at, "query_rows_x_heads", (double)f->attn_q);

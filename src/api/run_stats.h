@@ -15,6 +15,7 @@ typedef struct mdt_rank_facts {
     char host[64];
     int64_t heads_local, weight_bytes, peak_bytes, max_rss_kib, bytes_read;
     double flops[MDT_FLOP_KIND_COUNT];
+    double seconds[MDT_FLOP_KIND_COUNT]; /* in the kernels of each kind */
     int64_t attn_calls, attn_q, attn_kv;
     int64_t coll[MDT_COLL_KIND_COUNT];
     int64_t group[MDT_GROUP_COUNT];

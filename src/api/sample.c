@@ -50,6 +50,9 @@ static void public_view(const mdt_rank_facts *f, mdt_rank_stats *p) {
                           .flops_linear = f->flops[MDT_FLOP_LINEAR],
                           .flops_attn = f->flops[MDT_FLOP_ATTN],
                           .flops_other = f->flops[MDT_FLOP_OTHER],
+                          .seconds_linear = f->seconds[MDT_FLOP_LINEAR],
+                          .seconds_attn = f->seconds[MDT_FLOP_ATTN],
+                          .seconds_other = f->seconds[MDT_FLOP_OTHER],
                           .attn_calls = f->attn_calls,
                           .attn_query_rows = f->attn_q,
                           .attn_kv_rows = f->attn_kv,
@@ -79,6 +82,7 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     mine.weight_bytes = m->weight_bytes, mine.peak_bytes = mdt_mem_peak();
     mine.max_rss_kib = max_rss_kib(), mine.bytes_read = m->bytes_read;
     memcpy(mine.flops, per->flops, sizeof mine.flops);
+    memcpy(mine.seconds, per->seconds, sizeof mine.seconds);
     mine.attn_calls = per->attn_calls, mine.attn_q = per->attn_query_rows;
     mine.attn_kv = per->attn_kv_rows;
     memcpy(mine.coll, coll, sizeof mine.coll);

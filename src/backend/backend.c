@@ -170,40 +170,64 @@ void mdt_k_shared_end(void) {
 
 static const mdt_kernel_ops *dev(void) { return g_kern ? g_kern : mdt_cpu_backend_kernels(); }
 
-static void count(mdt_flop_kind kind, double flops) { mdt_counters_get()->flops[kind] += flops; }
+/* FLOPs of one call of `kind` and its seconds since t0 (host wall time: on a device whose kernels
+ * run asynchronously this is the launch, not the kernel; mdt_counters.seconds says so) */
+static void count(mdt_flop_kind kind, double flops, double t0) {
+    mdt_counters *c = mdt_counters_get();
+    c->flops[kind] += flops;
+    c->seconds[kind] += mdt_now() - t0;
+}
 
 static void f_copy2d(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
                      int64_t cols) {
-    if (rows > 0 && cols > 0)
+    if (rows > 0 && cols > 0) {
+        const double t0 = mdt_now();
         dev()->copy2d(dst, ldd, src, lds, rows, cols);
+        count(MDT_FLOP_OTHER, 0, t0);
+    }
 }
 
 static void f_copy_rows(float *dst, int64_t ldd, const int64_t *drow, const float *src, int64_t lds,
                         const int64_t *srow, int64_t n, int64_t w) {
-    if (n > 0 && w > 0)
+    if (n > 0 && w > 0) {
+        const double t0 = mdt_now();
         dev()->copy_rows(dst, ldd, drow, src, lds, srow, n, w);
+        count(MDT_FLOP_OTHER, 0, t0);
+    }
 }
 
 static void f_fill(float *x, int64_t n, float v) {
-    if (n > 0)
+    if (n > 0) {
+        const double t0 = mdt_now();
         dev()->fill(x, n, v);
+        count(MDT_FLOP_OTHER, 0, t0);
+    }
 }
 
 static void f_add(float *y, const float *x, int64_t n) {
-    if (n > 0)
+    if (n > 0) {
+        const double t0 = mdt_now();
         dev()->add(y, x, n);
+        count(MDT_FLOP_OTHER, 0, t0);
+    }
 }
 
 static void f_add_bias(float *y, int64_t ldy, const float *b, int64_t M, int64_t N) {
-    if (M > 0 && N > 0)
+    if (M > 0 && N > 0) {
+        const double t0 = mdt_now();
         dev()->add_bias(y, ldy, b, M, N);
+        count(MDT_FLOP_OTHER, 0, t0);
+    }
 }
 
 static void f_angle_table(const float *pos, int64_t ldpos, int64_t S, int64_t ncols,
                           const int32_t *col_axis, const double *col_freq, int dbl, float *cos_t,
                           float *sin_t) {
-    if (S > 0 && ncols > 0)
+    if (S > 0 && ncols > 0) {
+        const double t0 = mdt_now();
         dev()->angle_table(pos, ldpos, S, ncols, col_axis, col_freq, dbl, cos_t, sin_t);
+        count(MDT_FLOP_OTHER, 0, t0);
+    }
 }
 
 static void f_linear(const float *x, int64_t ldx, const float *w, const uint16_t *wh,
@@ -211,16 +235,18 @@ static void f_linear(const float *x, int64_t ldx, const float *w, const uint16_t
     if (M <= 0 || N <= 0)
         return;
     wh = g_bf16 ? wh : NULL; /* bf16 weights only when selected; then w is not used */
+    const double t0 = mdt_now();
     dev()->linear(x, ldx, wh ? NULL : w, wh, b, y, ldy, M, K, N);
-    count(MDT_FLOP_LINEAR, 2.0 * (double)M * (double)N * (double)K);
+    count(MDT_FLOP_LINEAR, 2.0 * (double)M * (double)N * (double)K, t0);
 }
 
 static void f_layernorm_modulate(const float *x, float *y, int64_t M, int64_t C, float eps,
                                  const float *shift, const float *scale) {
     if (M <= 0)
         return;
+    const double t0 = mdt_now();
     dev()->layernorm_modulate(x, y, M, C, eps, shift, scale);
-    count(MDT_FLOP_OTHER, 8.0 * (double)M * (double)C);
+    count(MDT_FLOP_OTHER, 8.0 * (double)M * (double)C, t0);
 }
 
 static void f_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, int64_t D,
@@ -228,23 +254,26 @@ static void f_heads_prepare(const float *src, int64_t ld, int64_t S, int64_t H, 
                             int64_t rot, mdt_rope_kind kind, float *dst, int64_t Sdst, int64_t s0) {
     if (S <= 0 || H <= 0)
         return;
+    const double t0 = mdt_now();
     dev()->heads_prepare(src, ld, S, H, D, norm_w, eps, cos_t, sin_t, rot, kind, dst, Sdst, s0);
-    count(MDT_FLOP_OTHER, 8.0 * (double)S * (double)H * (double)D);
+    count(MDT_FLOP_OTHER, 8.0 * (double)S * (double)H * (double)D, t0);
 }
 
 static void f_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_t C, float eps) {
     if (M <= 0)
         return;
+    const double t0 = mdt_now();
     dev()->rmsnorm(x, w, y, M, C, eps);
-    count(MDT_FLOP_OTHER, 4.0 * (double)M * (double)C);
+    count(MDT_FLOP_OTHER, 4.0 * (double)M * (double)C, t0);
 }
 
 static void f_modulate_rows(float *y, int64_t M, int64_t C, const float *table, int64_t ld,
                             const int64_t *idx, int64_t shift_off, int64_t scale_off) {
     if (M <= 0)
         return;
+    const double t0 = mdt_now();
     dev()->modulate_rows(y, M, C, table, ld, idx, shift_off, scale_off);
-    count(MDT_FLOP_OTHER, 3.0 * (double)M * (double)C);
+    count(MDT_FLOP_OTHER, 3.0 * (double)M * (double)C, t0);
 }
 
 static void f_gate_residual_rows(float *x, const float *y, int64_t ldy, const float *table,
@@ -252,37 +281,42 @@ static void f_gate_residual_rows(float *x, const float *y, int64_t ldy, const fl
                                  int64_t C) {
     if (M <= 0)
         return;
+    const double t0 = mdt_now();
     dev()->gate_residual_rows(x, y, ldy, table, ld, idx, gate_off, M, C);
-    count(MDT_FLOP_OTHER, 2.0 * (double)M * (double)C);
+    count(MDT_FLOP_OTHER, 2.0 * (double)M * (double)C, t0);
 }
 
 static void f_gate_residual(float *x, const float *y, int64_t ldy, const float *gate, int64_t M,
                             int64_t C) {
     if (M <= 0)
         return;
+    const double t0 = mdt_now();
     dev()->gate_residual(x, y, ldy, gate, M, C);
-    count(MDT_FLOP_OTHER, 2.0 * (double)M * (double)C);
+    count(MDT_FLOP_OTHER, 2.0 * (double)M * (double)C, t0);
 }
 
 static void f_swiglu(const float *in, float *out, int64_t M, int64_t n) {
     if (M <= 0)
         return;
+    const double t0 = mdt_now();
     dev()->swiglu(in, out, M, n);
-    count(MDT_FLOP_OTHER, 6.0 * (double)M * (double)n);
+    count(MDT_FLOP_OTHER, 6.0 * (double)M * (double)n, t0);
 }
 
 static void f_gelu_rows(float *x, int64_t ld, int64_t M, int64_t n) {
     if (M <= 0)
         return;
+    const double t0 = mdt_now();
     dev()->gelu_rows(x, ld, M, n);
-    count(MDT_FLOP_OTHER, 10.0 * (double)M * (double)n);
+    count(MDT_FLOP_OTHER, 10.0 * (double)M * (double)n, t0);
 }
 
 static void f_silu(float *x, int64_t n) {
     if (n <= 0)
         return;
+    const double t0 = mdt_now();
     dev()->silu(x, n);
-    count(MDT_FLOP_OTHER, 5.0 * (double)n);
+    count(MDT_FLOP_OTHER, 5.0 * (double)n, t0);
 }
 
 static int64_t f_attention_ws_floats(int64_t Sk, int64_t D, int bf16) {
@@ -292,17 +326,21 @@ static int64_t f_attention_ws_floats(int64_t Sk, int64_t D, int bf16) {
 static void f_attention(const float *q, const float *k, const float *v, float *out, int64_t ld_out,
                         float *lse, int64_t H, int64_t Sq, int64_t Sk, int64_t sk_valid, int64_t D,
                         float scale, int bf16, float *ws) {
+    const double t0 = mdt_now();
     if (H > 0 && Sq > 0)
         dev()->attention(q, k, v, out, ld_out, lse, H, Sq, Sk, sk_valid, D, scale, bf16, ws);
     const int64_t kv = sk_valid > Sk ? Sk : sk_valid; /* the keys attended */
-    count(MDT_FLOP_ATTN, 4.0 * (double)H * (double)Sq * (double)kv * (double)D);
+    count(MDT_FLOP_ATTN, 4.0 * (double)H * (double)Sq * (double)kv * (double)D, t0);
     mdt_counters_get()->attn_calls++;
 }
 
 static void f_lse_merge(float *O, int64_t ldO, float *Lr, const float *o, int64_t ldo,
                         const float *l, int64_t hn, int64_t L, int64_t D) {
-    if (hn > 0 && L > 0)
+    if (hn > 0 && L > 0) {
+        const double t0 = mdt_now();
         dev()->lse_merge(O, ldO, Lr, o, ldo, l, hn, L, D);
+        count(MDT_FLOP_ATTN, 0, t0);
+    }
 }
 
 static const mdt_kernel_ops k_front = {

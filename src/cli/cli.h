@@ -74,7 +74,7 @@ int cmd_run(int argc, char **argv);     /* cmd_run.c */
 int cmd_compare(int argc, char **argv); /* cmd_compare.c */
 int cmd_gather(int argc, char **argv);  /* cmd_compare.c */
 int cmd_inspect(int argc, char **argv); /* cmd_inspect.c */
-int cmd_plan(int argc, char **argv);    /* cmd_inspect.c */
+int cmd_plan(int argc, char **argv);    /* cmd_plan.c */
 int cmd_serve(int argc, char **argv);   /* cmd_serve.c */
 
 #endif /* MDT_CLI_H */

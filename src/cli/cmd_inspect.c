@@ -1,7 +1,6 @@
 /*
- * cmd_inspect.c — `meshdit inspect` (a model's weight table, each tensor's shard under a layout,
- * the resident weights by TP degree and every rank's coordinates; no compute) and `meshdit plan`
- * (the library's scaling-model estimate of every layout of N devices, best first).
+ * cmd_inspect.c — `meshdit inspect`: a model's weight table, each tensor's shard under a layout,
+ * the resident weights by TP degree and every rank's coordinates; no compute.
  */
 #include "cli/cli.h"
 
@@ -113,60 +112,4 @@ int cmd_inspect(int argc, char **argv) {
 done:
     mdt_model_info_free(info);
     return st == MDT_OK ? 0 : cli_fail_exit(st);
-}
-
-int cmd_plan(int argc, char **argv) {
-    cli_opts o;
-    long long devices, tokens;
-    double mem_gib, elem;
-    int rc = cli_parse_opts(argc, argv, &o, NULL);
-    if (rc)
-        return rc;
-    const char *ck = cli_opt_str(&o, "checkpoint", NULL), *cfgp = cli_opt_str(&o, "config", NULL);
-    const char *devname = cli_opt_str(&o, "device", "h200");
-    if ((rc = cli_opt_int(&o, "devices", 1, 1, 4096, &devices)) ||
-        (rc = cli_opt_int(&o, "tokens", 4096, 1, 1 << 26, &tokens)) ||
-        (rc = cli_opt_double(&o, "device-mem", 0, &mem_gib)) ||
-        (rc = cli_opt_double(&o, "bytes", 2, &elem)) || (rc = cli_opts_check_unused(&o)))
-        return rc;
-    if (!!ck == !!cfgp)
-        return cli_usage_exit("plan needs exactly one of --checkpoint DIR or --config FILE%s", "");
-    mdt_device_spec dev;
-    if (mdt_device_spec_preset(devname, &dev) != MDT_OK)
-        return cli_usage_exit("unknown --device '%s' (cpu, h100, h200, trn2)", devname);
-    if (mem_gib > 0)
-        dev.mem_bytes = mem_gib * 1073741824.0;
-    mdt_model_info *info = NULL;
-    mdt_layout_estimate *est = NULL;
-    int n = 0;
-    mdt_status st = mdt_model_info_open(ck, ck ? NULL : cfgp, 0, &info);
-    if (st == MDT_OK)
-        st = mdt_plan_layouts(info, &dev, (int)devices, tokens, elem, &est, &n);
-    if (st != MDT_OK) {
-        mdt_model_info_free(info);
-        return cli_fail_exit(st);
-    }
-    printf("plan: %s, %lld tokens, %lld x %s (%.0f GiB, %.0f TFLOP/s sustained, %.0f GB/s in a "
-           "node of %d, %.0f GB/s across), %.0f-byte elements; one forward per step\n",
-           mdt_model_info_family(info), tokens, devices, dev.name, dev.mem_bytes / 1073741824.0,
-           dev.flops * 1e-12, dev.bw_intra * 1e-9, dev.node_size, dev.bw_inter * 1e-9, elem);
-    printf("%-16s %9s %9s %10s %10s %10s %10s %10s %9s %9s %9s\n", "tp x ring x uly", "weights",
-           "activ.", "lin TFLOP", "attn TFLOP", "tp GB", "ulysses GB", "ring GB", "compute s",
-           "comm s", "step s");
-    for (int i = 0; i < n; i++) {
-        const mdt_layout_estimate *e = &est[i];
-        char lay[32];
-        snprintf(lay, sizeof lay, "%d x %d x %d", e->tp, e->ring, e->ulysses);
-        if (!e->valid) {
-            printf("%-16s rejected: %s\n", lay, e->why);
-            continue;
-        }
-        printf("%-16s %8.2fG %8.2fG %10.2f %10.2f %10.2f %10.2f %10.2f %9.4f %9.4f %9.4f%s\n", lay,
-               e->weight_bytes / 1073741824.0, e->act_bytes / 1073741824.0, e->flops_linear * 1e-12,
-               e->flops_attn * 1e-12, e->bytes_tp * 1e-9, e->bytes_ulysses * 1e-9,
-               e->bytes_ring * 1e-9, e->t_compute, e->t_comm, e->t_step, i == 0 ? "  <- best" : "");
-    }
-    free(est);
-    mdt_model_info_free(info);
-    return 0;
 }

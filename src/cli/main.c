@@ -7,7 +7,7 @@
  *   compare  per-tensor differences of two files            cmd_compare.c
  *   gather   TP shards back into one checkpoint             cmd_compare.c
  *   inspect  weight table, shards and ranks of a layout     cmd_inspect.c
- *   plan     the scaling model's estimate of every layout   cmd_inspect.c
+ *   plan     the scaling model's estimate of every layout   cmd_plan.c
  *   serve    the resident server over ZeroMQ                cmd_serve.c
  *
  * The only code that calls MPI_Init/Finalize and exit(), and the only file of the command that
@@ -43,7 +43,10 @@ void cli_usage(FILE *fp) {
         "          [--mesh-order ORDER]\n"
         "  gather  --checkpoint DIR --out DIR [--tp T]   (under mpiexec -n T)\n"
         "  plan    (--checkpoint DIR | --config FILE) --devices N [--device cpu|h100|h200|trn2]\n"
-        "          [--device-mem GiB] [--tokens S] [--bytes 2|4]\n"
+        "          [--device-file FILE] [--device-mem GiB] [--tokens S] [--txt-tokens L]\n"
+        "          [--bytes 2|4]\n"
+        "  plan    (--checkpoint DIR | --config FILE) --calibrate FILE [--tokens S]\n"
+        "          (under mpiexec, placed as the job will be: measures this machine)\n"
         "  serve   --checkpoint DIR [--listen ipc://PATH|tcp://HOST:PORT] [--listen-any]\n"
         "          [--tp T --ring R --ulysses U] [--mesh-order O] [--device cpu|cuda]\n"
         "          [--dtype f32|bf16] [--comm auto|mpi|nccl] [--max-memory SIZE]\n"

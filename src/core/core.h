@@ -133,8 +133,10 @@ typedef enum {
 } mdt_flop_kind;
 typedef struct mdt_counters {
     double flops[MDT_FLOP_KIND_COUNT];
-    int64_t attn_query_rows; /* query rows x heads summed over attention calls */
-    int64_t attn_kv_rows;    /* key rows x heads summed over attention calls */
+    double seconds[MDT_FLOP_KIND_COUNT]; /* host seconds in the kernels of each kind (copies and
+                                            fills count as other); on a device, launch time */
+    int64_t attn_query_rows;             /* query rows x heads summed over attention calls */
+    int64_t attn_kv_rows;                /* key rows x heads summed over attention calls */
     int64_t attn_calls;
     int64_t bytes_read;    /* checkpoint bytes read from disk */
     double ring_compute_s; /* seconds attending ring blocks */

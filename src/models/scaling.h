@@ -24,17 +24,18 @@ const mdt_device *mdt_device_preset(const char *name);
 typedef struct mdt_estimate {
     int T, R, U;
     int valid;
-    char why[256];                   /* why invalid */
-    double weight_bytes;             /* per rank, at elem_bytes per weight */
-    double act_bytes;                /* per rank, activations of one forward (estimate) */
-    double flops_linear, flops_attn; /* per rank */
+    char why[256];       /* why invalid */
+    double weight_bytes; /* per rank, at elem_bytes per weight */
+    double act_bytes;    /* per rank, activations of one forward (estimate) */
+    double flops_linear, flops_attn, flops_other;         /* per rank */
     double bytes_tp, bytes_ulysses, bytes_ring, bytes_cp; /* sent per rank */
     double t_compute, t_comm, t_step;                     /* seconds */
 } mdt_estimate;
 
-/* One forward, batch 1, S tokens, elem_bytes per activation and weight element. */
-void mdt_estimate_layout(const mdt_model *m, int T, int R, int U, int64_t S, double elem_bytes,
-                         const mdt_device *dev, mdt_estimate *e);
+/* One forward, batch 1, S tokens (L of them the text stream's, or a cross-attention model's
+ * encoder rows), elem_bytes per activation and weight element. */
+void mdt_estimate_layout(const mdt_model *m, int T, int R, int U, int64_t S, int64_t L,
+                         double elem_bytes, const mdt_device *dev, mdt_estimate *e);
 
 /* ---- memory of one rank of `meshdit run`, checked before any weight is read ---- */
 

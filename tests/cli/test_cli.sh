@@ -176,6 +176,24 @@ if "$BIN" plan --config configs/minimax_h3.json --devices 32 --device trn2 --tok
    grep -q "rejected: needs .* GiB per device" "$T/plan" &&
    [ "$(grep -c '^[0-9]* x [0-9]* x [0-9]* ' "$T/plan")" = 21 ]; then ok
 else bad "plan: $(head -5 "$T/plan")"; fi
+# calibration: two ranks of this host measure the kernels and each collective inside the host;
+# the device file it writes is what plan --device-file predicts with (the cluster test measures
+# the link between hosts)
+if timeout 120 "$MPIEXEC" -n 2 "$BIN" plan --checkpoint "$DATA/flux_tiny" --calibrate "$T/dev.json" \
+        --tokens 256 >"$T/cal" 2>&1 && grep -q '"calibrated":.*true' "$T/dev.json" &&
+   [ "$(grep -c 'inside a host: ' "$T/cal")" = 4 ] && ! grep -q 'across hosts' "$T/cal" &&
+   grep -q "links measured: intra" "$T/cal" &&
+   "$BIN" plan --checkpoint "$DATA/flux_tiny" --device-file "$T/dev.json" --devices 2 \
+        --tokens 256 --txt-tokens 48 --bytes 4 >"$T/plan" &&
+   grep -q "(calibrated)" "$T/plan" && [ "$(grep -c '<- best' "$T/plan")" = 1 ]; then ok
+else bad "plan --calibrate: $(head -c 600 "$T/cal") $(head -c 300 "$T/plan")"; fi
+echo '{"meshdit_device": 1, "name": "x", "flops": {"linear": 1e9}}' >"$T/baddev.json"
+expect_error device-file 1 "baddev.json" "memory_bytes is missing" -- "$BIN" plan \
+    --checkpoint "$DATA/flux_tiny" --device-file "$T/baddev.json" --devices 2
+expect_error device-twice 2 "one of --device" -- "$BIN" plan --checkpoint "$DATA/flux_tiny" \
+    --device cpu --device-file "$T/dev.json"
+expect_error calibrate-nowhere 1 "/nonexistent/dev.json" -- "$BIN" plan \
+    --checkpoint "$DATA/flux_tiny" --calibrate /nonexistent/dev.json --tokens 64
 # memory at scale, on paper: the real MiniMax-H3 config (no weights) at tp=8 holds ~4.21 B
 # parameters per rank upstream; ours must be within 2% (it shards adaln_proj too)
 if "$BIN" inspect --config configs/minimax_h3.json --tp 8 --ulysses 4 >"$T/h3insp" &&

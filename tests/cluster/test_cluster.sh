@@ -96,6 +96,28 @@ print(sum(x['bytes_sent_per_step_by_axis']['ring'] for x in r['ranks'] if x['ran
 if [ "$r1" -gt 0 ] && [ $((b1 - b0)) -ge "$r1" ]; then ok
 else bad "host 1 sent $((b1 - b0)) bytes on its link, its rank reports $r1 ring bytes per step"; fi
 
+# Calibration across the cluster: 2 hosts x 2 ranks measure every collective inside a host and
+# across the shaped link; the link's all-to-all bandwidth is what the 1 Gbit/s token bucket lets
+# through (at most 125 MB/s, and far below the unshaped in-host one); the plan reads the file.
+if timeout 300 $C mpirun --host "$hosts2" -n 4 -x OPENBLAS_NUM_THREADS=1 $BIN plan --checkpoint "$ck" \
+        --calibrate "$T/dev.json" --tokens 256 >"$T/cal" 2>&1 &&
+   [ "$(grep -c 'inside a host: ' "$T/cal")" = 4 ] && [ "$(grep -c 'across hosts: ' "$T/cal")" = 4 ] &&
+   python3 - "$T/dev.json" >"$T/py" 2>&1 <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+inter, intra = d["collectives"]["inter"]["alltoall"], d["collectives"]["intra"]["alltoall"]
+assert d["calibrated"] is True and d["devices_per_node"] == 2, d
+assert 10e6 < inter["bytes_per_s"] < 130e6, f"across the 1 Gbit/s link: {inter}"
+assert intra["bytes_per_s"] > 2 * inter["bytes_per_s"], f"inside {intra}, across {inter}"
+EOF
+then
+    if build/meshdit plan --checkpoint "$ck" --device-file "$T/dev.json" --devices 4 --tokens 256 \
+        >"$T/plan" && grep -q "(calibrated)" "$T/plan" && grep -q "<- best" "$T/plan"; then ok
+    else bad "plan --device-file: $(head -3 "$T/plan")"; fi
+else
+    bad "calibrate across hosts: $(cat "$T/py" 2>/dev/null) $(head -c 800 "$T/cal")"
+fi
+
 # A host that disappears: host 1's link is cut mid-run; the job ends within the bound
 # (--step-timeout 3 + the launcher noticing the lost daemon) with meshdit's one line naming the
 # rank, a failing exit status, and no rank left running on any host.

@@ -6,7 +6,10 @@
 #include "harness.h"
 #include "meshdit.h"
 
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define CK "tests/data/flux_tiny"
 
@@ -118,11 +121,126 @@ static void test_info_and_plan(void) {
     int n = 0;
     EXPECT_OK(mdt_device_spec_preset("h200", &dev));
     EXPECT_ERR(mdt_device_spec_preset("abacus", &dev), MDT_E_NOTFOUND, "abacus");
-    EXPECT_OK(mdt_plan_layouts(v, &dev, 4, 1024, 2, &e, &n));
+    EXPECT_OK(mdt_plan_layouts(v, &dev, 4, 1024, 0, 2, &e, &n));
     EXPECT(n == 6 && e && e[0].valid && e[0].t_step <= e[1].t_step, "plan: %d layouts", n);
     free(e);
     mdt_model_info_free(v);
     EXPECT_ERR(mdt_model_info_open("/nonexistent", NULL, 0, &v), MDT_E_NOTFOUND, "/nonexistent");
+}
+
+/* The scaling model's per-rank FLOPs for one device against the counters of a real forward of
+ * the same checkpoint: the rows each weight runs on (image, text, one per sample) are right for
+ * the joint families and for cross-attention (Wan). S, L: attention sequence, text rows. */
+static void check_estimate(const char *dir, int64_t S, int64_t L) {
+    char ck[256], in[256];
+    snprintf(ck, sizeof ck, "tests/data/%s", dir);
+    snprintf(in, sizeof in, "tests/data/%s/inputs.safetensors", dir);
+    mdt_load_params lp = mdt_load_params_default();
+    lp.checkpoint_dir = ck;
+    mdt_model *m = NULL;
+    mdt_model_info *v = NULL;
+    mdt_tensor_set *inputs = NULL, *out = NULL;
+    mdt_run_stats *stats = NULL;
+    mdt_sample_params sp = mdt_sample_params_default();
+    EXPECT_OK(mdt_model_load(&lp, &m));
+    EXPECT_OK(mdt_tensor_set_load(in, &inputs));
+    EXPECT_OK(mdt_tensor_set_create(&out));
+    EXPECT_OK(mdt_sample(m, inputs, &sp, out, &stats));
+    EXPECT_OK(mdt_model_info_open(ck, NULL, 0, &v));
+    mdt_device_spec dev;
+    mdt_layout_estimate *e = NULL;
+    int n = 0;
+    EXPECT_OK(mdt_device_spec_preset("cpu", &dev));
+    EXPECT_OK(mdt_plan_layouts(v, &dev, 1, S, L, 4, &e, &n));
+    const mdt_rank_stats *r = stats ? mdt_run_stats_rank(stats, 0) : NULL;
+    EXPECT(r && e && n == 1, "%s: stats and one layout", dir);
+    if (r && e && n == 1) {
+        EXPECT(fabs(e->flops_linear - r->flops_linear) <= 0.05 * r->flops_linear,
+               "%s: linear FLOPs estimated %.0f, counted %.0f", dir, e->flops_linear,
+               r->flops_linear);
+        EXPECT(fabs(e->flops_attn - r->flops_attn) <= 0.01 * r->flops_attn,
+               "%s: attention FLOPs estimated %.0f, counted %.0f", dir, e->flops_attn,
+               r->flops_attn);
+    }
+    free(e);
+    mdt_model_info_free(v);
+    mdt_run_stats_free(stats);
+    mdt_tensor_set_free(out);
+    mdt_tensor_set_free(inputs);
+    mdt_model_free(m);
+}
+
+/* Device files: what is saved loads back; the measured collective costs are what the plan uses
+ * (a slower measured link makes the layout that crosses it slower); a hostile file is refused
+ * with the field named. */
+static void test_device_file(void) {
+    mdt_device_spec d, back;
+    EXPECT_OK(mdt_device_spec_preset("cpu", &d));
+    d.calibrated = 1, d.flops_attn = 2e10, d.flops_other = 2e9, d.node_size = 1;
+    snprintf(d.source, sizeof d.source, "test");
+    for (int l = 0; l < MDT_LINK_COUNT; l++)
+        for (int k = 0; k < MDT_COST_KIND_COUNT; k++)
+            d.coll[l][k] = (mdt_link_cost){.latency = 1e-5 * (k + 1), .bw = 1e8 * (l + 1)};
+    const char *path = "/tmp/mdt_test_device.json";
+    EXPECT_OK(mdt_device_spec_save(&d, path));
+    EXPECT_OK(mdt_device_spec_load(path, &back));
+    EXPECT(strcmp(back.name, d.name) == 0 && back.calibrated && back.flops == d.flops &&
+               back.flops_attn == d.flops_attn && back.node_size == 1 &&
+               back.coll[1][2].bw == d.coll[1][2].bw &&
+               back.coll[0][3].latency == d.coll[0][3].latency,
+           "device file round trip");
+    mdt_model_info *v = NULL;
+    EXPECT_OK(mdt_model_info_open(CK, NULL, 0, &v));
+    mdt_layout_estimate *e1 = NULL, *e2 = NULL;
+    int n1 = 0, n2 = 0;
+    EXPECT_OK(mdt_plan_layouts(v, &back, 2, 4096, 0, 4, &e1, &n1));
+    back.coll[MDT_LINK_INTER][MDT_COST_ALLREDUCE].bw /= 100; /* only TP's all-reduce slower */
+    EXPECT_OK(mdt_plan_layouts(v, &back, 2, 4096, 0, 4, &e2, &n2));
+    for (int i = 0; e1 && e2 && i < n1 && i < n2; i++)
+        for (int j = 0; j < n2; j++)
+            if (e1[i].tp == e2[j].tp && e1[i].ring == e2[j].ring && e1[i].valid)
+                EXPECT(e1[i].tp > 1 ? e2[j].t_comm > 10 * e1[i].t_comm
+                                    : e2[j].t_comm == e1[i].t_comm,
+                       "tp %d ring %d: comm %.6f then %.6f", e1[i].tp, e1[i].ring, e1[i].t_comm,
+                       e2[j].t_comm);
+    free(e1), free(e2);
+    mdt_model_info_free(v);
+    static const struct {
+        const char *text, *field;
+    } bad[] = {
+        {"[1, 2]", "not a JSON object"},
+        {"{\"meshdit_device\": 1}", "name"},
+        {"{\"meshdit_device\": 2, \"name\": \"x\"}", "meshdit_device"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\", \"flops\": {\"linear\": -1}}", "flops.linear"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\", \"flops\": {\"linear\": 1e9}, "
+         "\"memory_bytes\": 1e9, \"devices_per_node\": 1.5}",
+         "devices_per_node"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\", \"flops\": {\"linear\": 1e9}, "
+         "\"memory_bytes\": 1e9, \"devices_per_node\": 2, \"bandwidth\": {\"intra\": 1e9, "
+         "\"inter\": 1e9}, \"latency_s\": 0, \"collectives\": {\"inter\": {\"alltoall\": "
+         "{\"latency_s\": 0, \"bytes_per_s\": 0}}}}",
+         "collectives.inter.alltoall.bytes_per_s"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\", \"flops\": {\"linear\": 1e9}, "
+         "\"memory_bytes\": 1e9, \"devices_per_node\": 2, \"bandwidth\": {\"intra\": 1e9}}",
+         "bandwidth.inter"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\"", "not JSON"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        FILE *fp = fopen(path, "w");
+        if (fp) {
+            fputs(bad[i].text, fp);
+            fclose(fp);
+        }
+        memset(&back, 0x5a, sizeof back);
+        EXPECT_ERR(mdt_device_spec_load(path, &back), MDT_E_FORMAT, bad[i].field);
+    }
+    EXPECT_ERR(mdt_device_spec_load("/nonexistent/dev.json", &back), MDT_E_NOTFOUND,
+               "/nonexistent/dev.json");
+    remove(path);
+    check_estimate("flux_tiny", 16 + 48, 48);
+    check_estimate("flux2_tiny", 16 + 48, 48);
+    check_estimate("qwenimage_tiny", 16 + 8, 8);
+    check_estimate("wan_tiny", 2 * 8 * 8, 12);
 }
 
 static void test_small(void) {
@@ -143,6 +261,7 @@ int main(void) {
     test_sample();
     test_stats_and_errors();
     test_info_and_plan();
+    test_device_file();
     test_small();
     TEST_END();
 }

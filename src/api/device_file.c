@@ -1,0 +1,169 @@
+/*
+ * device_file.c — the planner's device file (meshdit.h: mdt_device_spec_load / _save): what
+ * `meshdit plan --calibrate` measured, read back by `meshdit plan --device-file`. JSON:
+ *   {"meshdit_device": 1, "name", "calibrated", "source",
+ *    "flops": {"linear", "attention", "other"}, "memory_bytes", "devices_per_node",
+ *    "bandwidth": {"intra", "inter"}, "latency_s",
+ *    "collectives": {"intra"|"inter": {"allreduce"|"alltoall"|"sendrecv"|"allgather":
+ *                                      {"latency_s", "bytes_per_s"}}}}
+ * Rates in FLOP/s and bytes sent per rank per second. Anything missing, non-finite or out of
+ * range is refused with the file and the field named.
+ */
+#include "core/core.h"
+#include "core/outfile.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const k_kind[MDT_COST_KIND_COUNT] = {"allreduce", "alltoall", "sendrecv",
+                                                        "allgather"};
+static const char *const k_link[MDT_LINK_COUNT] = {"intra", "inter"};
+
+/* The number at obj.key into *v, within [lo, hi]; absent: *v = def when optional, else an
+ * error naming path, where and key. */
+static mdt_status num(const char *path, const cJSON *obj, const char *where, const char *key,
+                      int optional, double def, double lo, double hi, double *v) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!it) {
+        *v = def;
+        return optional
+                   ? MDT_OK
+                   : MDT_FAIL(MDT_E_FORMAT, "%s: device file: %s%s is missing", path, where, key);
+    }
+    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble) || it->valuedouble < lo ||
+        it->valuedouble > hi)
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: %s%s must be a number in [%g, %g]", path,
+                        where, key, lo, hi);
+    *v = it->valuedouble;
+    return MDT_OK;
+}
+
+static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
+    double v;
+    if (!cJSON_IsObject(j))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: not a JSON object", path);
+    MDT_TRY(num(path, j, "", "meshdit_device", 0, 0, 1, 1, &v));
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(j, "name");
+    if (!cJSON_IsString(name) || !name->valuestring[0] ||
+        strlen(name->valuestring) >= sizeof d->name)
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: name must be a string of 1 to %zu bytes",
+                        path, sizeof d->name - 1);
+    snprintf(d->name, sizeof d->name, "%s", name->valuestring);
+    const cJSON *src = cJSON_GetObjectItemCaseSensitive(j, "source");
+    if (src && !cJSON_IsString(src))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: source must be a string", path);
+    snprintf(d->source, sizeof d->source, "%s", src ? src->valuestring : path);
+    const cJSON *cal = cJSON_GetObjectItemCaseSensitive(j, "calibrated");
+    if (cal && !cJSON_IsBool(cal))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: calibrated must be true or false", path);
+    d->calibrated = cJSON_IsTrue(cal);
+    const cJSON *fl = cJSON_GetObjectItemCaseSensitive(j, "flops");
+    if (!cJSON_IsObject(fl))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: flops must be an object", path);
+    MDT_TRY(num(path, fl, "flops.", "linear", 0, 0, 1e3, 1e18, &d->flops));
+    MDT_TRY(num(path, fl, "flops.", "attention", 1, 0, 0, 1e18, &d->flops_attn));
+    MDT_TRY(num(path, fl, "flops.", "other", 1, 0, 0, 1e18, &d->flops_other));
+    MDT_TRY(num(path, j, "", "memory_bytes", 0, 0, 1e6, 1e16, &d->mem_bytes));
+    MDT_TRY(num(path, j, "", "devices_per_node", 0, 0, 1, 1 << 20, &v));
+    if (v != floor(v))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: devices_per_node must be an integer", path);
+    d->node_size = (int)v;
+    const cJSON *bw = cJSON_GetObjectItemCaseSensitive(j, "bandwidth");
+    if (!cJSON_IsObject(bw))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: bandwidth must be an object", path);
+    MDT_TRY(num(path, bw, "bandwidth.", "intra", 0, 0, 1e3, 1e15, &d->bw_intra));
+    MDT_TRY(num(path, bw, "bandwidth.", "inter", 0, 0, 1e3, 1e15, &d->bw_inter));
+    MDT_TRY(num(path, j, "", "latency_s", 0, 0, 0, 10, &d->latency));
+    const cJSON *co = cJSON_GetObjectItemCaseSensitive(j, "collectives");
+    if (co && !cJSON_IsObject(co))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: collectives must be an object", path);
+    for (int l = 0; co && l < MDT_LINK_COUNT; l++) {
+        const cJSON *lo = cJSON_GetObjectItemCaseSensitive(co, k_link[l]);
+        if (lo && !cJSON_IsObject(lo))
+            return MDT_FAIL(MDT_E_FORMAT, "%s: device file: collectives.%s must be an object", path,
+                            k_link[l]);
+        for (int k = 0; lo && k < MDT_COST_KIND_COUNT; k++) {
+            const cJSON *c = cJSON_GetObjectItemCaseSensitive(lo, k_kind[k]);
+            char where[64];
+            snprintf(where, sizeof where, "collectives.%s.%s.", k_link[l], k_kind[k]);
+            if (!c)
+                continue;
+            if (!cJSON_IsObject(c))
+                return MDT_FAIL(MDT_E_FORMAT, "%s: device file: %s must be an object", path, where);
+            MDT_TRY(num(path, c, where, "latency_s", 0, 0, 0, 10, &d->coll[l][k].latency));
+            MDT_TRY(num(path, c, where, "bytes_per_s", 0, 0, 1e3, 1e15, &d->coll[l][k].bw));
+        }
+    }
+    return MDT_OK;
+}
+
+mdt_status mdt_device_spec_load(const char *path, mdt_device_spec *out) {
+    memset(out, 0, sizeof *out);
+    FILE *fp = fopen(path, "rb");
+    if (!fp)
+        return MDT_FAIL(MDT_E_NOTFOUND, "%s: cannot open the device file", path);
+    char buf[65536];
+    const size_t n = fread(buf, 1, sizeof buf - 1, fp);
+    const int more = fgetc(fp) != EOF;
+    fclose(fp);
+    if (more)
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file over %zu bytes", path, sizeof buf - 1);
+    buf[n] = 0;
+    cJSON *j = cJSON_ParseWithLength(buf, n);
+    if (!j)
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file is not JSON", path);
+    mdt_device_spec d = {0};
+    const mdt_status st = parse(path, j, &d);
+    cJSON_Delete(j);
+    if (st == MDT_OK)
+        *out = d;
+    return st;
+}
+
+mdt_status mdt_device_spec_save(const mdt_device_spec *d, const char *path) {
+    cJSON *j = cJSON_CreateObject();
+    if (!j)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    cJSON_AddNumberToObject(j, "meshdit_device", 1);
+    cJSON_AddStringToObject(j, "name", d->name);
+    cJSON_AddBoolToObject(j, "calibrated", d->calibrated);
+    cJSON_AddStringToObject(j, "source", d->source);
+    cJSON *fl = cJSON_AddObjectToObject(j, "flops");
+    cJSON_AddNumberToObject(fl, "linear", d->flops);
+    cJSON_AddNumberToObject(fl, "attention", d->flops_attn);
+    cJSON_AddNumberToObject(fl, "other", d->flops_other);
+    cJSON_AddNumberToObject(j, "memory_bytes", d->mem_bytes);
+    cJSON_AddNumberToObject(j, "devices_per_node", d->node_size);
+    cJSON *bw = cJSON_AddObjectToObject(j, "bandwidth");
+    cJSON_AddNumberToObject(bw, "intra", d->bw_intra);
+    cJSON_AddNumberToObject(bw, "inter", d->bw_inter);
+    cJSON_AddNumberToObject(j, "latency_s", d->latency);
+    cJSON *co = cJSON_AddObjectToObject(j, "collectives");
+    for (int l = 0; l < MDT_LINK_COUNT; l++) {
+        cJSON *lo = cJSON_AddObjectToObject(co, k_link[l]);
+        for (int k = 0; k < MDT_COST_KIND_COUNT; k++) {
+            if (!(d->coll[l][k].bw > 0))
+                continue; /* not measured */
+            cJSON *c = cJSON_AddObjectToObject(lo, k_kind[k]);
+            cJSON_AddNumberToObject(c, "latency_s", d->coll[l][k].latency);
+            cJSON_AddNumberToObject(c, "bytes_per_s", d->coll[l][k].bw);
+        }
+    }
+    char *text = cJSON_Print(j);
+    cJSON_Delete(j);
+    if (!text)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    mdt_out o;
+    mdt_status st = mdt_out_begin(&o, path);
+    if (st == MDT_OK && (st = mdt_out_write(&o, text, strlen(text))) == MDT_OK)
+        st = mdt_out_write(&o, "\n", 1);
+    if (st == MDT_OK)
+        st = mdt_out_commit(&o, 1);
+    else
+        mdt_out_abort(&o, 1);
+    free(text);
+    return st;
+}

@@ -1,0 +1,125 @@
+/*
+ * cmd_plan.c — `meshdit plan`: the library's scaling-model estimate of every layout of N devices,
+ * best first, on a preset device or a device file; with --calibrate FILE, the device file
+ * measured on this machine (collective: launch it under mpiexec placed as the job will be).
+ */
+#include "cli/cli.h"
+
+#include <mpi.h>
+#include <stdlib.h>
+
+static const char *const k_kinds[MDT_COST_KIND_COUNT] = {"all-reduce", "all-to-all", "send/recv",
+                                                         "all-gather"};
+
+static void print_device(const mdt_device_spec *d) {
+    printf("device %s (%s): %s\n", d->name, d->calibrated ? "calibrated" : "uncalibrated",
+           d->source);
+    printf("  rates: linear %.2f GFLOP/s, attention %.2f GFLOP/s, element-wise %.2f GFLOP/s\n",
+           d->flops * 1e-9, (d->flops_attn > 0 ? d->flops_attn : d->flops) * 1e-9,
+           d->flops_other * 1e-9);
+    for (int l = 0; l < MDT_LINK_COUNT; l++)
+        for (int k = 0; k < MDT_COST_KIND_COUNT; k++) {
+            const mdt_link_cost *c = &d->coll[l][k];
+            if (c->bw > 0)
+                printf("  %s %-10s latency %8.1f us, %9.2f MB/s sent per rank\n",
+                       l == MDT_LINK_INTRA ? "inside a host:" : "across hosts: ", k_kinds[k],
+                       c->latency * 1e6, c->bw * 1e-6);
+        }
+}
+
+static int calibrate(mdt_model_info *info, const char *path, long long tokens) {
+    mdt_device_spec dev;
+    /* a file that cannot be written is refused before anything is measured */
+    mdt_status st = cli_rank == 0 ? mdt_output_check(path) : MDT_OK;
+    int ok = st == MDT_OK;
+    MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    if (!ok) {
+        mdt_model_info_free(info);
+        return cli_rank == 0 ? cli_fail_exit(st) : 1;
+    }
+    st = mdt_calibrate(info, tokens, &dev);
+    if (st == MDT_OK && cli_rank == 0)
+        st = mdt_device_spec_save(&dev, path);
+    /* rank 0's write decides for every rank */
+    ok = st == MDT_OK;
+    MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    mdt_model_info_free(info);
+    if (st != MDT_OK)
+        return cli_fail_exit(st);
+    if (!ok)
+        return 1; /* rank 0 said why */
+    if (cli_rank == 0) {
+        print_device(&dev);
+        printf("wrote %s\n", path);
+    }
+    return 0;
+}
+
+int cmd_plan(int argc, char **argv) {
+    cli_opts o;
+    long long devices, tokens, txt;
+    double mem_gib, elem;
+    int rc = cli_parse_opts(argc, argv, &o, NULL);
+    if (rc)
+        return rc;
+    const char *ck = cli_opt_str(&o, "checkpoint", NULL), *cfgp = cli_opt_str(&o, "config", NULL);
+    const char *devname = cli_opt_str(&o, "device", NULL);
+    const char *devfile = cli_opt_str(&o, "device-file", NULL);
+    const char *cal = cli_opt_str(&o, "calibrate", NULL);
+    if ((rc = cli_opt_int(&o, "devices", 1, 1, 4096, &devices)) ||
+        (rc = cli_opt_int(&o, "tokens", 4096, 1, 1 << 24, &tokens)) ||
+        (rc = cli_opt_int(&o, "txt-tokens", 0, 0, 1 << 24, &txt)) ||
+        (rc = cli_opt_double(&o, "device-mem", 0, &mem_gib)) ||
+        (rc = cli_opt_double(&o, "bytes", 2, &elem)) || (rc = cli_opts_check_unused(&o)))
+        return rc;
+    if (!!ck == !!cfgp)
+        return cli_usage_exit("plan needs exactly one of --checkpoint DIR or --config FILE%s", "");
+    if (!!devname + !!devfile + !!cal > 1)
+        return cli_usage_exit("plan takes one of --device, --device-file and --calibrate%s", "");
+    mdt_device_spec dev;
+    mdt_status st = MDT_OK;
+    if (devfile)
+        st = mdt_device_spec_load(devfile, &dev);
+    else if (!cal && mdt_device_spec_preset(devname ? devname : "h200", &dev) != MDT_OK)
+        return cli_usage_exit("unknown --device '%s' (cpu, h100, h200, trn2)", devname);
+    if (st != MDT_OK)
+        return cli_fail_exit(st);
+    if (mem_gib > 0)
+        dev.mem_bytes = mem_gib * 1073741824.0;
+    mdt_model_info *info = NULL;
+    if ((st = mdt_model_info_open(ck, ck ? NULL : cfgp, 0, &info)) != MDT_OK)
+        return cli_fail_exit(st);
+    if (cal)
+        return calibrate(info, cal, tokens);
+    mdt_layout_estimate *est = NULL;
+    int n = 0;
+    st = mdt_plan_layouts(info, &dev, (int)devices, tokens, txt, elem, &est, &n);
+    if (st != MDT_OK) {
+        mdt_model_info_free(info);
+        return cli_fail_exit(st);
+    }
+    printf("plan: %s, %lld tokens (%lld text), %lld x %s (%.0f GiB, node of %d), %.0f-byte "
+           "elements; one forward per step\n",
+           mdt_model_info_family(info), tokens, txt, devices, dev.name,
+           dev.mem_bytes / 1073741824.0, dev.node_size, elem);
+    print_device(&dev);
+    printf("%-16s %9s %9s %10s %10s %10s %10s %10s %9s %9s %9s\n", "tp x ring x uly", "weights",
+           "activ.", "lin GFLOP", "attn GFLOP", "tp MB", "ulysses MB", "ring MB", "compute s",
+           "comm s", "step s");
+    for (int i = 0; i < n; i++) {
+        const mdt_layout_estimate *e = &est[i];
+        char lay[32];
+        snprintf(lay, sizeof lay, "%d x %d x %d", e->tp, e->ring, e->ulysses);
+        if (!e->valid) {
+            printf("%-16s rejected: %s\n", lay, e->why);
+            continue;
+        }
+        printf("%-16s %8.2fG %8.2fG %10.1f %10.1f %10.1f %10.1f %10.1f %9.4f %9.4f %9.4f%s\n", lay,
+               e->weight_bytes / 1073741824.0, e->act_bytes / 1073741824.0, e->flops_linear * 1e-9,
+               e->flops_attn * 1e-9, e->bytes_tp * 1e-6, e->bytes_ulysses * 1e-6,
+               e->bytes_ring * 1e-6, e->t_compute, e->t_comm, e->t_step, i == 0 ? "  <- best" : "");
+    }
+    free(est);
+    mdt_model_info_free(info);
+    return 0;
+}
