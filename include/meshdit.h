@@ -395,6 +395,9 @@ enum { MDT_LINK_INTRA = 0, MDT_LINK_INTER = 1, MDT_LINK_COUNT = 2 };
 typedef struct mdt_link_cost {
     double latency; /* seconds per call */
     double bw;      /* bytes sent per rank per second */
+    double overlap; /* send/recv: the fraction of a transfer that hides behind compute started
+                       after it (the ring's next block; 0 where the transport only moves data
+                       inside MPI calls) */
 } mdt_link_cost;
 
 typedef struct mdt_device_spec {
@@ -419,12 +422,16 @@ mdt_status mdt_device_spec_load(const char *path, mdt_device_spec *out);
 /* Writes `dev` as a device file (atomically: a temporary file renamed over `path`). Local. */
 mdt_status mdt_device_spec_save(const mdt_device_spec *dev, const char *path);
 /* Measures this machine for the planner, collective over MPI_COMM_WORLD (launch it the way the
- * model will run, e.g. across the hosts): on every rank at once the kernels' sustained rates at
- * the shapes of `info`'s model for `tokens` tokens (linears, attention, element-wise), then each
- * collective between the ranks of one host and between hosts (latency and bandwidth fitted from
- * two message sizes). A link the launch does not have (one host, one rank per host) stays
- * unmeasured. Every rank returns the same spec and status. */
-mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_spec *out);
+ * model will run, e.g. across the hosts): on every rank at once the kernels' sustained f32 rates
+ * at the shapes of `info`'s model for `tokens` tokens (linears, attention, element-wise), then
+ * each collective between the ranks of one host and between hosts at the forward's message sizes
+ * (latency and bandwidth fitted from two sizes; for the ring's send/recv, how much of a transfer
+ * hides behind compute). A link the launch does not have (one host, one rank per host) stays
+ * unmeasured. Rates and link costs are the slowest rank's, memory the smallest host's share.
+ * Every rank returns the same spec and status, except when *end_job is set: this rank failed
+ * while its peers wait in a collective, and the caller must end the job (MPI_Abort). */
+mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_spec *out,
+                         int *end_job);
 
 typedef struct mdt_layout_estimate {
     int tp, ring, ulysses;

@@ -211,13 +211,58 @@ static mdt_status one_call(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_group g,
     }
 }
 
-/* Latency and bandwidth of `kind` over group g (the slowest rank's medians at two sizes). */
-static mdt_status measure_link(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_group g,
+/* The fraction of a ring transfer of n floats per member (t_comm seconds alone) that hides behind
+ * compute started after it, as the ring's next block hides behind the attention of this one:
+ * start, GEMMs for about t_comm, wait; against the GEMMs alone. This rank's view. */
+static mdt_status measure_overlap(mdt_mesh *mesh, mdt_group g, float *a, float *b, int64_t n,
+                                  double t_comm, double *overlap) {
+    enum { E = 128, OREPS = 5 };
+    float *x = malloc(sizeof(float) * 3 * E * E); // [3, E, E]: x, w, y
+    if (!x)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    fill_random(x, 3 * E * E, 8);
+    const mdt_counters before = *mdt_counters_get();
+    double t0 = mdt_now();
+    for (int i = 0; i < 8; i++)
+        mdt_k()->linear(x, E, x + E * E, NULL, NULL, x + 2 * E * E, E, E, E, E); // [E, E]
+    const double one = (mdt_now() - t0) / 8;
+    const int64_t k = one > 0 ? (int64_t)fmin(1e6, ceil(t_comm / one)) : 1;
+    double tc[OREPS], tb[OREPS];
+    mdt_status st = MDT_OK;
+    for (int r = 0; r < OREPS && st == MDT_OK; r++) {
+        t0 = mdt_now();
+        for (int64_t i = 0; i < k; i++)
+            mdt_k()->linear(x, E, x + E * E, NULL, NULL, x + 2 * E * E, E, E, E, E);
+        tc[r] = mdt_now() - t0;
+        if ((st = mdt_mesh_barrier(mesh, "calibration")) != MDT_OK)
+            break;
+        mdt_ring_req rq;
+        t0 = mdt_now();
+        if ((st = mdt_ring_start(mesh, g, a, b, n, &rq)) != MDT_OK)
+            break;
+        for (int64_t i = 0; i < k; i++)
+            mdt_k()->linear(x, E, x + E * E, NULL, NULL, x + 2 * E * E, E, E, E, E);
+        st = mdt_ring_wait(mesh, &rq);
+        tb[r] = mdt_now() - t0;
+    }
+    *mdt_counters_get() = before;
+    free(x);
+    if (st == MDT_OK) {
+        const double c = median(tc, OREPS), both = median(tb, OREPS);
+        *overlap = fmax(0.0, fmin(1.0, (c + t_comm - both) / fmin(c, t_comm)));
+    }
+    return st;
+}
+
+/* Latency and bandwidth of `kind` over group g (the slowest rank's medians at two sizes); for
+ * send/recv also how much of a transfer hides behind compute (the least any rank sees). */
+static mdt_status measure_link(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_group g, int64_t big,
                                mdt_link_cost *out) {
     static const mdt_coll_kind counted[] = {MDT_COLL_ALLREDUCE, MDT_COLL_ALLTOALL,
                                             MDT_COLL_SENDRECV, MDT_COLL_ALLGATHER};
     const int G = mdt_group_size(mesh, g);
-    const int64_t sizes[2] = {64, ((int64_t)1 << 19) / G}; /* floats per member block */
+    /* floats per member block: a small message, and the forward's own (`big` per call) */
+    const int64_t sizes[2] = {64, big / G > 65536 ? big / G : 65536};
     float *a = malloc(sizeof(float) * (size_t)(sizes[1] * G)),
           *b = malloc(sizeof(float) * (size_t)(sizes[1] * G));
     int64_t *cnt = malloc(sizeof(int64_t) * (size_t)(2 * G));
@@ -241,10 +286,17 @@ static mdt_status measure_link(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_grou
         if (st == MDT_OK)
             t[z] = median(ts, reps);
     }
+    double hide = 1.0;
+    if (st == MDT_OK && kind == MDT_COST_SENDRECV)
+        st = measure_overlap(mesh, g, a, b, sizes[1] * G, t[1], &hide);
     free(a), free(b), free(cnt);
     st = mdt_mesh_agree(mesh, st);
     if (st != MDT_OK)
         return st;
+    double least = 0;
+    if (MPI_Allreduce(&hide, &least, 1, MPI_DOUBLE, MPI_MIN, mesh->world) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "calibrate: MPI_Allreduce failed");
+    out->overlap = kind == MDT_COST_SENDRECV ? least : 0;
     double mx[2];
     if (MPI_Allreduce(t, mx, 2, MPI_DOUBLE, MPI_MAX, mesh->world) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "calibrate: MPI_Allreduce failed");
@@ -256,7 +308,8 @@ static mdt_status measure_link(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_grou
 
 /* The meshes that put one axis inside a host (innermost, degree n) or across hosts (outermost,
  * degree H), and what each measures there. */
-static mdt_status measure_links(int n, int H, mdt_device_spec *d, int *measured) {
+static mdt_status measure_links(int n, int H, const int64_t big[MDT_COST_KIND_COUNT],
+                                mdt_device_spec *d, int *measured, int *end_job) {
     static const struct {
         mdt_axis axis;
         mdt_group group;
@@ -284,15 +337,19 @@ static mdt_status measure_links(int n, int H, mdt_device_spec *d, int *measured)
             mdt_mesh_set_deadline(mesh, 120.0);
             int kind = 0;
             mdt_status st = mdt_mesh_agree(mesh, group_kind(mesh, k_probe[p].group, &kind));
-            int64_t v = kind; /* every rank must agree on what the group is */
+            /* every rank must see the same kind of group (all inside, or all across, hosts) */
+            int64_t v = kind, neg = -kind;
             if (st == MDT_OK)
                 st = mdt_mesh_min_i64(mesh, &v, "calibration");
-            if (st == MDT_OK && v != 0) {
+            if (st == MDT_OK)
+                st = mdt_mesh_min_i64(mesh, &neg, "calibration");
+            if (st == MDT_OK && v != 0 && v == -neg) {
                 const int link = v == 1 ? MDT_LINK_INTRA : MDT_LINK_INTER;
-                st = measure_link(mesh, k_probe[p].kind, k_probe[p].group,
+                st = measure_link(mesh, k_probe[p].kind, k_probe[p].group, big[k_probe[p].kind],
                                   &d->coll[link][k_probe[p].kind]);
                 *measured |= 1 << link;
             }
+            *end_job = st != MDT_OK && mdt_mesh_peers_stuck(mesh);
             mdt_mesh_free(mesh);
             MDT_TRY(st);
         }
@@ -317,8 +374,10 @@ static void cpu_name(char *buf, size_t cap) {
         fclose(fp);
 }
 
-mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_spec *out) {
+mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_spec *out,
+                         int *end_job) {
     memset(out, 0, sizeof *out);
+    *end_job = 0;
     if (tokens < 1 || tokens > ((int64_t)1 << 24))
         return MDT_FAIL(MDT_E_INVALID, "calibrate: tokens %lld outside [1, 2^24]",
                         (long long)tokens);
@@ -347,6 +406,7 @@ mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_
     }
     char host[64], cpu[96], date[32] = "";
     snprintf(host, sizeof host, "%s", mesh->host);
+    *end_job = st != MDT_OK && mdt_mesh_peers_stuck(mesh);
     mdt_mesh_free(mesh);
     MDT_TRY(st);
     mdt_device_spec d = {0};
@@ -354,7 +414,18 @@ mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_
     if (!(d.flops > 0))
         return MDT_FAIL(MDT_E_UNSUPPORTED, "calibrate: the model has no linear to time");
     int measured = 0;
-    MDT_TRY(measure_links(n, world / n, &d, &measured));
+    /* the large message of each collective is the forward's at this size (a CP rank's rows, one
+     * rank per head group): a TP all-reduce of [rows, hidden], a Ulysses all-to-all of q, k or v
+     * [rows, heads x head_dim], a ring step's K and V, the output gather; at most 64 MiB */
+    const mdt_model *mm = info->m;
+    const int64_t heads = cfg_or(mm, "num_attention_heads", 1),
+                  hd = cfg_or(mm, "attention_head_dim", 64);
+    const int64_t rows = (tokens + world - 1) / world, A = heads * hd;
+    const int64_t C = cfg_or(mm, "hidden_size", A);
+    int64_t big[MDT_COST_KIND_COUNT] = {rows * C, rows * A, 2 * rows * A, rows * C};
+    for (int k = 0; k < MDT_COST_KIND_COUNT; k++)
+        big[k] = big[k] < ((int64_t)1 << 24) ? big[k] : ((int64_t)1 << 24);
+    MDT_TRY(measure_links(n, world / n, big, &d, &measured, end_job));
     const mdt_device *dflt = mdt_device_preset("cpu");
     for (int l = 0; l < MDT_LINK_COUNT; l++) { /* flat figures: the link's all-to-all */
         const mdt_link_cost *a = &d.coll[l][MDT_COST_ALLTOALL], *b = &d.coll[!l][MDT_COST_ALLTOALL];
@@ -367,7 +438,13 @@ mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_
     d.latency = lat->bw > 0 ? lat->latency : dflt->latency;
     char what[64];
     const int64_t avail = mdt_mem_available("", what, sizeof what);
-    d.mem_bytes = avail > 0 ? (double)avail / n : dflt->mem_bytes;
+    int64_t share = avail > 0 ? avail / n : (int64_t)dflt->mem_bytes; /* the smallest host's */
+    MDT_TRY(mdt_mesh_create_world(1, world, 1, NULL, &mesh));
+    st = mdt_mesh_min_i64(mesh, &share, "calibration");
+    *end_job = st != MDT_OK && mdt_mesh_peers_stuck(mesh);
+    mdt_mesh_free(mesh);
+    MDT_TRY(st);
+    d.mem_bytes = (double)share;
     d.node_size = n;
     d.calibrated = 1;
     cpu_name(cpu, sizeof cpu);

@@ -5,9 +5,10 @@
  *    "flops": {"linear", "attention", "other"}, "memory_bytes", "devices_per_node",
  *    "bandwidth": {"intra", "inter"}, "latency_s",
  *    "collectives": {"intra"|"inter": {"allreduce"|"alltoall"|"sendrecv"|"allgather":
- *                                      {"latency_s", "bytes_per_s"}}}}
- * Rates in FLOP/s and bytes sent per rank per second. Anything missing, non-finite or out of
- * range is refused with the file and the field named.
+ *        {"latency_s", "bytes_per_s", "overlap"}}}}
+ * Rates in FLOP/s and bytes sent per rank per second; overlap (optional, default 1) in [0, 1].
+ * A key the format does not have is refused (a misspelt one would silently fall back). Anything
+ * missing, non-finite or out of range is refused with the file and the field named.
  */
 #include "core/core.h"
 #include "core/outfile.h"
@@ -41,10 +42,32 @@ static mdt_status num(const char *path, const cJSON *obj, const char *where, con
     return MDT_OK;
 }
 
+/* Every key of obj is one of `keys` (NULL-terminated). */
+static mdt_status only_keys(const char *path, const cJSON *obj, const char *where,
+                            const char *const *keys) {
+    for (const cJSON *it = obj ? obj->child : NULL; it; it = it->next) {
+        int known = 0;
+        for (const char *const *k = keys; *k && !known; k++)
+            known = it->string && strcmp(it->string, *k) == 0;
+        if (!known)
+            return MDT_FAIL(MDT_E_FORMAT, "%s: device file: unknown key %s%s", path, where,
+                            it->string ? it->string : "?");
+    }
+    return MDT_OK;
+}
+
 static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
+    static const char *const k_top[] = {
+        "meshdit_device",   "name",      "calibrated", "source",      "flops", "memory_bytes",
+        "devices_per_node", "bandwidth", "latency_s",  "collectives", NULL};
+    static const char *const k_flops[] = {"linear", "attention", "other", NULL};
+    static const char *const k_bw[] = {"intra", "inter", NULL};
+    static const char *const k_kinds[] = {"allreduce", "alltoall", "sendrecv", "allgather", NULL};
+    static const char *const k_cost[] = {"latency_s", "bytes_per_s", "overlap", NULL};
     double v;
     if (!cJSON_IsObject(j))
         return MDT_FAIL(MDT_E_FORMAT, "%s: device file: not a JSON object", path);
+    MDT_TRY(only_keys(path, j, "", k_top));
     MDT_TRY(num(path, j, "", "meshdit_device", 0, 0, 1, 1, &v));
     const cJSON *name = cJSON_GetObjectItemCaseSensitive(j, "name");
     if (!cJSON_IsString(name) || !name->valuestring[0] ||
@@ -63,6 +86,7 @@ static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
     const cJSON *fl = cJSON_GetObjectItemCaseSensitive(j, "flops");
     if (!cJSON_IsObject(fl))
         return MDT_FAIL(MDT_E_FORMAT, "%s: device file: flops must be an object", path);
+    MDT_TRY(only_keys(path, fl, "flops.", k_flops));
     MDT_TRY(num(path, fl, "flops.", "linear", 0, 0, 1e3, 1e18, &d->flops));
     MDT_TRY(num(path, fl, "flops.", "attention", 1, 0, 0, 1e18, &d->flops_attn));
     MDT_TRY(num(path, fl, "flops.", "other", 1, 0, 0, 1e18, &d->flops_other));
@@ -74,17 +98,22 @@ static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
     const cJSON *bw = cJSON_GetObjectItemCaseSensitive(j, "bandwidth");
     if (!cJSON_IsObject(bw))
         return MDT_FAIL(MDT_E_FORMAT, "%s: device file: bandwidth must be an object", path);
+    MDT_TRY(only_keys(path, bw, "bandwidth.", k_bw));
     MDT_TRY(num(path, bw, "bandwidth.", "intra", 0, 0, 1e3, 1e15, &d->bw_intra));
     MDT_TRY(num(path, bw, "bandwidth.", "inter", 0, 0, 1e3, 1e15, &d->bw_inter));
     MDT_TRY(num(path, j, "", "latency_s", 0, 0, 0, 10, &d->latency));
     const cJSON *co = cJSON_GetObjectItemCaseSensitive(j, "collectives");
     if (co && !cJSON_IsObject(co))
         return MDT_FAIL(MDT_E_FORMAT, "%s: device file: collectives must be an object", path);
+    MDT_TRY(only_keys(path, co, "collectives.", k_bw));
     for (int l = 0; co && l < MDT_LINK_COUNT; l++) {
         const cJSON *lo = cJSON_GetObjectItemCaseSensitive(co, k_link[l]);
         if (lo && !cJSON_IsObject(lo))
             return MDT_FAIL(MDT_E_FORMAT, "%s: device file: collectives.%s must be an object", path,
                             k_link[l]);
+        char lwhere[32];
+        snprintf(lwhere, sizeof lwhere, "collectives.%s.", k_link[l]);
+        MDT_TRY(only_keys(path, lo, lwhere, k_kinds));
         for (int k = 0; lo && k < MDT_COST_KIND_COUNT; k++) {
             const cJSON *c = cJSON_GetObjectItemCaseSensitive(lo, k_kind[k]);
             char where[64];
@@ -93,8 +122,10 @@ static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
                 continue;
             if (!cJSON_IsObject(c))
                 return MDT_FAIL(MDT_E_FORMAT, "%s: device file: %s must be an object", path, where);
+            MDT_TRY(only_keys(path, c, where, k_cost));
             MDT_TRY(num(path, c, where, "latency_s", 0, 0, 0, 10, &d->coll[l][k].latency));
             MDT_TRY(num(path, c, where, "bytes_per_s", 0, 0, 1e3, 1e15, &d->coll[l][k].bw));
+            MDT_TRY(num(path, c, where, "overlap", 1, 1.0, 0, 1, &d->coll[l][k].overlap));
         }
     }
     return MDT_OK;
@@ -150,6 +181,8 @@ mdt_status mdt_device_spec_save(const mdt_device_spec *d, const char *path) {
             cJSON *c = cJSON_AddObjectToObject(lo, k_kind[k]);
             cJSON_AddNumberToObject(c, "latency_s", d->coll[l][k].latency);
             cJSON_AddNumberToObject(c, "bytes_per_s", d->coll[l][k].bw);
+            if (k == MDT_COST_SENDRECV)
+                cJSON_AddNumberToObject(c, "overlap", d->coll[l][k].overlap);
         }
     }
     char *text = cJSON_Print(j);

@@ -20,10 +20,14 @@ static void print_device(const mdt_device_spec *d) {
     for (int l = 0; l < MDT_LINK_COUNT; l++)
         for (int k = 0; k < MDT_COST_KIND_COUNT; k++) {
             const mdt_link_cost *c = &d->coll[l][k];
-            if (c->bw > 0)
-                printf("  %s %-10s latency %8.1f us, %9.2f MB/s sent per rank\n",
+            if (c->bw > 0) {
+                printf("  %s %-10s latency %8.1f us, %9.2f MB/s sent per rank",
                        l == MDT_LINK_INTRA ? "inside a host:" : "across hosts: ", k_kinds[k],
                        c->latency * 1e6, c->bw * 1e-6);
+                if (k == MDT_COST_SENDRECV)
+                    printf(", %.0f%% hidden behind compute", 100 * c->overlap);
+                printf("\n");
+            }
         }
 }
 
@@ -37,7 +41,13 @@ static int calibrate(mdt_model_info *info, const char *path, long long tokens) {
         mdt_model_info_free(info);
         return cli_rank == 0 ? cli_fail_exit(st) : 1;
     }
-    st = mdt_calibrate(info, tokens, &dev);
+    int end_job = 0;
+    st = mdt_calibrate(info, tokens, &dev, &end_job);
+    if (end_job) { /* this rank failed while its peers wait in a collective: end the job */
+        fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
+        mdt_model_info_free(info);
+        cli_abort_job(1);
+    }
     if (st == MDT_OK && cli_rank == 0)
         st = mdt_device_spec_save(&dev, path);
     /* rank 0's write decides for every rank */
@@ -87,10 +97,20 @@ int cmd_plan(int argc, char **argv) {
     if (mem_gib > 0)
         dev.mem_bytes = mem_gib * 1073741824.0;
     mdt_model_info *info = NULL;
-    if ((st = mdt_model_info_open(ck, ck ? NULL : cfgp, 0, &info)) != MDT_OK)
-        return cli_fail_exit(st);
-    if (cal)
+    st = mdt_model_info_open(ck, ck ? NULL : cfgp, 0, &info);
+    if (cal) { /* every rank opened the model itself: the lowest failing rank says why */
+        int first_bad = st != MDT_OK ? cli_rank : cli_world;
+        MPI_Allreduce(MPI_IN_PLACE, &first_bad, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+        if (first_bad < cli_world) {
+            if (first_bad == cli_rank)
+                fprintf(stderr, "meshdit: error: rank %d: %s\n", cli_rank, mdt_last_error());
+            mdt_model_info_free(info);
+            return 1;
+        }
         return calibrate(info, cal, tokens);
+    }
+    if (st != MDT_OK)
+        return cli_fail_exit(st);
     mdt_layout_estimate *est = NULL;
     int n = 0;
     st = mdt_plan_layouts(info, &dev, (int)devices, tokens, txt, elem, &est, &n);

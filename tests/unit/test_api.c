@@ -204,6 +204,19 @@ static void test_device_file(void) {
                        "tp %d ring %d: comm %.6f then %.6f", e1[i].tp, e1[i].ring, e1[i].t_comm,
                        e2[j].t_comm);
     free(e1), free(e2);
+    /* the ring's transfer hides behind attention only as far as the measured overlap says */
+    double ring_comm[2] = {0, 0};
+    for (int o = 0; o < 2; o++) {
+        back.coll[MDT_LINK_INTER][MDT_COST_SENDRECV].overlap = o;
+        back.coll[MDT_LINK_INTER][MDT_COST_SENDRECV].bw = 1e7;
+        EXPECT_OK(mdt_plan_layouts(v, &back, 2, 4096, 0, 4, &e1, &n1));
+        for (int i = 0; e1 && i < n1; i++)
+            if (e1[i].ring == 2)
+                ring_comm[o] = e1[i].t_comm;
+        free(e1);
+    }
+    EXPECT(ring_comm[0] > ring_comm[1] && ring_comm[1] > 0, "ring comm: overlap 0 %.6f, 1 %.6f",
+           ring_comm[0], ring_comm[1]);
     mdt_model_info_free(v);
     static const struct {
         const char *text, *field;
@@ -224,6 +237,17 @@ static void test_device_file(void) {
          "\"memory_bytes\": 1e9, \"devices_per_node\": 2, \"bandwidth\": {\"intra\": 1e9}}",
          "bandwidth.inter"},
         {"{\"meshdit_device\": 1, \"name\": \"x\"", "not JSON"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\", \"flops\": {\"linear\": 1e999}}",
+         "flops.linear"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\", \"colectives\": {}}", "unknown key colectives"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\", \"flops\": {\"linear\": 1e9}, "
+         "\"memory_bytes\": 1e9, \"devices_per_node\": 2, \"bandwidth\": {\"intra\": 1e9, "
+         "\"inter\": 1e9}, \"latency_s\": 0, \"collectives\": {\"inter\": {\"all_reduce\": "
+         "{}}}}",
+         "unknown key collectives.inter.all_reduce"},
+        {"{\"meshdit_device\": 1, \"name\": "
+         "\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}",
+         "name must be"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         FILE *fp = fopen(path, "w");
@@ -232,7 +256,7 @@ static void test_device_file(void) {
             fclose(fp);
         }
         memset(&back, 0x5a, sizeof back);
-        EXPECT_ERR(mdt_device_spec_load(path, &back), MDT_E_FORMAT, bad[i].field);
+        EXPECT_ERR(mdt_device_spec_load(path, &back), MDT_E_FORMAT, path, bad[i].field);
     }
     EXPECT_ERR(mdt_device_spec_load("/nonexistent/dev.json", &back), MDT_E_NOTFOUND,
                "/nonexistent/dev.json");
