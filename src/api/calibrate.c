@@ -136,9 +136,11 @@ static mdt_status measure_compute(const mdt_model *m, int64_t S, int world, doub
     const int64_t heads = cfg_or(m, "num_attention_heads", 1),
                   hd = cfg_or(m, "attention_head_dim", 64);
     const int64_t C = cfg_or(m, "hidden_size", heads * hd);
-    const int64_t M = (S + world - 1) / world; /* a CP rank's rows */
-    /* attention: at most 4 heads and 1024 queries (the rate, not the whole sum, is wanted) */
-    const int64_t H = heads < 4 ? heads : 4, Sq = M < 1024 ? M : 1024;
+    /* a CP rank's rows, at most 4096: the rate, not the whole sum, is wanted, and a long
+     * sequence must not make the probe hold what the run spreads over many ranks */
+    const int64_t rows = (S + world - 1) / world, M = rows < 4096 ? rows : 4096;
+    /* attention: at most 4 heads, 1024 queries and 16384 keys */
+    const int64_t H = heads < 4 ? heads : 4, Sq = M < 1024 ? M : 1024, Sk = S < 16384 ? S : 16384;
     mdt_counters *c = mdt_counters_get();
     const mdt_counters before = *c;
     double pass[3][PASSES];
@@ -148,7 +150,7 @@ static mdt_status measure_compute(const mdt_model *m, int64_t S, int world, doub
         const mdt_counters at = *c;
         st = run_linears(m, M);
         if (st == MDT_OK)
-            st = run_attention(H, Sq, S, hd);
+            st = run_attention(H, Sq, Sk, hd);
         if (st == MDT_OK)
             st = run_elementwise(M, C, 4 * C);
         for (int k = 0; k < 3; k++) {
