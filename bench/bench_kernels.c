@@ -12,16 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *t, int n) {
-    qsort(t, (size_t)n, sizeof *t, cmp);
-    return t[n / 2];
-}
-
 static void bench_attention(int64_t H, int64_t S, int64_t D, int reps) {
     float *q = malloc(sizeof(float) * (size_t)(H * S * D)),
           *k = malloc(sizeof(float) * (size_t)(H * S * D));
@@ -40,7 +30,7 @@ static void bench_attention(int64_t H, int64_t S, int64_t D, int reps) {
         if (i >= 0)
             t[i] = mdt_now() - t0;
     }
-    double med = median(t, reps), flops = 4.0 * (double)H * (double)S * (double)S * (double)D;
+    double med = mdt_median(t, reps), flops = 4.0 * (double)H * (double)S * (double)S * (double)D;
     printf("attention H=%lld S=%lld D=%lld: median %.4f s, %.1f GFLOP/s\n", (long long)H,
            (long long)S, (long long)D, med, flops / med * 1e-9);
     free(q), free(k), free(v), free(o), free(ws);
@@ -71,7 +61,7 @@ static void bench_loader(const char *dir, int reps) {
         if (it >= 0)
             t[it] = mdt_now() - t0;
     }
-    double med = median(t, reps);
+    double med = mdt_median(t, reps);
     printf(
         "loader %s: %.1f MB stored, median %.3f s, %.2f GB/s (page cache, read + convert to f32)\n",
         dir, (double)bytes * 1e-6, med, (double)bytes / med * 1e-9);

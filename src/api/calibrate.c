@@ -25,28 +25,11 @@
 
 enum { REPS = 2, PASSES = 5 };
 
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *t, int n) {
-    qsort(t, (size_t)n, sizeof *t, cmp_double);
-    return t[n / 2];
-}
-
 static void fill_random(float *x, int64_t n, uint64_t seed) {
     mdt_rng r;
     mdt_rng_seed(&r, seed);
     for (int64_t i = 0; i < n; i++)
         x[i] = (float)(mdt_rng_uniform(&r) - 0.5);
-}
-
-static int64_t cfg_or(const mdt_model *m, const char *key, int64_t def) {
-    int64_t v = def;
-    if (mdt_cfg_int(m->config, key, 0, def, &v) != MDT_OK)
-        v = def;
-    return v;
 }
 
 /* ---- compute ---- */
@@ -133,9 +116,9 @@ static mdt_status run_elementwise(int64_t M, int64_t C, int64_t F) {
 
 /* Sustained rates of this rank's kernels: FLOP/s of linear, attention, other. */
 static mdt_status measure_compute(const mdt_model *m, int64_t S, int world, double rate[3]) {
-    const int64_t heads = cfg_or(m, "num_attention_heads", 1),
-                  hd = cfg_or(m, "attention_head_dim", 64);
-    const int64_t C = cfg_or(m, "hidden_size", heads * hd);
+    const int64_t heads = mdt_model_cfg_or(m, "num_attention_heads", 1),
+                  hd = mdt_model_cfg_or(m, "attention_head_dim", 64);
+    const int64_t C = mdt_model_cfg_or(m, "hidden_size", heads * hd);
     /* a CP rank's rows, at most 4096: the rate, not the whole sum, is wanted, and a long
      * sequence must not make the probe hold what the run spreads over many ranks */
     const int64_t rows = (S + world - 1) / world, M = rows < 4096 ? rows : 4096;
@@ -159,7 +142,7 @@ static mdt_status measure_compute(const mdt_model *m, int64_t S, int world, doub
         }
     }
     for (int k = 0; k < 3 && st == MDT_OK; k++)
-        rate[k] = median(pass[k], PASSES);
+        rate[k] = mdt_median(pass[k], PASSES);
     /* the calibration's kernels are not the run's: leave the counters as they were */
     *c = before;
     return st;
@@ -250,7 +233,7 @@ static mdt_status measure_overlap(mdt_mesh *mesh, mdt_group g, float *a, float *
     *mdt_counters_get() = before;
     free(x);
     if (st == MDT_OK) {
-        const double c = median(tc, OREPS), both = median(tb, OREPS);
+        const double c = mdt_median(tc, OREPS), both = mdt_median(tb, OREPS);
         *overlap = fmax(0.0, fmin(1.0, (c + t_comm - both) / fmin(c, t_comm)));
     }
     return st;
@@ -286,7 +269,7 @@ static mdt_status measure_link(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_grou
             bytes[z] = (double)(mesh->bytes_sent[counted[kind]] - b0);
         }
         if (st == MDT_OK)
-            t[z] = median(ts, reps);
+            t[z] = mdt_median(ts, reps);
     }
     double hide = 1.0;
     if (st == MDT_OK && kind == MDT_COST_SENDRECV)
@@ -396,6 +379,13 @@ mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_
         st = MDT_FAIL(MDT_E_INVALID,
                       "calibrate: hosts run %lld to %lld ranks; launch the same number on each",
                       (long long)nmin, (long long)-nmax);
+    /* memory per device: the smallest host's available memory over its ranks */
+    const mdt_device *dflt = mdt_device_preset("cpu");
+    char what[64];
+    const int64_t avail = mdt_mem_available("", what, sizeof what);
+    int64_t share = avail > 0 ? avail / n : (int64_t)dflt->mem_bytes;
+    if (st == MDT_OK)
+        st = mdt_mesh_min_i64(mesh, &share, "calibration");
     double rate[3] = {0, 0, 0}, slow[3] = {0, 0, 0};
     if (st == MDT_OK && (st = mdt_mesh_barrier(mesh, "calibration")) == MDT_OK)
         st = measure_compute(info->m, tokens, world, rate);
@@ -420,15 +410,14 @@ mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_
      * rank per head group): a TP all-reduce of [rows, hidden], a Ulysses all-to-all of q, k or v
      * [rows, heads x head_dim], a ring step's K and V, the output gather; at most 64 MiB */
     const mdt_model *mm = info->m;
-    const int64_t heads = cfg_or(mm, "num_attention_heads", 1),
-                  hd = cfg_or(mm, "attention_head_dim", 64);
+    const int64_t heads = mdt_model_cfg_or(mm, "num_attention_heads", 1),
+                  hd = mdt_model_cfg_or(mm, "attention_head_dim", 64);
     const int64_t rows = (tokens + world - 1) / world, A = heads * hd;
-    const int64_t C = cfg_or(mm, "hidden_size", A);
+    const int64_t C = mdt_model_cfg_or(mm, "hidden_size", A);
     int64_t big[MDT_COST_KIND_COUNT] = {rows * C, rows * A, 2 * rows * A, rows * C};
     for (int k = 0; k < MDT_COST_KIND_COUNT; k++)
         big[k] = big[k] < ((int64_t)1 << 24) ? big[k] : ((int64_t)1 << 24);
     MDT_TRY(measure_links(n, world / n, big, &d, &measured, end_job));
-    const mdt_device *dflt = mdt_device_preset("cpu");
     for (int l = 0; l < MDT_LINK_COUNT; l++) { /* flat figures: the link's all-to-all */
         const mdt_link_cost *a = &d.coll[l][MDT_COST_ALLTOALL], *b = &d.coll[!l][MDT_COST_ALLTOALL];
         const double bw = a->bw > 0 ? a->bw : b->bw > 0 ? b->bw : dflt->bw_intra;
@@ -438,14 +427,6 @@ mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_
                                    ? &d.coll[MDT_LINK_INTER][MDT_COST_ALLTOALL]
                                    : &d.coll[MDT_LINK_INTRA][MDT_COST_ALLTOALL];
     d.latency = lat->bw > 0 ? lat->latency : dflt->latency;
-    char what[64];
-    const int64_t avail = mdt_mem_available("", what, sizeof what);
-    int64_t share = avail > 0 ? avail / n : (int64_t)dflt->mem_bytes; /* the smallest host's */
-    MDT_TRY(mdt_mesh_create_world(1, world, 1, NULL, &mesh));
-    st = mdt_mesh_min_i64(mesh, &share, "calibration");
-    *end_job = st != MDT_OK && mdt_mesh_peers_stuck(mesh);
-    mdt_mesh_free(mesh);
-    MDT_TRY(st);
     d.mem_bytes = (double)share;
     d.node_size = n;
     d.calibrated = 1;

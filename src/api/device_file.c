@@ -19,9 +19,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *const k_kind[MDT_COST_KIND_COUNT] = {"allreduce", "alltoall", "sendrecv",
-                                                        "allgather"};
-static const char *const k_link[MDT_LINK_COUNT] = {"intra", "inter"};
+/* indexed by mdt_coll_cost_kind and by link; NULL-terminated for only_keys */
+static const char *const k_kind[MDT_COST_KIND_COUNT + 1] = {"allreduce", "alltoall", "sendrecv",
+                                                            "allgather", NULL};
+static const char *const k_link[MDT_LINK_COUNT + 1] = {"intra", "inter", NULL};
 
 /* The number at obj.key into *v, within [lo, hi]; absent: *v = def when optional, else an
  * error naming path, where and key. */
@@ -56,13 +57,26 @@ static mdt_status only_keys(const char *path, const cJSON *obj, const char *wher
     return MDT_OK;
 }
 
+/* obj.key into *out when it is an object with only `keys`; absent: NULL if optional, else an
+ * error. `where` names obj's path ("collectives."). */
+static mdt_status sub_object(const char *path, const cJSON *obj, const char *where, const char *key,
+                             int optional, const char *const *keys, const cJSON **out) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
+    *out = it;
+    if (!it && optional)
+        return MDT_OK;
+    if (!cJSON_IsObject(it))
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: %s%s must be an object", path, where, key);
+    char inner[64];
+    snprintf(inner, sizeof inner, "%s%s.", where, key);
+    return only_keys(path, it, inner, keys);
+}
+
 static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
     static const char *const k_top[] = {
         "meshdit_device",   "name",      "calibrated", "source",      "flops", "memory_bytes",
         "devices_per_node", "bandwidth", "latency_s",  "collectives", NULL};
     static const char *const k_flops[] = {"linear", "attention", "other", NULL};
-    static const char *const k_bw[] = {"intra", "inter", NULL};
-    static const char *const k_kinds[] = {"allreduce", "alltoall", "sendrecv", "allgather", NULL};
     static const char *const k_cost[] = {"latency_s", "bytes_per_s", "overlap", NULL};
     double v;
     if (!cJSON_IsObject(j))
@@ -83,10 +97,8 @@ static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
     if (cal && !cJSON_IsBool(cal))
         return MDT_FAIL(MDT_E_FORMAT, "%s: device file: calibrated must be true or false", path);
     d->calibrated = cJSON_IsTrue(cal);
-    const cJSON *fl = cJSON_GetObjectItemCaseSensitive(j, "flops");
-    if (!cJSON_IsObject(fl))
-        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: flops must be an object", path);
-    MDT_TRY(only_keys(path, fl, "flops.", k_flops));
+    const cJSON *fl, *bw, *co;
+    MDT_TRY(sub_object(path, j, "", "flops", 0, k_flops, &fl));
     MDT_TRY(num(path, fl, "flops.", "linear", 0, 0, 1e3, 1e18, &d->flops));
     MDT_TRY(num(path, fl, "flops.", "attention", 1, 0, 0, 1e18, &d->flops_attn));
     MDT_TRY(num(path, fl, "flops.", "other", 1, 0, 0, 1e18, &d->flops_other));
@@ -95,34 +107,23 @@ static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
     if (v != floor(v))
         return MDT_FAIL(MDT_E_FORMAT, "%s: device file: devices_per_node must be an integer", path);
     d->node_size = (int)v;
-    const cJSON *bw = cJSON_GetObjectItemCaseSensitive(j, "bandwidth");
-    if (!cJSON_IsObject(bw))
-        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: bandwidth must be an object", path);
-    MDT_TRY(only_keys(path, bw, "bandwidth.", k_bw));
+    MDT_TRY(sub_object(path, j, "", "bandwidth", 0, k_link, &bw));
     MDT_TRY(num(path, bw, "bandwidth.", "intra", 0, 0, 1e3, 1e15, &d->bw_intra));
     MDT_TRY(num(path, bw, "bandwidth.", "inter", 0, 0, 1e3, 1e15, &d->bw_inter));
     MDT_TRY(num(path, j, "", "latency_s", 0, 0, 0, 10, &d->latency));
-    const cJSON *co = cJSON_GetObjectItemCaseSensitive(j, "collectives");
-    if (co && !cJSON_IsObject(co))
-        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: collectives must be an object", path);
-    MDT_TRY(only_keys(path, co, "collectives.", k_bw));
+    MDT_TRY(sub_object(path, j, "", "collectives", 1, k_link, &co));
     for (int l = 0; co && l < MDT_LINK_COUNT; l++) {
-        const cJSON *lo = cJSON_GetObjectItemCaseSensitive(co, k_link[l]);
-        if (lo && !cJSON_IsObject(lo))
-            return MDT_FAIL(MDT_E_FORMAT, "%s: device file: collectives.%s must be an object", path,
-                            k_link[l]);
+        const cJSON *lo;
+        MDT_TRY(sub_object(path, co, "collectives.", k_link[l], 1, k_kind, &lo));
         char lwhere[32];
         snprintf(lwhere, sizeof lwhere, "collectives.%s.", k_link[l]);
-        MDT_TRY(only_keys(path, lo, lwhere, k_kinds));
         for (int k = 0; lo && k < MDT_COST_KIND_COUNT; k++) {
-            const cJSON *c = cJSON_GetObjectItemCaseSensitive(lo, k_kind[k]);
+            const cJSON *c;
             char where[64];
-            snprintf(where, sizeof where, "collectives.%s.%s.", k_link[l], k_kind[k]);
+            snprintf(where, sizeof where, "%s%s.", lwhere, k_kind[k]);
+            MDT_TRY(sub_object(path, lo, lwhere, k_kind[k], 1, k_cost, &c));
             if (!c)
                 continue;
-            if (!cJSON_IsObject(c))
-                return MDT_FAIL(MDT_E_FORMAT, "%s: device file: %s must be an object", path, where);
-            MDT_TRY(only_keys(path, c, where, k_cost));
             MDT_TRY(num(path, c, where, "latency_s", 0, 0, 0, 10, &d->coll[l][k].latency));
             MDT_TRY(num(path, c, where, "bytes_per_s", 0, 0, 1e3, 1e15, &d->coll[l][k].bw));
             MDT_TRY(num(path, c, where, "overlap", 1, 1.0, 0, 1, &d->coll[l][k].overlap));

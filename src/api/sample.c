@@ -18,16 +18,6 @@ mdt_sample_params mdt_sample_params_default(void) {
     return (mdt_sample_params){.steps = 0, .repeat = 1, .step_timeout = 0.0};
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 static long max_rss_kib(void) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
@@ -233,7 +223,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     }
     s->steps = nsteps, s->sampled = steps > 0;
-    s->step_median_s = median(times, nsteps);
+    s->step_median_s = mdt_median(times, nsteps);
     free(times);
     if ((st = gather_stats(m, &per, coll, group, s)) != MDT_OK) {
         mdt_run_stats_free(s);

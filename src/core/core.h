@@ -110,6 +110,8 @@ void mdt_arena_release(mdt_arena *a);
 
 /* ---- timers ---- */
 double mdt_now(void); /* monotonic seconds */
+/* Median of v[0:n] (n >= 1; the mean of the middle two for even n); sorts v in place. */
+double mdt_median(double *v, int n);
 
 /* ---- hot loops outside the CPU kernels ---- */
 /* Compiles a function for the x86-64 baseline and for AVX2 (x86-64-v3), the one the CPU runs

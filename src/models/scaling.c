@@ -136,7 +136,7 @@ static int is_query_proj(const char *name) {
            ends_with(name, "attn.to_qkv_mlp_proj.weight");
 }
 
-static int64_t cfg_or(const mdt_model *m, const char *key, int64_t def) {
+int64_t mdt_model_cfg_or(const mdt_model *m, const char *key, int64_t def) {
     int64_t v = def;
     if (mdt_cfg_int(m->config, key, 0, def, &v) != MDT_OK)
         v = def;
@@ -164,10 +164,10 @@ void mdt_estimate_layout(const mdt_model *m, int T, int R, int U, int64_t S, int
         mdt_error_clear();
         return;
     }
-    const int64_t heads = cfg_or(m, "num_attention_heads", 1),
-                  hd = cfg_or(m, "attention_head_dim", 1);
+    const int64_t heads = mdt_model_cfg_or(m, "num_attention_heads", 1),
+                  hd = mdt_model_cfg_or(m, "attention_head_dim", 1);
     const double A = (double)(heads * hd);
-    const double D = (double)cfg_or(m, "hidden_size", heads * hd);
+    const double D = (double)mdt_model_cfg_or(m, "hidden_size", heads * hd);
     const double P = (double)R * U, s = (double)S / P; /* local rows */
     /* a model with cross-attention keeps its text (encoder) rows whole on every rank; a joint
      * model's text rows are part of the S it splits */
@@ -255,11 +255,11 @@ void mdt_estimate_layout(const mdt_model *m, int T, int R, int U, int64_t S, int
 /* ---- memory of one rank of `meshdit run` ---- */
 
 double mdt_act_bytes(const mdt_model *m, int T, int R, int U, int64_t batch, int64_t S, double b) {
-    const int64_t heads = cfg_or(m, "num_attention_heads", 1),
-                  hd = cfg_or(m, "attention_head_dim", 1);
+    const int64_t heads = mdt_model_cfg_or(m, "num_attention_heads", 1),
+                  hd = mdt_model_cfg_or(m, "attention_head_dim", 1);
     const double A = (double)(heads * hd);
-    const double D = (double)cfg_or(m, "hidden_size", heads * hd);
-    const double F = (double)cfg_or(m, "ffn_dim", 4 * heads * hd);
+    const double D = (double)mdt_model_cfg_or(m, "hidden_size", heads * hd);
+    const double F = (double)mdt_model_cfg_or(m, "ffn_dim", 4 * heads * hd);
     const int64_t P = (int64_t)R * U, rows = (S + P - 1) / P; /* the largest CP chunk */
     const double per_row = 10.0 * D + (4.0 * A + 1.5 * F) / T + (U > 1 ? 14.0 * A / T : 0.0) +
                            (R > 1 ? 14.0 * A / T : 0.0);

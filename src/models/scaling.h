@@ -19,6 +19,9 @@
 typedef mdt_device_spec mdt_device;
 
 /* "cpu" (this development machine, measured), "h100", "h200", "trn2" (one NeuronCore). */
+
+/* The config's integer `key` (num_attention_heads, hidden_size, ...), or def when absent. */
+int64_t mdt_model_cfg_or(const mdt_model *m, const char *key, int64_t def);
 const mdt_device *mdt_device_preset(const char *name);
 
 typedef struct mdt_estimate {
