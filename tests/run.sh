@@ -85,6 +85,7 @@ for dt in f32 bf16; do
 done
 run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_failures" tests/data
 run timeout 300 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_staging"
+run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_ring"
 # negative controls: each switch reproduces an upstream bug; the tests must notice it
 negative() { # name env -- n T R U order
     local name=$1 envv=$2; shift 3

@@ -12,6 +12,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "api/info.h"
+#include "attn/attn.h"
 #include "backend/backend.h"
 #include "comm/mesh.h"
 #include "core/core.h"
@@ -198,7 +199,8 @@ static mdt_status one_call(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_group g,
 
 /* The fraction of a ring transfer of n floats per member (t_comm seconds alone) that hides behind
  * compute started after it, as the ring's next block hides behind the attention of this one:
- * start, GEMMs for about t_comm, wait; against the GEMMs alone. This rank's view. */
+ * start, GEMMs for about t_comm with the transfer moved along as often as the ring's attention
+ * moves it, wait; against the GEMMs alone. This rank's view. */
 static mdt_status measure_overlap(mdt_mesh *mesh, mdt_group g, float *a, float *b, int64_t n,
                                   double t_comm, double *overlap) {
     enum { E = 128, OREPS = 5 };
@@ -212,6 +214,7 @@ static mdt_status measure_overlap(mdt_mesh *mesh, mdt_group g, float *a, float *
         mdt_k()->linear(x, E, x + E * E, NULL, NULL, x + 2 * E * E, E, E, E, E); // [E, E]
     const double one = (mdt_now() - t0) / 8;
     const int64_t k = one > 0 ? (int64_t)fmin(1e6, ceil(t_comm / one)) : 1;
+    const int64_t poll = MDT_RING_POLL_FLOPS / (2 * E * E * E) + 1; /* GEMMs between moves */
     double tc[OREPS], tb[OREPS];
     mdt_status st = MDT_OK;
     for (int r = 0; r < OREPS && st == MDT_OK; r++) {
@@ -225,8 +228,12 @@ static mdt_status measure_overlap(mdt_mesh *mesh, mdt_group g, float *a, float *
         t0 = mdt_now();
         if ((st = mdt_ring_start(mesh, g, a, b, n, &rq)) != MDT_OK)
             break;
-        for (int64_t i = 0; i < k; i++)
+        int pending = 1; /* moved along as the ring's attention moves it (attn.h) */
+        for (int64_t i = 0; i < k; i++) {
             mdt_k()->linear(x, E, x + E * E, NULL, NULL, x + 2 * E * E, E, E, E, E);
+            if (pending && (i + 1) % poll == 0)
+                pending = !mdt_ring_progress(mesh, &rq);
+        }
         st = mdt_ring_wait(mesh, &rq);
         tb[r] = mdt_now() - t0;
     }

@@ -22,6 +22,35 @@ void mdt_attn_head_group(int64_t H, int U, int j, int64_t *h0, int64_t *hn) {
     mdt_split_range(H, U, j, h0, hn);
 }
 
+/* One ring step's attention of Q [hn, L, D] over the block K|V [hn, Lmax, D] (kv valid rows) into
+ * O [L, ldO] and its log-sum-exp [hn, L]. With the next block in flight (rq) on host memory, the
+ * work is cut into pieces of about MDT_RING_POLL_FLOPS (one head, a run of query rows; each row's
+ * result does not depend on the cut) and the transfer is moved along between pieces: the CPU
+ * transports move data only inside MPI calls. On a device the kernel runs whole (its launches are
+ * asynchronous; cutting them would only shrink them). */
+static mdt_status step_attention(mdt_mesh *mesh, mdt_ring_req *rq, mdt_arena *ar, const float *Q,
+                                 const float *K, const float *V, float *O, int64_t ldO, float *lse,
+                                 int64_t hn, int64_t L, int64_t Lmax, int64_t kv, int64_t D,
+                                 float scale) {
+    const mdt_mem_source *dev = mdt_mem_device();
+    if (!rq || (dev && dev->is_device(Q)) || mdt_ring_progress(mesh, rq))
+        return mdt_k_attention(ar, Q, K, V, O, ldO, lse, hn, L, Lmax, kv, D, scale);
+    const int64_t per_row = 4 * (kv > 0 ? kv : 1) * D;             /* FLOPs of one query row */
+    int64_t rows = (MDT_RING_POLL_FLOPS / per_row + 63) / 64 * 64; /* whole query tiles */
+    rows = rows < 64 ? 64 : rows;
+    int pending = 1;
+    for (int64_t h = 0; h < hn; h++)
+        for (int64_t i0 = 0; i0 < L; i0 += rows) {
+            const int64_t n = L - i0 < rows ? L - i0 : rows;
+            MDT_TRY(mdt_k_attention(ar, Q + (h * L + i0) * D, K + h * Lmax * D, V + h * Lmax * D,
+                                    O + i0 * ldO + h * D, ldO, lse + h * L + i0, 1, n, Lmax, kv, D,
+                                    scale)); // [n, D] of head h <- Q [n, D] . K|V [kv, D]
+            if (pending)
+                pending = !mdt_ring_progress(mesh, rq);
+        }
+    return MDT_OK;
+}
+
 /* Attention of Q [hn, L, D] over the blocks of every ring member (ring group), O [L, ldO]. */
 static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, const float *K,
                                  const float *V, int64_t hn, int64_t L, int64_t D, float scale,
@@ -48,22 +77,22 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
     mdt_counters *cn = mdt_counters_get();
     for (int s = 0; s < R; s++) {
         const int src = (r - s + R) % R;
-        mdt_ring_req rq;
-        if (s < R - 1) /* the next block travels while this one is computed */
-            MDT_TRY(mdt_ring_start(mesh, MDT_GROUP_RING, cur, nxt, 2 * blk, &rq));
+        mdt_ring_req rq = {.n = 0}, *next = s < R - 1 ? &rq : NULL;
+        if (next) /* the next block travels while this one is computed */
+            MDT_TRY(mdt_ring_start(mesh, MDT_GROUP_RING, cur, nxt, 2 * blk, next));
         double t0 = mdt_now();
         if (s == 0) {
-            MDT_TRY(mdt_k_attention(ar, Q, cur, cur + blk, O, ldO, lse, hn, L, Lmax, lens[src], D,
-                                    scale));
+            MDT_TRY(step_attention(mesh, next, ar, Q, cur, cur + blk, O, ldO, lse, hn, L, Lmax,
+                                   lens[src], D, scale)); // O [L, hn D]
         } else {
-            MDT_TRY(mdt_k_attention(ar, Q, cur, cur + blk, to, hn * D, tl, hn, L, Lmax, lens[src],
-                                    D, scale));
+            MDT_TRY(step_attention(mesh, next, ar, Q, cur, cur + blk, to, hn * D, tl, hn, L, Lmax,
+                                   lens[src], D, scale)); // to [L, hn D]
             mdt_k()->lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
         }
         double t1 = mdt_now();
         cn->ring_compute_s += t1 - t0;
-        if (s < R - 1) {
-            MDT_TRY(mdt_ring_wait(mesh, &rq));
+        if (next) {
+            MDT_TRY(mdt_ring_wait(mesh, next));
             cn->ring_wait_s += mdt_now() - t1;
             float *t = cur;
             cur = nxt, nxt = t;

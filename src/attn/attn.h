@@ -27,6 +27,10 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
                          const float *v, int64_t H, int64_t S_local, int64_t D, float scale,
                          float *out, int64_t ld_out);
 
+/* Work (FLOPs) between two moves of a ring step's transfer while attention runs on the host:
+ * ~1-2 ms of a CPU core, so a transfer across a 1 Gbit/s link never idles for long. */
+#define MDT_RING_POLL_FLOPS ((int64_t)1 << 25)
+
 /* Heads of Ulysses member j when H local heads are split over U: [*h0, *h0 + *hn). */
 void mdt_attn_head_group(int64_t H, int U, int j, int64_t *h0, int64_t *hn);
 

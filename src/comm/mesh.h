@@ -157,6 +157,13 @@ typedef struct mdt_ring_req {
 mdt_status mdt_ring_start(mdt_mesh *m, mdt_group g, const float *send, float *recv, int64_t n,
                           mdt_ring_req *rq);
 mdt_status mdt_ring_wait(mdt_mesh *m, mdt_ring_req *rq);
+/* Moves a started ring step along (one MPI_Testall): transports that move data only inside MPI
+ * calls (Open MPI's TCP, MPICH's shared memory) otherwise leave the block where it is until
+ * mdt_ring_wait, so compute between start and wait hides none of the transfer. Call it between
+ * pieces of that compute. 1: the step is complete on this rank (or moves on the device
+ * communicator, which progresses itself); 0: still under way, or a failure, which
+ * mdt_ring_wait then reports. mdt_ring_wait is still required. */
+int mdt_ring_progress(mdt_mesh *m, mdt_ring_req *rq);
 
 /* ---- the step watchdog (watchdog.c) ---- */
 /* Arms (seconds > 0) or disarms (0) the stall bound for every later collective wait. */
