@@ -117,9 +117,8 @@ static mdt_status run_elementwise(int64_t M, int64_t C, int64_t F) {
 
 /* Sustained rates of this rank's kernels: FLOP/s of linear, attention, other. */
 static mdt_status measure_compute(const mdt_model *m, int64_t S, int world, double rate[3]) {
-    const int64_t heads = mdt_model_cfg_or(m, "num_attention_heads", 1),
-                  hd = mdt_model_cfg_or(m, "attention_head_dim", 64);
-    const int64_t C = mdt_model_cfg_or(m, "hidden_size", heads * hd);
+    const mdt_model_dims md = mdt_model_dims_of(m);
+    const int64_t heads = md.heads, hd = md.head_dim, C = md.hidden;
     /* a CP rank's rows, at most 4096: the rate, not the whole sum, is wanted, and a long
      * sequence must not make the probe hold what the run spreads over many ranks */
     const int64_t rows = (S + world - 1) / world, M = rows < 4096 ? rows : 4096;
@@ -228,7 +227,7 @@ static mdt_status measure_overlap(mdt_mesh *mesh, mdt_group g, float *a, float *
         t0 = mdt_now();
         if ((st = mdt_ring_start(mesh, g, a, b, n, &rq)) != MDT_OK)
             break;
-        int pending = 1; /* moved along as the ring's attention moves it (attn.h) */
+        int pending = !mdt_ring_progress(mesh, &rq); /* as the ring's attention moves it */
         for (int64_t i = 0; i < k; i++) {
             mdt_k()->linear(x, E, x + E * E, NULL, NULL, x + 2 * E * E, E, E, E, E);
             if (pending && (i + 1) % poll == 0)
@@ -417,10 +416,8 @@ mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_
      * rank per head group): a TP all-reduce of [rows, hidden], a Ulysses all-to-all of q, k or v
      * [rows, heads x head_dim], a ring step's K and V, the output gather; at most 64 MiB */
     const mdt_model *mm = info->m;
-    const int64_t heads = mdt_model_cfg_or(mm, "num_attention_heads", 1),
-                  hd = mdt_model_cfg_or(mm, "attention_head_dim", 64);
-    const int64_t rows = (tokens + world - 1) / world, A = heads * hd;
-    const int64_t C = mdt_model_cfg_or(mm, "hidden_size", A);
+    const mdt_model_dims md = mdt_model_dims_of(mm);
+    const int64_t rows = (tokens + world - 1) / world, A = md.heads * md.head_dim, C = md.hidden;
     int64_t big[MDT_COST_KIND_COUNT] = {rows * C, rows * A, 2 * rows * A, rows * C};
     for (int k = 0; k < MDT_COST_KIND_COUNT; k++)
         big[k] = big[k] < ((int64_t)1 << 24) ? big[k] : ((int64_t)1 << 24);

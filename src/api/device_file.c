@@ -43,7 +43,8 @@ static mdt_status num(const char *path, const cJSON *obj, const char *where, con
     return MDT_OK;
 }
 
-/* Every key of obj is one of `keys` (NULL-terminated). */
+/* Every key of obj is one of `keys` (NULL-terminated), and none comes twice (the lookup would
+ * take the first and ignore the second: a silent choice). */
 static mdt_status only_keys(const char *path, const cJSON *obj, const char *where,
                             const char *const *keys) {
     for (const cJSON *it = obj ? obj->child : NULL; it; it = it->next) {
@@ -53,8 +54,20 @@ static mdt_status only_keys(const char *path, const cJSON *obj, const char *wher
         if (!known)
             return MDT_FAIL(MDT_E_FORMAT, "%s: device file: unknown key %s%s", path, where,
                             it->string ? it->string : "?");
+        for (const cJSON *e = obj->child; e != it; e = e->next)
+            if (strcmp(e->string, it->string) == 0)
+                return MDT_FAIL(MDT_E_FORMAT, "%s: device file: key %s%s given twice", path, where,
+                                it->string);
     }
     return MDT_OK;
+}
+
+/* A string the plan prints: no control characters (a file must not write to the terminal). */
+static int printable(const char *t) {
+    for (; *t; t++)
+        if ((unsigned char)*t < 0x20 || *t == 0x7f)
+            return 0;
+    return 1;
 }
 
 /* obj.key into *out when it is an object with only `keys`; absent: NULL if optional, else an
@@ -85,13 +98,17 @@ static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
     MDT_TRY(num(path, j, "", "meshdit_device", 0, 0, 1, 1, &v));
     const cJSON *name = cJSON_GetObjectItemCaseSensitive(j, "name");
     if (!cJSON_IsString(name) || !name->valuestring[0] ||
-        strlen(name->valuestring) >= sizeof d->name)
-        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: name must be a string of 1 to %zu bytes",
-                        path, sizeof d->name - 1);
+        strlen(name->valuestring) >= sizeof d->name || !printable(name->valuestring))
+        return MDT_FAIL(MDT_E_FORMAT,
+                        "%s: device file: name must be a string of 1 to %zu printable bytes", path,
+                        sizeof d->name - 1);
     snprintf(d->name, sizeof d->name, "%s", name->valuestring);
     const cJSON *src = cJSON_GetObjectItemCaseSensitive(j, "source");
-    if (src && !cJSON_IsString(src))
-        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: source must be a string", path);
+    if (src && (!cJSON_IsString(src) || strlen(src->valuestring) >= sizeof d->source ||
+                !printable(src->valuestring)))
+        return MDT_FAIL(MDT_E_FORMAT,
+                        "%s: device file: source must be a string of at most %zu printable bytes",
+                        path, sizeof d->source - 1);
     snprintf(d->source, sizeof d->source, "%s", src ? src->valuestring : path);
     const cJSON *cal = cJSON_GetObjectItemCaseSensitive(j, "calibrated");
     if (cal && !cJSON_IsBool(cal))
@@ -139,14 +156,24 @@ mdt_status mdt_device_spec_load(const char *path, mdt_device_spec *out) {
         return MDT_FAIL(MDT_E_NOTFOUND, "%s: cannot open the device file", path);
     char buf[65536];
     const size_t n = fread(buf, 1, sizeof buf - 1, fp);
-    const int more = fgetc(fp) != EOF;
+    const int more = fgetc(fp) != EOF, bad = ferror(fp);
     fclose(fp);
+    if (bad)
+        return MDT_FAIL(MDT_E_IO, "%s: cannot read the device file (a directory?)", path);
     if (more)
         return MDT_FAIL(MDT_E_FORMAT, "%s: device file over %zu bytes", path, sizeof buf - 1);
     buf[n] = 0;
-    cJSON *j = cJSON_ParseWithLength(buf, n);
+    const char *end = NULL;
+    cJSON *j = cJSON_ParseWithLengthOpts(buf, n, &end, 0);
     if (!j)
         return MDT_FAIL(MDT_E_FORMAT, "%s: device file is not JSON", path);
+    while (end && end < buf + n && (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
+        end++;
+    if (end != buf + n) { /* a second object or trailing bytes: which one was meant? */
+        cJSON_Delete(j);
+        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: text after the JSON object (byte %zu)",
+                        path, (size_t)(end ? end - buf : 0));
+    }
     mdt_device_spec d = {0};
     const mdt_status st = parse(path, j, &d);
     cJSON_Delete(j);

@@ -29,6 +29,11 @@ mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *d
                             int64_t tokens, int64_t txt_tokens, double elem_bytes,
                             mdt_layout_estimate **out, int *n) {
     *out = NULL, *n = 0;
+    if (txt_tokens > tokens && !mdt_model_cross_attention(info->m))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "%lld text tokens exceed the %lld-token sequence: the model's text is part "
+                        "of its joint sequence (tokens count text and image rows)",
+                        (long long)txt_tokens, (long long)tokens);
     mdt_estimate *est = calloc(4096, sizeof *est); /* at most one per (T, R) pair */
     int k = 0;
     if (!est)

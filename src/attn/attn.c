@@ -16,6 +16,7 @@
 #include "parallel/plan.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 void mdt_attn_head_group(int64_t H, int U, int j, int64_t *h0, int64_t *hn) {
@@ -35,9 +36,13 @@ static mdt_status step_attention(mdt_mesh *mesh, mdt_ring_req *rq, mdt_arena *ar
     const mdt_mem_source *dev = mdt_mem_device();
     if (!rq || (dev && dev->is_device(Q)) || mdt_ring_progress(mesh, rq))
         return mdt_k_attention(ar, Q, K, V, O, ldO, lse, hn, L, Lmax, kv, D, scale);
-    const int64_t per_row = 4 * (kv > 0 ? kv : 1) * D;             /* FLOPs of one query row */
-    int64_t rows = (MDT_RING_POLL_FLOPS / per_row + 63) / 64 * 64; /* whole query tiles */
-    rows = rows < 64 ? 64 : rows;
+    /* whole query tiles; with bf16 operands the kernel rounds a head's K and V once per call and
+     * takes 256-row tiles, so a piece is at least 256 rows (that rounding is then at most one
+     * value per 512 FLOPs) */
+    const int64_t per_row = 4 * (kv > 0 ? kv : 1) * D; /* FLOPs of one query row */
+    const int64_t least = mdt_backend_bf16() ? 256 : 64;
+    int64_t rows = (MDT_RING_POLL_FLOPS / per_row + least - 1) / least * least;
+    rows = rows < least ? least : rows;
     int pending = 1;
     for (int64_t h = 0; h < hn; h++)
         for (int64_t i0 = 0; i0 < L; i0 += rows) {
@@ -81,16 +86,26 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
         if (next) /* the next block travels while this one is computed */
             MDT_TRY(mdt_ring_start(mesh, MDT_GROUP_RING, cur, nxt, 2 * blk, next));
         double t0 = mdt_now();
+        mdt_status st;
         if (s == 0) {
-            MDT_TRY(step_attention(mesh, next, ar, Q, cur, cur + blk, O, ldO, lse, hn, L, Lmax,
-                                   lens[src], D, scale)); // O [L, hn D]
+            st = step_attention(mesh, next, ar, Q, cur, cur + blk, O, ldO, lse, hn, L, Lmax,
+                                lens[src], D, scale); // O [L, hn D]
         } else {
-            MDT_TRY(step_attention(mesh, next, ar, Q, cur, cur + blk, to, hn * D, tl, hn, L, Lmax,
-                                   lens[src], D, scale)); // to [L, hn D]
-            mdt_k()->lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
+            st = step_attention(mesh, next, ar, Q, cur, cur + blk, to, hn * D, tl, hn, L, Lmax,
+                                lens[src], D, scale); // to [L, hn D]
+            if (st == MDT_OK)
+                mdt_k()->lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
         }
         double t1 = mdt_now();
         cn->ring_compute_s += t1 - t0;
+        if (st != MDT_OK) { /* the block in flight lands in arena memory the caller is about to
+                             * reuse: it is received first (every member started this step) */
+            char why[256];
+            snprintf(why, sizeof why, "%s", mdt_last_error());
+            if (next)
+                (void)mdt_ring_wait(mesh, next);
+            return MDT_FAIL(st, "%s", why);
+        }
         if (next) {
             MDT_TRY(mdt_ring_wait(mesh, next));
             cn->ring_wait_s += mdt_now() - t1;

@@ -28,7 +28,9 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
                          float *out, int64_t ld_out);
 
 /* Work (FLOPs) between two moves of a ring step's transfer while attention runs on the host:
- * ~1-2 ms of a CPU core, so a transfer across a 1 Gbit/s link never idles for long. */
+ * ~1-2 ms of a CPU core, so a transfer across a 1 Gbit/s link never idles for long. A piece is
+ * at least one query tile of one head (64 rows; 256 with bf16 operands), so against long key
+ * blocks (4 x 64 x kv x D FLOPs above this) the pieces are longer. */
 #define MDT_RING_POLL_FLOPS ((int64_t)1 << 25)
 
 /* Heads of Ulysses member j when H local heads are split over U: [*h0, *h0 + *hn). */

@@ -14,9 +14,12 @@ static const char *const k_kinds[MDT_COST_KIND_COUNT] = {"all-reduce", "all-to-a
 static void print_device(const mdt_device_spec *d) {
     printf("device %s (%s): %s\n", d->name, d->calibrated ? "calibrated" : "uncalibrated",
            d->source);
-    printf("  rates: linear %.2f GFLOP/s, attention %.2f GFLOP/s, element-wise %.2f GFLOP/s\n",
-           d->flops * 1e-9, (d->flops_attn > 0 ? d->flops_attn : d->flops) * 1e-9,
-           d->flops_other * 1e-9);
+    printf("  rates: linear %.2f GFLOP/s, attention %.2f GFLOP/s, ", d->flops * 1e-9,
+           (d->flops_attn > 0 ? d->flops_attn : d->flops) * 1e-9);
+    if (d->flops_other > 0)
+        printf("element-wise %.2f GFLOP/s\n", d->flops_other * 1e-9);
+    else
+        printf("element-wise not counted\n");
     for (int l = 0; l < MDT_LINK_COUNT; l++)
         for (int k = 0; k < MDT_COST_KIND_COUNT; k++) {
             const mdt_link_cost *c = &d->coll[l][k];
@@ -67,8 +70,8 @@ static int calibrate(mdt_model_info *info, const char *path, long long tokens) {
 
 int cmd_plan(int argc, char **argv) {
     cli_opts o;
-    long long devices, tokens, txt;
-    double mem_gib, elem;
+    long long devices, tokens, txt, elem;
+    double mem_gib;
     int rc = cli_parse_opts(argc, argv, &o, NULL);
     if (rc)
         return rc;
@@ -80,8 +83,19 @@ int cmd_plan(int argc, char **argv) {
         (rc = cli_opt_int(&o, "tokens", 4096, 1, 1 << 24, &tokens)) ||
         (rc = cli_opt_int(&o, "txt-tokens", 0, 0, 1 << 24, &txt)) ||
         (rc = cli_opt_double(&o, "device-mem", 0, &mem_gib)) ||
-        (rc = cli_opt_double(&o, "bytes", 2, &elem)) || (rc = cli_opts_check_unused(&o)))
+        (rc = cli_opt_int(&o, "bytes", 2, 1, 8, &elem)))
         return rc;
+    const char *const planning[] = {"devices", "txt-tokens", "device-mem", "bytes"};
+    for (size_t i = 0; cal && i < sizeof planning / sizeof *planning; i++)
+        if (cli_opt_str(&o, planning[i], NULL))
+            return cli_usage_exit("--%s plans; --calibrate only measures (plan with "
+                                  "--device-file FILE after it)",
+                                  planning[i]);
+    if ((rc = cli_opts_check_unused(&o)))
+        return rc;
+    if (cli_opt_str(&o, "device-mem", NULL) && !(mem_gib > 0 && mem_gib <= 1e6))
+        return cli_usage_exit("--device-mem must be a size in GiB in (0, 1e6], not '%s'",
+                              cli_opt_str(&o, "device-mem", NULL));
     if (!!ck == !!cfgp)
         return cli_usage_exit("plan needs exactly one of --checkpoint DIR or --config FILE%s", "");
     if (!!devname + !!devfile + !!cal > 1)
@@ -113,16 +127,29 @@ int cmd_plan(int argc, char **argv) {
         return cli_fail_exit(st);
     mdt_layout_estimate *est = NULL;
     int n = 0;
-    st = mdt_plan_layouts(info, &dev, (int)devices, tokens, txt, elem, &est, &n);
+    st = mdt_plan_layouts(info, &dev, (int)devices, tokens, txt, (double)elem, &est, &n);
     if (st != MDT_OK) {
         mdt_model_info_free(info);
         return cli_fail_exit(st);
     }
-    printf("plan: %s, %lld tokens (%lld text), %lld x %s (%.0f GiB, node of %d), %.0f-byte "
+    if (cli_rank != 0) { /* under mpiexec: one table, not one per rank */
+        free(est);
+        mdt_model_info_free(info);
+        return 0;
+    }
+    printf("plan: %s, %lld tokens (%lld text), %lld x %s (%.0f GiB, node of %d), %lld-byte "
            "elements; one forward per step\n",
            mdt_model_info_family(info), tokens, txt, devices, dev.name,
            dev.mem_bytes / 1073741824.0, dev.node_size, elem);
     print_device(&dev);
+    int inter = 0;
+    for (int k = 0; k < MDT_COST_KIND_COUNT; k++)
+        inter |= dev.coll[MDT_LINK_INTER][k].bw > 0;
+    if (dev.calibrated && !inter && devices > dev.node_size)
+        printf("note: no link across hosts was measured (the calibration ran on one host): "
+               "layouts whose axes span more than %d devices are costed with the figures inside "
+               "a host; calibrate across hosts for them\n",
+               dev.node_size);
     printf("%-16s %9s %9s %10s %10s %10s %10s %10s %9s %9s %9s\n", "tp x ring x uly", "weights",
            "activ.", "lin GFLOP", "attn GFLOP", "tp MB", "ulysses MB", "ring MB", "compute s",
            "comm s", "step s");

@@ -59,6 +59,14 @@ mdt_status mdt_cfg_check_dims(const char *family, const int64_t *dims, size_t n)
 /* Parameters of `meshdit inputs`; a family reads the fields it understands. */
 typedef mdt_random_inputs mdt_inputs_params; /* (meshdit.h) */
 
+/* The sizes the layout estimator and the calibration work from, as the family configured them
+ * (its own defaults for the keys a config.json leaves out, its own MLP ratio). */
+typedef struct mdt_model_dims {
+    int64_t heads, head_dim; /* attention heads and the width of one */
+    int64_t hidden;          /* the residual stream's width */
+    int64_t ffn;             /* the MLP's hidden width */
+} mdt_model_dims;
+
 typedef struct mdt_family {
     const char *name;       /* "flux" */
     const char *class_name; /* diffusers _class_name */
@@ -82,6 +90,7 @@ typedef struct mdt_family {
      * splits, as for Flux and MiniMax-H3; Wan's latent is [B, C, F, H, W]). */
     int64_t (*token_rows)(const void *impl, const mdt_tensor_set *in);
     const char *output; /* forward output (Flux: sample) */
+    void (*dims)(const void *impl, mdt_model_dims *d);
 } mdt_family;
 
 /* A family's descriptor, from its hooks PREFIX_configure, PREFIX_check_layout, PREFIX_forward and
@@ -93,7 +102,8 @@ typedef struct mdt_family {
         .name = NAME, .class_name = CLASS, .impl_size = sizeof(PREFIX),                            \
         .configure = PREFIX##_configure, .check_layout = PREFIX##_check_layout,                    \
         .forward = PREFIX##_forward, .make_inputs = PREFIX##_make_inputs, .cp_plan = &PLAN,        \
-        .latent_input = "hidden_states", .timestep_input = "timestep", .output = OUTPUT            \
+        .latent_input = "hidden_states", .timestep_input = "timestep", .output = OUTPUT,           \
+        .dims = PREFIX##_dims                                                                      \
     }
 
 /* A built-in config.json (configs/presets/FAMILY.NAME.json, embedded at build time). */

@@ -96,6 +96,12 @@ static mdt_status flux_table(flux *f, mdt_wtable *t) {
                                  1);
 }
 
+static void flux_dims(const void *impl, mdt_model_dims *d) {
+    const flux *f = impl;
+    *d = (mdt_model_dims){
+        .heads = f->heads, .head_dim = f->head_dim, .hidden = f->inner, .ffn = f->mlp_hidden};
+}
+
 static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     flux *f = impl;
     int64_t ax[FLUX_MAX_AXES] = {0};

@@ -123,6 +123,12 @@ static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
                                  0);
 }
 
+static void flux2_dims(const void *impl, mdt_model_dims *d) {
+    const flux2 *f = impl;
+    *d = (mdt_model_dims){
+        .heads = f->heads, .head_dim = f->head_dim, .hidden = f->inner, .ffn = f->mlp_hidden};
+}
+
 static mdt_status flux2_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     flux2 *f = impl;
     int64_t ax[F2_MAX_AXES] = {0};

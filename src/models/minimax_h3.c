@@ -65,6 +65,12 @@ static mdt_status add_block(const h3 *f, mdt_wtable *t, h3_block *b, const char 
                  : MDT_OK;
 }
 
+static void h3_dims(const void *impl, mdt_model_dims *d) {
+    const h3 *f = impl;
+    *d = (mdt_model_dims){
+        .heads = f->heads, .head_dim = f->head_dim, .hidden = f->hidden, .ffn = f->ffn};
+}
+
 static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     h3 *f = impl;
     int np = 3;

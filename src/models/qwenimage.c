@@ -91,6 +91,12 @@ static mdt_status qwen_table(qwen *f, mdt_wtable *t) {
                                  1);
 }
 
+static void qwen_dims(const void *impl, mdt_model_dims *d) {
+    const qwen *f = impl;
+    *d = (mdt_model_dims){
+        .heads = f->heads, .head_dim = f->head_dim, .hidden = f->inner, .ffn = f->mlp_hidden};
+}
+
 static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     qwen *f = impl;
     static const char *const variants[] = {"zero_cond_t", "use_additional_t_cond",

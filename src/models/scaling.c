@@ -136,11 +136,17 @@ static int is_query_proj(const char *name) {
            ends_with(name, "attn.to_qkv_mlp_proj.weight");
 }
 
-int64_t mdt_model_cfg_or(const mdt_model *m, const char *key, int64_t def) {
-    int64_t v = def;
-    if (mdt_cfg_int(m->config, key, 0, def, &v) != MDT_OK)
-        v = def;
-    return v;
+int mdt_model_cross_attention(const mdt_model *m) {
+    for (int i = 0; i < m->table.n; i++)
+        if (ends_with(m->table.specs[i].name, "attn2.to_q.weight"))
+            return 1;
+    return 0;
+}
+
+mdt_model_dims mdt_model_dims_of(const mdt_model *m) {
+    mdt_model_dims d = {1, 1, 1, 1};
+    m->fam->dims(m->impl, &d);
+    return d;
 }
 
 /* Seconds of `calls` collectives of `kind` sending `bytes` per rank over the inter-node link or
@@ -164,16 +170,12 @@ void mdt_estimate_layout(const mdt_model *m, int T, int R, int U, int64_t S, int
         mdt_error_clear();
         return;
     }
-    const int64_t heads = mdt_model_cfg_or(m, "num_attention_heads", 1),
-                  hd = mdt_model_cfg_or(m, "attention_head_dim", 1);
-    const double A = (double)(heads * hd);
-    const double D = (double)mdt_model_cfg_or(m, "hidden_size", heads * hd);
+    const mdt_model_dims md = mdt_model_dims_of(m);
+    const double A = (double)(md.heads * md.head_dim), D = (double)md.hidden;
     const double P = (double)R * U, s = (double)S / P; /* local rows */
     /* a model with cross-attention keeps its text (encoder) rows whole on every rank; a joint
      * model's text rows are part of the S it splits */
-    int cross = 0;
-    for (int i = 0; i < m->table.n; i++)
-        cross |= ends_with(m->table.specs[i].name, "attn2.to_q.weight");
+    const int cross = mdt_model_cross_attention(m);
     const double Lt = L < 0 ? 0 : (double)(L > S && !cross ? S : L);
     const double txt = cross ? Lt : Lt / P;
     double weights = 0, n_rowwise = 0, rows_ar = 0, elementwise = 0;
@@ -255,11 +257,8 @@ void mdt_estimate_layout(const mdt_model *m, int T, int R, int U, int64_t S, int
 /* ---- memory of one rank of `meshdit run` ---- */
 
 double mdt_act_bytes(const mdt_model *m, int T, int R, int U, int64_t batch, int64_t S, double b) {
-    const int64_t heads = mdt_model_cfg_or(m, "num_attention_heads", 1),
-                  hd = mdt_model_cfg_or(m, "attention_head_dim", 1);
-    const double A = (double)(heads * hd);
-    const double D = (double)mdt_model_cfg_or(m, "hidden_size", heads * hd);
-    const double F = (double)mdt_model_cfg_or(m, "ffn_dim", 4 * heads * hd);
+    const mdt_model_dims md = mdt_model_dims_of(m);
+    const double A = (double)(md.heads * md.head_dim), D = (double)md.hidden, F = (double)md.ffn;
     const int64_t P = (int64_t)R * U, rows = (S + P - 1) / P; /* the largest CP chunk */
     const double per_row = 10.0 * D + (4.0 * A + 1.5 * F) / T + (U > 1 ? 14.0 * A / T : 0.0) +
                            (R > 1 ? 14.0 * A / T : 0.0);

@@ -20,8 +20,11 @@ typedef mdt_device_spec mdt_device;
 
 /* "cpu" (this development machine, measured), "h100", "h200", "trn2" (one NeuronCore). */
 
-/* The config's integer `key` (num_attention_heads, hidden_size, ...), or def when absent. */
-int64_t mdt_model_cfg_or(const mdt_model *m, const char *key, int64_t def);
+/* The model's heads, head width, hidden and MLP widths as its family configured them. */
+mdt_model_dims mdt_model_dims_of(const mdt_model *m);
+/* 1: the model's text reaches it through cross-attention (Wan), its own rows beside the
+ * sequence; 0: the text rows are part of the joint sequence (Flux, Qwen-Image, ...). */
+int mdt_model_cross_attention(const mdt_model *m);
 const mdt_device *mdt_device_preset(const char *name);
 
 typedef struct mdt_estimate {

@@ -134,6 +134,12 @@ static mdt_status wan_table(wan *f, mdt_wtable *t) {
     return mdt_wtable_set_stored_shape(t, t->n - 1, 3, (int64_t[]){1, 2, C});
 }
 
+static void wan_dims(const void *impl, mdt_model_dims *d) {
+    const wan *f = impl;
+    *d =
+        (mdt_model_dims){.heads = f->heads, .head_dim = f->head_dim, .hidden = f->C, .ffn = f->ffn};
+}
+
 static mdt_status wan_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     wan *f = impl;
     int np = 3, cross = 1;
@@ -542,4 +548,5 @@ const mdt_family mdt_family_wan = {
     .output = "sample",
     .timestep_scale = 1000.0,
     .token_rows = wan_token_rows,
+    .dims = wan_dims,
 };

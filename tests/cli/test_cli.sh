@@ -176,6 +176,24 @@ if "$BIN" plan --config configs/minimax_h3.json --devices 32 --device trn2 --tok
    grep -q "rejected: needs .* GiB per device" "$T/plan" &&
    [ "$(grep -c '^[0-9]* x [0-9]* x [0-9]* ' "$T/plan")" = 21 ]; then ok
 else bad "plan: $(head -5 "$T/plan")"; fi
+# a config that leaves sizes out plans as the model it loads: the family's defaults, not 1s
+echo '{"_class_name": "FluxTransformer2DModel"}' >"$T/flux_min.json"
+echo '{"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": 64,
+  "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+  "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768}' \
+    >"$T/flux_full.json"
+if "$BIN" plan --config "$T/flux_min.json" --devices 8 --tokens 4352 --txt-tokens 256 \
+        >"$T/plan_min" && "$BIN" plan --config "$T/flux_full.json" --devices 8 --tokens 4352 \
+        --txt-tokens 256 >"$T/plan_full" && cmp -s "$T/plan_min" "$T/plan_full" &&
+   grep -q "1658.2" "$T/plan_min"; then ok
+else bad "plan of a config with defaults left out: $(diff "$T/plan_min" "$T/plan_full" | head -5)"; fi
+expect_error plan-bytes 2 "--bytes" -- "$BIN" plan --config "$T/flux_min.json" --bytes -2
+expect_error plan-device-mem 2 "--device-mem" -- "$BIN" plan --config "$T/flux_min.json" \
+    --device-mem -5
+expect_error plan-txt 1 "99999 text tokens exceed the 10-token sequence" -- "$BIN" plan \
+    --config "$T/flux_min.json" --tokens 10 --txt-tokens 99999
+expect_error calibrate-plans 2 "--devices plans" -- "$BIN" plan --checkpoint "$DATA/flux_tiny" \
+    --calibrate "$T/never.json" --devices 64
 # calibration: two ranks of this host measure the kernels and each collective inside the host;
 # the device file it writes is what plan --device-file predicts with (the cluster test measures
 # the link between hosts)

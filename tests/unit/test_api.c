@@ -248,6 +248,12 @@ static void test_device_file(void) {
         {"{\"meshdit_device\": 1, \"name\": "
          "\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}",
          "name must be"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\", \"name\": \"y\"}", "key name given twice"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\", \"flops\": {\"linear\": 1e9, \"linear\": 2e9}}",
+         "key flops.linear given twice"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\"} {\"meshdit_device\": 9}",
+         "text after the JSON object"},
+        {"{\"meshdit_device\": 1, \"name\": \"a\\u001b[2Jb\"}", "printable"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         FILE *fp = fopen(path, "w");
@@ -260,6 +266,7 @@ static void test_device_file(void) {
     }
     EXPECT_ERR(mdt_device_spec_load("/nonexistent/dev.json", &back), MDT_E_NOTFOUND,
                "/nonexistent/dev.json");
+    EXPECT_ERR(mdt_device_spec_load("/tmp", &back), MDT_E_IO, "/tmp", "cannot read");
     remove(path);
     check_estimate("flux_tiny", 16 + 48, 48);
     check_estimate("flux2_tiny", 16 + 48, 48);
