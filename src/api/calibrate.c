@@ -196,6 +196,17 @@ static mdt_status one_call(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_group g,
     }
 }
 
+/* Lines every rank up for a timed call, within microseconds: after mdt_mesh_barrier (which
+ * waits with the watchdog and sees failures) every rank is alive and here, so a blocking barrier
+ * cannot hang. The watchdog's barrier alone lets ranks leave up to a nap apart, and two TCP flows
+ * that cross a shaped link started ~0.1-1 ms apart often settle at half its rate (docs/perf.md),
+ * which the forward's ring steps do not: the probe would measure the start, not the link. */
+static mdt_status tight_start(mdt_mesh *mesh) {
+    return MPI_Barrier(mesh->world) == MPI_SUCCESS
+               ? MDT_OK
+               : MDT_FAIL(MDT_E_MPI, "calibrate: MPI_Barrier failed");
+}
+
 /* The fraction of a ring transfer of n floats per member (t_comm seconds alone) that hides behind
  * compute started after it, as the ring's next block hides behind the attention of this one:
  * start, GEMMs for about t_comm with the transfer moved along as often as the ring's attention
@@ -221,7 +232,7 @@ static mdt_status measure_overlap(mdt_mesh *mesh, mdt_group g, float *a, float *
         for (int64_t i = 0; i < k; i++)
             mdt_k()->linear(x, E, x + E * E, NULL, NULL, x + 2 * E * E, E, E, E, E);
         tc[r] = mdt_now() - t0;
-        if ((st = mdt_mesh_barrier(mesh, "calibration")) != MDT_OK)
+        if ((st = mdt_mesh_barrier(mesh, "calibration")) != MDT_OK || (st = tight_start(mesh)))
             break;
         mdt_ring_req rq;
         t0 = mdt_now();
@@ -267,6 +278,8 @@ static mdt_status measure_link(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_grou
         st = one_call(mesh, kind, g, a, b, sizes[z], cnt); /* warm-up */
         for (int r = 0; r < reps && st == MDT_OK; r++) {
             if ((st = mdt_mesh_barrier(mesh, "calibration")) != MDT_OK)
+                break;
+            if ((st = tight_start(mesh)) != MDT_OK)
                 break;
             const int64_t b0 = mesh->bytes_sent[counted[kind]];
             const double t0 = mdt_now();
