@@ -86,6 +86,7 @@ done
 run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_failures" tests/data
 run timeout 300 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_staging"
 run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_ring"
+for p in 2 3 4; do run timeout 300 "$MPIEXEC" -n $p "$BUILD/tests/mpi/test_allreduce"; done
 # negative controls: each switch reproduces an upstream bug; the tests must notice it
 negative() { # name env -- n T R U order
     local name=$1 envv=$2; shift 3

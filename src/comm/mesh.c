@@ -350,6 +350,55 @@ static mdt_status ensure_scratch(mdt_mesh *m, int64_t n) {
 
 static int fits_int(int64_t n) { return n >= 0 && n <= INT_MAX; }
 
+/* Chunks (floats per member) from which an all-reduce of more than two members takes the ring:
+ * its 2 (P - 1) steps cost latency that a tree's 2 log P do not, and pay once each step moves at
+ * least 64 KiB (two members always take it: one step each way) */
+enum { RING_ALLREDUCE_MIN_CHUNK = 16384 };
+
+/* One step of a ring collective: send n floats to the next member, receive n from the previous
+ * one (tag 78: the ring attention's steps use 77 on their own communicator). */
+static mdt_status ring_step(mdt_mesh *m, MPI_Comm comm, const float *send, float *recv, int64_t n,
+                            const char *what) {
+    int P, me;
+    MPI_Comm_size(comm, &P);
+    MPI_Comm_rank(comm, &me);
+    MPI_Request rq[2];
+    MDT_TRY(mpi_check(MPI_Irecv(recv, (int)n, MPI_FLOAT, (me + P - 1) % P, 78, comm, &rq[0]),
+                      "all-reduce MPI_Irecv"));
+    if (MPI_Isend(send, (int)n, MPI_FLOAT, (me + 1) % P, 78, comm, &rq[1]) != MPI_SUCCESS) {
+        MPI_Cancel(&rq[0]);
+        MPI_Request_free(&rq[0]);
+        return MDT_FAIL(MDT_E_MPI, "all-reduce MPI_Isend failed");
+    }
+    return mdt_mesh_wait(m, comm, 2, rq, what);
+}
+
+/* The bandwidth-optimal all-reduce (the ring NCCL uses) of full [P, chunk] in place, tmp [chunk]
+ * scratch: P - 1 reduce-scatter steps (send chunk me - s on, add chunk me - s - 1 from the previous
+ * member), after which this member holds chunk me + 1 summed over all, then P - 1 all-gather steps
+ * passing the summed chunks on. Every member ends with the owner's bits of every chunk, so all
+ * agree exactly. Each member sends 2 (P - 1) chunks and every link carries both directions at
+ * once; Open MPI's non-blocking reduce-scatter moved the same bytes at a quarter of the link's
+ * rate across hosts and MPICH's at a fifth of an all-gather's inside one (docs/perf.md). */
+static mdt_status ring_allreduce(mdt_mesh *m, MPI_Comm comm, float *full, float *tmp, int64_t chunk,
+                                 const char *what) {
+    int P, me;
+    MPI_Comm_size(comm, &P);
+    MPI_Comm_rank(comm, &me);
+    for (int s = 0; s < P - 1; s++) {
+        const int out = (me - s + P) % P, in = (me - s - 1 + 2 * P) % P;
+        MDT_TRY(ring_step(m, comm, full + out * chunk, tmp, chunk, what)); // tmp [chunk]
+        float *acc = full + in * chunk;                                    // [chunk]
+        for (int64_t i = 0; i < chunk; i++)
+            acc[i] += tmp[i];
+    }
+    for (int s = 0; s < P - 1; s++) {
+        const int out = (me + 1 - s + P) % P, in = (me - s + P) % P;
+        MDT_TRY(ring_step(m, comm, full + out * chunk, full + in * chunk, chunk, what));
+    }
+    return MDT_OK;
+}
+
 mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n) {
     const int P = mdt_group_size(m, g);
     MPI_Comm comm = mdt_mesh_comm(m, g);
@@ -373,17 +422,21 @@ mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n) {
     else
         memcpy(full, buf, sizeof(float) * (size_t)n);
     memset(full + n, 0, sizeof(float) * (size_t)(padded - n));
-    MPI_Request rq;
     char what[48];
     snprintf(what, sizeof what, "%s all-reduce", mdt_group_name(g));
-    MDT_TRY(
-        mpi_check(MPI_Ireduce_scatter_block(full, mine, (int)chunk, MPI_FLOAT, MPI_SUM, comm, &rq),
-                  "all-reduce (reduce-scatter)"));
-    MDT_TRY(mdt_mesh_wait(m, comm, 1, &rq, what));
-    MDT_TRY(mpi_check(
-        MPI_Iallgather(mine, (int)chunk, MPI_FLOAT, full, (int)chunk, MPI_FLOAT, comm, &rq),
-        "all-reduce (all-gather)"));
-    MDT_TRY(mdt_mesh_wait(m, comm, 1, &rq, what));
+    if (P == 2 || chunk >= RING_ALLREDUCE_MIN_CHUNK) {
+        MDT_TRY(ring_allreduce(m, comm, full, mine, chunk, what));
+    } else {
+        MPI_Request rq;
+        MDT_TRY(mpi_check(
+            MPI_Ireduce_scatter_block(full, mine, (int)chunk, MPI_FLOAT, MPI_SUM, comm, &rq),
+            "all-reduce (reduce-scatter)"));
+        MDT_TRY(mdt_mesh_wait(m, comm, 1, &rq, what));
+        MDT_TRY(mpi_check(
+            MPI_Iallgather(mine, (int)chunk, MPI_FLOAT, full, (int)chunk, MPI_FLOAT, comm, &rq),
+            "all-reduce (all-gather)"));
+        MDT_TRY(mdt_mesh_wait(m, comm, 1, &rq, what));
+    }
     if (dev)
         mdt_mem_device()->to_device(buf, full, sizeof(float) * (size_t)n);
     else

@@ -125,7 +125,8 @@ int mdt_group_size(const mdt_mesh *m, mdt_group g);
 int mdt_group_rank(const mdt_mesh *m, mdt_group g);
 
 /* In-place sum over group g whose result is bit-identical on every member: each element is
- * reduced by exactly one rank (reduce-scatter) and then copied to all (all-gather). */
+ * reduced by exactly one rank (reduce-scatter) and then copied to all (all-gather) — over a ring
+ * of point-to-point steps for two members or large messages (bandwidth-optimal), else MPI's. */
 mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n);
 /* Broadcast of n floats from member `root` of group g. */
 mdt_status mdt_bcast_floats(mdt_mesh *m, mdt_group g, int root, float *buf, int64_t n);
