@@ -196,6 +196,11 @@ static mdt_status one_call(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_group g,
     }
 }
 
+/* Floats per member of the large probe at least (1 MiB): a small model's own messages take less
+ * time than the jitter of ranks sharing cores, and the bandwidth is the slope between the two
+ * sizes, so the large one must take many times the small one's jitter (8 ms across 1 Gbit/s). */
+enum { LINK_PROBE_MIN = 262144 };
+
 /* Lines every rank up for a timed call, within microseconds: after mdt_mesh_barrier (which
  * waits with the watchdog and sees failures) every rank is alive and here, so a blocking barrier
  * cannot hang. The watchdog's barrier alone lets ranks leave up to a nap apart, and two TCP flows
@@ -263,8 +268,9 @@ static mdt_status measure_link(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_grou
     static const mdt_coll_kind counted[] = {MDT_COLL_ALLREDUCE, MDT_COLL_ALLTOALL,
                                             MDT_COLL_SENDRECV, MDT_COLL_ALLGATHER};
     const int G = mdt_group_size(mesh, g);
-    /* floats per member block: a small message, and the forward's own (`big` per call) */
-    const int64_t sizes[2] = {64, big / G > 65536 ? big / G : 65536};
+    /* floats per member block: a small message, and the forward's own (`big` per call; at least
+     * LINK_PROBE_MIN) */
+    const int64_t sizes[2] = {64, big / G > LINK_PROBE_MIN ? big / G : LINK_PROBE_MIN};
     float *a = malloc(sizeof(float) * (size_t)(sizes[1] * G)),
           *b = malloc(sizeof(float) * (size_t)(sizes[1] * G));
     int64_t *cnt = malloc(sizeof(int64_t) * (size_t)(2 * G));
