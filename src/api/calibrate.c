@@ -201,15 +201,15 @@ static mdt_status one_call(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_group g,
  * sizes, so the large one must take many times the small one's jitter (8 ms across 1 Gbit/s). */
 enum { LINK_PROBE_MIN = 262144 };
 
-/* Lines every rank up for a timed call, within microseconds: after mdt_mesh_barrier (which
- * waits with the watchdog and sees failures) every rank is alive and here, so a blocking barrier
- * cannot hang. The watchdog's barrier alone lets ranks leave up to a nap apart, and two TCP flows
- * that cross a shaped link started ~0.1-1 ms apart often settle at half its rate (docs/perf.md),
- * which the forward's ring steps do not: the probe would measure the start, not the link. */
+/* Lines every rank up for a timed call, within microseconds: the first watched barrier absorbs
+ * the ranks' different arrivals (its waiters nap, and leave up to a nap apart); every rank then
+ * reaches the second within a nap, so it completes inside mdt_mesh_wait's first millisecond of
+ * tight testing and all leave together — still watched (deadline, failure notes). Two TCP flows
+ * that cross a shaped link started apart often settle at half its rate (docs/perf.md), which the
+ * forward's ring steps do not: the probe would measure the start, not the link. */
 static mdt_status tight_start(mdt_mesh *mesh) {
-    return MPI_Barrier(mesh->world) == MPI_SUCCESS
-               ? MDT_OK
-               : MDT_FAIL(MDT_E_MPI, "calibrate: MPI_Barrier failed");
+    MDT_TRY(mdt_mesh_barrier(mesh, "calibration"));
+    return mdt_mesh_barrier(mesh, "calibration");
 }
 
 /* The fraction of a ring transfer of n floats per member (t_comm seconds alone) that hides behind
@@ -237,7 +237,7 @@ static mdt_status measure_overlap(mdt_mesh *mesh, mdt_group g, float *a, float *
         for (int64_t i = 0; i < k; i++)
             mdt_k()->linear(x, E, x + E * E, NULL, NULL, x + 2 * E * E, E, E, E, E);
         tc[r] = mdt_now() - t0;
-        if ((st = mdt_mesh_barrier(mesh, "calibration")) != MDT_OK || (st = tight_start(mesh)))
+        if ((st = tight_start(mesh)) != MDT_OK)
             break;
         mdt_ring_req rq;
         t0 = mdt_now();
@@ -270,7 +270,11 @@ static mdt_status measure_link(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_grou
     const int G = mdt_group_size(mesh, g);
     /* floats per member block: a small message, and the forward's own (`big` per call; at least
      * LINK_PROBE_MIN) */
-    const int64_t sizes[2] = {64, big / G > LINK_PROBE_MIN ? big / G : LINK_PROBE_MIN};
+    /* the all-reduce of more than two members takes MPI's tree below the ring's chunk threshold
+     * (comm/mesh.c): both probes at or above it, so the fit describes one algorithm, the ring that
+     * carries the forward's large all-reduces */
+    const int64_t small = kind == MDT_COST_ALLREDUCE && G > 2 ? 16384 : 64;
+    const int64_t sizes[2] = {small, big / G > LINK_PROBE_MIN ? big / G : LINK_PROBE_MIN};
     float *a = malloc(sizeof(float) * (size_t)(sizes[1] * G)),
           *b = malloc(sizeof(float) * (size_t)(sizes[1] * G));
     int64_t *cnt = malloc(sizeof(int64_t) * (size_t)(2 * G));
@@ -283,8 +287,6 @@ static mdt_status measure_link(mdt_mesh *mesh, mdt_coll_cost_kind kind, mdt_grou
         double ts[20];
         st = one_call(mesh, kind, g, a, b, sizes[z], cnt); /* warm-up */
         for (int r = 0; r < reps && st == MDT_OK; r++) {
-            if ((st = mdt_mesh_barrier(mesh, "calibration")) != MDT_OK)
-                break;
             if ((st = tight_start(mesh)) != MDT_OK)
                 break;
             const int64_t b0 = mesh->bytes_sent[counted[kind]];

@@ -62,12 +62,12 @@ static mdt_status only_keys(const char *path, const cJSON *obj, const char *wher
     return MDT_OK;
 }
 
-/* A string the plan prints: no control characters (a file must not write to the terminal). */
+/* A string the plan prints as it is: what mdt_escape would leave unchanged (no control bytes,
+ * C1 or bidirectional code points, malformed UTF-8 or backslashes: a file must not write to the
+ * terminal). */
 static int printable(const char *t) {
-    for (; *t; t++)
-        if ((unsigned char)*t < 0x20 || *t == 0x7f)
-            return 0;
-    return 1;
+    char shown[1024];
+    return strcmp(mdt_escape(t, shown, sizeof shown), t) == 0;
 }
 
 /* obj.key into *out when it is an object with only `keys`; absent: NULL if optional, else an

@@ -65,6 +65,8 @@ typedef struct mdt_model_dims {
     int64_t heads, head_dim; /* attention heads and the width of one */
     int64_t hidden;          /* the residual stream's width */
     int64_t ffn;             /* the MLP's hidden width */
+    int text_cross; /* 1: the text reaches the blocks through cross-attention (its own rows beside
+                     * the sequence, Wan); 0: the text rows are part of the joint sequence */
 } mdt_model_dims;
 
 typedef struct mdt_family {

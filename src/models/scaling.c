@@ -136,15 +136,10 @@ static int is_query_proj(const char *name) {
            ends_with(name, "attn.to_qkv_mlp_proj.weight");
 }
 
-int mdt_model_cross_attention(const mdt_model *m) {
-    for (int i = 0; i < m->table.n; i++)
-        if (ends_with(m->table.specs[i].name, "attn2.to_q.weight"))
-            return 1;
-    return 0;
-}
+int mdt_model_cross_attention(const mdt_model *m) { return mdt_model_dims_of(m).text_cross; }
 
 mdt_model_dims mdt_model_dims_of(const mdt_model *m) {
-    mdt_model_dims d = {1, 1, 1, 1};
+    mdt_model_dims d = {1, 1, 1, 1, 0};
     m->fam->dims(m->impl, &d);
     return d;
 }

@@ -136,8 +136,8 @@ static mdt_status wan_table(wan *f, mdt_wtable *t) {
 
 static void wan_dims(const void *impl, mdt_model_dims *d) {
     const wan *f = impl;
-    *d =
-        (mdt_model_dims){.heads = f->heads, .head_dim = f->head_dim, .hidden = f->C, .ffn = f->ffn};
+    *d = (mdt_model_dims){
+        .heads = f->heads, .head_dim = f->head_dim, .hidden = f->C, .ffn = f->ffn, .text_cross = 1};
 }
 
 static mdt_status wan_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {

@@ -192,6 +192,12 @@ expect_error plan-device-mem 2 "--device-mem" -- "$BIN" plan --config "$T/flux_m
     --device-mem -5
 expect_error plan-txt 1 "99999 text tokens exceed the 10-token sequence" -- "$BIN" plan \
     --config "$T/flux_min.json" --tokens 10 --txt-tokens 99999
+# Wan's text is cross-attended (its own rows): more text than video tokens is a valid plan, with
+# or without blocks (a family property, not a guess from weight names)
+echo '{"_class_name": "WanTransformer3DModel", "num_layers": 0}' >"$T/wan0.json"
+if "$BIN" plan --config "$T/wan0.json" --devices 2 --tokens 64 --txt-tokens 128 >"$T/plan_wan0" &&
+   grep -q "<- best" "$T/plan_wan0"; then ok
+else bad "plan of a blockless Wan with more text than tokens: $(head -3 "$T/plan_wan0")"; fi
 expect_error calibrate-plans 2 "--devices plans" -- "$BIN" plan --checkpoint "$DATA/flux_tiny" \
     --calibrate "$T/never.json" --devices 64
 # calibration: two ranks of this host measure the kernels and each collective inside the host;

@@ -254,6 +254,7 @@ static void test_device_file(void) {
         {"{\"meshdit_device\": 1, \"name\": \"x\"} {\"meshdit_device\": 9}",
          "text after the JSON object"},
         {"{\"meshdit_device\": 1, \"name\": \"a\\u001b[2Jb\"}", "printable"},
+        {"{\"meshdit_device\": 1, \"name\": \"vm\\u009b2J\"}", "printable"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         FILE *fp = fopen(path, "w");
