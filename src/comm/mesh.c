@@ -357,11 +357,8 @@ enum { RING_ALLREDUCE_MIN_CHUNK = 16384 };
 
 /* One step of a ring collective: send n floats to the next member, receive n from the previous
  * one (tag 78: the ring attention's steps use 77 on their own communicator). */
-static mdt_status ring_step(mdt_mesh *m, MPI_Comm comm, const float *send, float *recv, int64_t n,
-                            const char *what) {
-    int P, me;
-    MPI_Comm_size(comm, &P);
-    MPI_Comm_rank(comm, &me);
+static mdt_status ring_step(mdt_mesh *m, MPI_Comm comm, int P, int me, const float *send,
+                            float *recv, int64_t n, const char *what) {
     MPI_Request rq[2];
     MDT_TRY(mpi_check(MPI_Irecv(recv, (int)n, MPI_FLOAT, (me + P - 1) % P, 78, comm, &rq[0]),
                       "all-reduce MPI_Irecv"));
@@ -387,14 +384,14 @@ static mdt_status ring_allreduce(mdt_mesh *m, MPI_Comm comm, float *full, float 
     MPI_Comm_rank(comm, &me);
     for (int s = 0; s < P - 1; s++) {
         const int out = (me - s + P) % P, in = (me - s - 1 + 2 * P) % P;
-        MDT_TRY(ring_step(m, comm, full + out * chunk, tmp, chunk, what)); // tmp [chunk]
-        float *acc = full + in * chunk;                                    // [chunk]
+        MDT_TRY(ring_step(m, comm, P, me, full + out * chunk, tmp, chunk, what)); // tmp [chunk]
+        float *acc = full + in * chunk;                                           // [chunk]
         for (int64_t i = 0; i < chunk; i++)
             acc[i] += tmp[i];
     }
     for (int s = 0; s < P - 1; s++) {
         const int out = (me + 1 - s + P) % P, in = (me - s + P) % P;
-        MDT_TRY(ring_step(m, comm, full + out * chunk, full + in * chunk, chunk, what));
+        MDT_TRY(ring_step(m, comm, P, me, full + out * chunk, full + in * chunk, chunk, what));
     }
     return MDT_OK;
 }

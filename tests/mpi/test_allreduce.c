@@ -56,13 +56,5 @@ int main(int argc, char **argv) {
         free(x), free(first);
     }
     mdt_mesh_free(mesh);
-    int fails = t_fail, any = 0;
-    MPI_Allreduce(&fails, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    if (g_rank != 0)
-        t_pass = 0;
-    t_fail = any;
-    MPI_Finalize();
-    if (g_rank != 0)
-        return any ? 1 : 0;
-    TEST_END();
+    MPI_TEST_END(g_rank);
 }

@@ -154,13 +154,5 @@ int main(int argc, char **argv) {
     free(h), free(hs), free(hr), free(hg), free(hrr);
     fake_free(d), fake_free(ds), fake_free(dr), fake_free(dg), fake_free(hd), fake_free(rs);
     fake_free(rr);
-    int fails = t_fail, any = 0;
-    MPI_Allreduce(&fails, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    if (g_rank != 0)
-        t_pass = 0;
-    t_fail = any;
-    MPI_Finalize();
-    if (g_rank != 0)
-        return any ? 1 : 0;
-    TEST_END();
+    MPI_TEST_END(g_rank);
 }

@@ -66,4 +66,17 @@ static inline double t_rel_err(const float *a, const float *b, long n, double fl
         return t_fail ? 1 : 0;                                                                     \
     } while (0)
 
+/* TEST_END for an MPI test (tests/mpi; the file includes mpi.h): failures summed over the world,
+ * MPI finalized, rank 0 prints the line for all; every rank exits non-zero on any failure. */
+#define MPI_TEST_END(rank)                                                                         \
+    do {                                                                                           \
+        int t_any_ = 0;                                                                            \
+        MPI_Allreduce(&t_fail, &t_any_, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);                      \
+        MPI_Finalize();                                                                            \
+        if ((rank) != 0)                                                                           \
+            return t_any_ ? 1 : 0;                                                                 \
+        t_fail = t_any_;                                                                           \
+        TEST_END();                                                                                \
+    } while (0)
+
 #endif /* MDT_TEST_HARNESS_H */
