@@ -277,3 +277,11 @@ mdt_status mdt_model_random_inputs(const mdt_model *m, const mdt_inputs_params *
     mdt_rng_seed(&rng, q.seed);
     return m->fam->make_inputs(m->impl, &q, &rng, out);
 }
+
+mdt_model_dims mdt_model_dims_of(const mdt_model *m) {
+    mdt_model_dims d = {1, 1, 1, 1, 0};
+    m->fam->dims(m->impl, &d);
+    return d;
+}
+
+int mdt_model_cross_attention(const mdt_model *m) { return mdt_model_dims_of(m).text_cross; }

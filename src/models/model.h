@@ -79,6 +79,13 @@ mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p);
 mdt_status mdt_model_random_inputs(const mdt_model *m, const mdt_inputs_params *p,
                                    mdt_tensor_set *out);
 
+/* The model's heads, head width, hidden and MLP widths as its family configured them (its own
+ * defaults for the keys a config.json leaves out). */
+mdt_model_dims mdt_model_dims_of(const mdt_model *m);
+/* 1: the model's text reaches it through cross-attention (Wan), its own rows beside the
+ * sequence; 0: the text rows are part of the joint sequence (Flux, Qwen-Image, ...). */
+int mdt_model_cross_attention(const mdt_model *m);
+
 /* Creates a model from a config only (no weights; used by gen and inspect). */
 mdt_status mdt_model_describe(const cJSON *config, mdt_model **out);
 

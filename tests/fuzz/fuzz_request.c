@@ -3,7 +3,7 @@
  * checked as a request; a request that parses is run through the session store (its merge, limits
  * and commit, under small limits) and answered. Every input must either give a request or fail
  * with a status; never crash, leak or read out of bounds. */
-#include "api/serve.h"
+#include "serve/serve.h"
 
 #include <stdint.h>
 

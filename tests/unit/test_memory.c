@@ -5,7 +5,8 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "harness.h"
-#include "models/scaling.h"
+#include "core/sysmem.h"
+#include "plan/memory.h"
 
 #include <cjson/cJSON.h>
 #include <stdlib.h>

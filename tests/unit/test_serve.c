@@ -3,7 +3,7 @@
  * checks, reply blobs read back, and the session store's merge, replacement and limits. The
  * server itself is tested end to end by tests/cli/test_serve.sh.
  */
-#include "api/serve.h"
+#include "serve/serve.h"
 #include "harness.h"
 #include "io/safetensors.h"
 

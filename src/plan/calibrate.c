@@ -11,12 +11,13 @@
  * counts them) from the two medians, the slowest rank's.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "api/info.h"
+#include "models/info.h"
 #include "attn/attn.h"
 #include "backend/backend.h"
 #include "comm/mesh.h"
 #include "core/core.h"
-#include "models/scaling.h"
+#include "core/sysmem.h"
+#include "plan/cost.h"
 
 #include <math.h>
 #include <stdio.h>

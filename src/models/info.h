@@ -2,8 +2,8 @@
  * info.h — the describe-only model view behind mdt_model_info (meshdit.h), shared by the API
  * files that read a model's config and weight table without its weights.
  */
-#ifndef MDT_API_INFO_H
-#define MDT_API_INFO_H
+#ifndef MDT_MODELS_INFO_H
+#define MDT_MODELS_INFO_H
 
 #include "io/checkpoint.h"
 #include "models/model.h"
@@ -14,4 +14,4 @@ struct mdt_model_info {
     cJSON *cfg;   /* the config when read from a file, else NULL (the index owns it) */
 };
 
-#endif /* MDT_API_INFO_H */
+#endif /* MDT_MODELS_INFO_H */

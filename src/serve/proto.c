@@ -1,11 +1,11 @@
 /*
- * serve_proto.c — the server's messages (docs/serve.md): a request blob is a safetensors blob
+ * proto.c — the server's messages (docs/serve.md): a request blob is a safetensors blob
  * read by the same validating reader as files (io/safetensors.h: mdt_st_open_mem), whose
  * __metadata__ names the operation; a reply is a safetensors blob with "status" and either the
  * outputs or a one-line "error". No socket, no MPI, no model here: this is what
  * tests/fuzz/fuzz_request.c feeds hostile bytes to.
  */
-#include "api/serve.h"
+#include "serve/serve.h"
 
 #include "io/safetensors.h"
 

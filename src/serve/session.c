@@ -1,12 +1,12 @@
 /*
- * serve_session.c — the server's sessions (docs/serve.md): tensors that stay constant during one
+ * session.c — the server's sessions (docs/serve.md): tensors that stay constant during one
  * generation (text embeddings, pooled projections, ids, guidance) are sent once with "keep" and
  * merged into the inputs of later forwards of the same session. A fixed number of sessions and a
  * fixed number of bytes over all of them, checked before anything is stored: nothing a client
  * sends makes the store grow past the limits the server was started with. Every rank holds the
  * same store (the same requests in the same order), so every rank reaches the same verdicts.
  */
-#include "api/serve.h"
+#include "serve/serve.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -1,10 +1,10 @@
 /*
- * sample.c — the Euler flow-matching sampler and the repeated forward of a benchmark
+ * sampler.c — the Euler flow-matching sampler and the repeated forward of a benchmark
  * (meshdit.h: mdt_sample), with the step watchdog, the per-step counters and the run
  * statistics gathered to world rank 0.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "api/run_stats.h"
+#include "sampler/run_stats.h"
 #include "io/checkpoint.h"
 #include "models/model.h"
 #include "tensor/tensor.h"

@@ -3,7 +3,7 @@
  * mdt_run_stats_*, mdt_run_report_json): the layout and device, the step times, every rank's
  * facts and rank 0's view of each tensor. The keys are a contract (DESIGN.md §2, docs).
  */
-#include "api/run_stats.h"
+#include "sampler/run_stats.h"
 #include "backend/backend.h"
 #include "models/model.h"
 

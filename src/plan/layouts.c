@@ -1,21 +1,13 @@
 /*
  * layouts.c — layout planning for a client (meshdit.h): device presets and the scaling model's
- * estimate (models/scaling.h) of every tp x ring x ulysses layout of N devices, best first.
+ * estimate (cost.h) of every tp x ring x ulysses layout of N devices, best first.
  */
-#include "api/info.h"
+#include "models/info.h"
 #include "core/core.h"
-#include "models/scaling.h"
+#include "plan/cost.h"
 
 #include <stdlib.h>
 #include <string.h>
-
-mdt_status mdt_device_spec_preset(const char *name, mdt_device_spec *out) {
-    const mdt_device *d = mdt_device_preset(name);
-    if (!d)
-        return MDT_FAIL(MDT_E_NOTFOUND, "unknown device '%s' (cpu, h100, h200, trn2)", name);
-    *out = *d;
-    return MDT_OK;
-}
 
 /* Valid layouts first, then by predicted step time. */
 static int cmp_est(const void *a, const void *b) {

@@ -1,7 +1,7 @@
 /*
  * serve.h — the parts of the resident server (meshdit.h: mdt_serve) that need no socket and no
- * MPI: a request blob parsed and validated into an operation (serve_proto.c), the reply blob, and
- * the sessions of constant tensors kept between forwards under fixed limits (serve_session.c).
+ * MPI: a request blob parsed and validated into an operation (proto.c), the reply blob, and
+ * the sessions of constant tensors kept between forwards under fixed limits (session.c).
  * The loop itself (ZeroMQ on rank 0, requests broadcast over MPI) is serve.c. The protocol is
  * docs/serve.md.
  */
@@ -55,7 +55,7 @@ mdt_status mdt_serve_reply_ok(const char *const *meta, const mdt_tensor_set *out
 mdt_status mdt_serve_reply_error(const char *op, const char *id, const char *msg,
                                  unsigned char **blob, size_t *size);
 
-/* ---- serve_session.c: tensors kept between forwards ---- */
+/* ---- session.c: tensors kept between forwards ---- */
 typedef struct mdt_serve_session {
     char name[MDT_SERVE_NAME_MAX + 1];
     mdt_tensor_set *set;

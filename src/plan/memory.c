@@ -1,42 +1,87 @@
 /*
- * memory.c — the memory check of a run before any weight is read (meshdit.h: mdt_check_memory):
- * this rank's weights plus activations (models/scaling.h: mdt_run_memory_at) against a limit
- * per rank, and sizes in words ("8G").
+ * memory.c — see memory.h: the memory model of a run (weights and activations per rank, the
+ * coefficients fitted to measured peaks) and the checks against a limit per rank.
  */
-#include "api/memory.h"
+#include "plan/memory.h"
+
 #include "backend/backend.h"
 #include "comm/mesh.h"
 #include "core/core.h"
-#include "models/scaling.h"
+#include "core/sysmem.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-int64_t mdt_size_parse(const char *s) {
-    char *end;
-    double v = strtod(s, &end);
-    if (end == s || !(v > 0))
-        return -1;
-    double mul = 1;
-    switch (*end) {
-    case 'k':
-    case 'K': mul = 1024.0, end++; break;
-    case 'm':
-    case 'M': mul = 1048576.0, end++; break;
-    case 'g':
-    case 'G': mul = 1073741824.0, end++; break;
-    case 't':
-    case 'T': mul = 1099511627776.0, end++; break;
-    default: break;
+double mdt_act_bytes(const mdt_model *m, int T, int R, int U, int64_t batch, int64_t S, double b) {
+    const mdt_model_dims md = mdt_model_dims_of(m);
+    const double A = (double)(md.heads * md.head_dim), D = (double)md.hidden, F = (double)md.ffn;
+    const int64_t P = (int64_t)R * U, rows = (S + P - 1) / P; /* the largest CP chunk */
+    const double per_row = 10.0 * D + (4.0 * A + 1.5 * F) / T + (U > 1 ? 14.0 * A / T : 0.0) +
+                           (R > 1 ? 14.0 * A / T : 0.0);
+    return (double)batch * (double)rows * per_row * b;
+}
+
+mdt_run_memory mdt_run_memory_at(const mdt_model *m, int T, int R, int U,
+                                 const mdt_run_inputs *in) {
+    mdt_run_memory r = {0, 0};
+    double weights = 0, widest = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        const mdt_weight_spec *w = &m->table.specs[i];
+        int64_t loc[2];
+        mdt_shard_local_shape(w, T, loc);
+        const double n = (double)loc[0] * (w->ndim > 1 ? (double)loc[1] : 1.0);
+        const int lin = m->table.lin[i] != NULL;
+        weights += n * (in->bf16 && lin ? 2.0 : 4.0);
+        if (lin && n > widest)
+            widest = n;
     }
-    if (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0 || strcmp(end, "b") == 0)
-        end += strlen(end);
-    if (*end || v * mul > 9.0e18)
-        return -1;
-    return (int64_t)(v * mul);
+    mdt_error_clear(); /* a degree the model cannot take is the caller's to check */
+    r.weights = (int64_t)weights;
+    if (!in->device_acts) {
+        double a = mdt_act_bytes(m, T, R, U, in->batch, in->rows, 4.0) + (double)in->input_bytes +
+                   3.0 * (double)in->latent_f32 + 2.0 * 1048576.0;
+        if (in->bf16) /* the panel a bf16 weight is widened into, at most 64 MiB */
+            a += fmin(4.0 * widest, 64.0 * 1048576.0);
+        r.activations = (int64_t)a;
+    }
+    return r;
+}
+
+mdt_status mdt_check_run_memory(const mdt_model *m, int T, int R, int U, const mdt_run_inputs *in,
+                                int64_t limit, const char *limit_what) {
+    const mdt_run_memory need = mdt_run_memory_at(m, T, R, U, in);
+    if (need.weights + need.activations <= limit)
+        return MDT_OK;
+    int fit = 0;
+    mdt_run_memory at = need;
+    for (int t = T + 1; t <= 256 && !fit; t++) {
+        if (mdt_model_check_layout(m, t, R, U) != MDT_OK)
+            continue;
+        at = mdt_run_memory_at(m, t, R, U, in);
+        fit = at.weights + at.activations <= limit ? t : 0;
+    }
+    mdt_error_clear();
+    char acts[160] = "", tail[160], b1[32], b2[32], b3[32];
+    if (!in->device_acts)
+        snprintf(acts, sizeof acts, " + %s of activations (batch %lld x %lld tokens)",
+                 mdt_fmt_size(need.activations, b1, sizeof b1), (long long)in->batch,
+                 (long long)in->rows);
+    if (fit)
+        snprintf(tail, sizeof tail, "tp=%d would need %s", fit,
+                 mdt_fmt_size(at.weights + at.activations, b1, sizeof b1));
+    else
+        snprintf(tail, sizeof tail, "no valid tp up to 256 fits");
+    return MDT_FAIL(MDT_E_NOMEM, "tp=%d needs %s per rank (%s of %s%s), over %s; %s%s", T,
+                    mdt_fmt_size(need.weights + need.activations, b2, sizeof b2),
+                    mdt_fmt_size(need.weights, b3, sizeof b3),
+                    in->bf16 ? "weights (linears in bf16)" : "f32 weights", acts, limit_what, tail,
+                    need.activations > need.weights
+                        ? "; more --ring/--ulysses ranks split the activations"
+                        : "");
 }
 
 /* Ranks of this job on this node: they share its memory. Collective over the world (for a

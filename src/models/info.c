@@ -3,7 +3,7 @@
  * (mdt_model_info: config and weight table, optionally the checkpoint's stored dtypes), the
  * weights of a loaded model on this rank, its layout, and the family's random inputs.
  */
-#include "api/info.h"
+#include "models/info.h"
 #include "core/core.h"
 
 #include <cjson/cJSON.h>
