@@ -7,6 +7,8 @@
 #include "core/core.h"
 #include "io/checkpoint.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/cpu/cpu.h"
+#include "kernels/cpu/gemm.h"
 
 #include <cblas.h>
 #include <stdio.h>

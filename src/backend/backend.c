@@ -7,6 +7,8 @@
 #define _GNU_SOURCE
 #include "backend.h"
 #include "cpu_backend.h"
+#include "kernels/cpu/cpu.h"
+#include "kernels/cpu/gemm.h"
 
 #include <dlfcn.h>
 #include <limits.h>
@@ -138,6 +140,29 @@ void mdt_backend_describe(char *buf, size_t n) {
         g_ops->describe(buf, n);
     else
         snprintf(buf, n, "cpu");
+}
+
+mdt_status mdt_cpu_kernels_select(const char *isa, const char *gemm) {
+    if (isa && *isa)
+        MDT_TRY(mdt_cpu_isa_select(isa));
+    if (gemm && *gemm)
+        MDT_TRY(mdt_cpu_gemm_select(gemm));
+    return MDT_OK;
+}
+
+void mdt_device_info_get(mdt_device_info *out) {
+    memset(out, 0, sizeof *out);
+    out->backend = mdt_backend_name();
+    out->gpu = g_ops != NULL;
+    if (g_ops) {
+        mdt_backend_describe(out->description, sizeof out->description);
+        out->device_mem_peak = g_ops->mem_peak();
+    }
+    out->bf16 = g_bf16;
+    out->bf16_operands = out->bf16 && mdt_cpu_gemm_bf16_operands();
+    out->cpu_kernels = mdt_cpu_isa();
+    mdt_cpu_gemm_describe(out->cpu_gemm, sizeof out->cpu_gemm);
+    out->scratch_bytes = mdt_backend_scratch_bytes();
 }
 
 void *mdt_k_upload(mdt_arena *a, const void *host, size_t bytes) {
@@ -367,6 +392,7 @@ static const mdt_kernel_ops k_front = {
 };
 
 const mdt_kernel_ops *mdt_k(void) { return &k_front; }
+const mdt_kernel_ops *mdt_k_host(void) { return mdt_cpu_kernels(); }
 
 mdt_status mdt_k_attention(mdt_arena *ar, const float *q, const float *k, const float *v,
                            float *out, int64_t ld_out, float *lse, int64_t H, int64_t Sq,

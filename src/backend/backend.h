@@ -14,8 +14,6 @@
 
 #include "comm/device_comm.h"
 #include "core/core.h"
-#include "kernels/cpu/cpu.h"
-#include "kernels/cpu/gemm.h"
 #include "kernels/ops.h"
 
 typedef enum mdt_backend_kind { MDT_BACKEND_CPU = 0, MDT_BACKEND_CUDA } mdt_backend_kind;
@@ -54,6 +52,9 @@ const mdt_mem_source *mdt_backend_host_mem(void);
 mdt_status mdt_backend_check(void);
 /* Device description for reports ("cpu" on the CPU backend). */
 void mdt_backend_describe(char *buf, size_t n);
+/* meshdit.h's mdt_cpu_kernels_select and mdt_device_info_get (the CPU kernel set and GEMM path,
+ * what is in force) are the backend's too: implemented in backend.c, so that no layer above it
+ * reaches into kernels/cpu. */
 
 /* ---- kernels ---- */
 /* The front table: every op of kernels/ops.h on the backend's memory, e.g.
@@ -66,6 +67,9 @@ void mdt_backend_describe(char *buf, size_t n);
  * bf16 weights selected). attention: prefer mdt_k_attention, which sizes the scratch and sets
  * the operand precision. */
 const mdt_kernel_ops *mdt_k(void);
+/* The same ops on host memory, whatever the backend (the CPU kernel set, uncounted): for work a
+ * forward does on its host staging buffers before an upload (gathering input rows). */
+const mdt_kernel_ops *mdt_k_host(void);
 /* Attention through mdt_k() with the backend's operand precision (bf16 operands when bf16
  * weights were selected and the device has them); the scratch comes from `ar` and is given
  * back. MDT_E_NOMEM if the arena cannot hold it. */

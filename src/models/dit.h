@@ -12,7 +12,7 @@
 #ifndef MDT_MODELS_DIT_H
 #define MDT_MODELS_DIT_H
 
-#include "kernels/ops.h"
+#include "backend/backend.h"
 #include "models/cp.h"
 #include "models/inputs.h"
 #include "models/model.h"

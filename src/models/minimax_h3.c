@@ -24,7 +24,6 @@
 
 #include "backend/backend.h"
 #include "core/testhooks.h"
-#include "kernels/cpu/cpu.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -328,7 +327,7 @@ static mdt_status scatter_modality(const mdt_dit *d, const h3_in *x, const mdt_l
     float *xin_h = mdt_arena_floats(d->ha, k * in); // [k, in] host
     if (!xin_h)
         return MDT_E_NOMEM;
-    mdt_cpu_kernels()->copy_rows(xin_h, in, NULL, src, in, sr, k, in);
+    mdt_k_host()->copy_rows(xin_h, in, NULL, src, in, sr, k, in);
     const float *xin = mdt_k_upload(d->ar, xin_h, sizeof(float) * (size_t)(k * in)); // [k, in]
     float *y = mdt_arena_floats(d->ar, k * C);                                       // [k, C]
     if (!xin || !y)

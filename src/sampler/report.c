@@ -86,14 +86,13 @@ mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, doubl
     cJSON_AddNumberToObject(lay, "ring", mesh ? mesh->R : 1);
     cJSON_AddNumberToObject(lay, "ulysses", mesh ? mesh->U : 1);
     cJSON_AddStringToObject(lay, "mesh_order", order);
-    cJSON_AddStringToObject(r, "device", mdt_backend_name());
-    cJSON_AddStringToObject(r, "weights_dtype", mdt_backend_bf16() ? "bf16" : "f32");
-    cJSON_AddStringToObject(r, "cpu_kernels", mdt_cpu_isa());
-    char gemm[96];
-    mdt_cpu_gemm_describe(gemm, sizeof gemm);
-    cJSON_AddStringToObject(r, "cpu_gemm", gemm);
-    cJSON_AddStringToObject(r, "gemm_operands",
-                            mdt_backend_bf16() && mdt_cpu_gemm_bf16_operands() ? "bf16" : "f32");
+    mdt_device_info dev;
+    mdt_device_info_get(&dev);
+    cJSON_AddStringToObject(r, "device", dev.backend);
+    cJSON_AddStringToObject(r, "weights_dtype", dev.bf16 ? "bf16" : "f32");
+    cJSON_AddStringToObject(r, "cpu_kernels", dev.cpu_kernels);
+    cJSON_AddStringToObject(r, "cpu_gemm", dev.cpu_gemm);
+    cJSON_AddStringToObject(r, "gemm_operands", dev.bf16_operands ? "bf16" : "f32");
     cJSON_AddNumberToObject(r, "load_seconds", load_seconds);
     cJSON_AddNumberToObject(r, "step_seconds_median", s->step_median_s);
     cJSON_AddNumberToObject(r, "steps", s->steps);

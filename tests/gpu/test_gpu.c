@@ -12,6 +12,8 @@
 #include "backend/backend.h"
 #include "harness.h"
 #include "kernels/ref/ref.h"
+#include "kernels/cpu/cpu.h"
+#include "kernels/cpu/gemm.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -28,6 +28,8 @@
 #include "core/testhooks.h"
 #include "harness.h"
 #include "models/model.h"
+#include "kernels/cpu/cpu.h"
+#include "kernels/cpu/gemm.h"
 
 #include <cjson/cJSON.h>
 

@@ -4,6 +4,8 @@
  * when selected; mdt_k_attention gives its arena scratch back. */
 #include "backend/backend.h"
 #include "harness.h"
+#include "kernels/cpu/cpu.h"
+#include "kernels/cpu/gemm.h"
 
 #include <math.h>
 #include <stdlib.h>

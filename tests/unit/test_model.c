@@ -8,6 +8,8 @@
 #include "harness.h"
 #include "models/model.h"
 #include "tensor/tensor.h"
+#include "kernels/cpu/cpu.h"
+#include "kernels/cpu/gemm.h"
 
 #include <stdlib.h>
 #include <string.h>
