@@ -1,6 +1,7 @@
 # meshdit — GNU make build. `make` builds build/meshdit and build/libmeshdit.a; `make test` runs
-# every test; `make check` runs the format check, cppcheck and clang-tidy; `make demo` runs the
-# main job on the built-in tiny model. Switches: WERROR=1, DEBUG=1, SANITIZE=address,undefined.
+# every test; `make check` runs the format check, the layer check (scripts/check-layers), cppcheck
+# and clang-tidy; `make demo` runs the main job on the built-in tiny model.
+# Switches: WERROR=1, DEBUG=1, SANITIZE=address,undefined.
 
 CC       ?= gcc
 MPI_PKG  ?= mpich
@@ -74,7 +75,7 @@ $(BUILD)/libmeshdit_cuda.so: $(CUDA_SRC) $(CUDA_HDR)
 
 cuda: $(CUDA_LIB)
 
-.PHONY: test-cluster all test check cuda format format-check cppcheck tidy demo clean goldens bench fuzz fuzz-build \
+.PHONY: test-cluster all test check cuda format format-check layers cppcheck tidy demo clean goldens bench fuzz fuzz-build \
         valgrind test-sanitize campaign venv test-python demo-python
 
 all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN) $(CUDA_LIB) $(BUILD)/tests/gpu/test_gpu \
@@ -184,10 +185,13 @@ cppcheck:
 	cppcheck --quiet --error-exitcode=1 --std=c11 --enable=warning,performance,portability \
 	  --inline-suppr --suppress=missingIncludeSystem -Iinclude -Isrc -Itests/unit src tests/unit tests/mpi tests/cli
 
+layers:
+	scripts/check-layers
+
 tidy:
 	clang-tidy --quiet $(filter %.c,$(ALL_SRC)) -- -std=c11 -Iinclude -Isrc -Itests/unit $(PKG_CFLAGS)
 
-check: format-check cppcheck tidy
+check: format-check layers cppcheck tidy
 
 BENCH_BIN := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/libmeshdit.a
