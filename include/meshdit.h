@@ -111,10 +111,10 @@ mdt_status mdt_mesh_create_world(int tp, int ring, int ulysses, const char *orde
 void mdt_mesh_free(mdt_mesh *m);
 int mdt_mesh_rank(const mdt_mesh *m); /* world rank (0 for NULL) */
 int mdt_mesh_size(const mdt_mesh *m); /* world size (1 for NULL) */
-/* Collective agreement on a verdict: every rank passes its own status and every rank returns
- * MDT_OK only if all passed MDT_OK; otherwise the failure (and the message of the lowest failing
- * rank) on every rank. NULL mesh: returns `local`. */
-mdt_status mdt_mesh_verdict(mdt_mesh *m, mdt_status local);
+/* Collective agreement on a status: every rank passes its own and every rank returns MDT_OK
+ * only if all passed MDT_OK; otherwise the failure (and the message of the lowest failing rank)
+ * on every rank. NULL mesh: returns `local`. */
+mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local);
 /* 1 when a failure could not be agreed on (this rank failed inside a step while its peers wait in
  * a collective): the caller must end the whole job (MPI_Abort), after printing the message. */
 int mdt_mesh_peers_stuck(const mdt_mesh *m);

@@ -119,13 +119,13 @@ int cmd_run(int argc, char **argv) {
     if (st != MDT_OK)
         return cli_fail_exit(st); /* same verdict on every rank: nothing to agree on */
     /* rank 0 writes the outputs: it finds out now, not after the compute, that it cannot */
-    st = mdt_mesh_verdict(mesh, cli_rank == 0 ? mdt_outputs_check(a.out, a.report) : MDT_OK);
+    st = mdt_mesh_agree(mesh, cli_rank == 0 ? mdt_outputs_check(a.out, a.report) : MDT_OK);
     if (st == MDT_OK)
         st = mdt_device_select(mesh, a.l.device, a.l.dtype, a.l.comm);
     if (st != MDT_OK)
         goto done;
     /* the inputs first: the memory check counts their activations before the weights load */
-    st = mdt_mesh_verdict(mesh, mdt_tensor_set_load(a.inp, &in));
+    st = mdt_mesh_agree(mesh, mdt_tensor_set_load(a.inp, &in));
     if (st != MDT_OK)
         goto done;
     double load_s = 0;
@@ -151,12 +151,12 @@ int cmd_run(int argc, char **argv) {
             st = mdt_outputs_write(a.out, res, a.report, txt);
         free(txt);
     }
-    st = mdt_mesh_verdict(mesh, st);
+    st = mdt_mesh_agree(mesh, st);
     if (st != MDT_OK)
         goto done;
     if (cli_rank == 0 && !a.quiet)
         print_device(m);
-    st = mdt_mesh_verdict(mesh, st);
+    st = mdt_mesh_agree(mesh, st);
     if (st == MDT_OK && !a.quiet && cli_rank == 0)
         print_plan(m, a.l.order, stats, load_s, a.out);
 done:

@@ -249,7 +249,7 @@ int mdt_mesh_size(const mdt_mesh *m) { return m ? m->world_size : 1; }
 
 /* The request is completed by MPI_Test, or deliberately abandoned when the job is being ended. */
 /* NOLINTBEGIN(clang-analyzer-optin.mpi.MPI-Checker) */
-mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local) {
+static mdt_status agree(mdt_mesh *m, mdt_status local) {
     if (!m || m->world_size == 1 || m->peers_stuck) /* stuck: the job is being ended */
         return local;
     m->agreements++;
@@ -307,6 +307,11 @@ mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local) {
     return MDT_FAIL((mdt_status)pkt.code, "rank %d: %s", first, pkt.msg);
 }
 /* NOLINTEND(clang-analyzer-optin.mpi.MPI-Checker) */
+
+mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local) {
+    const mdt_status s = agree(m, local);
+    return local != MDT_OK && s == MDT_OK ? local : s; /* never OK over a local failure */
+}
 
 const char *mdt_group_name(mdt_group g) {
     static const char *const n[MDT_GROUP_COUNT] = {"tp", "ring", "ulysses", "cp"};
@@ -611,3 +616,13 @@ int mdt_ring_progress(mdt_mesh *m, mdt_ring_req *rq) {
     return MPI_Testall(2, rq->req, &done, sts) == MPI_SUCCESS && done;
 }
 /* NOLINTEND(clang-analyzer-optin.mpi.MPI-Checker) */
+
+int mdt_mesh_peers_stuck(const mdt_mesh *m) { return m ? m->peers_stuck : 0; }
+
+mdt_status mdt_mesh_coords_of(const char *order, int rank, int tp, int ring, int ulysses, int *t,
+                              int *r, int *u) {
+    mdt_axis ax[3];
+    MDT_TRY(mdt_mesh_parse_order(order ? order : "tp,ring,ulysses", ax));
+    mdt_mesh_coords(rank, tp, ring, ulysses, ax, t, r, u);
+    return MDT_OK;
+}

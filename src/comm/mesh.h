@@ -106,17 +106,13 @@ void mdt_mesh_coords(int rank, int T, int R, int U, const mdt_axis order[3], int
 mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char *order,
                                 mdt_mesh **out);
 
-/* Phase-boundary agreement: every rank passes its local status; if any rank failed, every rank
- * returns that failure with the lowest failing rank's message ("rank k: ..."). Collective over
- * the world communicator. A failed rank whose peers do not arrive within MESHDIT_AGREE_TIMEOUT
- * seconds (default 20: they are blocked in a collective of a step it left) returns its own
- * failure with m->peers_stuck set; the caller must then end the job (MPI_Abort). */
-mdt_status mdt_mesh_agree_all(mdt_mesh *m, mdt_status local);
-static inline mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local) {
-    mdt_status s = mdt_mesh_agree_all(m, local);
-    /* never true at run time (a local failure is always reported); it tells static analysis */
-    return (local != MDT_OK && s == MDT_OK) ? local : s;
-}
+/* Phase-boundary agreement (meshdit.h: mdt_mesh_agree): every rank passes its local status; if
+ * any rank failed, every rank returns that failure with the lowest failing rank's message ("rank
+ * k: ..."). Collective over the world communicator. A failed rank whose peers do not arrive
+ * within MESHDIT_AGREE_TIMEOUT seconds (default 20: they are blocked in a collective of a step it
+ * left) returns its own failure with m->peers_stuck set; the caller must then end the job
+ * (MPI_Abort). Never MDT_OK when `local` is not. */
+mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local);
 
 /* The communicator of a group. */
 MPI_Comm mdt_mesh_comm(const mdt_mesh *m, mdt_group g);

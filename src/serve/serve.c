@@ -306,7 +306,7 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
         st = mdt_check_forward_memory(c->m, r->tensors, c->p->max_memory, d.gpu);
     if (st == MDT_OK)
         st = mdt_tensor_set_create(&out);
-    st = mdt_mesh_verdict(c->mesh, st);
+    st = mdt_mesh_agree(c->mesh, st);
     double secs = 0;
     if (st == MDT_OK) {
         mdt_sample_params sp = mdt_sample_params_default();
@@ -319,7 +319,7 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     }
     if (st == MDT_OK) {
         const int64_t before = mdt_serve_sessions_bytes_of(&c->ss, r->session);
-        st = mdt_mesh_verdict(c->mesh, mdt_serve_sessions_commit(&c->ss, r));
+        st = mdt_mesh_agree(c->mesh, mdt_serve_sessions_commit(&c->ss, r));
         if (st != MDT_OK && r->session[0] &&
             before != mdt_serve_sessions_bytes_of(&c->ss, r->session))
             mdt_serve_sessions_end(&c->ss, r->session); /* some ranks stored it: none keeps it */
@@ -493,7 +493,7 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
     else if (!(blob = mdt_alloc((size_t)(hdr[1] ? hdr[1] : 1))))
         st = MDT_FAIL(MDT_E_NOMEM, "rank %d: no memory for a request of %lld bytes", c->rank,
                       (long long)hdr[1]);
-    st = mdt_mesh_verdict(c->mesh, st);
+    st = mdt_mesh_agree(c->mesh, st);
     if (st == MDT_OK) {
         if ((st = bcast_blob(c, blob, hdr[1])) != MDT_OK) {
             *fatal = st;
@@ -501,7 +501,7 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
         }
         if (c->rank != 0)
             st = mdt_serve_request_parse(blob, (size_t)hdr[1], &r);
-        st = mdt_mesh_verdict(c->mesh, st);
+        st = mdt_mesh_agree(c->mesh, st);
     }
     if (st == MDT_OK)
         st = run_request(c, &r, &reply, &rn, fatal);
@@ -510,7 +510,7 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
     if (c->rank == 0 && reply)
         send_reply(c, &id, reply, rn);
     if (*fatal == MDT_OK)
-        st = mdt_mesh_verdict(c->mesh, st); /* building a reply failed: stop everywhere */
+        st = mdt_mesh_agree(c->mesh, st); /* building a reply failed: stop everywhere */
     *done = st != MDT_OK || *fatal != MDT_OK || hdr[0] == MDT_SERVE_OP_CLOSE;
 out:
     if (have_msg) {
@@ -539,7 +539,7 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
         st = MDT_FAIL(MDT_E_MPI, "serve: duplicating the world communicator failed");
     if (st == MDT_OK && c.rank == 0)
         st = bind_socket(&c);
-    st = mdt_mesh_verdict(c.mesh, st);
+    st = mdt_mesh_agree(c.mesh, st);
     if (st == MDT_OK && c.rank == 0 && p->on_ready)
         p->on_ready(p->user, c.endpoint);
     mdt_status fatal = MDT_OK;
@@ -549,7 +549,7 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
         st = fatal; /* no agreement possible: the caller ends the job */
     } else {
         const mdt_status dn = drain_notes(&c);
-        st = mdt_mesh_verdict(c.mesh, st != MDT_OK ? st : dn);
+        st = mdt_mesh_agree(c.mesh, st != MDT_OK ? st : dn);
     }
     if (c.sock)
         zmq_close(c.sock);
