@@ -358,3 +358,12 @@ double mdt_rng_normal(mdt_rng *r) {
     r->has_spare = 1;
     return rad * cos(th);
 }
+
+mdt_status mdt_error_set(mdt_status code, const char *fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    return MDT_FAIL(code, "%s", buf);
+}
