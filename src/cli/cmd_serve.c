@@ -77,8 +77,8 @@ int cmd_serve(int argc, char **argv) {
     if (st != MDT_OK)
         return cli_fail_exit(st);
     /* the endpoint is rank 0's: refused now, not after the load */
-    st = mdt_mesh_agree(mesh, cli_rank == 0 ? mdt_serve_endpoint_check(a.listen, a.listen_any)
-                                              : MDT_OK);
+    st = mdt_mesh_agree(mesh,
+                        cli_rank == 0 ? mdt_serve_endpoint_check(a.listen, a.listen_any) : MDT_OK);
     if (st == MDT_OK)
         st = mdt_device_select(mesh, a.l.device, a.l.dtype, a.l.comm);
     if (st == MDT_OK) /* no inputs yet: the memory check counts the weights */
