@@ -186,11 +186,21 @@ mdt_status mdt_model_parallelize(mdt_model *m, mdt_mesh *mesh);
 mdt_status mdt_model_gather(mdt_model *m, const char *dir);
 void mdt_model_free(mdt_model *m);
 
-/* Runs one forward. `inputs` uses the reference implementation's argument names (e.g. Flux:
+/* Runs one forward, guarded, watched and agreed — the one forward `run`, `serve` and the
+ * sampler share. `inputs` uses the reference implementation's argument names (e.g. Flux:
  * hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids[,
- * guidance]). Adds the outputs (Flux: "sample") to `outputs` (created by the caller). Errors:
- * MDT_E_INVALID naming the tensor and the expectation for a bad input. */
+ * guidance]). Adds the outputs (Flux: "sample") to `outputs` (created by the caller). Guarded:
+ * every stage's rows and every output are checked finite (MDT_E_NUMERIC naming the first stage
+ * that went non-finite, or the output and element; no NaN is ever handed back). Watched: a rank
+ * that does not reach one of the forward's collectives within the step timeout
+ * (mdt_model_set_step_timeout) ends the job with one line naming it. Agreed: every rank returns
+ * the same status, from one agreement at the end, except when mdt_mesh_peers_stuck is set (then
+ * the caller must end the job). Errors: MDT_E_INVALID naming the tensor and the expectation for a
+ * bad input. Collective over the model's mesh. */
 mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_tensor_set *outputs);
+/* The step watchdog's bound for the forwards of `m`, in seconds; 0 (the default): 10 x the
+ * longest forward so far, at least 60 s. Local (set it to the same value on every rank). */
+void mdt_model_set_step_timeout(mdt_model *m, double seconds);
 
 /* Model family name ("flux"). */
 const char *mdt_model_family(const mdt_model *m);
@@ -272,6 +282,7 @@ typedef struct mdt_rank_stats {
     int64_t attn_calls, attn_query_rows, attn_kv_rows;     /* rows x heads */
     int64_t bytes_tp, bytes_ring, bytes_ulysses, bytes_cp; /* sent per mesh group */
     double ring_compute_s, ring_wait_s, prep_s;
+    int64_t world_collectives; /* over the whole world in the step (agreements, barriers): 1 */
 } mdt_rank_stats;
 
 int mdt_run_stats_steps(const mdt_run_stats *s);           /* steps or forwards run */

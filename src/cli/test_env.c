@@ -4,8 +4,8 @@
  *   MESHDIT_TEST_SHARD_INDEX=world    a rank's TP shard index is its world rank (upstream bug)
  *   MESHDIT_TEST_SKIP_CP_SPLIT=1      every rank computes the whole sequence (upstream bug)
  *   MESHDIT_TEST_FAIL=PHASE:RANK[:kill]  world rank RANK fails at PHASE ("load": mid-load,
- *                                     "step": inside a forward, "stage": just before a
- *                                     world collective), or dies by SIGKILL, raised here
+ *                                     "step": inside a forward, "stage": between two
+ *                                     blocks), or dies by SIGKILL, raised here
  */
 #define _POSIX_C_SOURCE 200809L
 #include "cli/cli.h"

@@ -253,6 +253,7 @@ static mdt_status agree(mdt_mesh *m, mdt_status local) {
     if (!m || m->world_size == 1 || m->peers_stuck) /* stuck: the job is being ended */
         return local;
     m->agreements++;
+    m->world_collectives++;
     if (local != MDT_OK)
         mdt_mesh_note_failure(m, local);
     int mine = local == MDT_OK ? INT_MAX : m->world_rank, first = INT_MAX, done = 0;

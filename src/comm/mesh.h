@@ -55,8 +55,9 @@ struct mdt_mesh {
     int node_rank, node_size;
     int64_t bytes_sent[MDT_COLL_KIND_COUNT]; /* per kind, summed over groups */
     int64_t group_bytes[MDT_GROUP_COUNT];    /* per group, summed over kinds */
-    float *scratch;                          /* collective scratch, grown on first use */
-    int peers_stuck; /* a failure could not be agreed on: the job must be ended */
+    int64_t world_collectives; /* calls over the whole world: agreements, barriers, min-reduces */
+    float *scratch;            /* collective scratch, grown on first use */
+    int peers_stuck;           /* a failure could not be agreed on: the job must be ended */
     /* step watchdog (watchdog.c): a collective or agreement that waits longer than
      * `deadline_s` (0: wait as long as it takes) is a stall; `watch` carries the side-channel
      * questions that find which ranks did not arrive. */

@@ -236,6 +236,7 @@ mdt_status mdt_mesh_barrier(mdt_mesh *m, const char *what) {
     if (!m || m->world_size == 1)
         return MDT_OK;
     MPI_Request r;
+    m->world_collectives++;
     if (MPI_Ibarrier(m->world, &r) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "%s: MPI_Ibarrier failed", what);
     return mdt_mesh_wait(m, m->world, 1, &r, what);
@@ -246,6 +247,7 @@ mdt_status mdt_mesh_min_i64(mdt_mesh *m, int64_t *v, const char *what) {
         return MDT_OK;
     long long in = (long long)*v, out = 0;
     MPI_Request r;
+    m->world_collectives++;
     if (MPI_Iallreduce(&in, &out, 1, MPI_LONG_LONG, MPI_MIN, m->world, &r) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "%s: MPI_Iallreduce failed", what);
     MDT_TRY(mdt_mesh_wait(m, m->world, 1, &r, what));

@@ -13,7 +13,7 @@ typedef struct mdt_test_hooks {
     int shard_index_world; /* a rank's TP shard index is its world rank (the upstream bug) */
     int skip_cp_split;     /* every rank computes the whole sequence (the upstream bug) */
     /* Called at named points of the library ("load": mid-load, "step": inside a forward's
-     * first block, "stage": after MiniMax-H3's first block, just before a world collective)
+     * first block, "stage": after MiniMax-H3's first block, between two blocks)
      * with the caller's world rank; a status other than MDT_OK makes the
      * library fail there as if the work had failed. NULL: no injection. */
     mdt_status (*at_point)(const char *phase, int world_rank);

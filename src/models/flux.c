@@ -279,11 +279,11 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_k()->copy2d(cond, 0, temb, 0, 1, B * C);
     mdt_k()->silu(cond, B * C);
     d.cond = cond, d.cond_rows = B, d.cond_width = C;
-    MDT_TRY(mdt_guard_finite(d.mesh, "time_text_embed", cond, B * C));
+    mdt_guard_finite(d.m, "time_text_embed", cond, B * C);
     mdt_dit_linear(&f->x_emb, x.s.hs, B * si, xs, C);   // [B, Si/P, C]
     mdt_dit_linear(&f->ctx_emb, x.s.ehs, B * st, c, C); // [B, St/P, C]
-    MDT_TRY(mdt_guard_finite(d.mesh, "x_embedder", xs, B * si * C));
-    MDT_TRY(mdt_guard_finite(d.mesh, "context_embedder", c, B * st * C));
+    mdt_guard_finite(d.m, "x_embedder", xs, B * si * C);
+    mdt_guard_finite(d.m, "context_embedder", c, B * st * C);
     MDT_TRY(mdt_joint_blocks(&d, &x.s, C, xs, c, f->layers, double_block, f->single_layers,
                              single_block, &(flux_run){f, &x, &hd}, &h));
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */

@@ -378,7 +378,7 @@ static mdt_status flux2_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tens
     }
     mdt_k()->silu(temb, B * C);
     d.cond = temb, d.cond_rows = B, d.cond_width = C;
-    MDT_TRY(mdt_guard_finite(d.mesh, "time_guidance_embed", temb, B * C));
+    mdt_guard_finite(d.m, "time_guidance_embed", temb, B * C);
     MDT_TRY(mdt_dit_adaln(&d, &f->mod_img, mi));      // [B, 6C]
     MDT_TRY(mdt_dit_adaln(&d, &f->mod_txt, mt));      // [B, 6C]
     MDT_TRY(mdt_dit_adaln(&d, &f->mod_single, ms));   // [B, 3C]
@@ -387,8 +387,8 @@ static mdt_status flux2_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tens
     MDT_TRY(mdt_dit_row_linear(&d, &f->ctx_emb, x.s.ehs + d.k * f->ctx_emb.in_local, f->joint_dim,
                                c,
                                B * st)); // [B, St/P, C]: replicated input, this rank's features
-    MDT_TRY(mdt_guard_finite(d.mesh, "x_embedder", xs, B * si * C));
-    MDT_TRY(mdt_guard_finite(d.mesh, "context_embedder", c, B * st * C));
+    mdt_guard_finite(d.m, "x_embedder", xs, B * si * C);
+    mdt_guard_finite(d.m, "context_embedder", c, B * st * C);
     MDT_TRY(mdt_joint_blocks(&d, &x.s, C, xs, c, f->layers, double_block, f->single_layers,
                              single_block, &(f2_run){f, &x, mi, mt, ms, &hd}, &h));
     /* norm_out on the image rows (mo = (scale, shift)) into xs, free now */

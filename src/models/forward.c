@@ -1,49 +1,87 @@
 /*
- * forward.c — one forward of a loaded model: arenas reset, the family's forward run, device
- * errors surfaced, every rank's verdict agreed; and the forward's two contracts: no silent NaN
- * (mdt_guard_finite after each stage) and no silent degrade (mdt_model_check_promise).
+ * forward.c — the one forward of a loaded model (meshdit.h: mdt_model_forward), used by run,
+ * serve and the sampler alike: the watchdog armed, arenas reset, the family's forward run,
+ * device errors surfaced, stages and outputs checked finite, and every rank's verdict agreed
+ * once; and the forward's two contracts: no silent NaN (mdt_guard_finite after each stage,
+ * recorded locally) and no silent degrade (mdt_model_check_promise).
  */
 #include "models/model.h"
 
 #include "backend/backend.h"
 
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+
+void mdt_model_set_step_timeout(mdt_model *m, double seconds) {
+    m->step_timeout = seconds > 0 ? seconds : 0;
+}
+
+void mdt_guard_finite(mdt_model *m, const char *what, const float *x, int64_t n) {
+    if (m->nan_elem >= 0 || n <= 0 || mdt_backend_mem()) /* device rows: the outputs are checked */
+        return;
+    const int64_t bad = mdt_first_nonfinite(x, n);
+    if (bad < 0)
+        return;
+    m->nan_elem = bad;
+    snprintf(m->nan_stage, sizeof m->nan_stage, "%s", what);
+}
+
+/* After the family's forward, this rank's own verdict on what it computed: the first stage that
+ * went non-finite, else the first output holding a NaN or Inf (whatever the backend: outputs
+ * are on the host). */
+static mdt_status check_finite(const mdt_model *m, const mdt_tensor_set *outputs) {
+    if (m->nan_elem >= 0)
+        return MDT_FAIL(MDT_E_NUMERIC,
+                        "the output of %s went non-finite (NaN or Inf; first on rank %d at element "
+                        "%lld of its rows): the weights or inputs are too large for f32",
+                        m->nan_stage, m->mesh ? m->mesh->world_rank : 0, (long long)m->nan_elem);
+    for (int k = 0; k < mdt_tensor_set_count(outputs); k++) {
+        const char *name;
+        const mdt_tensor *t = mdt_tensor_set_at(outputs, k, &name);
+        const int64_t bad =
+            t->dtype == MDT_F32 ? mdt_first_nonfinite(t->data, mdt_tensor_numel(t)) : -1;
+        if (bad >= 0)
+            return MDT_FAIL(MDT_E_NUMERIC,
+                            "output '%s' holds a NaN or Inf at element %lld; not written", name,
+                            (long long)bad);
+    }
+    return MDT_OK;
+}
 
 mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_tensor_set *outputs) {
     mdt_status st;
     if (!m->weights && !m->on_device)
         return MDT_FAIL(MDT_E_INVALID, "model has no weights (described, not loaded)");
+    mdt_mesh *mesh = m->mesh;
+    /* watched: a rank that does not reach a collective of this forward within the bound ends
+     * the job with one line naming it; default 10 x the longest forward so far, at least 60 s */
+    const double bound = m->step_timeout > 0          ? m->step_timeout
+                         : 10.0 * m->longest_s > 60.0 ? 10.0 * m->longest_s
+                                                      : 60.0;
+    mdt_mesh_set_deadline(mesh, bound);
+    const double t0 = mdt_now();
     m->arena.src = mdt_backend_mem();       /* activations where the weights are */
     m->harena.src = mdt_backend_host_mem(); /* page-locked staging for the uploads */
+    m->nan_elem = -1, m->nan_stage[0] = '\0';
     st = mdt_arena_reset(&m->arena);
     if (st == MDT_OK)
         st = mdt_arena_reset(&m->harena);
     m->fwd_c0 = *mdt_counters_get(); /* the no-silent-degrade check compares against these */
     memset(m->fwd_g0, 0, sizeof m->fwd_g0);
-    if (m->mesh)
-        memcpy(m->fwd_g0, m->mesh->group_bytes, sizeof m->fwd_g0);
+    if (mesh)
+        memcpy(m->fwd_g0, mesh->group_bytes, sizeof m->fwd_g0);
     if (st == MDT_OK)
         st = m->fam->forward(m, inputs, outputs);
     if (st == MDT_OK)
         st = mdt_backend_check(); /* a device failure surfaces here at the latest */
-    return mdt_mesh_agree(m->mesh, st);
-}
-
-mdt_status mdt_guard_finite(mdt_mesh *mesh, const char *what, const float *x, int64_t n) {
-    if (mdt_backend_mem()) /* device activations: the host-side output check covers them */
-        return MDT_OK;
-    const int64_t bad = n > 0 ? mdt_first_nonfinite(x, n) : -1;
-    /* one reduction finds the lowest failing rank and its element: rank in the high bits */
-    const int64_t rank = mesh ? mesh->world_rank : 0, span = (int64_t)1 << 40;
-    int64_t key = bad >= 0 ? rank * span + (bad < span ? bad : span - 1) : INT64_MAX;
-    MDT_TRY(mdt_mesh_min_i64(mesh, &key, "finite-output check"));
-    if (key == INT64_MAX)
-        return MDT_OK;
-    return MDT_FAIL(MDT_E_NUMERIC,
-                    "the output of %s went non-finite (NaN or Inf; first on rank %lld at element "
-                    "%lld of its rows): the weights or inputs are too large for f32",
-                    what, (long long)(key / span), (long long)(key % span));
+    if (st == MDT_OK)
+        st = check_finite(m, outputs);
+    st = mdt_mesh_agree(mesh, st); /* agreed once, for the whole forward */
+    const double secs = mdt_now() - t0;
+    m->longest_s = secs > m->longest_s ? secs : m->longest_s;
+    mdt_mesh_set_deadline(mesh, 0); /* what follows waits as long as it takes */
+    return st;
 }
 
 mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p) {

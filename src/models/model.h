@@ -46,6 +46,11 @@ struct mdt_model {
     float *dev_scratch;  /* past the f32 slots: where bf16 weights pass in f32 on upload */
     mdt_counters fwd_c0; /* counters when the current forward began */
     int64_t fwd_g0[MDT_GROUP_COUNT]; /* group bytes when the current forward began */
+    /* the guarded forward (forward.c): the watchdog's bound and the longest forward so far, and
+     * the first stage of the current forward whose rows went non-finite on this rank */
+    double step_timeout, longest_s;
+    char nan_stage[48];
+    int64_t nan_elem; /* -1: none */
 };
 
 /* Loads the weights of a described model from `ck`, each rank reading only its TP shards for
@@ -53,12 +58,13 @@ struct mdt_model {
 mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh);
 /* Checks a T x R x U layout against the model (heads, every sharded dim and packed block). */
 mdt_status mdt_model_check_layout(const mdt_model *m, int T, int R, int U);
-/* No silent NaN: every rank's rows x[0:n] of a forward stage (the embeddings, each block's
- * output, the final projection) must be finite. Collective over the world (every rank calls it
- * at the same stages, one tiny all-reduce): MDT_E_NUMERIC on every rank, naming the stage
- * (`what`, e.g. "transformer_blocks.3") and the lowest rank and element that went non-finite.
- * Activations in device memory are not scanned here (their final output is, on the host). */
-mdt_status mdt_guard_finite(mdt_mesh *mesh, const char *what, const float *x, int64_t n);
+/* No silent NaN: this rank's rows x[0:n] of a forward stage (the embeddings, each block's
+ * output, the final projection) must be finite. Local: the first stage that is not (`what`, e.g.
+ * "transformer_blocks.3", and its element) is recorded, the forward goes on (every rank must
+ * run the same collectives), and mdt_model_forward fails with MDT_E_NUMERIC naming it, agreed
+ * with the other ranks once at the end of the forward. Activations in device memory are not
+ * scanned here (the outputs are, on the host). */
+void mdt_guard_finite(mdt_model *m, const char *what, const float *x, int64_t n);
 
 /* No silent degrade: what one forward on this rank must have done under its layout. */
 typedef struct mdt_promise {

@@ -372,8 +372,8 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     mdt_dit_linear(&f->img_in, hs_d, n * si, xs, C); // [n, Si/P, C]
     mdt_k()->rmsnorm(ehs_d, f->txt_norm, tn, n * st, J, k_eps);
     mdt_dit_linear(&f->txt_in, tn, n * st, c, C); // [n, St/P, C]
-    MDT_TRY(mdt_guard_finite(d->mesh, "img_in", xs, n * si * C));
-    MDT_TRY(mdt_guard_finite(d->mesh, "txt_in", c, n * st * C));
+    mdt_guard_finite(d->m, "img_in", xs, n * si * C);
+    mdt_guard_finite(d->m, "txt_in", c, n * st * C);
     for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
         const mdt_arena_mark bk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c));
@@ -384,7 +384,7 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
         mdt_k()->layernorm_modulate(xs + b * si * C, xn + b * si * C, si, C, k_eps,
                                     emb + b * 2 * C + C, emb + b * 2 * C); // [Si/P, C]
     mdt_dit_linear(&f->proj_out, xn, n * si, ol, O);                       // [n, Si/P, O]
-    MDT_TRY(mdt_guard_finite(d->mesh, "proj_out", ol, n * si * O));
+    mdt_guard_finite(d->m, "proj_out", ol, n * si * O);
     mdt_tensor part = *sample; /* rows b0 .. b0 + n of sample [B, Si, O] */
     part.shape[0] = n, part.data = (float *)sample->data + b0 * Si * O;
     MDT_TRY(mdt_cp_give(&d->cp, "sample", ar, ha, NULL, Si, ol, &part));
@@ -422,7 +422,7 @@ static mdt_status qwen_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     /* temb = TimestepEmbedding(Timesteps(t)); every modulation reads SiLU(temb) */
     mdt_dit_mlp2(&f->t_lin1, &f->t_lin2, x.e256, B, h1, cond); // [B, C]
     mdt_k()->silu(cond, B * C);
-    MDT_TRY(mdt_guard_finite(d.mesh, "time_text_embed", cond, B * C));
+    mdt_guard_finite(d.m, "time_text_embed", cond, B * C);
     MDT_TRY(
         mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Si, f->proj_out.out}, &o));
     /* one pass for the batch when every element attends the same text tokens, else one each */

@@ -426,19 +426,19 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
     mdt_k()->silu(cond, Tn * C);
     d.cond = cond, d.cond_rows = Tn, d.cond_width = C;
     MDT_TRY(mdt_dit_adaln(&d, &f->tproj, tproj)); // [Tn, 6C]
-    MDT_TRY(mdt_guard_finite(d.mesh, "condition_embedder.time_proj", tproj, Tn * 6 * C));
+    mdt_guard_finite(d.m, "condition_embedder.time_proj", tproj, Tn * 6 * C);
     MDT_TRY(mlp_tp(&d, &f->x1, &f->x2, x.ehs, B * x.Nt, 1, ctx)); // [B, Nt, C]
-    MDT_TRY(mdt_guard_finite(d.mesh, "condition_embedder.text_embedder", ctx, B * x.Nt * C));
+    mdt_guard_finite(d.m, "condition_embedder.text_embedder", ctx, B * x.Nt * C);
     if (x.img) {
         MDT_TRY(image_embed(f, &d, &x, img)); // [B, Ni, C]
-        MDT_TRY(mdt_guard_finite(d.mesh, "condition_embedder.image_embedder", img, B * x.Ni * C));
+        mdt_guard_finite(d.m, "condition_embedder.image_embedder", img, B * x.Ni * C);
     }
     mdt_dit_linear(&f->patch_emb, x.x, M, h, C); // [B, n, C]
-    MDT_TRY(mdt_guard_finite(d.mesh, "patch_embedding", h, M * C));
+    mdt_guard_finite(d.m, "patch_embedding", h, M * C);
     for (int64_t i = 0; i < f->layers; i++) {
         MDT_TRY(block(f, &d, &x, &f->blk[i], tproj, ctx, x.img ? img : NULL, h));
         snprintf(stage, sizeof stage, "blocks.%lld", (long long)i);
-        MDT_TRY(mdt_guard_finite(d.mesh, stage, h, M * C));
+        mdt_guard_finite(d.m, stage, h, M * C);
     }
     /* norm_out: shift, scale = scale_shift_table + temb (per distinct timestep, picked per token)
      */
@@ -455,7 +455,7 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
     mdt_k()->layernorm_modulate(h, nx, M, C, (float)f->eps, NULL, NULL);
     mdt_k()->modulate_rows(nx, M, C, tab, 2 * C, x.trow, 0, C);
     mdt_dit_linear(&f->proj_out, nx, M, ol, O); // [B, n, O]
-    MDT_TRY(mdt_guard_finite(d.mesh, "proj_out", ol, M * O));
+    mdt_guard_finite(d.m, "proj_out", ol, M * O);
     MDT_TRY(mdt_cp_give(&d.cp, "sample", ar, d.ha, in, x.S, ol, &rows)); // [B, S, O]
     MDT_TRY(mdt_tensor_set_add(
         out, "sample", MDT_F32, 5,

@@ -70,6 +70,7 @@ static void add_rank(cJSON *ranks, const mdt_rank_facts *f) {
     cJSON *rg = cJSON_AddObjectToObject(rk, "ring_per_step");
     cJSON_AddNumberToObject(rg, "ring_compute_seconds", f->ring_compute_s);
     cJSON_AddNumberToObject(rg, "ring_wait_seconds", f->ring_wait_s);
+    cJSON_AddNumberToObject(rk, "world_collectives_per_step", (double)f->world_colls);
 }
 
 mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, double load_seconds,

@@ -19,6 +19,7 @@ typedef struct mdt_rank_facts {
     int64_t attn_calls, attn_q, attn_kv;
     int64_t coll[MDT_COLL_KIND_COUNT];
     int64_t group[MDT_GROUP_COUNT];
+    int64_t world_colls; /* collectives over the whole world: agreements, barriers */
     double ring_wait_s, ring_compute_s, prep_s;
 } mdt_rank_facts;
 

@@ -52,12 +52,13 @@ static void public_view(const mdt_rank_facts *f, mdt_rank_stats *p) {
                           .bytes_cp = f->group[MDT_GROUP_CP],
                           .ring_compute_s = f->ring_compute_s,
                           .ring_wait_s = f->ring_wait_s,
-                          .prep_s = f->prep_s};
+                          .prep_s = f->prep_s,
+                          .world_collectives = f->world_colls};
 }
 
 /* This rank's facts of the last step, gathered to world rank 0. Collective over the world. */
 static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, const int64_t *coll,
-                               const int64_t *group, mdt_run_stats *s) {
+                               const int64_t *group, int64_t world_colls, mdt_run_stats *s) {
     mdt_mesh *mesh = m->mesh;
     mdt_rank_facts mine = {0};
     int64_t heads = 0;
@@ -77,6 +78,7 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     mine.attn_kv = per->attn_kv_rows;
     memcpy(mine.coll, coll, sizeof mine.coll);
     memcpy(mine.group, group, sizeof mine.group);
+    mine.world_colls = world_colls;
     mine.ring_wait_s = per->ring_wait_s, mine.ring_compute_s = per->ring_compute_s;
     mine.prep_s = per->prep_s;
     const int world = mesh ? mesh->world_size : 1;
@@ -111,7 +113,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         return MDT_FAIL(MDT_E_INVALID, "sample: the outputs set must be empty");
     double *times = calloc((size_t)nsteps, sizeof(double));
     mdt_counters per = {0};
-    int64_t coll[MDT_COLL_KIND_COUNT] = {0}, group[MDT_GROUP_COUNT] = {0};
+    int64_t coll[MDT_COLL_KIND_COUNT] = {0}, group[MDT_GROUP_COUNT] = {0}, world_colls = 0;
     mdt_tensor *lat = NULL, *tst = NULL;
     mdt_tensor_set *res = NULL;
     if (!times)
@@ -125,15 +127,12 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
                             fam->latent_input, fam->timestep_input);
         }
     }
-    /* the step watchdog: a rank that does not reach a collective of a step within the bound ends
-     * the job with one line naming it; default: 10 x the longest step so far, at least 60 s */
-    double longest = 0.0;
+    /* the step watchdog: each forward arms it (mdt_model_forward), with this run's bound */
+    const double saved_timeout = m->step_timeout;
+    if (p->step_timeout > 0)
+        mdt_model_set_step_timeout(m, p->step_timeout);
     mdt_status st = MDT_OK;
     for (int i = 0; i < nsteps && st == MDT_OK; i++) {
-        if (mesh)
-            mdt_mesh_set_deadline(mesh, p->step_timeout > 0
-                                            ? p->step_timeout
-                                            : (10.0 * longest > 60.0 ? 10.0 * longest : 60.0));
         /* flow-matching Euler: sigma_i = 1 - i/N, x <- x + (sigma_{i+1} - sigma_i) v */
         double sig = 1.0 - (double)i / (double)nsteps, sig_next = 1.0 - (double)(i + 1) / nsteps;
         const double tscale = fam->timestep_scale > 0 ? fam->timestep_scale : 1.0;
@@ -149,27 +148,30 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         const int direct = steps == 0 && i == nsteps - 1;
         if (!direct && (st = mdt_tensor_set_create(&res)) != MDT_OK)
             break;
-        int64_t c0[MDT_COLL_KIND_COUNT] = {0}, gb0[MDT_GROUP_COUNT] = {0};
+        int64_t c0[MDT_COLL_KIND_COUNT] = {0}, gb0[MDT_GROUP_COUNT] = {0}, w0 = 0;
         if (mesh) {
             memcpy(c0, mesh->bytes_sent, sizeof c0);
             memcpy(gb0, mesh->group_bytes, sizeof gb0);
+            w0 = mesh->world_collectives;
         }
         mdt_counters_reset();
-        if (mesh && (st = mdt_mesh_barrier(mesh, "step start")) != MDT_OK)
-            break;
+        /* no barrier first: the previous forward's agreement (or the load's) left every rank
+         * together */
         double ts = mdt_now();
-        st = mdt_model_forward(m, in, direct ? outputs : res);
+        st = mdt_model_forward(m, in, direct ? outputs : res); /* guarded, watched, agreed */
         times[i] = mdt_now() - ts;
-        longest = times[i] > longest ? times[i] : longest;
         per = *mdt_counters_get();
         for (int k = 0; mesh && k < MDT_COLL_KIND_COUNT; k++)
             coll[k] = mesh->bytes_sent[k] - c0[k];
         for (int g = 0; mesh && g < MDT_GROUP_COUNT; g++)
             group[g] = mesh->group_bytes[g] - gb0[g];
+        world_colls = mesh ? mesh->world_collectives - w0 : 0;
         if (st != MDT_OK && steps > 0) /* say which step: its input is ours, not the user's */
             st = mdt_fail_prefix(st, "step %d of %d", i + 1, nsteps);
         if (st != MDT_OK)
             break;
+        /* the Euler update runs on the gathered output, the same bits on every rank, so every
+         * rank reaches the same verdict on it without agreeing */
         if (lat) {
             mdt_tensor *v = mdt_tensor_set_get(res, fam->output);
             if (!v || mdt_tensor_numel(v) != mdt_tensor_numel(lat)) {
@@ -195,24 +197,12 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         if (p->on_step)
             p->on_step(p->user, i + 1, nsteps, times[i]);
     }
-    st = mdt_mesh_agree(mesh, st);
-    if (mesh)
-        mdt_mesh_set_deadline(mesh, 0); /* phases after the steps wait as long as they take */
+    m->step_timeout = saved_timeout;
     mdt_tensor_set_free(res);
     /* the sampler's result is the final latent, under the model's output name */
     if (st == MDT_OK && lat)
         st = mdt_tensor_set_add_copy(outputs, fam->output, lat);
-    for (int k = 0; st == MDT_OK && k < mdt_tensor_set_count(outputs); k++) {
-        const char *oname; /* never written with NaN or Inf, whatever the backend */
-        const mdt_tensor *t = mdt_tensor_set_at(outputs, k, &oname);
-        const int64_t bad =
-            t->dtype == MDT_F32 ? mdt_first_nonfinite(t->data, mdt_tensor_numel(t)) : -1;
-        if (bad >= 0)
-            st = MDT_FAIL(MDT_E_NUMERIC,
-                          "output '%s' holds a NaN or Inf at element %lld; not written", oname,
-                          (long long)bad);
-    }
-    st = mdt_mesh_agree(mesh, st);
+    st = mdt_mesh_agree(mesh, st); /* a local failure between forwards (out of memory) */
     if (st != MDT_OK || !stats) {
         free(times);
         return st;
@@ -225,7 +215,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     s->steps = nsteps, s->sampled = steps > 0;
     s->step_median_s = mdt_median(times, nsteps);
     free(times);
-    if ((st = gather_stats(m, &per, coll, group, s)) != MDT_OK) {
+    if ((st = gather_stats(m, &per, coll, group, world_colls, s)) != MDT_OK) {
         mdt_run_stats_free(s);
         return st;
     }

@@ -309,10 +309,8 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     st = mdt_mesh_agree(c->mesh, st);
     double secs = 0;
     if (st == MDT_OK) {
-        mdt_sample_params sp = mdt_sample_params_default();
-        sp.steps = 0, sp.repeat = 1, sp.step_timeout = c->p->step_timeout;
         const double t0 = now_s();
-        st = mdt_sample(c->m, r->tensors, &sp, out, NULL);
+        st = mdt_model_forward(c->m, r->tensors, out); /* guarded, watched, agreed */
         secs = now_s() - t0;
         if (st != MDT_OK && mdt_mesh_peers_stuck(c->mesh))
             *fatal = st;
@@ -535,6 +533,7 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
     if (st == MDT_OK && c.rank == 0 && c.world > 1 &&
         !(c.notes_recv = mdt_calloc(sizeof(int) * (size_t)c.world)))
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    mdt_model_set_step_timeout(m, p->step_timeout);
     if (c.mesh && MPI_Comm_dup(c.mesh->world, &c.comm) != MPI_SUCCESS)
         st = MDT_FAIL(MDT_E_MPI, "serve: duplicating the world communicator failed");
     if (st == MDT_OK && c.rank == 0)

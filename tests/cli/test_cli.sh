@@ -152,8 +152,8 @@ mpi_error skipped-cp-split-h3 2 "no silent degrade.*computed the whole sequence"
 unset MESHDIT_TEST_SKIP_CP_SPLIT
 mpi_error h3-heads 3 "tp=3 does not divide 8 attention heads" -- "${H3ARGS[@]}" --tp 3
 # a rank that fails or dies mid-load or mid-step at 4 ranks: every rank exits non-zero within 30 s,
-# with the failing rank's message (stage:2 fails just before a world collective: the agreement
-# has its own communicator, so the peers' collective cannot swallow it)
+# with the failing rank's message (stage:2 fails between two blocks, its peers already inside the
+# next block's collectives: the agreement has its own communicator, so those cannot swallow it)
 export MESHDIT_AGREE_TIMEOUT=5
 for inj in load:2 step:2 stage:2 load:1:kill step:3:kill; do
     rm -f "$T"/rc.*
@@ -231,8 +231,11 @@ for layout in "--ulysses 2" "--ring 2" "--tp 2 --ulysses 2" "--ring 2 --ulysses 
             --inputs "$DATA/flux_guidance/inputs.safetensors" --out "$T/cp.safetensors" $layout \
             --report "$T/cp.json" >"$T/cp.txt" 2>&1 &&
        "$BIN" compare "$T/cp.safetensors" "$DATA/flux_guidance/expected.safetensors" >/dev/null &&
-       grep -q '"ring_wait_seconds"' "$T/cp.json"; then ok
-    else bad "run $layout: $(tail -3 "$T/cp.txt")"; fi
+       grep -q '"ring_wait_seconds"' "$T/cp.json" &&
+       # one world collective per forward (the agreement; each stage's NaN guard is local)
+       [ "$(tr -d ' \t' <"$T/cp.json" | grep -o '"world_collectives_per_step":[0-9]*' | sort -u)" = \
+         '"world_collectives_per_step":1' ]; then ok
+    else bad "run $layout: $(tail -3 "$T/cp.txt"; grep world_collectives "$T/cp.json" | sort -u)"; fi
 done
 
 # --device cuda where no GPU can run it: one line saying why (no plugin in this build, or no
@@ -269,14 +272,14 @@ hl=$(od -An -t u8 -N8 "$hf" | tr -d ' ')
 xo=$(head -c $((8 + hl)) "$hf" | tail -c "$hl" | grep -o '"x_embedder.weight":{[^}]*}' |
      sed -E 's/.*"data_offsets":\[([0-9]+),.*/\1/')
 printf '\xe6\xb1\x61\x7f' | dd of="$hf" bs=1 seek=$((8 + hl + xo)) conv=notrunc status=none
-expect_error extreme-weight 1 "went non-finite" "rank 0" -- "$BIN" run --checkpoint "$T/hot" \
+expect_error extreme-weight 1 "output of x_embedder went non-finite" "rank 0" -- "$BIN" run --checkpoint "$T/hot" \
     --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
 expect_error extreme-weight-steps 1 "step 1 of 2: " "went non-finite" -- "$BIN" run \
     --checkpoint "$T/hot" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" \
     --steps 2
 if grep -q "hidden_states" "$T/stderr"; then bad "a step's non-finite output blamed on the input"
 else ok; fi
-expect_error extreme-weight-tp 1 "went non-finite" -- "$MPIEXEC" -n 2 "$BIN" run --checkpoint \
+expect_error extreme-weight-tp 1 "output of x_embedder went non-finite" -- "$MPIEXEC" -n 2 "$BIN" run --checkpoint \
     "$T/hot" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --ulysses 2
 # the step watchdog: SIGSTOP one rank of four mid-run; the job ends within the bound plus the
 # grace period with exactly one error line naming that rank, and the waiting ranks sleep (each
