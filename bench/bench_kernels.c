@@ -7,7 +7,6 @@
 #include "core/core.h"
 #include "io/checkpoint.h"
 #include "kernels/cpu/cpu.h"
-#include "kernels/cpu/cpu.h"
 #include "kernels/cpu/gemm.h"
 
 #include <cblas.h>

@@ -11,9 +11,9 @@
 #define _POSIX_C_SOURCE 200809L
 #include "backend/backend.h"
 #include "harness.h"
-#include "kernels/ref/ref.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/ref/ref.h"
 
 #include <math.h>
 #include <stdio.h>
