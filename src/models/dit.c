@@ -16,16 +16,29 @@ void mdt_dit_begin(mdt_dit *d, mdt_model *m, int64_t heads, int64_t head_dim) {
     mdt_cp_begin(&d->cp, m->fam->cp_plan, m->mesh);
 }
 
-const mdt_attn_names mdt_attn_self = {"attn.to_q",     "attn.to_k",   "attn.to_v",
-                                      "attn.to_out.0", "attn.norm_q", "attn.norm_k"};
+const mdt_attn_names mdt_attn_self = {"attn.to_q",   "attn.to_k",   "attn.to_v",   "attn.to_out.0",
+                                      "attn.norm_q", "attn.norm_k", MDT_ROWS_UNSET};
 
 mdt_status mdt_dit_declare_attention(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,
                                      mdt_qkv *w, mdt_lin *out, int64_t inner, int64_t C, int bias) {
     MDT_TRY(mdt_wtable_add_linear(t, &w->q, pfx, n->q, inner, C, MDT_TP_COLWISE, bias));
-    MDT_TRY(mdt_wtable_add_linear(t, &w->k, pfx, n->k, inner, C, MDT_TP_COLWISE, bias));
-    MDT_TRY(mdt_wtable_add_linear(t, &w->v, pfx, n->v, inner, C, MDT_TP_COLWISE, bias));
+    const mdt_rows own = n->kv_rows != MDT_ROWS_UNSET ? mdt_wtable_rows(t, n->kv_rows) : t->rows;
+    mdt_status st = mdt_wtable_add_linear(t, &w->k, pfx, n->k, inner, C, MDT_TP_COLWISE, bias);
+    if (st == MDT_OK)
+        st = mdt_wtable_add_linear(t, &w->v, pfx, n->v, inner, C, MDT_TP_COLWISE, bias);
+    mdt_wtable_rows(t, own);
+    MDT_TRY(st);
     return out ? mdt_wtable_add_linear(t, out, pfx, n->out, C, inner, MDT_TP_ROWWISE, bias)
                : MDT_OK;
+}
+
+mdt_status mdt_dit_declare_adaln(mdt_wtable *t, mdt_lin *l, const char *pfx, const char *name,
+                                 int64_t out, int64_t in, int bias) {
+    const mdt_rows prev = mdt_wtable_rows(t, MDT_ROWS_ONE);
+    const mdt_status st =
+        mdt_wtable_add_linear(t, l, pfx, name, out, in, MDT_TP_REPLICATED_INPUT_ROWWISE, bias);
+    mdt_wtable_rows(t, prev);
+    return st;
 }
 
 mdt_status mdt_dit_declare_qk_norms(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,

@@ -51,11 +51,18 @@ void mdt_dit_begin(mdt_dit *d, mdt_model *m, int64_t heads, int64_t head_dim);
  * norms (".weight" is appended). */
 typedef struct mdt_attn_names {
     const char *q, *k, *v, *out, *norm_q, *norm_k;
+    /* the rows k and v run on when they are not the module's own (cross-attention: the
+     * context's, MDT_ROWS_TEXT); MDT_ROWS_UNSET: the table's rows, as q */
+    mdt_rows kv_rows;
 } mdt_attn_names;
 extern const mdt_attn_names mdt_attn_self; /* attn.to_q ... attn.to_out.0, attn.norm_q/k */
 /* q, k, v colwise [inner, C], then (out not NULL) out rowwise [C, inner]; biases if `bias`. */
 mdt_status mdt_dit_declare_attention(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,
                                      mdt_qkv *w, mdt_lin *out, int64_t inner, int64_t C, int bias);
+/* An AdaLN projection `pfx name` [out, in] of the replicated conditioning (replicated-input
+ * rowwise, one row per sample). */
+mdt_status mdt_dit_declare_adaln(mdt_wtable *t, mdt_lin *l, const char *pfx, const char *name,
+                                 int64_t out, int64_t in, int bias);
 /* The per-head RMSNorm weights [D] of q and k (eps for both). */
 mdt_status mdt_dit_declare_qk_norms(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,
                                     mdt_qkv *w, int64_t D, float eps);

@@ -25,7 +25,16 @@ typedef struct mdt_wtable {
     const float ***bind;  /* bind[i]: where the loader stores the pointer to tensor i's data */
     struct mdt_lin **lin; /* lin[i]: the linear layer whose weight tensor i is, else NULL */
     int *required;        /* 0 for tensors a config may omit (none in Flux) */
+    mdt_rows rows;        /* the rows of the linears declared next (mdt_wtable_rows) */
 } mdt_wtable;
+
+/* The rows the linears declared from now on multiply (plan.h: mdt_rows), until the next call;
+ * returns the previous setting, so a helper that declares another stream can restore it. A
+ * family's table says this as it goes (conditioning, embedders, each stream of a block); every
+ * linear must have rows (mdt_wtable_check). */
+mdt_rows mdt_wtable_rows(mdt_wtable *t, mdt_rows rows);
+/* MDT_E_INVALID naming the first linear weight declared without rows. */
+mdt_status mdt_wtable_check(const mdt_wtable *t);
 
 /* A linear layer: the resident (local) weight [out_local, in_local], its bias, full dims. */
 typedef struct mdt_lin {
@@ -67,6 +76,10 @@ typedef struct mdt_model_dims {
     int64_t ffn;             /* the MLP's hidden width */
     int text_cross; /* 1: the text reaches the blocks through cross-attention (its own rows beside
                      * the sequence, Wan); 0: the text rows are part of the joint sequence */
+    /* attention calls of one forward, per sample: over the whole sequence (each block's
+     * self-attention, joint or not), of the sequence over the text (cross-attention), and of
+     * the text over itself (a text refiner, run whole on every rank) */
+    int64_t self_attn, cross_attn, text_attn;
 } mdt_model_dims;
 
 typedef struct mdt_family {

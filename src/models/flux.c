@@ -50,8 +50,10 @@ typedef struct flux {
 /* ---- weight table (every Flux linear has a bias) ---- */
 static mdt_status flux_table(flux *f, mdt_wtable *t) {
     const int64_t C = f->inner, M = f->mlp_hidden, D = f->head_dim;
-    const mdt_tp_style rep = MDT_TP_REPLICATED, adaln = MDT_TP_REPLICATED_INPUT_ROWWISE;
+    const mdt_tp_style rep = MDT_TP_REPLICATED;
     char p[MDT_NAME_MAX];
+    /* conditioning: one row per sample */
+    mdt_wtable_rows(t, MDT_ROWS_ONE);
     MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin1, "time_text_embed.timestep_embedder.", "linear_1",
                                   C, 256, rep, 1));
     MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin2, "time_text_embed.timestep_embedder.", "linear_2",
@@ -66,23 +68,27 @@ static mdt_status flux_table(flux *f, mdt_wtable *t) {
                                   f->pooled_dim, rep, 1));
     MDT_TRY(mdt_wtable_add_linear(t, &f->p_lin2, "time_text_embed.text_embedder.", "linear_2", C, C,
                                   rep, 1));
+    mdt_wtable_rows(t, MDT_ROWS_TEXT);
     MDT_TRY(mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->joint_dim, rep, 1));
+    mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->x_emb, "", "x_embedder", C, f->in_ch, rep, 1));
     for (int64_t i = 0; i < f->layers; i++) {
         flux_double *b = &f->dbl[i];
         snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
-        MDT_TRY(mdt_wtable_add_linear(t, &b->norm1, p, "norm1.linear", 6 * C, C, adaln, 1));
-        MDT_TRY(
-            mdt_wtable_add_linear(t, &b->norm1_ctx, p, "norm1_context.linear", 6 * C, C, adaln, 1));
+        MDT_TRY(mdt_dit_declare_adaln(t, &b->norm1, p, "norm1.linear", 6 * C, C, 1));
+        MDT_TRY(mdt_dit_declare_adaln(t, &b->norm1_ctx, p, "norm1_context.linear", 6 * C, C, 1));
         MDT_TRY(mdt_joint_declare_attention(t, p, &b->attn, C, 1));
+        mdt_wtable_rows(t, MDT_ROWS_IMAGE);
         MDT_TRY(mdt_dit_declare_ff(t, p, "ff", &b->ff0, &b->ff2, C, M, 0, 1));
+        mdt_wtable_rows(t, MDT_ROWS_TEXT);
         MDT_TRY(mdt_dit_declare_ff(t, p, "ff_context", &b->ffc0, &b->ffc2, C, M, 0, 1));
         MDT_TRY(mdt_joint_declare_qk_norms(t, p, &b->attn, D, k_eps));
     }
+    mdt_wtable_rows(t, MDT_ROWS_ALL); /* the single blocks: the joint rows */
     for (int64_t i = 0; i < f->single_layers; i++) {
         flux_single *b = &f->sgl[i];
         snprintf(p, sizeof p, "single_transformer_blocks.%lld.", (long long)i);
-        MDT_TRY(mdt_wtable_add_linear(t, &b->norm, p, "norm.linear", 3 * C, C, adaln, 1));
+        MDT_TRY(mdt_dit_declare_adaln(t, &b->norm, p, "norm.linear", 3 * C, C, 1));
         MDT_TRY(mdt_dit_declare_attention(t, p, &mdt_attn_self, &b->qkv, NULL, C, C, 1));
         MDT_TRY(mdt_wtable_add_linear(t, &b->proj_mlp, p, "proj_mlp", M, C, MDT_TP_COLWISE, 1));
         MDT_TRY(mdt_wtable_add_linear(t, &b->proj_out, p, "proj_out", C, C + M,
@@ -98,8 +104,11 @@ static mdt_status flux_table(flux *f, mdt_wtable *t) {
 
 static void flux_dims(const void *impl, mdt_model_dims *d) {
     const flux *f = impl;
-    *d = (mdt_model_dims){
-        .heads = f->heads, .head_dim = f->head_dim, .hidden = f->inner, .ffn = f->mlp_hidden};
+    *d = (mdt_model_dims){.heads = f->heads,
+                          .head_dim = f->head_dim,
+                          .hidden = f->inner,
+                          .ffn = f->mlp_hidden,
+                          .self_attn = f->layers + f->single_layers};
 }
 
 static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {

@@ -86,18 +86,22 @@ static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
     const mdt_tp_style rep = MDT_TP_REPLICATED, adaln = MDT_TP_REPLICATED_INPUT_ROWWISE;
     const float eps = (float)f->eps;
     char p[MDT_NAME_MAX];
+    mdt_wtable_rows(t, MDT_ROWS_ONE); /* conditioning: one row per sample */
     MDT_TRY(add_embedder(t, &f->t_lin1, &f->t_lin2, "time_guidance_embed.timestep_embedder.", C,
                          f->t_ch));
     if (f->guidance)
         MDT_TRY(add_embedder(t, &f->g_lin1, &f->g_lin2, "time_guidance_embed.guidance_embedder.", C,
                              f->t_ch));
-    MDT_TRY(mdt_wtable_add_linear(t, &f->mod_img, "double_stream_modulation_img.", "linear", 6 * C,
-                                  C, adaln, 0));
-    MDT_TRY(mdt_wtable_add_linear(t, &f->mod_txt, "double_stream_modulation_txt.", "linear", 6 * C,
-                                  C, adaln, 0));
-    MDT_TRY(mdt_wtable_add_linear(t, &f->mod_single, "single_stream_modulation.", "linear", 3 * C,
-                                  C, adaln, 0));
+    MDT_TRY(mdt_dit_declare_adaln(t, &f->mod_img, "double_stream_modulation_img.", "linear", 6 * C,
+                                  C, 0));
+    MDT_TRY(mdt_dit_declare_adaln(t, &f->mod_txt, "double_stream_modulation_txt.", "linear", 6 * C,
+                                  C, 0));
+    MDT_TRY(mdt_dit_declare_adaln(t, &f->mod_single, "single_stream_modulation.", "linear", 3 * C,
+                                  C, 0));
+    mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->x_emb, "", "x_embedder", C, f->in_ch, rep, 0));
+    /* the text rows are replicated into the embedder, each rank using its input slice */
+    mdt_wtable_rows(t, MDT_ROWS_ONE);
     MDT_TRY(
         mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->joint_dim, adaln, 0));
     for (int64_t i = 0; i < f->layers; i++) {
@@ -105,9 +109,12 @@ static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
         snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
         MDT_TRY(mdt_joint_declare_attention(t, p, &b->attn, C, 0));
         MDT_TRY(mdt_joint_declare_qk_norms(t, p, &b->attn, D, eps));
+        mdt_wtable_rows(t, MDT_ROWS_IMAGE);
         MDT_TRY(add_ff(t, &b->ff_in, &b->ff_out, p, "ff", C, M));
+        mdt_wtable_rows(t, MDT_ROWS_TEXT);
         MDT_TRY(add_ff(t, &b->ffc_in, &b->ffc_out, p, "ff_context", C, M));
     }
+    mdt_wtable_rows(t, MDT_ROWS_ALL); /* the single blocks: the joint rows */
     for (int64_t i = 0; i < f->single_layers; i++) {
         f2_single *b = &f->sgl[i];
         snprintf(p, sizeof p, "single_transformer_blocks.%lld.", (long long)i);
@@ -125,8 +132,11 @@ static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
 
 static void flux2_dims(const void *impl, mdt_model_dims *d) {
     const flux2 *f = impl;
-    *d = (mdt_model_dims){
-        .heads = f->heads, .head_dim = f->head_dim, .hidden = f->inner, .ffn = f->mlp_hidden};
+    *d = (mdt_model_dims){.heads = f->heads,
+                          .head_dim = f->head_dim,
+                          .hidden = f->inner,
+                          .ffn = f->mlp_hidden,
+                          .self_attn = f->layers + f->single_layers};
 }
 
 static mdt_status flux2_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {

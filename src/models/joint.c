@@ -10,7 +10,8 @@
 #include <stdio.h>
 
 const mdt_attn_names mdt_attn_added = {"attn.add_q_proj", "attn.add_k_proj",   "attn.add_v_proj",
-                                       "attn.to_add_out", "attn.norm_added_q", "attn.norm_added_k"};
+                                       "attn.to_add_out", "attn.norm_added_q", "attn.norm_added_k",
+                                       MDT_ROWS_UNSET};
 
 const mdt_cp_plan mdt_joint_cp_plan = {
     .nsplit = 4,
@@ -24,8 +25,15 @@ const mdt_cp_plan mdt_joint_cp_plan = {
 
 mdt_status mdt_joint_declare_attention(mdt_wtable *t, const char *pfx, mdt_joint_attn *w, int64_t C,
                                        int bias) {
-    MDT_TRY(mdt_dit_declare_attention(t, pfx, &mdt_attn_self, &w->img, &w->to_out, C, C, bias));
-    return mdt_dit_declare_attention(t, pfx, &mdt_attn_added, &w->ctx, &w->to_add_out, C, C, bias);
+    const mdt_rows prev = mdt_wtable_rows(t, MDT_ROWS_IMAGE);
+    mdt_status st =
+        mdt_dit_declare_attention(t, pfx, &mdt_attn_self, &w->img, &w->to_out, C, C, bias);
+    mdt_wtable_rows(t, MDT_ROWS_TEXT);
+    if (st == MDT_OK)
+        st =
+            mdt_dit_declare_attention(t, pfx, &mdt_attn_added, &w->ctx, &w->to_add_out, C, C, bias);
+    mdt_wtable_rows(t, prev);
+    return st;
 }
 
 mdt_status mdt_joint_declare_qk_norms(mdt_wtable *t, const char *pfx, mdt_joint_attn *w, int64_t D,
@@ -36,9 +44,12 @@ mdt_status mdt_joint_declare_qk_norms(mdt_wtable *t, const char *pfx, mdt_joint_
 
 mdt_status mdt_joint_declare_out(mdt_wtable *t, mdt_lin *norm_out, mdt_lin *proj_out, int64_t C,
                                  int64_t O, int bias) {
-    MDT_TRY(mdt_wtable_add_linear(t, norm_out, "norm_out.", "linear", 2 * C, C,
-                                  MDT_TP_REPLICATED_INPUT_ROWWISE, bias));
-    return mdt_wtable_add_linear(t, proj_out, "", "proj_out", O, C, MDT_TP_REPLICATED, bias);
+    MDT_TRY(mdt_dit_declare_adaln(t, norm_out, "norm_out.", "linear", 2 * C, C, bias));
+    const mdt_rows prev = mdt_wtable_rows(t, MDT_ROWS_ALL);
+    const mdt_status st =
+        mdt_wtable_add_linear(t, proj_out, "", "proj_out", O, C, MDT_TP_REPLICATED, bias);
+    mdt_wtable_rows(t, prev);
+    return st;
 }
 
 mdt_status mdt_joint_read_streams(mdt_dit *d, const mdt_tensor_set *in, int64_t in_ch,

@@ -29,6 +29,7 @@ mdt_status mdt_model_describe(const cJSON *config, mdt_model **out) {
     if (!m->impl || !m->config)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
     MDT_CHECK(fam->configure(m->impl, m->config, &m->table));
+    MDT_CHECK(mdt_wtable_check(&m->table)); /* every linear says which rows it runs on */
     *out = m;
     return MDT_OK;
 fail:
@@ -279,7 +280,7 @@ mdt_status mdt_model_random_inputs(const mdt_model *m, const mdt_inputs_params *
 }
 
 mdt_model_dims mdt_model_dims_of(const mdt_model *m) {
-    mdt_model_dims d = {1, 1, 1, 1, 0};
+    mdt_model_dims d = {.heads = 1, .head_dim = 1, .hidden = 1, .ffn = 1};
     m->fam->dims(m->impl, &d);
     return d;
 }

@@ -59,15 +59,19 @@ static mdt_status add_block(const h3 *f, mdt_wtable *t, h3_block *b, const char 
     MDT_TRY(
         mdt_dit_declare_qk_norms(t, pfx, &mdt_attn_self, &b->qkv, f->head_dim, (float)f->qk_eps));
     MDT_TRY(mdt_wtable_add_vector(t, &b->norm2, pfx, "norm2.weight", C));
-    return adaln ? mdt_wtable_add_linear(t, &b->adaln, pfx, "adaln_proj.linear", 6 * C * H3_MOD,
-                                         f->time_embed, MDT_TP_REPLICATED_INPUT_ROWWISE, 1)
+    return adaln ? mdt_dit_declare_adaln(t, &b->adaln, pfx, "adaln_proj.linear", 6 * C * H3_MOD,
+                                         f->time_embed, 1)
                  : MDT_OK;
 }
 
 static void h3_dims(const void *impl, mdt_model_dims *d) {
     const h3 *f = impl;
-    *d = (mdt_model_dims){
-        .heads = f->heads, .head_dim = f->head_dim, .hidden = f->hidden, .ffn = f->ffn};
+    *d = (mdt_model_dims){.heads = f->heads,
+                          .head_dim = f->head_dim,
+                          .hidden = f->hidden,
+                          .ffn = f->ffn,
+                          .self_attn = f->layers,
+                          .text_attn = f->refiner_layers};
 }
 
 static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
@@ -121,26 +125,30 @@ static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     const int64_t C = f->hidden;
     char pfx[MDT_NAME_MAX];
     const mdt_tp_style rep = MDT_TP_REPLICATED;
+    mdt_wtable_rows(t, MDT_ROWS_ALL); /* the packed video and audio rows */
     MDT_TRY(mdt_wtable_add_linear(t, &f->proj_in, "", "proj_in", C, f->Pv, rep, 1));
     MDT_TRY(
         mdt_wtable_add_linear(t, &f->audio_proj_in, "", "audio_proj_in", C, f->audio_in, rep, 1));
+    mdt_wtable_rows(t, MDT_ROWS_TEXT);
     MDT_TRY(mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->text_dim, rep, 1));
+    mdt_wtable_rows(t, MDT_ROWS_ONE); /* conditioning: one row per timestep */
     MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin1, "time_embedder.", "linear_1", f->time_hidden,
                                   f->freq_dim, rep, 1));
     MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin2, "time_embedder.", "linear_2", f->time_embed,
                                   f->time_hidden, rep, 1));
+    mdt_wtable_rows(t, MDT_ROWS_TEXT); /* the token refiner: the whole text on every rank */
     for (int64_t i = 0; i < f->refiner_layers; i++) {
         snprintf(pfx, sizeof pfx, "token_refiner.refiner_blocks.%lld.", (long long)i);
         MDT_TRY(add_block(f, t, &f->ref[i], pfx, 0));
     }
     MDT_TRY(mdt_wtable_add_vector(t, &f->final_norm, "token_refiner.", "final_norm.weight", C));
+    mdt_wtable_rows(t, MDT_ROWS_ALL); /* the blocks: the packed sequence */
     for (int64_t i = 0; i < f->layers; i++) {
         snprintf(pfx, sizeof pfx, "transformer_blocks.%lld.", (long long)i);
         MDT_TRY(add_block(f, t, &f->blk[i], pfx, 1));
     }
     MDT_TRY(mdt_wtable_add_vector(t, &f->norm_out_w, "norm_out.", "norm.weight", C));
-    MDT_TRY(mdt_wtable_add_linear(t, &f->norm_out, "norm_out.", "linear", 2 * C, f->time_embed,
-                                  MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
+    MDT_TRY(mdt_dit_declare_adaln(t, &f->norm_out, "norm_out.", "linear", 2 * C, f->time_embed, 1));
     MDT_TRY(mdt_wtable_add_linear(t, &f->proj_out, "", "proj_out", f->Pv, C, rep, 1));
     return mdt_wtable_add_linear(t, &f->audio_proj_out, "", "audio_proj_out", f->audio_in, C, rep,
                                  1);

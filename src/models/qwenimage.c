@@ -69,22 +69,27 @@ static const mdt_cp_plan k_qwen_cp_plan = {
 
 static mdt_status qwen_table(qwen *f, mdt_wtable *t) {
     const int64_t C = f->inner, M = f->mlp_hidden, D = f->head_dim;
-    const mdt_tp_style rep = MDT_TP_REPLICATED, adaln = MDT_TP_REPLICATED_INPUT_ROWWISE;
+    const mdt_tp_style rep = MDT_TP_REPLICATED;
     const char *te = "time_text_embed.timestep_embedder.";
     char p[MDT_NAME_MAX];
+    mdt_wtable_rows(t, MDT_ROWS_ONE); /* conditioning: one row per sample */
     MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin1, te, "linear_1", C, 256, rep, 1));
     MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin2, te, "linear_2", C, C, rep, 1));
     MDT_TRY(mdt_wtable_add_vector(t, &f->txt_norm, "", "txt_norm.weight", f->joint_dim));
+    mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->img_in, "", "img_in", C, f->in_ch, rep, 1));
+    mdt_wtable_rows(t, MDT_ROWS_TEXT);
     MDT_TRY(mdt_wtable_add_linear(t, &f->txt_in, "", "txt_in", C, f->joint_dim, rep, 1));
     for (int64_t i = 0; i < f->layers; i++) {
         qwen_block *b = &f->blk[i];
         snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
-        MDT_TRY(mdt_wtable_add_linear(t, &b->img_mod, p, "img_mod.1", 6 * C, C, adaln, 1));
-        MDT_TRY(mdt_wtable_add_linear(t, &b->txt_mod, p, "txt_mod.1", 6 * C, C, adaln, 1));
+        MDT_TRY(mdt_dit_declare_adaln(t, &b->img_mod, p, "img_mod.1", 6 * C, C, 1));
+        MDT_TRY(mdt_dit_declare_adaln(t, &b->txt_mod, p, "txt_mod.1", 6 * C, C, 1));
         MDT_TRY(mdt_joint_declare_attention(t, p, &b->attn, C, 1));
         MDT_TRY(mdt_joint_declare_qk_norms(t, p, &b->attn, D, k_eps));
+        mdt_wtable_rows(t, MDT_ROWS_IMAGE);
         MDT_TRY(mdt_dit_declare_ff(t, p, "img_mlp", &b->img_ff0, &b->img_ff2, C, M, 0, 1));
+        mdt_wtable_rows(t, MDT_ROWS_TEXT);
         MDT_TRY(mdt_dit_declare_ff(t, p, "txt_mlp", &b->txt_ff0, &b->txt_ff2, C, M, 0, 1));
     }
     return mdt_joint_declare_out(t, &f->norm_out, &f->proj_out, C, f->patch * f->patch * f->out_ch,
@@ -93,8 +98,11 @@ static mdt_status qwen_table(qwen *f, mdt_wtable *t) {
 
 static void qwen_dims(const void *impl, mdt_model_dims *d) {
     const qwen *f = impl;
-    *d = (mdt_model_dims){
-        .heads = f->heads, .head_dim = f->head_dim, .hidden = f->inner, .ffn = f->mlp_hidden};
+    *d = (mdt_model_dims){.heads = f->heads,
+                          .head_dim = f->head_dim,
+                          .hidden = f->inner,
+                          .ffn = f->mlp_hidden,
+                          .self_attn = f->layers};
 }
 
 static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {

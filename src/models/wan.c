@@ -61,7 +61,14 @@ static mdt_status add_attention(const wan *f, mdt_wtable *t, const char *pfx, co
     const char *sfx[6] = {"to_q", "to_k", "to_v", "to_out.0", "norm_q", "norm_k"};
     for (int i = 0; i < 6; i++)
         snprintf(n[i], sizeof n[i], "%s.%s", attn, sfx[i]);
-    const mdt_attn_names names = {n[0], n[1], n[2], n[3], n[4], n[5]};
+    /* attn2 is the cross-attention: its keys and values project the text (the context) */
+    const mdt_attn_names names = {n[0],
+                                  n[1],
+                                  n[2],
+                                  n[3],
+                                  n[4],
+                                  n[5],
+                                  strcmp(attn, "attn2") == 0 ? MDT_ROWS_TEXT : MDT_ROWS_UNSET};
     const int64_t A = f->heads * f->head_dim;
     MDT_TRY(mdt_dit_declare_attention(t, pfx, &names, w, out, A, f->C, 1));
     snprintf(p, sizeof p, "%s%s.", pfx, attn);
@@ -74,11 +81,13 @@ static mdt_status add_block(const wan *f, mdt_wtable *t, wan_block *b, const cha
     const int64_t C = f->C, A = f->heads * f->head_dim;
     MDT_TRY(add_attention(f, t, pfx, "attn1", &b->a1, &b->o1));
     MDT_TRY(add_attention(f, t, pfx, "attn2", &b->a2, &b->o2));
-    if (f->added_kv) {
+    if (f->added_kv) { /* I2V: keys and values of the image-conditioning tokens */
+        mdt_wtable_rows(t, MDT_ROWS_TEXT);
         MDT_TRY(mdt_wtable_add_linear(t, &b->ak, pfx, "attn2.add_k_proj", A, f->added_kv,
                                       MDT_TP_COLWISE, 1));
         MDT_TRY(mdt_wtable_add_linear(t, &b->av, pfx, "attn2.add_v_proj", A, f->added_kv,
                                       MDT_TP_COLWISE, 1));
+        mdt_wtable_rows(t, MDT_ROWS_ALL);
         char p[MDT_NAME_MAX + 8];
         snprintf(p, sizeof p, "%sattn2.", pfx);
         MDT_TRY(add_colwise(t, &b->n_ak, p, "norm_added_k", A));
@@ -99,14 +108,16 @@ static mdt_status wan_table(wan *f, mdt_wtable *t) {
     const mdt_tp_style rep = MDT_TP_REPLICATED, col = MDT_TP_COLWISE, row = MDT_TP_ROWWISE;
     const char *ce = "condition_embedder.";
     char pfx[MDT_NAME_MAX];
+    mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->patch_emb, "", "patch_embedding", C, f->Pin, rep, 1));
     MDT_TRY(mdt_wtable_set_stored_shape(
         t, t->n - 2, 5, (int64_t[]){C, f->in_ch, f->patch[0], f->patch[1], f->patch[2]}));
     snprintf(pfx, sizeof pfx, "%stime_embedder.", ce);
+    mdt_wtable_rows(t, MDT_ROWS_ONE); /* conditioning: one row per sample */
     MDT_TRY(mdt_wtable_add_linear(t, &f->t1, pfx, "linear_1", C, f->freq_dim, col, 1));
     MDT_TRY(mdt_wtable_add_linear(t, &f->t2, pfx, "linear_2", C, C, row, 1));
-    MDT_TRY(mdt_wtable_add_linear(t, &f->tproj, ce, "time_proj", 6 * C, C,
-                                  MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
+    MDT_TRY(mdt_dit_declare_adaln(t, &f->tproj, ce, "time_proj", 6 * C, C, 1));
+    mdt_wtable_rows(t, MDT_ROWS_TEXT); /* the context: text, then image-conditioning tokens */
     snprintf(pfx, sizeof pfx, "%stext_embedder.", ce);
     MDT_TRY(mdt_wtable_add_linear(t, &f->x1, pfx, "linear_1", C, f->text_dim, col, 1));
     MDT_TRY(mdt_wtable_add_linear(t, &f->x2, pfx, "linear_2", C, C, row, 1));
@@ -125,6 +136,7 @@ static mdt_status wan_table(wan *f, mdt_wtable *t) {
             MDT_TRY(mdt_wtable_set_stored_shape(t, t->n - 1, 3, (int64_t[]){1, f->pos_len, I}));
         }
     }
+    mdt_wtable_rows(t, MDT_ROWS_ALL); /* the video tokens */
     for (int64_t i = 0; i < f->layers; i++) {
         snprintf(pfx, sizeof pfx, "blocks.%lld.", (long long)i);
         MDT_TRY(add_block(f, t, &f->blk[i], pfx));
@@ -136,8 +148,13 @@ static mdt_status wan_table(wan *f, mdt_wtable *t) {
 
 static void wan_dims(const void *impl, mdt_model_dims *d) {
     const wan *f = impl;
-    *d = (mdt_model_dims){
-        .heads = f->heads, .head_dim = f->head_dim, .hidden = f->C, .ffn = f->ffn, .text_cross = 1};
+    *d = (mdt_model_dims){.heads = f->heads,
+                          .head_dim = f->head_dim,
+                          .hidden = f->C,
+                          .ffn = f->ffn,
+                          .text_cross = 1,
+                          .self_attn = f->layers,
+                          .cross_attn = f->layers};
 }
 
 static mdt_status wan_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {

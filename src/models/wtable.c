@@ -38,6 +38,7 @@ mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0,
     w->shape[0] = d0;
     w->shape[1] = ndim > 1 ? d1 : 0;
     w->style = style;
+    w->rows = MDT_ROWS_NONE; /* a linear's weight gets the table's rows (mdt_wtable_add_linear) */
     t->bind[t->n] = bind;
     t->lin[t->n] = NULL;
     t->required[t->n] = 1;
@@ -52,11 +53,27 @@ mdt_status mdt_wtable_add_linear(mdt_wtable *t, mdt_lin *l, const char *pfx, con
     snprintf(nm, sizeof nm, "%s%s.weight", pfx, name);
     MDT_TRY(mdt_wtable_add(t, nm, 2, out, in, style, &l->w));
     t->lin[t->n - 1] = l;
+    t->specs[t->n - 1].rows = t->rows;
     if (!bias)
         return MDT_OK;
     snprintf(nm, sizeof nm, "%s%s.bias", pfx, name);
     return mdt_wtable_add(t, nm, 1, out, 0,
                           mdt_tp_shard_dim(style) == 0 ? style : MDT_TP_REPLICATED, &l->b);
+}
+
+mdt_rows mdt_wtable_rows(mdt_wtable *t, mdt_rows rows) {
+    const mdt_rows prev = t->rows;
+    t->rows = rows;
+    return prev;
+}
+
+mdt_status mdt_wtable_check(const mdt_wtable *t) {
+    for (int i = 0; i < t->n; i++)
+        if (t->lin[i] && t->specs[i].rows == MDT_ROWS_UNSET)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "weight table: linear '%s' declares no rows (mdt_wtable_rows)",
+                            t->specs[i].name);
+    return MDT_OK;
 }
 
 mdt_status mdt_wtable_add_vector(mdt_wtable *t, const float **v, const char *pfx, const char *name,

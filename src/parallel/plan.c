@@ -86,3 +86,8 @@ void mdt_split_range(int64_t S, int P, int c, int64_t *start, int64_t *len) {
     *len = base + (c < extra ? 1 : 0);
     *start = (int64_t)c * base + (c < extra ? c : extra);
 }
+
+const char *mdt_rows_name(mdt_rows r) {
+    static const char *const n[] = {"unset", "none", "all", "image", "text", "one"};
+    return (unsigned)r <= MDT_ROWS_ONE ? n[r] : "?";
+}

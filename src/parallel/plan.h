@@ -22,6 +22,19 @@ typedef enum mdt_tp_style {
 
 const char *mdt_tp_style_name(mdt_tp_style s);
 
+/* Which token rows of a forward a linear weight multiplies (the planner's FLOPs and memory): a
+ * family declares it with the table (family.h: mdt_wtable_rows); tensors that are not linears
+ * (norm weights, tables read by index) run on none. */
+typedef enum mdt_rows {
+    MDT_ROWS_UNSET = 0, /* a linear declared without rows: refused by the table's check */
+    MDT_ROWS_NONE,      /* not a linear's weight: no GEMM rows */
+    MDT_ROWS_ALL,       /* every row of the rank's sequence chunk */
+    MDT_ROWS_IMAGE,     /* the latent rows only (a joint model's two-stream blocks, embedders) */
+    MDT_ROWS_TEXT,      /* the text stream's rows (joint: its share of the chunk; cross: whole) */
+    MDT_ROWS_ONE        /* one row per sample: conditioning (timestep, guidance, AdaLN) */
+} mdt_rows;
+const char *mdt_rows_name(mdt_rows r);
+
 #define MDT_MAX_BLOCKS 8
 #define MDT_NAME_MAX 160
 
@@ -37,6 +50,7 @@ typedef struct mdt_weight_spec {
      * [out, in, kt, kh, kw] used as the linear [out, in kt kh kw]; 0: stored as `shape` */
     int stored_ndim;
     int64_t stored[MDT_MAX_DIMS];
+    mdt_rows rows; /* the rows it multiplies (linears); MDT_ROWS_NONE for other tensors */
 } mdt_weight_spec;
 
 /* The dims the checkpoint stores w with (its `stored` dims, else its view); returns ndim. */

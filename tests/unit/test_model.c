@@ -6,11 +6,12 @@
 #define _POSIX_C_SOURCE 200809L
 #include "backend/backend.h"
 #include "harness.h"
-#include "models/model.h"
-#include "tensor/tensor.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/gemm.h"
+#include "models/model.h"
+#include "tensor/tensor.h"
 
+#include <cjson/cJSON.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -203,8 +204,43 @@ static void check_presets(void) {
     EXPECT(mdt_family_preset(NULL, "tiny") == NULL, "no family");
 }
 
+/* Every linear of a family's table says which rows it runs on (the planner reads that, never a
+ * name): a table that leaves one out is refused naming it, and every preset declares them all. */
+static void check_weight_rows(void) {
+    mdt_wtable t = {0};
+    mdt_lin a, b;
+    EXPECT_OK(mdt_wtable_add_linear(&t, &a, "blocks.0.", "ff.net.2", 8, 4, MDT_TP_ROWWISE, 1));
+    EXPECT_ERR(mdt_wtable_check(&t), MDT_E_INVALID, "blocks.0.ff.net.2.weight", "declares no rows");
+    mdt_wtable_free(&t);
+    t = (mdt_wtable){0};
+    EXPECT(mdt_wtable_rows(&t, MDT_ROWS_TEXT) == MDT_ROWS_UNSET, "rows start unset");
+    EXPECT_OK(mdt_wtable_add_linear(&t, &a, "", "context_embedder", 8, 4, MDT_TP_REPLICATED, 1));
+    EXPECT(mdt_wtable_rows(&t, MDT_ROWS_ONE) == MDT_ROWS_TEXT, "the previous rows come back");
+    EXPECT_OK(mdt_wtable_add_linear(&t, &b, "", "t_emb", 8, 4, MDT_TP_REPLICATED, 0));
+    EXPECT_OK(mdt_wtable_check(&t));
+    EXPECT(t.specs[0].rows == MDT_ROWS_TEXT && t.specs[1].rows == MDT_ROWS_NONE &&
+               t.specs[2].rows == MDT_ROWS_ONE,
+           "weight, bias and the next weight: text, none, one");
+    mdt_wtable_free(&t);
+    for (const mdt_preset *p = mdt_presets; p->family; p++) {
+        cJSON *cfg = cJSON_Parse(p->text);
+        mdt_model *m = NULL;
+        EXPECT_OK(mdt_model_describe(cfg, &m)); /* mdt_wtable_check runs in describe */
+        int linears = 0, text = 0;
+        for (int i = 0; m && i < m->table.n; i++) {
+            linears += m->table.lin[i] != NULL;
+            text += m->table.specs[i].rows == MDT_ROWS_TEXT;
+        }
+        EXPECT(m && linears > 0 && text > 0, "%s.%s: %d linears, %d on the text rows", p->family,
+               p->name, linears, text);
+        mdt_model_free(m);
+        cJSON_Delete(cfg);
+    }
+}
+
 int main(void) {
     check_presets();
+    check_weight_rows();
     snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_model_XXXXXX");
     if (!mkdtemp(g_dir))
         return 1;
