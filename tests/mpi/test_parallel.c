@@ -27,9 +27,9 @@
 #include "backend/backend.h"
 #include "core/testhooks.h"
 #include "harness.h"
-#include "models/model.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/gemm.h"
+#include "models/model.h"
 
 #include <cjson/cJSON.h>
 
@@ -183,41 +183,17 @@ static void check_loader(const char *dir, mdt_mesh *mesh) {
     mdt_ckpt_close(ck);
 }
 
-/* Summed over the world, (head, query row) pairs attended per forward when every rank attends
- * only its own rows: each attention call covers every head and row exactly once; MiniMax-H3's
- * refiner runs on the full text on every CP rank (TP-sharded heads). */
+/* (head, query row) pairs the world must attend in one forward under the mesh when the single
+ * rank attends q1 of them: each attention call covers every head and row once across the CP
+ * ranks, except a text refiner (the family's text_attn calls), which runs on the whole text on
+ * every CP rank. From the family's declared dims: no family named here. */
 static long long expected_query_pairs(const mdt_model *m, const mdt_tensor_set *in,
-                                      const mdt_mesh *mesh) {
-    int64_t heads = 0, layers = 0, singles = 0, refiner = 0;
-    mdt_cfg_int(m->config, "num_attention_heads", 1, 0, &heads);
-    mdt_cfg_int(m->config, "num_layers", 1, 0, &layers);
-    const mdt_tensor *hs = mdt_tensor_set_get(in, "hidden_states");
+                                      const mdt_mesh *mesh, long long q1) {
+    const mdt_model_dims d = mdt_model_dims_of(m);
     const mdt_tensor *ehs = mdt_tensor_set_get(in, "encoder_hidden_states");
-    if (strcmp(m->fam->name, "flux") == 0 || strcmp(m->fam->name, "flux2") == 0) {
-        mdt_cfg_int(m->config, "num_single_layers", 1, 0, &singles);
-        return (long long)(layers + singles) * hs->shape[0] * heads *
-               (hs->shape[1] + ehs->shape[1]);
-    }
-    if (strcmp(m->fam->name, "qwenimage") == 0) { /* masked text tokens are never attended */
-        const mdt_tensor *mk = mdt_tensor_set_get(in, "encoder_hidden_states_mask");
-        long long rows = (long long)hs->shape[0] * hs->shape[1];
-        for (int64_t i = 0; i < hs->shape[0] * ehs->shape[1]; i++) /* BOOL or I64 masks */
-            rows += !mk || (mk->dtype == MDT_BOOL ? ((const uint8_t *)mk->data)[i]
-                                                  : ((const int64_t *)mk->data)[i]) != 0;
-        return (long long)(layers * heads) * rows;
-    }
-    if (strcmp(m->fam->name, "wan") == 0) { /* self-attention, text (and image) cross-attention */
-        int64_t p[3] = {1, 2, 2};
-        int np = 3;
-        mdt_cfg_int_array(m->config, "patch_size", p, &np);
-        const mdt_tensor *img = mdt_tensor_set_get(in, "encoder_hidden_states_image");
-        const int64_t S = hs->shape[2] / p[0] * (hs->shape[3] / p[1]) * (hs->shape[4] / p[2]);
-        return (long long)layers * hs->shape[0] * heads * S * (img ? 3 : 2);
-    }
-    mdt_cfg_int(m->config, "num_refiner_layers", 0, 2, &refiner);
-    const int64_t S = mdt_tensor_set_get(in, "position_ids")->shape[0];
-    return (long long)hs->shape[0] * heads *
-           (layers * S + (int64_t)mesh->cp_size * refiner * ehs->shape[1]);
+    const mdt_tensor *hs = mdt_tensor_set_get(in, "hidden_states");
+    const long long txt = d.text_attn && ehs ? (long long)ehs->shape[1] : 0;
+    return q1 + (long long)(mesh->cp_size - 1) * d.text_attn * hs->shape[0] * d.heads * txt;
 }
 
 static mdt_tensor_set *forward(mdt_model *m, const mdt_tensor_set *in) {
@@ -247,15 +223,17 @@ static void check_forward(const char *dir, mdt_mesh *mesh) {
     EXPECT_OK(mdt_model_parallelize(mem, mesh));
     if (mesh->T > 1)
         EXPECT_ERR(mdt_model_parallelize(tp, mesh), MDT_E_INVALID, "load time");
+    mdt_counters_reset();
     mdt_tensor_set *o1 = forward(single, in);
+    const long long q1 = mdt_counters_get()->attn_query_rows; /* the single rank's, the oracle */
     mdt_counters_reset();
     mdt_tensor_set *ot = forward(tp, in);
     {
         long long q = mdt_counters_get()->attn_query_rows, qsum = 0;
         MPI_Allreduce(&q, &qsum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
-        EXPECT(qsum == expected_query_pairs(tp, in, mesh),
-               "world attended %lld (head, query row) pairs, want %lld (each once)", qsum,
-               expected_query_pairs(tp, in, mesh));
+        const long long want = expected_query_pairs(tp, in, mesh, q1);
+        EXPECT(qsum == want, "world attended %lld (head, query row) pairs, want %lld (each once)",
+               qsum, want);
     }
     mdt_tensor_set *om = forward(mem, in);
     for (int oi = 0; oi < mdt_tensor_set_count(exp); oi++) {
