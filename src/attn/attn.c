@@ -23,44 +23,45 @@ void mdt_attn_head_group(int64_t H, int U, int j, int64_t *h0, int64_t *hn) {
     mdt_split_range(H, U, j, h0, hn);
 }
 
-/* One ring step's attention of Q [hn, L, D] over the block K|V [hn, Lmax, D] (kv valid rows) into
- * O [L, ldO] and its log-sum-exp [hn, L]. With the next block in flight (rq) on host memory, the
- * work is cut into pieces of about MDT_RING_POLL_FLOPS (one head, a run of query rows; each row's
- * result does not depend on the cut) and the transfer is moved along between pieces: the CPU
- * transports move data only inside MPI calls. On a device the kernel runs whole (its launches are
- * asynchronous; cutting them would only shrink them). */
-static mdt_status step_attention(mdt_mesh *mesh, mdt_ring_req *rq, mdt_arena *ar, const float *Q,
-                                 const float *K, const float *V, float *O, int64_t ldO, float *lse,
-                                 int64_t hn, int64_t L, int64_t Lmax, int64_t kv, int64_t D,
-                                 float scale) {
+/* One ring step's attention: s->q [hn, L, D] over the block K|V [hn, Lmax, D] (kv valid rows)
+ * into s->out [L, ldO] and its log-sum-exp s->lse [hn, L]. With the next block in flight (rq) on
+ * host memory, the work is cut into pieces of about MDT_RING_POLL_FLOPS (one head, a run of
+ * query rows; each row's result does not depend on the cut) and the transfer is moved along
+ * between pieces: the CPU transports move data only inside MPI calls. On a device the kernel runs
+ * whole (its launches are asynchronous; cutting them would only shrink them). */
+static mdt_status step_attention(mdt_mesh *mesh, mdt_ring_req *rq, mdt_arena *ar,
+                                 const mdt_attn_args *s) {
     const mdt_mem_source *dev = mdt_mem_device();
-    if (!rq || (dev && dev->is_device(Q)) || mdt_ring_progress(mesh, rq))
-        return mdt_k_attention(ar, Q, K, V, O, ldO, lse, hn, L, Lmax, kv, D, scale);
+    if (!rq || (dev && dev->is_device(s->q)) || mdt_ring_progress(mesh, rq))
+        return mdt_k_attention(ar, s);
     /* whole query tiles; with bf16 operands the kernel rounds a head's K and V once per call and
      * takes 256-row tiles, so a piece is at least 256 rows (that rounding is then at most one
      * value per 512 FLOPs) */
-    const int64_t per_row = 4 * (kv > 0 ? kv : 1) * D; /* FLOPs of one query row */
+    const int64_t D = s->D, L = s->Sq, Lmax = s->Sk;
+    const int64_t per_row = 4 * (s->kv > 0 ? s->kv : 1) * D; /* FLOPs of one query row */
     const int64_t least = mdt_backend_bf16() ? 256 : 64;
     int64_t rows = (MDT_RING_POLL_FLOPS / per_row + least - 1) / least * least;
     rows = rows < least ? least : rows;
     int pending = 1;
-    for (int64_t h = 0; h < hn; h++)
+    for (int64_t h = 0; h < s->H; h++)
         for (int64_t i0 = 0; i0 < L; i0 += rows) {
-            const int64_t n = L - i0 < rows ? L - i0 : rows;
-            MDT_TRY(mdt_k_attention(ar, Q + (h * L + i0) * D, K + h * Lmax * D, V + h * Lmax * D,
-                                    O + i0 * ldO + h * D, ldO, lse + h * L + i0, 1, n, Lmax, kv, D,
-                                    scale)); // [n, D] of head h <- Q [n, D] . K|V [kv, D]
+            mdt_attn_args piece = *s; // [n, D] of head h <- Q [n, D] . K|V [kv, D]
+            piece.q = s->q + (h * L + i0) * D;
+            piece.k = s->k + h * Lmax * D, piece.v = s->v + h * Lmax * D;
+            piece.out = s->out + i0 * s->ld_out + h * D, piece.lse = s->lse + h * L + i0;
+            piece.H = 1, piece.Sq = L - i0 < rows ? L - i0 : rows;
+            MDT_TRY(mdt_k_attention(ar, &piece));
             if (pending)
                 pending = !mdt_ring_progress(mesh, rq);
         }
     return MDT_OK;
 }
 
-/* Attention of Q [hn, L, D] over the blocks of every ring member (ring group), O [L, ldO]. */
-static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, const float *K,
-                                 const float *V, int64_t hn, int64_t L, int64_t D, float scale,
-                                 float *O, int64_t ldO) {
+/* Attention of a->q [hn, L, D] (hn = a->H, L = a->Sq, with its own K and V a->k, a->v of the
+ * same rows) over the blocks of every ring member (ring group), into a->out [L, ld_out]. */
+static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const mdt_attn_args *a) {
     const int R = mesh->R, r = mesh->r;
+    const int64_t hn = a->H, L = a->Sq, D = a->D;
     /* [R]: the last of the mesh's per-member arrays (mdt_attention's Ulysses path holds the rest)
      */
     int64_t *lens = mesh->member_i64 + 8 * (mesh->member_i64_n / MDT_MESH_MEMBER_I64);
@@ -76,26 +77,32 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
     float *to = mdt_arena_floats(ar, L * hn * D);
     if (!cur || !nxt || !lse || !tl || !to)
         return MDT_E_NOMEM;
-    mdt_k()->fill(cur, 2 * blk, 0.0f);                         /* own block, rows padded to Lmax */
-    mdt_k()->copy2d(cur, Lmax * D, K, L * D, hn, L * D);       // [hn, Lmax, D] <- [hn, L, D]
-    mdt_k()->copy2d(cur + blk, Lmax * D, V, L * D, hn, L * D); // [hn, Lmax, D] <- [hn, L, D]
+    mdt_k()->fill(cur, 2 * blk, 0.0f);                      /* own block, rows padded to Lmax */
+    mdt_k()->copy2d(cur, Lmax * D, a->k, L * D, hn, L * D); // [hn, Lmax, D] <- [hn, L, D]
+    mdt_k()->copy2d(cur + blk, Lmax * D, a->v, L * D, hn, L * D); // [hn, Lmax, D] <- [hn, L, D]
     mdt_counters *cn = mdt_counters_get();
     for (int s = 0; s < R; s++) {
         const int src = (r - s + R) % R;
         mdt_ring_req rq = {.n = 0}, *next = s < R - 1 ? &rq : NULL;
         if (next) /* the next block travels while this one is computed */
             MDT_TRY(mdt_ring_start(mesh, MDT_GROUP_RING, cur, nxt, 2 * blk, next));
+        /* step 0 writes straight to the output, later steps to `to`, merged in by LSE */
+        const mdt_attn_args step = {.q = a->q,
+                                    .k = cur,
+                                    .v = cur + blk,
+                                    .out = s == 0 ? a->out : to,
+                                    .ld_out = s == 0 ? a->ld_out : hn * D,
+                                    .lse = s == 0 ? lse : tl,
+                                    .H = hn,
+                                    .Sq = L,
+                                    .Sk = Lmax,
+                                    .kv = lens[src],
+                                    .D = D,
+                                    .scale = a->scale}; // [L, hn D]
         double t0 = mdt_now();
-        mdt_status st;
-        if (s == 0) {
-            st = step_attention(mesh, next, ar, Q, cur, cur + blk, O, ldO, lse, hn, L, Lmax,
-                                lens[src], D, scale); // O [L, hn D]
-        } else {
-            st = step_attention(mesh, next, ar, Q, cur, cur + blk, to, hn * D, tl, hn, L, Lmax,
-                                lens[src], D, scale); // to [L, hn D]
-            if (st == MDT_OK)
-                mdt_k()->lse_merge(O, ldO, lse, to, hn * D, tl, hn, L, D);
-        }
+        mdt_status st = step_attention(mesh, next, ar, &step);
+        if (st == MDT_OK && s > 0)
+            mdt_k()->lse_merge(a->out, a->ld_out, lse, to, hn * D, tl, hn, L, D);
         double t1 = mdt_now();
         cn->ring_compute_s += t1 - t0;
         if (st != MDT_OK) { /* the block in flight lands in arena memory the caller is about to
@@ -118,15 +125,18 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const float *Q, 
     return MDT_OK;
 }
 
-mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const float *k,
-                         const float *v, int64_t H, int64_t S_local, int64_t D, float scale,
-                         float *out, int64_t ld_out) {
+mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const mdt_attn_args *a) {
     const int U = mesh ? mesh->U : 1, R = mesh ? mesh->R : 1;
+    const int64_t H = a->H, S_local = a->Sq, D = a->D;
+    if (a->Sk != S_local || a->kv != S_local || a->lse)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "attention: a self-attention call attends its own %lld rows (Sk %lld, kv "
+                        "%lld) and merges nothing (lse)",
+                        (long long)S_local, (long long)a->Sk, (long long)a->kv);
     mdt_arena_mark mk = mdt_arena_mark_get(ar);
     mdt_status st = MDT_OK;
     if (U == 1 && R == 1) {
-        MDT_TRY(mdt_k_attention(ar, q, k, v, out, ld_out, NULL, H, S_local, S_local, S_local, D,
-                                scale));
+        MDT_TRY(mdt_k_attention(ar, a));
         mdt_counters *cn = mdt_counters_get();
         cn->attn_query_rows += H * S_local;
         cn->attn_kv_rows += H * S_local;
@@ -134,7 +144,7 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
         return MDT_OK;
     }
     if (U == 1) { /* ring only: the block is the local chunk, written straight to out */
-        st = ring_attention(mesh, ar, q, k, v, H, S_local, D, scale, out, ld_out);
+        st = ring_attention(mesh, ar, a);
         mdt_arena_rewind(ar, mk);
         return st;
     }
@@ -158,7 +168,7 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     float *back = mdt_arena_floats(ar, S_local * H * D);
     if (!recv || !qkv[0] || !qkv[1] || !qkv[2] || !ob || !back)
         return MDT_E_NOMEM;
-    const float *src[3] = {q, k, v};
+    const float *src[3] = {a->q, a->k, a->v};
     for (int i = 0; i < U; i++) {
         sc[i] = hc[i] * S_local * D, sd[i] = h0[i] * S_local * D;
         rc[i] = hn * lens[i] * D, rd[i] = hn * offs[i] * D;
@@ -169,12 +179,22 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
             mdt_k()->copy2d(qkv[x] + offs[i] * D, L * D, recv + rd[i], lens[i] * D, hn,
                             lens[i] * D); // [hn, L, D] rows offs_i.. <- [hn, lens_i, D]
     }
-    if (st == MDT_OK) {
+    if (st == MDT_OK) { /* my head group over the gathered rows: ob [L, hn D] */
+        const mdt_attn_args blk = {.q = qkv[0],
+                                   .k = qkv[1],
+                                   .v = qkv[2],
+                                   .out = ob,
+                                   .ld_out = hn * D,
+                                   .H = hn,
+                                   .Sq = L,
+                                   .Sk = L,
+                                   .kv = L,
+                                   .D = D,
+                                   .scale = a->scale};
         if (R > 1) {
-            st = ring_attention(mesh, ar, qkv[0], qkv[1], qkv[2], hn, L, D, scale, ob, hn * D);
+            st = ring_attention(mesh, ar, &blk);
         } else {
-            st = mdt_k_attention(ar, qkv[0], qkv[1], qkv[2], ob, hn * D, NULL, hn, L, L, L, D,
-                                 scale);
+            st = mdt_k_attention(ar, &blk);
             mdt_counters *cn = mdt_counters_get();
             cn->attn_query_rows += hn * L;
             cn->attn_kv_rows += hn * L;
@@ -188,7 +208,7 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const fl
     if (st == MDT_OK)
         st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, ob, sc, sd, back, rc, rd);
     for (int j = 0; st == MDT_OK && j < U; j++) /* head group j at its columns */
-        mdt_k()->copy2d(out + h0[j] * D, ld_out, back + rd[j], hc[j] * D, S_local,
+        mdt_k()->copy2d(a->out + h0[j] * D, a->ld_out, back + rd[j], hc[j] * D, S_local,
                         hc[j] * D); // [S_local, H D] cols h0_j D.. <- [S_local, hc_j D]
     mdt_arena_rewind(ar, mk);
     return st;

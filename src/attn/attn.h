@@ -14,18 +14,19 @@
 #ifndef MDT_ATTN_H
 #define MDT_ATTN_H
 
+#include "backend/backend.h"
 #include "comm/mesh.h"
 
-/* q, k, v: [H, S_local, D] head-major: this rank's S_local rows of its H local heads (RoPE and
- * norms applied). out: token-major, row s at out + s*ld_out, heads at columns [0, H*D).
+/* Self-attention of this rank's rows over the whole sequence: a->q, a->k, a->v [H, S_local, D]
+ * head-major, this rank's a->Sq = S_local rows of its H local heads (RoPE and norms applied; a->Sk
+ * and a->kv must equal a->Sq: the keys are the same rows, the other ranks' come over the mesh);
+ * a->out token-major, row s at out + s*ld_out, heads at columns [0, H*D); a->lse unused (NULL).
  * mesh NULL (or R = U = 1): plain attention over the local rows. Scratch comes from `ar` and is
  * given back before returning; the per-member counts and displacements live in the mesh's host
  * scratch (member_i64), so one mesh runs one attention at a time. Collective over the Ulysses and
  * ring groups. Adds to the counters: attention FLOPs, query rows x heads (each query row once), key
  * rows x heads attended, and ring wait vs compute seconds. */
-mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const float *q, const float *k,
-                         const float *v, int64_t H, int64_t S_local, int64_t D, float scale,
-                         float *out, int64_t ld_out);
+mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const mdt_attn_args *a);
 
 /* Work (FLOPs) between two moves of a ring step's transfer while attention runs on the host:
  * ~1-2 ms of a CPU core, so a transfer across a 1 Gbit/s link never idles for long. A piece is

@@ -394,19 +394,14 @@ static const mdt_kernel_ops k_front = {
 const mdt_kernel_ops *mdt_k(void) { return &k_front; }
 const mdt_kernel_ops *mdt_k_host(void) { return mdt_cpu_kernels(); }
 
-mdt_status mdt_k_attention(mdt_arena *ar, const float *q, const float *k, const float *v,
-                           float *out, int64_t ld_out, float *lse, int64_t H, int64_t Sq,
-                           int64_t Sk, int64_t sk_valid, int64_t D, float scale) {
-    const int64_t n = k_front.attention_ws_floats(Sk, D, g_bf16);
-    if (n <= 0) { /* the device keeps its own scratch */
-        k_front.attention(q, k, v, out, ld_out, lse, H, Sq, Sk, sk_valid, D, scale, g_bf16, NULL);
-        return MDT_OK;
-    }
+mdt_status mdt_k_attention(mdt_arena *ar, const mdt_attn_args *a) {
+    const int64_t n = k_front.attention_ws_floats(a->Sk, a->D, g_bf16);
+    float *ws = NULL; /* n <= 0: the device keeps its own scratch */
     const mdt_arena_mark mk = mdt_arena_mark_get(ar);
-    float *ws = mdt_arena_floats(ar, n);
-    if (!ws)
+    if (n > 0 && !(ws = mdt_arena_floats(ar, n)))
         return MDT_E_NOMEM;
-    k_front.attention(q, k, v, out, ld_out, lse, H, Sq, Sk, sk_valid, D, scale, g_bf16, ws);
+    k_front.attention(a->q, a->k, a->v, a->out, a->ld_out, a->lse, a->H, a->Sq, a->Sk, a->kv, a->D,
+                      a->scale, g_bf16, ws);
     mdt_arena_rewind(ar, mk);
     return MDT_OK;
 }

@@ -70,12 +70,22 @@ const mdt_kernel_ops *mdt_k(void);
 /* The same ops on host memory, whatever the backend (the CPU kernel set, uncounted): for work a
  * forward does on its host staging buffers before an upload (gathering input rows). */
 const mdt_kernel_ops *mdt_k_host(void);
+/* One attention call: the Sq query rows of H heads over a block of Sk key rows, of which the
+ * first kv are valid (the rest are padding, masked: a ring block padded to the longest). */
+typedef struct mdt_attn_args {
+    const float *q;        /* [H, Sq, D] head-major */
+    const float *k, *v;    /* [H, Sk, D] head-major */
+    float *out;            /* [Sq, ld_out] token-major, heads at columns [0, H D) */
+    int64_t ld_out;        /* floats between output rows */
+    float *lse;            /* [H, Sq] each row's log-sum-exp (for a merge), or NULL */
+    int64_t H, Sq, Sk, kv; /* heads, query rows, key rows held, valid key rows (kv <= Sk) */
+    int64_t D;             /* head width */
+    float scale;           /* on q . k */
+} mdt_attn_args;
 /* Attention through mdt_k() with the backend's operand precision (bf16 operands when bf16
  * weights were selected and the device has them); the scratch comes from `ar` and is given
  * back. MDT_E_NOMEM if the arena cannot hold it. */
-mdt_status mdt_k_attention(mdt_arena *ar, const float *q, const float *k, const float *v,
-                           float *out, int64_t ld_out, float *lse, int64_t H, int64_t Sq,
-                           int64_t Sk, int64_t sk_valid, int64_t D, float scale);
+mdt_status mdt_k_attention(mdt_arena *ar, const mdt_attn_args *a);
 
 /* ---- memory ---- */
 /* A device copy of n host bytes in arena `a` (the host pointer itself on the CPU backend). */

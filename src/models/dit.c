@@ -164,9 +164,20 @@ void mdt_dit_qkv(const mdt_dit *d, const mdt_qkv *w, const float *x, int64_t n, 
 mdt_status mdt_dit_attend(const mdt_dit *d, const mdt_heads *h, int cp, float *out, int64_t ld) {
     const int64_t H = d->heads, D = d->head_dim, S = h->S, n = H * S * D;
     const float scale = 1.0f / sqrtf((float)D);
-    for (int64_t b = 0; b < d->B; b++)
-        MDT_TRY(mdt_attention(cp ? d->cp.mesh : NULL, d->ar, h->q + b * n, h->k + b * n,
-                              h->v + b * n, H, S, D, scale, out + b * S * ld, ld)); // [S, H/T D]
+    for (int64_t b = 0; b < d->B; b++) {
+        const mdt_attn_args a = {.q = h->q + b * n,
+                                 .k = h->k + b * n,
+                                 .v = h->v + b * n,
+                                 .out = out + b * S * ld, // [S, H/T D]
+                                 .ld_out = ld,
+                                 .H = H,
+                                 .Sq = S,
+                                 .Sk = S,
+                                 .kv = S,
+                                 .D = D,
+                                 .scale = scale};
+        MDT_TRY(mdt_attention(cp ? d->cp.mesh : NULL, d->ar, &a));
+    }
     return MDT_OK;
 }
 
@@ -174,10 +185,20 @@ mdt_status mdt_dit_attend_kv(const mdt_dit *d, const float *q, int64_t Sq, const
                              const float *v, int64_t Sk, float *out, int64_t ld) {
     const int64_t H = d->heads, D = d->head_dim;
     const float scale = 1.0f / sqrtf((float)D);
-    for (int64_t b = 0; b < d->B; b++)
-        MDT_TRY(mdt_k_attention(d->ar, q + b * H * Sq * D, k + b * H * Sk * D, v + b * H * Sk * D,
-                                out + b * Sq * ld, ld, NULL, H, Sq, Sk, Sk, D,
-                                scale)); // [Sq, H/T D]
+    for (int64_t b = 0; b < d->B; b++) {
+        const mdt_attn_args a = {.q = q + b * H * Sq * D,
+                                 .k = k + b * H * Sk * D,
+                                 .v = v + b * H * Sk * D,
+                                 .out = out + b * Sq * ld, // [Sq, H/T D]
+                                 .ld_out = ld,
+                                 .H = H,
+                                 .Sq = Sq,
+                                 .Sk = Sk,
+                                 .kv = Sk,
+                                 .D = D,
+                                 .scale = scale};
+        MDT_TRY(mdt_k_attention(d->ar, &a));
+    }
     mdt_counters *cn = mdt_counters_get();
     cn->attn_query_rows += d->B * H * Sq;
     cn->attn_kv_rows += d->B * H * Sk;

@@ -51,9 +51,31 @@ static void check(mdt_mesh *mesh, int bf16, double tol) {
           *vl = rows_of(v, H, S, D, s0, L); // [H, L, D] each
     mdt_arena ar;
     mdt_arena_init(&ar);
-    EXPECT_OK(mdt_attention(NULL, &ar, q, k, v, H, S, D, scale, want, H * D)); // one rank
+    const mdt_attn_args whole = {.q = q,
+                                 .k = k,
+                                 .v = v,
+                                 .out = want,
+                                 .ld_out = H * D,
+                                 .H = H,
+                                 .Sq = S,
+                                 .Sk = S,
+                                 .kv = S,
+                                 .D = D,
+                                 .scale = scale};
+    const mdt_attn_args mine = {.q = ql,
+                                .k = kl,
+                                .v = vl,
+                                .out = got,
+                                .ld_out = H * D,
+                                .H = H,
+                                .Sq = L,
+                                .Sk = L,
+                                .kv = L,
+                                .D = D,
+                                .scale = scale};
+    EXPECT_OK(mdt_attention(NULL, &ar, &whole)); // one rank
     mdt_counters_reset();
-    EXPECT_OK(mdt_attention(mesh, &ar, ql, kl, vl, H, L, D, scale, got, H * D)); // the ring
+    EXPECT_OK(mdt_attention(mesh, &ar, &mine)); // the ring
     const int64_t calls = mdt_counters_get()->attn_calls;
     double err = 0;
     for (int64_t i = 0; i < L * H * D; i++) {
@@ -74,6 +96,10 @@ static void check(mdt_mesh *mesh, int bf16, double tol) {
     MPI_Allreduce(&calls, &least, 1, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD);
     EXPECT(least > 2 * H, "the step with a block in flight was not cut: %lld kernel calls",
            (long long)least);
+    /* a self-attention call attends its own rows: other key counts are refused, not run */
+    mdt_attn_args odd = mine;
+    odd.kv = L - 1;
+    EXPECT_ERR(mdt_attention(mesh, &ar, &odd), MDT_E_INVALID, "its own");
     mdt_arena_release(&ar);
     free(q), free(k), free(v), free(want), free(got), free(ql), free(kl), free(vl);
 }

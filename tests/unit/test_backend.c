@@ -83,14 +83,27 @@ int main(void) {
     mdt_counters_reset();
     float *q = buf, *kk = buf + 512, *v = buf + 1024, lse[H * M];
     const mdt_arena_mark mk = mdt_arena_mark_get(&ar);
-    EXPECT_OK(mdt_k_attention(&ar, q, kk, v, out, H * D, lse, H, M, SK, 4, D, 0.5f));
+    mdt_attn_args a = {.q = q,
+                       .k = kk,
+                       .v = v,
+                       .out = out,
+                       .ld_out = H * D,
+                       .lse = lse,
+                       .H = H,
+                       .Sq = M,
+                       .Sk = SK,
+                       .kv = 4,
+                       .D = D,
+                       .scale = 0.5f};
+    EXPECT_OK(mdt_k_attention(&ar, &a));
     EXPECT(mdt_counters_get()->flops[MDT_FLOP_ATTN] == 4.0 * H * M * 4 * D &&
                mdt_counters_get()->attn_calls == 1,
            "attention FLOPs %g, calls %lld", mdt_counters_get()->flops[MDT_FLOP_ATTN],
            (long long)mdt_counters_get()->attn_calls);
     const mdt_arena_mark mk2 = mdt_arena_mark_get(&ar);
     EXPECT(mk.in_use == mk2.in_use, "attention scratch given back to the arena");
-    EXPECT_OK(mdt_k_attention(&ar, q, kk, v, out, H * D, lse, H, M, SK, 9, D, 0.5f));
+    a.kv = 9;
+    EXPECT_OK(mdt_k_attention(&ar, &a));
     EXPECT(mdt_counters_get()->flops[MDT_FLOP_ATTN] == 4.0 * H * M * 4 * D + 4.0 * H * M * SK * D,
            "valid keys beyond Sk count as Sk: %g", mdt_counters_get()->flops[MDT_FLOP_ATTN]);
     mdt_arena_release(&ar);
