@@ -5,6 +5,7 @@
 
 #include "attn/attn.h"
 #include "backend/backend.h"
+#include "core/testhooks.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -302,4 +303,17 @@ mdt_status mdt_dit_end(const mdt_dit *d, mdt_promise *p) {
     p->owes[MDT_GROUP_ULYSSES] = U > 1 && p->cp_calls > 0 && p->ulysses_elems > 0;
     p->owes[MDT_GROUP_CP] = R * U > 1 && d->cp.given_rows > 0;
     return mdt_model_check_promise(d->m, p);
+}
+
+void mdt_dit_block_done(const mdt_dit *d, mdt_arena_mark mk, const char *stack, int64_t i,
+                        const mdt_stream *out, int n) {
+    char stage[48];
+    mdt_arena_rewind(d->ar, mk);
+    snprintf(stage, sizeof stage, "%s.%lld", stack, (long long)i);
+    for (int s = 0; s < n; s++)
+        mdt_guard_finite(d->m, stage, out[s].x, d->B * out[s].rows * out[s].width);
+}
+
+mdt_status mdt_dit_test_point(const mdt_dit *d, const char *phase) {
+    return mdt_test_point(phase, d->mesh ? d->mesh->world_rank : 0);
 }

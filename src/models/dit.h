@@ -126,6 +126,20 @@ mdt_status mdt_dit_attend_kv(const mdt_dit *d, const float *q, int64_t Sq, const
 mdt_status mdt_dit_rmsnorm_tp(const mdt_dit *d, const float *x, float *y, int64_t M, int64_t W,
                               int64_t width, const float *w, float eps);
 
+/* ---- the block loop ---- */
+/* One stream of a block's output: x [B, rows, width] (this rank's rows). */
+typedef struct mdt_stream {
+    const float *x;
+    int64_t rows, width;
+} mdt_stream;
+/* After block i of the stack `stack` ("transformer_blocks"): the arena back to mk (a block's
+ * scratch is reused by the next) and the NaN guard "stack.i" over its n output streams. */
+void mdt_dit_block_done(const mdt_dit *d, mdt_arena_mark mk, const char *stack, int64_t i,
+                        const mdt_stream *out, int n);
+/* The test seam (core/testhooks.h) at `phase` on this rank: a rank that fails mid-forward while
+ * its peers go on into the forward's collectives. */
+mdt_status mdt_dit_test_point(const mdt_dit *d, const char *phase);
+
 /* ---- no silent degrade ---- */
 /* Adds to `p` what `calls` CP attention calls over a sequence made of nparts parts (each split
  * on its own into P chunks, lengths parts[]) must do on this rank under its layout. */

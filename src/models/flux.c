@@ -172,13 +172,12 @@ static mdt_status flux_read(const flux *f, mdt_dit *d, const mdt_tensor_set *in,
     MDT_TRY(mdt_joint_read_streams(d, in, f->in_ch, f->joint_dim, 1, &x->s));
     const int64_t B = x->s.B;
     mdt_arena *ha = d->ha, *ar = d->ar;
-    const float *img_ids, *txt_ids;
+    mdt_ids img_ids, txt_ids;
     float *pooled, *ts, *g = NULL;
-    int64_t Ai, At;
     MDT_TRY(mdt_input_f32(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ha, &pooled));
     MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ha, &ts));
-    MDT_TRY(mdt_joint_read_ids(d, in, "img_ids", x->s.Si, f->naxes, 1, &img_ids, &Ai));
-    MDT_TRY(mdt_joint_read_ids(d, in, "txt_ids", x->s.St, f->naxes, 1, &txt_ids, &At));
+    MDT_TRY(mdt_joint_read_ids(d, in, "img_ids", x->s.Si, f->naxes, 1, &img_ids));
+    MDT_TRY(mdt_joint_read_ids(d, in, "txt_ids", x->s.St, f->naxes, 1, &txt_ids));
     if (f->guidance)
         MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ha, &g));
     float *e256 = mdt_arena_floats(ha, 2 * B * 256); // [2, B, 256] host: t, g
@@ -191,8 +190,8 @@ static mdt_status flux_read(const flux *f, mdt_dit *d, const mdt_tensor_set *in,
         g[b] = g[b] * 1000.0f;
     if (g)
         mdt_dit_timestep_embed(g, B, 256, e256 + B * 256);
-    MDT_TRY(mdt_joint_rope(d, txt_ids, At, img_ids, Ai, x->s.st, x->s.si, f->naxes, f->axes,
-                           10000.0, &x->rope));
+    const mdt_rope_axes axes = {f->naxes, f->axes, 10000.0};
+    MDT_TRY(mdt_joint_rope(d, &txt_ids, &img_ids, &axes, &x->rope));
     /* to the backend's memory (the same pointers on the CPU backend) */
     x->s.hs = mdt_k_upload(ar, x->s.hs, sizeof(float) * (size_t)(B * x->s.si * f->in_ch));
     x->s.ehs = mdt_k_upload(ar, x->s.ehs, sizeof(float) * (size_t)(B * x->s.st * f->joint_dim));
@@ -208,10 +207,9 @@ typedef struct flux_run {
     const mdt_heads *hd;
 } flux_run;
 
-/* FluxTransformerBlock i: image x [B, si, C] and text c [B, st, C], joint attention. */
-static mdt_status double_block(const void *ctx, const mdt_dit *d, int64_t i, float *x, float *c) {
-    const flux_run *run = ctx;
-    const flux_double *blk = &run->f->dbl[i];
+/* FluxTransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention. */
+static mdt_status double_block(const flux_run *run, const mdt_dit *d, const flux_double *blk,
+                               float *x, float *c) {
     const int64_t C = run->f->inner, B = d->B;
     mdt_joint_rows r = {.x = x, .c = c, .si = run->in->s.si, .st = run->in->s.st};
     float *mod = mdt_arena_floats(d->ar, B * 6 * C);  // [B, 6C] image
@@ -224,15 +222,16 @@ static mdt_status double_block(const void *ctx, const mdt_dit *d, int64_t i, flo
     MDT_TRY(mdt_dit_adaln(d, &blk->norm1, mod));      // [B, 6C]
     MDT_TRY(mdt_dit_adaln(d, &blk->norm1_ctx, cmod)); // [B, 6C]
     MDT_TRY(mdt_joint_attention(d, &blk->attn, mod, cmod, k_eps, &run->in->rope, run->hd, &r));
-    MDT_TRY(mdt_joint_ff_gelu(d, x, r.si, mod, k_eps, &blk->ff0, &blk->ff2, r.nx, hb, r.tmp));
-    return mdt_joint_ff_gelu(d, c, r.st, cmod, k_eps, &blk->ffc0, &blk->ffc2, r.nc, hb, r.tmp);
+    const mdt_joint_ff ffx = {x, r.si, mod, k_eps, r.nx, hb, r.tmp};
+    const mdt_joint_ff ffc = {c, r.st, cmod, k_eps, r.nc, hb, r.tmp};
+    MDT_TRY(mdt_joint_ff_gelu(d, &blk->ff0, &blk->ff2, &ffx)); // ff
+    return mdt_joint_ff_gelu(d, &blk->ffc0, &blk->ffc2, &ffc); // ff_context
 }
 
 /* FluxSingleTransformerBlock: h [B, S, C] += gate * proj_out([attn(n) | GELU(proj_mlp(n))]),
  * n = LN(h)(1 + scale) + shift; proj_out's local columns are [attn block k | mlp block k]. */
-static mdt_status single_block(const void *ctx, const mdt_dit *d, int64_t i, float *h) {
-    const flux_run *run = ctx;
-    const flux_single *blk = &run->f->sgl[i];
+static mdt_status single_block(const flux_run *run, const mdt_dit *d, const flux_single *blk,
+                               float *h) {
     const mdt_heads *hd = run->hd;
     const int64_t C = run->f->inner, B = d->B, S = run->in->s.si + run->in->s.st;
     const int64_t Cl = blk->qkv.q.out_local, Ml = blk->proj_mlp.out_local, W = Cl + Ml;
@@ -293,16 +292,29 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_dit_linear(&f->ctx_emb, x.s.ehs, B * st, c, C); // [B, St/P, C]
     mdt_guard_finite(d.m, "x_embedder", xs, B * si * C);
     mdt_guard_finite(d.m, "context_embedder", c, B * st * C);
-    MDT_TRY(mdt_joint_blocks(&d, &x.s, C, xs, c, f->layers, double_block, f->single_layers,
-                             single_block, &(flux_run){f, &x, &hd}, &h));
+    const flux_run run = {f, &x, &hd};
+    for (int64_t i = 0; i < f->layers; i++) { /* double blocks: image and text streams */
+        const mdt_arena_mark mk = mdt_arena_mark_get(ar);
+        MDT_TRY(double_block(&run, &d, &f->dbl[i], xs, c));
+        mdt_dit_block_done(&d, mk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
+                           2);
+        if (i == 0) /* test seam: a rank failing mid-step */
+            MDT_TRY(mdt_dit_test_point(&d, "step"));
+    }
+    MDT_TRY(mdt_joint_concat(&d, &x.s, C, c, xs, &h)); // [B, S/P, C] text rows, then image rows
+    for (int64_t i = 0; i < f->single_layers; i++) {   /* single blocks: the joint rows */
+        const mdt_arena_mark mk = mdt_arena_mark_get(ar);
+        MDT_TRY(single_block(&run, &d, &f->sgl[i], h));
+        mdt_dit_block_done(&d, mk, "single_transformer_blocks", i, &(mdt_stream){h, S, C}, 1);
+    }
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */
     float *emb = mdt_arena_floats(ar, B * 2 * C); // [B, 2C]
     float *xn = mdt_arena_floats(ar, B * si * C); // [B, Si/P, C]
     if (!emb || !xn)
         return MDT_E_NOMEM;
     MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, emb)); // [B, 2C]
-    return mdt_joint_finish(&d, in, &x.s, h, emb, k_eps, &f->proj_out, xn,
-                            (f->layers + f->single_layers) * B, out);
+    const mdt_joint_out o = {h, emb, k_eps, &f->proj_out, xn, (f->layers + f->single_layers) * B};
+    return mdt_joint_finish(&d, in, &x.s, &o, out);
 }
 
 static mdt_status flux_check_layout(const void *impl, int T, int R, int U) {

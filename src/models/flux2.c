@@ -210,12 +210,11 @@ static mdt_status flux2_read(const flux2 *f, mdt_dit *d, const mdt_tensor_set *i
     MDT_TRY(mdt_joint_read_streams(d, in, f->in_ch, f->joint_dim, 1, &x->s));
     const int64_t B = x->s.B, Tc = f->t_ch;
     mdt_arena *ha = d->ha, *ar = d->ar;
-    const float *img_ids, *txt_ids;
+    mdt_ids img_ids, txt_ids;
     float *ts, *g = NULL;
-    int64_t Ai, At;
     MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ha, &ts));
-    MDT_TRY(mdt_joint_read_ids(d, in, "img_ids", x->s.Si, f->naxes, 0, &img_ids, &Ai));
-    MDT_TRY(mdt_joint_read_ids(d, in, "txt_ids", x->s.St, f->naxes, 0, &txt_ids, &At));
+    MDT_TRY(mdt_joint_read_ids(d, in, "img_ids", x->s.Si, f->naxes, 0, &img_ids));
+    MDT_TRY(mdt_joint_read_ids(d, in, "txt_ids", x->s.St, f->naxes, 0, &txt_ids));
     if (f->guidance) /* without guidance_embeds diffusers ignores it, and so do we */
         MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ha, &g));
     float *e = mdt_arena_floats(ha, 2 * B * Tc); // [2, B, t_ch] host: t, g
@@ -228,8 +227,8 @@ static mdt_status flux2_read(const flux2 *f, mdt_dit *d, const mdt_tensor_set *i
         g[b] = g[b] * 1000.0f;
     if (g)
         mdt_dit_timestep_embed(g, B, Tc, e + B * Tc);
-    MDT_TRY(mdt_joint_rope(d, txt_ids, At, img_ids, Ai, x->s.st, x->s.si, f->naxes, f->axes,
-                           f->theta, &x->rope));
+    const mdt_rope_axes axes = {f->naxes, f->axes, f->theta};
+    MDT_TRY(mdt_joint_rope(d, &txt_ids, &img_ids, &axes, &x->rope));
     /* to the backend's memory (the same pointers on the CPU backend) */
     x->s.hs = mdt_k_upload(ar, x->s.hs, sizeof(float) * (size_t)(B * x->s.si * f->in_ch));
     x->s.ehs = mdt_k_upload(ar, x->s.ehs, sizeof(float) * (size_t)(B * x->s.st * f->joint_dim));
@@ -261,19 +260,21 @@ static void swiglu_proj(const mdt_lin *l, int64_t r0, int64_t n, const float *x,
     mdt_k()->swiglu(h, s, M, n); // [M, n]
 }
 
-/* x [B, n, C] += gate * FF(LN(x) (1 + scale) + shift), the feed-forward half of a double block
- * with the stream's shared modulation mod [B, 6C]. */
-static mdt_status ff_residual(const flux2 *f, const mdt_dit *d, float *x, int64_t n,
-                              const float *mod, const mdt_lin *l_in, const mdt_lin *l_out,
-                              float *nbuf, float *hbuf, float *sbuf, float *ybuf) {
-    const int64_t C = f->inner, B = d->B, Ml = l_out->in_local;
+/* s->x [B, n, C] += gate * FF(LN(x) (1 + scale) + shift), the feed-forward half of a double
+ * block with the stream's shared modulation; FF = linear_out(SwiGLU(linear_in)), its SwiGLU
+ * output in sbuf [B n, M/T] (hbuf holds [value | gate], 2M/T wide). */
+static mdt_status ff_residual(const mdt_dit *d, const mdt_lin *l_in, const mdt_lin *l_out,
+                              const mdt_joint_ff *s, float *sbuf) {
+    const int64_t C = l_out->out, B = d->B, Ml = l_out->in_local, n = s->n;
     for (int64_t b = 0; b < B; b++)
-        mdt_k()->layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, (float)f->eps,
-                                    mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
-    swiglu_proj(l_in, 0, Ml, nbuf, B * n, hbuf, sbuf);                                 // [B*n, M/T]
-    MDT_TRY(mdt_dit_row_linear(d, l_out, sbuf, Ml, ybuf, B * n));                      // [B*n, C]
+        mdt_k()->layernorm_modulate(s->x + b * n * C, s->nbuf + b * n * C, n, C, s->eps,
+                                    s->mod + b * 6 * C + 3 * C,
+                                    s->mod + b * 6 * C + 4 * C);     // [n, C]
+    swiglu_proj(l_in, 0, Ml, s->nbuf, B * n, s->hbuf, sbuf);         // [B*n, M/T]
+    MDT_TRY(mdt_dit_row_linear(d, l_out, sbuf, Ml, s->ybuf, B * n)); // [B*n, C]
     for (int64_t b = 0; b < B; b++)
-        mdt_k()->gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
+        mdt_k()->gate_residual(s->x + b * n * C, s->ybuf + b * n * C, C, s->mod + b * 6 * C + 5 * C,
+                               n, C);
     return MDT_OK;
 }
 
@@ -286,12 +287,11 @@ typedef struct f2_run {
     const mdt_heads *hd;
 } f2_run;
 
-/* Flux2TransformerBlock i: image x [B, si, C] and text c [B, st, C], joint attention. */
-static mdt_status double_block(const void *ctx, const mdt_dit *d, int64_t i, float *x, float *c) {
-    const f2_run *run = ctx;
+/* Flux2TransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention. */
+static mdt_status double_block(const f2_run *run, const mdt_dit *d, const f2_double *blk, float *x,
+                               float *c) {
     const flux2 *f = run->f;
     const f2_in *in = run->in;
-    const f2_double *blk = &f->dbl[i];
     const float *mi = run->mi, *mt = run->mt;
     const int64_t B = d->B, Ml = blk->ff_out.in_local;
     mdt_joint_rows r = {.x = x, .c = c, .si = in->s.si, .st = in->s.st};
@@ -302,19 +302,21 @@ static mdt_status double_block(const void *ctx, const mdt_dit *d, int64_t i, flo
     float *sb = mdt_arena_floats(d->ar, B * n * Ml);     // [B*n, M/T]
     if (!hb || !sb)
         return MDT_E_NOMEM;
-    MDT_TRY(mdt_joint_attention(d, &blk->attn, mi, mt, (float)f->eps, &in->rope, run->hd, &r));
-    MDT_TRY(ff_residual(f, d, x, r.si, mi, &blk->ff_in, &blk->ff_out, r.nx, hb, sb, r.tmp));
-    return ff_residual(f, d, c, r.st, mt, &blk->ffc_in, &blk->ffc_out, r.nc, hb, sb, r.tmp);
+    const float eps = (float)f->eps;
+    MDT_TRY(mdt_joint_attention(d, &blk->attn, mi, mt, eps, &in->rope, run->hd, &r));
+    const mdt_joint_ff ffx = {x, r.si, mi, eps, r.nx, hb, r.tmp};
+    const mdt_joint_ff ffc = {c, r.st, mt, eps, r.nc, hb, r.tmp};
+    MDT_TRY(ff_residual(d, &blk->ff_in, &blk->ff_out, &ffx, sb)); // ff
+    return ff_residual(d, &blk->ffc_in, &blk->ffc_out, &ffc, sb); // ff_context
 }
 
 /* Flux2SingleTransformerBlock: h [B, S, C] += gate * to_out([attn(n) | SwiGLU(n)]) with
  * n = LN(h)(1 + scale) + shift and the shared modulation mod [B, 3C]; to_qkv_mlp_proj's local
  * rows are [q_k | k_k | v_k | gate_k | value_k], to_out's local columns [attn_k | mlp_k]. */
-static mdt_status single_block(const void *ctx, const mdt_dit *d, int64_t i, float *h) {
-    const f2_run *run = ctx;
+static mdt_status single_block(const f2_run *run, const mdt_dit *d, const f2_single *blk,
+                               float *h) {
     const flux2 *f = run->f;
     const f2_in *in = run->in;
-    const f2_single *blk = &f->sgl[i];
     const float *mod = run->ms;
     const mdt_heads *hd = run->hd;
     const int64_t C = f->inner, B = d->B, S = in->s.si + in->s.st, M = B * S;
@@ -399,11 +401,25 @@ static mdt_status flux2_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tens
                                B * st)); // [B, St/P, C]: replicated input, this rank's features
     mdt_guard_finite(d.m, "x_embedder", xs, B * si * C);
     mdt_guard_finite(d.m, "context_embedder", c, B * st * C);
-    MDT_TRY(mdt_joint_blocks(&d, &x.s, C, xs, c, f->layers, double_block, f->single_layers,
-                             single_block, &(f2_run){f, &x, mi, mt, ms, &hd}, &h));
+    const f2_run run = {f, &x, mi, mt, ms, &hd};
+    for (int64_t i = 0; i < f->layers; i++) { /* double blocks: image and text streams */
+        const mdt_arena_mark mk = mdt_arena_mark_get(ar);
+        MDT_TRY(double_block(&run, &d, &f->dbl[i], xs, c));
+        mdt_dit_block_done(&d, mk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
+                           2);
+        if (i == 0) /* test seam: a rank failing mid-step */
+            MDT_TRY(mdt_dit_test_point(&d, "step"));
+    }
+    MDT_TRY(mdt_joint_concat(&d, &x.s, C, c, xs, &h)); // [B, S/P, C] text rows, then image rows
+    for (int64_t i = 0; i < f->single_layers; i++) {   /* single blocks: the joint rows */
+        const mdt_arena_mark mk = mdt_arena_mark_get(ar);
+        MDT_TRY(single_block(&run, &d, &f->sgl[i], h));
+        mdt_dit_block_done(&d, mk, "single_transformer_blocks", i, &(mdt_stream){h, S, C}, 1);
+    }
     /* norm_out on the image rows (mo = (scale, shift)) into xs, free now */
-    return mdt_joint_finish(&d, in, &x.s, h, mo, (float)f->eps, &f->proj_out, xs,
-                            (f->layers + f->single_layers) * B, out);
+    const mdt_joint_out o = {
+        h, mo, (float)f->eps, &f->proj_out, xs, (f->layers + f->single_layers) * B};
+    return mdt_joint_finish(&d, in, &x.s, &o, out);
 }
 
 /* ---- random inputs: the ids Flux2Pipeline builds ---- */

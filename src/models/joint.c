@@ -4,7 +4,6 @@
 #include "models/joint.h"
 
 #include "backend/backend.h"
-#include "core/testhooks.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -80,29 +79,31 @@ mdt_status mdt_joint_read_streams(mdt_dit *d, const mdt_tensor_set *in, int64_t 
 }
 
 mdt_status mdt_joint_read_ids(mdt_dit *d, const mdt_tensor_set *in, const char *name, int64_t S,
-                              int naxes, int exact, const float **ids, int64_t *A) {
+                              int naxes, int exact, mdt_ids *ids) {
     const int is3 = mdt_input_dim(in, name, 2) >= 0;
     float *full;
-    int64_t s0, n;
+    int64_t s0;
     MDT_TRY(mdt_input_f32(in, name, is3 ? 3 : 2, is3 ? (int64_t[]){-1, S, -1} : (int64_t[]){S, -1},
                           d->ha, &full));
-    *A = mdt_input_dim(in, name, is3 ? 2 : 1);
-    if (*A < naxes || (exact && *A != naxes) || (is3 && mdt_input_dim(in, name, 0) < 1))
+    const int64_t A = mdt_input_dim(in, name, is3 ? 2 : 1);
+    if (A < naxes || (exact && A != naxes) || (is3 && mdt_input_dim(in, name, 0) < 1))
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: '%s' must be [%lld, A] or [B, %lld, A] with A %s %d (one column "
                         "per rotary axis of axes_dims_rope)",
                         name, (long long)S, (long long)S, exact ? "=" : ">=", naxes);
-    return mdt_cp_take(&d->cp, name, full, sizeof(float), 2, (int64_t[]){S, *A}, d->ha,
-                       (const void **)ids, &s0, &n);
+    ids->width = A;
+    return mdt_cp_take(&d->cp, name, full, sizeof(float), 2, (int64_t[]){S, A}, d->ha,
+                       (const void **)&ids->v, &s0, &ids->rows);
 }
 
-mdt_status mdt_joint_rope(const mdt_dit *d, const float *txt_ids, int64_t At, const float *img_ids,
-                          int64_t Ai, int64_t st, int64_t si, int naxes, const int64_t *axes,
-                          double theta, mdt_rope *rope) {
-    const int64_t S = st + si, A = naxes;
+mdt_status mdt_joint_rope(const mdt_dit *d, const mdt_ids *txt, const mdt_ids *img,
+                          const mdt_rope_axes *axes, mdt_rope *rope) {
+    const int64_t st = txt->rows, si = img->rows, S = st + si, A = axes->n;
+    const int64_t At = txt->width, Ai = img->width;
+    const float *txt_ids = txt->v, *img_ids = img->v;
     int64_t D = 0;
-    for (int a = 0; a < naxes; a++)
-        D += axes[a];
+    for (int a = 0; a < axes->n; a++)
+        D += axes->dims[a];
     float *ids = mdt_arena_floats(d->ha, S * A);                         // [S/P, axes] text first
     int32_t *col_axis = (int32_t *)(void *)mdt_arena_floats(d->ha, D);   // [D] host
     double *col_freq = (double *)(void *)mdt_arena_floats(d->ha, 2 * D); // [D] host
@@ -112,9 +113,9 @@ mdt_status mdt_joint_rope(const mdt_dit *d, const float *txt_ids, int64_t At, co
         for (int64_t a = 0; a < A; a++)
             ids[s * A + a] = s < st ? txt_ids[s * At + a] : img_ids[(s - st) * Ai + a];
     /* per axis of width w, pair j: frequency 1/theta^(2j/w) on both of its channels */
-    for (int64_t a = 0, off = 0; a < A; off += axes[a], a++)
-        for (int64_t j = 0; j < axes[a] / 2; j++) {
-            const double fr = 1.0 / pow(theta, (double)(2 * j) / (double)axes[a]);
+    for (int64_t a = 0, off = 0; a < A; off += axes->dims[a], a++)
+        for (int64_t j = 0; j < axes->dims[a] / 2; j++) {
+            const double fr = 1.0 / pow(axes->theta, (double)(2 * j) / (double)axes->dims[a]);
             col_axis[off + 2 * j] = col_axis[off + 2 * j + 1] = (int32_t)a;
             col_freq[off + 2 * j] = col_freq[off + 2 * j + 1] = fr;
         }
@@ -161,58 +162,38 @@ mdt_status mdt_joint_attention(const mdt_dit *d, const mdt_joint_attn *w, const 
     return MDT_OK;
 }
 
-mdt_status mdt_joint_ff_gelu(const mdt_dit *d, float *x, int64_t n, const float *mod, float eps,
-                             const mdt_lin *l0, const mdt_lin *l2, float *nbuf, float *hbuf,
-                             float *ybuf) {
-    const int64_t C = l2->out, B = d->B, Ml = l0->out_local;
+mdt_status mdt_joint_ff_gelu(const mdt_dit *d, const mdt_lin *l0, const mdt_lin *l2,
+                             const mdt_joint_ff *f) {
+    const int64_t C = l2->out, B = d->B, Ml = l0->out_local, n = f->n;
     for (int64_t b = 0; b < B; b++)
-        mdt_k()->layernorm_modulate(x + b * n * C, nbuf + b * n * C, n, C, eps,
-                                    mod + b * 6 * C + 3 * C, mod + b * 6 * C + 4 * C); // [n, C]
-    mdt_dit_linear(l0, nbuf, B * n, hbuf, Ml);                                         // [B*n, M/T]
-    mdt_k()->gelu_rows(hbuf, Ml, B * n, Ml);
-    MDT_TRY(mdt_dit_row_linear(d, l2, hbuf, Ml, ybuf, B * n)); // [B*n, C]
+        mdt_k()->layernorm_modulate(f->x + b * n * C, f->nbuf + b * n * C, n, C, f->eps,
+                                    f->mod + b * 6 * C + 3 * C,
+                                    f->mod + b * 6 * C + 4 * C); // [n, C]
+    mdt_dit_linear(l0, f->nbuf, B * n, f->hbuf, Ml);             // [B*n, M/T]
+    mdt_k()->gelu_rows(f->hbuf, Ml, B * n, Ml);
+    MDT_TRY(mdt_dit_row_linear(d, l2, f->hbuf, Ml, f->ybuf, B * n)); // [B*n, C]
     for (int64_t b = 0; b < B; b++)
-        mdt_k()->gate_residual(x + b * n * C, ybuf + b * n * C, C, mod + b * 6 * C + 5 * C, n, C);
+        mdt_k()->gate_residual(f->x + b * n * C, f->ybuf + b * n * C, C, f->mod + b * 6 * C + 5 * C,
+                               n, C);
     return MDT_OK;
 }
 
-mdt_status mdt_joint_block_done(const mdt_dit *d, mdt_arena_mark mk, const char *name, int64_t i,
-                                int64_t C, const float *x, int64_t nx, const float *c, int64_t nc) {
-    char stage[48];
-    mdt_arena_rewind(d->ar, mk);
-    snprintf(stage, sizeof stage, "%s.%lld", name, (long long)i);
-    mdt_guard_finite(d->m, stage, x, d->B * nx * C);
-    if (!c)
-        return MDT_OK;
-    mdt_guard_finite(d->m, stage, c, d->B * nc * C);
-    return i == 0 ? mdt_test_point("step", d->mesh ? d->mesh->world_rank : 0) : MDT_OK;
-}
-
-mdt_status mdt_joint_blocks(const mdt_dit *d, const mdt_joint_in *x, int64_t C, float *xs, float *c,
-                            int64_t nd, mdt_joint_double_fn dbl, int64_t ns,
-                            mdt_joint_single_fn sgl, const void *ctx, float **h) {
-    const int64_t B = d->B, si = x->si, st = x->st, S = si + st;
-    for (int64_t i = 0; i < nd; i++) {
-        const mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
-        MDT_TRY(dbl(ctx, d, i, xs, c));
-        MDT_TRY(mdt_joint_block_done(d, mk, "transformer_blocks", i, C, xs, si, c, st));
-    }
+mdt_status mdt_joint_concat(const mdt_dit *d, const mdt_joint_in *s, int64_t C, const float *c,
+                            const float *x, float **h) {
+    const int64_t B = d->B, si = s->si, st = s->st, S = si + st;
     *h = mdt_arena_floats(d->ar, B * S * C); // [B, S/P, C] = cat(c, x) per batch
     if (!*h)
         return MDT_E_NOMEM;
-    mdt_k()->copy2d(*h, S * C, c, st * C, B, st * C);           // text rows of every batch
-    mdt_k()->copy2d(*h + st * C, S * C, xs, si * C, B, si * C); // image rows after them
-    for (int64_t i = 0; i < ns; i++) {
-        const mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
-        MDT_TRY(sgl(ctx, d, i, *h));
-        MDT_TRY(mdt_joint_block_done(d, mk, "single_transformer_blocks", i, C, *h, S, NULL, 0));
-    }
+    mdt_k()->copy2d(*h, S * C, c, st * C, B, st * C);          // text rows of every batch
+    mdt_k()->copy2d(*h + st * C, S * C, x, si * C, B, si * C); // image rows after them
     return MDT_OK;
 }
 
 mdt_status mdt_joint_finish(mdt_dit *d, const mdt_tensor_set *in, const mdt_joint_in *x,
-                            const float *h, const float *mo, float eps, const mdt_lin *proj_out,
-                            float *xn, int64_t calls, mdt_tensor_set *out) {
+                            const mdt_joint_out *e, mdt_tensor_set *out) {
+    const mdt_lin *proj_out = e->proj_out;
+    const float *h = e->h, *mo = e->mo;
+    float *xn = e->xn;
     const int64_t B = d->B, C = proj_out->in, si = x->si, st = x->st, S = si + st;
     const int64_t O = proj_out->out;
     float *ol = mdt_arena_floats(d->ar, B * si * O); // [B, Si/P, O]
@@ -220,7 +201,7 @@ mdt_status mdt_joint_finish(mdt_dit *d, const mdt_tensor_set *in, const mdt_join
     if (!ol)
         return MDT_E_NOMEM;
     for (int64_t b = 0; b < B; b++)
-        mdt_k()->layernorm_modulate(h + (b * S + st) * C, xn + b * si * C, si, C, eps,
+        mdt_k()->layernorm_modulate(h + (b * S + st) * C, xn + b * si * C, si, C, e->eps,
                                     mo + b * 2 * C + C, mo + b * 2 * C); // [Si/P, C]
     mdt_dit_linear(proj_out, xn, B * si, ol, O);                         // [B, Si/P, O]
     mdt_guard_finite(d->m, "proj_out", ol, B * si * O);
@@ -228,6 +209,6 @@ mdt_status mdt_joint_finish(mdt_dit *d, const mdt_tensor_set *in, const mdt_join
     MDT_TRY(mdt_cp_give(&d->cp, "sample", d->ar, d->ha, in, x->Si, ol, o));
     /* no silent degrade: each query row once over the joint sequence, per block and batch */
     mdt_promise p = {0};
-    mdt_dit_promise_cp(d, &p, (int64_t[]){x->St, x->Si}, 2, calls);
+    mdt_dit_promise_cp(d, &p, (int64_t[]){x->St, x->Si}, 2, e->calls);
     return mdt_dit_end(d, &p);
 }

@@ -60,18 +60,30 @@ mdt_status mdt_joint_declare_out(mdt_wtable *t, mdt_lin *norm_out, mdt_lin *proj
  * this rank's chunks by the CP plan, else si = Si and st = St. Sets d->B. */
 mdt_status mdt_joint_read_streams(mdt_dit *d, const mdt_tensor_set *in, int64_t in_ch,
                                   int64_t joint, int split, mdt_joint_in *x);
+/* Per-token position ids of one stream: rows of `width` ids (host memory). */
+typedef struct mdt_ids {
+    const float *v; /* [rows, width] */
+    int64_t rows, width;
+} mdt_ids;
+/* The rotary axes of config.json's axes_dims_rope: n axes of widths dims[] (summing to the head
+ * width), turning at powers of theta. */
+typedef struct mdt_rope_axes {
+    int n;
+    const int64_t *dims;
+    double theta;
+} mdt_rope_axes;
+
 /* ids `name` [S, A] or [B, S, A] (batch 0 is used, like diffusers), any number type, cut to this
- * rank's chunk: *ids [s, A] host, *A its width. A = naxes when `exact` (Flux's FluxPosEmbed takes
- * one axis per column), else A >= naxes and the first naxes columns are used (Flux2PosEmbed). */
+ * rank's chunk: *ids [s, A] host. A = naxes when `exact` (Flux's FluxPosEmbed takes one axis per
+ * column), else A >= naxes and the first naxes columns are used (Flux2PosEmbed). */
 mdt_status mdt_joint_read_ids(mdt_dit *d, const mdt_tensor_set *in, const char *name, int64_t S,
-                              int naxes, int exact, const float **ids, int64_t *A);
-/* RoPE tables of this rank's joint sequence [text rows | image rows] (st + si rows, D = the sum
- * of axes): the first naxes columns of txt_ids [st, At] and img_ids [si, Ai]; per axis of width
- * a, pair j turns at 1/theta^(2j/a) times its id, angles in float64 then float32; interleaved
- * pairs. Tables in backend memory. */
-mdt_status mdt_joint_rope(const mdt_dit *d, const float *txt_ids, int64_t At, const float *img_ids,
-                          int64_t Ai, int64_t st, int64_t si, int naxes, const int64_t *axes,
-                          double theta, mdt_rope *rope);
+                              int naxes, int exact, mdt_ids *ids);
+/* RoPE tables of this rank's joint sequence [text rows | image rows] (txt->rows + img->rows
+ * rows, D = the sum of the axes): the first axes->n columns of the text and image ids; per axis
+ * of width a, pair j turns at 1/theta^(2j/a) times its id, angles in float64 then float32;
+ * interleaved pairs. Tables in backend memory. */
+mdt_status mdt_joint_rope(const mdt_dit *d, const mdt_ids *txt, const mdt_ids *img,
+                          const mdt_rope_axes *axes, mdt_rope *rope);
 
 /* ---- blocks ---- */
 /* Scratch of one double block (see mdt_joint_rows) from the arena; MDT_E_NOMEM on failure. */
@@ -83,36 +95,36 @@ mdt_status mdt_joint_rows_alloc(const mdt_dit *d, int64_t C, int64_t Cl, mdt_joi
 mdt_status mdt_joint_attention(const mdt_dit *d, const mdt_joint_attn *w, const float *mi,
                                const float *mt, float eps, const mdt_rope *rope, const mdt_heads *h,
                                const mdt_joint_rows *r);
-/* x [B, n, C] += gate * net.2(GELU_tanh(net.0(LN(x) (1 + scale) + shift))): the feed-forward
- * half with the second (shift, scale, gate) of mod [B, 6C]; nbuf [B n, C], hbuf [B n, M/T],
- * ybuf [B n, C] scratch. */
-mdt_status mdt_joint_ff_gelu(const mdt_dit *d, float *x, int64_t n, const float *mod, float eps,
-                             const mdt_lin *l0, const mdt_lin *l2, float *nbuf, float *hbuf,
-                             float *ybuf);
-/* After block i of the stack `name`: the arena back to mk (a block's scratch is reused by the
- * next), then the NaN guard named "name.i" over x [B, nx, C] and, for a double block, c [B, nc,
- * C] (NULL for a single block); after the first double block, the test seam "step". */
-mdt_status mdt_joint_block_done(const mdt_dit *d, mdt_arena_mark mk, const char *name, int64_t i,
-                                int64_t C, const float *x, int64_t nx, const float *c, int64_t nc);
-/* A family's double block i on image x [B, si, C] and text c [B, st, C], and single block i on
- * the joint rows h [B, st + si, C]; ctx is the family's own (weights, inputs, heads). */
-typedef mdt_status (*mdt_joint_double_fn)(const void *ctx, const mdt_dit *d, int64_t i, float *x,
-                                          float *c);
-typedef mdt_status (*mdt_joint_single_fn)(const void *ctx, const mdt_dit *d, int64_t i, float *h);
-/* The block stacks of a Flux-like forward: double blocks 0..nd-1 ("transformer_blocks") on xs
- * [B, si, C] and c [B, st, C], then *h [B, st + si, C] (from the arena) = per batch element the
- * text rows then the image rows, through single blocks 0..ns-1 ("single_transformer_blocks");
- * each block followed by mdt_joint_block_done. */
-mdt_status mdt_joint_blocks(const mdt_dit *d, const mdt_joint_in *x, int64_t C, float *xs, float *c,
-                            int64_t nd, mdt_joint_double_fn dbl, int64_t ns,
-                            mdt_joint_single_fn sgl, const void *ctx, float **h);
+/* The feed-forward half of a double block on one stream, in place, and its scratch. */
+typedef struct mdt_joint_ff {
+    float *x;                  /* the stream [B, n, C] */
+    int64_t n;                 /* its rows per batch element */
+    const float *mod;          /* its modulation [B, 6C]: the second (shift, scale, gate) */
+    float eps;                 /* the LayerNorm's */
+    float *nbuf, *hbuf, *ybuf; /* scratch [B n, C], [B n, M/T], [B n, C] */
+} mdt_joint_ff;
+/* x += gate * net.2(GELU_tanh(net.0(LN(x) (1 + scale) + shift))), net.0 = l0, net.2 = l2. */
+mdt_status mdt_joint_ff_gelu(const mdt_dit *d, const mdt_lin *l0, const mdt_lin *l2,
+                             const mdt_joint_ff *f);
+/* h [B, st + si, C] (from the arena) = per batch element the text rows c [B, st, C] then the image
+ * rows x [B, si, C]: the joint rows the single blocks run on after the double blocks. */
+mdt_status mdt_joint_concat(const mdt_dit *d, const mdt_joint_in *s, int64_t C, const float *c,
+                            const float *x, float **h);
 
 /* ---- the end of a forward ---- */
-/* norm_out on the image rows of h [B, st + si, C] (LayerNorm eps, then mo [B, 2C] = (scale,
- * shift)) into xn [B, si, C], proj_out, the NaN guard; `sample` [B, Si, O] gathered by the CP
- * plan; then the promise of `calls` CP attention calls over [St | Si] and mdt_dit_end. */
+/* What ends a joint forward: the last hidden rows, the output head and the attention it ran. */
+typedef struct mdt_joint_out {
+    const float *h;          /* [B, st + si, C] the joint rows after the last block */
+    const float *mo;         /* [B, 2C] norm_out's (scale, shift) */
+    float eps;               /* norm_out's LayerNorm */
+    const mdt_lin *proj_out; /* [O, C] */
+    float *xn;               /* scratch [B, si, C] */
+    int64_t calls;           /* CP attention calls of the forward (blocks x batch) */
+} mdt_joint_out;
+/* norm_out on the image rows of o->h (LayerNorm, then (scale, shift)) into o->xn, proj_out, the
+ * NaN guard; `sample` [B, Si, O] gathered by the CP plan; then the promise of o->calls CP
+ * attention calls over [St | Si] and mdt_dit_end. */
 mdt_status mdt_joint_finish(mdt_dit *d, const mdt_tensor_set *in, const mdt_joint_in *x,
-                            const float *h, const float *mo, float eps, const mdt_lin *proj_out,
-                            float *xn, int64_t calls, mdt_tensor_set *out);
+                            const mdt_joint_out *o, mdt_tensor_set *out);
 
 #endif /* MDT_MODELS_JOINT_H */

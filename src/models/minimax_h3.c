@@ -368,10 +368,18 @@ static mdt_status pack(const h3 *f, const mdt_dit *d, const h3_in *x, float *h) 
     return MDT_OK;
 }
 
-/* One transformer block on h [B, Sc, C]: RMSNorm, per-row AdaLN from the (timestep, modality)
- * table mod [3 T_n, 6C] (shift, scale, gate x 2), CP attention, SwiGLU FFN, gated residuals. */
-static mdt_status block(const h3 *f, const mdt_dit *d, const h3_in *x, const h3_block *b, int first,
-                        float *h, float *mod, float *n, float *y) {
+/* A block's scratch, reused by every block: the AdaLN table mod [3 T_n, 6C], the normed rows
+ * n and the branch output y [B, Sc, C]. */
+typedef struct h3_scratch {
+    float *mod, *n, *y;
+} h3_scratch;
+
+/* Transformer block i on h [B, Sc, C]: RMSNorm, per-row AdaLN from the (timestep, modality)
+ * table (shift, scale, gate x 2), CP attention, SwiGLU FFN, gated residuals. */
+static mdt_status block(const h3 *f, const mdt_dit *d, const h3_in *x, int64_t i, float *h,
+                        const h3_scratch *s) {
+    const h3_block *b = &f->blk[i];
+    float *mod = s->mod, *n = s->n, *y = s->y;
     const int64_t C = f->hidden, Sc = x->Sc;
     MDT_TRY(mdt_dit_adaln(d, &b->adaln, mod)); // [T_n, 18C]
     for (int64_t bb = 0; bb < d->B; bb++) {
@@ -385,8 +393,8 @@ static mdt_status block(const h3 *f, const mdt_dit *d, const h3_in *x, const h3_
         mdt_k()->rmsnorm(h + bb * Sc * C, b->norm2, n + bb * Sc * C, Sc, C, (float)f->norm_eps);
         mdt_k()->modulate_rows(n + bb * Sc * C, Sc, C, mod, 6 * C, x->ada_rows, 3 * C, 4 * C);
     }
-    if (first) /* test seam: fail mid-step, between a block's collectives */
-        MDT_TRY(mdt_test_point("step", d->mesh ? d->mesh->world_rank : 0));
+    if (i == 0) /* test seam: fail mid-step, between a block's collectives */
+        MDT_TRY(mdt_dit_test_point(d, "step"));
     MDT_TRY(ff_part(d, b, n, d->B * Sc, y)); // [B*S/P, C]
     for (int64_t bb = 0; bb < d->B; bb++)
         mdt_k()->gate_residual_rows(h + bb * Sc * C, y + bb * Sc * C, C, mod, 6 * C, x->ada_rows,
@@ -418,13 +426,13 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     d.cond = temb, d.cond_rows = x.Tn, d.cond_width = E;
     mdt_guard_finite(d.m, "time_embedder", temb, x.Tn * E);
     MDT_TRY(pack(f, &d, &x, h));
+    const h3_scratch scr = {mod, n, y};
     for (int64_t i = 0; i < f->layers; i++) {
-        char stage[48];
-        MDT_TRY(block(f, &d, &x, &f->blk[i], i == 0, h, mod, n, y));
+        const mdt_arena_mark mk = mdt_arena_mark_get(ar);
+        MDT_TRY(block(f, &d, &x, i, h, &scr));
         if (i == 0) /* test seam: fail between two blocks, the peers inside the next one's */
-            MDT_TRY(mdt_test_point("stage", d.mesh ? d.mesh->world_rank : 0));
-        snprintf(stage, sizeof stage, "transformer_blocks.%lld", (long long)i);
-        mdt_guard_finite(d.m, stage, h, M * C);
+            MDT_TRY(mdt_dit_test_point(&d, "stage"));
+        mdt_dit_block_done(&d, mk, "transformer_blocks", i, &(mdt_stream){h, x.Sc, C}, 1);
     }
     /* norm_out: [shift | scale] per timestep, rows picked by timestep index */
     MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, mod)); // [T_n, 2C]

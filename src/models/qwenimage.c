@@ -335,8 +335,10 @@ static mdt_status double_block(const qwen_block *blk, const mdt_dit *d, const md
     MDT_TRY(mdt_dit_adaln(d, &blk->img_mod, mod));  // [B, 6C]
     MDT_TRY(mdt_dit_adaln(d, &blk->txt_mod, cmod)); // [B, 6C]
     MDT_TRY(mdt_joint_attention(d, &blk->attn, mod, cmod, k_eps, rope, h, &r));
-    MDT_TRY(mdt_joint_ff_gelu(d, x, si, mod, k_eps, &blk->img_ff0, &blk->img_ff2, r.nx, hb, r.tmp));
-    return mdt_joint_ff_gelu(d, c, st, cmod, k_eps, &blk->txt_ff0, &blk->txt_ff2, r.nc, hb, r.tmp);
+    const mdt_joint_ff ffx = {x, si, mod, k_eps, r.nx, hb, r.tmp};
+    const mdt_joint_ff ffc = {c, st, cmod, k_eps, r.nc, hb, r.tmp};
+    MDT_TRY(mdt_joint_ff_gelu(d, &blk->img_ff0, &blk->img_ff2, &ffx)); // img_mlp
+    return mdt_joint_ff_gelu(d, &blk->txt_ff0, &blk->txt_ff2, &ffc);   // txt_mlp
 }
 
 /* One pass over batch elements [b0, b0 + n) that attend the same text tokens keep[0:Sv): their
@@ -385,7 +387,10 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
         const mdt_arena_mark bk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c));
-        MDT_TRY(mdt_joint_block_done(d, bk, "transformer_blocks", i, C, xs, si, c, st));
+        mdt_dit_block_done(d, bk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
+                           2);
+        if (i == 0) /* test seam: a rank failing mid-step */
+            MDT_TRY(mdt_dit_test_point(d, "step"));
     }
     MDT_TRY(mdt_dit_adaln(d, &f->norm_out, emb)); // [n, 2C] scale first
     for (int64_t b = 0; b < n; b++)

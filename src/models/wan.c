@@ -342,7 +342,6 @@ static mdt_status block(const wan *f, const mdt_dit *d, const wan_in *x, const w
                         const float *tproj, const float *ctx, const float *img, float *h) {
     const int64_t C = f->C, M = d->B * x->n, T6 = 6 * C;
     const float eps = (float)f->eps;
-    mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
     float *mod = mdt_arena_floats(d->ar, x->Tn * T6); // [Tn, 6C] this block's rows
     float *nx = mdt_arena_floats(d->ar, M * C);       // [B, n, C]
     float *y = mdt_arena_floats(d->ar, M * C);        // [B, n, C]
@@ -367,7 +366,6 @@ static mdt_status block(const wan *f, const mdt_dit *d, const wan_in *x, const w
     mdt_k()->modulate_rows(nx, M, C, mod, T6, x->trow, 3 * C, 4 * C);
     MDT_TRY(feed_forward(d, b, nx, M, y));
     mdt_k()->gate_residual_rows(h, y, C, mod, T6, x->trow, 5 * C, M, C);
-    mdt_arena_rewind(d->ar, mk);
     return MDT_OK;
 }
 
@@ -428,7 +426,6 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
     MDT_TRY(mdt_wan_read(f, &d, in, &x));
     const int64_t C = f->C, B = d.B, M = B * x.n, Tn = x.Tn, O = f->Pout;
     mdt_arena *ar = d.ar;
-    char stage[48];
     float *temb = mdt_arena_floats(ar, Tn * C);      // [Tn, C]
     float *cond = mdt_arena_floats(ar, Tn * C);      // [Tn, C] SiLU(temb)
     float *tproj = mdt_arena_floats(ar, Tn * 6 * C); // [Tn, 6C]
@@ -453,9 +450,9 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
     mdt_dit_linear(&f->patch_emb, x.x, M, h, C); // [B, n, C]
     mdt_guard_finite(d.m, "patch_embedding", h, M * C);
     for (int64_t i = 0; i < f->layers; i++) {
+        const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(block(f, &d, &x, &f->blk[i], tproj, ctx, x.img ? img : NULL, h));
-        snprintf(stage, sizeof stage, "blocks.%lld", (long long)i);
-        mdt_guard_finite(d.m, stage, h, M * C);
+        mdt_dit_block_done(&d, mk, "blocks", i, &(mdt_stream){h, x.n, C}, 1);
     }
     /* norm_out: shift, scale = scale_shift_table + temb (per distinct timestep, picked per token)
      */
