@@ -371,7 +371,8 @@ mdt_status mdt_model_info_open(const char *checkpoint_dir, const char *config_pa
 void mdt_model_info_free(mdt_model_info *info);
 const char *mdt_model_info_family(const mdt_model_info *info);     /* "flux" */
 const char *mdt_model_info_class_name(const mdt_model_info *info); /* "FluxTransformer2DModel" */
-int64_t mdt_model_info_heads(const mdt_model_info *info); /* num_attention_heads (0 if absent) */
+/* Attention heads as the family configures them (its default where config.json has none). */
+int64_t mdt_model_info_heads(const mdt_model_info *info);
 int mdt_model_info_weight_count(const mdt_model_info *info);
 /* The i-th weight with its local shape under TP degree `tp` (MDT_E_INVALID if it does not
  * divide) and, for a view with the index, its stored dtype. */

@@ -63,7 +63,7 @@ double cli_now_s(void);
  * returns the exit code 1. */
 int cli_fail_exit(mdt_status st);
 /* Prints "meshdit: usage error: " fmt (with `arg`) and the usage from rank 0; returns 2. */
-int cli_usage_exit(const char *fmt, const char *arg);
+int cli_usage_exit(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* `b` bytes in binary units with two decimals ("1.50 MiB"). */
 void cli_fmt_bytes(double b, char *buf, size_t cap);
 

@@ -13,7 +13,7 @@ int cmd_compare(int argc, char **argv) {
     if ((rc = cli_opt_double(&o, "tol", 1e-4, &tol)) || (rc = cli_opts_check_unused(&o)))
         return rc;
     if (o.npos != 2)
-        return cli_usage_exit("compare needs two files: A.safetensors B.safetensors%s", "");
+        return cli_usage_exit("compare needs two files: A.safetensors B.safetensors");
     mdt_tensor_set *a = NULL, *b = NULL;
     mdt_status st = mdt_tensor_set_load(o.pos[0], &a);
     if (st == MDT_OK)
@@ -66,7 +66,7 @@ int cmd_gather(int argc, char **argv) {
     if ((rc = cli_opt_int(&o, "tp", cli_world, 1, 4096, &tp)) || (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!ck || !out)
-        return cli_usage_exit("gather needs --checkpoint DIR --out DIR%s", "");
+        return cli_usage_exit("gather needs --checkpoint DIR --out DIR");
     mdt_mesh *mesh = NULL;
     mdt_model *m = NULL;
     mdt_status st = mdt_mesh_create_world((int)tp, 1, 1, NULL, &mesh);

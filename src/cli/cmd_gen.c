@@ -20,9 +20,9 @@ int cmd_gen(int argc, char **argv) {
         (rc = cli_opt_int(&o, "shards", 1, 1, 99999, &shards)) || (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!out)
-        return cli_usage_exit("gen needs --out DIR%s", "");
+        return cli_usage_exit("gen needs --out DIR");
     if (!!preset == !!cfg)
-        return cli_usage_exit("gen needs exactly one of --preset NAME or --config FILE%s", "");
+        return cli_usage_exit("gen needs exactly one of --preset NAME or --config FILE");
     mdt_dtype dt = strcmp(dts, "f32") == 0    ? MDT_F32
                    : strcmp(dts, "bf16") == 0 ? MDT_BF16
                    : strcmp(dts, "f16") == 0  ? MDT_F16
@@ -66,7 +66,7 @@ int cmd_inputs(int argc, char **argv) {
         (rc = cli_opt_double(&o, "guidance", 3.5, &g)) || (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!ck || !out)
-        return cli_usage_exit("inputs needs --checkpoint DIR and --out FILE%s", "");
+        return cli_usage_exit("inputs needs --checkpoint DIR and --out FILE");
     mdt_model_info *info = NULL;
     mdt_tensor_set *set = NULL;
     mdt_status st = mdt_model_info_open(ck, NULL, 0, &info);

@@ -97,9 +97,9 @@ int cmd_plan(int argc, char **argv) {
         return cli_usage_exit("--device-mem must be a size in GiB in (0, 1e6], not '%s'",
                               cli_opt_str(&o, "device-mem", NULL));
     if (!!ck == !!cfgp)
-        return cli_usage_exit("plan needs exactly one of --checkpoint DIR or --config FILE%s", "");
+        return cli_usage_exit("plan needs exactly one of --checkpoint DIR or --config FILE");
     if (!!devname + !!devfile + !!cal > 1)
-        return cli_usage_exit("plan takes one of --device, --device-file and --calibrate%s", "");
+        return cli_usage_exit("plan takes one of --device, --device-file and --calibrate");
     mdt_device_spec dev;
     mdt_status st = MDT_OK;
     if (devfile)

@@ -101,7 +101,7 @@ static int parse_run(int argc, char **argv, run_args *a) {
         (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!a->ck || !a->inp || !a->out)
-        return cli_usage_exit("run needs --checkpoint DIR --inputs FILE --out FILE%s", "");
+        return cli_usage_exit("run needs --checkpoint DIR --inputs FILE --out FILE");
     return 0;
 }
 

@@ -60,7 +60,7 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
         (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!a->ck)
-        return cli_usage_exit("serve needs --checkpoint DIR%s", "");
+        return cli_usage_exit("serve needs --checkpoint DIR");
     return 0;
 }
 

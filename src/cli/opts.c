@@ -6,6 +6,7 @@
 #include "cli/cli.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -21,11 +22,14 @@ int cli_fail_exit(mdt_status st) {
     return 1;
 }
 
-int cli_usage_exit(const char *fmt, const char *arg) {
+int cli_usage_exit(const char *fmt, ...) {
     if (cli_rank == 0) {
+        va_list ap;
+        va_start(ap, fmt);
         fprintf(stderr, "meshdit: usage error: ");
-        fprintf(stderr, fmt, arg);
+        vfprintf(stderr, fmt, ap);
         fprintf(stderr, "\n");
+        va_end(ap);
         cli_usage(stderr);
     }
     return 2;
@@ -36,7 +40,7 @@ int cli_parse_opts(int argc, char **argv, cli_opts *o, const char *const *flags)
     for (int i = 0; i < argc; i++) {
         if (strncmp(argv[i], "--", 2) == 0) {
             if (o->n == 32)
-                return cli_usage_exit("too many options%s", "");
+                return cli_usage_exit("too many options");
             int is_flag = 0;
             for (int f = 0; flags && flags[f]; f++)
                 is_flag |= strcmp(argv[i] + 2, flags[f]) == 0;

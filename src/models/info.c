@@ -55,9 +55,7 @@ const char *mdt_model_info_class_name(const mdt_model_info *info) {
 }
 
 int64_t mdt_model_info_heads(const mdt_model_info *info) {
-    int64_t heads = 0;
-    mdt_cfg_int(info->m->config, "num_attention_heads", 0, 0, &heads);
-    return heads;
+    return mdt_model_dims_of(info->m).heads;
 }
 
 int mdt_model_info_weight_count(const mdt_model_info *info) { return info->m->table.n; }

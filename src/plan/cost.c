@@ -19,10 +19,10 @@ static double coll_s(const mdt_device *dev, mdt_coll_cost_kind kind, int inter, 
     return calls * dev->latency + bytes / (inter ? dev->bw_inter : dev->bw_intra);
 }
 
-void mdt_estimate_layout(const mdt_model *m, int T, int R, int U, int64_t S, int64_t L, double b,
-                         const mdt_device *dev, mdt_estimate *e) {
-    memset(e, 0, sizeof *e);
-    e->T = T, e->R = R, e->U = U;
+void mdt_estimate_layout(const mdt_model *m, int64_t S, int64_t L, double b, const mdt_device *dev,
+                         mdt_layout_estimate *e) {
+    const int T = e->tp, R = e->ring, U = e->ulysses;
+    *e = (mdt_layout_estimate){.tp = T, .ring = R, .ulysses = U};
     if (mdt_model_check_layout(m, T, R, U) != MDT_OK) {
         snprintf(e->why, sizeof e->why, "%s", mdt_last_error());
         mdt_error_clear();

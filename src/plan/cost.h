@@ -22,20 +22,10 @@ typedef mdt_device_spec mdt_device;
  * "h200", "trn2" (one NeuronCore); NULL for another name. */
 const mdt_device *mdt_device_preset(const char *name);
 
-typedef struct mdt_estimate {
-    int T, R, U;
-    int valid;
-    char why[256];       /* why invalid */
-    double weight_bytes; /* per rank, at elem_bytes per weight */
-    double act_bytes;    /* per rank, activations of one forward (estimate) */
-    double flops_linear, flops_attn, flops_other;         /* per rank */
-    double bytes_tp, bytes_ulysses, bytes_ring, bytes_cp; /* sent per rank */
-    double t_compute, t_comm, t_step;                     /* seconds */
-} mdt_estimate;
-
 /* One forward, batch 1, S tokens (L of them the text stream's, or a cross-attention model's
- * encoder rows), elem_bytes per activation and weight element. */
-void mdt_estimate_layout(const mdt_model *m, int T, int R, int U, int64_t S, int64_t L,
-                         double elem_bytes, const mdt_device *dev, mdt_estimate *e);
+ * encoder rows), elem_bytes per activation and weight element, under e->tp x e->ring x
+ * e->ulysses (set by the caller): the rest of *e (meshdit.h: mdt_layout_estimate). */
+void mdt_estimate_layout(const mdt_model *m, int64_t S, int64_t L, double elem_bytes,
+                         const mdt_device *dev, mdt_layout_estimate *e);
 
 #endif /* MDT_PLAN_COST_H */

@@ -11,7 +11,7 @@
 
 /* Valid layouts first, then by predicted step time. */
 static int cmp_est(const void *a, const void *b) {
-    const mdt_estimate *x = a, *y = b;
+    const mdt_layout_estimate *x = a, *y = b;
     if (x->valid != y->valid)
         return y->valid - x->valid;
     return (x->t_step > y->t_step) - (x->t_step < y->t_step);
@@ -26,34 +26,19 @@ mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *d
                         "%lld text tokens exceed the %lld-token sequence: the model's text is part "
                         "of its joint sequence (tokens count text and image rows)",
                         (long long)txt_tokens, (long long)tokens);
-    mdt_estimate *est = calloc(4096, sizeof *est); /* at most one per (T, R) pair */
+    mdt_layout_estimate *est = calloc(4096, sizeof *est); /* at most one per (T, R) pair */
     int k = 0;
     if (!est)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     for (long long T = 1; T <= devices; T++)
         for (long long R = 1; T * R <= devices; R++)
-            if (devices % (T * R) == 0 && k < 4096)
-                mdt_estimate_layout(info->m, (int)T, (int)R, (int)(devices / (T * R)), tokens,
-                                    txt_tokens, elem_bytes, dev, &est[k++]);
+            if (devices % (T * R) == 0 && k < 4096) {
+                est[k] = (mdt_layout_estimate){
+                    .tp = (int)T, .ring = (int)R, .ulysses = (int)(devices / (T * R))};
+                mdt_estimate_layout(info->m, tokens, txt_tokens, elem_bytes, dev, &est[k++]);
+            }
     qsort(est, (size_t)k, sizeof *est, cmp_est);
-    mdt_layout_estimate *res = calloc((size_t)(k > 0 ? k : 1), sizeof *res);
-    if (!res) {
-        free(est);
-        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    }
-    for (int i = 0; i < k; i++) {
-        const mdt_estimate *e = &est[i];
-        mdt_layout_estimate *r = &res[i];
-        r->tp = e->T, r->ring = e->R, r->ulysses = e->U, r->valid = e->valid;
-        memcpy(r->why, e->why, sizeof r->why);
-        r->weight_bytes = e->weight_bytes, r->act_bytes = e->act_bytes;
-        r->flops_linear = e->flops_linear, r->flops_attn = e->flops_attn;
-        r->flops_other = e->flops_other;
-        r->bytes_tp = e->bytes_tp, r->bytes_ulysses = e->bytes_ulysses;
-        r->bytes_ring = e->bytes_ring, r->bytes_cp = e->bytes_cp;
-        r->t_compute = e->t_compute, r->t_comm = e->t_comm, r->t_step = e->t_step;
-    }
-    free(est);
-    *out = res, *n = k;
+    mdt_layout_estimate *fit = realloc(est, sizeof *est * (size_t)(k > 0 ? k : 1));
+    *out = fit ? fit : est, *n = k;
     return MDT_OK;
 }

@@ -17,7 +17,7 @@ double mdt_run_stats_step_seconds(const mdt_run_stats *s) { return s->step_media
 int mdt_run_stats_rank_count(const mdt_run_stats *s) { return s->nranks; }
 
 const mdt_rank_stats *mdt_run_stats_rank(const mdt_run_stats *s, int i) {
-    return i >= 0 && i < s->nranks ? &s->pub[i] : NULL;
+    return i >= 0 && i < s->nranks ? &s->facts[i].pub : NULL;
 }
 
 /* "tp,ring,ulysses": the mesh's order as --mesh-order spells it (the parser takes only that). */
@@ -31,17 +31,18 @@ static void order_str(const mdt_mesh *mesh, char *buf, size_t cap) {
              names[mesh->order[2]]);
 }
 
-static void add_rank(cJSON *ranks, const mdt_rank_facts *f) {
+static void add_rank(cJSON *ranks, const mdt_rank_facts *rf) {
+    const mdt_rank_stats *f = &rf->pub;
     cJSON *rk = cJSON_CreateObject();
     cJSON_AddItemToArray(ranks, rk);
     cJSON_AddNumberToObject(rk, "rank", f->rank);
     cJSON *co = cJSON_AddObjectToObject(rk, "coords");
-    cJSON_AddNumberToObject(co, "tp", f->t);
-    cJSON_AddNumberToObject(co, "ring", f->r);
-    cJSON_AddNumberToObject(co, "ulysses", f->u);
+    cJSON_AddNumberToObject(co, "tp", f->tp);
+    cJSON_AddNumberToObject(co, "ring", f->ring);
+    cJSON_AddNumberToObject(co, "ulysses", f->ulysses);
     cJSON_AddNumberToObject(co, "cp_index", f->cp_index);
     cJSON *no = cJSON_AddObjectToObject(rk, "node");
-    cJSON_AddStringToObject(no, "host", f->host);
+    cJSON_AddStringToObject(no, "host", rf->host);
     cJSON_AddNumberToObject(no, "rank", f->node_rank);
     cJSON_AddNumberToObject(no, "ranks", f->node_size);
     cJSON_AddNumberToObject(rk, "heads_local", (double)f->heads_local);
@@ -50,27 +51,29 @@ static void add_rank(cJSON *ranks, const mdt_rank_facts *f) {
     cJSON_AddNumberToObject(rk, "max_rss_kib", (double)f->max_rss_kib);
     cJSON_AddNumberToObject(rk, "bytes_read", (double)f->bytes_read);
     cJSON *fl = cJSON_AddObjectToObject(rk, "flops_per_step");
-    cJSON_AddNumberToObject(fl, "linear", f->flops[MDT_FLOP_LINEAR]);
-    cJSON_AddNumberToObject(fl, "attention", f->flops[MDT_FLOP_ATTN]);
-    cJSON_AddNumberToObject(fl, "other", f->flops[MDT_FLOP_OTHER]);
+    cJSON_AddNumberToObject(fl, "linear", f->flops_linear);
+    cJSON_AddNumberToObject(fl, "attention", f->flops_attn);
+    cJSON_AddNumberToObject(fl, "other", f->flops_other);
     cJSON *ks = cJSON_AddObjectToObject(rk, "kernel_seconds_per_step");
-    cJSON_AddNumberToObject(ks, "linear", f->seconds[MDT_FLOP_LINEAR]);
-    cJSON_AddNumberToObject(ks, "attention", f->seconds[MDT_FLOP_ATTN]);
-    cJSON_AddNumberToObject(ks, "other", f->seconds[MDT_FLOP_OTHER]);
+    cJSON_AddNumberToObject(ks, "linear", f->seconds_linear);
+    cJSON_AddNumberToObject(ks, "attention", f->seconds_attn);
+    cJSON_AddNumberToObject(ks, "other", f->seconds_other);
     cJSON *at = cJSON_AddObjectToObject(rk, "attention_per_step");
     cJSON_AddNumberToObject(at, "calls", (double)f->attn_calls);
-    cJSON_AddNumberToObject(at, "query_rows_x_heads", (double)f->attn_q);
-    cJSON_AddNumberToObject(at, "kv_rows_x_heads", (double)f->attn_kv);
+    cJSON_AddNumberToObject(at, "query_rows_x_heads", (double)f->attn_query_rows);
+    cJSON_AddNumberToObject(at, "kv_rows_x_heads", (double)f->attn_kv_rows);
     cJSON *cb = cJSON_AddObjectToObject(rk, "bytes_sent_per_step");
     for (int k = 0; k < MDT_COLL_KIND_COUNT; k++)
-        cJSON_AddNumberToObject(cb, mdt_coll_kind_name((mdt_coll_kind)k), (double)f->coll[k]);
+        cJSON_AddNumberToObject(cb, mdt_coll_kind_name((mdt_coll_kind)k), (double)rf->coll[k]);
     cJSON *ga = cJSON_AddObjectToObject(rk, "bytes_sent_per_step_by_axis");
+    const int64_t axis[MDT_GROUP_COUNT] = {f->bytes_tp, f->bytes_ring, f->bytes_ulysses,
+                                           f->bytes_cp};
     for (int g = 0; g < MDT_GROUP_COUNT; g++)
-        cJSON_AddNumberToObject(ga, mdt_group_name((mdt_group)g), (double)f->group[g]);
+        cJSON_AddNumberToObject(ga, mdt_group_name((mdt_group)g), (double)axis[g]);
     cJSON *rg = cJSON_AddObjectToObject(rk, "ring_per_step");
     cJSON_AddNumberToObject(rg, "ring_compute_seconds", f->ring_compute_s);
     cJSON_AddNumberToObject(rg, "ring_wait_seconds", f->ring_wait_s);
-    cJSON_AddNumberToObject(rk, "world_collectives_per_step", (double)f->world_colls);
+    cJSON_AddNumberToObject(rk, "world_collectives_per_step", (double)f->world_collectives);
 }
 
 mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, double load_seconds,

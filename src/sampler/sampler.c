@@ -24,79 +24,53 @@ static long max_rss_kib(void) {
     return ru.ru_maxrss;
 }
 
-static void public_view(const mdt_rank_facts *f, mdt_rank_stats *p) {
-    *p = (mdt_rank_stats){.rank = f->rank,
-                          .tp = f->t,
-                          .ring = f->r,
-                          .ulysses = f->u,
-                          .cp_index = f->cp_index,
-                          .node_rank = f->node_rank,
-                          .node_size = f->node_size,
-                          .heads_local = f->heads_local,
-                          .weight_bytes = f->weight_bytes,
-                          .peak_bytes = f->peak_bytes,
-                          .max_rss_kib = f->max_rss_kib,
-                          .bytes_read = f->bytes_read,
-                          .flops_linear = f->flops[MDT_FLOP_LINEAR],
-                          .flops_attn = f->flops[MDT_FLOP_ATTN],
-                          .flops_other = f->flops[MDT_FLOP_OTHER],
-                          .seconds_linear = f->seconds[MDT_FLOP_LINEAR],
-                          .seconds_attn = f->seconds[MDT_FLOP_ATTN],
-                          .seconds_other = f->seconds[MDT_FLOP_OTHER],
-                          .attn_calls = f->attn_calls,
-                          .attn_query_rows = f->attn_q,
-                          .attn_kv_rows = f->attn_kv,
-                          .bytes_tp = f->group[MDT_GROUP_TP],
-                          .bytes_ring = f->group[MDT_GROUP_RING],
-                          .bytes_ulysses = f->group[MDT_GROUP_ULYSSES],
-                          .bytes_cp = f->group[MDT_GROUP_CP],
-                          .ring_compute_s = f->ring_compute_s,
-                          .ring_wait_s = f->ring_wait_s,
-                          .prep_s = f->prep_s,
-                          .world_collectives = f->world_colls};
-}
-
 /* This rank's facts of the last step, gathered to world rank 0. Collective over the world. */
 static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, const int64_t *coll,
                                const int64_t *group, int64_t world_colls, mdt_run_stats *s) {
     mdt_mesh *mesh = m->mesh;
     mdt_rank_facts mine = {0};
-    int64_t heads = 0;
-    mdt_cfg_int(m->config, "num_attention_heads", 0, 0, &heads);
-    mine.rank = mesh ? mesh->world_rank : 0;
-    mine.t = mesh ? mesh->t : 0, mine.r = mesh ? mesh->r : 0, mine.u = mesh ? mesh->u : 0;
-    mine.cp_index = mesh ? mesh->cp_index : 0;
-    mine.node_rank = mesh ? mesh->node_rank : 0, mine.node_size = mesh ? mesh->node_size : 1;
+    const int64_t heads = mdt_model_dims_of(m).heads;
+    mine.pub = (mdt_rank_stats){.rank = mesh ? mesh->world_rank : 0,
+                                .tp = mesh ? mesh->t : 0,
+                                .ring = mesh ? mesh->r : 0,
+                                .ulysses = mesh ? mesh->u : 0,
+                                .cp_index = mesh ? mesh->cp_index : 0,
+                                .node_rank = mesh ? mesh->node_rank : 0,
+                                .node_size = mesh ? mesh->node_size : 1,
+                                .heads_local = heads / (mesh ? mesh->T : 1),
+                                .weight_bytes = m->weight_bytes,
+                                .peak_bytes = mdt_mem_peak(),
+                                .max_rss_kib = max_rss_kib(),
+                                .bytes_read = m->bytes_read,
+                                .flops_linear = per->flops[MDT_FLOP_LINEAR],
+                                .flops_attn = per->flops[MDT_FLOP_ATTN],
+                                .flops_other = per->flops[MDT_FLOP_OTHER],
+                                .seconds_linear = per->seconds[MDT_FLOP_LINEAR],
+                                .seconds_attn = per->seconds[MDT_FLOP_ATTN],
+                                .seconds_other = per->seconds[MDT_FLOP_OTHER],
+                                .attn_calls = per->attn_calls,
+                                .attn_query_rows = per->attn_query_rows,
+                                .attn_kv_rows = per->attn_kv_rows,
+                                .bytes_tp = group[MDT_GROUP_TP],
+                                .bytes_ring = group[MDT_GROUP_RING],
+                                .bytes_ulysses = group[MDT_GROUP_ULYSSES],
+                                .bytes_cp = group[MDT_GROUP_CP],
+                                .ring_compute_s = per->ring_compute_s,
+                                .ring_wait_s = per->ring_wait_s,
+                                .prep_s = per->prep_s,
+                                .world_collectives = world_colls};
     if (mesh)
         memcpy(mine.host, mesh->host, sizeof mine.host);
-    mine.heads_local = heads / (mesh ? mesh->T : 1);
-    mine.weight_bytes = m->weight_bytes, mine.peak_bytes = mdt_mem_peak();
-    mine.max_rss_kib = max_rss_kib(), mine.bytes_read = m->bytes_read;
-    memcpy(mine.flops, per->flops, sizeof mine.flops);
-    memcpy(mine.seconds, per->seconds, sizeof mine.seconds);
-    mine.attn_calls = per->attn_calls, mine.attn_q = per->attn_query_rows;
-    mine.attn_kv = per->attn_kv_rows;
     memcpy(mine.coll, coll, sizeof mine.coll);
-    memcpy(mine.group, group, sizeof mine.group);
-    mine.world_colls = world_colls;
-    mine.ring_wait_s = per->ring_wait_s, mine.ring_compute_s = per->ring_compute_s;
-    mine.prep_s = per->prep_s;
     const int world = mesh ? mesh->world_size : 1;
     s->facts = calloc((size_t)world, sizeof *s->facts);
-    s->pub = calloc((size_t)world, sizeof *s->pub);
     /* every rank learns whether all could allocate before any enters the gather */
-    MDT_TRY(
-        mdt_mesh_agree(mesh, s->facts && s->pub ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory")));
+    MDT_TRY(mdt_mesh_agree(mesh, s->facts ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory")));
     if (mesh && MPI_Gather(&mine, (int)sizeof mine, MPI_BYTE, s->facts, (int)sizeof mine, MPI_BYTE,
                            0, mesh->world) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "run statistics: MPI_Gather failed");
-    else
-        s->facts[0] = mine;
-    s->nranks = mine.rank == 0 ? world : 1;
-    if (mine.rank != 0)
-        s->facts[0] = mine;
-    for (int i = 0; i < s->nranks; i++)
-        public_view(&s->facts[i], &s->pub[i]);
+    s->nranks = mine.pub.rank == 0 ? world : 1;
+    s->facts[0] = mine; /* rank 0's own; elsewhere the only entry */
     return MDT_OK;
 }
 
@@ -227,6 +201,5 @@ void mdt_run_stats_free(mdt_run_stats *s) {
     if (!s)
         return;
     free(s->facts);
-    free(s->pub);
     free(s);
 }
