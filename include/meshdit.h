@@ -115,6 +115,9 @@ int mdt_mesh_size(const mdt_mesh *m); /* world size (1 for NULL) */
  * only if all passed MDT_OK; otherwise the failure (and the message of the lowest failing rank)
  * on every rank. NULL mesh: returns `local`. */
 mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local);
+/* The same before any mesh exists (process set-up): over MPI_COMM_WORLD, blocking and unwatched;
+ * `local` itself when MPI is not initialised or the world is one rank. */
+mdt_status mdt_world_agree(mdt_status local);
 /* 1 when a failure could not be agreed on (this rank failed inside a step while its peers wait in
  * a collective): the caller must end the whole job (MPI_Abort), after printing the message. */
 int mdt_mesh_peers_stuck(const mdt_mesh *m);

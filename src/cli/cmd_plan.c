@@ -5,7 +5,6 @@
  */
 #include "cli/cli.h"
 
-#include <mpi.h>
 #include <stdlib.h>
 
 static const char *const k_kinds[MDT_COST_KIND_COUNT] = {"all-reduce", "all-to-all", "send/recv",
@@ -37,12 +36,10 @@ static void print_device(const mdt_device_spec *d) {
 static int calibrate(mdt_model_info *info, const char *path, long long tokens) {
     mdt_device_spec dev;
     /* a file that cannot be written is refused before anything is measured */
-    mdt_status st = cli_rank == 0 ? mdt_output_check(path) : MDT_OK;
-    int ok = st == MDT_OK;
-    MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    if (!ok) {
+    mdt_status st = mdt_world_agree(cli_rank == 0 ? mdt_output_check(path) : MDT_OK);
+    if (st != MDT_OK) {
         mdt_model_info_free(info);
-        return cli_rank == 0 ? cli_fail_exit(st) : 1;
+        return cli_fail_exit(st);
     }
     int end_job = 0;
     st = mdt_calibrate(info, tokens, &dev, &end_job);
@@ -53,14 +50,10 @@ static int calibrate(mdt_model_info *info, const char *path, long long tokens) {
     }
     if (st == MDT_OK && cli_rank == 0)
         st = mdt_device_spec_save(&dev, path);
-    /* rank 0's write decides for every rank */
-    ok = st == MDT_OK;
-    MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    st = mdt_world_agree(st); /* rank 0's write decides for every rank */
     mdt_model_info_free(info);
     if (st != MDT_OK)
         return cli_fail_exit(st);
-    if (!ok)
-        return 1; /* rank 0 said why */
     if (cli_rank == 0) {
         print_device(&dev);
         printf("wrote %s\n", path);
@@ -113,13 +106,9 @@ int cmd_plan(int argc, char **argv) {
     mdt_model_info *info = NULL;
     st = mdt_model_info_open(ck, ck ? NULL : cfgp, 0, &info);
     if (cal) { /* every rank opened the model itself: the lowest failing rank says why */
-        int first_bad = st != MDT_OK ? cli_rank : cli_world;
-        MPI_Allreduce(MPI_IN_PLACE, &first_bad, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-        if (first_bad < cli_world) {
-            if (first_bad == cli_rank)
-                fprintf(stderr, "meshdit: error: rank %d: %s\n", cli_rank, mdt_last_error());
+        if ((st = mdt_world_agree(st)) != MDT_OK) {
             mdt_model_info_free(info);
-            return 1;
+            return cli_fail_exit(st);
         }
         return calibrate(info, cal, tokens);
     }

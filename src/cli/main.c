@@ -102,18 +102,9 @@ int main(int argc, char **argv) {
     int rc;
     /* MESHDIT_CPU_ISA or MESHDIT_CPU_GEMM that a rank's CPU cannot run is an error on every
      * rank, never ignored; the lowest failing rank says why */
-    int first_bad =
-        mdt_cpu_kernels_select(getenv("MESHDIT_CPU_ISA"), getenv("MESHDIT_CPU_GEMM")) != MDT_OK
-            ? cli_rank
-            : cli_world;
-    MPI_Allreduce(MPI_IN_PLACE, &first_bad, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-    if (first_bad < cli_world) {
-        if (first_bad == cli_rank)
-            fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
-        rc = 1;
-    } else {
-        rc = dispatch(argc, argv);
-    }
+    const mdt_status st = mdt_world_agree(
+        mdt_cpu_kernels_select(getenv("MESHDIT_CPU_ISA"), getenv("MESHDIT_CPU_GEMM")));
+    rc = st != MDT_OK ? cli_fail_exit(st) : dispatch(argc, argv);
     MPI_Finalize();
     return rc;
 }

@@ -314,6 +314,32 @@ mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local) {
     return local != MDT_OK && s == MDT_OK ? local : s; /* never OK over a local failure */
 }
 
+mdt_status mdt_world_agree(mdt_status local) {
+    int init = 0, P = 1, me = 0;
+    if (MPI_Initialized(&init) != MPI_SUCCESS || !init)
+        return local;
+    MPI_Comm_size(MPI_COMM_WORLD, &P);
+    MPI_Comm_rank(MPI_COMM_WORLD, &me);
+    if (P == 1)
+        return local;
+    int first = local == MDT_OK ? INT_MAX : me;
+    if (MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "agreement over the world: MPI_Allreduce failed");
+    if (first == INT_MAX)
+        return MDT_OK;
+    struct {
+        int code;
+        char msg[1800];
+    } pkt = {(int)local, ""};
+    if (me == first)
+        snprintf(pkt.msg, sizeof pkt.msg, "%s", mdt_last_error());
+    if (MPI_Bcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, MPI_COMM_WORLD) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "agreement over the world: MPI_Bcast failed");
+    if (strncmp(pkt.msg, "rank ", 5) == 0) /* already agreed on by the ranks that failed */
+        return MDT_FAIL((mdt_status)pkt.code, "%s", pkt.msg);
+    return MDT_FAIL((mdt_status)pkt.code, "rank %d: %s", first, pkt.msg);
+}
+
 const char *mdt_group_name(mdt_group g) {
     static const char *const n[MDT_GROUP_COUNT] = {"tp", "ring", "ulysses", "cp"};
     return (unsigned)g < MDT_GROUP_COUNT ? n[g] : "?";
