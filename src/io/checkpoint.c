@@ -34,71 +34,9 @@ static int file_exists(const char *path) {
     return stat(path, &sb) == 0;
 }
 
-/* Reads a whole small text file (JSON) into a NUL-terminated buffer; *len is its length. */
-static mdt_status read_text(const char *path, char **out, size_t *len) {
-    char shown[4096];
-    struct stat sb;
-    int fd;
-    *out = NULL;
-    MDT_TRY(mdt_file_open_read(path, MDT_E_NOTFOUND, &fd));
-    mdt_escape(path, shown, sizeof shown);
-    if (fstat(fd, &sb) != 0) {
-        close(fd);
-        return MDT_FAIL(MDT_E_IO, "%s: cannot stat: %s", shown, strerror(errno));
-    }
-    if (sb.st_size > MDT_JSON_MAX_BYTES) {
-        close(fd);
-        return MDT_FAIL(MDT_E_FORMAT, "%s: %lld bytes is over the %lld MiB limit for a JSON file",
-                        shown, (long long)sb.st_size, MDT_JSON_MAX_BYTES >> 20);
-    }
-    size_t n = (size_t)sb.st_size, got = 0;
-    char *buf = mdt_alloc(n + 1);
-    if (!buf) {
-        close(fd);
-        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    }
-    while (got < n) {
-        ssize_t r = read(fd, buf + got, n - got);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0) {
-            mdt_status st =
-                MDT_FAIL(MDT_E_IO, "%s: %s", shown,
-                         r < 0 ? strerror(errno) : "file ends early (changed while read?)");
-            close(fd);
-            mdt_free(buf);
-            return st;
-        }
-        got += (size_t)r;
-    }
-    close(fd);
-    buf[n] = 0;
-    *out = buf;
-    *len = n;
-    return MDT_OK;
+mdt_status mdt_config_load(const char *path, cJSON **out) {
+    return mdt_json_load_file(path, MDT_JSON_MAX_BYTES, out);
 }
-
-static mdt_status parse_json_file(const char *path, cJSON **out) {
-    char *txt, shown[MDT_CKPT_SHOWN];
-    size_t len;
-    mdt_json_stats js;
-    *out = NULL;
-    MDT_TRY(read_text(path, &txt, &len));
-    mdt_escape(path, shown, sizeof shown);
-    mdt_status st = mdt_json_check(txt, len, shown, &js);
-    if (st == MDT_OK)
-        st = mdt_json_build(txt, len, shown, "invalid JSON", 0, " \t\r\n", out);
-    mdt_free(txt);
-    MDT_TRY(st);
-    if (!cJSON_IsObject(*out)) {
-        cJSON_Delete(*out);
-        *out = NULL;
-        return MDT_FAIL(MDT_E_FORMAT, "%s: top level is not a JSON object", shown);
-    }
-    return MDT_OK;
-}
-
-mdt_status mdt_config_load(const char *path, cJSON **out) { return parse_json_file(path, out); }
 
 static int cmp_ref(const void *a, const void *b) {
     return strcmp(((const mdt_ckpt_ref *)a)->name, ((const mdt_ckpt_ref *)b)->name);
@@ -200,7 +138,7 @@ static mdt_status open_index(mdt_ckpt *c, const char *index_path) {
     wm_pair *pairs = NULL;
     mdt_status st;
     char nm[MDT_ESC_NAME], s1[MDT_ESC_NAME], s2[MDT_ESC_NAME];
-    MDT_TRY(parse_json_file(index_path, &idx));
+    MDT_TRY(mdt_json_load_file(index_path, MDT_JSON_MAX_BYTES, &idx));
     const cJSON *wm = cJSON_GetObjectItemCaseSensitive(idx, "weight_map");
     if (!cJSON_IsObject(wm))
         MDT_CHECK(MDT_FAIL(MDT_E_FORMAT, "%s/%s: 'weight_map' is missing or not an object",
@@ -293,7 +231,7 @@ mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out) {
                            "%s: no config.json (not a diffusers checkpoint "
                            "directory?)",
                            c->dir_shown));
-    MDT_CHECK(parse_json_file(p, &c->config));
+    MDT_CHECK(mdt_json_load_file(p, MDT_JSON_MAX_BYTES, &c->config));
     mdt_free(p);
 
     p = path_join(c->dir, MDT_CKPT_INDEX);

@@ -4,10 +4,17 @@
  * holds one value per container plus one per comma-separated element, so 1 + commas + containers
  * bounds its size, whether or not the text is valid.
  */
+#define _POSIX_C_SOURCE 200809L
 #include "json.h"
 
+#include "io/file.h"
+
 #include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 /* 1-based line and column of byte `at` of text. */
 static void line_col(const char *text, size_t at, int64_t *line, int64_t *col) {
@@ -131,5 +138,76 @@ mdt_status mdt_json_build(const char *text, size_t len, const char *shown, const
                             shown, pad[1] ? "white space" : "space padding", (long long)l,
                             (long long)co, (long long)(base + (int64_t)at));
         }
+    return MDT_OK;
+}
+
+/* Reads a whole small text file (JSON) into a NUL-terminated buffer; *len is its length. */
+static mdt_status read_text(const char *path, int64_t max_bytes, char **out, size_t *len) {
+    char shown[4096];
+    struct stat sb;
+    int fd;
+    *out = NULL;
+    MDT_TRY(mdt_file_open_read(path, MDT_E_NOTFOUND, &fd));
+    mdt_escape(path, shown, sizeof shown);
+    if (fstat(fd, &sb) != 0) {
+        close(fd);
+        return MDT_FAIL(MDT_E_IO, "%s: cannot stat: %s", shown, strerror(errno));
+    }
+    if (sb.st_size > max_bytes) {
+        close(fd);
+        const int mib = max_bytes % (1 << 20) == 0, kib = max_bytes % 1024 == 0;
+        return MDT_FAIL(MDT_E_FORMAT, "%s: %lld bytes is over the %lld %s limit for a JSON file",
+                        shown, (long long)sb.st_size,
+                        (long long)(mib   ? max_bytes >> 20
+                                    : kib ? max_bytes >> 10
+                                          : max_bytes),
+                        mib   ? "MiB"
+                        : kib ? "KiB"
+                              : "byte");
+    }
+    size_t n = (size_t)sb.st_size, got = 0;
+    char *buf = mdt_alloc(n + 1);
+    if (!buf) {
+        close(fd);
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    }
+    while (got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            mdt_status st =
+                MDT_FAIL(MDT_E_IO, "%s: %s", shown,
+                         r < 0 ? strerror(errno) : "file ends early (changed while read?)");
+            close(fd);
+            mdt_free(buf);
+            return st;
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    buf[n] = 0;
+    *out = buf;
+    *len = n;
+    return MDT_OK;
+}
+
+mdt_status mdt_json_load_file(const char *path, int64_t max_bytes, cJSON **out) {
+    char *txt, shown[MDT_ESC_NAME];
+    size_t len;
+    mdt_json_stats js;
+    *out = NULL;
+    MDT_TRY(read_text(path, max_bytes, &txt, &len));
+    mdt_escape(path, shown, sizeof shown);
+    mdt_status st = mdt_json_check(txt, len, shown, &js);
+    if (st == MDT_OK)
+        st = mdt_json_build(txt, len, shown, "invalid JSON", 0, " \t\r\n", out);
+    mdt_free(txt);
+    MDT_TRY(st);
+    if (!cJSON_IsObject(*out)) {
+        cJSON_Delete(*out);
+        *out = NULL;
+        return MDT_FAIL(MDT_E_FORMAT, "%s: top level is not a JSON object", shown);
+    }
     return MDT_OK;
 }

@@ -1,5 +1,6 @@
 /*
- * json.h — every JSON text meshdit reads (config.json, the index, safetensors headers) goes
+ * json.h — every JSON text meshdit reads (config.json, the index, safetensors headers, device
+ * files) goes
  * through here: one linear pass over the raw bytes bounds what parsing will cost and refuses NUL
  * before cJSON builds anything, then cJSON parses, and a syntax error is reported by line,
  * column and byte.
@@ -8,8 +9,8 @@
  * header of 1.7 M empty entries under the 100 MB cap would cost gigabytes; counting values first
  * keeps any tree under MDT_JSON_MAX_VALUES. And cJSON keeps "\u0000" inside a string as a NUL
  * byte, which C string functions then silently cut ("x_embedder.weight\u0000junk" would read as
- * "x_embedder.weight"); the pass finds it. No file access, no MPI, no knowledge of what the JSON
- * means here.
+ * "x_embedder.weight"); the pass finds it. No MPI and no knowledge of what the JSON means here;
+ * files are opened through file.h.
  */
 #ifndef MDT_JSON_H
 #define MDT_JSON_H
@@ -45,5 +46,11 @@ mdt_status mdt_json_check(const char *text, size_t len, const char *shown, mdt_j
  * MDT_E_NOMEM if cJSON runs out of memory on valid text. */
 mdt_status mdt_json_build(const char *text, size_t len, const char *shown, const char *err,
                           int64_t base, const char *pad, cJSON **out);
+
+/* Reads the JSON file `path` (a regular file of at most max_bytes; symlinks followed) through
+ * mdt_json_check and mdt_json_build: its top level must be an object. Errors name the file:
+ * MDT_E_NOTFOUND (no such file), MDT_E_IO (not a regular file, unreadable), MDT_E_FORMAT (too
+ * large, not JSON, text after the value, not an object). */
+mdt_status mdt_json_load_file(const char *path, int64_t max_bytes, cJSON **out);
 
 #endif /* MDT_JSON_H */

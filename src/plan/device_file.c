@@ -12,6 +12,7 @@
  */
 #include "core/core.h"
 #include "core/outfile.h"
+#include "io/json.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -151,29 +152,8 @@ static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
 
 mdt_status mdt_device_spec_load(const char *path, mdt_device_spec *out) {
     memset(out, 0, sizeof *out);
-    FILE *fp = fopen(path, "rb");
-    if (!fp)
-        return MDT_FAIL(MDT_E_NOTFOUND, "%s: cannot open the device file", path);
-    char buf[65536];
-    const size_t n = fread(buf, 1, sizeof buf - 1, fp);
-    const int more = fgetc(fp) != EOF, bad = ferror(fp);
-    fclose(fp);
-    if (bad)
-        return MDT_FAIL(MDT_E_IO, "%s: cannot read the device file (a directory?)", path);
-    if (more)
-        return MDT_FAIL(MDT_E_FORMAT, "%s: device file over %zu bytes", path, sizeof buf - 1);
-    buf[n] = 0;
-    const char *end = NULL;
-    cJSON *j = cJSON_ParseWithLengthOpts(buf, n, &end, 0);
-    if (!j)
-        return MDT_FAIL(MDT_E_FORMAT, "%s: device file is not JSON", path);
-    while (end && end < buf + n && (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
-        end++;
-    if (end != buf + n) { /* a second object or trailing bytes: which one was meant? */
-        cJSON_Delete(j);
-        return MDT_FAIL(MDT_E_FORMAT, "%s: device file: text after the JSON object (byte %zu)",
-                        path, (size_t)(end ? end - buf : 0));
-    }
+    cJSON *j = NULL;
+    MDT_TRY(mdt_json_load_file(path, 65536, &j)); /* a device file is a few KiB */
     mdt_device_spec d = {0};
     const mdt_status st = parse(path, j, &d);
     cJSON_Delete(j);
