@@ -341,13 +341,20 @@ static mdt_status double_block(const qwen_block *blk, const mdt_dit *d, const md
     return mdt_joint_ff_gelu(d, &blk->txt_ff0, &blk->txt_ff2, &ffc);   // txt_mlp
 }
 
-/* One pass over batch elements [b0, b0 + n) that attend the same text tokens keep[0:Sv): their
- * image rows and kept text rows split into P chunks each, the local joint sequence [text chunk |
- * image chunk] through the blocks, norm_out and proj_out on the image rows, gathered into rows
- * b0.. of `sample`; what their attention owes is added to `p`. */
+/* Batch elements [b0, b0 + n) that attend the same text tokens keep[0:Sv). */
+typedef struct qwen_pass {
+    int64_t b0, n;
+    const int64_t *keep;
+    int64_t Sv;
+} qwen_pass;
+
+/* One pass: its elements' image rows and kept text rows split into P chunks each, the local
+ * joint sequence [text chunk | image chunk] through the blocks, norm_out and proj_out on the
+ * image rows, gathered into rows b0.. of `sample`; what their attention owes is added to `p`. */
 static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const float *cond,
-                           int64_t b0, int64_t n, const int64_t *keep, int64_t Sv,
-                           mdt_tensor *sample, mdt_promise *p) {
+                           const qwen_pass *ps, mdt_tensor *sample, mdt_promise *p) {
+    const int64_t b0 = ps->b0, n = ps->n, Sv = ps->Sv;
+    const int64_t *keep = ps->keep;
     const int64_t C = f->inner, J = f->joint_dim, Si = x->Si, O = f->proj_out.out;
     mdt_arena *ar = d->ar, *ha = d->ha;
     const mdt_arena_mark mk = mdt_arena_mark_get(ar), hk = mdt_arena_mark_get(ha);
@@ -442,8 +449,10 @@ static mdt_status qwen_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     int same = 1;
     for (int64_t b = 1; x.mask && b < B; b++)
         same = same && memcmp(x.mask, x.mask + b * St, (size_t)St) == 0;
-    for (int64_t b0 = 0, n = same ? B : 1; b0 < B; b0 += n)
-        MDT_TRY(qwen_run(f, &d, &x, cond, b0, n, keep, kept_tokens(&x, b0, keep), o, &p));
+    for (int64_t b0 = 0, n = same ? B : 1; b0 < B; b0 += n) {
+        const qwen_pass pass = {b0, n, keep, kept_tokens(&x, b0, keep)};
+        MDT_TRY(qwen_run(f, &d, &x, cond, &pass, o, &p));
+    }
     return mdt_dit_end(&d, &p);
 }
 

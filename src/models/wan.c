@@ -224,17 +224,31 @@ static mdt_status wan_check_layout(const void *impl, int T, int R, int U) {
 
 /* ---- blocks ---- */
 
-/* dst [B, H/T, n, D] head-major = heads of l(x [B n, in]), then (norm not NULL) RMSNorm over the
- * whole inner width with this rank's slice of the weight, then (rope not NULL) RoPE. tmp, tmp2
- * [B n, H/T D] scratch. */
-static mdt_status project(const wan *f, const mdt_dit *d, const mdt_lin *l, const float *x,
-                          int64_t n, const float *norm, const mdt_rope *rope, float *dst,
-                          float *tmp, float *tmp2) {
+/* One projection to this rank's heads: dst [B, H/T, n, D] head-major = heads of l(x), then
+ * (norm not NULL) RMSNorm over the whole inner width with this rank's slice of the weight, then
+ * (rope not NULL) RoPE. */
+typedef struct wan_proj {
+    const mdt_lin *l;
+    const float *norm;
+    const mdt_rope *rope;
+    float *dst;
+} wan_proj;
+/* A projection's scratch: two [rows, H/T D] buffers. */
+typedef struct wan_scratch {
+    float *tmp, *tmp2;
+} wan_scratch;
+
+/* p of x [B, n, in]. */
+static mdt_status project(const wan *f, const mdt_dit *d, const float *x, int64_t n,
+                          const wan_proj *p, const wan_scratch *s) {
+    const mdt_lin *l = p->l;
+    const mdt_rope *rope = p->rope;
+    float *tmp = s->tmp, *tmp2 = s->tmp2, *dst = p->dst;
     const int64_t W = l->out_local, H = d->heads, D = d->head_dim;
     const float *src = tmp;
     mdt_dit_linear(l, x, d->B * n, tmp, W); // [B n, H/T D]
-    if (norm) {
-        MDT_TRY(mdt_dit_rmsnorm_tp(d, tmp, tmp2, d->B * n, W, l->out, norm, (float)f->eps));
+    if (p->norm) {
+        MDT_TRY(mdt_dit_rmsnorm_tp(d, tmp, tmp2, d->B * n, W, l->out, p->norm, (float)f->eps));
         src = tmp2;
     }
     for (int64_t b = 0; b < d->B; b++)
@@ -254,12 +268,16 @@ static mdt_status self_attention(const wan *f, const mdt_dit *d, const wan_in *x
     float *ao = mdt_arena_floats(d->ar, M * W); // [B, n, A/T]
     if (!tmp || !tmp2 || !ao || mdt_dit_heads_alloc(d, n, &h) != MDT_OK)
         return MDT_E_NOMEM;
+    const wan_scratch s = {tmp, tmp2};
+    const wan_proj pq = {&b->a1.q, b->a1.norm_q, &x->rope, h.q};
+    const wan_proj pk = {&b->a1.k, b->a1.norm_k, &x->rope, h.k};
+    const wan_proj pv = {&b->a1.v, NULL, NULL, h.v};
     mdt_k_shared_begin(nx, f->C, M, f->C); /* one bf16 rounding of nx for q, k, v */
-    mdt_status st = project(f, d, &b->a1.q, nx, n, b->a1.norm_q, &x->rope, h.q, tmp, tmp2);
+    mdt_status st = project(f, d, nx, n, &pq, &s);
     if (st == MDT_OK)
-        st = project(f, d, &b->a1.k, nx, n, b->a1.norm_k, &x->rope, h.k, tmp, tmp2);
+        st = project(f, d, nx, n, &pk, &s);
     if (st == MDT_OK)
-        st = project(f, d, &b->a1.v, nx, n, NULL, NULL, h.v, tmp, tmp2);
+        st = project(f, d, nx, n, &pv, &s);
     mdt_k_shared_end();
     MDT_TRY(st);
     MDT_TRY(mdt_dit_attend(d, &h, 1, ao, W));            // [B, n, A/T]
@@ -269,13 +287,12 @@ static mdt_status self_attention(const wan *f, const mdt_dit *d, const wan_in *x
 }
 
 /* Keys and values of a whole context c [B, N, in] (every rank the same): k normed. */
-static mdt_status context_kv(const wan *f, const mdt_dit *d, const mdt_lin *lk, const mdt_lin *lv,
-                             const float *nk, const float *c, int64_t N, float *k, float *v,
-                             float *tmp, float *tmp2) {
-    mdt_k_shared_begin(c, lk->in, d->B * N, lk->in);
-    mdt_status st = project(f, d, lk, c, N, nk, NULL, k, tmp, tmp2); // [B, H/T, N, D]
+static mdt_status context_kv(const wan *f, const mdt_dit *d, const float *c, int64_t N,
+                             const wan_proj *k, const wan_proj *v, const wan_scratch *s) {
+    mdt_k_shared_begin(c, k->l->in, d->B * N, k->l->in);
+    mdt_status st = project(f, d, c, N, k, s); // [B, H/T, N, D]
     if (st == MDT_OK)
-        st = project(f, d, lv, c, N, NULL, NULL, v, tmp, tmp2); // [B, H/T, N, D]
+        st = project(f, d, c, N, v, s); // [B, H/T, N, D]
     mdt_k_shared_end();
     return st;
 }
@@ -296,12 +313,15 @@ static mdt_status cross_attention(const wan *f, const mdt_dit *d, const wan_in *
     float *ai = mdt_arena_floats(d->ar, img ? M * W : 1);                        // [B, n, A/T]
     if (!tmp || !tmp2 || !q || !k || !v || !ao || !ai)
         return MDT_E_NOMEM;
-    MDT_TRY(project(f, d, &b->a2.q, nx, n, b->a2.norm_q, NULL, q, tmp, tmp2));
+    const wan_scratch s = {tmp, tmp2};
+    MDT_TRY(project(f, d, nx, n, &(wan_proj){&b->a2.q, b->a2.norm_q, NULL, q}, &s));
     if (img) { /* I2V: the same queries over the image tokens, added to the text result */
-        MDT_TRY(context_kv(f, d, &b->ak, &b->av, b->n_ak, img, x->Ni, k, v, tmp, tmp2));
+        MDT_TRY(context_kv(f, d, img, x->Ni, &(wan_proj){&b->ak, b->n_ak, NULL, k},
+                           &(wan_proj){&b->av, NULL, NULL, v}, &s));
         MDT_TRY(mdt_dit_attend_kv(d, q, n, k, v, x->Ni, ai, W)); // [B, n, A/T]
     }
-    MDT_TRY(context_kv(f, d, &b->a2.k, &b->a2.v, b->a2.norm_k, ctx, x->Nt, k, v, tmp, tmp2));
+    MDT_TRY(context_kv(f, d, ctx, x->Nt, &(wan_proj){&b->a2.k, b->a2.norm_k, NULL, k},
+                       &(wan_proj){&b->a2.v, NULL, NULL, v}, &s));
     MDT_TRY(mdt_dit_attend_kv(d, q, n, k, v, x->Nt, ao, W)); // [B, n, A/T]
     if (img)
         mdt_k()->add(ao, ai, M * W);
