@@ -7,6 +7,8 @@ lives on the mesh. The object stands in for the family's diffusers model: it is 
 ``.device``, ``cache_context(name)``, and ``forward``/``__call__`` with the family's diffusers
 argument names and return types. Arguments meshdit does not implement (LoRA scales, ControlNet
 residuals, IP-adapter inputs) raise ``NotImplementedError``; nothing is silently ignored.
+``torch.compile`` of the object works: the forward is kept out of dynamo's trace (it is one call
+to the mesh), so the compiled object returns exactly what the plain one does.
 
 Needs torch and diffusers (the rest of the package does not).
 """
@@ -31,6 +33,11 @@ from .client import Client, MeshditError, ServerError
 from .server import Server
 
 _BF16 = torch.bfloat16
+
+# The forward is one request to the mesh: nothing in it is a graph for dynamo to trace (tracing
+# the socket and blob code only recursed until it failed), so torch.compile of the object, or
+# t.compile(), runs it as it is and the result equals the uncompiled one.
+_eager = torch.compiler.disable
 
 
 def _to_raw(name: str, value) -> _blob.Raw:
@@ -275,6 +282,7 @@ class FluxTransformer(Transformer):
     family, class_name = "flux", "FluxTransformer2DModel"
     per_step = frozenset({"hidden_states", "timestep"})
 
+    @_eager
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                 pooled_projections: torch.Tensor = None, timestep: torch.LongTensor = None,
                 img_ids: torch.Tensor = None, txt_ids: torch.Tensor = None,
@@ -304,6 +312,7 @@ class MiniMaxH3Transformer(Transformer):
     family, class_name = "minimax-h3", "MiniMaxH3Transformer3DModel"
     per_step = frozenset({"hidden_states", "audio_hidden_states", "timestep"})
 
+    @_eager
     def forward(self, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor,
                 encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
                 timestep_indices: torch.Tensor, token_tags: torch.Tensor,
@@ -330,6 +339,7 @@ class Flux2Transformer(Transformer):
     family, class_name = "flux2", "Flux2Transformer2DModel"
     per_step = frozenset({"hidden_states", "timestep"})
 
+    @_eager
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                 timestep: torch.LongTensor = None, img_ids: torch.Tensor = None,
                 txt_ids: torch.Tensor = None, guidance: torch.Tensor = None,
@@ -375,6 +385,7 @@ class QwenImageTransformer(Transformer):
     family, class_name = "qwenimage", "QwenImageTransformer2DModel"
     per_step = frozenset({"hidden_states", "timestep"})
 
+    @_eager
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                 encoder_hidden_states_mask: torch.Tensor = None,
                 timestep: torch.LongTensor = None, img_shapes=None,
@@ -401,6 +412,7 @@ class WanTransformer(Transformer):
     family, class_name = "wan", "WanTransformer3DModel"
     per_step = frozenset({"hidden_states", "timestep"})
 
+    @_eager
     def forward(self, hidden_states: torch.Tensor, timestep: torch.LongTensor,
                 encoder_hidden_states: torch.Tensor,
                 encoder_hidden_states_image: torch.Tensor | None = None,
