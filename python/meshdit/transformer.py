@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import threading
 import time
 from typing import Any
@@ -73,6 +75,48 @@ def _refuse(**args) -> None:
             f"own weights on the inputs it is given")
 
 
+# ---- the checkpoint: the files meshdit reads ---------------------------------------------------
+_WEIGHTS = "diffusion_pytorch_model.safetensors"
+_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def _checkpoint_files(ckpt: str) -> list[str]:
+    """The files of a checkpoint directory that meshdit reads (src/io/checkpoint.c): config.json
+    and either the index and the shards it names, or the one weights file."""
+    index = os.path.join(ckpt, _INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        return ["config.json", _INDEX, *shards]
+    return ["config.json", _WEIGHTS]
+
+
+def _size(v) -> int:
+    """diffusers' max_shard_size: bytes, or a string like "5GB" (10^9) or "500MiB" (2^20)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(v).upper())
+    if not m:
+        raise ValueError(f"meshdit: max_shard_size={v!r} is not a size (an int, or like '5GB')")
+    power = "KMGT".index(m.group(2)) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+# diffusers' ModelMixin.from_pretrained arguments (a pipeline's from_pretrained passes most of
+# them to each model), each with the values that change nothing for meshdit; another value is
+# refused by name. `None` in a tuple means the default; ANY: no value changes what meshdit does.
+_ANY = object()
+_LOAD_ARGS = {
+    "device_map": (None,), "offload_folder": (None,), "offload_state_dict": (None, False),
+    "variant": (None,), "use_safetensors": (None, True), "use_flashpack": (False,),
+    "quantization_config": (None,), "output_loading_info": (False,), "force_download": (False,),
+    "proxies": (None,), "dduf_entries": (None,), "low_cpu_mem_usage": _ANY, "disable_mmap": _ANY,
+    "local_files_only": _ANY, "token": _ANY,
+}
+_SERVE_OPTIONS = ("comm", "max_memory", "max_sessions", "max_session_bytes", "max_request_bytes",
+                  "step_timeout", "endpoint", "extra", "env", "startup_timeout")
+
+
 class Transformer(ModelMixin):
     """The family-neutral part. Make one with `from_pretrained` or `connect`; they return the
     family's subclass (`FluxTransformer`, `MiniMaxH3Transformer`)."""
@@ -82,11 +126,13 @@ class Transformer(ModelMixin):
     per_step: frozenset = frozenset()  # inputs that change every step: never kept in a session
 
     def __init__(self, client: Client, info: dict, server: Server | None = None,
-                 torch_dtype: torch.dtype = torch.float32, sessions: bool = True):
+                 torch_dtype: torch.dtype = torch.float32, sessions: bool = True,
+                 checkpoint: str | None = None):
         super().__init__()
         self._client, self._server, self.info = client, server, dict(info)
         self._internal_dict = FrozenDict(json.loads(info["config"]))
         self._dtype, self._device = torch_dtype, torch.device("cpu")
+        self._checkpoint = os.path.abspath(checkpoint) if checkpoint else None
         cap = min(4, int(info.get("max_sessions", "0"))) if sessions else 0
         self._planner = Planner(cap)
         self._stale: list[str] = []  # sessions to end on the server before the next request
@@ -98,41 +144,72 @@ class Transformer(ModelMixin):
     @classmethod
     def from_pretrained(cls, checkpoint: str, *, tp: int = 1, ring: int = 1, ulysses: int = 1,
                         mesh_order: str | None = None, device: str | None = None,
-                        dtype: str | None = None, launcher=None, binary: str | None = None,
-                        torch_dtype: torch.dtype = torch.float32, sessions: bool = True,
+                        dtype=None, launcher=None, binary: str | None = None,
+                        torch_dtype: torch.dtype | None = None, sessions: bool = True,
                         timeout: float | None = None, subfolder: str | None = None,
-                        **serve_options) -> "Transformer":
-        """Starts ``meshdit serve`` on `checkpoint` (a diffusers transformer directory) with the
-        given layout and connects. device/dtype are the mesh's (``cpu``/``cuda``,
-        ``f32``/``bf16``); torch_dtype is what `.dtype` reports to the pipeline. Other keyword
-        arguments are serve options (comm, max_memory, max_sessions, step_timeout, endpoint, ...).
-        timeout: seconds a forward may take (None: no bound; the server process is watched, so a
-        server that dies ends the wait with its error line). subfolder: as diffusers'
-        (``from_pretrained(PIPELINE_DIR, subfolder="transformer")``)."""
-        if subfolder:  # diffusers' from_pretrained(ROOT, subfolder="transformer")
+                        **options) -> "Transformer":
+        """Starts ``meshdit serve`` on `checkpoint` with the given layout and connects.
+
+        checkpoint: a diffusers transformer directory (`subfolder` as diffusers':
+        ``from_pretrained(PIPELINE_DIR, subfolder="transformer")``). device/dtype are the
+        mesh's (``cpu``/``cuda``, ``f32``/``bf16``; a torch dtype float32/bfloat16 is taken as
+        that); torch_dtype is what `.dtype` reports to
+        the pipeline (default: float32, or `dtype` when that is a torch dtype). Other keyword
+        arguments are serve options (comm, max_memory, max_sessions, step_timeout, endpoint,
+        ...) or diffusers' loading arguments at values that change nothing (what a pipeline's
+        from_pretrained passes: device_map=None, variant=None, low_cpu_mem_usage, ...); another
+        value of those raises NotImplementedError naming it. timeout: seconds a forward may take
+        (None: no bound; the server process is watched, so a server that dies ends the wait
+        with its error line)."""
+        if isinstance(dtype, torch.dtype):  # diffusers' `dtype=torch.bfloat16` spelling
+            mesh = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype)
+            if mesh is None:
+                raise ValueError(f"meshdit: dtype={dtype}: the mesh computes in float32 or "
+                                 f"bfloat16 (dtype='f32' or 'bf16')")
+            torch_dtype = dtype if torch_dtype is None else torch_dtype
+            dtype = mesh
+        serve = {}
+        for k, v in options.items():
+            if k in _SERVE_OPTIONS and not (k == "max_memory" and isinstance(v, dict)):
+                serve[k] = v
+            elif k in _LOAD_ARGS or k == "max_memory":
+                ok = _LOAD_ARGS.get(k, ())
+                if ok is not _ANY and v not in ok:
+                    raise NotImplementedError(
+                        f"meshdit: from_pretrained({k}={v!r}) is not supported: meshdit loads "
+                        f"the checkpoint's weights shard-on-read onto the mesh it starts "
+                        f"(tp=, ring=, ulysses=, device=, dtype=, max_memory= one size per rank)")
+            else:
+                raise TypeError(f"meshdit: from_pretrained() got an unexpected keyword argument "
+                                f"'{k}'")
+        if subfolder:
             checkpoint = os.path.join(checkpoint, subfolder)
         server = Server(checkpoint, tp=tp, ring=ring, ulysses=ulysses, mesh_order=mesh_order,
                         device=device, dtype=dtype, launcher=launcher, binary=binary,
-                        timeout=timeout, **serve_options)
+                        timeout=timeout, **serve)
         try:
-            return cls._attach(server.client, server, torch_dtype, sessions)
+            return cls._attach(server.client, server, torch_dtype or torch.float32, sessions,
+                               checkpoint)
         except BaseException:
             server.close()
             raise
 
     @classmethod
     def connect(cls, endpoint: str, *, torch_dtype: torch.dtype = torch.float32,
-                sessions: bool = True, timeout: float | None = 600.0) -> "Transformer":
-        """Attaches to a running server (``close()`` then leaves it running)."""
+                sessions: bool = True, timeout: float | None = 600.0,
+                checkpoint: str | None = None) -> "Transformer":
+        """Attaches to a running server (``close()`` then leaves it running). checkpoint: the
+        directory that server loaded, as seen from here; only `save_pretrained` reads it (the
+        server does not say where its files are)."""
         client = Client(endpoint, timeout=timeout)
         try:
-            return cls._attach(client, None, torch_dtype, sessions)
+            return cls._attach(client, None, torch_dtype, sessions, checkpoint)
         except BaseException:
             client.close()
             raise
 
     @classmethod
-    def _attach(cls, client, server, torch_dtype, sessions):
+    def _attach(cls, client, server, torch_dtype, sessions, checkpoint=None):
         info = client.info()
         sub = _FAMILIES.get(info.get("family"))
         if sub is None:
@@ -140,7 +217,7 @@ class Transformer(ModelMixin):
                                f"this package does not know")
         if cls is not Transformer and not issubclass(sub, cls):
             raise MeshditError(f"meshdit: the server runs {sub.class_name}, not {cls.class_name}")
-        return sub(client, info, server, torch_dtype, sessions)
+        return sub(client, info, server, torch_dtype, sessions, checkpoint)
 
     # ---- what a pipeline reads ----------------------------------------------------------------
     @property
@@ -187,6 +264,81 @@ class Transformer(ModelMixin):
             yield
         finally:
             self._cache_name = prev
+
+    # ---- the config and the checkpoint ----------------------------------------------------------
+    def to_json_string(self) -> str:
+        """The checkpoint's config.json as the server loaded it."""
+        return self.info["config"]
+
+    def to_json_file(self, json_file_path) -> None:
+        with open(json_file_path, "w", encoding="utf-8") as f:
+            f.write(self.to_json_string())
+
+    def save_config(self, save_directory, push_to_hub: bool = False, **kwargs) -> None:
+        if push_to_hub or kwargs:
+            name = "push_to_hub" if push_to_hub else sorted(kwargs)[0]
+            raise NotImplementedError(f"meshdit: save_config({name}=...) is not supported: it "
+                                      f"writes config.json only")
+        os.makedirs(save_directory, exist_ok=True)
+        self.to_json_file(os.path.join(save_directory, "config.json"))
+
+    def _own_checkpoint(self, what: str) -> str:
+        if self._checkpoint is None:
+            raise MeshditError(f"meshdit: {what}: this {type(self).__name__} was attached with "
+                               f"connect() and does not know the directory its server loaded; "
+                               f"pass connect(..., checkpoint=DIR)")
+        return self._checkpoint
+
+    def save_pretrained(self, save_directory, safe_serialization: bool = True,
+                        variant: str | None = None, max_shard_size=None,
+                        push_to_hub: bool = False, **kwargs) -> None:
+        """Writes the checkpoint the mesh loaded: its config.json and safetensors files (and
+        index), copied byte for byte, so `save_directory` loads in diffusers' model of the family
+        and in meshdit alike. Arguments that would write other files (a variant's names,
+        .bin files, shards resized below the checkpoint's own, an upload) are refused by name,
+        before anything is written. In a pipeline's save_pretrained diffusers' model_index.json
+        then names this class (meshdit.transformer.FluxTransformer, ...) as it does any
+        component's, so `FluxPipeline.from_pretrained(SAVED)` starts meshdit on one rank (pass
+        transformer= for another layout or for diffusers' own model)."""
+        refused = {k: v for k, v in kwargs.items()
+                   if not (k == "is_main_process" and v is True)}
+        if not safe_serialization:
+            refused["safe_serialization"] = False
+        if variant is not None:
+            refused["variant"] = variant
+        if push_to_hub:
+            refused["push_to_hub"] = True
+        if refused:
+            k, v = next(iter(refused.items()))
+            raise NotImplementedError(f"meshdit: save_pretrained({k}={v!r}) is not supported: it "
+                                      f"copies the checkpoint the mesh loaded, as it is")
+        ckpt = self._own_checkpoint("save_pretrained")
+        names = _checkpoint_files(ckpt)
+        for name in names:
+            if not os.path.isfile(os.path.join(ckpt, name)):
+                raise MeshditError(f"meshdit: save_pretrained: {os.path.join(ckpt, name)} is gone "
+                                   f"(the checkpoint the mesh loaded)")
+        with open(os.path.join(ckpt, "config.json")) as f:
+            if json.load(f) != json.loads(self.info["config"]):
+                raise MeshditError(f"meshdit: save_pretrained: {ckpt}/config.json changed since "
+                                   f"the server loaded it")
+        if max_shard_size is not None:
+            limit = _size(max_shard_size)
+            for name in names[1:]:
+                size = os.path.getsize(os.path.join(ckpt, name))
+                if name.endswith(".safetensors") and size > limit:
+                    raise NotImplementedError(
+                        f"meshdit: save_pretrained(max_shard_size={max_shard_size!r}) is not "
+                        f"supported: the checkpoint's {name} is {size:,} bytes, and meshdit copies "
+                        f"its files as they are")
+        os.makedirs(save_directory, exist_ok=True)
+        for name in names:
+            src, dst = os.path.join(ckpt, name), os.path.join(save_directory, name)
+            if os.path.exists(dst) and os.path.samefile(src, dst):
+                continue  # saved onto itself
+            tmp = dst + ".meshdit-partial"
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
 
     # ---- the forward --------------------------------------------------------------------------
     def _run(self, inputs: dict[str, Any], like: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,5 +1,7 @@
-"""The drop-in as a diffusers user drives it (issue 27): torch.compile. One tiny FluxPipeline
+"""The drop-in as a diffusers user drives it (issue 27): torch.compile, save_pretrained. One tiny FluxPipeline
 (tests/python/flux_pipeline.py) and the tiny Flux golden (tests/data/flux_tiny) on one rank."""
+import filecmp
+import json
 import os
 
 import numpy as np
@@ -69,3 +71,53 @@ def test_torch_compile_and_compile_in_a_pipeline(flux_root, flux_ref):
     torch._dynamo.reset()
     assert np.array_equal(compiled, plain) and np.array_equal(in_place, plain)
     assert rel(plain, flux_ref) <= TOL
+
+
+# ---- 2. save_pretrained -------------------------------------------------------------------------
+def same_files(a, b, names=("config.json", "diffusion_pytorch_model.safetensors")):
+    return all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names)
+
+
+def test_pipeline_save_pretrained_writes_a_pipeline_that_loads(flux_root, flux_ref, mesh, tmp_path):
+    """pipe.save_pretrained writes every component, the transformer as the checkpoint the mesh
+    loaded (byte for byte); the saved directory generates the same image with diffusers' own
+    transformer and, as its model_index.json names meshdit's class, with meshdit."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    pipe = flux_pipeline.load(flux_root, transformer=mesh)
+    img = flux_pipeline.generate(pipe, **GEN)
+    out = str(tmp_path / "saved")
+    pipe.save_pretrained(out)
+    assert same_files(f"{flux_root}/transformer", f"{out}/transformer")
+    with open(f"{out}/model_index.json") as f:
+        assert json.load(f)["transformer"] == ["meshdit.transformer", "FluxTransformer"]
+    theirs = FluxTransformer2DModel.from_pretrained(f"{out}/transformer")
+    assert np.array_equal(flux_pipeline.generate(flux_pipeline.load(out, transformer=theirs), **GEN), flux_ref)
+    again = FluxPipeline.from_pretrained(out, dtype=torch.float32)
+    again.set_progress_bar_config(disable=True)
+    try:
+        assert isinstance(again.transformer, meshdit.FluxTransformer)
+        assert np.array_equal(flux_pipeline.generate(again, **GEN), img)
+    finally:
+        again.transformer.close()
+
+
+def test_save_pretrained_copies_the_checkpoint_or_writes_nothing(mesh, flux_root, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    mesh.save_pretrained(tmp_path / "t")
+    assert same_files(f"{flux_root}/transformer", tmp_path / "t")
+    FluxTransformer2DModel.from_pretrained(tmp_path / "t")  # loads in diffusers
+    for kw in (dict(variant="fp16"), dict(safe_serialization=False), dict(push_to_hub=True),
+               dict(max_shard_size=1000), dict(save_function=torch.save)):
+        name = next(iter(kw))
+        with pytest.raises(NotImplementedError, match=rf"save_pretrained\({name}="):
+            mesh.save_pretrained(tmp_path / name, **kw)
+        assert not (tmp_path / name).exists()
+    with meshdit.Transformer.connect(mesh._client.endpoint) as other:
+        with pytest.raises(meshdit.MeshditError, match=r"save_pretrained: .*connect\(\.\.\., checkpoint=DIR\)"):
+            other.save_pretrained(tmp_path / "c")
+        assert not (tmp_path / "c").exists()
+    with meshdit.Transformer.connect(mesh._client.endpoint, checkpoint=f"{flux_root}/transformer") as other:
+        other.save_pretrained(tmp_path / "c")
+    assert same_files(f"{flux_root}/transformer", tmp_path / "c")
