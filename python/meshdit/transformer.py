@@ -75,9 +75,39 @@ def _refuse(**args) -> None:
             f"own weights on the inputs it is given")
 
 
-# ---- the checkpoint: the files meshdit reads ---------------------------------------------------
+# ---- the checkpoint: a Hub id from the local cache, the files meshdit reads --------------------
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 _INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def _resolve(checkpoint, subfolder: str | None, revision: str | None,
+             cache_dir: str | None) -> str:
+    """The transformer directory: `checkpoint` (joined with `subfolder`) when it is a directory;
+    a Hub id (``ORG/NAME``) from the local Hugging Face cache only (huggingface_hub,
+    local_files_only: meshdit never downloads); anything else as it is, for the server to
+    refuse with its own line."""
+    path = os.path.join(checkpoint, subfolder) if subfolder else checkpoint
+    if (not isinstance(checkpoint, str) or os.path.exists(checkpoint)
+            or not _REPO_ID.fullmatch(checkpoint)):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants as hub
+
+    where = f"{checkpoint}" + (f" (subfolder '{subfolder}')" if subfolder else "")
+    try:
+        root = snapshot_download(checkpoint, revision=revision, cache_dir=cache_dir,
+                                 local_files_only=True)
+    except (OSError, ValueError):  # LocalEntryNotFoundError, a malformed id
+        root = None
+    path = os.path.join(root, subfolder) if root and subfolder else root
+    if not root or not os.path.isfile(os.path.join(path, "config.json")):
+        got = "has no snapshot of it" if not root else f"has no {os.path.join(subfolder or '', 'config.json')} in its snapshot"
+        include = f" --include '{subfolder}/*'" if subfolder else ""
+        raise MeshditError(f"meshdit: '{checkpoint}' is not a directory and the local Hugging Face "
+                           f"cache ({cache_dir or hub.HF_HUB_CACHE}) {got}: download {where} "
+                           f"first (`hf download {checkpoint}{include}`); meshdit reads local files only")
+    return path
 
 
 def _checkpoint_files(ckpt: str) -> list[str]:
@@ -147,13 +177,14 @@ class Transformer(ModelMixin):
                         dtype=None, launcher=None, binary: str | None = None,
                         torch_dtype: torch.dtype | None = None, sessions: bool = True,
                         timeout: float | None = None, subfolder: str | None = None,
+                        revision: str | None = None, cache_dir: str | None = None,
                         **options) -> "Transformer":
         """Starts ``meshdit serve`` on `checkpoint` with the given layout and connects.
 
-        checkpoint: a diffusers transformer directory (`subfolder` as diffusers':
-        ``from_pretrained(PIPELINE_DIR, subfolder="transformer")``). device/dtype are the
-        mesh's (``cpu``/``cuda``, ``f32``/``bf16``; a torch dtype float32/bfloat16 is taken as
-        that); torch_dtype is what `.dtype` reports to
+        checkpoint: a diffusers transformer directory, or a Hub id (``ORG/NAME``, with
+        `subfolder`, `revision`, `cache_dir` as diffusers') found in the local Hugging Face cache
+        (never downloaded). device/dtype are the mesh's (``cpu``/``cuda``, ``f32``/``bf16``; a
+        torch dtype float32/bfloat16 is taken as that); torch_dtype is what `.dtype` reports to
         the pipeline (default: float32, or `dtype` when that is a torch dtype). Other keyword
         arguments are serve options (comm, max_memory, max_sessions, step_timeout, endpoint,
         ...) or diffusers' loading arguments at values that change nothing (what a pipeline's
@@ -182,8 +213,7 @@ class Transformer(ModelMixin):
             else:
                 raise TypeError(f"meshdit: from_pretrained() got an unexpected keyword argument "
                                 f"'{k}'")
-        if subfolder:
-            checkpoint = os.path.join(checkpoint, subfolder)
+        checkpoint = _resolve(checkpoint, subfolder, revision, cache_dir)
         server = Server(checkpoint, tp=tp, ring=ring, ulysses=ulysses, mesh_order=mesh_order,
                         device=device, dtype=dtype, launcher=launcher, binary=binary,
                         timeout=timeout, **serve)

@@ -1,8 +1,12 @@
-"""The drop-in as a diffusers user drives it (issue 27): torch.compile, save_pretrained. One tiny FluxPipeline
-(tests/python/flux_pipeline.py) and the tiny Flux golden (tests/data/flux_tiny) on one rank."""
+"""The drop-in as a diffusers user drives it (issue 27): torch.compile, save_pretrained, Hub ids
+from the local Hugging Face cache. One tiny FluxPipeline (tests/python/flux_pipeline.py) and the
+tiny Flux golden (tests/data/flux_tiny) on one rank."""
 import filecmp
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -121,3 +125,52 @@ def test_save_pretrained_copies_the_checkpoint_or_writes_nothing(mesh, flux_root
     with meshdit.Transformer.connect(mesh._client.endpoint, checkpoint=f"{flux_root}/transformer") as other:
         other.save_pretrained(tmp_path / "c")
     assert same_files(f"{flux_root}/transformer", tmp_path / "c")
+
+
+# ---- 5. Hub ids from the local Hugging Face cache ---------------------------------------------------
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fake_cache(cache, repo="meshdit-test/flux-tiny"):
+    """huggingface_hub's cache layout: models--ORG--NAME/snapshots/REV/... and refs/main = REV."""
+    base = os.path.join(cache, "models--" + repo.replace("/", "--"))
+    snap = os.path.join(base, "snapshots", REV, "transformer")
+    os.makedirs(snap)
+    for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+        shutil.copyfile(os.path.join(FLUX, name), os.path.join(snap, name))
+    os.makedirs(os.path.join(base, "refs"))
+    with open(os.path.join(base, "refs", "main"), "w") as f:
+        f.write(REV)
+    return str(cache)
+
+
+def test_a_hub_id_is_found_in_the_local_cache(tmp_path):
+    cache = fake_cache(tmp_path / "hub")
+    with meshdit.Transformer.from_pretrained("meshdit-test/flux-tiny", subfolder="transformer",
+                                             cache_dir=cache) as t:
+        assert rel(t(**golden_inputs()).sample.numpy(), GOLDEN) <= 2e-5
+    for repo, sub in (("meshdit-test/absent", "transformer"), ("meshdit-test/flux-tiny", "vae")):
+        with pytest.raises(meshdit.MeshditError) as e:
+            meshdit.Transformer.from_pretrained(repo, subfolder=sub, cache_dir=cache)
+        msg = str(e.value)
+        assert "\n" not in msg and f"hf download {repo} --include '{sub}/*'" in msg and cache in msg
+
+
+def test_a_hub_id_follows_HF_HUB_CACHE(tmp_path):
+    """HF_HUB_CACHE (read by huggingface_hub when it is imported: a fresh process)."""
+    cache = fake_cache(tmp_path / "hub")
+    code = ("import meshdit, sys\n"
+            "with meshdit.Transformer.from_pretrained('meshdit-test/flux-tiny', subfolder='transformer') as t:\n"
+            "    print(t.config._class_name)\n"
+            "try:\n"
+            "    meshdit.Transformer.from_pretrained('black-forest-labs/FLUX.1-dev', subfolder='transformer')\n"
+            "except meshdit.MeshditError as e:\n"
+            "    print(e)\n")
+    env = dict(os.environ, HF_HUB_CACHE=cache, HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "FluxTransformer2DModel"
+    assert len(lines) == 2 and "`hf download black-forest-labs/FLUX.1-dev --include 'transformer/*'`" in lines[1]
+    assert cache in lines[1]
