@@ -21,6 +21,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -544,20 +545,29 @@ class Flux2Transformer(Transformer):
 
 
 def _img_shapes(img_shapes, batch: int):
-    """diffusers' `img_shapes` (per batch element, a list of (frames, height, width) in patches)
-    as meshdit's int64 [B, n, 3] tensor (docs/models.md, Qwen-Image)."""
+    """diffusers' `img_shapes` as meshdit's int64 [B, n, 3] tensor (docs/models.md, Qwen-Image),
+    read as diffusers' QwenEmbedRope reads it: a list is one entry per prompt (pipelines pass
+    one per prompt, not per image) and only its first entry counts (diffusers warns when the
+    others differ; so does this); that entry is one (frames, height, width) or a list of them
+    (an image and its reference images), in patches. A tensor goes as it is."""
     if img_shapes is None or isinstance(img_shapes, torch.Tensor):
         return img_shapes
+    if isinstance(img_shapes, list) and not img_shapes:
+        raise ValueError("meshdit: img_shapes is an empty list")
+    first = img_shapes[0] if isinstance(img_shapes, list) else img_shapes
+    if isinstance(img_shapes, list) and any(s != first for s in img_shapes[1:]):
+        warnings.warn(f"meshdit: img_shapes {img_shapes} differ across the batch: as diffusers' "
+                      f"QwenEmbedRope, the first entry {first} gives every element's positions",
+                      stacklevel=3)
+    shapes = first if isinstance(first, list) else [first]
     try:
-        t = torch.tensor([[tuple(int(d) for d in s) for s in elem] for elem in img_shapes],
-                         dtype=torch.int64)
+        t = torch.tensor([tuple(int(d) for d in s) for s in shapes], dtype=torch.int64)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"meshdit: img_shapes must be, per batch element, the same number of "
-                         f"(frames, height, width) triples ({e})") from None
-    if t.ndim != 3 or t.shape[2] != 3 or t.shape[0] != batch:
-        raise ValueError(f"meshdit: img_shapes has shape {list(t.shape)}, expected "
-                         f"[{batch}, n, 3] (one list of (frames, height, width) per batch element)")
-    return t
+        raise ValueError(f"meshdit: img_shapes must hold (frames, height, width) triples ({e})") from None
+    if t.ndim != 2 or t.shape[1] != 3 or t.shape[0] == 0:
+        raise ValueError(f"meshdit: img_shapes' first entry {first!r} is not (frames, height, "
+                         f"width) or a list of them")
+    return t.unsqueeze(0).expand(batch, -1, -1).contiguous()
 
 
 class QwenImageTransformer(Transformer):

@@ -1,6 +1,6 @@
 """The drop-in as a diffusers user drives it (issue 27): torch.compile, save_pretrained, Hub ids
-from the local Hugging Face cache. One tiny FluxPipeline (tests/python/flux_pipeline.py) and the
-tiny Flux golden (tests/data/flux_tiny) on one rank."""
+from the local Hugging Face cache, Qwen-Image's img_shapes as diffusers reads them. One tiny
+FluxPipeline (tests/python/flux_pipeline.py) and the tiny goldens (tests/data) on one rank."""
 import filecmp
 import json
 import os
@@ -174,3 +174,32 @@ def test_a_hub_id_follows_HF_HUB_CACHE(tmp_path):
     assert lines[0] == "FluxTransformer2DModel"
     assert len(lines) == 2 and "`hf download black-forest-labs/FLUX.1-dev --include 'transformer/*'`" in lines[1]
     assert cache in lines[1]
+
+
+# ---- 8. Qwen-Image's img_shapes, read as diffusers reads it ---------------------------------------
+@pytest.mark.parametrize("ckpt,forms", [
+    ("qwenimage_tiny", [[(1, 4, 4)], (1, 4, 4), [[(1, 4, 4)]], [[(1, 4, 4)]] * 2]),
+    ("qwenimage_frames", [[[(2, 2, 3), (1, 3, 3)]], [[(2, 2, 3), (1, 3, 3)]] * 2,
+                          [[(2, 2, 3), (1, 3, 3)], [(1, 1, 1)]]]),
+])
+def test_img_shapes_as_diffusers_reads_them(ckpt, forms):
+    """QwenEmbedRope uses the first entry of img_shapes for every batch element (pipelines pass
+    one entry per prompt, so num_images_per_prompt=2 gives fewer entries than batch elements):
+    a batch of 2 with each form equals diffusers' transformer on the same form."""
+    from diffusers import QwenImageTransformer2DModel
+
+    path = os.path.join(ROOT, "tests", "data", ckpt)
+    x = {k: torch.from_numpy(v) for k, v in load_file(os.path.join(path, "inputs.safetensors")).items()}
+    x.pop("img_shapes")
+    x = {k: torch.cat([v, v.flip(-1) if v.is_floating_point() else v]) for k, v in x.items()}
+    theirs = QwenImageTransformer2DModel.from_pretrained(path).eval()
+    with meshdit.Transformer.from_pretrained(path) as t:
+        for form in forms:
+            with torch.no_grad():
+                ref = theirs(**x, img_shapes=form).sample.numpy()
+            if isinstance(form, list) and any(s != form[0] for s in form):
+                with pytest.warns(UserWarning, match="first entry"):
+                    got = t(**x, img_shapes=form).sample.numpy()
+            else:
+                got = t(**x, img_shapes=form).sample.numpy()
+            assert got.shape == ref.shape and rel(got, ref) <= TOL, form
