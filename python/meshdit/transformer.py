@@ -62,18 +62,26 @@ def _to_raw(name: str, value) -> _blob.Raw:
                         f"take") from None
 
 
+def _is_one(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1
+
+
 def _refuse(**args) -> None:
-    """Raises for an argument meshdit would otherwise have to ignore."""
+    """Raises for an argument meshdit would otherwise have to ignore. An attention-kwargs dict
+    whose only key is ``scale`` at 1 (diffusers' default LoRA scale: it changes nothing) passes."""
     for name, v in args.items():
+        if isinstance(v, dict) and name.endswith("attention_kwargs"):
+            v = {k: x for k, x in v.items() if not (k == "scale" and _is_one(x))}
         if v is None or v is False or (isinstance(v, dict) and not v):
             continue
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
             continue  # a count or a value at its default
-        what = f"keys {sorted(v)}" if isinstance(v, dict) else "a value"
+        what = (", ".join(f"{k}={x!r}" if k == "scale" else repr(k) for k, x in sorted(v.items()))
+                if isinstance(v, dict) else "a value")
         raise NotImplementedError(
-            f"meshdit: '{name}' with {what} is not supported (LoRA scales, ControlNet residuals, "
-            f"IP-adapter inputs and KV caches are not implemented); meshdit runs the checkpoint's "
-            f"own weights on the inputs it is given")
+            f"meshdit: '{name}' with {what} is not supported (LoRA scales other than 1, ControlNet "
+            f"residuals, IP-adapter inputs and KV caches are not implemented); meshdit runs the "
+            f"checkpoint's own weights on the inputs it is given")
 
 
 # ---- the checkpoint: a Hub id from the local cache, the files meshdit reads --------------------

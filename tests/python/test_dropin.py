@@ -1,6 +1,7 @@
-"""The drop-in as a diffusers user drives it (issue 27): torch.compile, save_pretrained, Hub ids
-from the local Hugging Face cache, Qwen-Image's img_shapes as diffusers reads them. One tiny
-FluxPipeline (tests/python/flux_pipeline.py) and the tiny goldens (tests/data) on one rank."""
+"""The drop-in as a diffusers user drives it (issue 27): torch.compile, save_pretrained, attention
+kwargs that change nothing, Hub ids from the local Hugging Face cache, Qwen-Image's img_shapes as
+diffusers reads them. One tiny FluxPipeline (tests/python/flux_pipeline.py) and the tiny goldens
+(tests/data) on one rank."""
 import filecmp
 import json
 import os
@@ -125,6 +126,21 @@ def test_save_pretrained_copies_the_checkpoint_or_writes_nothing(mesh, flux_root
     with meshdit.Transformer.connect(mesh._client.endpoint, checkpoint=f"{flux_root}/transformer") as other:
         other.save_pretrained(tmp_path / "c")
     assert same_files(f"{flux_root}/transformer", tmp_path / "c")
+
+
+# ---- 3. attention kwargs that change nothing -----------------------------------------------------
+def test_attention_kwargs_that_change_nothing_pass(flux_root, flux_ref, mesh):
+    """joint_attention_kwargs={"scale": 1.0} (no LoRA scaling) is accepted and changes nothing;
+    another scale or any other key is refused by name."""
+    pipe = flux_pipeline.load(flux_root, transformer=mesh)
+    got = flux_pipeline.generate(pipe, **GEN, joint_attention_kwargs={"scale": 1.0})
+    assert rel(got, flux_ref) <= TOL
+    x = golden_inputs()
+    for bad, what in (({"scale": 0.5}, r"scale=0\.5"), ({"ip_adapter_image_embeds": [x["hidden_states"]]},
+                                                         "'ip_adapter_image_embeds'"),
+                      ({"scale": 1.0, "other": 1}, "'other'")):
+        with pytest.raises(NotImplementedError, match=rf"'joint_attention_kwargs' with .*{what}"):
+            flux_pipeline.generate(pipe, **GEN, joint_attention_kwargs=bad)
 
 
 # ---- 5. Hub ids from the local Hugging Face cache ---------------------------------------------------
