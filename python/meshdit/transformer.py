@@ -7,8 +7,11 @@ lives on the mesh. The object stands in for the family's diffusers model: it is 
 ``.device``, ``cache_context(name)``, and ``forward``/``__call__`` with the family's diffusers
 argument names and return types. Arguments meshdit does not implement (LoRA scales, ControlNet
 residuals, IP-adapter inputs) raise ``NotImplementedError``; nothing is silently ignored.
-``torch.compile`` of the object works: the forward is kept out of dynamo's trace (it is one call
-to the mesh), so the compiled object returns exactly what the plain one does.
+
+What every other public method of diffusers' models does here is one table, `METHODS`: it works
+(implemented here, or inherited with its meaning intact) or it raises ``NotImplementedError``
+naming itself. ``torch.compile`` of the object works: the forward is kept out of dynamo's trace
+(it is one call to the mesh), so the compiled object returns exactly what the plain one does.
 
 Needs torch and diffusers (the rest of the package does not).
 """
@@ -177,6 +180,8 @@ class Transformer(ModelMixin):
         self._stale: list[str] = []  # sessions to end on the server before the next request
         self._lock = threading.RLock()
         self._cache_name = None
+        self.attention_backend: str | None = None  # the exact-attention choice recorded
+        self.training = False  # the mesh runs inference only (a diffusers model after loading)
         self.stats = {"forwards": 0, "request_bytes": [], "step_seconds": [], "wall_seconds": []}
 
     # ---- making one ---------------------------------------------------------------------------
@@ -238,8 +243,8 @@ class Transformer(ModelMixin):
                 sessions: bool = True, timeout: float | None = 600.0,
                 checkpoint: str | None = None) -> "Transformer":
         """Attaches to a running server (``close()`` then leaves it running). checkpoint: the
-        directory that server loaded, as seen from here; only `save_pretrained` reads it (the
-        server does not say where its files are)."""
+        directory that server loaded, as seen from here; only `save_pretrained` and
+        `num_parameters` read it (the server does not say where its files are)."""
         client = Client(endpoint, timeout=timeout)
         try:
             return cls._attach(client, None, torch_dtype, sessions, checkpoint)
@@ -290,11 +295,29 @@ class Transformer(ModelMixin):
     def bfloat16(self):
         return self.to(torch.bfloat16)
 
+    def double(self):
+        return self.to(torch.float64)
+
+    def type(self, dst_type):
+        return self.to(dst_type)
+
     def cpu(self):
         return self.to("cpu")
 
     def cuda(self, device=None):
         return self.to(torch.device("cuda", device) if isinstance(device, int) else device or "cuda")
+
+    def xpu(self, device=None):
+        return self.to(torch.device("xpu", device) if isinstance(device, int) else device or "xpu")
+
+    def ipu(self, device=None):
+        return self.to(torch.device("ipu", device) if isinstance(device, int) else device or "ipu")
+
+    def mtia(self, device=None):
+        return self.to(torch.device("mtia", device) if isinstance(device, int) else device or "mtia")
+
+    def to_empty(self, *, device, recurse: bool = True):
+        return self.to(device)
 
     @contextlib.contextmanager
     def cache_context(self, name: str, **kwargs):
@@ -303,6 +326,122 @@ class Transformer(ModelMixin):
             yield
         finally:
             self._cache_name = prev
+
+    # ---- the methods of torch and diffusers models that mean something here (METHODS) ---------
+    def train(self, mode: bool = True):
+        """eval() and train(False) are what the mesh does (inference); train(True) is refused."""
+        if mode:
+            raise NotImplementedError("meshdit: train(True) is not supported: the mesh runs "
+                                      "inference only (no dropout, no gradients)")
+        self.training = False
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True):
+        """requires_grad_(False) is what the mesh's weights are; True is refused."""
+        if requires_grad:
+            raise NotImplementedError("meshdit: requires_grad_(True) is not supported: no "
+                                      "gradient flows through the mesh")
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """There are no gradients: nothing to clear."""
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return False
+
+    def disable_gradient_checkpointing(self) -> None:
+        """Gradient checkpointing is never on: nothing to disable."""
+
+    @property
+    def attn_processors(self) -> dict:
+        """No attention module runs in this process: no processors."""
+        return {}
+
+    @property
+    def is_cache_enabled(self) -> bool:
+        return False
+
+    def set_attention_backend(self, backend: str) -> None:
+        """meshdit computes exact softmax attention (its own tiled kernel, on the mesh). A backend
+        that computes the same function (native SDPA and its variants, flash, flex, xformers,
+        aiter) is recorded in `attention_backend` and changes nothing; SageAttention's (int8 Q/K,
+        fp8/fp16 P·V: another function) is refused; an unknown name is diffusers' ValueError."""
+        from diffusers.models.attention_dispatch import AttentionBackendName
+
+        name = str(getattr(backend, "value", backend)).lower()
+        known = {b.value for b in AttentionBackendName}
+        if name not in known:
+            raise ValueError(f"meshdit: set_attention_backend({backend!r}): not one of "
+                             f"diffusers' backends ({', '.join(sorted(known))})")
+        if "sage" in name:
+            raise NotImplementedError(
+                f"meshdit: set_attention_backend({name!r}) is not supported: it quantizes the "
+                f"attention (SageAttention), and meshdit computes exact attention on the mesh")
+        self.attention_backend = name
+
+    def reset_attention_backend(self) -> None:
+        self.attention_backend = None
+
+    def set_use_memory_efficient_attention_xformers(self, valid: bool, attention_op=None) -> None:
+        """xformers' memory-efficient attention is exact attention: recorded, as
+        set_attention_backend("xformers")."""
+        self.attention_backend = "xformers" if valid else None
+
+    def enable_xformers_memory_efficient_attention(self, attention_op=None) -> None:
+        self.set_use_memory_efficient_attention_xformers(True, attention_op)
+
+    def disable_xformers_memory_efficient_attention(self) -> None:
+        self.set_use_memory_efficient_attention_xformers(False)
+
+    def set_use_npu_flash_attention(self, valid: bool) -> None:
+        self.attention_backend = "_native_npu" if valid else None
+
+    def enable_npu_flash_attention(self) -> None:
+        self.set_use_npu_flash_attention(True)
+
+    def disable_npu_flash_attention(self) -> None:
+        self.set_use_npu_flash_attention(False)
+
+    def set_use_xla_flash_attention(self, use_xla_flash_attention: bool, partition_spec=None,
+                                    **kwargs) -> None:
+        if partition_spec is not None or kwargs:
+            raise NotImplementedError("meshdit: set_use_xla_flash_attention(partition_spec=...) "
+                                      "is not supported: the mesh's layout is from_pretrained's "
+                                      "tp=, ring=, ulysses=")
+        self.attention_backend = "_native_xla" if use_xla_flash_attention else None
+
+    def enable_xla_flash_attention(self, partition_spec=None, **kwargs) -> None:
+        self.set_use_xla_flash_attention(True, partition_spec, **kwargs)
+
+    def disable_xla_flash_attention(self) -> None:
+        self.set_use_xla_flash_attention(False)
+
+    def fuse_qkv_projections(self) -> None:
+        """Fusing Q, K, V into one GEMM changes no result; the mesh's GEMM layout is its own."""
+
+    def unfuse_qkv_projections(self) -> None:
+        """See fuse_qkv_projections."""
+
+    def compile_repeated_blocks(self, *args, **kwargs) -> None:
+        """The blocks run on the mesh, not in this process: there is nothing here to compile
+        (torch.compile of the object itself works, see `_eager`)."""
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """The number of weights in the checkpoint the mesh loaded (read from its safetensors
+        headers): what diffusers' model of this checkpoint counts."""
+        for k, v in (("only_trainable", only_trainable), ("exclude_embeddings", exclude_embeddings)):
+            if v:
+                raise NotImplementedError(f"meshdit: num_parameters({k}=True) is not supported: "
+                                          f"the weights are on the mesh (none trains)")
+        ckpt = self._own_checkpoint("num_parameters")
+        n = 0
+        for name in _checkpoint_files(ckpt)[1:]:
+            if name.endswith(".safetensors"):
+                with open(os.path.join(ckpt, name), "rb") as f:
+                    head = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+                n += sum(int(np.prod(e["shape"])) for k, e in head.items() if k != "__metadata__")
+        return n
 
     # ---- the config and the checkpoint ----------------------------------------------------------
     def to_json_string(self) -> str:
@@ -320,6 +459,15 @@ class Transformer(ModelMixin):
                                       f"writes config.json only")
         os.makedirs(save_directory, exist_ok=True)
         self.to_json_file(os.path.join(save_directory, "config.json"))
+
+    @classmethod
+    def load_config(cls, pretrained_model_name_or_path, subfolder: str | None = None,
+                    revision: str | None = None, cache_dir: str | None = None) -> dict:
+        """A checkpoint's config.json as a dict (a directory, or a Hub id in the local cache),
+        as diffusers' ConfigMixin.load_config reads it."""
+        path = _resolve(pretrained_model_name_or_path, subfolder, revision, cache_dir)
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return json.load(f)
 
     def _own_checkpoint(self, what: str) -> str:
         if self._checkpoint is None:
@@ -465,6 +613,115 @@ class Transformer(ModelMixin):
         return (f"{type(self).__name__}(meshdit serve at {self._client.endpoint if self._client else 'closed'}, "
                 f"tp={i.get('tp')} ring={i.get('ring')} ulysses={i.get('ulysses')}, "
                 f"device={i.get('device')}, dtype={i.get('dtype')})")
+
+
+# ---- every public method of a diffusers transformer, and what it does here ---------------------
+# The public methods and properties of diffusers' transformer classes (ModelMixin, torch.nn.Module
+# and the mixins: ConfigMixin, PeftAdapterMixin, CacheMixin, AttentionMixin,
+# FromOriginalModelMixin, PushToHubMixin): "works" (defined above, or inherited with its meaning
+# intact) or "refused" (NotImplementedError naming it, with the reason below). Nothing is accepted
+# and ignored: a no-op is listed as works only where doing nothing is what the call means for a
+# model whose weights and attention are on the mesh. tests/python/test_dropin.py checks that the
+# table covers every such name of the five families' diffusers classes, and calls each entry.
+_NO_WEIGHTS = "the weights are on the mesh; save_pretrained writes the checkpoint"
+_NO_MODULES = "the transformer's modules run on the mesh; one added here would never run"
+_NO_GRAD = "no gradient flows through the mesh (inference only)"
+_LORA = "LoRA adapters are not implemented yet"
+_CACHE = "step caches (FirstBlockCache, TaylorSeer, ...) are not implemented yet"
+METHODS: dict[str, tuple[str, str]] = {
+    # making, saving, configuring
+    "from_pretrained": ("works", "starts meshdit serve on a directory or a locally cached Hub id"),
+    "save_pretrained": ("works", "copies the checkpoint the mesh loaded (config + safetensors)"),
+    "config": ("works", "the server's config.json"),
+    "save_config": ("works", "writes that config.json"),
+    "to_json_string": ("works", "that config.json's text"),
+    "to_json_file": ("works", "writes that text"),
+    "load_config": ("works", "a checkpoint's config.json as a dict"),
+    "register_to_config": ("refused", "the config is the checkpoint's the server loaded"),
+    "from_config": ("refused", "meshdit loads a checkpoint: from_pretrained(DIR)"),
+    "get_config_dict": ("refused", "use load_config(DIR)"),
+    "extract_init_dict": ("refused", "meshdit builds no torch model from a config"),
+    "register_for_auto_class": ("refused", "meshdit's classes are not auto classes"),
+    "from_single_file": ("refused", "meshdit reads diffusers-layout directories"),
+    "push_to_hub": ("refused", "save_pretrained(DIR), then `hf upload`"),
+    # dtype and device: what the pipeline is told (outputs follow hidden_states)
+    "dtype": ("works", "torch_dtype, or the last .to()"), "device": ("works", "the last .to()"),
+    **{n: ("works", "records the dtype/device; the weights stay on the mesh") for n in (
+        "to", "cpu", "cuda", "xpu", "ipu", "mtia", "to_empty", "half", "float", "bfloat16",
+        "double", "type")},
+    # the forward and its hooks
+    "forward": ("works", "the family's diffusers forward, on the mesh"),
+    "compile": ("works", "torch.compile of the call; the forward itself is not traced"),
+    "compile_repeated_blocks": ("works", "nothing to compile here: the blocks are on the mesh"),
+    "cache_context": ("works", "the context pipelines enter around a call"),
+    "register_forward_hook": ("works", "the hook sees each forward's inputs and outputs"),
+    "register_forward_pre_hook": ("works", "the hook sees each forward's inputs"),
+    "eval": ("works", "the mesh runs inference"), "train": ("works", "train(False); True refused"),
+    "requires_grad_": ("works", "requires_grad_(False); True refused"),
+    "zero_grad": ("works", "no gradients to clear"),
+    "is_gradient_checkpointing": ("works", "False"),
+    "disable_gradient_checkpointing": ("works", "it is never on"),
+    "enable_gradient_checkpointing": ("refused", _NO_GRAD),
+    "register_backward_hook": ("refused", _NO_GRAD),
+    "register_full_backward_hook": ("refused", _NO_GRAD),
+    "register_full_backward_pre_hook": ("refused", _NO_GRAD),
+    # the module tree and its tensors: one module, no tensors in this process
+    **{n: ("works", "this object alone: no submodules, no tensors in this process") for n in (
+        "modules", "named_modules", "children", "named_children", "parameters",
+        "named_parameters", "buffers", "named_buffers", "get_submodule", "get_parameter",
+        "get_buffer", "apply", "share_memory", "extra_repr")},
+    "num_parameters": ("works", "counted from the checkpoint's safetensors headers"),
+    "get_memory_footprint": ("refused", "the weights are on the mesh: t.info['weight_bytes']"),
+    **{n: ("refused", _NO_WEIGHTS) for n in (
+        "state_dict", "load_state_dict", "get_extra_state", "set_extra_state",
+        "register_state_dict_pre_hook", "register_state_dict_post_hook",
+        "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook",
+        "dequantize")},
+    **{n: ("refused", _NO_MODULES) for n in (
+        "add_module", "register_module", "register_buffer", "register_parameter",
+        "set_submodule")},
+    # attention: meshdit computes exact softmax attention with its own kernel
+    "set_attention_backend": ("works", "exact backends recorded; SageAttention refused"),
+    "reset_attention_backend": ("works", "clears the record"),
+    **{n: ("works", "exact attention: recorded as set_attention_backend") for n in (
+        "set_use_memory_efficient_attention_xformers", "enable_xformers_memory_efficient_attention",
+        "disable_xformers_memory_efficient_attention", "set_use_npu_flash_attention",
+        "enable_npu_flash_attention", "disable_npu_flash_attention",
+        "set_use_xla_flash_attention", "enable_xla_flash_attention",
+        "disable_xla_flash_attention")},
+    "attn_processors": ("works", "{}: no attention module runs in this process"),
+    "set_attn_processor": ("refused", "attention runs on the mesh; a processor would never run"),
+    "fuse_qkv_projections": ("works", "fusing changes no result; the mesh's GEMMs are its own"),
+    "unfuse_qkv_projections": ("works", "see fuse_qkv_projections"),
+    # memory and parallelism: the mesh's own
+    "enable_group_offload": ("refused", "the weights stay resident on the mesh (max_memory=)"),
+    "enable_layerwise_casting": ("refused", "the mesh computes in f32 or bf16: dtype='bf16'"),
+    "enable_parallelism": ("refused", "the mesh is the parallelism: from_pretrained(tp=, ring=, "
+                                      "ulysses=)"),
+    # caches and LoRA (to come)
+    "is_cache_enabled": ("works", "False"),
+    "enable_cache": ("refused", _CACHE), "disable_cache": ("refused", _CACHE),
+    **{n: ("refused", _LORA) for n in (
+        "load_lora_adapter", "save_lora_adapter", "set_adapters", "set_adapter", "add_adapter",
+        "active_adapters", "delete_adapters", "enable_adapters", "disable_adapters",
+        "enable_lora", "disable_lora", "enable_lora_hotswap", "fuse_lora", "unfuse_lora",
+        "unload_lora")},
+    # pipe.load_ip_adapter() calls this on the transformer
+    "_load_ip_adapter_weights": ("refused", "IP-adapters are not implemented"),
+}
+
+
+def _refusal(name: str, why: str):
+    def refused(*args, **kwargs):
+        raise NotImplementedError(f"meshdit: {name}() is not supported: {why}")
+    refused.__name__ = refused.__qualname__ = name
+    refused.__doc__ = f"Refused (meshdit): {why}."
+    return refused
+
+
+for _name, (_verdict, _why) in METHODS.items():
+    if _verdict == "refused":
+        setattr(Transformer, _name, _refusal(_name, _why))
 
 
 class FluxTransformer(Transformer):

@@ -1,13 +1,17 @@
-"""The drop-in as a diffusers user drives it (issue 27): torch.compile, save_pretrained, attention
-kwargs that change nothing, Hub ids from the local Hugging Face cache, Qwen-Image's img_shapes as
-diffusers reads them. One tiny FluxPipeline (tests/python/flux_pipeline.py) and the tiny goldens
-(tests/data) on one rank."""
+"""The drop-in as a diffusers user drives it (issue 27): torch.compile, save_pretrained, every
+public method of a diffusers transformer either working or refused by name (the table
+`meshdit.transformer.METHODS`), attention kwargs that change nothing, Hub ids from the local
+Hugging Face cache, Qwen-Image's img_shapes as diffusers reads them. One tiny FluxPipeline
+(tests/python/flux_pipeline.py) and the tiny goldens (tests/data) on one rank."""
 import filecmp
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ from safetensors.numpy import load_file
 
 import flux_pipeline
 import meshdit
+from meshdit.transformer import METHODS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLUX = os.path.join(ROOT, "tests", "data", "flux_tiny")
@@ -112,7 +117,7 @@ def test_save_pretrained_copies_the_checkpoint_or_writes_nothing(mesh, flux_root
 
     mesh.save_pretrained(tmp_path / "t")
     assert same_files(f"{flux_root}/transformer", tmp_path / "t")
-    FluxTransformer2DModel.from_pretrained(tmp_path / "t")  # loads in diffusers
+    assert FluxTransformer2DModel.from_pretrained(tmp_path / "t").num_parameters() == mesh.num_parameters()
     for kw in (dict(variant="fp16"), dict(safe_serialization=False), dict(push_to_hub=True),
                dict(max_shard_size=1000), dict(save_function=torch.save)):
         name = next(iter(kw))
@@ -128,7 +133,208 @@ def test_save_pretrained_copies_the_checkpoint_or_writes_nothing(mesh, flux_root
     assert same_files(f"{flux_root}/transformer", tmp_path / "c")
 
 
-# ---- 3. attention kwargs that change nothing -----------------------------------------------------
+# ---- 3. every method of a diffusers transformer: works, or NotImplementedError naming it ------------
+def _families():
+    import diffusers
+    return [diffusers.FluxTransformer2DModel, diffusers.Flux2Transformer2DModel,
+            diffusers.QwenImageTransformer2DModel, diffusers.WanTransformer3DModel,
+            diffusers.MiniMaxH3Transformer3DModel]
+
+
+def test_the_table_names_every_public_method_of_diffusers_transformers():
+    kinds = (types.FunctionType, classmethod, staticmethod, property)
+
+    def own(a):  # torch's or diffusers' (not a method another library patched onto Module)
+        f = a.fget if isinstance(a, property) else getattr(a, "__func__", a)
+        return f.__module__.split(".")[0] in ("torch", "diffusers")
+
+    names = {n for cls in _families() + [torch.nn.Module] for n in dir(cls)
+             if not n.startswith("_") and isinstance(inspect.getattr_static(cls, n), kinds)
+             and own(inspect.getattr_static(cls, n))}
+    assert not names - set(METHODS), sorted(names - set(METHODS))
+    assert set(WORKS) == {n for n, (v, _) in METHODS.items() if v == "works"}
+    assert {v for v, _ in METHODS.values()} == {"works", "refused"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (v, _) in METHODS.items() if v == "refused"))
+def test_a_refused_method_names_itself(golden, name):
+    for target in (golden, type(golden)):
+        with pytest.raises(NotImplementedError, match=rf"^meshdit: {re.escape(name)}\(\) is not supported: "):
+            getattr(target, name)()
+
+
+def _forward_equal(t):
+    return np.array_equal(t(**golden_inputs()).sample.numpy(), FORWARD[0])
+
+
+FORWARD = []  # the golden transformer's first forward, set by the "forward" check
+
+
+def _check_forward(t):
+    out = t(**golden_inputs())
+    assert rel(out.sample.numpy(), GOLDEN) <= 2e-5
+    FORWARD[:] = [out.sample.numpy()]
+
+
+def _check_dtype_device(t):
+    for call, want in (("half", torch.float16), ("bfloat16", torch.bfloat16), ("double", torch.float64),
+                       ("float", torch.float32)):
+        assert getattr(t, call)() is t and t.dtype == want
+    assert t.type(torch.float16) is t and t.dtype == torch.float16
+    assert t.to(torch.float32) is t and t.dtype == torch.float32
+    for call in ("cuda", "xpu", "ipu", "mtia"):
+        assert getattr(t, call)() is t and t.device.type == call
+    assert t.to_empty(device="meta") is t and t.device.type == "meta"
+    assert t.cpu() is t and t.device == torch.device("cpu")
+    out = t(**{k: v.half() if v.is_floating_point() else v for k, v in golden_inputs().items()}).sample
+    assert out.dtype == torch.float16  # outputs follow hidden_states
+
+
+def _check_save(t, tmp):
+    t.save_pretrained(tmp / "s")
+    assert same_files(FLUX, tmp / "s")
+
+
+def _check_save_config(t, tmp):
+    t.save_config(tmp / "c")
+    t.to_json_file(tmp / "j.json")
+    for p in (tmp / "c" / "config.json", tmp / "j.json"):
+        with open(p) as f:
+            assert json.load(f) == dict(t.config) == json.loads(t.to_json_string())
+
+
+def _check_hooks(t):
+    seen = []
+    h1 = t.register_forward_pre_hook(lambda m, args, kwargs: seen.append(sorted(kwargs)), with_kwargs=True)
+    h2 = t.register_forward_hook(lambda m, args, kwargs, out: seen.append(out.sample.shape), with_kwargs=True)
+    _forward_equal(t)
+    h1.remove(), h2.remove()
+    assert seen == [sorted(golden_inputs()), torch.Size(GOLDEN.shape)]
+
+
+def _check_compile(t):
+    t.compile()
+    try:
+        assert _forward_equal(t)
+    finally:
+        t._compiled_call_impl = None
+        torch._dynamo.reset()
+    assert t.compile_repeated_blocks(fullgraph=True) is None and _forward_equal(t)
+
+
+def _check_train(t):
+    assert t.eval() is t and t.train(False) is t and not t.training
+    with pytest.raises(NotImplementedError, match=r"train\(True\)"):
+        t.train()
+    assert t.requires_grad_(False) is t
+    with pytest.raises(NotImplementedError, match=r"requires_grad_\(True\)"):
+        t.requires_grad_()
+    assert t.zero_grad() is None and not t.training
+
+
+def _check_tree(t):
+    assert list(t.modules()) == [t] and list(t.named_modules()) == [("", t)]
+    assert list(t.children()) == list(t.named_children()) == []
+    assert list(t.parameters()) == list(t.named_parameters()) == []
+    assert list(t.buffers()) == list(t.named_buffers()) == []
+    assert t.get_submodule("") is t
+    for call in ("get_parameter", "get_buffer", "get_submodule"):
+        with pytest.raises(AttributeError):
+            getattr(t, call)("transformer_blocks.0")
+    seen = []
+    assert t.apply(seen.append) is t and seen == [t]
+    assert t.share_memory() is t and t.extra_repr() == ""
+
+
+def _check_num_parameters(t):
+    from diffusers import FluxTransformer2DModel
+    assert t.num_parameters() == FluxTransformer2DModel.from_pretrained(FLUX).num_parameters() > 0
+    for k in ("only_trainable", "exclude_embeddings"):
+        with pytest.raises(NotImplementedError, match=rf"num_parameters\({k}=True\)"):
+            t.num_parameters(**{k: True})
+
+
+def _check_attention_backend(t):
+    t.set_attention_backend("native")
+    assert t.attention_backend == "native" and _forward_equal(t)
+    t.set_attention_backend("_native_math")
+    assert t.attention_backend == "_native_math"
+    with pytest.raises(NotImplementedError, match=r"set_attention_backend\('sage'\)"):
+        t.set_attention_backend("sage")
+    with pytest.raises(ValueError, match=r"set_attention_backend\('bogus'\)"):
+        t.set_attention_backend("bogus")
+    t.reset_attention_backend()
+    assert t.attention_backend is None
+
+
+def _check_exact_kernels(t):
+    for on, off, name in (("enable_xformers_memory_efficient_attention", "disable_xformers_memory_efficient_attention", "xformers"),
+                          ("enable_npu_flash_attention", "disable_npu_flash_attention", "_native_npu"),
+                          ("enable_xla_flash_attention", "disable_xla_flash_attention", "_native_xla")):
+        getattr(t, on)()
+        assert t.attention_backend == name and _forward_equal(t)
+        getattr(t, off)()
+        assert t.attention_backend is None
+    t.set_use_memory_efficient_attention_xformers(True)
+    t.set_use_npu_flash_attention(True)
+    t.set_use_xla_flash_attention(True)
+    assert t.attention_backend == "_native_xla"
+    with pytest.raises(NotImplementedError, match="partition_spec"):
+        t.enable_xla_flash_attention(partition_spec=("data", None))
+    t.reset_attention_backend()
+
+
+def _check_fuse(t):
+    assert t.fuse_qkv_projections() is None and _forward_equal(t)
+    assert t.unfuse_qkv_projections() is None and _forward_equal(t)
+
+
+# what each entry of METHODS marked "works" does on the golden's transformer (tmp: a directory)
+WORKS = {
+    "from_pretrained": lambda t, tmp: isinstance(t, meshdit.FluxTransformer),
+    "save_pretrained": _check_save,
+    "config": lambda t, tmp: t.config.num_attention_heads == 2 and t.config["in_channels"] == 4,
+    "save_config": _check_save_config, "to_json_string": _check_save_config,
+    "to_json_file": _check_save_config,
+    "load_config": lambda t, tmp: type(t).load_config(FLUX) == dict(t.config),
+    "forward": lambda t, tmp: _check_forward(t),
+    **{n: (lambda t, tmp: _check_dtype_device(t)) for n in (
+        "dtype", "device", "to", "cpu", "cuda", "xpu", "ipu", "mtia", "to_empty", "half", "float",
+        "bfloat16", "double", "type")},
+    "compile": lambda t, tmp: _check_compile(t),
+    "compile_repeated_blocks": lambda t, tmp: _check_compile(t),
+    "cache_context": lambda t, tmp: (t.cache_context("cond").__enter__(), _forward_equal(t))[1],
+    "register_forward_hook": lambda t, tmp: _check_hooks(t),
+    "register_forward_pre_hook": lambda t, tmp: _check_hooks(t),
+    **{n: (lambda t, tmp: _check_train(t)) for n in ("eval", "train", "requires_grad_", "zero_grad")},
+    "is_gradient_checkpointing": lambda t, tmp: t.is_gradient_checkpointing is False,
+    "disable_gradient_checkpointing": lambda t, tmp: t.disable_gradient_checkpointing() is None,
+    **{n: (lambda t, tmp: _check_tree(t)) for n in (
+        "modules", "named_modules", "children", "named_children", "parameters", "named_parameters",
+        "buffers", "named_buffers", "get_submodule", "get_parameter", "get_buffer", "apply",
+        "share_memory", "extra_repr")},
+    "num_parameters": lambda t, tmp: _check_num_parameters(t),
+    "set_attention_backend": lambda t, tmp: _check_attention_backend(t),
+    "reset_attention_backend": lambda t, tmp: _check_attention_backend(t),
+    **{n: (lambda t, tmp: _check_exact_kernels(t)) for n in (
+        "set_use_memory_efficient_attention_xformers", "enable_xformers_memory_efficient_attention",
+        "disable_xformers_memory_efficient_attention", "set_use_npu_flash_attention",
+        "enable_npu_flash_attention", "disable_npu_flash_attention", "set_use_xla_flash_attention",
+        "enable_xla_flash_attention", "disable_xla_flash_attention")},
+    "attn_processors": lambda t, tmp: t.attn_processors == {},
+    "fuse_qkv_projections": lambda t, tmp: _check_fuse(t),
+    "unfuse_qkv_projections": lambda t, tmp: _check_fuse(t),
+    "is_cache_enabled": lambda t, tmp: t.is_cache_enabled is False,
+}
+
+
+@pytest.mark.parametrize("name", ["forward"] + sorted(set(WORKS) - {"forward"}))
+def test_a_working_method_does_what_it_says(golden, name, tmp_path):
+    if not FORWARD:
+        _check_forward(golden)
+    assert WORKS[name](golden, tmp_path) is not False
+
+
 def test_attention_kwargs_that_change_nothing_pass(flux_root, flux_ref, mesh):
     """joint_attention_kwargs={"scale": 1.0} (no LoRA scaling) is accepted and changes nothing;
     another scale or any other key is refused by name."""
