@@ -193,16 +193,19 @@ def reference_image(seed: int = 0):
 
 
 def generate(pipe, seed: int = 0, steps: int = 2, prompt=None, guidance_scale: float = GUIDANCE,
-             **kwargs) -> np.ndarray:
+             output_type: str = "np", **kwargs) -> np.ndarray:
     """Run the pipeline; return the decoded images as float32 numpy [B, H, W, 3] in [0, 1] (B = number
-    of prompts, 2 by default). Other keyword arguments (image=, height=, ...) go to the pipeline."""
+    of prompts x num_images_per_prompt, 2 by default), or with output_type="latent" the latents
+    [B, C, h, w]. Other keyword arguments (image=, height=, ...) go to the pipeline."""
     kwargs.setdefault("height", HEIGHT)
     kwargs.setdefault("width", WIDTH)
     with torch.inference_mode():
         out = pipe(prompt=PROMPTS if prompt is None else prompt, num_inference_steps=steps,
                    guidance_scale=guidance_scale, max_sequence_length=TXT_LEN,
                    text_encoder_out_layers=TEXT_LAYERS, generator=torch.Generator("cpu").manual_seed(seed),
-                   output_type="np", **kwargs)
+                   output_type=output_type, **kwargs)
+    if output_type == "latent":
+        return out.images.float().cpu().numpy()
     return np.asarray(out.images, dtype=np.float32)
 
 

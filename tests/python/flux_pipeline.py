@@ -216,9 +216,11 @@ def load(root: str, transformer=None):
 
 
 def generate(pipe, seed: int = 0, steps: int = 2, size: int = 64,
-             prompt: str = "a red cube", **kwargs) -> np.ndarray:
-    """Run the pipeline; return the decoded image as float32 numpy [H, W, 3]. Other keyword
-    arguments go to the pipeline (e.g. true_cfg_scale and negative_prompt)."""
+             prompt: str = "a red cube", output_type: str = "np", **kwargs) -> np.ndarray:
+    """Run the pipeline; return the decoded image as float32 numpy [H, W, 3], or, for several
+    images (num_images_per_prompt) or output_type="latent", all of them stacked ([N, H, W, 3], or
+    the packed latents [N, S, C]). Other keyword arguments go to the pipeline (e.g. true_cfg_scale
+    and negative_prompt)."""
     generator = torch.Generator("cpu").manual_seed(seed)
     with torch.inference_mode():
         out = pipe(
@@ -229,11 +231,13 @@ def generate(pipe, seed: int = 0, steps: int = 2, size: int = 64,
             guidance_scale=3.5,
             max_sequence_length=TXT_LEN,
             generator=generator,
-            output_type="np",
+            output_type=output_type,
             **kwargs,
         )
-    img = np.asarray(out.images[0], dtype=np.float32)
-    return img
+    if output_type == "latent":
+        return out.images.float().cpu().numpy()
+    img = np.asarray(out.images, dtype=np.float32)
+    return img[0] if len(img) == 1 else img
 
 
 def _main():

@@ -269,9 +269,11 @@ def load(root: str, transformer=None):
     return pipe
 
 
-def generate(pipe, seed: int = 0, steps: int = 2) -> dict:
+def generate(pipe, seed: int = 0, steps: int = 2, latent: bool = False, **kwargs) -> dict:
     """One t2va request (124 frames at 16 x 24, 5.17 s of stereo audio at 160 Hz), decoded:
-    {"video": [1, 124, 16, 24, 3] in [0, 1], "audio": [1, 2, 828] in [-1, 1]}, float32, deterministic per seed.
+    {"video": [1, 124, 16, 24, 3] in [0, 1], "audio": [1, 2, 828] in [-1, 1]}, float32, deterministic per seed;
+    with `latent` the denoised latents instead (the modular pipeline's outputs "latents" and "audio_latents",
+    its equivalent of output_type="latent"). Other keyword arguments (attention_kwargs) go to the pipeline.
 
     `steps` is the number of denoising steps, i.e. transformer forwards. MiniMaxH3Scheduler's
     `num_inference_steps` counts sigma grid points including the terminal 0 (N points -> N - 1 forwards), so the
@@ -280,8 +282,13 @@ def generate(pipe, seed: int = 0, steps: int = 2) -> dict:
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     generator = torch.Generator("cpu").manual_seed(seed)
+    if latent:
+        out = pipe(prompt=PROMPT, height=HEIGHT, width=WIDTH, num_frames=NUM_FRAMES, num_inference_steps=steps + 1,
+                   generator=generator, output=["latents", "audio_latents"], **kwargs)
+        return {k: out[n].detach().to(torch.float32).cpu().numpy() for k, n in (("video", "latents"),
+                                                                                 ("audio", "audio_latents"))}
     out = pipe(prompt=PROMPT, height=HEIGHT, width=WIDTH, num_frames=NUM_FRAMES, num_inference_steps=steps + 1,
-               generator=generator, output_type="np", output=["videos", "audio"])
+               generator=generator, output_type="np", output=["videos", "audio"], **kwargs)
     video = np.asarray(out["videos"], dtype=np.float32)
     audio = out["audio"].detach().to(torch.float32).cpu().numpy()
     return {"video": video, "audio": audio}

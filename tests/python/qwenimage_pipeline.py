@@ -205,9 +205,10 @@ def load(root: str, transformer=None):
 
 
 def generate(pipe, seed: int = 0, steps: int = 2, height: int = HEIGHT, width: int = WIDTH,
-             prompt=None, negative_prompt=None, true_cfg_scale: float = TRUE_CFG_SCALE, **kwargs) -> np.ndarray:
+             prompt=None, negative_prompt=None, true_cfg_scale: float = TRUE_CFG_SCALE, output_type: str = "np",
+             **kwargs) -> np.ndarray:
     """Run the pipeline; return the decoded images as float32 numpy [B, H, W, 3] in [0, 1] (B = number of
-    prompts, 2 by default).
+    prompts x num_images_per_prompt, 2 by default), or with output_type="latent" the packed latents [B, S, C].
 
     Defaults: PROMPTS with NEGATIVE_PROMPTS at true_cfg_scale 4, i.e. two transformer calls per step (cond,
     uncond), both with a padded text mask. With another prompt and no negative_prompt, the negative prompt is
@@ -235,9 +236,11 @@ def generate(pipe, seed: int = 0, steps: int = 2, height: int = HEIGHT, width: i
             width=width,
             num_inference_steps=steps,
             generator=generator,
-            output_type="np",
+            output_type=output_type,
             **kwargs,
         )
+    if output_type == "latent":
+        return out.images.float().cpu().numpy()
     return np.asarray(out.images, dtype=np.float32)
 
 

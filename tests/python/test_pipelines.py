@@ -161,3 +161,92 @@ def test_flux2_dev_pipeline_guidance(flux2_root):
     print(f"flux2 dev tp2 x ulysses2: max rel diff {rel(got, ref):.2e}")
     assert got.shape == ref.shape and rel(got, ref) <= TOL
     assert rel(other, ref) > 100 * TOL
+
+
+# ---- the common pipeline arguments, every family: several images per prompt, CFG on and off,
+# output_type="latent", a callback_on_step_end that edits the latents ---------------------------
+def _edit_latents(pipe, i, t, kwargs):
+    """A callback_on_step_end that changes what the next step's transformer call gets."""
+    return {"latents": kwargs["latents"] * 0.8 + 0.05}
+
+
+COMMON_ARGS = dict(output_type="latent", callback_on_step_end=_edit_latents,
+                   callback_on_step_end_tensor_inputs=["latents"])
+# family: (builder module, a multi-rank layout, the call with CFG on (on top of COMMON_ARGS, with
+# 2 images per prompt and the attention kwargs that change nothing), what turns CFG off, the
+# images of one call)
+COMMON = {
+    "flux": ("flux_pipeline", dict(ring=2),
+             dict(num_images_per_prompt=2, true_cfg_scale=2.0, negative_prompt="a blue ball",
+                  joint_attention_kwargs={"scale": 1.0}), dict(true_cfg_scale=1.0), 2),
+    "flux2": ("flux2_pipeline", dict(tp=2),
+              dict(num_images_per_prompt=2, guidance_scale=10.0, attention_kwargs={"scale": 1.0}),
+              dict(guidance_scale=1.0), 4),
+    "qwenimage": ("qwenimage_pipeline", dict(ulysses=2),
+                  dict(num_images_per_prompt=2, attention_kwargs={"scale": 1.0}),
+                  dict(true_cfg_scale=1.0), 4),
+    "wan": ("wan_pipeline", dict(ring=2),
+            dict(num_videos_per_prompt=2, attention_kwargs={"scale": 1.0}),
+            dict(guidance_scale=1.0), 2),
+}
+_common = {}
+
+
+def _common_family(name, request, tmp_path_factory):
+    """The family's built pipeline and diffusers' outputs of the CFG call, the no-CFG call and the
+    CFG call without the callback (the controls)."""
+    if name not in _common:
+        mod = importlib.import_module(COMMON[name][0])
+        root = (request.getfixturevalue(f"{name}_root") if name in ("flux", "flux2")
+                else _family(name, tmp_path_factory)[1])
+        _, _, cfg, nocfg, _ = COMMON[name]
+        pipe = mod.load(root)
+        refs = {"cfg": mod.generate(pipe, seed=21, steps=2, **COMMON_ARGS, **cfg),
+                "nocfg": mod.generate(pipe, seed=21, steps=2, **COMMON_ARGS, **{**cfg, **nocfg}),
+                "nocallback": mod.generate(pipe, seed=21, steps=2, output_type="latent", **cfg)}
+        _common[name] = (mod, root, refs)
+    return _common[name]
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["1rank", "2ranks"])
+@pytest.mark.parametrize("name", COMMON)
+def test_common_pipeline_arguments(name, multi, request, tmp_path_factory):
+    """Each family's pipeline with 2 images (videos) per prompt, CFG on and off, latent output and
+    a callback that edits the latents between steps: meshdit equals diffusers' transformer."""
+    mod, root, refs = _common_family(name, request, tmp_path_factory)
+    _, layout, cfg, nocfg, images = COMMON[name]
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", **(layout if multi else {})) as t:
+        pipe = mod.load(root, transformer=t)
+        got = {"cfg": mod.generate(pipe, seed=21, steps=2, **COMMON_ARGS, **cfg),
+               "nocfg": mod.generate(pipe, seed=21, steps=2, **COMMON_ARGS, **{**cfg, **nocfg})}
+        assert t.stats["forwards"] == 2 * 2 + 2 * 1  # 2 steps with CFG (2 calls), 2 without
+    for k, x in got.items():
+        assert x.shape == refs[k].shape and x.shape[0] == images
+        print(f"{name} {layout if multi else '1 rank'} {k}: max rel diff {rel(x, refs[k]):.2e}")
+        assert rel(x, refs[k]) <= TOL
+    # each argument changes diffusers' result, so each comparison above can fail
+    assert rel(refs["nocfg"], refs["cfg"]) > 100 * TOL
+    assert rel(refs["nocallback"], refs["cfg"]) > 100 * TOL
+    assert rel(refs["cfg"][1], refs["cfg"][0]) > 100 * TOL  # one prompt's two images
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(tp=2)], ids=["1rank", "tp2"])
+def test_h3_latent_output(layout, tmp_path_factory):
+    """MiniMax-H3's modular t2va pipeline takes one prompt, one video and no CFG (guidance-
+    distilled) and has no step callback; its latent outputs (with attention_kwargs that change
+    nothing) against diffusers'."""
+    mod, root, _, _ = _family("h3", tmp_path_factory)
+    key = "h3_latent"
+    if key not in _common:
+        pipe = mod.load(root)
+        _common[key] = [mod.generate(pipe, seed=s, steps=2, latent=True) for s in (5, 6)]
+    ref, other = _common[key]
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
+        got = mod.generate(mod.load(root, transformer=t), seed=5, steps=2, latent=True,
+                           attention_kwargs={"scale": 1.0})
+        assert t.stats["forwards"] == 2
+    for k in ref:
+        assert got[k].shape == ref[k].shape
+        print(f"h3 {layout} latent {k}: max rel diff {rel(got[k], ref[k]):.2e}")
+        assert rel(got[k], ref[k]) <= TOL
+        assert rel(other[k], ref[k]) > 100 * TOL

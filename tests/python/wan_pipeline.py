@@ -184,10 +184,12 @@ def load(root: str, transformer=None):
 
 def generate(pipe, seed: int = 0, steps: int = 2, prompt: str = PROMPT, negative_prompt: str = NEGATIVE_PROMPT,
              guidance_scale: float = 5.0, num_frames: int = NUM_FRAMES, height: int = HEIGHT, width: int = WIDTH,
-             **kwargs) -> np.ndarray:
+             output_type: str = "np", **kwargs) -> np.ndarray:
     """Run the pipeline; return the decoded video as float32 numpy [F, H, W, 3] in [0, 1] (default
-    [5, 32, 48, 3]). With guidance_scale > 1 (default 5) every step calls the transformer twice: the prompt, then
-    the negative prompt. Other keyword arguments go to the pipeline."""
+    [5, 32, 48, 3]), or, for several videos (num_videos_per_prompt) or output_type="latent", all of them
+    stacked ([N, F, H, W, 3], or the latents [N, C, f, h, w]). With guidance_scale > 1 (default 5) every step
+    calls the transformer twice: the prompt, then the negative prompt. Other keyword arguments go to the
+    pipeline."""
     generator = torch.Generator("cpu").manual_seed(seed)
     with torch.inference_mode():
         out = pipe(
@@ -200,10 +202,13 @@ def generate(pipe, seed: int = 0, steps: int = 2, prompt: str = PROMPT, negative
             guidance_scale=guidance_scale,
             max_sequence_length=TXT_LEN,
             generator=generator,
-            output_type="np",
+            output_type=output_type,
             **kwargs,
         )
-    return np.asarray(out.frames[0], dtype=np.float32)
+    if output_type == "latent":
+        return out.frames.float().cpu().numpy()
+    video = np.asarray(out.frames, dtype=np.float32)
+    return video[0] if len(video) == 1 else video
 
 
 # ---- __main__: determinism, a non-Module stand-in, and meshdit on the pipeline's real transformer inputs ----
