@@ -1,9 +1,12 @@
 """The drop-in as a diffusers user drives it (issue 27): torch.compile, save_pretrained, every
 public method of a diffusers transformer either working or refused by name (the table
 `meshdit.transformer.METHODS`), attention kwargs that change nothing, Hub ids from the local
-Hugging Face cache, Qwen-Image's img_shapes as diffusers reads them. One tiny FluxPipeline
-(tests/python/flux_pipeline.py) and the tiny goldens (tests/data) on one rank."""
+Hugging Face cache, Qwen-Image's img_shapes as diffusers reads them, and the messages and
+documents around them. One tiny FluxPipeline (tests/python/flux_pipeline.py) and the tiny
+goldens (tests/data) on one rank."""
 import filecmp
+import importlib.machinery
+import importlib.util
 import inspect
 import json
 import os
@@ -396,6 +399,22 @@ def test_a_hub_id_follows_HF_HUB_CACHE(tmp_path):
     assert lines[0] == "FluxTransformer2DModel"
     assert len(lines) == 2 and "`hf download black-forest-labs/FLUX.1-dev --include 'transformer/*'`" in lines[1]
     assert cache in lines[1]
+
+
+# ---- 7. messages and documents ----------------------------------------------------------------------
+def test_the_demo_says_pngs_within_one_level_agree():
+    path = os.path.join(ROOT, "scripts", "diffusers-demo")
+    loader = importlib.machinery.SourceFileLoader("diffusers_demo", path)
+    spec = importlib.util.spec_from_loader("diffusers_demo", loader)
+    demo = importlib.util.module_from_spec(spec)
+    loader.exec_module(demo)
+    a = np.full((4, 4, 3), 100, np.uint8)
+    b = a.copy()
+    assert demo.png_agreement(a, b) == "the 8-bit PNGs are identical"
+    b[0, 0, 0] = 101
+    assert demo.png_agreement(a, b) == "the 8-bit PNGs agree within one 8-bit level (1 of 48 values differ by 1)"
+    b[1, 1, 1] = 97
+    assert demo.png_agreement(a, b) == "the 8-bit PNGs differ by up to 3 levels (2 of 48 values differ)"
 
 
 # ---- 8. Qwen-Image's img_shapes, read as diffusers reads it ---------------------------------------
