@@ -81,8 +81,8 @@ mdt_status mdt_backend_select(mdt_backend_kind kind, int ordinal, int bf16) {
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
-                        "--device cuda: this build has no CUDA backend (%s; build with nvcc on "
-                        "PATH)",
+                        "--device cuda: this build has no CUDA backend (%s; `make` builds the "
+                        "plugin, libmeshdit_cuda.so, when nvcc is on PATH)",
                         dlerror());
     mdt_backend_entry_fn entry;
     *(void **)(&entry) = dlsym(h, MDT_BACKEND_ENTRY);

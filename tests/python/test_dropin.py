@@ -417,6 +417,12 @@ def test_the_demo_says_pngs_within_one_level_agree():
     assert demo.png_agreement(a, b) == "the 8-bit PNGs differ by up to 3 levels (2 of 48 values differ)"
 
 
+def test_cuda_without_the_plugin_says_make_builds_it(tmp_path):
+    env = dict(os.environ, MESHDIT_CUDA_PLUGIN=str(tmp_path / "libmeshdit_cuda.so"))
+    with pytest.raises(meshdit.MeshditError, match=r"no CUDA backend .*`make` builds .*when nvcc is on PATH"):
+        meshdit.Transformer.from_pretrained(FLUX, device="cuda", env=env)
+
+
 # ---- 8. Qwen-Image's img_shapes, read as diffusers reads it ---------------------------------------
 @pytest.mark.parametrize("ckpt,forms", [
     ("qwenimage_tiny", [[(1, 4, 4)], (1, 4, 4), [[(1, 4, 4)]], [[(1, 4, 4)]] * 2]),
