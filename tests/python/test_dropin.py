@@ -4,6 +4,7 @@ public method of a diffusers transformer either working or refused by name (the 
 Hugging Face cache, Qwen-Image's img_shapes as diffusers reads them, and the messages and
 documents around them. One tiny FluxPipeline (tests/python/flux_pipeline.py) and the tiny
 goldens (tests/data) on one rank."""
+import ast
 import filecmp
 import importlib.machinery
 import importlib.util
@@ -14,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import types
 
 import numpy as np
@@ -421,6 +423,53 @@ def test_cuda_without_the_plugin_says_make_builds_it(tmp_path):
     env = dict(os.environ, MESHDIT_CUDA_PLUGIN=str(tmp_path / "libmeshdit_cuda.so"))
     with pytest.raises(meshdit.MeshditError, match=r"no CUDA backend .*`make` builds .*when nvcc is on PATH"):
         meshdit.Transformer.from_pretrained(FLUX, device="cuda", env=env)
+
+
+def _readme_example():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    section = text.split("## Use from diffusers", 1)[1].split("\n## ", 1)[0]
+    return section, re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_example_says_what_runs_where():
+    section, code = _readme_example()
+    calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call)
+             and ast.unparse(n.func) == "meshdit.Transformer.from_pretrained"]
+    assert len(calls) == 1
+    kw = {k.arg: ast.literal_eval(k.value) for k in calls[0].keywords}
+    assert kw.get("device") == "cuda" and kw.get("dtype") == "bf16"
+    inspect.signature(meshdit.Transformer.from_pretrained).bind("DIR", **kw)  # real arguments
+    assert re.search(r"dtype.*\n.*encoders.*VAE", code) and re.search(r"dtype=.*mesh", code)
+
+
+def _imports(path):
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"meshdit"}
+
+
+def test_pyproject_and_readme_agree_with_the_imports():
+    pkg = os.path.join(ROOT, "python")
+    with open(os.path.join(pkg, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    dist = {"zmq": "pyzmq"}  # import name -> distribution name
+    name = lambda req: re.split(r"[<>=!~ \[]", req, maxsplit=1)[0]  # noqa: E731
+    required = {name(r) for r in project["dependencies"]}
+    extra = {name(r) for r in project["optional-dependencies"]["diffusers"]}
+    files = [os.path.join(pkg, "meshdit", f) for f in os.listdir(os.path.join(pkg, "meshdit")) if f.endswith(".py")]
+    core = {dist.get(m, m) for f in files if not f.endswith("transformer.py") for m in _imports(f)}
+    dropin = {dist.get(m, m) for m in _imports(os.path.join(pkg, "meshdit", "transformer.py"))}
+    assert required == core
+    assert extra == dropin - core
+    with open(os.path.join(pkg, "README.md")) as f:
+        lines = [ln for ln in f.read().splitlines() if ln.startswith("pip install ")]
+    said = [set(re.split(r"[,\s]+", ln.split(":", 1)[1].strip())) for ln in lines]
+    assert said == [required, extra], lines
 
 
 # ---- 8. Qwen-Image's img_shapes, read as diffusers reads it ---------------------------------------
