@@ -20,9 +20,9 @@ int main(int argc, char **argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     mdt_mesh *tp = NULL, *ring = NULL, *uly = NULL;
-    mdt_mesh_create_comm(MPI_COMM_WORLD, size, 1, 1, NULL, &tp);
-    mdt_mesh_create_comm(MPI_COMM_WORLD, 1, size, 1, NULL, &ring);
-    mdt_mesh_create_comm(MPI_COMM_WORLD, 1, 1, size, NULL, &uly);
+    mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, size, 1, 1, NULL}, &tp);
+    mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, 1, size, 1, NULL}, &ring);
+    mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, 1, 1, size, NULL}, &uly);
     for (int64_t mib = 1; mib <= 64; mib *= 4) {
         const int64_t n = mib * 262144; /* floats */
         float *a = calloc((size_t)n, 4), *b = calloc((size_t)n, 4);

@@ -102,12 +102,25 @@ mdt_status mdt_tensor_set_load(const char *path, mdt_tensor_set **out);
  * A failed write leaves no file at `path` (and an old file there untouched). */
 mdt_status mdt_tensor_set_save(const mdt_tensor_set *set, const char *path);
 
-/* The device mesh: world = tp x ring x ulysses ranks over MPI_COMM_WORLD (MPI must be
- * initialised by the caller). `order` is a permutation of "tp,ring,ulysses", outermost first
- * (NULL = that default: Ulysses groups on contiguous ranks). Collective; the same verdict on
- * every rank. MDT_E_INVALID if tp x ring x ulysses differs from the world size. */
+/* A layout: world = cfg x tp x ring x ulysses ranks. cfg (1 or 2) runs the two branches of a
+ * step's classifier-free guidance at once (or the two halves of its batch), each cfg group on a
+ * tp x ring x ulysses layout of its own; `order` is a permutation of "cfg,tp,ring,ulysses"
+ * (cfg may be left out: then it is outermost), outermost first (NULL = "cfg,tp,ring,ulysses":
+ * Ulysses groups on contiguous ranks, the cfg groups on the two halves of the world). */
+typedef struct mdt_layout {
+    int cfg, tp, ring, ulysses;
+    const char *order;
+} mdt_layout;
+/* A rank's coordinates in a layout. */
+typedef struct mdt_coords {
+    int cfg, tp, ring, ulysses;
+} mdt_coords;
+
+/* The device mesh of `l` over MPI_COMM_WORLD (MPI must be initialised by the caller).
+ * Collective; the same verdict on every rank. MDT_E_INVALID if the degrees' product differs
+ * from the world size, a degree is < 1 or cfg > 2. */
 typedef struct mdt_mesh mdt_mesh;
-mdt_status mdt_mesh_create_world(int tp, int ring, int ulysses, const char *order, mdt_mesh **out);
+mdt_status mdt_mesh_create_world(const mdt_layout *l, mdt_mesh **out);
 void mdt_mesh_free(mdt_mesh *m);
 int mdt_mesh_rank(const mdt_mesh *m); /* world rank (0 for NULL) */
 int mdt_mesh_size(const mdt_mesh *m); /* world size (1 for NULL) */
@@ -121,11 +134,9 @@ mdt_status mdt_world_agree(mdt_status local);
 /* 1 when a failure could not be agreed on (this rank failed inside a step while its peers wait in
  * a collective): the caller must end the whole job (MPI_Abort), after printing the message. */
 int mdt_mesh_peers_stuck(const mdt_mesh *m);
-/* Coordinates (t, r, u) of world rank `rank` in a tp x ring x ulysses mesh laid out in `order`
- * (as mdt_mesh_create_world; NULL = default), without creating it. Not collective. MDT_E_INVALID
- * naming the bad axis for a malformed order. */
-mdt_status mdt_mesh_coords_of(const char *order, int rank, int tp, int ring, int ulysses, int *t,
-                              int *r, int *u);
+/* Coordinates of world rank `rank` in the mesh of `l`, without creating it. Not collective.
+ * MDT_E_INVALID naming the bad axis for a malformed order. */
+mdt_status mdt_mesh_coords_of(const mdt_layout *l, int rank, mdt_coords *out);
 
 /* ---- process set-up and devices (the caller owns MPI) ---- */
 
@@ -275,7 +286,7 @@ void mdt_run_stats_free(mdt_run_stats *s);
 
 /* What one rank did in the last step (or forward) of a run. */
 typedef struct mdt_rank_stats {
-    int rank, tp, ring, ulysses, cp_index; /* world rank, mesh coordinates, CP chunk */
+    int rank, cfg, tp, ring, ulysses, cp_index; /* world rank, mesh coordinates, CP chunk */
     int node_rank, node_size; /* rank among the ranks sharing its host's memory (picks the GPU) */
     int64_t heads_local;      /* attention heads on this rank's TP shard */
     int64_t weight_bytes, peak_bytes, max_rss_kib, bytes_read;
@@ -283,7 +294,7 @@ typedef struct mdt_rank_stats {
     double seconds_linear, seconds_attn, seconds_other;    /* in those kernels (CPU: host wall time;
                                                               a GPU: the launches only) */
     int64_t attn_calls, attn_query_rows, attn_kv_rows;     /* rows x heads */
-    int64_t bytes_tp, bytes_ring, bytes_ulysses, bytes_cp; /* sent per mesh group */
+    int64_t bytes_tp, bytes_ring, bytes_ulysses, bytes_cfg, bytes_cp; /* sent per mesh group */
     double ring_compute_s, ring_wait_s, prep_s;
     int64_t world_collectives; /* over the whole world in the step (agreements, barriers): 1 */
 } mdt_rank_stats;

@@ -45,12 +45,14 @@ int cli_opts_check_unused(cli_opts *o);
 /* The layout, device and memory options `run` and `serve` share: --tp --ring --ulysses
  * --mesh-order --device --dtype --comm --max-memory. */
 typedef struct cli_layout {
-    long long tp, ring, uly;
+    long long cfg, tp, ring, uly;
     const char *order, *device, *dtype, *comm;
     int64_t max_bytes; /* --max-memory, 0 if absent */
 } cli_layout;
 /* Reads those options from `o`; returns 0 or the usage exit code after printing why. */
 int cli_parse_layout(cli_opts *o, cli_layout *l);
+/* The mesh layout of those options. */
+mdt_layout cli_mesh_layout(const cli_layout *l);
 /* The checks before any weight is read, then the load: this rank's weights plus the activations
  * of `inputs` against --max-memory (or what the node has), then mdt_model_load shard-on-read
  * over `mesh` (after mdt_device_select). Collective; *load_s gets the load's seconds. */

@@ -69,7 +69,7 @@ int cmd_gather(int argc, char **argv) {
         return cli_usage_exit("gather needs --checkpoint DIR --out DIR");
     mdt_mesh *mesh = NULL;
     mdt_model *m = NULL;
-    mdt_status st = mdt_mesh_create_world((int)tp, 1, 1, NULL, &mesh);
+    mdt_status st = mdt_mesh_create_world(&(mdt_layout){1, (int)tp, 1, 1, NULL}, &mesh);
     mdt_load_params lp = mdt_load_params_default();
     lp.checkpoint_dir = ck, lp.mesh = mesh;
     if (st == MDT_OK)

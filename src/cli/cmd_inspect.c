@@ -26,7 +26,8 @@ static double params_at(const mdt_model_info *info, int tp) {
 }
 
 /* The resident weights by TP degree and every rank's coordinates, shards and heads. */
-static void print_ranks(const mdt_model_info *info, long long tp, long long ring, long long uly,
+static void print_ranks(const mdt_model_info *info, long long cfg, long long tp, long long ring,
+                        long long uly,
                         const char *order, const char *local_bytes) {
     /* per-rank resident weights for every valid TP degree up to 16 (ring and ulysses do not
      * shard weights: every CP rank holds its TP shard) */
@@ -42,25 +43,31 @@ static void print_ranks(const mdt_model_info *info, long long tp, long long ring
                f32b, bf16b, T == tp ? "  <- this layout" : "");
     }
     const long long heads = (long long)mdt_model_info_heads(info);
-    for (long long rk = 0; rk < tp * ring * uly; rk++) {
-        int t = 0, r = 0, u = 0;
-        (void)mdt_mesh_coords_of(order, (int)rk, (int)tp, (int)ring, (int)uly, &t, &r, &u);
-        printf("rank %lld: tp %d, ring %d, ulysses %d, cp chunk %lld of %lld; %lld local heads "
+    const mdt_layout lay = {(int)cfg, (int)tp, (int)ring, (int)uly, order};
+    for (long long rk = 0; rk < cfg * tp * ring * uly; rk++) {
+        mdt_coords co = {0};
+        (void)mdt_mesh_coords_of(&lay, (int)rk, &co);
+        char branch[48] = "";
+        if (cfg > 1)
+            snprintf(branch, sizeof branch, "cfg %d, ", co.cfg);
+        printf("rank %lld: %stp %d, ring %d, ulysses %d, cp chunk %lld of %lld; %lld local heads "
                "(%lld..%lld); weights %s resident\n",
-               rk, t, r, u, (long long)r * uly + u, ring * uly, heads / tp,
-               (long long)t * (heads / tp), (long long)(t + 1) * (heads / tp) - 1, local_bytes);
+               rk, branch, co.tp, co.ring, co.ulysses, (long long)co.ring * uly + co.ulysses,
+               ring * uly, heads / tp, (long long)co.tp * (heads / tp),
+               (long long)(co.tp + 1) * (heads / tp) - 1, local_bytes);
     }
 }
 
 int cmd_inspect(int argc, char **argv) {
     cli_opts o;
-    long long tp, ring, uly;
+    long long cfg, tp, ring, uly;
     int rc = cli_parse_opts(argc, argv, &o, NULL);
     if (rc)
         return rc;
     const char *ck = cli_opt_str(&o, "checkpoint", NULL), *cfgp = cli_opt_str(&o, "config", NULL);
-    const char *order = cli_opt_str(&o, "mesh-order", "tp,ring,ulysses");
-    if ((rc = cli_opt_int(&o, "tp", 1, 1, 4096, &tp)) ||
+    const char *order = cli_opt_str(&o, "mesh-order", "cfg,tp,ring,ulysses");
+    if ((rc = cli_opt_int(&o, "cfg", 1, 1, 2, &cfg)) ||
+        (rc = cli_opt_int(&o, "tp", 1, 1, 4096, &tp)) ||
         (rc = cli_opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
         (rc = cli_opt_int(&o, "ulysses", 1, 1, 4096, &uly)) || (rc = cli_opts_check_unused(&o)))
         return rc;
@@ -68,18 +75,19 @@ int cmd_inspect(int argc, char **argv) {
         return cli_usage_exit("inspect needs exactly one of --checkpoint DIR or --config FILE%s",
                               "");
     mdt_model_info *info = NULL;
-    int t0, r0, u0;
-    mdt_status st = mdt_mesh_coords_of(order, 0, 1, 1, 1, &t0, &r0, &u0); /* the order is valid */
+    mdt_coords co0;
+    mdt_status st = mdt_mesh_coords_of(&(mdt_layout){1, 1, 1, 1, order}, 0, &co0); /* valid? */
     if (st == MDT_OK)
         st = mdt_model_info_open(ck, ck ? NULL : cfgp, 1, &info);
     if (st == MDT_OK)
         st = mdt_model_info_check_layout(info, (int)tp, (int)ring, (int)uly);
     if (st != MDT_OK)
         goto done;
-    printf("model %s (%s), %d tensors; layout tp %lld x ring %lld x ulysses %lld = %lld ranks "
+    printf("model %s (%s), %d tensors; layout %stp %lld x ring %lld x ulysses %lld = %lld ranks "
            "(mesh order %s)\n",
            mdt_model_info_family(info), mdt_model_info_class_name(info),
-           mdt_model_info_weight_count(info), tp, ring, uly, tp * ring * uly, order);
+           mdt_model_info_weight_count(info), cfg > 1 ? "cfg 2 x " : "", tp, ring, uly,
+           cfg * tp * ring * uly, order);
     for (int gather = 0; gather < 2; gather++) {
         printf(gather ? "; gather" : "cp plan: split");
         for (int i = 0; i < mdt_model_info_cp_count(info, gather); i++) {
@@ -107,7 +115,7 @@ int cmd_inspect(int argc, char **argv) {
         cli_fmt_bytes(local_total * 4, b2, sizeof b2);
         printf("parameters %.0f (%s in f32); per rank %.0f (%s in f32)\n", total, b1, local_total,
                b2);
-        print_ranks(info, tp, ring, uly, order, b2);
+        print_ranks(info, cfg, tp, ring, uly, order, b2);
     }
 done:
     mdt_model_info_free(info);

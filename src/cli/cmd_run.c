@@ -114,8 +114,8 @@ int cmd_run(int argc, char **argv) {
     mdt_model *m = NULL;
     mdt_tensor_set *in = NULL, *res = NULL;
     mdt_run_stats *stats = NULL;
-    mdt_status st =
-        mdt_mesh_create_world((int)a.l.tp, (int)a.l.ring, (int)a.l.uly, a.l.order, &mesh);
+    const mdt_layout lay = cli_mesh_layout(&a.l);
+    mdt_status st = mdt_mesh_create_world(&lay, &mesh);
     if (st != MDT_OK)
         return cli_fail_exit(st); /* same verdict on every rank: nothing to agree on */
     /* rank 0 writes the outputs: it finds out now, not after the compute, that it cannot */

@@ -72,8 +72,8 @@ int cmd_serve(int argc, char **argv) {
     mdt_mesh *mesh = NULL;
     mdt_model *m = NULL;
     mdt_tensor_set *none = NULL;
-    mdt_status st =
-        mdt_mesh_create_world((int)a.l.tp, (int)a.l.ring, (int)a.l.uly, a.l.order, &mesh);
+    const mdt_layout lay = cli_mesh_layout(&a.l);
+    mdt_status st = mdt_mesh_create_world(&lay, &mesh);
     if (st != MDT_OK)
         return cli_fail_exit(st);
     /* the endpoint is rank 0's: refused now, not after the load */

@@ -118,7 +118,7 @@ void cli_fmt_bytes(double b, char *buf, size_t cap) {
 }
 
 int cli_parse_layout(cli_opts *o, cli_layout *l) {
-    l->order = cli_opt_str(o, "mesh-order", "tp,ring,ulysses");
+    l->order = cli_opt_str(o, "mesh-order", "cfg,tp,ring,ulysses");
     const char *maxmem = cli_opt_str(o, "max-memory", NULL);
     l->device = cli_opt_str(o, "device", "cpu"), l->dtype = cli_opt_str(o, "dtype", "f32");
     l->comm = cli_opt_str(o, "comm", "auto");
@@ -133,11 +133,16 @@ int cli_parse_layout(cli_opts *o, cli_layout *l) {
         return cli_usage_exit("--max-memory takes a size like 512M, 8G or 1048576, got '%s'",
                               maxmem);
     int rc;
-    if ((rc = cli_opt_int(o, "tp", 1, 1, 4096, &l->tp)) ||
+    if ((rc = cli_opt_int(o, "cfg", 1, 1, 2, &l->cfg)) ||
+        (rc = cli_opt_int(o, "tp", 1, 1, 4096, &l->tp)) ||
         (rc = cli_opt_int(o, "ring", 1, 1, 4096, &l->ring)) ||
         (rc = cli_opt_int(o, "ulysses", 1, 1, 4096, &l->uly)))
         return rc;
     return 0;
+}
+
+mdt_layout cli_mesh_layout(const cli_layout *l) {
+    return (mdt_layout){(int)l->cfg, (int)l->tp, (int)l->ring, (int)l->uly, l->order};
 }
 
 double cli_now_s(void) {

@@ -14,7 +14,7 @@
 #include <string.h>
 #include <time.h>
 
-static const char *const k_axis_names[MDT_AXIS_COUNT] = {"tp", "ring", "ulysses"};
+static const char *const k_axis_names[MDT_AXIS_COUNT] = {"tp", "ring", "ulysses", "cfg"};
 
 const char *mdt_coll_kind_name(mdt_coll_kind k) {
     static const char *const n[MDT_COLL_KIND_COUNT] = {"allreduce", "allgather", "alltoall",
@@ -22,8 +22,9 @@ const char *mdt_coll_kind_name(mdt_coll_kind k) {
     return (unsigned)k < MDT_COLL_KIND_COUNT ? n[k] : "?";
 }
 
-mdt_status mdt_mesh_parse_order(const char *s, mdt_axis order[3]) {
+mdt_status mdt_mesh_parse_order(const char *s, mdt_axis order[MDT_AXIS_COUNT]) {
     int seen[MDT_AXIS_COUNT] = {0}, n = 0;
+    mdt_axis got[MDT_AXIS_COUNT];
     const char *p = s;
     while (*p) {
         const char *e = strchr(p, ',');
@@ -34,29 +35,50 @@ mdt_status mdt_mesh_parse_order(const char *s, mdt_axis order[3]) {
                 found = a;
         if (found < 0)
             return MDT_FAIL(MDT_E_INVALID,
-                            "--mesh-order '%s': unknown axis '%.*s' (use tp, ring, "
+                            "--mesh-order '%s': unknown axis '%.*s' (use cfg, tp, ring, "
                             "ulysses)",
                             s, (int)len, p);
-        if (seen[found]++ || n == 3)
+        if (seen[found]++ || n == MDT_AXIS_COUNT)
             return MDT_FAIL(MDT_E_INVALID, "--mesh-order '%s': axis '%s' appears twice", s,
                             k_axis_names[found]);
-        order[n++] = (mdt_axis)found;
+        got[n++] = (mdt_axis)found;
         p = e ? e + 1 : p + len;
     }
-    if (n != 3)
-        return MDT_FAIL(MDT_E_INVALID, "--mesh-order '%s' must name all of tp, ring, ulysses", s);
+    const int cfg_implied = n == MDT_AXIS_COUNT - 1 && !seen[MDT_AXIS_CFG];
+    if (n != MDT_AXIS_COUNT && !cfg_implied)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "--mesh-order '%s' must name all of tp, ring, ulysses (and cfg, else it "
+                        "is outermost)",
+                        s);
+    int k = 0;
+    if (cfg_implied)
+        order[k++] = MDT_AXIS_CFG;
+    for (int i = 0; i < n; i++)
+        order[k++] = got[i];
     return MDT_OK;
 }
 
-void mdt_mesh_coords(int rank, int T, int R, int U, const mdt_axis order[3], int *t, int *r,
-                     int *u) {
-    const int deg[MDT_AXIS_COUNT] = {T, R, U};
+void mdt_mesh_order_str(const mdt_axis order[MDT_AXIS_COUNT], char *buf, size_t cap) {
+    if (order[0] == MDT_AXIS_CFG) /* outermost, as the parser implies when it is left out */
+        snprintf(buf, cap, "%s,%s,%s", k_axis_names[order[1]], k_axis_names[order[2]],
+                 k_axis_names[order[3]]);
+    else
+        snprintf(buf, cap, "%s,%s,%s,%s", k_axis_names[order[0]], k_axis_names[order[1]],
+                 k_axis_names[order[2]], k_axis_names[order[3]]);
+}
+
+void mdt_mesh_coords(int rank, const mdt_layout *l, const mdt_axis order[MDT_AXIS_COUNT],
+                     mdt_coords *out) {
+    const int deg[MDT_AXIS_COUNT] = {l->tp, l->ring, l->ulysses, l->cfg};
     int c[MDT_AXIS_COUNT] = {0}, rem = rank;
-    for (int i = 2; i >= 0; i--) { /* innermost varies fastest */
+    for (int i = MDT_AXIS_COUNT - 1; i >= 0; i--) { /* innermost varies fastest */
         c[order[i]] = rem % deg[order[i]];
         rem /= deg[order[i]];
     }
-    *t = c[MDT_AXIS_TP], *r = c[MDT_AXIS_RING], *u = c[MDT_AXIS_ULYSSES];
+    *out = (mdt_coords){.cfg = c[MDT_AXIS_CFG],
+                        .tp = c[MDT_AXIS_TP],
+                        .ring = c[MDT_AXIS_RING],
+                        .ulysses = c[MDT_AXIS_ULYSSES]};
 }
 
 static mdt_status mpi_check(int rc, const char *what) {
@@ -74,7 +96,8 @@ static mdt_status split(MPI_Comm world, int colour, int key, MPI_Comm *out) {
 }
 
 static void mesh_free_comms(mdt_mesh *m) {
-    MPI_Comm *cs[] = {&m->tp, &m->ring, &m->ulysses, &m->cp, &m->watch, &m->agree, &m->world};
+    MPI_Comm *cs[] = {&m->tp,    &m->ring,  &m->ulysses, &m->cfg,
+                      &m->cp,    &m->watch, &m->agree,   &m->world};
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
         if (*cs[i] != MPI_COMM_NULL)
             MPI_Comm_free(cs[i]);
@@ -96,16 +119,16 @@ static mdt_status placement(mdt_mesh *m) {
     return mpi_check(MPI_Comm_free(&node), "MPI_Comm_free");
 }
 
-mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char *order,
-                                mdt_mesh **out) {
+mdt_status mdt_mesh_create_comm(MPI_Comm world, const mdt_layout *l, mdt_mesh **out) {
     mdt_status st;
     *out = NULL;
     mdt_mesh *m = mdt_calloc(sizeof *m);
     if (!m)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    m->world = m->tp = m->ring = m->ulysses = m->cp = m->watch = m->agree = MPI_COMM_NULL;
+    m->world = m->tp = m->ring = m->ulysses = m->cfg = m->cp = m->watch = m->agree = MPI_COMM_NULL;
     m->note_rank = -1;
-    MDT_CHECK(mdt_mesh_parse_order(order ? order : "tp,ring,ulysses", m->order));
+    const int C = l->cfg, T = l->tp, R = l->ring, U = l->ulysses;
+    MDT_CHECK(mdt_mesh_parse_order(l->order ? l->order : "cfg,tp,ring,ulysses", m->order));
     MDT_CHECK(mpi_check(MPI_Comm_dup(world, &m->world), "MPI_Comm_dup"));
     MDT_CHECK(mpi_check(MPI_Comm_set_errhandler(m->world, MPI_ERRORS_RETURN), "errhandler"));
     MDT_CHECK(mpi_check(MPI_Comm_dup(world, &m->watch), "MPI_Comm_dup"));
@@ -113,27 +136,39 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char 
     MDT_CHECK(mpi_check(MPI_Comm_set_errhandler(m->watch, MPI_ERRORS_RETURN), "errhandler"));
     MPI_Comm_size(m->world, &m->world_size);
     MPI_Comm_rank(m->world, &m->world_rank);
-    if (T < 1 || R < 1 || U < 1)
-        MDT_CHECK(
-            MDT_FAIL(MDT_E_INVALID, "tp, ring and ulysses must be >= 1 (got %d, %d, %d)", T, R, U));
-    if ((int64_t)T * R * U != m->world_size)
+    if (C < 1 || T < 1 || R < 1 || U < 1)
         MDT_CHECK(MDT_FAIL(MDT_E_INVALID,
-                           "layout tp=%d x ring=%d x ulysses=%d needs %lld ranks, but %d were "
+                           "cfg, tp, ring and ulysses must be >= 1 (got %d, %d, %d, %d)", C, T, R,
+                           U));
+    if (C > 2)
+        MDT_CHECK(MDT_FAIL(MDT_E_INVALID,
+                           "cfg=%d: the cfg axis has two groups at most (the conditional and "
+                           "the unconditional branch, or two halves of a batch)",
+                           C));
+    if ((int64_t)C * T * R * U != m->world_size)
+        MDT_CHECK(MDT_FAIL(MDT_E_INVALID,
+                           "layout %stp=%d x ring=%d x ulysses=%d needs %lld ranks, but %d were "
                            "launched",
-                           T, R, U, (long long)T * R * U, m->world_size));
-    m->T = T, m->R = R, m->U = U;
-    mdt_mesh_coords(m->world_rank, T, R, U, m->order, &m->t, &m->r, &m->u);
+                           C > 1 ? "cfg=2 x " : "", T, R, U, (long long)C * T * R * U,
+                           m->world_size));
+    m->C = C, m->T = T, m->R = R, m->U = U;
+    mdt_coords co;
+    mdt_mesh_coords(m->world_rank, l, m->order, &co);
+    m->c = co.cfg, m->t = co.tp, m->r = co.ring, m->u = co.ulysses;
     m->cp_size = R * U;
     m->cp_index = m->r * U + m->u;
     m->member_i64_n = MDT_MESH_MEMBER_I64 * (int64_t)(T > R * U ? T : R * U);
     m->member_i64 = mdt_alloc(sizeof(int64_t) * (size_t)m->member_i64_n);
     if (!m->member_i64)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM, "out of memory"));
-    /* colour = the coordinates along the other axes, key = the coordinate along this one */
-    MDT_CHECK(split(m->world, m->r * U + m->u, m->t, &m->tp));
-    MDT_CHECK(split(m->world, m->t * U + m->u, m->r, &m->ring));
-    MDT_CHECK(split(m->world, m->t * R + m->r, m->u, &m->ulysses));
-    MDT_CHECK(split(m->world, m->t, m->cp_index, &m->cp));
+    /* colour = the coordinates along the other axes, key = the coordinate along this one; the
+     * groups of one forward stay inside one cfg group */
+    const int inner = T * R * U, c0 = m->c * inner;
+    MDT_CHECK(split(m->world, c0 + m->r * U + m->u, m->t, &m->tp));
+    MDT_CHECK(split(m->world, c0 + m->t * U + m->u, m->r, &m->ring));
+    MDT_CHECK(split(m->world, c0 + m->t * R + m->r, m->u, &m->ulysses));
+    MDT_CHECK(split(m->world, (m->t * R + m->r) * U + m->u, m->c, &m->cfg));
+    MDT_CHECK(split(m->world, m->c * T + m->t, m->cp_index, &m->cp));
     m->tp_shard_index = m->t;
     MDT_CHECK(placement(m));
     if (mdt_test_hooks_get()->shard_index_world)
@@ -147,8 +182,8 @@ fail:
     return st;
 }
 
-mdt_status mdt_mesh_create_world(int T, int R, int U, const char *order, mdt_mesh **out) {
-    return mdt_mesh_create_comm(MPI_COMM_WORLD, T, R, U, order, out);
+mdt_status mdt_mesh_create_world(const mdt_layout *l, mdt_mesh **out) {
+    return mdt_mesh_create_comm(MPI_COMM_WORLD, l, out);
 }
 
 /* ---- device buffers: host staging ---- */
@@ -341,7 +376,7 @@ mdt_status mdt_world_agree(mdt_status local) {
 }
 
 const char *mdt_group_name(mdt_group g) {
-    static const char *const n[MDT_GROUP_COUNT] = {"tp", "ring", "ulysses", "cp"};
+    static const char *const n[MDT_GROUP_COUNT] = {"tp", "ring", "ulysses", "cfg", "cp"};
     return (unsigned)g < MDT_GROUP_COUNT ? n[g] : "?";
 }
 
@@ -350,6 +385,7 @@ MPI_Comm mdt_mesh_comm(const mdt_mesh *m, mdt_group g) {
     case MDT_GROUP_TP: return m->tp;
     case MDT_GROUP_RING: return m->ring;
     case MDT_GROUP_ULYSSES: return m->ulysses;
+    case MDT_GROUP_CFG: return m->cfg;
     case MDT_GROUP_CP: return m->cp;
     case MDT_GROUP_COUNT: break;
     }
@@ -357,12 +393,12 @@ MPI_Comm mdt_mesh_comm(const mdt_mesh *m, mdt_group g) {
 }
 
 int mdt_group_size(const mdt_mesh *m, mdt_group g) {
-    const int sz[MDT_GROUP_COUNT] = {m->T, m->R, m->U, m->cp_size};
+    const int sz[MDT_GROUP_COUNT] = {m->T, m->R, m->U, m->C, m->cp_size};
     return (unsigned)g < MDT_GROUP_COUNT ? sz[g] : 1;
 }
 
 int mdt_group_rank(const mdt_mesh *m, mdt_group g) {
-    const int rk[MDT_GROUP_COUNT] = {m->t, m->r, m->u, m->cp_index};
+    const int rk[MDT_GROUP_COUNT] = {m->t, m->r, m->u, m->c, m->cp_index};
     return (unsigned)g < MDT_GROUP_COUNT ? rk[g] : 0;
 }
 
@@ -646,10 +682,9 @@ int mdt_ring_progress(mdt_mesh *m, mdt_ring_req *rq) {
 
 int mdt_mesh_peers_stuck(const mdt_mesh *m) { return m ? m->peers_stuck : 0; }
 
-mdt_status mdt_mesh_coords_of(const char *order, int rank, int tp, int ring, int ulysses, int *t,
-                              int *r, int *u) {
-    mdt_axis ax[3];
-    MDT_TRY(mdt_mesh_parse_order(order ? order : "tp,ring,ulysses", ax));
-    mdt_mesh_coords(rank, tp, ring, ulysses, ax, t, r, u);
+mdt_status mdt_mesh_coords_of(const mdt_layout *l, int rank, mdt_coords *out) {
+    mdt_axis ax[MDT_AXIS_COUNT];
+    MDT_TRY(mdt_mesh_parse_order(l->order ? l->order : "cfg,tp,ring,ulysses", ax));
+    mdt_mesh_coords(rank, l, ax, out);
     return MDT_OK;
 }

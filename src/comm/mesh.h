@@ -16,13 +16,23 @@
 
 #include <mpi.h>
 
-typedef enum mdt_axis { MDT_AXIS_TP = 0, MDT_AXIS_RING, MDT_AXIS_ULYSSES, MDT_AXIS_COUNT } mdt_axis;
+/* The axes: TP, Ring and Ulysses inside one forward; cfg across forwards (the classifier-free
+ * guidance branches of a step, or halves of its batch: each cfg group runs its own forward on
+ * the whole tp x ring x ulysses layout). */
+typedef enum mdt_axis {
+    MDT_AXIS_TP = 0,
+    MDT_AXIS_RING,
+    MDT_AXIS_ULYSSES,
+    MDT_AXIS_CFG,
+    MDT_AXIS_COUNT
+} mdt_axis;
 
-/* The groups collectives run over: the three axes plus the CP-flattened group. */
+/* The groups collectives run over: the four axes plus the CP-flattened group. */
 typedef enum mdt_group {
     MDT_GROUP_TP = MDT_AXIS_TP,
     MDT_GROUP_RING = MDT_AXIS_RING,
     MDT_GROUP_ULYSSES = MDT_AXIS_ULYSSES,
+    MDT_GROUP_CFG = MDT_AXIS_CFG,
     MDT_GROUP_CP,
     MDT_GROUP_COUNT
 } mdt_group;
@@ -42,12 +52,12 @@ const char *mdt_coll_kind_name(mdt_coll_kind k);
 enum { MDT_MESH_MEMBER_I64 = 9 };
 
 struct mdt_mesh {
-    MPI_Comm world, tp, ring, ulysses, cp;
+    MPI_Comm world, tp, ring, ulysses, cfg, cp;
     int world_size, world_rank;
-    int T, R, U;           /* degrees */
-    int t, r, u;           /* this rank's coordinates */
+    int C, T, R, U;        /* degrees */
+    int c, t, r, u;        /* this rank's coordinates */
     int cp_size, cp_index; /* R U, r U + u */
-    mdt_axis order[3];     /* outermost first */
+    mdt_axis order[MDT_AXIS_COUNT]; /* outermost first */
     int tp_shard_index;    /* = t (or the world rank under the test-only bug switch) */
     /* placement: this rank's host (MPI_Get_processor_name) and its rank among the ranks that
      * share the host's memory (MPI_COMM_TYPE_SHARED: the rank a device is picked with) */
@@ -96,16 +106,20 @@ struct mdt_mesh {
  * rank. */
 mdt_status mdt_mesh_use_comm(mdt_mesh *m, const mdt_device_comm *dc);
 
-/* Parses "tp,ring,ulysses" (any permutation) into order[3]. MDT_E_INVALID naming the bad axis. */
-mdt_status mdt_mesh_parse_order(const char *s, mdt_axis order[3]);
-/* Coordinates of world rank `rank` in a T x R x U mesh with `order` (pure; no MPI). */
-void mdt_mesh_coords(int rank, int T, int R, int U, const mdt_axis order[3], int *t, int *r,
-                     int *u);
+/* Parses "cfg,tp,ring,ulysses" (any permutation; without cfg it is outermost) into order[4].
+ * MDT_E_INVALID naming the bad axis. */
+mdt_status mdt_mesh_parse_order(const char *s, mdt_axis order[MDT_AXIS_COUNT]);
+/* The order as --mesh-order spells it into buf: "tp,ring,ulysses" when cfg is outermost (the
+ * default it implies), else all four axes ("tp,cfg,ring,ulysses"). */
+void mdt_mesh_order_str(const mdt_axis order[MDT_AXIS_COUNT], char *buf, size_t cap);
+/* Coordinates of world rank `rank` in the mesh of `l` (its order parsed into `order`; pure, no
+ * MPI). */
+void mdt_mesh_coords(int rank, const mdt_layout *l, const mdt_axis order[MDT_AXIS_COUNT],
+                     mdt_coords *out);
 
-/* Builds the mesh over `world` (duplicated). Fails (same verdict on every rank) if T R U differs
- * from the world size or a degree is < 1. */
-mdt_status mdt_mesh_create_comm(MPI_Comm world, int T, int R, int U, const char *order,
-                                mdt_mesh **out);
+/* Builds the mesh of `l` over `world` (duplicated). Fails (same verdict on every rank) if the
+ * product of the degrees differs from the world size, a degree is < 1, or cfg > 2. */
+mdt_status mdt_mesh_create_comm(MPI_Comm world, const mdt_layout *l, mdt_mesh **out);
 
 /* Phase-boundary agreement (meshdit.h: mdt_mesh_agree): every rank passes its local status; if
  * any rank failed, every rank returns that failure with the lowest failing rank's message ("rank

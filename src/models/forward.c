@@ -109,7 +109,7 @@ mdt_status mdt_model_check_promise(const mdt_model *m, const mdt_promise *p) {
                         (long long)p->want_kv, axis);
     }
     if (mesh) {
-        const int deg[MDT_GROUP_COUNT] = {mesh->T, R, U, R * U};
+        const int deg[MDT_GROUP_COUNT] = {mesh->T, R, U, mesh->C, R * U};
         for (int g = 0; g < MDT_GROUP_COUNT; g++)
             if (p->owes[g] && mesh->group_bytes[g] == g0[g])
                 return MDT_FAIL(MDT_E_INVALID,

@@ -341,12 +341,14 @@ static mdt_status measure_links(int n, int H, const int64_t big[MDT_COST_KIND_CO
             if (deg < 2)
                 continue;
             /* the probed axis gets `deg`; the rest goes to ring (TP probe) or tp */
-            int dims[3] = {1, 1, 1};
+            int dims[MDT_AXIS_COUNT] = {1, 1, 1, 1};
             dims[k_probe[p].axis] = deg;
             dims[k_probe[p].axis == MDT_AXIS_TP ? MDT_AXIS_RING : MDT_AXIS_TP] = other;
             mdt_mesh *mesh = NULL;
-            MDT_TRY(mdt_mesh_create_world(dims[0], dims[1], dims[2],
-                                          inner ? k_probe[p].inner : k_probe[p].outer, &mesh));
+            const mdt_layout lay = {dims[MDT_AXIS_CFG], dims[MDT_AXIS_TP], dims[MDT_AXIS_RING],
+                                    dims[MDT_AXIS_ULYSSES],
+                                    inner ? k_probe[p].inner : k_probe[p].outer};
+            MDT_TRY(mdt_mesh_create_world(&lay, &mesh));
             mdt_mesh_set_deadline(mesh, 120.0);
             int kind = 0;
             mdt_status st = mdt_mesh_agree(mesh, group_kind(mesh, k_probe[p].group, &kind));
@@ -397,7 +399,8 @@ mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_
     int world = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     mdt_mesh *mesh = NULL;
-    MDT_TRY(mdt_mesh_create_world(1, world, 1, NULL, &mesh)); /* placement and agreement */
+    /* placement and agreement */
+    MDT_TRY(mdt_mesh_create_world(&(mdt_layout){1, 1, world, 1, NULL}, &mesh));
     const int n = mesh->node_size;
     int64_t nmin = n, nmax = -n;
     mdt_status st = mdt_mesh_min_i64(mesh, &nmin, "calibration");

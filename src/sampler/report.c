@@ -20,23 +20,13 @@ const mdt_rank_stats *mdt_run_stats_rank(const mdt_run_stats *s, int i) {
     return i >= 0 && i < s->nranks ? &s->facts[i].pub : NULL;
 }
 
-/* "tp,ring,ulysses": the mesh's order as --mesh-order spells it (the parser takes only that). */
-static void order_str(const mdt_mesh *mesh, char *buf, size_t cap) {
-    static const char *const names[MDT_AXIS_COUNT] = {"tp", "ring", "ulysses"};
-    if (!mesh) {
-        snprintf(buf, cap, "tp,ring,ulysses");
-        return;
-    }
-    snprintf(buf, cap, "%s,%s,%s", names[mesh->order[0]], names[mesh->order[1]],
-             names[mesh->order[2]]);
-}
-
 static void add_rank(cJSON *ranks, const mdt_rank_facts *rf) {
     const mdt_rank_stats *f = &rf->pub;
     cJSON *rk = cJSON_CreateObject();
     cJSON_AddItemToArray(ranks, rk);
     cJSON_AddNumberToObject(rk, "rank", f->rank);
     cJSON *co = cJSON_AddObjectToObject(rk, "coords");
+    cJSON_AddNumberToObject(co, "cfg", f->cfg);
     cJSON_AddNumberToObject(co, "tp", f->tp);
     cJSON_AddNumberToObject(co, "ring", f->ring);
     cJSON_AddNumberToObject(co, "ulysses", f->ulysses);
@@ -67,7 +57,7 @@ static void add_rank(cJSON *ranks, const mdt_rank_facts *rf) {
         cJSON_AddNumberToObject(cb, mdt_coll_kind_name((mdt_coll_kind)k), (double)rf->coll[k]);
     cJSON *ga = cJSON_AddObjectToObject(rk, "bytes_sent_per_step_by_axis");
     const int64_t axis[MDT_GROUP_COUNT] = {f->bytes_tp, f->bytes_ring, f->bytes_ulysses,
-                                           f->bytes_cp};
+                                           f->bytes_cfg, f->bytes_cp};
     for (int g = 0; g < MDT_GROUP_COUNT; g++)
         cJSON_AddNumberToObject(ga, mdt_group_name((mdt_group)g), (double)axis[g]);
     cJSON *rg = cJSON_AddObjectToObject(rk, "ring_per_step");
@@ -80,12 +70,14 @@ mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, doubl
                                char **json) {
     *json = NULL;
     const mdt_mesh *mesh = m->mesh;
-    char order[64];
-    order_str(mesh, order, sizeof order);
+    char order[64] = "tp,ring,ulysses";
+    if (mesh)
+        mdt_mesh_order_str(mesh->order, order, sizeof order);
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "model", m->fam->name);
     cJSON_AddNumberToObject(r, "world", mesh ? mesh->world_size : 1);
     cJSON *lay = cJSON_AddObjectToObject(r, "layout");
+    cJSON_AddNumberToObject(lay, "cfg", mesh ? mesh->C : 1);
     cJSON_AddNumberToObject(lay, "tp", mesh ? mesh->T : 1);
     cJSON_AddNumberToObject(lay, "ring", mesh ? mesh->R : 1);
     cJSON_AddNumberToObject(lay, "ulysses", mesh ? mesh->U : 1);

@@ -31,6 +31,7 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     mdt_rank_facts mine = {0};
     const int64_t heads = mdt_model_dims_of(m).heads;
     mine.pub = (mdt_rank_stats){.rank = mesh ? mesh->world_rank : 0,
+                                .cfg = mesh ? mesh->c : 0,
                                 .tp = mesh ? mesh->t : 0,
                                 .ring = mesh ? mesh->r : 0,
                                 .ulysses = mesh ? mesh->u : 0,
@@ -54,6 +55,7 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
                                 .bytes_tp = group[MDT_GROUP_TP],
                                 .bytes_ring = group[MDT_GROUP_RING],
                                 .bytes_ulysses = group[MDT_GROUP_ULYSSES],
+                                .bytes_cfg = group[MDT_GROUP_CFG],
                                 .bytes_cp = group[MDT_GROUP_CP],
                                 .ring_compute_s = per->ring_compute_s,
                                 .ring_wait_s = per->ring_wait_s,

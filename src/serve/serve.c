@@ -208,10 +208,6 @@ static mdt_status drain_notes(serve_ctx *c) {
 
 /* ---- the operations, run on every rank ---- */
 
-static const char *axis_name(mdt_axis a) {
-    return a == MDT_AXIS_TP ? "tp" : a == MDT_AXIS_RING ? "ring" : "ulysses";
-}
-
 static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned char **reply,
                           size_t *rn) {
     int64_t wb = mdt_model_weight_bytes(c->m);
@@ -237,8 +233,7 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     snprintf(tp, sizeof tp, "%d", T), snprintf(ring, sizeof ring, "%d", R);
     snprintf(uly, sizeof uly, "%d", U), snprintf(world, sizeof world, "%d", c->world);
     if (c->mesh)
-        snprintf(order, sizeof order, "%s,%s,%s", axis_name(c->mesh->order[0]),
-                 axis_name(c->mesh->order[1]), axis_name(c->mesh->order[2]));
+        mdt_mesh_order_str(c->mesh->order, order, sizeof order);
     else
         snprintf(order, sizeof order, "tp,ring,ulysses");
     snprintf(ms, sizeof ms, "%d", c->p->max_sessions);

@@ -35,7 +35,7 @@ int main(int argc, char **argv) {
     char src[512], dir[256] = "/tmp/mdt_damaged_XXXXXX", cmd[2048];
     snprintf(src, sizeof src, "%s/flux_guidance", argv[1]);
     mdt_mesh *mesh = NULL;
-    EXPECT_OK(mdt_mesh_create_comm(MPI_COMM_WORLD, 2, 1, 1, NULL, &mesh));
+    EXPECT_OK(mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, 2, 1, 1, NULL}, &mesh));
     mdt_load_params lp = mdt_load_params_default();
     mdt_model *m = NULL;
     lp.checkpoint_dir = src, lp.mesh = mesh;

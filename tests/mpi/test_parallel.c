@@ -312,7 +312,7 @@ static void check_balance(mdt_mesh *mesh) {
             EXPECT(fabs(mine[k] - sum[k] / g_size) <= 0.02 * sum[k] / g_size,
                    "rank %d: %s FLOPs %.4g vs total/world %.4g", g_rank, k ? "attention" : "linear",
                    mine[k], sum[k] / g_size);
-        const int deg[MDT_GROUP_COUNT] = {mesh->T, mesh->R, mesh->U, mesh->cp_size};
+        const int deg[MDT_GROUP_COUNT] = {mesh->T, mesh->R, mesh->U, mesh->C, mesh->cp_size};
         for (int g = 0; g < MDT_GROUP_COUNT; g++)
             EXPECT(deg[g] == 1 || mesh->group_bytes[g] > g0[g], "rank %d: no bytes on the %s group",
                    g_rank, mdt_group_name((mdt_group)g));
@@ -359,7 +359,7 @@ int main(int argc, char **argv) {
            "MESHDIT_CPU_GEMM=%s, running %s", gemm ? gemm : "", mdt_cpu_gemm());
     if (g_bf16)
         EXPECT_OK(mdt_backend_select(MDT_BACKEND_CPU, 0, 1));
-    EXPECT_OK(mdt_mesh_create_comm(MPI_COMM_WORLD, T, R, U, argv[5], &mesh));
+    EXPECT_OK(mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, T, R, U, argv[5]}, &mesh));
     if (cuda && mesh) {
         mdt_status st = mdt_mesh_agree(mesh, mdt_backend_select(MDT_BACKEND_CUDA, 0, 0));
         EXPECT(st == MDT_OK, "CUDA backend: %s", mdt_last_error());
@@ -367,12 +367,14 @@ int main(int argc, char **argv) {
             mdt_mesh_free(mesh), mesh = NULL;
     }
     if (mesh) { /* every sub-communicator position is the mesh coordinate */
-        int rt, rr, ru, rc, st, sr, su, sc, t, r, u;
+        int rt, rr, ru, rc, st, sr, su, sc;
         MPI_Comm_rank(mesh->tp, &rt), MPI_Comm_size(mesh->tp, &st);
         MPI_Comm_rank(mesh->ring, &rr), MPI_Comm_size(mesh->ring, &sr);
         MPI_Comm_rank(mesh->ulysses, &ru), MPI_Comm_size(mesh->ulysses, &su);
         MPI_Comm_rank(mesh->cp, &rc), MPI_Comm_size(mesh->cp, &sc);
-        mdt_mesh_coords(g_rank, T, R, U, mesh->order, &t, &r, &u);
+        mdt_coords co;
+        mdt_mesh_coords(g_rank, &(mdt_layout){1, T, R, U, argv[5]}, mesh->order, &co);
+        const int t = co.tp, r = co.ring, u = co.ulysses;
         EXPECT(rt == mesh->t && rr == mesh->r && ru == mesh->u && rc == r * U + u && t == mesh->t,
                "rank %d: group positions %d %d %d %d vs coords %d %d %d", g_rank, rt, rr, ru, rc,
                mesh->t, mesh->r, mesh->u);

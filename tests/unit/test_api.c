@@ -280,10 +280,17 @@ static void test_small(void) {
                mdt_size_parse("x") == -1,
            "sizes");
     EXPECT_ERR(mdt_error_set(MDT_E_IO, "injected %d", 7), MDT_E_IO, "injected 7");
-    int t, r, u;
-    EXPECT_OK(mdt_mesh_coords_of("ulysses,tp,ring", 5, 2, 2, 2, &t, &r, &u));
-    EXPECT(t == 0 && r == 1 && u == 1, "coords %d %d %d", t, r, u);
-    EXPECT_ERR(mdt_mesh_coords_of("tp,tp", 0, 1, 1, 1, &t, &r, &u), MDT_E_INVALID, "twice");
+    mdt_coords co;
+    EXPECT_OK(mdt_mesh_coords_of(&(mdt_layout){1, 2, 2, 2, "ulysses,tp,ring"}, 5, &co));
+    EXPECT(co.tp == 0 && co.ring == 1 && co.ulysses == 1 && co.cfg == 0, "coords %d %d %d",
+           co.tp, co.ring, co.ulysses);
+    /* cfg outermost unless the order says otherwise: rank 9 of cfg 2 x tp 2 x ring 2 x uly 2 */
+    EXPECT_OK(mdt_mesh_coords_of(&(mdt_layout){2, 2, 2, 2, "ulysses,tp,ring"}, 9, &co));
+    EXPECT(co.cfg == 1 && co.tp == 0 && co.ring == 1 && co.ulysses == 0, "cfg outermost");
+    EXPECT_OK(mdt_mesh_coords_of(&(mdt_layout){2, 2, 1, 1, "tp,cfg,ring,ulysses"}, 1, &co));
+    EXPECT(co.cfg == 1 && co.tp == 0, "cfg inside tp");
+    EXPECT_ERR(mdt_mesh_coords_of(&(mdt_layout){1, 1, 1, 1, "tp,tp"}, 0, &co), MDT_E_INVALID,
+               "twice");
     EXPECT(mdt_family_exists("flux") && mdt_family_has_preset("minimax-h3", "tiny") &&
                !mdt_family_has_preset("flux", "huge"),
            "families");
