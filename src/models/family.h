@@ -82,6 +82,23 @@ typedef struct mdt_model_dims {
     int64_t self_attn, cross_attn, text_attn;
 } mdt_model_dims;
 
+/* One input a forward takes, under diffusers' argument name. */
+enum {
+    MDT_IN_BATCH = 1,  /* dim 0 is the batch: the cfg axis may split it between its groups */
+    MDT_IN_BRANCH = 2, /* a guided step's unconditional branch has its own (negative_NAME) */
+};
+typedef struct mdt_input_decl {
+    const char *name;
+    unsigned flags;
+} mdt_input_decl;
+
+/* How a guided step combines its branches' predictions v_c (conditional) and v_u, scale s: the
+ * family's diffusers pipeline formula. */
+typedef enum mdt_cfg_rule {
+    MDT_CFG_PLAIN = 0, /* v = v_u + s (v_c - v_u)  (Flux true CFG, Flux.2, Wan) */
+    MDT_CFG_RESCALED, /* the same, then each token's vector rescaled to |v_c|'s norm (Qwen-Image) */
+} mdt_cfg_rule;
+
 typedef struct mdt_family {
     const char *name;       /* "flux" */
     const char *class_name; /* diffusers _class_name */
@@ -106,20 +123,26 @@ typedef struct mdt_family {
     int64_t (*token_rows)(const void *impl, const mdt_tensor_set *in);
     const char *output; /* forward output (Flux: sample) */
     void (*dims)(const void *impl, mdt_model_dims *d);
+    /* The inputs a forward of this configuration takes, NULL-terminated: any other name is
+     * refused (a misspelt or unused input is never silently ignored). */
+    const mdt_input_decl *(*inputs)(const void *impl);
+    mdt_cfg_rule cfg_rule;
 } mdt_family;
 
-/* A family's descriptor, from its hooks PREFIX_configure, PREFIX_check_layout, PREFIX_forward and
- * PREFIX_make_inputs, its private state type PREFIX, its CP plan and its forward output; the
- * sampler integrates "hidden_states" with the sigma in "timestep" (diffusers' argument names).
- * A family with a timestep scale or token_rows hook writes its descriptor out (wan.c). */
+/* A family's descriptor, from its hooks PREFIX_configure, PREFIX_check_layout, PREFIX_forward,
+ * PREFIX_make_inputs, PREFIX_dims and PREFIX_inputs, its private state type PREFIX, its CP plan
+ * and its forward output; the sampler integrates "hidden_states" with the sigma in "timestep"
+ * (diffusers' argument names) and a guided step combines plainly. Another rule or a hook more:
+ * {MDT_FAMILY_FIELDS(...), .cfg_rule = ...} (qwenimage.c), or the descriptor written out (wan.c).
+ */
+#define MDT_FAMILY_FIELDS(PREFIX, NAME, CLASS, PLAN, OUTPUT)                                       \
+    .name = NAME, .class_name = CLASS, .impl_size = sizeof(PREFIX),                                \
+    .configure = PREFIX##_configure, .check_layout = PREFIX##_check_layout,                        \
+    .forward = PREFIX##_forward, .make_inputs = PREFIX##_make_inputs, .cp_plan = &PLAN,            \
+    .latent_input = "hidden_states", .timestep_input = "timestep", .output = OUTPUT,               \
+    .dims = PREFIX##_dims, .inputs = PREFIX##_inputs
 #define MDT_FAMILY(PREFIX, NAME, CLASS, PLAN, OUTPUT)                                              \
-    {                                                                                              \
-        .name = NAME, .class_name = CLASS, .impl_size = sizeof(PREFIX),                            \
-        .configure = PREFIX##_configure, .check_layout = PREFIX##_check_layout,                    \
-        .forward = PREFIX##_forward, .make_inputs = PREFIX##_make_inputs, .cp_plan = &PLAN,        \
-        .latent_input = "hidden_states", .timestep_input = "timestep", .output = OUTPUT,           \
-        .dims = PREFIX##_dims                                                                      \
-    }
+    { MDT_FAMILY_FIELDS(PREFIX, NAME, CLASS, PLAN, OUTPUT) }
 
 /* A built-in config.json (configs/presets/FAMILY.NAME.json, embedded at build time). */
 typedef struct mdt_preset {

@@ -187,6 +187,19 @@ static mdt_status flux2_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     return flux2_table(f, t);
 }
 
+/* Flux2Transformer2DModel.forward's tensors; guidance only with a guidance embedder (diffusers
+ * ignores it without one: here it is refused, so it is never silently unused) */
+#define FLUX2_INPUTS                                                                               \
+    {"hidden_states", MDT_IN_BATCH}, {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},      \
+        {"timestep", MDT_IN_BATCH}, {"img_ids", 0}, {                                              \
+        "txt_ids", MDT_IN_BRANCH                                                                   \
+    }
+static const mdt_input_decl *flux2_inputs(const void *impl) {
+    static const mdt_input_decl plain[] = {FLUX2_INPUTS, {NULL, 0}};
+    static const mdt_input_decl guided[] = {FLUX2_INPUTS, {"guidance", MDT_IN_BATCH}, {NULL, 0}};
+    return ((const flux2 *)impl)->guidance ? guided : plain;
+}
+
 static mdt_status flux2_check_layout(const void *impl, int T, int R, int U) {
     const flux2 *f = impl;
     (void)R, (void)U;

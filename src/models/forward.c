@@ -49,6 +49,30 @@ static mdt_status check_finite(const mdt_model *m, const mdt_tensor_set *outputs
     return MDT_OK;
 }
 
+const mdt_input_decl *mdt_model_input(const mdt_model *m, const char *name) {
+    for (const mdt_input_decl *d = m->fam->inputs(m->impl); d->name; d++)
+        if (strcmp(d->name, name) == 0)
+            return d;
+    return NULL;
+}
+
+/* Every input is one the family's forward takes: a misspelt or unused one is an error. */
+static mdt_status check_input_names(const mdt_model *m, const mdt_tensor_set *in) {
+    for (int i = 0; i < mdt_tensor_set_count(in); i++) {
+        const char *name;
+        mdt_tensor_set_at(in, i, &name);
+        if (mdt_model_input(m, name))
+            continue;
+        char shown[MDT_ESC_NAME], takes[512] = "";
+        size_t n = 0;
+        for (const mdt_input_decl *d = m->fam->inputs(m->impl); d->name && n < sizeof takes; d++)
+            n += (size_t)snprintf(takes + n, sizeof takes - n, "%s%s", n ? ", " : "", d->name);
+        return MDT_FAIL(MDT_E_INVALID, "inputs: unknown tensor '%s' (%s takes %s)",
+                        mdt_escape(name, shown, sizeof shown), m->fam->class_name, takes);
+    }
+    return MDT_OK;
+}
+
 mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_tensor_set *outputs) {
     mdt_status st;
     if (!m->weights && !m->on_device)
@@ -64,7 +88,9 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
     m->arena.src = mdt_backend_mem();       /* activations where the weights are */
     m->harena.src = mdt_backend_host_mem(); /* page-locked staging for the uploads */
     m->nan_elem = -1, m->nan_stage[0] = '\0';
-    st = mdt_arena_reset(&m->arena);
+    st = check_input_names(m, inputs);
+    if (st == MDT_OK)
+        st = mdt_arena_reset(&m->arena);
     if (st == MDT_OK)
         st = mdt_arena_reset(&m->harena);
     m->fwd_c0 = *mdt_counters_get(); /* the no-silent-degrade check compares against these */

@@ -154,6 +154,24 @@ static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
                                  1);
 }
 
+/* MiniMaxH3Transformer3DModel.forward's tensors: the packed sequence's per-row inputs and the
+ * modality indices (its pipeline does not guide, and a batch is one packed sequence) */
+static const mdt_input_decl *h3_inputs(const void *impl) {
+    static const mdt_input_decl k[] = {{"hidden_states", 0},
+                                       {"audio_hidden_states", 0},
+                                       {"encoder_hidden_states", 0},
+                                       {"timestep", 0},
+                                       {"timestep_indices", 0},
+                                       {"token_tags", 0},
+                                       {"position_ids", 0},
+                                       {"video_indices", 0},
+                                       {"audio_indices", 0},
+                                       {"text_indices", 0},
+                                       {NULL, 0}};
+    (void)impl;
+    return k;
+}
+
 static mdt_status h3_check_layout(const void *impl, int T, int R, int U) {
     const h3 *f = impl;
     (void)R, (void)U;

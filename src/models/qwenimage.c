@@ -154,6 +154,18 @@ static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     return qwen_table(f, t);
 }
 
+/* QwenImageTransformer2DModel.forward's tensors (img_shapes as int64 [B, n, 3] or [B, 3]) */
+static const mdt_input_decl *qwen_inputs(const void *impl) {
+    static const mdt_input_decl k[] = {{"hidden_states", MDT_IN_BATCH},
+                                       {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},
+                                       {"encoder_hidden_states_mask", MDT_IN_BATCH | MDT_IN_BRANCH},
+                                       {"timestep", MDT_IN_BATCH},
+                                       {"img_shapes", MDT_IN_BATCH},
+                                       {NULL, 0}};
+    (void)impl;
+    return k;
+}
+
 static mdt_status qwen_check_layout(const void *impl, int T, int R, int U) {
     (void)R, (void)U;
     return mdt_dit_check_heads(((const qwen *)impl)->heads, T);
@@ -482,5 +494,7 @@ static mdt_status qwen_make_inputs(const void *impl, const mdt_inputs_params *p,
     return MDT_OK;
 }
 
-const mdt_family mdt_family_qwenimage =
-    MDT_FAMILY(qwen, "qwenimage", "QwenImageTransformer2DModel", k_qwen_cp_plan, "sample");
+/* QwenImagePipeline's true CFG rescales the combined prediction to the conditional one's norm */
+const mdt_family mdt_family_qwenimage = {
+    MDT_FAMILY_FIELDS(qwen, "qwenimage", "QwenImageTransformer2DModel", k_qwen_cp_plan, "sample"),
+    .cfg_rule = MDT_CFG_RESCALED};

@@ -217,6 +217,18 @@ static mdt_status wan_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     return wan_table(f, t);
 }
 
+/* WanTransformer3DModel.forward's tensors; the image embedding only for I2V (image_dim > 0) */
+#define WAN_INPUTS                                                                                 \
+    {"hidden_states", MDT_IN_BATCH}, {"timestep", MDT_IN_BATCH}, {                                 \
+        "encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH                                      \
+    }
+static const mdt_input_decl *wan_inputs(const void *impl) {
+    static const mdt_input_decl t2v[] = {WAN_INPUTS, {NULL, 0}};
+    static const mdt_input_decl i2v[] = {
+        WAN_INPUTS, {"encoder_hidden_states_image", MDT_IN_BATCH}, {NULL, 0}};
+    return ((const wan *)impl)->image_dim > 0 ? i2v : t2v;
+}
+
 static mdt_status wan_check_layout(const void *impl, int T, int R, int U) {
     (void)R, (void)U; /* the sharded widths are heads x head_dim: heads % T covers them */
     return mdt_dit_check_heads(((const wan *)impl)->heads, T);
@@ -583,4 +595,5 @@ const mdt_family mdt_family_wan = {
     .timestep_scale = 1000.0,
     .token_rows = wan_token_rows,
     .dims = wan_dims,
+    .inputs = wan_inputs,
 };

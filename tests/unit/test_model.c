@@ -238,9 +238,47 @@ static void check_weight_rows(void) {
     }
 }
 
+/* An input the family's forward does not take is an error naming it, never ignored: a misspelt
+ * name, guidance without a guidance embedding, Flux's pooled projections on Flux.2, a misspelt
+ * Qwen-Image mask. The golden inputs themselves pass. */
+static void check_unknown_inputs(void) {
+    static const struct {
+        const char *dir, *extra;
+    } cases[] = {{"flux_guidance", "guidence"},
+                 {"flux_tiny", "guidance"},
+                 {"flux2_tiny", "pooled_projections"},
+                 {"qwenimage_mask", "encoder_hidden_state_mask"},
+                 {"wan_tiny", "encoder_hidden_states_image"},
+                 {"h3_tiny", "negative_encoder_hidden_states"}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char dir[256], p[300];
+        snprintf(dir, sizeof dir, "tests/data/%s", cases[i].dir);
+        snprintf(p, sizeof p, "%s/inputs.safetensors", dir);
+        mdt_load_params lp = mdt_load_params_default();
+        lp.checkpoint_dir = dir;
+        mdt_model *m = NULL;
+        mdt_tensor_set *in = NULL, *out = NULL;
+        EXPECT_OK(mdt_model_load(&lp, &m));
+        EXPECT_OK(mdt_tensor_set_load(p, &in));
+        mdt_tensor_set_create(&out);
+        if (!m || !in || !out)
+            continue;
+        EXPECT_OK(mdt_model_forward(m, in, out));
+        mdt_tensor_set_free(out);
+        mdt_tensor_set_create(&out);
+        EXPECT_OK(mdt_tensor_set_add(in, cases[i].extra, MDT_F32, 1, (int64_t[]){1}, NULL));
+        EXPECT_ERR(mdt_model_forward(m, in, out), MDT_E_INVALID, "unknown tensor", cases[i].extra,
+                   "takes");
+        EXPECT(mdt_tensor_set_count(out) == 0, "%s: no output on a refused input", dir);
+        mdt_tensor_set_free(in), mdt_tensor_set_free(out);
+        mdt_model_free(m);
+    }
+}
+
 int main(void) {
     check_presets();
     check_weight_rows();
+    check_unknown_inputs();
     snprintf(g_dir, sizeof g_dir, "/tmp/mdt_test_model_XXXXXX");
     if (!mkdtemp(g_dir))
         return 1;
