@@ -18,6 +18,7 @@ Needs torch and diffusers (the rest of the package does not).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -192,7 +193,7 @@ class Transformer(ModelMixin):
                         torch_dtype: torch.dtype | None = None, sessions: bool = True,
                         timeout: float | None = None, subfolder: str | None = None,
                         revision: str | None = None, cache_dir: str | None = None,
-                        **options) -> "Transformer":
+                        resume: bool | dict = False, **options) -> "Transformer":
         """Starts ``meshdit serve`` on `checkpoint` with the given layout and connects.
 
         checkpoint: a diffusers transformer directory, or a Hub id (``ORG/NAME``, with
@@ -205,7 +206,8 @@ class Transformer(ModelMixin):
         from_pretrained passes: device_map=None, variant=None, low_cpu_mem_usage, ...); another
         value of those raises NotImplementedError naming it. timeout: seconds a forward may take
         (None: no bound; the server process is watched, so a server that dies ends the wait
-        with its error line)."""
+        with its error line). resume: True or options: a forward whose server job ends (a lost
+        rank) relaunches the job and is redone (meshdit/_resume.py)."""
         if isinstance(dtype, torch.dtype):  # diffusers' `dtype=torch.bfloat16` spelling
             mesh = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype)
             if mesh is None:
@@ -228,12 +230,17 @@ class Transformer(ModelMixin):
                 raise TypeError(f"meshdit: from_pretrained() got an unexpected keyword argument "
                                 f"'{k}'")
         checkpoint = _resolve(checkpoint, subfolder, revision, cache_dir)
-        server = Server(checkpoint, tp=tp, ring=ring, ulysses=ulysses, mesh_order=mesh_order,
-                        device=device, dtype=dtype, launcher=launcher, binary=binary,
-                        timeout=timeout, **serve)
+        start = functools.partial(Server, checkpoint, tp=tp, ring=ring, ulysses=ulysses,
+                                  mesh_order=mesh_order, device=device, dtype=dtype,
+                                  launcher=launcher, binary=binary, timeout=timeout, **serve)
+        server = start()
         try:
-            return cls._attach(server.client, server, torch_dtype or torch.float32, sessions,
-                               checkpoint)
+            t = cls._attach(server.client, server, torch_dtype or torch.float32, sessions,
+                            checkpoint)
+            if resume:
+                from . import _resume
+                _resume.enable(t, start, resume)
+            return t
         except BaseException:
             server.close()
             raise
