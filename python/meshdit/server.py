@@ -27,14 +27,35 @@ from .client import Client, MeshditError
 _LAYOUT = ("tp", "ring", "ulysses")
 
 
+def _is_python_command(path: str) -> bool:
+    """The `meshdit` console script of this package (pip writes `from meshdit.__main__ import
+    main` into it), which shares the C binary's name."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1024)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and b"meshdit.__main__" in head
+
+
 def find_binary(binary: str | None = None) -> str:
-    """The meshdit executable: `binary`, else $MESHDIT_BIN, else `meshdit` on PATH."""
-    cand = binary or os.environ.get("MESHDIT_BIN") or shutil.which("meshdit")
+    """The meshdit executable: `binary`, else $MESHDIT_BIN, else the first `meshdit` on PATH that
+    is not this package's Python command."""
+    cand = binary or os.environ.get("MESHDIT_BIN")
+    if not cand:
+        for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
+            found = shutil.which("meshdit", path=d or ".")
+            if found and not _is_python_command(found):
+                cand = found
+                break
     if not cand:
         raise MeshditError("meshdit: no meshdit executable: pass binary=PATH, set MESHDIT_BIN, or "
                            "put meshdit on PATH (it is build/meshdit after `make`)")
     if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
         raise MeshditError(f"meshdit: '{cand}' is not an executable file")
+    if _is_python_command(cand):
+        raise MeshditError(f"meshdit: '{cand}' is the Python meshdit command, not the C binary "
+                           f"(build/meshdit after `make`)")
     return os.path.abspath(cand)
 
 

@@ -457,15 +457,19 @@ def test_pyproject_and_readme_agree_with_the_imports():
     pkg = os.path.join(ROOT, "python")
     with open(os.path.join(pkg, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
-    dist = {"zmq": "pyzmq"}  # import name -> distribution name
+    dist = {"zmq": "pyzmq", "starlette": "fastapi"}  # import name -> distribution name
     name = lambda req: re.split(r"[<>=!~ \[]", req, maxsplit=1)[0]  # noqa: E731
     required = {name(r) for r in project["dependencies"]}
     extra = {name(r) for r in project["optional-dependencies"]["diffusers"]}
     files = [os.path.join(pkg, "meshdit", f) for f in os.listdir(os.path.join(pkg, "meshdit")) if f.endswith(".py")]
-    core = {dist.get(m, m) for f in files if not f.endswith("transformer.py") for m in _imports(f)}
+    serving = [f for f in files if os.path.basename(f) in ("generate.py", "api.py")]  # the [serve] extra
+    core = {dist.get(m, m) for f in files if not f.endswith("transformer.py") and f not in serving
+            for m in _imports(f)}
     dropin = {dist.get(m, m) for m in _imports(os.path.join(pkg, "meshdit", "transformer.py"))}
     assert required == core
     assert extra == dropin - core
+    served = {dist.get(m, m) for f in serving for m in _imports(f)}
+    assert served - core <= {name(r) for r in project["optional-dependencies"]["serve"]}
     with open(os.path.join(pkg, "README.md")) as f:
         lines = [ln for ln in f.read().splitlines() if ln.startswith("pip install ")]
     said = [set(re.split(r"[,\s]+", ln.split(":", 1)[1].strip())) for ln in lines]

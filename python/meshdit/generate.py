@@ -1,0 +1,667 @@
+"""`meshdit generate`: a prompt in, a PNG or MP4 out, with the transformer on a meshdit mesh.
+
+The `Engine` here is what both `meshdit generate` and `meshdit api` run: one diffusers pipeline
+(its class from the folder's ``model_index.json``) whose transformer is a `meshdit.Transformer`
+on the mesh, and a `run(Request)` that maps the request's family-neutral fields (prompt,
+negative prompt, steps, guidance, size, frames, seed, n) onto the pipeline's own arguments,
+reports every step (`on_event`), can stop between two steps (`cancel`), and can decode a preview
+of the predicted final image every K steps (x0 = x_t - sigma * v, flow matching).
+
+Needs torch and diffusers (``pip install 'meshdit[serve]'``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import secrets
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+from .client import MeshditError
+
+# ---- the pipelines meshdit generates with -------------------------------------------------------
+# kind: what it makes; guidance: how `--guidance` (and `--true-cfg`, `--negative-prompt`) map onto
+# the pipeline's arguments (see _guidance_kwargs and docs/service.md).
+PIPELINES = {
+    "FluxPipeline": "image",
+    "Flux2Pipeline": "image",
+    "Flux2KleinPipeline": "image",
+    "QwenImagePipeline": "image",
+    "WanPipeline": "video",
+}
+
+
+class RequestError(ValueError):
+    """A request the engine refuses: `param` names the field, the message the constraint."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class Cancelled(Exception):
+    """Raised between two steps when a job's cancel flag is set."""
+
+
+@dataclasses.dataclass
+class Request:
+    """What to generate. None means the pipeline's default (reported in the Result)."""
+
+    prompt: str
+    negative_prompt: str | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    true_cfg: float | None = None  # FluxPipeline with guidance embeddings only (true CFG on top)
+    width: int | None = None
+    height: int | None = None
+    frames: int | None = None  # video pipelines only
+    fps: int = 16  # video pipelines only: the MP4's frame rate
+    seed: int | None = None  # None: a random seed, reported
+    n: int = 1  # images: one batch of n, image k from seed + k
+    max_sequence_length: int | None = None
+    preview_every: int = 0  # 0: no previews
+
+
+@dataclasses.dataclass
+class Result:
+    kind: str  # "image" or "video"
+    images: list  # PIL images (image pipelines)
+    frames: Any  # numpy [F, H, W, 3] float in [0, 1] (video pipelines), else None
+    fps: int
+    seeds: list
+    width: int
+    height: int
+    steps: int
+    pipeline_kwargs: dict  # what the pipeline was called with (no tensors)
+    seconds: float  # the pipeline call
+    step_seconds: list  # per denoising step
+    resumes: list  # lost ranks recovered during this run (meshdit/_resume.py)
+
+
+# ---- finding the model ---------------------------------------------------------------------------
+def resolve_model(model: str) -> str:
+    """A diffusers pipeline folder: `model` itself, or a hub id found in the local Hugging Face
+    cache. Never downloads."""
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "model_index.json")):
+            raise MeshditError(f"meshdit: '{model}' has no model_index.json: --model takes a "
+                               f"diffusers pipeline folder (with transformer/, vae/, ...)")
+        return os.path.abspath(model)
+    parts = model.split("/")
+    if len(parts) != 2 or not all(parts) or os.sep in model.replace("/", "") or model.startswith("."):
+        raise MeshditError(f"meshdit: --model '{model}' is neither a folder nor a hub id "
+                           f"(ORG/NAME)")
+    try:
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(model, local_files_only=True)
+    except Exception:  # not cached (LocalEntryNotFoundError), or no huggingface_hub
+        raise MeshditError(f"meshdit: '{model}' is not in the local Hugging Face cache: download "
+                           f"it first (hf download {model}) or pass its folder") from None
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        raise MeshditError(f"meshdit: the cached '{model}' ({path}) has no model_index.json: it "
+                           f"is not a diffusers pipeline")
+    return path
+
+
+def read_model_index(root: str) -> dict:
+    with open(os.path.join(root, "model_index.json")) as f:
+        index = json.load(f)
+    name = index.get("_class_name")
+    if name not in PIPELINES:
+        raise MeshditError(f"meshdit: {root}: pipeline class '{name}' is not one meshdit "
+                           f"generates with ({', '.join(PIPELINES)})")
+    for key, val in index.items():
+        if key.startswith("transformer") and key != "transformer" and val and val[0] is not None:
+            raise MeshditError(f"meshdit: {root}: the pipeline has a second transformer "
+                               f"('{key}', Wan 2.2 A14B style), which meshdit generate does not run yet")
+    if not os.path.isdir(os.path.join(root, "transformer")):
+        raise MeshditError(f"meshdit: {root} has no transformer/ folder")
+    return index
+
+
+def _quiet_loading_bars() -> None:
+    """diffusers' and transformers' own loading bars off: the engine prints its load lines."""
+    from diffusers.utils import logging as dlog
+    dlog.disable_progress_bar()
+    try:
+        from transformers.utils import logging as tlog
+        tlog.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _torch_dtype(name: str):
+    import torch
+    table = {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "f16": torch.float16}
+    if name not in table:
+        raise MeshditError(f"meshdit: --pipeline-dtype '{name}': one of float32, bfloat16, float16")
+    return table[name]
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+class Engine:
+    """One pipeline resident, its transformer on the mesh. `log(line)` gets the load's lines.
+
+    Mesh options are `meshdit.Transformer.from_pretrained`'s (tp, ring, ulysses, mesh_order,
+    device, dtype, binary, launcher, step_timeout, max_memory, resume, env); pipeline_device and
+    pipeline_dtype place the rest of the pipeline (text encoders, VAE) in this process.
+    """
+
+    def __init__(self, model: str, *, pipeline_device: str = "cpu",
+                 pipeline_dtype: str = "float32", log: Callable[[str], None] = print,
+                 resume: bool | dict = True, **mesh):
+        import diffusers
+        import torch
+        from diffusers.utils import logging as dlog
+
+        import meshdit
+        self.model = model
+        self.root = resolve_model(model)
+        self.index = read_model_index(self.root)
+        self.class_name = self.index["_class_name"]
+        self.kind = PIPELINES[self.class_name]
+        self.log = log
+        self._lock = threading.Lock()  # one generation at a time
+        layout = {k: int(mesh.get(k) or 1) for k in ("tp", "ring", "ulysses")}
+        world = layout["tp"] * layout["ring"] * layout["ulysses"]
+        log(f"meshdit: {self.class_name} from {self.root}")
+        t0 = time.perf_counter()
+        log(f"loading the transformer on {world} rank{'s' if world > 1 else ''} "
+            f"(tp {layout['tp']} x ring {layout['ring']} x ulysses {layout['ulysses']}) ...")
+        self.transformer = meshdit.Transformer.from_pretrained(
+            os.path.join(self.root, "transformer"), resume=resume,
+            **{k: v for k, v in mesh.items() if v is not None})
+        try:
+            self.load_seconds = {"transformer": time.perf_counter() - t0}
+            log(plan_line(self.transformer.info) +
+                f"; loaded in {self.load_seconds['transformer']:.2f} s")
+            t1 = time.perf_counter()
+            others = [k for k, v in self.index.items()
+                      if not k.startswith("_") and k != "transformer" and v and v[0] is not None]
+            log(f"loading {', '.join(others)} in this process ({pipeline_device}, {pipeline_dtype}) ...")
+            cls = getattr(diffusers, self.class_name)
+            level = dlog.get_verbosity()
+            dlog.set_verbosity_error()  # "Expected types for transformer", accelerate's advice
+            _quiet_loading_bars()
+            try:
+                self.pipe = cls.from_pretrained(self.root, transformer=self.transformer,
+                                                dtype=_torch_dtype(pipeline_dtype))
+            finally:
+                dlog.set_verbosity(level)
+            self.pipe.set_progress_bar_config(disable=True)
+            self.pipe.to(pipeline_device)
+            self.device = torch.device(pipeline_device)
+            self.load_seconds["pipeline"] = time.perf_counter() - t1
+            log(f"pipeline ready in {self.load_seconds['pipeline']:.2f} s")
+        except BaseException:
+            self.transformer.close()
+            raise
+        self._sig = inspect.signature(type(self.pipe).__call__).parameters
+        self.defaults = self._defaults()
+
+    # -- what the pipeline takes ------------------------------------------------------------------
+    def _defaults(self) -> dict:
+        p, pipe = self._sig, self.pipe
+
+        def default(name, fallback=None):
+            v = p[name].default if name in p else inspect.Parameter.empty
+            return fallback if v in (inspect.Parameter.empty, None) else v
+        if self.kind == "video":
+            mult = pipe.vae_scale_factor_spatial * int(pipe.transformer.config.patch_size[1])
+            size = (default("width", 832), default("height", 480))
+            tmult = pipe.vae_scale_factor_temporal
+        else:
+            mult = pipe.vae_scale_factor * 2
+            side = getattr(pipe, "default_sample_size", 128) * pipe.vae_scale_factor
+            size = (default("width", side), default("height", side))
+            tmult = None
+        return {"steps": default("num_inference_steps", 50), "width": size[0], "height": size[1],
+                "multiple": mult, "frames": default("num_frames", 81) if self.kind == "video" else None,
+                "frame_multiple": tmult,
+                "max_sequence_length": default("max_sequence_length", 512)}
+
+    def check(self, req: Request, *, max_pixels: int | None = None, max_frames: int | None = None,
+              max_steps: int | None = None, max_n: int | None = None) -> Request:
+        """The request with the pipeline's defaults filled in, or RequestError naming the field."""
+        d = self.defaults
+        r = dataclasses.replace(req)
+        if not isinstance(r.prompt, str) or not r.prompt.strip():
+            raise RequestError("prompt", "prompt must be a non-empty string")
+        if r.negative_prompt is not None and not isinstance(r.negative_prompt, str):
+            raise RequestError("negative_prompt", "negative_prompt must be a string")
+        r.steps = d["steps"] if r.steps is None else r.steps
+        r.width = d["width"] if r.width is None else r.width
+        r.height = d["height"] if r.height is None else r.height
+        r.max_sequence_length = (d["max_sequence_length"] if r.max_sequence_length is None
+                                 else r.max_sequence_length)
+        if r.steps < 1 or (max_steps and r.steps > max_steps):
+            raise RequestError("steps", f"steps {r.steps}: must be 1 to {max_steps or 'any'}")
+        m = d["multiple"]
+        for name, v in (("width", r.width), ("height", r.height)):
+            if v < m or v % m:
+                raise RequestError("size", f"{name} {v}: {self.class_name} needs a positive "
+                                           f"multiple of {m}")
+        if max_pixels and r.width * r.height > max_pixels:
+            raise RequestError("size", f"size {r.width}x{r.height} is {r.width * r.height:,} "
+                                       f"pixels, over the limit of {max_pixels:,}")
+        if r.n < 1 or (max_n and r.n > max_n):
+            raise RequestError("n", f"n {r.n}: must be 1 to {max_n or 'any'}")
+        if self.kind == "video":
+            r.frames = d["frames"] if r.frames is None else r.frames
+            tm = d["frame_multiple"]
+            if r.frames < 1 or (r.frames - 1) % tm:
+                raise RequestError("frames", f"frames {r.frames}: {self.class_name} needs "
+                                             f"{tm}k + 1 frames (1, {tm + 1}, {2 * tm + 1}, ...)")
+            if max_frames and r.frames > max_frames:
+                raise RequestError("frames", f"frames {r.frames}: over the limit of {max_frames}")
+            if r.n != 1:
+                raise RequestError("n", "a video request makes one video (n must be 1)")
+            if not 1 <= r.fps <= 240:
+                raise RequestError("fps", f"fps {r.fps}: must be 1 to 240")
+        elif r.frames is not None:
+            raise RequestError("frames", f"frames: {self.class_name} makes images, not videos")
+        if r.guidance is not None and r.guidance < 0:
+            raise RequestError("guidance", f"guidance {r.guidance}: must be >= 0")
+        if r.max_sequence_length < 1:
+            raise RequestError("max_sequence_length", "max_sequence_length must be >= 1")
+        if r.seed is None:
+            r.seed = secrets.randbelow(2 ** 31)
+        if not 0 <= r.seed < 2 ** 63 - r.n:
+            raise RequestError("seed", f"seed {r.seed}: must be 0 to 2^63 - n")
+        if r.preview_every < 0:
+            raise RequestError("preview_every", "preview_every must be >= 0")
+        if r.preview_every and not self._flow_matching():
+            raise RequestError("preview_every", f"previews need a flow-matching scheduler; "
+                                                f"{type(self.pipe.scheduler).__name__} is not one")
+        self._guidance_kwargs(r)  # refuses a combination the pipeline would ignore
+        return r
+
+    def _flow_matching(self) -> bool:
+        s = self.pipe.scheduler
+        return (type(s).__name__ == "FlowMatchEulerDiscreteScheduler" or
+                getattr(s.config, "prediction_type", None) == "flow_prediction")
+
+    def _guidance_kwargs(self, r: Request) -> dict:
+        """`guidance`, `true_cfg` and `negative_prompt` as this pipeline's arguments, every one
+        given explicitly (the pipeline's default where the request has none); refuses what the
+        pipeline would silently ignore. docs/service.md has the table."""
+        name, g, neg, cfg = self.class_name, r.guidance, r.negative_prompt, r.true_cfg
+        embeds = bool(self.pipe.transformer.config.get("guidance_embeds", False))
+
+        def default(arg):
+            return self._sig[arg].default
+        if cfg is not None and not (name == "FluxPipeline" and embeds):
+            raise RequestError("true_cfg", f"true_cfg applies to a guidance-distilled FluxPipeline "
+                                           f"only; for {name} use guidance")
+        if name == "FluxPipeline" and embeds:  # FLUX.1-dev: embedded guidance, true CFG optional
+            kw = {"guidance_scale": default("guidance_scale") if g is None else g}
+            if cfg is not None:
+                if cfg <= 1:
+                    raise RequestError("true_cfg", f"true_cfg {cfg}: must be > 1 (1 is no true CFG)")
+                kw.update(true_cfg_scale=cfg, negative_prompt=neg or "")
+            elif neg is not None:
+                raise RequestError("negative_prompt", "this FluxPipeline is guidance-distilled: a "
+                                   "negative prompt needs true CFG (true_cfg > 1) as well")
+            return kw
+        if name in ("FluxPipeline", "QwenImagePipeline"):  # true CFG: true_cfg_scale + negative
+            scale = default("true_cfg_scale") if g is None else g
+            if scale > 1:
+                return {"true_cfg_scale": scale, "negative_prompt": neg or ""}
+            if neg is not None:
+                raise RequestError("negative_prompt", f"a negative prompt needs guidance > 1 "
+                                                      f"(true CFG), got {scale}")
+            return {"true_cfg_scale": scale}
+        if name == "Flux2Pipeline":  # FLUX.2 [dev]: guidance-distilled, no negative prompt
+            if neg is not None:
+                raise RequestError("negative_prompt", "Flux2Pipeline is guidance-distilled and "
+                                                      "takes no negative prompt")
+            return {"guidance_scale": default("guidance_scale") if g is None else g}
+        scale = default("guidance_scale") if g is None else g
+        if name == "Flux2KleinPipeline":  # CFG with guidance_scale; negative as embeddings
+            if getattr(self.pipe.config, "is_distilled", False):
+                if (g is not None and g > 1) or neg is not None:
+                    raise RequestError("guidance", "this Flux2KleinPipeline is step-distilled: it "
+                                                   "uses neither guidance nor a negative prompt")
+                return {"guidance_scale": 1.0}
+        if neg is not None and scale <= 1:  # Klein, Wan: CFG with guidance_scale > 1
+            raise RequestError("negative_prompt", f"a negative prompt needs guidance > 1, got {scale}")
+        kw = {"guidance_scale": scale}
+        if neg is not None:
+            kw["negative_prompt"] = neg  # Klein: encoded in run() (the pipeline takes embeddings)
+        return kw
+
+    def pipeline_kwargs(self, r: Request) -> dict:
+        """Every argument of the pipeline call for a checked request, except generator and
+        callbacks (what a direct diffusers call with the same settings passes)."""
+        kw = {"prompt": r.prompt, "height": r.height, "width": r.width,
+              "num_inference_steps": r.steps, "max_sequence_length": r.max_sequence_length,
+              **self._guidance_kwargs(r)}
+        if self.kind == "video":
+            kw["num_frames"] = r.frames
+            kw["num_videos_per_prompt"] = 1
+            kw["output_type"] = "np"
+        else:
+            kw["num_images_per_prompt"] = r.n
+            kw["output_type"] = "pil"
+        return kw
+
+    # -- one generation ---------------------------------------------------------------------------
+    def run(self, req: Request, on_event: Callable[..., None] | None = None,
+            cancel: threading.Event | None = None, checked: bool = False) -> Result:
+        """Generates `req`. on_event(name, **data) gets "start", "step" (step, steps, seconds,
+        s_per_step), "preview" (step, images) and "resume" (the record). Raises Cancelled when
+        `cancel` is set (checked before the start and between two steps)."""
+        import torch
+        r = req if checked else self.check(req)
+        emit = on_event or (lambda *a, **k: None)
+        kw = self.pipeline_kwargs(r)
+        with self._lock:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled()
+            pipe, t = self.pipe, self.transformer
+            gens = [torch.Generator("cpu").manual_seed(r.seed + k) for k in range(r.n)]
+            call_kw = dict(kw)
+            if self.class_name == "Flux2KleinPipeline" and "negative_prompt" in call_kw:
+                neg = call_kw.pop("negative_prompt")
+                with torch.inference_mode():
+                    call_kw["negative_prompt_embeds"] = pipe.encode_prompt(
+                        prompt=neg, device=self.device, num_images_per_prompt=1,
+                        max_sequence_length=r.max_sequence_length)[0]
+            marks = {"first": None, "last": None}
+            step_seconds: list[float] = []
+            x0 = {}
+
+            def pre_hook(module, args):
+                if marks["first"] is None:
+                    marks["first"] = marks["last"] = time.perf_counter()
+
+            def on_step(p, i, timestep, tensors):
+                now = time.perf_counter()
+                start = marks["last"] if marks["last"] is not None else now
+                step_seconds.append(now - start)
+                marks["last"] = now
+                steps = int(getattr(p, "_num_timesteps", 0) or len(p.scheduler.timesteps))
+                done = i + 1
+                emit("step", step=done, steps=steps, seconds=step_seconds[-1],
+                     s_per_step=(now - marks["first"]) / done)
+                if r.preview_every and (done % r.preview_every == 0) and "x0" in x0:
+                    emit("preview", step=done, steps=steps,
+                         images=self._decode_preview(x0["x0"], r))
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled()
+                return {}
+
+            sched = pipe.scheduler
+            orig_step = sched.step
+            if r.preview_every:
+                def step(model_output, timestep, sample, *a, **k):
+                    out = orig_step(model_output, timestep, sample, *a, **k)
+                    idx = sched.step_index - 1  # the step just taken
+                    sigma = sched.sigmas[idx].to(torch.float32)
+                    x0["x0"] = sample.to(torch.float32) - sigma * model_output.to(torch.float32)
+                    return out
+                sched.step = step
+            resumes_before = len(getattr(t, "resumes", []))
+
+            def listener(rec):  # the step redone: the one after those done
+                emit("resume", step=len(step_seconds) + 1, **rec)
+            listeners = getattr(t, "resume_listeners", None)  # only with resume on
+            if listeners is not None:
+                listeners.append(listener)
+            hook = t.register_forward_pre_hook(pre_hook)
+            emit("start", steps=r.steps, seeds=[r.seed + k for k in range(r.n)],
+                 pipeline_kwargs=kw)
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    out = pipe(**call_kw, generator=gens if r.n > 1 else gens[0],
+                               callback_on_step_end=on_step)
+            finally:
+                hook.remove()
+                if listeners is not None:
+                    listeners.remove(listener)
+                if r.preview_every:
+                    del sched.step  # the class's method again
+            seconds = time.perf_counter() - t0
+            resumes = list(getattr(t, "resumes", [])[resumes_before:])
+        if self.kind == "video":
+            import numpy as np
+            frames = np.asarray(out.frames[0], dtype=np.float32)
+            images = []
+        else:
+            frames, images = None, list(out.images)
+        return Result(kind=self.kind, images=images, frames=frames, fps=r.fps,
+                      seeds=[r.seed + k for k in range(r.n)], width=r.width, height=r.height,
+                      steps=r.steps, pipeline_kwargs=kw, seconds=seconds,
+                      step_seconds=step_seconds, resumes=resumes)
+
+    # -- previews: the predicted final image, decoded as the pipeline decodes its result --------
+    def _decode_preview(self, x0, r: Request) -> list:
+        """PIL images of x0 (the pipeline's latent layout), one per batch element; a video's
+        first frame. The decode follows each pipeline's own (diffusers 0.42)."""
+        import torch
+        pipe = self.pipe
+        vae = pipe.vae
+        lat = x0.to(vae.dtype)
+        with torch.inference_mode():
+            if self.class_name == "FluxPipeline":
+                lat = pipe._unpack_latents(lat, r.height, r.width, pipe.vae_scale_factor)
+                lat = lat / vae.config.scaling_factor + vae.config.shift_factor
+                img = vae.decode(lat, return_dict=False)[0]
+                return pipe.image_processor.postprocess(img, output_type="pil")
+            if self.class_name == "QwenImagePipeline":
+                lat = pipe._unpack_latents(lat, r.height, r.width, pipe.vae_scale_factor)
+                mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
+                std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
+                lat = lat / std.to(lat) + mean.to(lat)
+                img = vae.decode(lat, return_dict=False)[0][:, :, 0]
+                return pipe.image_processor.postprocess(img, output_type="pil")
+            if self.class_name in ("Flux2Pipeline", "Flux2KleinPipeline"):
+                lh = 2 * (r.height // (pipe.vae_scale_factor * 2)) // 2
+                lw = 2 * (r.width // (pipe.vae_scale_factor * 2)) // 2
+                lat = lat.reshape(lat.shape[0], lh, lw, lat.shape[-1]).permute(0, 3, 1, 2)
+                mean = vae.bn.running_mean.view(1, -1, 1, 1).to(lat)
+                std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(lat)
+                lat = pipe._unpatchify_latents(lat * std + mean)
+                img = vae.decode(lat, return_dict=False)[0]
+                return pipe.image_processor.postprocess(img, output_type="pil")
+            if self.class_name == "WanPipeline":
+                mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
+                std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
+                lat = lat / std.to(lat) + mean.to(lat)
+                video = vae.decode(lat, return_dict=False)[0]
+                frames = pipe.video_processor.postprocess_video(video, output_type="pil")
+                return [v[0] for v in frames]
+        raise RequestError("preview_every", f"no preview for {self.class_name}")
+
+    def close(self) -> None:
+        self.transformer.close()
+
+
+def plan_line(info: dict) -> str:
+    """The mesh as `meshdit run` prints its plan, from the server's info."""
+    wb = [int(x) for x in str(info.get("weight_bytes", "0")).split(",") if x.strip().isdigit()]
+    mib = max(wb) / 1048576.0 if wb else 0.0
+    return (f"plan: model {info.get('family')}, world {info.get('world')} = tp {info.get('tp')} x "
+            f"ring {info.get('ring')} x ulysses {info.get('ulysses')} (mesh order "
+            f"{info.get('mesh_order')}), device {info.get('device')}, dtype {info.get('dtype')}, "
+            f"weights {mib:.1f} MiB per rank")
+
+
+# ---- encoding the results ------------------------------------------------------------------------
+def image_bytes(img, fmt: str = "png") -> bytes:
+    import io
+    buf = io.BytesIO()
+    img.save(buf, format={"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}[fmt])
+    return buf.getvalue()
+
+
+def video_bytes(frames, fps: int) -> bytes:
+    """An MP4 (H.264 through imageio-ffmpeg, diffusers' export_to_video) of [F, H, W, 3] frames."""
+    from diffusers.utils import export_to_video
+    fd, path = tempfile.mkstemp(suffix=".mp4", prefix="meshdit-")
+    os.close(fd)
+    try:
+        export_to_video(list(frames), path, fps=fps)
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        os.unlink(path)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = text.lower().split("x")
+        w, h = int(w), int(h)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not WIDTHxHEIGHT (e.g. 1024x768)") from None
+    if w < 1 or h < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': width and height must be positive")
+    return w, h
+
+
+def add_engine_options(ap: argparse.ArgumentParser) -> None:
+    """--model, the layout and the device options: shared by `generate` and `api`. (The CFG,
+    cache and LoRA options join this group when meshdit has them.)"""
+    ap.add_argument("--model", required=True,
+                    help="a diffusers pipeline folder (model_index.json, transformer/, ...), or a "
+                         "hub id already in the local Hugging Face cache")
+    g = ap.add_argument_group("the mesh (meshdit serve's options)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    g.add_argument("--ring", type=int, default=1, help="ring-attention degree")
+    g.add_argument("--ulysses", type=int, default=1, help="Ulysses degree")
+    g.add_argument("--mesh-order", help="e.g. tp,ring,ulysses")
+    g.add_argument("--device", choices=["cpu", "cuda"], help="the mesh's device")
+    g.add_argument("--dtype", choices=["f32", "bf16"], help="the mesh's compute dtype")
+    g.add_argument("--binary", help="the meshdit C binary (default $MESHDIT_BIN, or meshdit on PATH)")
+    g.add_argument("--launcher", help="the command that starts the ranks (default mpiexec -n WORLD)")
+    g.add_argument("--step-timeout", type=float, help="the step watchdog, seconds")
+    g.add_argument("--max-memory", help="per rank, e.g. 8G")
+    g.add_argument("--no-resume", action="store_true",
+                   help="fail instead of relaunching the mesh when a rank is lost")
+    p = ap.add_argument_group("the rest of the pipeline (in this process)")
+    p.add_argument("--pipeline-device", default="cpu", help="text encoders and VAE (default cpu)")
+    p.add_argument("--pipeline-dtype", default="float32", help="float32 (default), bfloat16, float16")
+
+
+def engine_from_args(a, log=print) -> Engine:
+    for k in ("tp", "ring", "ulysses"):
+        if getattr(a, k) < 1:
+            raise MeshditError(f"meshdit: --{k} {getattr(a, k)}: must be >= 1")
+    mesh = dict(tp=a.tp, ring=a.ring, ulysses=a.ulysses, mesh_order=a.mesh_order,
+                device=a.device, dtype=a.dtype, binary=a.binary, launcher=a.launcher,
+                step_timeout=a.step_timeout, max_memory=a.max_memory)
+    return Engine(a.model, pipeline_device=a.pipeline_device, pipeline_dtype=a.pipeline_dtype,
+                  resume=not a.no_resume, log=log, **mesh)
+
+
+class StepBar:
+    """A per-step progress bar with s/step on stderr (one line per step when not a terminal)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+
+    def __call__(self, name, **d):
+        if name == "step":
+            n, total, sps = d["step"], d["steps"], d["s_per_step"]
+            width = 24
+            full = int(width * n / total)
+            eta = sps * (total - n)
+            line = (f"step {n:>{len(str(total))}}/{total} [{'#' * full}{'.' * (width - full)}] "
+                    f"{sps:.3f} s/step, {d['seconds']:.3f} s this step, eta {eta:.1f} s")
+            if self.tty:
+                self.stream.write("\r" + line + ("\n" if n == total else ""))
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
+        elif name == "resume":
+            lay = d["layout"]
+            self.stream.write(f"\nmeshdit: lost the mesh in step {d['step']} ({d['error']}); "
+                              f"relaunched tp {lay['tp']} x ring {lay['ring']} x ulysses "
+                              f"{lay['ulysses']} and redid the step: {d['seconds']:.2f} s lost\n")
+            self.stream.flush()
+
+
+def main_generate(argv: list[str]) -> int:
+    ap = _Parser(prog="meshdit generate", description="A prompt in, a PNG or MP4 out: a diffusers "
+                 "pipeline with its transformer on a meshdit mesh.")
+    add_engine_options(ap)
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--negative-prompt")
+    ap.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
+    ap.add_argument("--guidance", type=float,
+                    help="guidance scale, mapped onto the pipeline's own argument (docs/service.md)")
+    ap.add_argument("--true-cfg", type=float,
+                    help="guidance-distilled FluxPipeline only: true CFG scale with the negative prompt")
+    ap.add_argument("--size", type=_size, help="WIDTHxHEIGHT (default: the pipeline's)")
+    ap.add_argument("--frames", type=int, help="video pipelines: number of frames")
+    ap.add_argument("--fps", type=int, default=16, help="video pipelines: the MP4's frame rate")
+    ap.add_argument("--seed", type=int, help="default: a random seed, printed")
+    ap.add_argument("--max-sequence-length", type=int, help="text tokens (default: the pipeline's)")
+    ap.add_argument("--out", help="FILE.png (image pipelines) or FILE.mp4 (video pipelines); "
+                                  "default meshdit-SEED.png / .mp4")
+    a = ap.parse_args(argv)
+    if a.out is not None and not a.out.lower().endswith((".png", ".mp4")):
+        ap.error(f"--out '{a.out}': must end in .png or .mp4")
+    try:
+        a.model = resolve_model(a.model)  # before torch is imported: a missing model fails fast
+        engine = engine_from_args(a)
+    except MeshditError as e:
+        print(str(e) if str(e).startswith("meshdit") else f"meshdit: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        want = ".mp4" if engine.kind == "video" else ".png"
+        if a.out is not None and not a.out.lower().endswith(want):
+            print(f"meshdit: error: --out '{a.out}': {engine.class_name} makes "
+                  f"{'videos' if want == '.mp4' else 'images'}: use a {want} file", file=sys.stderr)
+            return 2
+        w, h = a.size if a.size else (None, None)
+        req = Request(prompt=a.prompt, negative_prompt=a.negative_prompt, steps=a.steps,
+                      guidance=a.guidance, true_cfg=a.true_cfg, width=w, height=h,
+                      frames=a.frames, fps=a.fps, seed=a.seed,
+                      max_sequence_length=a.max_sequence_length)
+        try:
+            req = engine.check(req)
+        except RequestError as e:
+            print(f"meshdit: error: --{(e.param or 'request').replace('_', '-')}: {e}",
+                  file=sys.stderr)
+            return 2
+        kw = engine.pipeline_kwargs(req)
+        shown = {k: v for k, v in kw.items() if k not in ("prompt", "output_type")}
+        print(f"{req.width}x{req.height}" + (f", {req.frames} frames" if req.frames else "") +
+              f", seed {req.seed}; {engine.class_name}(" +
+              ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")", flush=True)
+        res = engine.run(req, on_event=StepBar(), checked=True)
+        out = a.out or f"meshdit-{req.seed}{want}"
+        data = (video_bytes(res.frames, res.fps) if res.kind == "video"
+                else image_bytes(res.images[0], "png"))
+        with open(out, "wb") as f:
+            f.write(data)
+        sps = sum(res.step_seconds) / max(1, len(res.step_seconds))
+        extra = (f", {len(res.resumes)} lost rank(s) recovered in "
+                 f"{sum(x['seconds'] for x in res.resumes):.2f} s" if res.resumes else "")
+        what = (f"{res.frames.shape[0]} frames of {res.width}x{res.height} at {res.fps} fps"
+                if res.kind == "video" else f"{res.width}x{res.height}")
+        print(f"wrote {out} ({what}; {res.steps} steps in {res.seconds:.2f} s, "
+              f"{sps:.3f} s/step{extra})", flush=True)
+        return 0
+    except MeshditError as e:
+        print(f"meshdit: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        engine.close()

@@ -1,0 +1,272 @@
+"""`meshdit generate` and the engine under it, and the `meshdit` command (generate here,
+every other command handed to the C binary, whose finder skips this command). Tiny pipelines
+built locally (tests/python/*_pipeline.py), 2-5 steps, 64x64."""
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import torch
+
+import flux_pipeline
+import meshdit
+from meshdit import generate as mg
+from meshdit.server import find_binary
+from service_util import env_with_package, levels, meshdit_cmd, pil_pixels, png_pixels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.environ["MESHDIT_BIN"]
+TXT = 32  # max_sequence_length of every test generation (the tiny T5 takes any)
+
+
+@pytest.fixture(scope="module")
+def flux_root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("gen") / "flux_tiny")
+    flux_pipeline.build(root, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def diffusers_flux(flux_root):
+    return flux_pipeline.load(flux_root)
+
+
+def diffusers_image(pipe, seed, **kw):
+    """What the pipeline makes with diffusers' own transformer (uint8 pixels)."""
+    with torch.inference_mode():
+        out = pipe(generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", **kw)
+    return pil_pixels(out.images[0])
+
+
+def test_generate_writes_the_png_diffusers_makes(flux_root, diffusers_flux, tmp_path):
+    out = tmp_path / "cube.png"
+    r = subprocess.run(meshdit_cmd("generate", "--model", flux_root, "--prompt", "a red cube",
+                                   "--steps", "2", "--size", "64x48", "--seed", "3", "--tp", "2",
+                                   "--guidance", "4.5", "--max-sequence-length", str(TXT),
+                                   "--out", str(out)),
+                       capture_output=True, text=True, env=env_with_package(), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    so, se = r.stdout, r.stderr
+    assert "plan: model flux, world 2 = tp 2 x ring 1 x ulysses 1" in so  # the plan line
+    assert "loading the transformer on 2 ranks" in so and "pipeline ready in" in so  # load progress
+    assert "guidance_scale=4.5" in so  # --guidance mapped onto FLUX.1-dev's embedded guidance
+    assert "step 1/2 [" in se and "step 2/2 [" in se and "s/step" in se  # the per-step bar
+    assert f"wrote {out} (64x48; 2 steps" in so
+    got = png_pixels(out.read_bytes())
+    kw = dict(prompt="a red cube", height=48, width=64, num_inference_steps=2, guidance_scale=4.5,
+              max_sequence_length=TXT)
+    ref = diffusers_image(diffusers_flux, 3, **kw)
+    assert got.shape == ref.shape == (48, 64, 3)
+    assert levels(got, ref) <= 1, levels(got, ref)
+    assert levels(diffusers_image(diffusers_flux, 4, **kw), ref) > 8  # another seed differs
+    assert levels(diffusers_image(diffusers_flux, 3, **{**kw, "guidance_scale": 1.5}), ref) > 8
+
+
+def test_generate_refuses_in_one_line(flux_root, tmp_path):
+    """Usage errors (exit 2) and a model that is not there (exit 1): one line each, before any
+    pipeline is loaded."""
+    env = env_with_package({"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    cases = [(["--model", flux_root, "--prompt", "x", "--size", "64"], 2, "'64' is not WIDTHxHEIGHT"),
+             (["--model", flux_root, "--prompt", "x", "--out", "a.jpg"], 2, "must end in .png or .mp4"),
+             (["--model", flux_root], 2, "--prompt"),
+             (["--model", "someorg/not-cached", "--prompt", "x"], 1,
+              "not in the local Hugging Face cache: download it first"),
+             (["--model", str(tmp_path), "--prompt", "x"], 1, "has no model_index.json")]
+    for args, rc, msg in cases:
+        r = subprocess.run(meshdit_cmd("generate", *args), capture_output=True, text=True, env=env,
+                           timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == rc and len(lines) == 1 and msg in lines[0], (args, r.stderr)
+
+
+def test_hub_id_from_the_local_cache(flux_root, tmp_path, monkeypatch):
+    """A hub id resolves to its snapshot in the Hugging Face cache; never a download."""
+    from huggingface_hub import constants
+    hub = tmp_path / "hub"
+    snap = hub / "models--someorg--flux-tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(flux_root, snap)
+    (hub / "models--someorg--flux-tiny" / "refs").mkdir()
+    (hub / "models--someorg--flux-tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    assert mg.resolve_model("someorg/flux-tiny") == str(snap)
+    with pytest.raises(meshdit.MeshditError, match="download it first"):
+        mg.resolve_model("someorg/other")
+
+
+# ---- the engine in this process ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(flux_root):
+    e = mg.Engine(flux_root, tp=1, log=lambda line: None)
+    yield e
+    e.close()
+
+
+def req(**kw):
+    return mg.Request(**{"prompt": "a red cube", "steps": 2, "width": 64, "height": 64,
+                         "max_sequence_length": TXT, "seed": 3, **kw})
+
+
+@pytest.mark.parametrize("kw,param,msg", [
+    (dict(width=72), "size", "multiple of 16"), (dict(steps=0), "steps", "steps 0"),
+    (dict(n=5), "n", "n 5"), (dict(frames=5), "frames", "makes images"),
+    (dict(prompt=" "), "prompt", "non-empty"), (dict(guidance=-1.0), "guidance", ">= 0"),
+    (dict(negative_prompt="blue"), "negative_prompt", "needs true CFG"),
+    (dict(true_cfg=1.0), "true_cfg", "must be > 1"), (dict(width=4096, height=4096), "size", "pixels"),
+])
+def test_engine_refuses_naming_the_field(engine, kw, param, msg):
+    with pytest.raises(mg.RequestError, match=msg) as e:
+        engine.check(req(**kw), max_pixels=1 << 20, max_n=4, max_steps=50)
+    assert e.value.param == param
+
+
+def test_engine_batch_images_follow_their_seeds(engine, diffusers_flux):
+    """n images are one batch, image k from seed + k: each equals a single image of its seed."""
+    res = engine.run(req(n=2, seed=7))
+    assert res.seeds == [7, 8] and len(res.images) == 2 and len(res.step_seconds) == 2
+    kw = dict(prompt="a red cube", height=64, width=64, num_inference_steps=2,
+              guidance_scale=3.5, max_sequence_length=TXT)
+    for img, seed in zip(res.images, res.seeds):
+        assert levels(pil_pixels(img), diffusers_image(diffusers_flux, seed, **kw)) <= 1
+    assert levels(pil_pixels(res.images[0]), pil_pixels(res.images[1])) > 8
+
+
+def test_engine_true_cfg_uses_the_negative_prompt(engine, diffusers_flux):
+    res = engine.run(req(true_cfg=2.0, negative_prompt="a blue ball"))
+    assert res.pipeline_kwargs["true_cfg_scale"] == 2.0
+    assert res.pipeline_kwargs["negative_prompt"] == "a blue ball"
+    kw = dict(prompt="a red cube", height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
+              max_sequence_length=TXT, true_cfg_scale=2.0, negative_prompt="a blue ball")
+    ref = diffusers_image(diffusers_flux, 3, **kw)
+    assert levels(pil_pixels(res.images[0]), ref) <= 1
+    other = diffusers_image(diffusers_flux, 3, **{**kw, "negative_prompt": "a green tree"})
+    assert levels(other, ref) > 8  # the negative prompt matters
+
+
+def test_engine_previews_and_cancel(engine):
+    """A preview every step is the predicted final image x0 = x_t - sigma v: after the last step
+    it is the image itself; cancel stops between two steps."""
+    seen = []
+    res = engine.run(req(steps=3, preview_every=1), on_event=lambda n, **d: seen.append((n, d)))
+    names = [n for n, _ in seen]
+    assert names == ["start"] + ["step", "preview"] * 3
+    previews = [d["images"][0] for n, d in seen if n == "preview"]
+    final = pil_pixels(res.images[0])
+    assert levels(pil_pixels(previews[-1]), final) == 0
+    assert levels(pil_pixels(previews[0]), final) > 8  # an early prediction is not the image
+    import threading
+    stop = threading.Event()
+
+    def on(name, **d):
+        if name == "step" and d["step"] == 2:
+            stop.set()
+    steps = []
+    with pytest.raises(mg.Cancelled):
+        engine.run(req(steps=5), on_event=lambda n, **d: (steps.append(n), on(n, **d)), cancel=stop)
+    assert steps.count("step") == 2  # stopped after step 2 of 5
+    assert engine.run(req()).images  # and the engine goes on
+
+
+class _Stub:
+    """Just what Engine._guidance_kwargs reads: a pipeline class's __call__ defaults and the
+    transformer's/pipeline's config."""
+
+    def __init__(self, name, guidance_embeds=False, is_distilled=False):
+        import diffusers
+        self.class_name = name
+        self._sig = inspect.signature(getattr(diffusers, name).__call__).parameters
+        self.pipe = type("P", (), {})()
+        self.pipe.transformer = type("T", (), {"config": {"guidance_embeds": guidance_embeds}})()
+        self.pipe.config = type("C", (), {"is_distilled": is_distilled})()
+
+    def kw(self, **r):
+        return mg.Engine._guidance_kwargs(self, req(**r))
+
+
+def test_guidance_maps_onto_each_pipelines_argument():
+    """--guidance is the family's own argument (docs/service.md); combinations a pipeline would
+    ignore are refused."""
+    dev = _Stub("FluxPipeline", guidance_embeds=True)
+    assert dev.kw(guidance=4.0) == {"guidance_scale": 4.0}
+    assert dev.kw(guidance=4.0, true_cfg=3.0, negative_prompt="n") == {
+        "guidance_scale": 4.0, "true_cfg_scale": 3.0, "negative_prompt": "n"}
+    schnell = _Stub("FluxPipeline", guidance_embeds=False)  # no embedding: true CFG
+    assert schnell.kw(guidance=3.0) == {"true_cfg_scale": 3.0, "negative_prompt": ""}
+    assert schnell.kw() == {"true_cfg_scale": 1.0}
+    with pytest.raises(mg.RequestError, match="needs guidance > 1"):
+        schnell.kw(negative_prompt="n")
+    with pytest.raises(mg.RequestError, match="true_cfg applies"):
+        schnell.kw(true_cfg=2.0)
+    qwen = _Stub("QwenImagePipeline")
+    assert qwen.kw() == {"true_cfg_scale": 4.0, "negative_prompt": ""}  # its default, with CFG
+    assert qwen.kw(guidance=2.5, negative_prompt="n") == {"true_cfg_scale": 2.5, "negative_prompt": "n"}
+    wan = _Stub("WanPipeline")
+    assert wan.kw() == {"guidance_scale": 5.0}
+    assert wan.kw(guidance=6.0, negative_prompt="n") == {"guidance_scale": 6.0, "negative_prompt": "n"}
+    with pytest.raises(mg.RequestError, match="needs guidance > 1"):
+        wan.kw(guidance=1.0, negative_prompt="n")
+    f2 = _Stub("Flux2Pipeline")
+    assert f2.kw(guidance=2.0) == {"guidance_scale": 2.0}
+    with pytest.raises(mg.RequestError, match="takes no negative prompt"):
+        f2.kw(negative_prompt="n")
+    klein = _Stub("Flux2KleinPipeline")
+    assert klein.kw(guidance=3.0, negative_prompt="n") == {"guidance_scale": 3.0, "negative_prompt": "n"}
+    with pytest.raises(mg.RequestError, match="step-distilled"):
+        _Stub("Flux2KleinPipeline", is_distilled=True).kw(guidance=3.0)
+
+
+# ---- the command: generate here, the rest to the C binary ---------------------------------------
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """`pip install ./python` into a folder: the console script pip writes."""
+    target = tmp_path_factory.mktemp("installed")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--no-build-isolation", "--disable-pip-version-check", "--target",
+                        str(target), os.path.join(ROOT, "python")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    script = target / "bin" / "meshdit"
+    assert script.is_file() and b"meshdit.__main__" in script.read_bytes()
+    return target
+
+
+def test_pyproject_declares_the_command_and_the_serve_extra():
+    with open(os.path.join(ROOT, "python", "pyproject.toml"), "rb") as f:
+        proj = tomllib.load(f)["project"]
+    assert proj["scripts"]["meshdit"] == "meshdit.__main__:main"
+    serve = " ".join(proj["optional-dependencies"]["serve"])
+    for pkg in ("imageio-ffmpeg", "pillow", "diffusers"):
+        assert pkg in serve
+
+
+def test_the_command_hands_other_subcommands_to_the_c_binary(installed, tmp_path, monkeypatch):
+    """The installed `meshdit` ahead of the C binary on PATH: find_binary skips it, and
+    `meshdit inspect` run through it is the C binary's inspect."""
+    cbin = tmp_path / "cbin"
+    cbin.mkdir()
+    os.symlink(BIN, cbin / "meshdit")
+    script = str(installed / "bin" / "meshdit")
+    path = os.pathsep.join([str(installed / "bin"), str(cbin), os.environ.get("PATH", "")])
+    monkeypatch.delenv("MESHDIT_BIN")
+    monkeypatch.setenv("PATH", path)
+    assert find_binary() == str(cbin / "meshdit")
+    with pytest.raises(meshdit.MeshditError, match="is the Python meshdit command"):
+        find_binary(script)
+    env = {k: v for k, v in os.environ.items() if k != "MESHDIT_BIN"}
+    env.update(PATH=path, PYTHONPATH=str(installed))
+    ck = os.path.join(ROOT, "tests", "data", "flux_tiny")
+    direct = subprocess.run([BIN, "inspect", "--checkpoint", ck, "--tp", "2"], capture_output=True,
+                            text=True, timeout=60)
+    via = subprocess.run(["meshdit", "inspect", "--checkpoint", ck, "--tp", "2"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert via.returncode == direct.returncode == 0 and via.stdout == direct.stdout != ""
+    bad = subprocess.run(["meshdit", "inspect", "--checkpoint", str(tmp_path)], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert bad.returncode != 0 and bad.stderr.startswith("meshdit: ")  # the C binary's own line
+    usage = subprocess.run(["meshdit", "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert usage.returncode == 0 and "meshdit generate" in usage.stdout
+    alone = subprocess.run([script, "run"], capture_output=True, text=True, timeout=60,
+                           env={**env, "PATH": str(installed / "bin")})
+    assert alone.returncode == 1 and "is a command of the C binary" in alone.stderr
