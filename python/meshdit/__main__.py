@@ -1,6 +1,6 @@
 """The `meshdit` command of the Python package (and ``python -m meshdit``).
 
-`generate` is a Python command (it runs a diffusers pipeline in this process); every
+`generate` and `api` are Python commands (they run a diffusers pipeline in this process); every
 other command (run, serve, gen, inputs, compare, inspect, plan, ...) belongs to the C binary,
 which has the same name: it is found as `meshdit serve` would be started (``--binary PATH`` as
 the first option, ``$MESHDIT_BIN``, or the first ``meshdit`` on PATH that is not this command)
@@ -12,9 +12,10 @@ import os
 import sys
 
 USAGE = """usage: meshdit generate --model DIR --prompt TEXT [--out FILE.png|.mp4] [options]
+       meshdit api --model DIR [--port N] [--host H] [--api-key KEY] [options]
        meshdit COMMAND ...          (run, serve, gen, inputs, compare, inspect, plan: the C binary)
 
-`meshdit generate --help` lists its options (docs/service.md)."""
+`meshdit generate --help` and `meshdit api --help` list their options (docs/service.md)."""
 
 
 def _exec_binary(argv: list[str]) -> int:
@@ -44,10 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in (None, "-h", "--help", "help"):
         print(USAGE)
         return 0 if cmd else 2
-    if cmd == "generate":
+    if cmd in ("generate", "api"):
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no torchvision notices
-        from .generate import main_generate
-        return main_generate(argv[1:])
+        if cmd == "generate":
+            from .generate import main_generate
+            return main_generate(argv[1:])
+        from .api import main_api
+        return main_api(argv[1:])
     return _exec_binary(argv)
 
 

@@ -1,4 +1,4 @@
-"""`meshdit generate` and the engine under it, and the `meshdit` command (generate here,
+"""`meshdit generate` and the engine under it, and the `meshdit` command (generate/api here,
 every other command handed to the C binary, whose finder skips this command). Tiny pipelines
 built locally (tests/python/*_pipeline.py), 2-5 steps, 64x64."""
 import inspect
@@ -217,7 +217,7 @@ def test_guidance_maps_onto_each_pipelines_argument():
         _Stub("Flux2KleinPipeline", is_distilled=True).kw(guidance=3.0)
 
 
-# ---- the command: generate here, the rest to the C binary ---------------------------------------
+# ---- the command: generate/api here, the rest to the C binary -----------------------------------
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """`pip install ./python` into a folder: the console script pip writes."""
@@ -237,7 +237,7 @@ def test_pyproject_declares_the_command_and_the_serve_extra():
         proj = tomllib.load(f)["project"]
     assert proj["scripts"]["meshdit"] == "meshdit.__main__:main"
     serve = " ".join(proj["optional-dependencies"]["serve"])
-    for pkg in ("imageio-ffmpeg", "pillow", "diffusers"):
+    for pkg in ("fastapi", "uvicorn", "imageio-ffmpeg", "pillow", "diffusers"):
         assert pkg in serve
 
 
@@ -266,7 +266,7 @@ def test_the_command_hands_other_subcommands_to_the_c_binary(installed, tmp_path
                          text=True, env=env, timeout=60)
     assert bad.returncode != 0 and bad.stderr.startswith("meshdit: ")  # the C binary's own line
     usage = subprocess.run(["meshdit", "--help"], capture_output=True, text=True, env=env, timeout=60)
-    assert usage.returncode == 0 and "meshdit generate" in usage.stdout
+    assert usage.returncode == 0 and "meshdit generate" in usage.stdout and "meshdit api" in usage.stdout
     alone = subprocess.run([script, "run"], capture_output=True, text=True, timeout=60,
                            env={**env, "PATH": str(installed / "bin")})
     assert alone.returncode == 1 and "is a command of the C binary" in alone.stderr

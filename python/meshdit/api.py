@@ -1,0 +1,838 @@
+"""`meshdit api`: an OpenAI-compatible image and video service on one resident pipeline.
+
+FastAPI + uvicorn in front of one `generate.Engine` (the pipeline in this process, its
+transformer on the mesh, a lost rank recovered by relaunching the mesh). Every request is a job
+in one FIFO queue run by one worker thread (the thread that also starts the mesh and owns it):
+
+    POST /v1/images/generations   OpenAI's request; answers when the images are made, or streams
+                                  server-sent events with "stream": true
+    POST /v1/videos               OpenAI's request (JSON or multipart form); answers at once with
+                                  the job, which runs in the background
+    GET  /v1/videos, /v1/videos/{id}, /v1/videos/{id}/content (the MP4), DELETE /v1/videos/{id}
+    GET  /v1/jobs, /v1/jobs/{id}, /v1/jobs/{id}/events (SSE), POST /v1/jobs/{id}/cancel
+         (and /v1/videos/{id}/events, /v1/videos/{id}/cancel): any job, image or video
+    GET  /v1/models, /health
+
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, one line naming
+the field or limit; an unknown field is an error, never ignored. docs/service.md has the rest.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import dataclasses
+import hmac
+import ipaddress
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from .generate import (Cancelled, Request, RequestError, _Parser, add_engine_options,
+                       engine_from_args, image_bytes, plan_line, video_bytes)
+
+MAX_BODY = 1 << 20  # bytes of a request body
+
+
+@dataclasses.dataclass
+class Limits:
+    max_n: int = 4
+    max_pixels: int = 1536 * 1536
+    max_frames: int = 129
+    max_steps: int = 100
+    max_queue: int = 16  # jobs waiting (the running one not counted)
+    keep_jobs: int = 64  # finished jobs kept for GET (the oldest go first)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# ---- jobs ------------------------------------------------------------------------------------------
+class Job:
+    """One request's life: queued -> in_progress -> completed | failed | cancelled. Its events
+    (a list, appended by the worker) are what the SSE endpoints send."""
+
+    def __init__(self, kind: str, request: Request, fmt: str = "png", size_text: str = "",
+                 extra: dict | None = None):
+        self.id = f"{'video' if kind == 'video' else 'img'}_{uuid.uuid4().hex[:24]}"
+        self.kind, self.request, self.format = kind, request, fmt
+        self.size_text = size_text or f"{request.width}x{request.height}"
+        self.extra = extra or {}
+        self.status = "queued"
+        self.created_at = time.time()
+        self.started_at = self.completed_at = None
+        self.step, self.steps, self.s_per_step = 0, request.steps, None
+        self.queue_position = None
+        self.seeds = [request.seed + k for k in range(request.n)]
+        self.resumes: list[dict] = []
+        self.error: dict | None = None
+        self.outputs: list[bytes] | None = None  # PNG/JPEG/WebP per image, or one MP4
+        self.result_info: dict = {}
+        self.cancel = threading.Event()
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self._waiters: list = []
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("completed", "failed", "cancelled")
+
+    def publish(self, type_: str, **data) -> None:
+        ev = {"type": type_, "id": self.id, "created_at": int(time.time()), **data}
+        with self._lock:
+            self.events.append(ev)
+            waiters = list(self._waiters)
+        for loop, aev in waiters:
+            try:
+                loop.call_soon_threadsafe(aev.set)
+            except RuntimeError:  # that loop is closed
+                pass
+
+    async def wait_events(self, seen: int, timeout: float) -> None:
+        """Returns when there are more than `seen` events, or after `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        aev = asyncio.Event()
+        entry = (loop, aev)
+        with self._lock:
+            if len(self.events) > seen:
+                return
+            self._waiters.append(entry)
+        try:
+            await asyncio.wait_for(aev.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                self._waiters.remove(entry)
+
+    def progress(self) -> int:
+        if self.status == "completed":
+            return 100
+        return int(100 * self.step / self.steps) if self.steps else 0
+
+    def status_object(self) -> dict:
+        """The job as /v1/jobs/{id} shows it."""
+        return {"id": self.id, "object": "job", "kind": self.kind, "status": self.status,
+                "created_at": int(self.created_at),
+                "started_at": None if self.started_at is None else int(self.started_at),
+                "completed_at": None if self.completed_at is None else int(self.completed_at),
+                "queue_position": self.queue_position, "progress": self.progress(),
+                "step": self.step, "steps": self.steps, "s_per_step": self.s_per_step,
+                "seeds": self.seeds, "size": self.size_text, "n": self.request.n,
+                "cancel_requested": self.cancel.is_set() and not self.done,
+                "resumes": self.resumes, "error": self.error, **self.result_info}
+
+    def video_object(self, model: str) -> dict:
+        """The job as OpenAI's Video object, with meshdit's fields after OpenAI's."""
+        r = self.request
+        return {"id": self.id, "object": "video", "created_at": int(self.created_at),
+                "status": self.status, "model": model, "progress": self.progress(),
+                "prompt": r.prompt, "seconds": f"{r.frames / r.fps:g}", "size": self.size_text,
+                "completed_at": None if self.completed_at is None else int(self.completed_at),
+                "expires_at": None, "remixed_from_video_id": None, "error": self.error,
+                "queue_position": self.queue_position, "step": self.step, "steps": self.steps,
+                "s_per_step": self.s_per_step, "frames": r.frames, "fps": r.fps,
+                "seed": r.seed, "cancel_requested": self.cancel.is_set() and not self.done,
+                "resumes": self.resumes, **self.result_info}
+
+
+class Service:
+    """The queue and its worker. The worker thread makes the engine (so the mesh's launcher is a
+    child of a thread that lives as long as the service) and runs one job at a time."""
+
+    def __init__(self, engine_factory, limits: Limits, model_name: str):
+        self.limits, self.model_name = limits, model_name
+        self._factory = engine_factory
+        self.engine = None
+        self.load_error: BaseException | None = None
+        self.ready = threading.Event()
+        self.jobs: dict[str, Job] = {}
+        self._queue: collections.deque[Job] = collections.deque()
+        self._finished: collections.deque[str] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self.running: Job | None = None
+        self.completed = 0
+        self._thread = threading.Thread(target=self._work, name="meshdit-api-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- the queue ---------------------------------------------------------------------------------
+    def submit(self, job: Job) -> Job:
+        with self._cv:
+            if self._stopping:
+                raise ApiError(503, "the service is shutting down", code="shutting_down",
+                               type="server_error")
+            # max_queue jobs may wait behind a running one (0: only an idle service takes one)
+            if len(self._queue) >= self.limits.max_queue + (self.running is None):
+                raise ApiError(429, f"the queue is full ({self.limits.max_queue} jobs waiting, "
+                                    f"--max-queue): try again later", code="queue_full",
+                               type="rate_limit_error")
+            self.jobs[job.id] = job
+            self._queue.append(job)
+            job.queue_position = len(self._queue)
+            self._cv.notify_all()
+        job.publish("queued", queue_position=job.queue_position)
+        return job
+
+    def _reposition(self) -> None:
+        """Every waiting job learns its new position (called with the lock held)."""
+        for i, j in enumerate(self._queue, 1):
+            if j.queue_position != i:
+                j.queue_position = i
+                j.publish("queued", queue_position=i)
+
+    def cancel(self, job: Job) -> Job:
+        with self._cv:
+            if job.done:
+                return job
+            job.cancel.set()
+            if job in self._queue:
+                self._queue.remove(job)
+                self._finish(job, "cancelled", step=0)
+                self._reposition()
+        return job
+
+    def _finish(self, job: Job, status: str, **data) -> None:
+        job.status, job.completed_at, job.queue_position = status, time.time(), None
+        if status == "completed":
+            self.completed += 1
+        job.publish(status, **data)
+        self._finished.append(job.id)
+        while len(self._finished) > self.limits.keep_jobs:
+            self.jobs.pop(self._finished.popleft(), None)
+
+    def delete(self, job: Job) -> None:
+        self.cancel(job)
+        with self._cv:
+            self.jobs.pop(job.id, None)
+
+    def begin_shutdown(self) -> None:
+        """Refuses new jobs, cancels the waiting ones and the running one (between two steps)."""
+        with self._cv:
+            self._stopping = True
+            for job in list(self._queue):
+                job.cancel.set()
+                self._finish(job, "cancelled", step=0, reason="the service is shutting down")
+            self._queue.clear()
+            if self.running is not None:
+                self.running.cancel.set()
+            self._cv.notify_all()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.begin_shutdown()
+        self._thread.join(timeout)
+
+    # -- the worker --------------------------------------------------------------------------------
+    def _work(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as e:  # noqa: BLE001 - reported by main
+            self.load_error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        try:
+            while True:
+                with self._cv:
+                    while not self._queue and not self._stopping:
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    job = self._queue.popleft()
+                    self.running = job
+                    job.status, job.started_at, job.queue_position = "in_progress", time.time(), 0
+                    self._reposition()
+                self._run(job)
+                with self._cv:
+                    self.running = None
+        finally:
+            self.engine.close()
+
+    def _run(self, job: Job) -> None:
+        job.publish("started", steps=job.steps, seeds=job.seeds)
+
+        def on_event(name, **d):
+            if name == "step":
+                job.step, job.steps, job.s_per_step = d["step"], d["steps"], round(d["s_per_step"], 6)
+                job.publish("progress", step=d["step"], steps=d["steps"],
+                            seconds=round(d["seconds"], 6), s_per_step=job.s_per_step,
+                            eta_seconds=round(d["s_per_step"] * (d["steps"] - d["step"]), 3))
+            elif name == "preview":
+                for k, img in enumerate(d["images"]):
+                    job.publish("preview", step=d["step"], steps=d["steps"], image_index=k,
+                                output_format="png",
+                                b64_json=base64.b64encode(image_bytes(img, "png")).decode())
+            elif name == "resume":
+                rec = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in d.items()}
+                job.resumes.append(rec)
+                job.publish("resumed", **rec)
+
+        t0 = time.perf_counter()
+        try:
+            res = self.engine.run(job.request, on_event=on_event, cancel=job.cancel, checked=True)
+            if res.kind == "video":
+                outputs = [video_bytes(res.frames, res.fps)]
+            else:
+                outputs = [image_bytes(img, job.format) for img in res.images]
+        except Cancelled:
+            with self._cv:
+                self._finish(job, "cancelled", step=job.step)
+            return
+        except Exception as e:  # noqa: BLE001 - the job's error, one line
+            msg = " ".join(str(e).split()) or type(e).__name__
+            job.error = {"code": "generation_failed", "message": msg}
+            with self._cv:
+                self._finish(job, "failed", error=job.error)
+            return
+        job.outputs = outputs
+        job.result_info = {"seconds": round(time.perf_counter() - t0, 6),
+                           "pipeline_seconds": round(res.seconds, 6),
+                           "queue_seconds": round(job.started_at - job.created_at, 6),
+                           "pipeline_kwargs": {k: v for k, v in res.pipeline_kwargs.items()
+                                               if k not in ("prompt", "negative_prompt")}}
+        with self._cv:
+            self._finish(job, "completed")
+
+    # -- lookups -----------------------------------------------------------------------------------
+    def get(self, job_id: str, kind: str | None = None) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None or (kind is not None and job.kind != kind):
+            raise ApiError(404, f"no {kind or 'job'} '{job_id}' (finished jobs are kept for the "
+                                f"last {self.limits.keep_jobs})", param="id", code="not_found")
+        return job
+
+    def healthy(self) -> tuple[bool, str]:
+        t = self.engine.transformer if self.engine else None
+        if t is None or t._client is None:
+            return False, "the mesh is gone and could not be started again"
+        return True, "ok"
+
+
+# ---- reading requests ------------------------------------------------------------------------------
+_OPENAI_UNSUPPORTED = {"background", "moderation", "output_compression", "partial_images",
+                       "quality", "style", "user", "input_reference", "remix_video_id"}
+
+
+def _field(body: dict, key: str, kind, form: bool = False, default=None):
+    """body[key] as `kind` (int, float, str, bool), or default; a wrong type is a 400."""
+    if key not in body:
+        return default
+    v = body[key]
+    if v is None:
+        return default
+    if form and isinstance(v, str) and kind is not str:  # multipart fields are text
+        try:
+            v = {int: int, float: float}[kind](v) if kind in (int, float) else \
+                {"true": True, "false": False}[v.lower()]
+        except (KeyError, ValueError):
+            raise ApiError(400, f"'{key}' must be {_KIND[kind]}, got '{v}'", param=key,
+                           code="invalid_type") from None
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise ApiError(400, f"'{key}' must be {_KIND[kind]}, got {json.dumps(v)[:40]}",
+                       param=key, code="invalid_type")
+    return v
+
+
+_KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _check_keys(body: dict, allowed: set, where: str) -> None:
+    for k in body:
+        if k in allowed:
+            continue
+        if k in _OPENAI_UNSUPPORTED:
+            raise ApiError(400, f"'{k}' is an OpenAI field that meshdit does not implement",
+                           param=k, code="unsupported_parameter")
+        raise ApiError(400, f"unknown field '{k}' for {where} (known: {', '.join(sorted(allowed))})",
+                       param=k, code="unknown_parameter")
+
+
+def _parse_size(text: str | None) -> tuple[int | None, int | None]:
+    if text is None or text == "auto":
+        return None, None
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ApiError(400, f"size '{text}' is not WIDTHxHEIGHT (e.g. 1024x1024) or 'auto'",
+                       param="size", code="invalid_size") from None
+    if w < 1 or h < 1:
+        raise ApiError(400, f"size '{text}': width and height must be positive", param="size",
+                       code="invalid_size")
+    return w, h
+
+
+IMAGE_FIELDS = {"prompt", "model", "n", "size", "response_format", "output_format", "stream",
+                "negative_prompt", "steps", "guidance", "true_cfg", "seed",
+                "max_sequence_length", "preview_every"}
+VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "negative_prompt", "steps", "guidance",
+                "seed", "frames", "fps", "max_sequence_length", "preview_every"}
+
+
+def _common(body: dict, form: bool) -> dict:
+    return dict(prompt=_field(body, "prompt", str, form),
+                negative_prompt=_field(body, "negative_prompt", str, form),
+                steps=_field(body, "steps", int, form), guidance=_field(body, "guidance", float, form),
+                seed=_field(body, "seed", int, form),
+                max_sequence_length=_field(body, "max_sequence_length", int, form),
+                preview_every=_field(body, "preview_every", int, form, 0))
+
+
+def _check_model(svc: Service, body: dict, form: bool) -> None:
+    m = _field(body, "model", str, form)
+    if m is not None and m != svc.model_name:
+        raise ApiError(404, f"model '{m}' is not served here; this service runs "
+                            f"'{svc.model_name}'", param="model", code="model_not_found")
+
+
+def _engine_check(svc: Service, req: Request) -> Request:
+    lim = svc.limits
+    try:
+        return svc.engine.check(req, max_pixels=lim.max_pixels, max_frames=lim.max_frames,
+                                max_steps=lim.max_steps, max_n=lim.max_n)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
+
+
+def image_job(svc: Service, body: dict) -> tuple[Job, bool]:
+    _check_keys(body, IMAGE_FIELDS, "POST /v1/images/generations")
+    _check_model(svc, body, False)
+    if svc.engine.kind != "image":
+        raise ApiError(400, f"this service runs {svc.engine.class_name}, which makes videos: "
+                            f"use POST /v1/videos", code="wrong_endpoint")
+    c = _common(body, False)
+    if c["prompt"] is None:
+        raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    rf = _field(body, "response_format", str, False, "b64_json")
+    if rf != "b64_json":
+        raise ApiError(400, f"response_format '{rf}': meshdit answers with b64_json only (it "
+                            f"keeps no files to link to)", param="response_format",
+                       code="unsupported_value")
+    fmt = _field(body, "output_format", str, False, "png")
+    if fmt not in ("png", "jpeg", "webp"):
+        raise ApiError(400, f"output_format '{fmt}': png, jpeg or webp", param="output_format",
+                       code="unsupported_value")
+    n = _field(body, "n", int, False, 1)
+    if not 1 <= n <= svc.limits.max_n:
+        raise ApiError(400, f"n {n}: must be 1 to {svc.limits.max_n} (--max-n)", param="n",
+                       code="invalid_value")
+    size = _field(body, "size", str, False)
+    w, h = _parse_size(size)
+    req = _engine_check(svc, Request(width=w, height=h, n=n,
+                                     true_cfg=_field(body, "true_cfg", float, False), **c))
+    stream = _field(body, "stream", bool, False, False)
+    return Job("image", req, fmt, f"{req.width}x{req.height}"), stream
+
+
+def video_job(svc: Service, body: dict, form: bool) -> Job:
+    _check_keys(body, VIDEO_FIELDS, "POST /v1/videos")
+    _check_model(svc, body, form)
+    if svc.engine.kind != "video":
+        raise ApiError(400, f"this service runs {svc.engine.class_name}, which makes images: "
+                            f"use POST /v1/images/generations", code="wrong_endpoint")
+    c = _common(body, form)
+    if c["prompt"] is None:
+        raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    fps = _field(body, "fps", int, form, 16)
+    frames = _field(body, "frames", int, form)
+    seconds = body.get("seconds")
+    if seconds is not None:
+        if frames is not None:
+            raise ApiError(400, "give 'seconds' or 'frames', not both", param="seconds",
+                           code="invalid_value")
+        try:
+            secs = float(seconds)
+        except (TypeError, ValueError):
+            raise ApiError(400, f"'seconds' must be a number, got {json.dumps(seconds)[:40]}",
+                           param="seconds", code="invalid_type") from None
+        if not 0 < secs <= 3600 or not 1 <= fps <= 240:
+            raise ApiError(400, f"seconds {secs:g} at fps {fps}: out of range", param="seconds",
+                           code="invalid_value")
+        tm = svc.engine.defaults["frame_multiple"]
+        frames = max(0, round((secs * fps - 1) / tm)) * tm + 1  # the nearest tm*k + 1 frames
+    w, h = _parse_size(_field(body, "size", str, form))
+    req = _engine_check(svc, Request(width=w, height=h, frames=frames, fps=fps, **c))
+    return Job("video", req, "mp4", f"{req.width}x{req.height}")
+
+
+async def _read_json(request) -> dict:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY:
+        raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {MAX_BODY:,}",
+                       code="body_too_large")
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, f"the body is over the limit of {MAX_BODY:,} bytes", code="body_too_large")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _read_body(request) -> tuple[dict, bool]:
+    """JSON, or a multipart / urlencoded form (what OpenAI's client sends to /v1/videos)."""
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY:
+            raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {MAX_BODY:,}",
+                           code="body_too_large")
+        form = await request.form(max_files=0, max_fields=64)
+        body = {}
+        for k, v in form.multi_items():
+            if not isinstance(v, str):
+                raise ApiError(400, f"'{k}': file uploads are not supported", param=k,
+                               code="unsupported_parameter")
+            if k in body:
+                raise ApiError(400, f"'{k}' given twice", param=k, code="invalid_value")
+            body[k] = v
+        return body, True
+    return await _read_json(request), False
+
+
+# ---- the app ---------------------------------------------------------------------------------------
+def _sse(ev: dict, name: str | None = None) -> str:
+    return f"event: {name or ev['type']}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n"
+
+
+def create_app(svc: Service, api_key: str | None = None):
+    app = FastAPI(title="meshdit api", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):  # unknown path, wrong method
+        msg = {404: f"no endpoint {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return JSONResponse(ApiError(e.status_code, msg, code="not_found" if e.status_code == 404
+                                     else "method_not_allowed").body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        line = " ".join(str(e).split()) or type(e).__name__
+        return JSONResponse(ApiError(500, line, type="server_error", code="internal_error").body(),
+                            status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse(ApiError(401, "missing or wrong API key: send "
+                                                  "'Authorization: Bearer KEY'",
+                                             code="invalid_api_key").body(), status_code=401)
+        return await call_next(request)
+
+    def model_object() -> dict:
+        e = svc.engine
+        return {"id": svc.model_name, "object": "model", "created": int(e.created),
+                "owned_by": "meshdit", "pipeline": e.class_name, "kind": e.kind,
+                "family": e.transformer.info.get("family"),
+                "layout": {k: int(e.transformer.info.get(k, 1)) for k in ("tp", "ring", "ulysses")},
+                "device": e.transformer.info.get("device"), "dtype": e.transformer.info.get("dtype"),
+                "defaults": {k: v for k, v in e.defaults.items() if k != "max_sequence_length"},
+                "limits": dataclasses.asdict(svc.limits)}
+
+    @app.get("/health")
+    async def health():
+        ok, why = svc.healthy()
+        body = {"status": "ok" if ok else "error", "model": svc.model_name,
+                "queue": len(svc._queue), "running": svc.running.id if svc.running else None,
+                "completed": svc.completed,
+                "resumes": len(getattr(svc.engine.transformer, "resumes", []) or [])}
+        if not ok:
+            body["error"] = why
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != svc.model_name:
+            raise ApiError(404, f"model '{model_id}' is not served here; this service runs "
+                                f"'{svc.model_name}'", param="model", code="model_not_found")
+        return model_object()
+
+    # -- images ----------------------------------------------------------------------------------
+    @app.post("/v1/images/generations")
+    async def images(request: HTTPRequest):
+        body = await _read_json(request)
+        job, stream = image_job(svc, body)
+        svc.submit(job)
+        if stream:
+            return StreamingResponse(_image_stream(job), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache", "x-meshdit-job": job.id})
+        seen = 0
+        while not job.done:  # a client that goes away cancels its job
+            await job.wait_events(seen, 0.5)
+            seen = len(job.events)
+            if not job.done and await request.is_disconnected():
+                svc.cancel(job)
+                return Response(status_code=499)
+        return _image_response(job)
+
+    def _image_response(job: Job):
+        if job.status == "cancelled":
+            if svc._stopping:
+                raise ApiError(503, f"job {job.id} was cancelled: the service is shutting down",
+                               code="shutting_down", type="server_error")
+            raise ApiError(409, f"job {job.id} was cancelled", code="cancelled")
+        if job.status == "failed":
+            raise ApiError(500, job.error["message"], code="generation_failed", type="server_error")
+        data = [{"b64_json": base64.b64encode(b).decode(), "seed": s}
+                for b, s in zip(job.outputs, job.seeds)]
+        job.outputs = None  # delivered: the bytes are not kept
+        return {"created": int(job.completed_at), "data": data, "output_format": job.format,
+                "size": job.size_text, "meshdit": job.status_object()}
+
+    async def _image_stream(job: Job):
+        """OpenAI's image stream events (partial_image for previews, completed per image) and
+        meshdit's own (queued, started, progress, resumed) in between."""
+        seen, finished = 0, False
+        try:
+            while True:
+                await job.wait_events(seen, 15.0)
+                if len(job.events) == seen:
+                    yield ": keep-alive\n\n"
+                    continue
+                for ev in job.events[seen:]:
+                    seen += 1
+                    t = ev["type"]
+                    if t == "preview":
+                        yield _sse({"type": "image_generation.partial_image", "id": job.id,
+                                    "b64_json": ev["b64_json"], "created_at": ev["created_at"],
+                                    "size": job.size_text, "output_format": "png",
+                                    "background": "opaque", "quality": "auto",
+                                    "partial_image_index": ev["image_index"], "step": ev["step"],
+                                    "steps": ev["steps"]})
+                    elif t == "completed":
+                        for k, (b, s) in enumerate(zip(job.outputs, job.seeds)):
+                            yield _sse({"type": "image_generation.completed", "id": job.id,
+                                        "b64_json": base64.b64encode(b).decode(),
+                                        "created_at": ev["created_at"], "size": job.size_text,
+                                        "output_format": job.format, "background": "opaque",
+                                        "quality": "auto", "image_index": k, "seed": s,
+                                        "meshdit": job.status_object()})
+                        job.outputs = None
+                        finished = True
+                        return
+                    elif t in ("failed", "cancelled"):
+                        err = (job.error or {}).get("message") or f"job {job.id} was cancelled"
+                        finished = True
+                        yield _sse({"error": {"message": err, "type": "server_error" if t == "failed"
+                                              else "invalid_request_error", "param": None,
+                                              "code": "generation_failed" if t == "failed" else "cancelled"},
+                                    "type": f"image_generation.{t}", "id": job.id})
+                        return
+                    else:
+                        yield _sse({**ev, "type": f"image_generation.{t}"})
+        finally:
+            if not finished:  # the client left: its job is not wanted any more
+                svc.cancel(job)
+
+    # -- videos ----------------------------------------------------------------------------------
+    @app.post("/v1/videos")
+    async def create_video(request: HTTPRequest):
+        body, form = await _read_body(request)
+        job = svc.submit(video_job(svc, body, form))
+        return job.video_object(svc.model_name)
+
+    @app.get("/v1/videos")
+    async def list_videos():
+        data = [j.video_object(svc.model_name) for j in list(svc.jobs.values()) if j.kind == "video"]
+        return {"object": "list", "data": data, "has_more": False}
+
+    @app.get("/v1/videos/{job_id}")
+    async def get_video(job_id: str):
+        return svc.get(job_id, "video").video_object(svc.model_name)
+
+    @app.get("/v1/videos/{job_id}/content")
+    async def video_content(job_id: str, variant: str = "video"):
+        job = svc.get(job_id, "video")
+        if variant != "video":
+            raise ApiError(400, f"variant '{variant}': meshdit keeps the video only",
+                           param="variant", code="unsupported_value")
+        if job.status != "completed":
+            raise ApiError(409, f"video {job.id} is {job.status}, not completed",
+                           code="video_not_ready")
+        return Response(job.outputs[0], media_type="video/mp4")
+
+    @app.delete("/v1/videos/{job_id}")
+    async def delete_video(job_id: str):
+        job = svc.get(job_id, "video")
+        svc.delete(job)
+        return {"id": job.id, "object": "video.deleted", "deleted": True}
+
+    @app.post("/v1/videos/{job_id}/cancel")
+    async def cancel_video(job_id: str):
+        return svc.cancel(svc.get(job_id, "video")).video_object(svc.model_name)
+
+    @app.get("/v1/videos/{job_id}/events")
+    async def video_events(job_id: str):
+        return _events(svc.get(job_id, "video"))
+
+    # -- any job ---------------------------------------------------------------------------------
+    @app.get("/v1/jobs")
+    async def list_jobs():
+        return {"object": "list", "data": [j.status_object() for j in list(svc.jobs.values())]}
+
+    @app.get("/v1/jobs/{job_id}")
+    async def get_job(job_id: str):
+        return svc.get(job_id).status_object()
+
+    @app.post("/v1/jobs/{job_id}/cancel")
+    async def cancel_job(job_id: str):
+        return svc.cancel(svc.get(job_id)).status_object()
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def job_events(job_id: str):
+        return _events(svc.get(job_id))
+
+    def _events(job: Job):
+        async def gen():
+            seen = 0
+            while True:
+                await job.wait_events(seen, 15.0)
+                if len(job.events) == seen:
+                    if job.done:
+                        return
+                    yield ": keep-alive\n\n"
+                    continue
+                for ev in job.events[seen:]:
+                    seen += 1
+                    yield _sse({**ev, "type": f"job.{ev['type']}"})
+                if job.done and seen == len(job.events):
+                    return
+        return StreamingResponse(gen(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    return app
+
+
+# ---- the command -----------------------------------------------------------------------------------
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def main_api(argv: list[str]) -> int:
+    ap = _Parser(prog="meshdit api", description="An OpenAI-compatible image and video service: "
+                 "one diffusers pipeline resident, its transformer on a meshdit mesh.")
+    add_engine_options(ap)
+    s = ap.add_argument_group("the service")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; another is reachable by others: "
+                        "use --api-key)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed)")
+    s.add_argument("--api-key", default=os.environ.get("MESHDIT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default $MESHDIT_API_KEY)")
+    s.add_argument("--model-name", help="the model id clients name (default: --model's last part)")
+    lim = Limits()
+    for f in dataclasses.fields(Limits):
+        s.add_argument("--" + f.name.replace("_", "-"), type=int, default=getattr(lim, f.name),
+                       help=f"default {getattr(lim, f.name)}")
+    s.add_argument("--log-level", default="warning", help="uvicorn's (default warning)")
+    a = ap.parse_args(argv)
+    limits = Limits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Limits)})
+    for f in dataclasses.fields(Limits):
+        if getattr(limits, f.name) < (0 if f.name == "max_queue" else 1):
+            ap.error(f"--{f.name.replace('_', '-')} {getattr(limits, f.name)}: too small")
+    if not 0 <= a.port <= 65535:
+        ap.error(f"--port {a.port}: 0 to 65535")
+    if a.api_key is not None and not a.api_key:
+        ap.error("--api-key is empty")
+    # the model id: a folder's name, or the hub id as given
+    name = a.model_name or (os.path.basename(os.path.abspath(a.model)) if os.path.isdir(a.model)
+                            else a.model)
+
+    import uvicorn
+
+    def log(line):
+        print(line, flush=True)
+
+    def make():
+        e = engine_from_args(a, log=log)
+        e.created = time.time()
+        return e
+    svc = Service(make, limits, name)
+    stop = threading.Event()
+    prev = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    svc.start()
+    while not svc.ready.wait(0.1):
+        pass  # a stop signal during the load: the load finishes, then the mesh is closed
+    if svc.load_error is not None:
+        e = svc.load_error
+        print(str(e) if str(e).startswith("meshdit") else f"meshdit: error: {e}", file=sys.stderr)
+        return 1
+    if stop.is_set():
+        svc.shutdown()
+        return 0
+    try:
+        host = a.host.strip("[]")
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(fam, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, a.port))
+        sock.listen(128)
+    except OSError as e:
+        print(f"meshdit: error: cannot listen on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
+        svc.shutdown()
+        return 1
+    port = sock.getsockname()[1]
+    if not _loopback(host):
+        print(f"meshdit api: listening on {a.host}, which other machines can reach"
+              + ("" if a.api_key else " with no --api-key: anyone who reaches it can use it"),
+              flush=True)
+    for sig, h in prev.items():
+        signal.signal(sig, h)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            # a stop signal is the way to end the service: exit 0 afterwards, not the signal
+            getattr(self, "_captured_signals", []).clear()
+            threading.Thread(target=svc.begin_shutdown, daemon=True).start()
+
+    config = uvicorn.Config(create_app(svc, a.api_key), log_level=a.log_level,
+                            access_log=False, timeout_graceful_shutdown=30, lifespan="off")
+    server = _Server(config)
+    shown = f"[{host}]" if fam == socket.AF_INET6 else host
+    print(f"meshdit api: {svc.engine.class_name} '{name}' ({plan_line(svc.engine.transformer.info)})",
+          flush=True)
+    print(f"listening on http://{shown}:{port}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        svc.shutdown()
+    return 0
