@@ -247,6 +247,7 @@ typedef struct mdt_random_inputs {
     int64_t img_tokens, txt_tokens;
     double timestep, guidance;
     int64_t audio_tokens; /* MiniMax-H3 */
+    int negative;         /* also the unconditional branch's negative_NAME inputs (guidance) */
 } mdt_random_inputs;
 /* Adds the family's inputs, drawn from p->seed, to `out` (created by the caller). Local. */
 mdt_status mdt_model_make_inputs(const mdt_model *m, const mdt_random_inputs *p,
@@ -259,6 +260,10 @@ typedef struct mdt_sample_params {
                             0: `repeat` forwards of the same inputs (a benchmark) */
     int repeat;          /* forwards when steps = 0 (>= 1) */
     double step_timeout; /* the step watchdog, seconds; 0: 10 x the longest step so far, >= 60 */
+    /* > 0: classifier-free guidance at this scale, with the unconditional branch's inputs in
+     * the inputs as negative_NAME (docs/models.md): each step combines the two branches'
+     * predictions by the family's formula; with cfg 2 each cfg group runs one branch */
+    double guidance_scale;
     /* optional, on every rank after each step or forward (1-based), with its seconds */
     void (*on_step)(void *user, int step, int nsteps, double seconds);
     void *user;

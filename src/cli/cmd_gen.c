@@ -51,12 +51,14 @@ int cmd_gen(int argc, char **argv) {
 
 int cmd_inputs(int argc, char **argv) {
     cli_opts o;
+    static const char *const flags[] = {"negative", NULL};
     long long seed, img, txt, batch, audio;
     double t, g;
-    int rc = cli_parse_opts(argc, argv, &o, NULL);
+    int rc = cli_parse_opts(argc, argv, &o, flags);
     if (rc)
         return rc;
     const char *ck = cli_opt_str(&o, "checkpoint", NULL), *out = cli_opt_str(&o, "out", NULL);
+    const int negative = cli_opt_str(&o, "negative", NULL) != NULL;
     if ((rc = cli_opt_int(&o, "seed", 0, 0, INT64_MAX, &seed)) ||
         (rc = cli_opt_int(&o, "img-tokens", 16, 1, 1 << 24, &img)) ||
         (rc = cli_opt_int(&o, "txt-tokens", 8, 1, 1 << 24, &txt)) ||
@@ -81,7 +83,8 @@ int cmd_inputs(int argc, char **argv) {
                                      .txt_tokens = txt,
                                      .timestep = t,
                                      .guidance = g,
-                                     .audio_tokens = audio};
+                                     .audio_tokens = audio,
+                                     .negative = negative};
         st = mdt_model_info_make_inputs(info, &p, set);
     }
     if (st == MDT_OK)
@@ -90,7 +93,7 @@ int cmd_inputs(int argc, char **argv) {
     mdt_model_info_free(info);
     if (st != MDT_OK)
         return cli_fail_exit(st);
-    printf("wrote %s (seed %lld, batch %lld, %lld image + %lld text tokens)\n", out, seed, batch,
-           img, txt);
+    printf("wrote %s (seed %lld, batch %lld, %lld image + %lld text tokens%s)\n", out, seed, batch,
+           img, txt, negative ? ", with the unconditional branch's negative_ inputs" : "");
     return 0;
 }

@@ -27,8 +27,7 @@ static double params_at(const mdt_model_info *info, int tp) {
 
 /* The resident weights by TP degree and every rank's coordinates, shards and heads. */
 static void print_ranks(const mdt_model_info *info, long long cfg, long long tp, long long ring,
-                        long long uly,
-                        const char *order, const char *local_bytes) {
+                        long long uly, const char *order, const char *local_bytes) {
     /* per-rank resident weights for every valid TP degree up to 16 (ring and ulysses do not
      * shard weights: every CP rank holds its TP shard) */
     printf("resident weights per rank by tp degree (any ring x ulysses):\n");

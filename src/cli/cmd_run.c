@@ -83,6 +83,7 @@ typedef struct run_args {
     cli_layout l;
     int quiet;
     long long steps, repeat, step_timeout;
+    double guidance_scale;
 } run_args;
 
 static int parse_run(int argc, char **argv, run_args *a) {
@@ -98,8 +99,12 @@ static int parse_run(int argc, char **argv, run_args *a) {
         (rc = cli_opt_int(&o, "steps", 0, 0, 100000, &a->steps)) ||
         (rc = cli_opt_int(&o, "repeat", 1, 1, 100000, &a->repeat)) ||
         (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
+        (rc = cli_opt_double(&o, "guidance-scale", 0, &a->guidance_scale)) ||
         (rc = cli_opts_check_unused(&o)))
         return rc;
+    if (!(a->guidance_scale >= 0 && a->guidance_scale < 1e6))
+        return cli_usage_exit("--guidance-scale must be a number in [0, 1e6), got %g",
+                              a->guidance_scale);
     if (!a->ck || !a->inp || !a->out)
         return cli_usage_exit("run needs --checkpoint DIR --inputs FILE --out FILE");
     return 0;
@@ -138,6 +143,7 @@ int cmd_run(int argc, char **argv) {
     int printed = 0;
     mdt_sample_params sp = mdt_sample_params_default();
     sp.steps = (int)a.steps, sp.repeat = (int)a.repeat, sp.step_timeout = (double)a.step_timeout;
+    sp.guidance_scale = a.guidance_scale;
     sp.on_step = progress ? on_step : NULL, sp.user = &printed;
     st = mdt_sample(m, in, &sp, res, &stats);
     if (printed)

@@ -3,6 +3,7 @@
  * installs the library's test hooks (core/testhooks.h); the library never reads them itself.
  *   MESHDIT_TEST_SHARD_INDEX=world    a rank's TP shard index is its world rank (upstream bug)
  *   MESHDIT_TEST_SKIP_CP_SPLIT=1      every rank computes the whole sequence (upstream bug)
+ *   MESHDIT_TEST_CFG_SAME_BRANCH=1    cfg group 1 computes the conditional branch too
  *   MESHDIT_TEST_FAIL=PHASE:RANK[:kill]  world rank RANK fails at PHASE ("load": mid-load,
  *                                     "step": inside a forward, "stage": between two
  *                                     blocks), or dies by SIGKILL, raised here
@@ -31,10 +32,12 @@ static mdt_status at_point(const char *phase, int world_rank) {
 void cli_test_env_install(void) {
     const char *shard = getenv("MESHDIT_TEST_SHARD_INDEX");
     const char *skip = getenv("MESHDIT_TEST_SKIP_CP_SPLIT");
+    const char *same = getenv("MESHDIT_TEST_CFG_SAME_BRANCH");
     const char *fail = getenv("MESHDIT_TEST_FAIL");
     mdt_test_hooks h = {0};
     h.shard_index_world = shard && strcmp(shard, "world") == 0;
     h.skip_cp_split = skip && strcmp(skip, "1") == 0;
+    h.cfg_same_branch = same && strcmp(same, "1") == 0;
     int n = 0;
     if (fail && strlen(fail) < sizeof g_fail &&
         sscanf(fail, "%15[a-z]:%d%n", g_fail_phase, &g_fail_rank, &n) == 2) {
@@ -42,6 +45,6 @@ void cli_test_env_install(void) {
         g_fail_kill = strcmp(fail + n, ":kill") == 0;
         h.at_point = at_point;
     }
-    if (h.shard_index_world || h.skip_cp_split || h.at_point)
+    if (h.shard_index_world || h.skip_cp_split || h.cfg_same_branch || h.at_point)
         mdt_test_hooks_set(&h);
 }

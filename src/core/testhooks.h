@@ -12,6 +12,7 @@
 typedef struct mdt_test_hooks {
     int shard_index_world; /* a rank's TP shard index is its world rank (the upstream bug) */
     int skip_cp_split;     /* every rank computes the whole sequence (the upstream bug) */
+    int cfg_same_branch;   /* cfg group 1 computes the conditional branch too (a layout bug) */
     /* Called at named points of the library ("load": mid-load, "step": inside a forward's
      * first block, "stage": after MiniMax-H3's first block, between two blocks)
      * with the caller's world rank; a status other than MDT_OK makes the

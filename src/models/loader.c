@@ -5,6 +5,7 @@
  * of its TP shards, converted to f32 after slicing), and freed. Where the weights then live is
  * residency.c's business.
  */
+#include "models/inputs.h"
 #include "models/residency.h"
 
 #include "backend/backend.h"
@@ -270,13 +271,39 @@ void mdt_model_free(mdt_model *m) {
 
 const char *mdt_model_family(const mdt_model *m) { return m->fam->name; }
 
+/* negative_X for each branch input X of `out`: fresh N(0, 1) draws for float inputs that vary
+ * (text embeddings), a copy of the others (ids, masks: the same layout in both branches). */
+static mdt_status add_negatives(const mdt_model *m, mdt_rng *rng, mdt_tensor_set *out) {
+    const int n = mdt_tensor_set_count(out);
+    for (int i = 0; i < n; i++) {
+        const char *name;
+        const mdt_tensor *t = mdt_tensor_set_at(out, i, &name);
+        const mdt_input_decl *d = mdt_model_input(m, name);
+        if (!d || !(d->flags & MDT_IN_BRANCH))
+            continue;
+        char nn[MDT_NAME_MAX + 16];
+        snprintf(nn, sizeof nn, "negative_%s", name);
+        const int64_t k = mdt_tensor_numel(t);
+        int varies = 0;
+        for (int64_t j = 1; t->dtype == MDT_F32 && j < k && !varies; j++)
+            varies = ((const float *)t->data)[j] != ((const float *)t->data)[0];
+        if (!varies) {
+            MDT_TRY(mdt_tensor_set_add_copy(out, nn, t));
+            continue;
+        }
+        MDT_TRY(mdt_inputs_add_normal(out, nn, t->ndim, t->shape, rng));
+    }
+    return MDT_OK;
+}
+
 mdt_status mdt_model_random_inputs(const mdt_model *m, const mdt_inputs_params *p,
                                    mdt_tensor_set *out) {
     mdt_inputs_params q = *p;
     mdt_rng rng;
     q.batch = q.batch > 0 ? q.batch : 1;
     mdt_rng_seed(&rng, q.seed);
-    return m->fam->make_inputs(m->impl, &q, &rng, out);
+    MDT_TRY(m->fam->make_inputs(m->impl, &q, &rng, out));
+    return q.negative ? add_negatives(m, &rng, out) : MDT_OK;
 }
 
 mdt_model_dims mdt_model_dims_of(const mdt_model *m) {

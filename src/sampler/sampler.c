@@ -4,8 +4,9 @@
  * statistics gathered to world rank 0.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "sampler/run_stats.h"
 #include "io/checkpoint.h"
+#include "sampler/branches.h"
+#include "sampler/run_stats.h"
 #include "models/model.h"
 #include "tensor/tensor.h"
 
@@ -92,6 +93,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     int64_t coll[MDT_COLL_KIND_COUNT] = {0}, group[MDT_GROUP_COUNT] = {0}, world_colls = 0;
     mdt_tensor *lat = NULL, *tst = NULL;
     mdt_tensor_set *res = NULL;
+    mdt_branches br;
     if (!times)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     if (steps > 0) {
@@ -103,11 +105,17 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
                             fam->latent_input, fam->timestep_input);
         }
     }
+    /* guidance's two branches, or the cfg axis splitting the batch; every rank reads the same
+     * inputs, so every rank reaches the same verdict */
+    mdt_status st = mdt_branches_init(&br, m, in, p->guidance_scale, steps);
+    if (st != MDT_OK) {
+        free(times);
+        return st;
+    }
     /* the step watchdog: each forward arms it (mdt_model_forward), with this run's bound */
     const double saved_timeout = m->step_timeout;
     if (p->step_timeout > 0)
         mdt_model_set_step_timeout(m, p->step_timeout);
-    mdt_status st = MDT_OK;
     for (int i = 0; i < nsteps && st == MDT_OK; i++) {
         /* flow-matching Euler: sigma_i = 1 - i/N, x <- x + (sigma_{i+1} - sigma_i) v */
         double sig = 1.0 - (double)i / (double)nsteps, sig_next = 1.0 - (double)(i + 1) / nsteps;
@@ -121,7 +129,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         mdt_tensor_set_free(res);
         res = NULL;
         /* the last of the plain forwards writes straight into the caller's set */
-        const int direct = steps == 0 && i == nsteps - 1;
+        const int direct = steps == 0 && i == nsteps - 1 && !mdt_branches_active(&br);
         if (!direct && (st = mdt_tensor_set_create(&res)) != MDT_OK)
             break;
         int64_t c0[MDT_COLL_KIND_COUNT] = {0}, gb0[MDT_GROUP_COUNT] = {0}, w0 = 0;
@@ -134,7 +142,18 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         /* no barrier first: the previous forward's agreement (or the load's) left every rank
          * together */
         double ts = mdt_now();
-        st = mdt_model_forward(m, in, direct ? outputs : res); /* guarded, watched, agreed */
+        if (mdt_branches_active(&br)) {
+            /* both branches (in turn, or one per cfg group and one exchange), or this group's
+             * part of the batch: the prediction, the same on every rank, is the step's output */
+            mdt_tensor *o = NULL;
+            st = mdt_branches_step(&br, m, in, i);
+            if (st == MDT_OK)
+                st = mdt_tensor_set_add(res, fam->output, MDT_F32, br.out_ndim, br.out_shape, &o);
+            if (st == MDT_OK)
+                memcpy(o->data, br.v, sizeof(float) * (size_t)br.nv);
+        } else {
+            st = mdt_model_forward(m, in, direct ? outputs : res); /* guarded, watched, agreed */
+        }
         times[i] = mdt_now() - ts;
         per = *mdt_counters_get();
         for (int k = 0; mesh && k < MDT_COLL_KIND_COUNT; k++)
@@ -174,6 +193,10 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             p->on_step(p->user, i + 1, nsteps, times[i]);
     }
     m->step_timeout = saved_timeout;
+    /* a plain forward split between the cfg groups: its gathered output is the result */
+    if (st == MDT_OK && !lat && mdt_branches_active(&br))
+        st = mdt_tensor_set_add_copy(outputs, fam->output, mdt_tensor_set_get(res, fam->output));
+    mdt_branches_free(&br);
     mdt_tensor_set_free(res);
     /* the sampler's result is the final latent, under the model's output name */
     if (st == MDT_OK && lat)

@@ -89,7 +89,7 @@ cp -r "$DATA/flux_tiny" "$T/shape"
 sed -i 's/"pooled_projection_dim": 32/"pooled_projection_dim": 16/' "$T/shape/config.json"
 expect_error shape-mismatch 1 "text_embedder.linear_1.weight" "config.json implies" -- \
     "$BIN" run --checkpoint "$T/shape" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
-expect_error wrong-inputs 1 "hidden_states" "expected \\[2, 37, 4\\]" -- \
+expect_error wrong-inputs 1 "unknown tensor 'guidance'" "FluxTransformer2DModel takes" -- \
     "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_guidance/inputs.safetensors" --out "$T/out.safetensors"
 expect_error no-checkpoint 1 "config.json" -- \
     "$BIN" run --checkpoint "$T/nowhere" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
@@ -549,5 +549,57 @@ expect_error json-position 1 "config.json: invalid JSON near line 3, column 20 (
 write_st "$T/i16.safetensors" '{"encoder_hidden_states":{"dtype":"F32","shape":[1,48,32],"data_offsets":[0,6144]},"hidden_states":{"dtype":"F32","shape":[1,16,4],"data_offsets":[6144,6400]},"img_ids":{"dtype":"F32","shape":[16,3],"data_offsets":[6400,6592]},"pooled_projections":{"dtype":"F32","shape":[1,32],"data_offsets":[6592,6720]},"timestep":{"dtype":"I16","shape":[1],"data_offsets":[6720,6722]},"txt_ids":{"dtype":"F32","shape":[48,3],"data_offsets":[6722,7298]}}' 7298
 expect_error input-dtype 1 "inputs: tensor 'timestep' has dtype I16, which cannot be read as a number" -- \
     "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$T/i16.safetensors" --out "$T/out.safetensors"
+# the cfg axis: classifier-free guidance's two branches at once (negative_ inputs with
+# --guidance-scale) or, without guidance, the two halves of a batch. With the same inner layout
+# cfg 2 gives the bits of cfg 1 (each branch's forward does the same arithmetic); a group that
+# computes the wrong branch is caught by the exchange's tags; a layout or input that would leave a
+# group idle, or a guidance scale without negatives (or the reverse), is refused in one line
+"$BIN" inputs --checkpoint "$DATA/flux_tiny" --out "$T/neg.safetensors" --negative --batch 2 \
+    --seed 4 >/dev/null
+"$BIN" inputs --checkpoint "$DATA/flux_tiny" --out "$T/b3.safetensors" --batch 3 --seed 5 >/dev/null
+for inner in "" "--tp 2" "--ulysses 2" "--ring 2"; do
+    n=1; for k in $inner; do case $k in [0-9]*) n=$((n * k));; esac; done
+    rm -f "$T/g1.safetensors" "$T/g2.safetensors"
+    if timeout 300 "$MPIEXEC" -n $n "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs \
+            "$T/neg.safetensors" --out "$T/g1.safetensors" --steps 2 --guidance-scale 4 $inner \
+            --quiet 2>"$T/stderr" &&
+       timeout 300 "$MPIEXEC" -n $((2 * n)) "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs \
+            "$T/neg.safetensors" --out "$T/g2.safetensors" --steps 2 --guidance-scale 4 --cfg 2 \
+            $inner --report "$T/g2.json" --quiet 2>>"$T/stderr" &&
+       cmp -s "$T/g1.safetensors" "$T/g2.safetensors" &&
+       tr -d ' \t\n' <"$T/g2.json" | grep -q '"cfg":2' &&
+       ! tr -d ' \t\n' <"$T/g2.json" | grep -q '"cfg":0,"tp":0,"ring":0,"ulysses":0,"cp":0'; then ok
+    else bad "guided cfg 2 $inner: not the bits of cfg 1: $(head -c 300 "$T/stderr")"; fi
+done
+# the guidance changes the result (a scale that did nothing would pass the comparison above)
+"$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$T/neg.safetensors" --out "$T/g3.safetensors" \
+    --steps 2 --guidance-scale 1.5 --quiet 2>/dev/null
+if ! "$BIN" compare "$T/g3.safetensors" "$T/g1.safetensors" --tol 1e-3 >/dev/null; then ok
+else bad "the guidance scale did not change the result"; fi
+rm -f "$T/s1.safetensors" "$T/s2.safetensors"
+if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$T/b3.safetensors" --out "$T/s1.safetensors" \
+        --steps 2 --quiet && timeout 300 "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$DATA/flux_tiny" \
+        --inputs "$T/b3.safetensors" --out "$T/s2.safetensors" --steps 2 --cfg 2 --quiet &&
+   "$BIN" compare "$T/s2.safetensors" "$T/s1.safetensors" --tol 1e-6 >/dev/null; then ok
+else bad "a batch of 3 split by --cfg 2 differs from one rank"; fi
+CFGARGS=(run --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --steps 2)
+mpi_error cfg-idle 2 "a cfg group would idle" -- "${CFGARGS[@]}" --inputs \
+    "$DATA/flux_tiny/inputs.safetensors" --cfg 2
+mpi_error cfg-three 3 "--cfg must be an integer in \[1, 2\]" -- "${CFGARGS[@]}" --inputs "$DATA/flux_tiny/inputs.safetensors" --cfg 3
+expect_error cfg-no-scale 1 "negative_ tensors need a guidance scale" -- "$BIN" "${CFGARGS[@]}" \
+    --inputs "$T/neg.safetensors"
+expect_error cfg-no-negatives 1 "--guidance-scale 3 needs the unconditional branch's inputs" \
+    "encoder_hidden_states, pooled_projections, txt_ids" -- "$BIN" "${CFGARGS[@]}" --inputs \
+    "$DATA/flux_tiny/inputs.safetensors" --guidance-scale 3
+write_st "$T/negbad.safetensors" '{"encoder_hidden_states":{"dtype":"F32","shape":[1,48,32],"data_offsets":[0,6144]},"hidden_states":{"dtype":"F32","shape":[1,16,4],"data_offsets":[6144,6400]},"img_ids":{"dtype":"F32","shape":[16,3],"data_offsets":[6400,6592]},"pooled_projections":{"dtype":"F32","shape":[1,32],"data_offsets":[6592,6720]},"timestep":{"dtype":"F32","shape":[1],"data_offsets":[6720,6724]},"txt_ids":{"dtype":"F32","shape":[48,3],"data_offsets":[6724,7300]},"negative_encoder_hidden_states":{"dtype":"F32","shape":[1,48,31],"data_offsets":[7300,13252]},"negative_img_ids":{"dtype":"F32","shape":[16,3],"data_offsets":[13252,13444]}}' 13444
+expect_error cfg-negative-shape 1 "'negative_encoder_hidden_states' has shape \[1, 48, 31\]" \
+    "\[1, 48, 32\]" -- "$BIN" "${CFGARGS[@]}" --inputs "$T/negbad.safetensors" --guidance-scale 3
+write_st "$T/negbad.safetensors" '{"encoder_hidden_states":{"dtype":"F32","shape":[1,48,32],"data_offsets":[0,6144]},"hidden_states":{"dtype":"F32","shape":[1,16,4],"data_offsets":[6144,6400]},"img_ids":{"dtype":"F32","shape":[16,3],"data_offsets":[6400,6592]},"pooled_projections":{"dtype":"F32","shape":[1,32],"data_offsets":[6592,6720]},"timestep":{"dtype":"F32","shape":[1],"data_offsets":[6720,6724]},"txt_ids":{"dtype":"F32","shape":[48,3],"data_offsets":[6724,7300]},"negative_img_ids":{"dtype":"F32","shape":[16,3],"data_offsets":[7300,7492]}}' 7492
+expect_error cfg-negative-unknown 1 "'negative_img_ids': the unconditional branch" -- "$BIN" \
+    "${CFGARGS[@]}" --inputs "$T/negbad.safetensors" --guidance-scale 3
+export MESHDIT_TEST_CFG_SAME_BRANCH=1 # negative control: group 1 computes the conditional branch
+mpi_error cfg-same-branch 2 "no silent degrade: cfg group 1 sent branch 0" -- "${CFGARGS[@]}" \
+    --inputs "$T/neg.safetensors" --guidance-scale 3 --cfg 2
+unset MESHDIT_TEST_CFG_SAME_BRANCH
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]
