@@ -465,21 +465,30 @@ mdt_status mdt_calibrate(const mdt_model_info *info, int64_t tokens, mdt_device_
                          int *end_job);
 
 typedef struct mdt_layout_estimate {
-    int tp, ring, ulysses;
+    int cfg, tp, ring, ulysses;
     int valid;
     char why[256];                                        /* why the layout is rejected */
     double weight_bytes, act_bytes;                       /* per rank */
-    double flops_linear, flops_attn, flops_other;         /* per rank, one forward */
-    double bytes_tp, bytes_ulysses, bytes_ring, bytes_cp; /* sent per rank */
+    double flops_linear, flops_attn, flops_other;         /* per rank, one step */
+    double bytes_tp, bytes_ulysses, bytes_ring, bytes_cp; /* sent per rank, one step */
+    double bytes_cfg;                                     /* the cfg exchange, one step */
     double t_compute, t_comm, t_step;                     /* seconds */
 } mdt_layout_estimate;
-/* Every tp x ring x ulysses layout of `devices` devices for one forward of `tokens` tokens (the
- * attention sequence) of which `txt_tokens` are the text stream's (joint models: part of
- * `tokens`; cross-attention models: the encoder sequence) at `elem_bytes` per element on `dev`:
- * valid layouts first, fastest first. *out (free() it) gets *n entries. Local. */
-mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *dev, int devices,
-                            int64_t tokens, int64_t txt_tokens, double elem_bytes,
-                            mdt_layout_estimate **out, int *n);
+/* What to plan: a step of `tokens` tokens (the attention sequence) of which `txt_tokens` are the
+ * text stream's (joint models: part of `tokens`; cross-attention models: the encoder sequence),
+ * at `elem_bytes` per element, on `devices` devices; `guided`: the step runs two forwards
+ * (classifier-free guidance), so cfg 2 layouts (one branch per half of the devices, one
+ * exchange) are ranked beside cfg 1 (both branches in turn). */
+typedef struct mdt_plan_request {
+    int devices;
+    int64_t tokens, txt_tokens;
+    double elem_bytes;
+    int guided;
+} mdt_plan_request;
+/* Every layout of the request's devices on `dev`, valid layouts first, fastest step first.
+ * *out (free() it) gets *n entries. Local. */
+mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *dev,
+                            const mdt_plan_request *rq, mdt_layout_estimate **out, int *n);
 
 /* ---- random-weight checkpoints ---- */
 

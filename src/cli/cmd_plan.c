@@ -63,22 +63,24 @@ static int calibrate(mdt_model_info *info, const char *path, long long tokens) {
 
 int cmd_plan(int argc, char **argv) {
     cli_opts o;
+    static const char *const flags[] = {"guided", NULL};
     long long devices, tokens, txt, elem;
     double mem_gib;
-    int rc = cli_parse_opts(argc, argv, &o, NULL);
+    int rc = cli_parse_opts(argc, argv, &o, flags);
     if (rc)
         return rc;
     const char *ck = cli_opt_str(&o, "checkpoint", NULL), *cfgp = cli_opt_str(&o, "config", NULL);
     const char *devname = cli_opt_str(&o, "device", NULL);
     const char *devfile = cli_opt_str(&o, "device-file", NULL);
     const char *cal = cli_opt_str(&o, "calibrate", NULL);
+    const int guided = cli_opt_str(&o, "guided", NULL) != NULL;
     if ((rc = cli_opt_int(&o, "devices", 1, 1, 4096, &devices)) ||
         (rc = cli_opt_int(&o, "tokens", 4096, 1, 1 << 24, &tokens)) ||
         (rc = cli_opt_int(&o, "txt-tokens", 0, 0, 1 << 24, &txt)) ||
         (rc = cli_opt_double(&o, "device-mem", 0, &mem_gib)) ||
         (rc = cli_opt_int(&o, "bytes", 2, 1, 8, &elem)))
         return rc;
-    const char *const planning[] = {"devices", "txt-tokens", "device-mem", "bytes"};
+    const char *const planning[] = {"devices", "txt-tokens", "device-mem", "bytes", "guided"};
     for (size_t i = 0; cal && i < sizeof planning / sizeof *planning; i++)
         if (cli_opt_str(&o, planning[i], NULL))
             return cli_usage_exit("--%s plans; --calibrate only measures (plan with "
@@ -116,7 +118,8 @@ int cmd_plan(int argc, char **argv) {
         return cli_fail_exit(st);
     mdt_layout_estimate *est = NULL;
     int n = 0;
-    st = mdt_plan_layouts(info, &dev, (int)devices, tokens, txt, (double)elem, &est, &n);
+    const mdt_plan_request rq = {(int)devices, tokens, txt, (double)elem, guided};
+    st = mdt_plan_layouts(info, &dev, &rq, &est, &n);
     if (st != MDT_OK) {
         mdt_model_info_free(info);
         return cli_fail_exit(st);
@@ -127,9 +130,11 @@ int cmd_plan(int argc, char **argv) {
         return 0;
     }
     printf("plan: %s, %lld tokens (%lld text), %lld x %s (%.0f GiB, node of %d), %lld-byte "
-           "elements; one forward per step\n",
+           "elements; %s per step\n",
            mdt_model_info_family(info), tokens, txt, devices, dev.name,
-           dev.mem_bytes / 1073741824.0, dev.node_size, elem);
+           dev.mem_bytes / 1073741824.0, dev.node_size, elem,
+           guided ? "two forwards (guidance: cfg 1 runs them in turn, cfg 2 at once)"
+                  : "one forward");
     print_device(&dev);
     int inter = 0;
     for (int k = 0; k < MDT_COST_KIND_COUNT; k++)
@@ -139,21 +144,26 @@ int cmd_plan(int argc, char **argv) {
                "layouts whose axes span more than %d devices are costed with the figures inside "
                "a host; calibrate across hosts for them\n",
                dev.node_size);
-    printf("%-16s %9s %9s %10s %10s %10s %10s %10s %9s %9s %9s\n", "tp x ring x uly", "weights",
-           "activ.", "lin GFLOP", "attn GFLOP", "tp MB", "ulysses MB", "ring MB", "compute s",
-           "comm s", "step s");
+    printf("%-*s %9s %9s %10s %10s %10s %10s %10s %9s %9s %9s\n", guided ? 22 : 16,
+           guided ? "cfg x tp x ring x uly" : "tp x ring x uly", "weights", "activ.", "lin GFLOP",
+           "attn GFLOP", "tp MB", "ulysses MB", "ring MB", "compute s", "comm s", "step s");
     for (int i = 0; i < n; i++) {
         const mdt_layout_estimate *e = &est[i];
-        char lay[32];
-        snprintf(lay, sizeof lay, "%d x %d x %d", e->tp, e->ring, e->ulysses);
+        char lay[48];
+        if (guided)
+            snprintf(lay, sizeof lay, "%d x %d x %d x %d", e->cfg, e->tp, e->ring, e->ulysses);
+        else
+            snprintf(lay, sizeof lay, "%d x %d x %d", e->tp, e->ring, e->ulysses);
+        const int w = guided ? 22 : 16;
         if (!e->valid) {
-            printf("%-16s rejected: %s\n", lay, e->why);
+            printf("%-*s rejected: %s\n", w, lay, e->why);
             continue;
         }
-        printf("%-16s %8.2fG %8.2fG %10.1f %10.1f %10.1f %10.1f %10.1f %9.4f %9.4f %9.4f%s\n", lay,
-               e->weight_bytes / 1073741824.0, e->act_bytes / 1073741824.0, e->flops_linear * 1e-9,
-               e->flops_attn * 1e-9, e->bytes_tp * 1e-6, e->bytes_ulysses * 1e-6,
-               e->bytes_ring * 1e-6, e->t_compute, e->t_comm, e->t_step, i == 0 ? "  <- best" : "");
+        printf("%-*s %8.2fG %8.2fG %10.1f %10.1f %10.1f %10.1f %10.1f %9.4f %9.4f %9.4f%s\n", w,
+               lay, e->weight_bytes / 1073741824.0, e->act_bytes / 1073741824.0,
+               e->flops_linear * 1e-9, e->flops_attn * 1e-9, e->bytes_tp * 1e-6,
+               e->bytes_ulysses * 1e-6, e->bytes_ring * 1e-6, e->t_compute, e->t_comm, e->t_step,
+               i == 0 ? "  <- best" : "");
     }
     free(est);
     mdt_model_info_free(info);

@@ -80,6 +80,7 @@ typedef struct mdt_model_dims {
      * self-attention, joint or not), of the sequence over the text (cross-attention), and of
      * the text over itself (a text refiner, run whole on every rank) */
     int64_t self_attn, cross_attn, text_attn;
+    int64_t out; /* the prediction's features per latent token (what a guided step exchanges) */
 } mdt_model_dims;
 
 /* One input a forward takes, under diffusers' argument name. */

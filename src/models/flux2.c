@@ -136,7 +136,8 @@ static void flux2_dims(const void *impl, mdt_model_dims *d) {
                           .head_dim = f->head_dim,
                           .hidden = f->inner,
                           .ffn = f->mlp_hidden,
-                          .self_attn = f->layers + f->single_layers};
+                          .self_attn = f->layers + f->single_layers,
+                          .out = f->patch * f->patch * f->out_ch};
 }
 
 static mdt_status flux2_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {

@@ -71,7 +71,8 @@ static void h3_dims(const void *impl, mdt_model_dims *d) {
                           .hidden = f->hidden,
                           .ffn = f->ffn,
                           .self_attn = f->layers,
-                          .text_attn = f->refiner_layers};
+                          .text_attn = f->refiner_layers,
+                          .out = f->Pv};
 }
 
 static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {

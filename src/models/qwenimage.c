@@ -102,7 +102,8 @@ static void qwen_dims(const void *impl, mdt_model_dims *d) {
                           .head_dim = f->head_dim,
                           .hidden = f->inner,
                           .ffn = f->mlp_hidden,
-                          .self_attn = f->layers};
+                          .self_attn = f->layers,
+                          .out = f->patch * f->patch * f->out_ch};
 }
 
 static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {

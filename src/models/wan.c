@@ -154,7 +154,8 @@ static void wan_dims(const void *impl, mdt_model_dims *d) {
                           .ffn = f->ffn,
                           .text_cross = 1,
                           .self_attn = f->layers,
-                          .cross_attn = f->layers};
+                          .cross_attn = f->layers,
+                          .out = f->Pout};
 }
 
 static mdt_status wan_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {

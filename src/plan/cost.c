@@ -7,10 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Seconds of `calls` collectives of `kind` sending `bytes` per rank over the inter-node link or
- * not: the measured cost where the spec has it, else the flat bandwidth and latency. */
-static double coll_s(const mdt_device *dev, mdt_coll_cost_kind kind, int inter, double calls,
-                     double bytes) {
+double mdt_plan_coll_seconds(const mdt_device *dev, mdt_coll_cost_kind kind, int inter,
+                             double calls, double bytes) {
     if (calls <= 0)
         return 0;
     const mdt_link_cost *c = &dev->coll[inter ? MDT_LINK_INTER : MDT_LINK_INTRA][kind];
@@ -82,16 +80,18 @@ void mdt_estimate_layout(const mdt_model *m, int64_t S, int64_t L, double b, con
     const double t_attn = e->flops_attn / f_attn;
     e->t_compute = e->flops_linear / dev->flops + t_attn +
                    (dev->flops_other > 0 ? e->flops_other / dev->flops_other : 0);
-    const double t_ring =
-        coll_s(dev, MDT_COST_SENDRECV, x_r, R > 1 ? n_attn * (R - 1.0) : 0, e->bytes_ring);
+    const double t_ring = mdt_plan_coll_seconds(dev, MDT_COST_SENDRECV, x_r,
+                                                R > 1 ? n_attn * (R - 1.0) : 0, e->bytes_ring);
     /* the ring's next block travels while this one is attended, as far as the transport moves
      * data while no MPI call runs (measured: overlap; a preset assumes all of it) */
     const mdt_link_cost *rc = &dev->coll[x_r ? MDT_LINK_INTER : MDT_LINK_INTRA][MDT_COST_SENDRECV];
     const double hide = rc->bw > 0 ? rc->overlap : 1.0;
-    e->t_comm = coll_s(dev, MDT_COST_ALLREDUCE, x_tp, n_rowwise, e->bytes_tp) +
-                coll_s(dev, MDT_COST_ALLTOALL, x_u, U > 1 ? n_attn * 4.0 : 0, e->bytes_ulysses) +
-                t_ring - hide * fmin(t_ring, t_attn) +
-                coll_s(dev, MDT_COST_ALLGATHER, x_r || x_u, P > 1 ? 1 : 0, e->bytes_cp);
+    e->t_comm =
+        mdt_plan_coll_seconds(dev, MDT_COST_ALLREDUCE, x_tp, n_rowwise, e->bytes_tp) +
+        mdt_plan_coll_seconds(dev, MDT_COST_ALLTOALL, x_u, U > 1 ? n_attn * 4.0 : 0,
+                              e->bytes_ulysses) +
+        t_ring - hide * fmin(t_ring, t_attn) +
+        mdt_plan_coll_seconds(dev, MDT_COST_ALLGATHER, x_r || x_u, P > 1 ? 1 : 0, e->bytes_cp);
     e->t_step = e->t_compute + e->t_comm;
     if (e->weight_bytes + e->act_bytes > dev->mem_bytes) {
         snprintf(e->why, sizeof e->why,

@@ -22,6 +22,11 @@ typedef mdt_device_spec mdt_device;
  * "h200", "trn2" (one NeuronCore); NULL for another name. */
 const mdt_device *mdt_device_preset(const char *name);
 
+/* Seconds of `calls` collectives of `kind` sending `bytes` per rank over the inter-node link or
+ * not: the measured cost where the spec has it, else the flat bandwidth and latency. */
+double mdt_plan_coll_seconds(const mdt_device *dev, mdt_coll_cost_kind kind, int inter,
+                             double calls, double bytes);
+
 /* One forward, batch 1, S tokens (L of them the text stream's, or a cross-attention model's
  * encoder rows), elem_bytes per activation and weight element, under e->tp x e->ring x
  * e->ulysses (set by the caller): the rest of *e (meshdit.h: mdt_layout_estimate). */

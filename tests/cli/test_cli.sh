@@ -176,6 +176,13 @@ if "$BIN" plan --config configs/minimax_h3.json --devices 32 --device trn2 --tok
    grep -q "rejected: needs .* GiB per device" "$T/plan" &&
    [ "$(grep -c '^[0-9]* x [0-9]* x [0-9]* ' "$T/plan")" = 21 ]; then ok
 else bad "plan: $(head -5 "$T/plan")"; fi
+# a guided workload (two forwards a step) ranks cfg layouts beside the others: on two CPUs one
+# branch per rank beats every split of one forward
+if "$BIN" plan --config configs/qwen_image.json --devices 2 --tokens 4608 --txt-tokens 512 \
+        --device cpu --device-mem 200 --guided >"$T/plan_g" &&
+   grep -q "^2 x 1 x 1 x 1 .*<- best" "$T/plan_g" &&
+   [ "$(grep -c '^[12] x [0-9]* x [0-9]* x [0-9]* ' "$T/plan_g")" = 4 ]; then ok
+else bad "plan --guided: $(head -6 "$T/plan_g")"; fi
 # a config that leaves sizes out plans as the model it loads: the family's defaults, not 1s
 echo '{"_class_name": "FluxTransformer2DModel"}' >"$T/flux_min.json"
 echo '{"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": 64,

@@ -121,8 +121,29 @@ static void test_info_and_plan(void) {
     int n = 0;
     EXPECT_OK(mdt_device_spec_preset("h200", &dev));
     EXPECT_ERR(mdt_device_spec_preset("abacus", &dev), MDT_E_NOTFOUND, "abacus");
-    EXPECT_OK(mdt_plan_layouts(v, &dev, 4, 1024, 0, 2, &e, &n));
+    EXPECT_OK(mdt_plan_layouts(v, &dev, &(mdt_plan_request){4, 1024, 0, 2, 0}, &e, &n));
     EXPECT(n == 6 && e && e[0].valid && e[0].t_step <= e[1].t_step, "plan: %d layouts", n);
+    /* a guided step: cfg 1 layouts cost two forwards, cfg 2 ones a forward on half the devices
+     * and one exchange of the prediction */
+    mdt_layout_estimate *g = NULL, *one = NULL;
+    int ng = 0, n1 = 0;
+    EXPECT_OK(mdt_plan_layouts(v, &dev, &(mdt_plan_request){4, 1024, 0, 2, 1}, &g, &ng));
+    EXPECT_OK(mdt_plan_layouts(v, &dev, &(mdt_plan_request){2, 1024, 0, 2, 0}, &one, &n1));
+    int cfg2 = 0;
+    for (int i = 0; g && e && one && i < ng; i++)
+        for (int j = 0; j < (g[i].cfg == 1 ? n : n1); j++) {
+            const mdt_layout_estimate *b = g[i].cfg == 1 ? &e[j] : &one[j];
+            if (b->tp != g[i].tp || b->ring != g[i].ring || b->ulysses != g[i].ulysses)
+                continue;
+            cfg2 += g[i].cfg == 2;
+            EXPECT(g[i].cfg == 1 ? g[i].t_step == 2 * b->t_step && g[i].bytes_cfg == 0
+                                 : g[i].t_step > b->t_step && g[i].bytes_cfg > 0 &&
+                                       g[i].flops_linear == b->flops_linear,
+                   "guided cfg %d x %d x %d x %d: step %.6f vs %.6f", g[i].cfg, g[i].tp, g[i].ring,
+                   g[i].ulysses, g[i].t_step, b->t_step);
+        }
+    EXPECT(ng == 6 + 3 && cfg2 == 3, "guided plan: %d layouts, %d with cfg 2", ng, cfg2);
+    free(g), free(one);
     free(e);
     mdt_model_info_free(v);
     EXPECT_ERR(mdt_model_info_open("/nonexistent", NULL, 0, &v), MDT_E_NOTFOUND, "/nonexistent");
@@ -151,7 +172,7 @@ static void check_estimate(const char *dir, int64_t S, int64_t L) {
     mdt_layout_estimate *e = NULL;
     int n = 0;
     EXPECT_OK(mdt_device_spec_preset("cpu", &dev));
-    EXPECT_OK(mdt_plan_layouts(v, &dev, 1, S, L, 4, &e, &n));
+    EXPECT_OK(mdt_plan_layouts(v, &dev, &(mdt_plan_request){1, S, L, 4, 0}, &e, &n));
     const mdt_rank_stats *r = stats ? mdt_run_stats_rank(stats, 0) : NULL;
     EXPECT(r && e && n == 1, "%s: stats and one layout", dir);
     if (r && e && n == 1) {
@@ -193,9 +214,9 @@ static void test_device_file(void) {
     EXPECT_OK(mdt_model_info_open(CK, NULL, 0, &v));
     mdt_layout_estimate *e1 = NULL, *e2 = NULL;
     int n1 = 0, n2 = 0;
-    EXPECT_OK(mdt_plan_layouts(v, &back, 2, 4096, 0, 4, &e1, &n1));
+    EXPECT_OK(mdt_plan_layouts(v, &back, &(mdt_plan_request){2, 4096, 0, 4, 0}, &e1, &n1));
     back.coll[MDT_LINK_INTER][MDT_COST_ALLREDUCE].bw /= 100; /* only TP's all-reduce slower */
-    EXPECT_OK(mdt_plan_layouts(v, &back, 2, 4096, 0, 4, &e2, &n2));
+    EXPECT_OK(mdt_plan_layouts(v, &back, &(mdt_plan_request){2, 4096, 0, 4, 0}, &e2, &n2));
     for (int i = 0; e1 && e2 && i < n1 && i < n2; i++)
         for (int j = 0; j < n2; j++)
             if (e1[i].tp == e2[j].tp && e1[i].ring == e2[j].ring && e1[i].valid)
@@ -209,7 +230,7 @@ static void test_device_file(void) {
     for (int o = 0; o < 2; o++) {
         back.coll[MDT_LINK_INTER][MDT_COST_SENDRECV].overlap = o;
         back.coll[MDT_LINK_INTER][MDT_COST_SENDRECV].bw = 1e7;
-        EXPECT_OK(mdt_plan_layouts(v, &back, 2, 4096, 0, 4, &e1, &n1));
+        EXPECT_OK(mdt_plan_layouts(v, &back, &(mdt_plan_request){2, 4096, 0, 4, 0}, &e1, &n1));
         for (int i = 0; e1 && i < n1; i++)
             if (e1[i].ring == 2)
                 ring_comm[o] = e1[i].t_comm;
@@ -251,8 +272,7 @@ static void test_device_file(void) {
         {"{\"meshdit_device\": 1, \"name\": \"x\", \"name\": \"y\"}", "key name given twice"},
         {"{\"meshdit_device\": 1, \"name\": \"x\", \"flops\": {\"linear\": 1e9, \"linear\": 2e9}}",
          "key flops.linear given twice"},
-        {"{\"meshdit_device\": 1, \"name\": \"x\"} {\"meshdit_device\": 9}",
-         "after the JSON"},
+        {"{\"meshdit_device\": 1, \"name\": \"x\"} {\"meshdit_device\": 9}", "after the JSON"},
         {"{\"meshdit_device\": 1, \"name\": \"a\\u001b[2Jb\"}", "printable"},
         {"{\"meshdit_device\": 1, \"name\": \"vm\\u009b2J\"}", "printable"},
     };
@@ -282,8 +302,8 @@ static void test_small(void) {
     EXPECT_ERR(mdt_error_set(MDT_E_IO, "injected %d", 7), MDT_E_IO, "injected 7");
     mdt_coords co;
     EXPECT_OK(mdt_mesh_coords_of(&(mdt_layout){1, 2, 2, 2, "ulysses,tp,ring"}, 5, &co));
-    EXPECT(co.tp == 0 && co.ring == 1 && co.ulysses == 1 && co.cfg == 0, "coords %d %d %d",
-           co.tp, co.ring, co.ulysses);
+    EXPECT(co.tp == 0 && co.ring == 1 && co.ulysses == 1 && co.cfg == 0, "coords %d %d %d", co.tp,
+           co.ring, co.ulysses);
     /* cfg outermost unless the order says otherwise: rank 9 of cfg 2 x tp 2 x ring 2 x uly 2 */
     EXPECT_OK(mdt_mesh_coords_of(&(mdt_layout){2, 2, 2, 2, "ulysses,tp,ring"}, 9, &co));
     EXPECT(co.cfg == 1 && co.tp == 0 && co.ring == 1 && co.ulysses == 0, "cfg outermost");
