@@ -212,6 +212,10 @@ void mdt_model_free(mdt_model *m);
  * the caller must end the job). Errors: MDT_E_INVALID naming the tensor and the expectation for a
  * bad input. Collective over the model's mesh. */
 mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_tensor_set *outputs);
+/* What a cfg group that has no forward to run calls while the other group runs one
+ * (mdt_model_forward there): it joins that forward's agreement, under the watchdog, with its own
+ * status `local`; the same status as the forward's ranks. Collective over the model's mesh. */
+mdt_status mdt_model_sit_out(mdt_model *m, mdt_status local);
 /* The step watchdog's bound for the forwards of `m`, in seconds; 0 (the default): 10 x the
  * longest forward so far, at least 60 s. Local (set it to the same value on every rank). */
 void mdt_model_set_step_timeout(mdt_model *m, double seconds);
@@ -296,9 +300,9 @@ typedef struct mdt_rank_stats {
     int64_t heads_local;      /* attention heads on this rank's TP shard */
     int64_t weight_bytes, peak_bytes, max_rss_kib, bytes_read;
     double flops_linear, flops_attn, flops_other;
-    double seconds_linear, seconds_attn, seconds_other;    /* in those kernels (CPU: host wall time;
-                                                              a GPU: the launches only) */
-    int64_t attn_calls, attn_query_rows, attn_kv_rows;     /* rows x heads */
+    double seconds_linear, seconds_attn, seconds_other; /* in those kernels (CPU: host wall time;
+                                                           a GPU: the launches only) */
+    int64_t attn_calls, attn_query_rows, attn_kv_rows;  /* rows x heads */
     int64_t bytes_tp, bytes_ring, bytes_ulysses, bytes_cfg, bytes_cp; /* sent per mesh group */
     double ring_compute_s, ring_wait_s, prep_s;
     int64_t world_collectives; /* over the whole world in the step (agreements, barriers): 1 */

@@ -17,6 +17,21 @@ void mdt_model_set_step_timeout(mdt_model *m, double seconds) {
     m->step_timeout = seconds > 0 ? seconds : 0;
 }
 
+double mdt_model_step_bound(const mdt_model *m) {
+    if (m->step_timeout > 0)
+        return m->step_timeout;
+    return 10.0 * m->longest_s > 60.0 ? 10.0 * m->longest_s : 60.0;
+}
+
+mdt_status mdt_model_sit_out(mdt_model *m, mdt_status local) {
+    mdt_mesh *mesh = m->mesh;
+    /* the peers' forward is watched from here too */
+    mdt_mesh_set_deadline(mesh, mdt_model_step_bound(m));
+    const mdt_status st = mdt_mesh_agree(mesh, local);
+    mdt_mesh_set_deadline(mesh, 0);
+    return st;
+}
+
 void mdt_guard_finite(mdt_model *m, const char *what, const float *x, int64_t n) {
     if (m->nan_elem >= 0 || n <= 0 || mdt_backend_mem()) /* device rows: the outputs are checked */
         return;
@@ -80,10 +95,7 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
     mdt_mesh *mesh = m->mesh;
     /* watched: a rank that does not reach a collective of this forward within the bound ends
      * the job with one line naming it; default 10 x the longest forward so far, at least 60 s */
-    const double bound = m->step_timeout > 0          ? m->step_timeout
-                         : 10.0 * m->longest_s > 60.0 ? 10.0 * m->longest_s
-                                                      : 60.0;
-    mdt_mesh_set_deadline(mesh, bound);
+    mdt_mesh_set_deadline(mesh, mdt_model_step_bound(m));
     const double t0 = mdt_now();
     m->arena.src = mdt_backend_mem();       /* activations where the weights are */
     m->harena.src = mdt_backend_host_mem(); /* page-locked staging for the uploads */

@@ -92,6 +92,10 @@ mdt_model_dims mdt_model_dims_of(const mdt_model *m);
  * sequence; 0: the text rows are part of the joint sequence (Flux, Qwen-Image, ...). */
 int mdt_model_cross_attention(const mdt_model *m);
 
+/* The step watchdog's bound for the model's next collective wait: its step timeout, or 10 x the
+ * longest forward so far, at least 60 s. */
+double mdt_model_step_bound(const mdt_model *m);
+
 /* The family's declaration of input `name` for this model's configuration, or NULL when its
  * forward does not take it. */
 const mdt_input_decl *mdt_model_input(const mdt_model *m, const char *name);

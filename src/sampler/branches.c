@@ -235,15 +235,12 @@ static void combine(mdt_cfg_rule rule, double scale, const float *vc, const floa
  * from group j). */
 static mdt_status exchange(mdt_branches *br, mdt_model *m, int step, const int64_t counts[2]) {
     mdt_mesh *mesh = m->mesh;
-    const double bound = m->step_timeout > 0          ? m->step_timeout
-                         : 10.0 * m->longest_s > 60.0 ? 10.0 * m->longest_s
-                                                      : 60.0;
     int64_t *c = mesh->member_i64; /* per-member counts, the mesh's host scratch */
     for (int j = 0; j < 2; j++)
         c[j] = counts[j] + 1;
     if (!br->xchg && !(br->xchg = mdt_alloc(sizeof(float) * (size_t)(c[0] + c[1]))))
         return MDT_FAIL(MDT_E_NOMEM, "out of memory for the cfg exchange");
-    mdt_mesh_set_deadline(mesh, bound); /* a group that stops here ends the job, named */
+    mdt_mesh_set_deadline(mesh, mdt_model_step_bound(m)); /* a group stopped here is named */
     const mdt_status st = mdt_allgatherv_floats(mesh, MDT_GROUP_CFG, br->send, br->xchg, c);
     mdt_mesh_set_deadline(mesh, 0);
     MDT_TRY(st);
