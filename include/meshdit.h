@@ -243,6 +243,62 @@ void mdt_model_layout(const mdt_model *m, int *tp, int *ring, int *ulysses);
 int64_t mdt_model_weight_bytes(const mdt_model *m); /* resident weight bytes on this rank */
 int64_t mdt_model_bytes_read(const mdt_model *m);   /* checkpoint bytes this rank read */
 
+/* ---- LoRA adapters (docs/lora.md) ---- */
+
+/* Reads the LoRA adapter in the safetensors file `path` under `name` (1..63 characters, unique
+ * among the model's adapters), in diffusers/peft form: `[transformer.|base_model.model.]MODULE.
+ * lora_A.weight` and `.lora_B.weight` (or `lora_down` / `lora_up`), optional `MODULE.alpha` or
+ * diffusers' `lora_adapter_metadata` (lora_alpha, alpha_pattern, rank_pattern, use_rslora),
+ * optional `lora_B.bias`, with MODULE.weight a linear weight of the checkpoint (a Conv3d kept as
+ * a linear takes peft's conv factors). Each rank maps every key, checks every shape and reads only
+ * its slices of the factors (cut as the weight is). Nothing is applied yet: see
+ * mdt_model_set_adapters. Collective; every rank returns the same status. Errors: MDT_E_NOTFOUND
+ * / MDT_E_IO / MDT_E_FORMAT (the file), MDT_E_INVALID (keys that map to no weight of the model,
+ * all listed in one message; a module with one factor; a factor whose shape does not fit, naming
+ * the tensor and both shapes; a name in use), MDT_E_UNSUPPORTED (an adapter kind other than LoRA,
+ * named: DoRA, LoKr, LoHa, OFT, weight differences; a LoRA on a norm or another non-linear). */
+mdt_status mdt_model_lora_load(mdt_model *m, const char *name, const char *path);
+/* The same from a safetensors blob in memory (a server request), `shown` naming it. */
+mdt_status mdt_model_lora_load_mem(mdt_model *m, const char *name, const void *data, size_t size,
+                                   const char *shown);
+/* Makes the resident weights W0 + sum_i weights[i] s_i B_i A_i over the `n` named adapters
+ * (diffusers' set_adapters(names, weights) then fuse_lora; s_i the adapter's per-module scale),
+ * shard by shard without communication: computed in fp32 from the base weights W0 and rounded
+ * once to the resident dtype (f32, or bf16 under --dtype bf16; on a device the fused shard is
+ * uploaded by the load's own path). n = 0 brings every base weight back bit for bit (unfuse);
+ * so does an adapter at weight 0 for the tensors only it touches. Collective; every rank returns
+ * the same status, and after a failure every rank holds the base weights. MDT_E_NOTFOUND for a
+ * name not loaded, MDT_E_INVALID for a name given twice or a non-finite weight. */
+mdt_status mdt_model_set_adapters(mdt_model *m, int n, const char *const *names,
+                                  const double *weights);
+/* Unloads adapter `name` (NULL: every adapter), first taking it out of the fused weights (the
+ * other active adapters stay fused). Collective. MDT_E_NOTFOUND for a name not loaded. */
+mdt_status mdt_model_lora_unload(mdt_model *m, const char *name);
+/* Where mdt_model_set_adapters takes the base weights back from: re-read from the checkpoint
+ * (the rank's own bytes, shard-on-read; the default: no memory, refused if a shard file changed
+ * since the load) or a copy of each touched shard kept at its first fuse (its resident bytes
+ * again: faster, costs those bytes). Local; MDT_E_INVALID while any adapter is fused. */
+typedef enum mdt_lora_base { MDT_LORA_BASE_REREAD = 0, MDT_LORA_BASE_COPY = 1 } mdt_lora_base;
+mdt_status mdt_model_set_lora_base(mdt_model *m, mdt_lora_base how);
+
+/* One loaded adapter on this rank. */
+typedef struct mdt_lora_info {
+    const char *name, *source; /* borrowed from the model */
+    int targets;               /* linear weights it adapts */
+    int64_t rank_min, rank_max;
+    int active;         /* in the fused set */
+    double weight;      /* its weight there */
+    int64_t bytes;      /* host bytes of this rank's factor slices */
+    int64_t bytes_read; /* adapter bytes this rank read */
+} mdt_lora_info;
+int mdt_model_lora_count(const mdt_model *m);
+mdt_status mdt_model_lora_info(const mdt_model *m, int i, mdt_lora_info *out);
+/* What the last mdt_model_set_adapters cost on this rank: seconds fusing (the factor products
+ * and the rounding), seconds bringing base weights back, checkpoint bytes re-read for them, and
+ * host bytes of kept copies (MDT_LORA_BASE_COPY). */
+void mdt_model_lora_costs(const mdt_model *m, double *fuse_s, double *base_s, int64_t *reread_bytes,
+                          int64_t *copy_bytes);
+
 /* Random inputs of a model's family (the `meshdit inputs` command); a family reads the fields
  * it understands. */
 typedef struct mdt_random_inputs {
@@ -411,6 +467,23 @@ const char *mdt_model_info_cp_entry(const mdt_model_info *info, int gather, int 
 mdt_status mdt_model_info_check_layout(const mdt_model_info *info, int tp, int ring, int ulysses);
 mdt_status mdt_model_info_make_inputs(const mdt_model_info *info, const mdt_random_inputs *p,
                                       mdt_tensor_set *out);
+/* What the LoRA adapter at `path` adapts under TP degree `tp`, without loading weights (inspect):
+ * one entry per adapted linear, in the model's table order, with the slices of its factors each
+ * rank holds. *out (mdt_lora_targets_free it) gets *n entries; names are borrowed from `info`.
+ * Errors as mdt_model_lora_load's. Local. */
+typedef struct mdt_lora_target_info {
+    const char *weight;   /* the adapted weight */
+    const char *tp_style; /* its TP style */
+    int64_t rank;
+    double scale;        /* alpha / r */
+    int64_t a_local[2];  /* this rank's slice of A [r, in] */
+    int64_t b_local[2];  /* and of B [out, r] */
+    int has_bias;        /* the adapter has lora_B.bias for it */
+    int64_t bytes_local; /* f32 bytes of both slices (and the bias's) per rank */
+} mdt_lora_target_info;
+mdt_status mdt_model_info_lora(const mdt_model_info *info, const char *path, int tp,
+                               mdt_lora_target_info **out, int *n);
+void mdt_lora_targets_free(mdt_lora_target_info *t);
 
 /* ---- layout planning: the scaling model's estimate of every layout of N devices ---- */
 

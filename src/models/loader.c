@@ -6,6 +6,7 @@
  * residency.c's business.
  */
 #include "models/inputs.h"
+#include "models/lora.h"
 #include "models/residency.h"
 
 #include "backend/backend.h"
@@ -55,8 +56,8 @@ mdt_status mdt_model_check_layout(const mdt_model *m, int T, int R, int U) {
 
 /* Reads this rank's shard of `w` straight into `dst` (f32), touching only its bytes for
  * replicated and dim-0 tensors; dim-1 pieces go through a bounded window when they are small. */
-static mdt_status read_shard(const mdt_ckpt_ref *ref, const mdt_weight_spec *w, int T, int k,
-                             float *dst) {
+mdt_status mdt_model_read_shard(const mdt_ckpt_ref *ref, const mdt_weight_spec *w, int T, int k,
+                                float *dst) {
     int64_t st[MDT_MAX_BLOCKS], ln[MDT_MAX_BLOCKS];
     int n;
     MDT_TRY(mdt_shard_ranges(w, T, k, st, ln, &n));
@@ -150,7 +151,7 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *m
         st = mdt_ckpt_find(ck, m->table.specs[i].name, &ref);
         int64_t before = mdt_counters_get()->bytes_read;
         if (st == MDT_OK)
-            st = read_shard(ref, &m->table.specs[i], T, k, dst);
+            st = mdt_model_read_shard(ref, &m->table.specs[i], T, k, dst);
         if (st != MDT_OK)
             break;
         m->ws[i].bytes_read = mdt_counters_get()->bytes_read - before;
@@ -190,7 +191,8 @@ mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh)
     MDT_TRY(mdt_mesh_agree(mesh, st));
     m->mesh = mesh, m->T = T, m->tp_index = k;
     m->sharded_at_load = T > 1;
-    return MDT_OK;
+    /* where a LoRA's unfuse reads the base weights again (lora_fuse.c) */
+    return mdt_mesh_agree(mesh, mdt_lora_note_checkpoint(m, ck));
 }
 
 /* Resident weight bytes per rank at degree T (0 if the layout is invalid): 4 per weight, 2 for
@@ -256,6 +258,7 @@ fail:
 void mdt_model_free(mdt_model *m) {
     if (!m)
         return;
+    mdt_lora_state_free(m);
     mdt_arena_release(&m->arena);
     mdt_arena_release(&m->harena);
     mdt_wtable_free(&m->table);

@@ -50,12 +50,17 @@ struct mdt_model {
      * the first stage of the current forward whose rows went non-finite on this rank */
     double step_timeout, longest_s;
     char nan_stage[48];
-    int64_t nan_elem; /* -1: none */
+    int64_t nan_elem;            /* -1: none */
+    struct mdt_lora_state *lora; /* LoRA adapters and what they did to the shards (lora.h) */
 };
 
 /* Loads the weights of a described model from `ck`, each rank reading only its TP shards for
  * `mesh` (NULL: whole). Ring/ulysses only matter to the forward. Collective. */
 mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh);
+/* Reads coordinate k of T's shard of `w` from `ref` into dst (f32, the local shape), only its
+ * bytes: the loader's read, also the LoRA factors' and the base weights' read again. */
+mdt_status mdt_model_read_shard(const mdt_ckpt_ref *ref, const mdt_weight_spec *w, int T, int k,
+                                float *dst);
 /* Checks a T x R x U layout against the model (heads, every sharded dim and packed block). */
 mdt_status mdt_model_check_layout(const mdt_model *m, int T, int R, int U);
 /* No silent NaN: this rank's rows x[0:n] of a forward stage (the embeddings, each block's

@@ -3,6 +3,7 @@
  * (TP coordinate 0's values broadcast so ranks agree, each rank keeps its slices). Gives the same
  * bits as shard-on-read.
  */
+#include "models/lora.h"
 #include "models/residency.h"
 
 #include "parallel/shard.h"
@@ -11,6 +12,9 @@
 
 mdt_status mdt_model_parallelize(mdt_model *m, mdt_mesh *mesh) {
     mdt_status st = MDT_OK;
+    if (m->lora && m->lora->n)
+        return MDT_FAIL(MDT_E_INVALID, "the model holds LoRA adapters, whose slices are cut for "
+                                       "its layout: unload them before parallelize");
     if (m->sharded_at_load || m->mesh)
         return MDT_FAIL(MDT_E_INVALID,
                         "model is already parallel: parallelism was applied at load time "

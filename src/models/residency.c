@@ -145,7 +145,9 @@ mdt_status mdt_res_dev_prepare(mdt_model *m) {
 
 /* Queues tensor i's host slice to the device (bf16: through the f32 scratch past the f32 slots,
  * converted on the device). Returns at once: the next tensor's read overlaps the copy. */
-void mdt_res_dev_upload(mdt_model *m, int i) {
+void mdt_res_dev_upload(mdt_model *m, int i) { mdt_res_dev_upload_from(m, i, m->ws[i].data); }
+
+void mdt_res_dev_upload_from(mdt_model *m, int i, const float *src) {
     const mdt_device_ops *ops = mdt_backend_device_ops();
     const int64_t n = m->ws[i].local[0] * m->ws[i].local[1];
     if (n == 0)
@@ -156,10 +158,10 @@ void mdt_res_dev_upload(mdt_model *m, int i) {
             if (m->ws[j].dev &&
                 m->ws[j].dev + slot_floats(m->ws[j].local[0] * m->ws[j].local[1]) > scratch)
                 scratch = m->ws[j].dev + slot_floats(m->ws[j].local[0] * m->ws[j].local[1]);
-        ops->to_device_async(scratch, m->ws[i].data, sizeof(float) * (size_t)n);
+        ops->to_device_async(scratch, src, sizeof(float) * (size_t)n);
         ops->to_bf16(m->ws[i].devh, scratch, n);
     } else {
-        ops->to_device_async(m->ws[i].dev, m->ws[i].data, sizeof(float) * (size_t)n);
+        ops->to_device_async(m->ws[i].dev, src, sizeof(float) * (size_t)n);
     }
 }
 

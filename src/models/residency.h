@@ -23,6 +23,9 @@ void mdt_res_bind(mdt_model *m);
  * read overlaps the copy); wait, free the host buffer and bind the device slots; free them. */
 mdt_status mdt_res_dev_prepare(mdt_model *m);
 void mdt_res_dev_upload(mdt_model *m, int i);
+/* The same from `src` (f32, tensor i's local shape) instead of its host slice: a LoRA's fused
+ * shard or its base read again go up the load's path (bf16 slots rounded on the device). */
+void mdt_res_dev_upload_from(mdt_model *m, int i, const float *src);
 mdt_status mdt_res_dev_finish(mdt_model *m);
 void mdt_res_dev_release(mdt_model *m);
 /* Weights back to a plain f32 host buffer (for parallelize and gather), and to where the backend
