@@ -39,6 +39,8 @@ const char *cli_opt_str(cli_opts *o, const char *key, const char *def);
 int cli_opt_int(cli_opts *o, const char *key, long long def, long long lo, long long hi,
                 long long *out);
 int cli_opt_double(cli_opts *o, const char *key, double def, double *out);
+/* Every value of the repeatable option `key`, in order, into vals[cap]; returns the count. */
+int cli_opt_all(cli_opts *o, const char *key, const char **vals, int cap);
 /* The usage exit code naming the first option no command read, or 0. */
 int cli_opts_check_unused(cli_opts *o);
 
@@ -58,6 +60,10 @@ mdt_layout cli_mesh_layout(const cli_layout *l);
  * over `mesh` (after mdt_device_select). Collective; *load_s gets the load's seconds. */
 mdt_status cli_load_model(const cli_layout *l, const char *checkpoint, mdt_mesh *mesh,
                           const mdt_tensor_set *inputs, mdt_model **m, double *load_s);
+/* `--lora FILE[:SCALE]` (repeatable, scale 1 by default) on a loaded model: each file loaded
+ * under its base name (without .safetensors; #2, #3 ... for repeats), then all fused at their
+ * scales (mdt_model_set_adapters). Collective; *lora_s gets the seconds. */
+mdt_status cli_load_loras(mdt_model *m, const char *const *specs, int n, double *lora_s);
 /* Monotonic seconds. */
 double cli_now_s(void);
 

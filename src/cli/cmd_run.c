@@ -77,6 +77,26 @@ static void print_plan(const mdt_model *m, const char *order, const mdt_run_stat
            sampling ? "step" : "forward", med > 0 ? tot0 / med * 1e-9 : 0.0, out);
 }
 
+/* The adapters fused into the weights (--lora), rank 0's view. */
+static void print_adapters(const mdt_model *m, double lora_s) {
+    double fuse_s, base_s;
+    int64_t reread, copy;
+    if (!mdt_model_lora_count(m))
+        return;
+    mdt_model_lora_costs(m, &fuse_s, &base_s, &reread, &copy);
+    for (int i = 0; i < mdt_model_lora_count(m); i++) {
+        mdt_lora_info li;
+        char b[32];
+        mdt_model_lora_info(m, i, &li);
+        cli_fmt_bytes((double)li.bytes, b, sizeof b);
+        printf("adapter %s (%s): scale %g, %d linear weights, rank %lld..%lld, %s of factors on "
+               "rank 0 (read %lld B)\n",
+               li.name, li.source, li.weight, li.targets, (long long)li.rank_min,
+               (long long)li.rank_max, b, (long long)li.bytes_read);
+    }
+    printf("adapters loaded and fused in %.3f s (fusing %.3f s on rank 0)\n", lora_s, fuse_s);
+}
+
 /* The options of `meshdit run`. */
 typedef struct run_args {
     const char *ck, *inp, *out, *report;
@@ -84,6 +104,8 @@ typedef struct run_args {
     int quiet;
     long long steps, repeat, step_timeout;
     double guidance_scale;
+    const char *lora[16]; /* --lora FILE[:SCALE], repeatable */
+    int nlora;
 } run_args;
 
 static int parse_run(int argc, char **argv, run_args *a) {
@@ -95,6 +117,9 @@ static int parse_run(int argc, char **argv, run_args *a) {
     a->ck = cli_opt_str(&o, "checkpoint", NULL), a->inp = cli_opt_str(&o, "inputs", NULL);
     a->out = cli_opt_str(&o, "out", NULL), a->report = cli_opt_str(&o, "report", NULL);
     a->quiet = cli_opt_str(&o, "quiet", NULL) != NULL;
+    a->nlora = cli_opt_all(&o, "lora", a->lora, 16);
+    if (a->nlora > 16)
+        return cli_usage_exit("at most 16 --lora adapters, got %d", a->nlora);
     if ((rc = cli_parse_layout(&o, &a->l)) ||
         (rc = cli_opt_int(&o, "steps", 0, 0, 100000, &a->steps)) ||
         (rc = cli_opt_int(&o, "repeat", 1, 1, 100000, &a->repeat)) ||
@@ -133,8 +158,10 @@ int cmd_run(int argc, char **argv) {
     st = mdt_mesh_agree(mesh, mdt_tensor_set_load(a.inp, &in));
     if (st != MDT_OK)
         goto done;
-    double load_s = 0;
+    double load_s = 0, lora_s = 0;
     st = cli_load_model(&a.l, a.ck, mesh, in, &m, &load_s);
+    if (st == MDT_OK && a.nlora)
+        st = cli_load_loras(m, a.lora, a.nlora, &lora_s);
     if (st == MDT_OK)
         st = mdt_tensor_set_create(&res);
     if (st != MDT_OK)
@@ -163,8 +190,10 @@ int cmd_run(int argc, char **argv) {
     if (cli_rank == 0 && !a.quiet)
         print_device(m);
     st = mdt_mesh_agree(mesh, st);
-    if (st == MDT_OK && !a.quiet && cli_rank == 0)
+    if (st == MDT_OK && !a.quiet && cli_rank == 0) {
         print_plan(m, a.l.order, stats, load_s, a.out);
+        print_adapters(m, lora_s);
+    }
 done:
     if (st != MDT_OK && mdt_mesh_peers_stuck(mesh)) {
         /* this rank failed inside a step while its peers wait in a collective: no agreement is

@@ -28,6 +28,8 @@ typedef struct serve_args {
     cli_layout l;
     long long max_sessions, step_timeout;
     int64_t max_session_bytes, max_request_bytes;
+    const char *lora[16]; /* --lora FILE[:SCALE], repeatable */
+    int nlora;
 } serve_args;
 
 /* A size option (--max-session-bytes 1G) into *out, `def` when absent. */
@@ -52,6 +54,9 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
     a->ck = cli_opt_str(&o, "checkpoint", NULL);
     a->listen = cli_opt_str(&o, "listen", NULL);
     a->listen_any = cli_opt_str(&o, "listen-any", NULL) != NULL;
+    a->nlora = cli_opt_all(&o, "lora", a->lora, 16);
+    if (a->nlora > 16)
+        return cli_usage_exit("at most 16 --lora adapters, got %d", a->nlora);
     if ((rc = cli_parse_layout(&o, &a->l)) ||
         (rc = cli_opt_int(&o, "max-sessions", def.max_sessions, 0, 4096, &a->max_sessions)) ||
         (rc = opt_size(&o, "max-session-bytes", def.max_session_bytes, &a->max_session_bytes)) ||
@@ -86,6 +91,9 @@ int cmd_serve(int argc, char **argv) {
     double load_s = 0;
     if (st == MDT_OK)
         st = cli_load_model(&a.l, a.ck, mesh, none, &m, &load_s);
+    double lora_s = 0;
+    if (st == MDT_OK && a.nlora) /* fused before the first request */
+        st = cli_load_loras(m, a.lora, a.nlora, &lora_s);
     if (st == MDT_OK) {
         struct sigaction sa;
         memset(&sa, 0, sizeof sa);

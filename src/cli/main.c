@@ -38,9 +38,10 @@ void cli_usage(FILE *fp) {
         "          [--tp T --ring R --ulysses U] [--mesh-order tp,ring,ulysses]\n"
         "          [--report FILE.json] [--max-memory SIZE] [--step-timeout S] [--quiet]\n"
         "          [--device cpu|cuda] [--dtype f32|bf16] [--comm auto|mpi|nccl]\n"
+        "          [--lora FILE[:SCALE]]...   (docs/lora.md)\n"
         "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
         "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n"
-        "          [--mesh-order ORDER]\n"
+        "          [--mesh-order ORDER] [--lora FILE]...\n"
         "  gather  --checkpoint DIR --out DIR [--tp T]   (under mpiexec -n T)\n"
         "  plan    (--checkpoint DIR | --config FILE) --devices N [--device cpu|h100|h200|trn2]\n"
         "          [--device-file FILE] [--device-mem GiB] [--tokens S] [--txt-tokens L]\n"
@@ -51,7 +52,7 @@ void cli_usage(FILE *fp) {
         "          [--tp T --ring R --ulysses U] [--mesh-order O] [--device cpu|cuda]\n"
         "          [--dtype f32|bf16] [--comm auto|mpi|nccl] [--max-memory SIZE]\n"
         "          [--max-sessions N] [--max-session-bytes SIZE] [--max-request-bytes SIZE]\n"
-        "          [--step-timeout S]   (docs/serve.md)\n");
+        "          [--step-timeout S] [--lora FILE[:SCALE]]...   (docs/serve.md)\n");
 }
 
 /* The launcher forwards a rank's stdout and stderr through pipes, and on MPI_Abort it kills every

@@ -102,6 +102,18 @@ int cli_opt_double(cli_opts *o, const char *key, double def, double *out) {
     return 0;
 }
 
+int cli_opt_all(cli_opts *o, const char *key, const char **vals, int cap) {
+    int n = 0;
+    for (int i = 0; i < o->n; i++)
+        if (strcmp(o->keys[i], key) == 0) {
+            o->used[i] = 1;
+            if (n < cap)
+                vals[n] = o->vals[i];
+            n++;
+        }
+    return n;
+}
+
 int cli_opts_check_unused(cli_opts *o) {
     for (int i = 0; i < o->n; i++)
         if (!o->used[i])
@@ -165,5 +177,57 @@ mdt_status cli_load_model(const cli_layout *l, const char *checkpoint, mdt_mesh 
     const double t0 = cli_now_s();
     st = mdt_model_load(&lp, m);
     *load_s = cli_now_s() - t0;
+    return st;
+}
+
+enum { MDT_LORA_NAME = 64 };
+
+/* FILE[:SCALE]: the part after the last ':' is the scale when it reads as a number. */
+static void lora_spec(const char *spec, char *path, size_t cap, double *scale) {
+    const char *colon = strrchr(spec, ':');
+    char *end = NULL;
+    *scale = 1.0;
+    if (colon && colon[1]) {
+        const double v = strtod(colon + 1, &end);
+        if (*end == 0 && isfinite(v)) {
+            *scale = v;
+            snprintf(path, cap, "%.*s", (int)(colon - spec), spec);
+            return;
+        }
+    }
+    snprintf(path, cap, "%s", spec);
+}
+
+mdt_status cli_load_loras(mdt_model *m, const char *const *specs, int n, double *lora_s) {
+    char names[16][MDT_LORA_NAME], bases[16][52];
+    const char *np[16];
+    double scales[16];
+    const double t0 = cli_now_s();
+    mdt_status st = MDT_OK;
+    *lora_s = 0;
+    if (n > 16)
+        return mdt_error_set(MDT_E_INVALID, "at most 16 --lora adapters, got %d", n);
+    for (int i = 0; i < n && st == MDT_OK; i++) {
+        char path[4096];
+        lora_spec(specs[i], path, sizeof path, &scales[i]);
+        const char *base = strrchr(path, '/');
+        base = base ? base + 1 : path;
+        size_t len = strlen(base);
+        if (len > 12 && strcmp(base + len - 12, ".safetensors") == 0)
+            len -= 12;
+        snprintf(bases[i], sizeof bases[i], "%.*s", (int)(len < 50 ? len : 50), base);
+        int rep = 1; /* the same name again: NAME#2, NAME#3, ... */
+        for (int j = 0; j < i; j++)
+            rep += strcmp(bases[j], bases[i]) == 0;
+        if (rep > 1)
+            snprintf(names[i], sizeof names[i], "%.51s#%d", bases[i], rep);
+        else
+            snprintf(names[i], sizeof names[i], "%.51s", bases[i]);
+        np[i] = names[i];
+        st = mdt_model_lora_load(m, names[i], path);
+    }
+    if (st == MDT_OK)
+        st = mdt_model_set_adapters(m, n, np, scales);
+    *lora_s = cli_now_s() - t0;
     return st;
 }

@@ -5,6 +5,7 @@
  */
 #include "sampler/run_stats.h"
 #include "backend/backend.h"
+#include "models/lora.h"
 #include "models/model.h"
 
 #include <cjson/cJSON.h>
@@ -92,6 +93,7 @@ mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, doubl
     cJSON_AddNumberToObject(r, "load_seconds", load_seconds);
     cJSON_AddNumberToObject(r, "step_seconds_median", s->step_median_s);
     cJSON_AddNumberToObject(r, "steps", s->steps);
+    mdt_lora_report(m, r); /* the adapters fused into the weights */
     cJSON *ranks = cJSON_AddArrayToObject(r, "ranks");
     for (int i = 0; i < s->nranks; i++)
         add_rank(ranks, &s->facts[i]);
