@@ -83,6 +83,11 @@ for dt in f32 bf16; do
     run env MESHDIT_CPU_GEMM=$other MESHDIT_TEST_DTYPE=$dt timeout 600 "$MPIEXEC" -n 4 \
         "$BUILD/tests/mpi/test_parallel" tests/data 2 2 1 tp,ring,ulysses
 done
+# LoRA adapters fused shard by shard: one rank, tp=2, tp=2 x ulysses=2, and bf16 weights at tp=2
+run timeout 600 "$MPIEXEC" -n 1 "$BUILD/tests/mpi/test_lora" tests/data 1 1 1
+run timeout 600 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_lora" tests/data 2 1 1
+run timeout 600 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_lora" tests/data 2 1 2
+run env MESHDIT_TEST_DTYPE=bf16 timeout 600 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_lora" tests/data 2 1 1
 run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_failures" tests/data
 run timeout 300 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_staging"
 run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_ring"

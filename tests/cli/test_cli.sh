@@ -608,5 +608,34 @@ export MESHDIT_TEST_CFG_SAME_BRANCH=1 # negative control: group 1 computes the c
 mpi_error cfg-same-branch 2 "no silent degrade: cfg group 1 sent branch 0" -- "${CFGARGS[@]}" \
     --inputs "$T/neg.safetensors" --guidance-scale 3 --cfg 2
 unset MESHDIT_TEST_CFG_SAME_BRANCH
+# ---- LoRA adapters (--lora FILE[:SCALE], docs/lora.md) ----
+L=$DATA/lora/flux_tiny
+LRUN=(run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" --quiet)
+run_case "$DATA/flux_tiny" "$L/expected_a.safetensors" --lora "$L/a.safetensors"
+run_case "$DATA/flux_tiny" "$L/expected_ab.safetensors" --lora "$L/a.safetensors:0.7" --lora "$L/b.safetensors:-1.3"
+if [ -x "$MPIEXEC" ] || command -v "${MPIEXEC:-mpiexec}" >/dev/null; then
+    if ${MPIEXEC:-mpiexec} -n 2 "$BIN" "${LRUN[@]}" --tp 2 --out "$T/lo2.safetensors" --lora "$L/a.safetensors:0.7" \
+        --lora "$L/b.safetensors:-1.3" && "$BIN" compare "$T/lo2.safetensors" "$L/expected_ab.safetensors" --tol 1e-4 >/dev/null; then
+        ok; else bad "--lora under tp=2"; fi
+fi
+# scale 0 is the base run, bit for bit; the report lists the adapters
+if "$BIN" "${LRUN[@]}" --out "$T/l0.safetensors" --lora "$L/a.safetensors:0" --report "$T/l0.json" &&
+   "$BIN" "${LRUN[@]}" --out "$T/lb.safetensors" && cmp -s "$T/l0.safetensors" "$T/lb.safetensors" &&
+   grep -q '"adapters"' "$T/l0.json" && grep -q '"name":[[:space:]]*"a"' "$T/l0.json"; then
+    ok; else bad "--lora FILE:0 is not the base run, or the report lacks the adapter"; fi
+if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" \
+    --out "$T/l1.safetensors" --lora "$L/a.safetensors" >"$T/lstdout" &&
+   grep -q "adapter a (.*a.safetensors): scale 1, 28 linear weights, rank 2..4" "$T/lstdout"; then
+    ok; else bad "run prints the adapter: $(cat "$T/lstdout")"; fi
+if "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp 2 --lora "$L/b.safetensors" >"$T/linsp" &&
+   grep -q "adapter .*b.safetensors: 6 linear weights" "$T/linsp" &&
+   grep -Eq "transformer_blocks.0.attn.to_q.weight +colwise +2 +2.5 +\[2, 32\] +\[16, 2\] +\+bias" "$T/linsp"; then
+    ok; else bad "inspect --lora: $(cat "$T/linsp" | tail -9)"; fi
+expect_error lora-missing 1 "/nonexistent.safetensors" -- "$BIN" "${LRUN[@]}" --out "$T/out.safetensors" \
+    --lora /nonexistent.safetensors
+write_st "$T/lbad.safetensors" '{"transformer.nope.lora_A.weight":{"dtype":"F32","shape":[1,1],"data_offsets":[0,4]},"lora_unet_x.lora_down.weight":{"dtype":"F32","shape":[1,1],"data_offsets":[4,8]}}' 8
+expect_error lora-unmapped 1 "2 keys map to no weight" "'lora_unet_x.lora_down.weight'" "'transformer.nope.lora_A.weight'" "kohya" -- \
+    "$BIN" "${LRUN[@]}" --out "$T/out.safetensors" --lora "$T/lbad.safetensors:0.5"
+expect_error lora-inspect 1 "2 keys map to no weight" -- "$BIN" inspect --checkpoint "$DATA/flux_tiny" --lora "$T/lbad.safetensors"
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]
