@@ -633,7 +633,9 @@ class Transformer(ModelMixin):
 _NO_WEIGHTS = "the weights are on the mesh; save_pretrained writes the checkpoint"
 _NO_MODULES = "the transformer's modules run on the mesh; one added here would never run"
 _NO_GRAD = "no gradient flows through the mesh (inference only)"
-_LORA = "LoRA adapters are not implemented yet"
+_LORA = ("LoRA adapters cannot be loaded into a running server yet; fuse them at its start with "
+         "from_pretrained(..., extra=['--lora', 'FILE:SCALE']) (meshdit._lora.adapter_blob writes "
+         "what diffusers' lora_state_dict gives as such a file; docs/lora.md)")
 _CACHE = "step caches (FirstBlockCache, TaylorSeer, ...) are not implemented yet"
 METHODS: dict[str, tuple[str, str]] = {
     # making, saving, configuring

@@ -463,9 +463,10 @@ def test_pyproject_and_readme_agree_with_the_imports():
     extra = {name(r) for r in project["optional-dependencies"]["diffusers"]}
     files = [os.path.join(pkg, "meshdit", f) for f in os.listdir(os.path.join(pkg, "meshdit")) if f.endswith(".py")]
     serving = [f for f in files if os.path.basename(f) in ("generate.py", "api.py")]  # the [serve] extra
-    core = {dist.get(m, m) for f in files if not f.endswith("transformer.py") and f not in serving
+    dropin_files = [os.path.join(pkg, "meshdit", f) for f in ("transformer.py", "_lora.py")]
+    core = {dist.get(m, m) for f in files if f not in dropin_files and f not in serving
             for m in _imports(f)}
-    dropin = {dist.get(m, m) for m in _imports(os.path.join(pkg, "meshdit", "transformer.py"))}
+    dropin = {dist.get(m, m) for f in dropin_files for m in _imports(f)}
     assert required == core
     assert extra == dropin - core
     served = {dist.get(m, m) for f in serving for m in _imports(f)}
