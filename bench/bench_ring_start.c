@@ -27,7 +27,8 @@ int main(int argc, char **argv) {
     const int64_t n = argc > 1 ? atoll(argv[1]) : 1300000; /* the medium Flux ring block */
     float *a = calloc((size_t)n, 4), *b = calloc((size_t)n, 4);
     mdt_mesh *ring = NULL;
-    if (!a || !b || mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, 1, size, 1, NULL}, &ring) != MDT_OK) {
+    if (!a || !b ||
+        mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, 1, size, 1, NULL}, &ring) != MDT_OK) {
         fprintf(stderr, "bench_ring_start: %s\n", mdt_last_error());
         MPI_Abort(MPI_COMM_WORLD, 1);
     }

@@ -96,8 +96,8 @@ static mdt_status split(MPI_Comm world, int colour, int key, MPI_Comm *out) {
 }
 
 static void mesh_free_comms(mdt_mesh *m) {
-    MPI_Comm *cs[] = {&m->tp,    &m->ring,  &m->ulysses, &m->cfg,
-                      &m->cp,    &m->watch, &m->agree,   &m->world};
+    MPI_Comm *cs[] = {&m->tp, &m->ring,  &m->ulysses, &m->cfg,
+                      &m->cp, &m->watch, &m->agree,   &m->world};
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
         if (*cs[i] != MPI_COMM_NULL)
             MPI_Comm_free(cs[i]);

@@ -54,11 +54,11 @@ enum { MDT_MESH_MEMBER_I64 = 9 };
 struct mdt_mesh {
     MPI_Comm world, tp, ring, ulysses, cfg, cp;
     int world_size, world_rank;
-    int C, T, R, U;        /* degrees */
-    int c, t, r, u;        /* this rank's coordinates */
-    int cp_size, cp_index; /* R U, r U + u */
+    int C, T, R, U;                 /* degrees */
+    int c, t, r, u;                 /* this rank's coordinates */
+    int cp_size, cp_index;          /* R U, r U + u */
     mdt_axis order[MDT_AXIS_COUNT]; /* outermost first */
-    int tp_shard_index;    /* = t (or the world rank under the test-only bug switch) */
+    int tp_shard_index;             /* = t (or the world rank under the test-only bug switch) */
     /* placement: this rank's host (MPI_Get_processor_name) and its rank among the ranks that
      * share the host's memory (MPI_COMM_TYPE_SHARED: the rank a device is picked with) */
     char host[64];

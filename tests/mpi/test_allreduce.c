@@ -22,7 +22,8 @@ int main(int argc, char **argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &P);
     mdt_mesh *mesh = NULL;
-    EXPECT_OK(mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, P, 1, 1, "tp,ring,ulysses"}, &mesh));
+    EXPECT_OK(
+        mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, P, 1, 1, "tp,ring,ulysses"}, &mesh));
     if (!mesh) {
         MPI_Finalize();
         return 1;

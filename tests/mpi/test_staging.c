@@ -76,7 +76,8 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     mdt_mesh *mesh = NULL;
-    EXPECT_OK(mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, 2, 1, 2, "tp,ring,ulysses"}, &mesh));
+    EXPECT_OK(
+        mdt_mesh_create_comm(MPI_COMM_WORLD, &(mdt_layout){1, 2, 1, 2, "tp,ring,ulysses"}, &mesh));
     if (!mesh) {
         MPI_Finalize();
         return 1;
