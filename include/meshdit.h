@@ -453,9 +453,14 @@ const char *mdt_model_info_class_name(const mdt_model_info *info); /* "FluxTrans
 /* Attention heads as the family configures them (its default where config.json has none). */
 int64_t mdt_model_info_heads(const mdt_model_info *info);
 int mdt_model_info_weight_count(const mdt_model_info *info);
-/* The i-th weight with its local shape under TP degree `tp` (MDT_E_INVALID if it does not
- * divide) and, for a view with the index, its stored dtype. */
+/* The i-th weight with its local shape under TP degree `tp` (MDT_E_INVALID if the model cannot
+ * take it) on TP coordinate 0 and, for a view with the index, its stored dtype. */
 mdt_status mdt_model_info_weight(const mdt_model_info *info, int i, int tp, mdt_weight_info *out);
+/* The same on TP coordinate k (0 <= k < tp): shapes differ by coordinate only where a tensor
+ * splits unevenly (an FFN's hidden features tp does not divide: the first n mod tp coordinates
+ * hold one row or column more; *uneven, optional, says so). */
+mdt_status mdt_model_info_weight_at(const mdt_model_info *info, int i, int tp, int k,
+                                    mdt_weight_info *out, int *uneven);
 /* The family's context-parallel plan, the one its forward runs: `gather` 0 = the inputs split
  * over the CP group, 1 = the outputs gathered. Count, then the i-th entry's tensor name, its
  * sequence dimension and (`by`, optional) the input whose values pick an output's rows from the

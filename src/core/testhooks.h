@@ -13,6 +13,9 @@ typedef struct mdt_test_hooks {
     int shard_index_world; /* a rank's TP shard index is its world rank (the upstream bug) */
     int skip_cp_split;     /* every rank computes the whole sequence (the upstream bug) */
     int cfg_same_branch;   /* cfg group 1 computes the conditional branch too (a layout bug) */
+    /* an uneven TP shard starts where an even one would (k floor(s/T)): neighbours overlap and
+     * the last s mod T rows are never read (the off-by-one of a naive uneven split) */
+    int uneven_even_starts;
     /* Called at named points of the library ("load": mid-load, "step": inside a forward's
      * first block, "stage": after MiniMax-H3's first block, between two blocks)
      * with the caller's world rank; a status other than MDT_OK makes the

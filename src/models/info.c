@@ -71,11 +71,18 @@ static void weight_of(const mdt_weight_spec *w, mdt_weight_info *out) {
 }
 
 mdt_status mdt_model_info_weight(const mdt_model_info *info, int i, int tp, mdt_weight_info *out) {
+    return mdt_model_info_weight_at(info, i, tp, 0, out, NULL);
+}
+
+mdt_status mdt_model_info_weight_at(const mdt_model_info *info, int i, int tp, int k,
+                                    mdt_weight_info *out, int *uneven) {
     if (i < 0 || i >= info->m->table.n)
         return MDT_FAIL(MDT_E_INVALID, "weight %d of %d", i, info->m->table.n);
     const mdt_weight_spec *w = &info->m->table.specs[i];
     weight_of(w, out);
-    MDT_TRY(mdt_shard_local_shape(w, tp, out->local_shape));
+    MDT_TRY(mdt_shard_local_shape(w, tp, k, out->local_shape));
+    if (uneven)
+        *uneven = mdt_shard_uneven_at(w, tp);
     const mdt_ckpt_ref *ref;
     if (info->ck)
         out->stored = mdt_ckpt_find(info->ck, w->name, &ref) == MDT_OK

@@ -133,7 +133,7 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *m
                             ref->file->path, w->name, mdt_dtype_name(e->dtype));
         m->ws[i].stored = e->dtype;
     }
-    MDT_TRY(mdt_res_alloc(m, T, &m->weights, mdt_res_host_bf16() ? &m->hbf16 : NULL, m->ws));
+    MDT_TRY(mdt_res_alloc(m, T, k, &m->weights, mdt_res_host_bf16() ? &m->hbf16 : NULL, m->ws));
     const int dev = mdt_backend_mem() != NULL;
     if (dev)
         MDT_TRY(mdt_res_dev_prepare(m));
@@ -196,13 +196,13 @@ mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh)
 }
 
 /* Resident weight bytes per rank at degree T (0 if the layout is invalid): 4 per weight, 2 for
- * linear weights under bf16. */
+ * linear weights under bf16, on coordinate 0 (the largest where a tensor splits unevenly). */
 static int64_t weight_bytes_at(const mdt_model *m, int T) {
     int64_t bytes = 0, loc[2];
     if (mdt_model_check_layout(m, T, 1, 1) != MDT_OK)
         return 0;
     for (int i = 0; i < m->table.n; i++) {
-        mdt_shard_local_shape(&m->table.specs[i], T, loc);
+        mdt_shard_local_shape(&m->table.specs[i], T, 0, loc);
         bytes += loc[0] * (m->table.specs[i].ndim > 1 ? loc[1] : 1) *
                  (mdt_backend_bf16() && m->table.lin[i] ? 2 : 4);
     }

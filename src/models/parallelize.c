@@ -34,7 +34,7 @@ mdt_status mdt_model_parallelize(mdt_model *m, mdt_mesh *mesh) {
     if (!ws)
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
     if (st == MDT_OK)
-        st = mdt_res_alloc(m, T, &buf, NULL, ws);
+        st = mdt_res_alloc(m, T, k, &buf, NULL, ws);
     for (int i = 0; st == MDT_OK && i < m->table.n; i++) {
         const mdt_weight_spec *w = &m->table.specs[i];
         /* TP coordinate 0's values win, so ranks that built different states still agree */

@@ -16,15 +16,15 @@ static int64_t slot_halves(int64_t n) { return (n + 31) & ~(int64_t)31; /* bf16,
 /* bf16 linear weights on the host: the CPU backend under --dtype bf16. */
 int mdt_res_host_bf16(void) { return mdt_backend_bf16() && !mdt_backend_mem(); }
 
-/* Allocates the weights buffer for degree T and points every tensor's state at its slot. With
- * `hbuf_out` (CPU bf16), linear weights get slots in a second, bf16 buffer instead (ws[i].h,
- * ws[i].data NULL): the packed form, half their bytes. */
-mdt_status mdt_res_alloc(mdt_model *m, int T, float **buf_out, uint16_t **hbuf_out,
+/* Allocates the weights buffer for coordinate k of degree T and points every tensor's state at its
+ * slot. With `hbuf_out` (CPU bf16), linear weights get slots in a second, bf16 buffer instead
+ * (ws[i].h, ws[i].data NULL): the packed form, half their bytes. */
+mdt_status mdt_res_alloc(mdt_model *m, int T, int k, float **buf_out, uint16_t **hbuf_out,
                          mdt_wstate *ws) {
     int64_t total = 0, htotal = 0, bytes = 0;
     for (int i = 0; i < m->table.n; i++) {
         int64_t loc[2];
-        MDT_TRY(mdt_shard_local_shape(&m->table.specs[i], T, loc));
+        MDT_TRY(mdt_shard_local_shape(&m->table.specs[i], T, k, loc));
         ws[i].local[0] = loc[0], ws[i].local[1] = m->table.specs[i].ndim > 1 ? loc[1] : 1;
         const int64_t n = ws[i].local[0] * ws[i].local[1];
         if (hbuf_out && m->table.lin[i])
@@ -86,7 +86,7 @@ static mdt_status repack(mdt_model *m, int to_packed) {
     mdt_wstate *ws = mdt_calloc(sizeof(mdt_wstate) * (size_t)(m->table.n ? m->table.n : 1));
     float *buf = NULL;
     uint16_t *hbuf = NULL;
-    mdt_status st = ws ? mdt_res_alloc(m, m->T, &buf, to_packed ? &hbuf : NULL, ws)
+    mdt_status st = ws ? mdt_res_alloc(m, m->T, m->tp_index, &buf, to_packed ? &hbuf : NULL, ws)
                        : MDT_FAIL(MDT_E_NOMEM, "out of memory");
     if (st != MDT_OK) {
         mdt_free(ws);
@@ -203,7 +203,7 @@ mdt_status mdt_res_to_host(mdt_model *m) {
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "the weights are on the device in bf16: parallelize or gather a model "
                         "loaded in f32");
-    MDT_TRY(mdt_res_alloc(m, m->T, &m->weights, NULL, m->ws));
+    MDT_TRY(mdt_res_alloc(m, m->T, m->tp_index, &m->weights, NULL, m->ws));
     for (int i = 0; i < m->table.n; i++)
         mdt_k_to_host(m->ws[i].data, m->ws[i].dev,
                       sizeof(float) * (size_t)(m->ws[i].local[0] * m->ws[i].local[1]));

@@ -9,10 +9,12 @@
 
 /* bf16 linear weights on the host: the CPU backend under --dtype bf16. */
 int mdt_res_host_bf16(void);
-/* Allocates the weights buffer for degree T and points every tensor's state `ws` at its slot.
+/* Allocates the weights buffer for TP coordinate k of degree T (local shapes differ by
+ * coordinate where a tensor splits unevenly) and points every tensor's state `ws` at its slot.
  * With `hbuf_out` (CPU bf16), linear weights get slots in a second, bf16 buffer instead (ws[i].h,
  * ws[i].data NULL): the packed form, half their bytes. Sets m->weight_bytes. */
-mdt_status mdt_res_alloc(mdt_model *m, int T, float **buf_out, uint16_t **hbuf_out, mdt_wstate *ws);
+mdt_status mdt_res_alloc(mdt_model *m, int T, int k, float **buf_out, uint16_t **hbuf_out,
+                         mdt_wstate *ws);
 /* Frees a host weights buffer from mdt_res_alloc (page-locked or not). */
 void mdt_res_free_host(mdt_model *m, float *buf);
 /* Every bf16 linear's widening scratch, reserved now so a forward never runs out (CPU bf16). */

@@ -57,22 +57,28 @@ static mdt_status gather_host(mdt_model *m, const char *dir) {
     const mdt_tensor **tp = mdt_calloc(sizeof(const mdt_tensor *) * (size_t)(n ? n : 1));
     const char **names = mdt_calloc(sizeof(const char *) * (size_t)(n ? n : 1));
     float *full = NULL, *all = NULL;
-    if (!ts || !tp || !names)
+    int64_t *counts = mdt_calloc(sizeof(int64_t) * (size_t)T); /* [T] shard sizes */
+    if (!ts || !tp || !names || !counts)
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
     for (int i = 0; st == MDT_OK && i < n; i++) {
         const mdt_weight_spec *w = &m->table.specs[i];
         const int64_t numel = w->shape[0] * (w->ndim > 1 ? w->shape[1] : 1);
-        const int64_t lnum = m->ws[i].local[0] * m->ws[i].local[1];
+        int64_t total = 0;
+        for (int r = 0; r < T; r++) { /* each coordinate's shard: uneven splits differ */
+            int64_t loc[2];
+            mdt_shard_local_shape(w, T, r, loc); /* the layout was checked at load */
+            counts[r] = w->ndim > 1 ? loc[0] * loc[1] : loc[0], total += counts[r];
+        }
         full = mdt_alloc(sizeof(float) * (size_t)numel);
-        all = T > 1 ? mdt_alloc(sizeof(float) * (size_t)(lnum * T)) : NULL;
+        all = T > 1 ? mdt_alloc(sizeof(float) * (size_t)total) : NULL;
         if (!full || (T > 1 && !all)) {
             st = MDT_FAIL(MDT_E_NOMEM, "out of memory gathering '%s'", w->name);
             break;
         }
         if (T > 1 && mesh) { /* rank-major concatenation of the shards, then each to its place */
-            st = mdt_allgather_floats(mesh, MDT_GROUP_TP, m->ws[i].data, all, lnum);
-            for (int r = 0; st == MDT_OK && r < T; r++)
-                mdt_shard_copy(w, T, r, full, all + r * lnum, 0);
+            st = mdt_allgatherv_floats(mesh, MDT_GROUP_TP, m->ws[i].data, all, counts);
+            for (int64_t r = 0, off = 0; st == MDT_OK && r < T; off += counts[r], r++)
+                mdt_shard_copy(w, T, (int)r, full, all + off, 0);
         } else {
             memcpy(full, m->ws[i].data, sizeof(float) * (size_t)numel);
         }
@@ -103,7 +109,7 @@ static mdt_status gather_host(mdt_model *m, const char *dir) {
     }
     for (int i = 0; ts && i < n; i++)
         mdt_free(ts[i].data);
-    mdt_free(ts), mdt_free((void *)tp), mdt_free((void *)names);
+    mdt_free(ts), mdt_free((void *)tp), mdt_free((void *)names), mdt_free(counts);
     return mdt_mesh_agree(mesh, st);
 }
 

@@ -1,6 +1,8 @@
 /* plan.c — shard maths of plan.h. */
 #include "plan.h"
 
+#include "core/testhooks.h"
+
 const char *mdt_tp_style_name(mdt_tp_style s) {
     switch (s) {
     case MDT_TP_REPLICATED: return "replicated";
@@ -43,12 +45,19 @@ mdt_status mdt_shard_ranges(const mdt_weight_spec *w, int T, int k, int64_t *sta
     int64_t off = 0;
     for (int b = 0; b < nb; b++) {
         int64_t s = w->nblocks > 0 ? w->blocks[b] : w->shape[dim];
-        if (s % T != 0)
+        if (s % T != 0 && !w->uneven)
             return MDT_FAIL(MDT_E_INVALID,
                             "tp=%d does not divide %s: block %d of dim %d has size %lld", T,
                             w->name, b, dim, (long long)s);
-        starts[b] = off + (int64_t)k * (s / T);
-        lens[b] = s / T;
+        if (s % T != 0 && s < T)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "tp=%d exceeds %s: block %d of dim %d has size %lld (an uneven split "
+                            "leaves no coordinate empty)",
+                            T, w->name, b, dim, (long long)s);
+        mdt_split_range(s, T, k, &starts[b], &lens[b]);
+        if (s % T != 0 && mdt_test_hooks_get()->uneven_even_starts)
+            starts[b] = (int64_t)k * (s / T); /* test seam: the naive split's overlap */
+        starts[b] += off;
         off += s;
     }
     if (off != w->shape[dim])
@@ -58,10 +67,10 @@ mdt_status mdt_shard_ranges(const mdt_weight_spec *w, int T, int k, int64_t *sta
     return MDT_OK;
 }
 
-mdt_status mdt_shard_local_shape(const mdt_weight_spec *w, int T, int64_t local[2]) {
+mdt_status mdt_shard_local_shape(const mdt_weight_spec *w, int T, int k, int64_t local[2]) {
     int64_t st[MDT_MAX_BLOCKS], ln[MDT_MAX_BLOCKS];
     int n;
-    MDT_TRY(mdt_shard_ranges(w, T, 0, st, ln, &n));
+    MDT_TRY(mdt_shard_ranges(w, T, k, st, ln, &n));
     local[0] = w->ndim > 0 ? w->shape[0] : 1;
     local[1] = w->ndim > 1 ? w->shape[1] : 1;
     int dim = mdt_tp_shard_dim(w->style);
@@ -72,6 +81,16 @@ mdt_status mdt_shard_local_shape(const mdt_weight_spec *w, int T, int64_t local[
         local[dim] = sum;
     }
     return MDT_OK;
+}
+
+int mdt_shard_uneven_at(const mdt_weight_spec *w, int T) {
+    const int dim = mdt_tp_shard_dim(w->style);
+    if (dim < 0 || dim >= w->ndim || T <= 1 || !w->uneven)
+        return 0;
+    for (int b = 0; b < (w->nblocks > 0 ? w->nblocks : 1); b++)
+        if ((w->nblocks > 0 ? w->blocks[b] : w->shape[dim]) % T != 0)
+            return 1;
+    return 0;
 }
 
 int mdt_weight_stored_shape(const mdt_weight_spec *w, int64_t shape[MDT_MAX_DIMS]) {

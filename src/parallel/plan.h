@@ -51,6 +51,10 @@ typedef struct mdt_weight_spec {
     int stored_ndim;
     int64_t stored[MDT_MAX_DIMS];
     mdt_rows rows; /* the rows it multiplies (linears); MDT_ROWS_NONE for other tensors */
+    /* 1: a block of the shard dim that T does not divide splits unevenly, as mdt_split_range cuts
+     * a sequence (the first s mod T coordinates one row or column more), for widths a forward
+     * takes from the local shape alone (an FFN's hidden features); 0: T must divide each block */
+    int uneven;
 } mdt_weight_spec;
 
 /* The dims the checkpoint stores w with (its `stored` dims, else its view); returns ndim. */
@@ -60,13 +64,19 @@ int mdt_weight_stored_shape(const mdt_weight_spec *w, int64_t shape[MDT_MAX_DIMS
 int mdt_tp_shard_dim(mdt_tp_style s);
 
 /* Ranges along the shard dim that coordinate k of T owns: per block b of size s_b at offset o_b,
- * [o_b + k s_b/T, o_b + (k+1) s_b/T). `starts`/`lens` hold MDT_MAX_BLOCKS entries; `*n` gets the
- * count (1 for replicated: the whole dim 0). MDT_E_INVALID (naming the tensor and the numbers)
- * if a block is not divisible by T or k is out of range. */
+ * o_b + mdt_split_range(s_b, T, k), i.e. [o_b + k s_b/T, o_b + (k+1) s_b/T) when T divides s_b;
+ * otherwise (w->uneven only) the first s_b mod T coordinates get one more. `starts`/`lens` hold
+ * MDT_MAX_BLOCKS entries; `*n` gets the count (1 for replicated: the whole dim 0).
+ * MDT_E_INVALID (naming the tensor and the numbers) if T does not divide a block of an even
+ * tensor, an uneven block is smaller than T (a coordinate would own nothing), or k is out of
+ * range. */
 mdt_status mdt_shard_ranges(const mdt_weight_spec *w, int T, int k, int64_t *starts, int64_t *lens,
                             int *n);
-/* Local shape of w on a rank of a degree-T group (same on every coordinate). */
-mdt_status mdt_shard_local_shape(const mdt_weight_spec *w, int T, int64_t local[2]);
+/* Local shape of w on coordinate k of a degree-T group (the same on every coordinate unless w
+ * splits unevenly at T; coordinate 0 then holds the most). */
+mdt_status mdt_shard_local_shape(const mdt_weight_spec *w, int T, int k, int64_t local[2]);
+/* 1 if w splits unevenly at degree T (a block of its shard dim that T does not divide). */
+int mdt_shard_uneven_at(const mdt_weight_spec *w, int T);
 
 /* Sequence chunk c of P over length S: the first S mod P chunks get one extra row. */
 void mdt_split_range(int64_t S, int P, int c, int64_t *start, int64_t *len);

@@ -38,7 +38,7 @@ void mdt_estimate_layout(const mdt_model *m, int64_t S, int64_t L, double b, con
     for (int i = 0; i < m->table.n; i++) {
         const mdt_weight_spec *w = &m->table.specs[i];
         int64_t loc[2];
-        mdt_shard_local_shape(w, T, loc);
+        mdt_shard_local_shape(w, T, 0, loc); /* coordinate 0: the largest */
         weights += (double)loc[0] * (w->ndim > 1 ? (double)loc[1] : 1.0) * b;
         /* the rows each linear runs on, as its family declared them: the conditioning (one row
          * per sample, ~no FLOPs) and tensors that are no linear's weight count none */
@@ -49,7 +49,11 @@ void mdt_estimate_layout(const mdt_model *m, int64_t S, int64_t L, double b, con
                                                         : s;
         const double p = (double)w->shape[0] * (double)w->shape[1];
         const int sharded = w->style != MDT_TP_REPLICATED;
-        e->flops_linear += 2.0 * rows * (sharded ? p / T : p);
+        /* an uneven split: the largest shard's, which the other ranks wait for */
+        const double pl = mdt_shard_uneven_at(w, T) ? (double)loc[0] * (double)loc[1]
+                          : sharded                 ? p / T
+                                                    : p;
+        e->flops_linear += 2.0 * rows * pl;
         elementwise += rows * (double)loc[0];
         if (T > 1 && (w->style == MDT_TP_ROWWISE || w->style == MDT_TP_PACKED_ROWWISE)) {
             n_rowwise += 1; /* one all-reduce of its output rows (reduce-scatter + all-gather) */

@@ -18,7 +18,9 @@
 
 double mdt_act_bytes(const mdt_model *m, int T, int R, int U, int64_t batch, int64_t S, double b) {
     const mdt_model_dims md = mdt_model_dims_of(m);
-    const double A = (double)(md.heads * md.head_dim), D = (double)md.hidden, F = (double)md.ffn;
+    const double A = (double)(md.heads * md.head_dim), D = (double)md.hidden;
+    /* an FFN T does not divide splits unevenly: the largest rank's, ceil(F / T) features */
+    const double F = (double)(md.ffn % T ? (md.ffn / T + 1) * T : md.ffn);
     const int64_t P = (int64_t)R * U, rows = (S + P - 1) / P; /* the largest CP chunk */
     const double per_row = 10.0 * D + (4.0 * A + 1.5 * F) / T + (U > 1 ? 14.0 * A / T : 0.0) +
                            (R > 1 ? 14.0 * A / T : 0.0);
@@ -32,7 +34,7 @@ mdt_run_memory mdt_run_memory_at(const mdt_model *m, int T, int R, int U,
     for (int i = 0; i < m->table.n; i++) {
         const mdt_weight_spec *w = &m->table.specs[i];
         int64_t loc[2];
-        mdt_shard_local_shape(w, T, loc);
+        mdt_shard_local_shape(w, T, 0, loc); /* coordinate 0: the largest */
         const double n = (double)loc[0] * (w->ndim > 1 ? (double)loc[1] : 1.0);
         const int lin = m->table.lin[i] != NULL;
         weights += n * (in->bf16 && lin ? 2.0 : 4.0);
