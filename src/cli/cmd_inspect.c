@@ -14,12 +14,33 @@ static const char *shape_str(int ndim, const int64_t *shape, char *buf, size_t c
     return mdt_tensor_shape_str(&t, buf, cap);
 }
 
-/* Parameters per rank under TP degree `tp` (a degree the model takes). */
-static double params_at(const mdt_model_info *info, int tp) {
+/* A local shape whose split is uneven, "[a|b, c]": coordinate 0's and the last one's sizes of the
+ * dim that differs. */
+static void uneven_str(const mdt_weight_info *first, const mdt_weight_info *last, char *buf,
+                       size_t cap) {
+    if (first->ndim == 1)
+        snprintf(buf, cap, "[%lld|%lld]", (long long)first->local_shape[0],
+                 (long long)last->local_shape[0]);
+    else if (first->local_shape[0] != last->local_shape[0])
+        snprintf(buf, cap, "[%lld|%lld, %lld]", (long long)first->local_shape[0],
+                 (long long)last->local_shape[0], (long long)first->local_shape[1]);
+    else
+        snprintf(buf, cap, "[%lld, %lld|%lld]", (long long)first->local_shape[0],
+                 (long long)first->local_shape[1], (long long)last->local_shape[1]);
+}
+
+/* Parameters on TP coordinate k under degree `tp` (a degree the model takes); *uneven (optional)
+ * is set when some tensor splits unevenly there. */
+static double params_at(const mdt_model_info *info, int tp, int k, int *uneven) {
     double params = 0;
+    if (uneven)
+        *uneven = 0;
     for (int i = 0; i < mdt_model_info_weight_count(info); i++) {
         mdt_weight_info w = {0};
-        (void)mdt_model_info_weight(info, i, tp, &w);
+        int u = 0;
+        (void)mdt_model_info_weight_at(info, i, tp, k, &w, &u);
+        if (uneven)
+            *uneven |= u;
         params += (double)w.local_shape[0] * (w.ndim > 1 ? (double)w.local_shape[1] : 1.0);
     }
     return params;
@@ -27,28 +48,32 @@ static double params_at(const mdt_model_info *info, int tp) {
 
 /* The resident weights by TP degree and every rank's coordinates, shards and heads. */
 static void print_ranks(const mdt_model_info *info, long long cfg, long long tp, long long ring,
-                        long long uly, const char *order, const char *local_bytes) {
+                        long long uly, const char *order) {
     /* per-rank resident weights for every valid TP degree up to 16 (ring and ulysses do not
-     * shard weights: every CP rank holds its TP shard) */
+     * shard weights: every CP rank holds its TP shard); where a tensor splits unevenly, TP
+     * coordinate 0's, the largest */
     printf("resident weights per rank by tp degree (any ring x ulysses):\n");
     for (int T = 1; T <= 16; T++) {
         if (mdt_model_info_check_layout(info, T, 1, 1) != MDT_OK)
             continue;
-        const double params = params_at(info, T);
+        int uneven = 0;
+        const double params = params_at(info, T, 0, &uneven);
         char f32b[32], bf16b[32];
         cli_fmt_bytes(params * 4, f32b, sizeof f32b);
         cli_fmt_bytes(params * 2, bf16b, sizeof bf16b);
-        printf("  tp=%-2d %6.3f B parameters per rank (%s f32, %s bf16)%s\n", T, params * 1e-9,
-               f32b, bf16b, T == tp ? "  <- this layout" : "");
+        printf("  tp=%-2d %6.3f B parameters %s (%s f32, %s bf16)%s\n", T, params * 1e-9,
+               uneven ? "per rank at most, uneven split" : "per rank", f32b, bf16b,
+               T == tp ? "  <- this layout" : "");
     }
     const long long heads = (long long)mdt_model_info_heads(info);
     const mdt_layout lay = {(int)cfg, (int)tp, (int)ring, (int)uly, order};
     for (long long rk = 0; rk < cfg * tp * ring * uly; rk++) {
         mdt_coords co = {0};
         (void)mdt_mesh_coords_of(&lay, (int)rk, &co);
-        char branch[48] = "";
+        char branch[48] = "", local_bytes[32];
         if (cfg > 1)
             snprintf(branch, sizeof branch, "cfg %d, ", co.cfg);
+        cli_fmt_bytes(params_at(info, (int)tp, co.tp, NULL) * 4, local_bytes, sizeof local_bytes);
         printf("rank %lld: %stp %d, ring %d, ulysses %d, cp chunk %lld of %lld; %lld local heads "
                "(%lld..%lld); weights %s resident\n",
                rk, branch, co.tp, co.ring, co.ulysses, (long long)co.ring * uly + co.ulysses,
@@ -137,23 +162,34 @@ int cmd_inspect(int argc, char **argv) {
     printf("\n");
     printf("%-64s %-14s %-26s %-14s %s\n", "tensor", "shape", "tp style", "local", "stored");
     double total = 0, local_total = 0;
+    int any_uneven = 0;
     for (int i = 0; i < mdt_model_info_weight_count(info) && st == MDT_OK; i++) {
-        mdt_weight_info w;
+        mdt_weight_info w, last;
         char s1[64], s2[64];
-        if ((st = mdt_model_info_weight(info, i, (int)tp, &w)) != MDT_OK)
+        int uneven = 0;
+        if ((st = mdt_model_info_weight_at(info, i, (int)tp, 0, &w, &uneven)) != MDT_OK ||
+            (st = mdt_model_info_weight_at(info, i, (int)tp, (int)tp - 1, &last, NULL)) != MDT_OK)
             break;
         total += (double)w.shape[0] * (w.ndim > 1 ? (double)w.shape[1] : 1.0);
         local_total += (double)w.local_shape[0] * (w.ndim > 1 ? (double)w.local_shape[1] : 1.0);
+        shape_str(w.ndim, w.local_shape, s2, 64);
+        if (uneven) /* "[a|b, c]": rank 0's rows or columns | the last rank's */
+            uneven_str(&w, &last, s2, sizeof s2);
+        any_uneven |= uneven;
         printf("%-64s %-14s %-26s %-14s %s\n", w.name, shape_str(w.ndim, w.shape, s1, 64),
-               w.tp_style, shape_str(w.ndim, w.local_shape, s2, 64), w.stored);
+               w.tp_style, s2, w.stored);
     }
     if (st == MDT_OK) {
         char b1[32], b2[32];
         cli_fmt_bytes(total * 4, b1, sizeof b1);
         cli_fmt_bytes(local_total * 4, b2, sizeof b2);
-        printf("parameters %.0f (%s in f32); per rank %.0f (%s in f32)\n", total, b1, local_total,
-               b2);
-        print_ranks(info, cfg, tp, ring, uly, order, b2);
+        if (any_uneven)
+            printf("[a|b, ...]: split unevenly at tp=%lld, the first n mod %lld tp ranks hold a "
+                   "rows or columns, the others b (as Ulysses splits uneven head groups)\n",
+                   tp, tp);
+        printf("parameters %.0f (%s in f32); per rank %.0f (%s in f32)%s\n", total, b1, local_total,
+               b2, any_uneven ? " at most (tp rank 0)" : "");
+        print_ranks(info, cfg, tp, ring, uly, order);
     }
     for (int i = 0; i < nlora && st == MDT_OK; i++)
         st = print_lora(info, lora[i], tp);
