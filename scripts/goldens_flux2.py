@@ -1,10 +1,10 @@
 """Flux.2 golden cases (diffusers' Flux2Transformer2DModel), called by make_goldens.py.
 
-Four cases, < 1 MB together: diffusers' own tiny test config and inputs; guidance with batch 2,
+Five cases, < 1 MB together: diffusers' own tiny test config and inputs; guidance with batch 2,
 odd token counts, a non-integer mlp_ratio, rope_theta 10000 and 3-D float ids whose second
 batch entry differs (diffusers uses batch 0); 3 heads (no TP degree > 1 divides them, uneven
 Ulysses head groups) without guidance embeds (the FLUX.2 [klein] form); bf16 weights in
-several shards with an index.
+several shards with an index; an MLP width (95) no TP degree divides (the uneven split).
 """
 import os
 
@@ -116,5 +116,29 @@ def flux2_cases(out_dir):
     d = mg.write_case(out_dir, "flux2_bf16_sharded", m, inputs,
                       "bf16 weights in shards + index; expected from the bf16 values upcast to f32",
                       dtype=torch.bfloat16, max_shard_size="20KB", cls=cls)
-    shards = [f for f in os.listdir(d) if f.endswith(".safetensors") and f.startswith("diffusion")]
-    assert len(shards) >= 2, shards
+    if d:
+        shards = [f for f in os.listdir(d)
+                  if f.endswith(".safetensors") and f.startswith("diffusion")]
+        assert len(shards) >= 2, shards
+
+    # 5. an MLP width no TP degree > 1 divides: heads 4 x 8, mlp_ratio 2.97 (int(32 x 2.97) = 95;
+    #    tp 2: 48 | 47 of each SwiGLU half, tp 4: 24 | 24 | 24 | 23), 1 + 1 blocks, guidance.
+    torch.manual_seed(4)
+    gen = torch.Generator().manual_seed(4)
+    cfg = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+               attention_head_dim=8, num_attention_heads=4, joint_attention_dim=16,
+               timestep_guidance_channels=32, mlp_ratio=2.97, axes_dims_rope=[2, 2, 2, 2])
+    m = cls(**cfg).eval()
+    mg.perturb_norms(m, gen)
+    img, txt = _ids(15, 6, 5)
+    inputs = {
+        "hidden_states": torch.randn(1, 15, 4, generator=gen),
+        "encoder_hidden_states": torch.randn(1, 6, 16, generator=gen),
+        "img_ids": img,
+        "txt_ids": txt,
+        "timestep": torch.tensor([0.6]),
+        "guidance": torch.tensor([3.0]),
+    }
+    mg.write_case(out_dir, "flux2_mlp95", m, inputs,
+                  "heads 4 x 8, mlp_ratio 2.97: MLP width 95 (no tp > 1 divides it: uneven "
+                  "SwiGLU split), 1+1 blocks, 15 image + 6 text tokens", cls=cls)

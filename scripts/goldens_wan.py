@@ -5,11 +5,11 @@ Randomly initialised diffusers models saved with save_pretrained, inputs drawn h
 outputs from diffusers' forward in float32: text-to-video on diffusers' own tiny test config,
 per-token timesteps (Wan 2.2 TI2V), an odd case (3 heads, batch 2, odd token grid, a frame
 count the temporal patch does not divide, no cross-attention norm), Wan 2.1 image-to-video
-(257 image tokens), and first-last-frame with pos_embed in bf16 weights over several shards.
-The I2V cases use 512 text tokens: diffusers' I2V attention takes the last 512 context tokens
-as the text.
+(257 image tokens), first-last-frame with pos_embed in bf16 weights over several shards, and an
+FFN width no TP degree divides (12 heads, ffn_dim 41: the uneven split). The I2V cases use 512
+text tokens: diffusers' I2V attention takes the last 512 context tokens as the text.
 
-usage: python3 scripts/goldens_wan.py [--out tests/data]
+usage: python3 scripts/goldens_wan.py [--out tests/data] [--only CASE ...]
 """
 import argparse
 import os
@@ -30,7 +30,8 @@ def seeded(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def wan_cases(out_dir):
+def wan_cases(out_dir, only=None):
+    """Writes every case, or those named in `only`."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from make_goldens import write_case
     from diffusers import WanTransformer3DModel
@@ -40,6 +41,11 @@ def wan_cases(out_dir):
         _keep_in_fp32_modules = None
 
     Wan = WanTransformer3DModel
+
+    def write(name, *args, **kw):
+        if only is None or name in only:
+            return write_case(out_dir, name, *args, **kw)
+        return None  # left out by --only
 
     # 1. diffusers' tiny test config and inputs: heads 2 x 12, 2 blocks, latent [1, 4, 2, 16, 16]
     #    (128 tokens), 12 text tokens, an integer timestep; each input from a fresh seed-0
@@ -55,9 +61,9 @@ def wan_cases(out_dir):
         "encoder_hidden_states": torch.randn(1, 12, 16, generator=seeded(0)),
         "timestep": torch.randint(0, 1000, size=(1,), generator=seeded(0)),
     }
-    write_case(out_dir, "wan_tiny", m, inputs,
-               "diffusers tiny Wan test config (T2V); 128 video + 12 text tokens; int64 timestep",
-               cls=Reload)
+    write("wan_tiny", m, inputs,
+          "diffusers tiny Wan test config (T2V); 128 video + 12 text tokens; int64 timestep",
+          cls=Reload)
 
     # 2. Wan 2.2 TI2V: timestep [B, S], the first latent frame's tokens at 0 (the conditioning
     #    image), the rest at each batch element's t; heads 4 x 8, batch 2, 3 x 2 x 3 tokens.
@@ -74,9 +80,9 @@ def wan_cases(out_dir):
         "encoder_hidden_states": torch.randn(2, 5, 12, generator=gen),
         "timestep": ts,
     }
-    write_case(out_dir, "wan_ti2v", m, inputs,
-               "Wan 2.2 TI2V per-token timestep [2, 18] (first frame 0); heads 4 x 8; batch 2",
-               cls=Reload)
+    write("wan_ti2v", m, inputs,
+          "Wan 2.2 TI2V per-token timestep [2, 18] (first frame 0); heads 4 x 8; batch 2",
+          cls=Reload)
 
     # 3. odd: 3 heads (no TP degree divides them; uneven Ulysses head groups), batch 2 with two
     #    timesteps, patch (2, 1, 2) over 7 frames (the last dropped, as Conv3d does), 3 x 3 x 5 =
@@ -93,9 +99,9 @@ def wan_cases(out_dir):
         "encoder_hidden_states": torch.randn(2, 7, 10, generator=gen),
         "timestep": torch.tensor([700.5, 31.0]),
     }
-    write_case(out_dir, "wan_odd", m, inputs,
-               "3 heads x 8, batch 2, patch (2, 1, 2) over 7 x 3 x 10 (45 tokens), 7 text tokens, "
-               "out_channels 3, cross_attn_norm false, eps 1e-5", cls=Reload)
+    write("wan_odd", m, inputs,
+          "3 heads x 8, batch 2, patch (2, 1, 2) over 7 x 3 x 10 (45 tokens), 7 text tokens, "
+          "out_channels 3, cross_attn_norm false, eps 1e-5", cls=Reload)
 
     # 4. Wan 2.1 I2V: image_dim + added_kv_proj_dim, 257 image tokens, 512 text tokens.
     torch.manual_seed(3)
@@ -111,9 +117,9 @@ def wan_cases(out_dir):
         "encoder_hidden_states_image": torch.randn(1, 257, 12, generator=gen),
         "timestep": torch.tensor([640.0]),
     }
-    write_case(out_dir, "wan_i2v", m, inputs,
-               "Wan 2.1 I2V: 257 image tokens (image_dim 12, added_kv_proj_dim 16), 512 text "
-               "tokens, 18 video tokens", cls=Reload)
+    write("wan_i2v", m, inputs,
+          "Wan 2.1 I2V: 257 image tokens (image_dim 12, added_kv_proj_dim 16), 512 text "
+          "tokens, 18 video tokens", cls=Reload)
 
     # 5. first-last-frame (pos_embed over two images' tokens) in bf16 weights, 3 shards; heads
     #    4 x 8, batch 2, image input [2B, 5, 12] viewed as [B, 10, 12], 512 text tokens.
@@ -132,16 +138,39 @@ def wan_cases(out_dir):
         "encoder_hidden_states_image": torch.randn(4, 5, 12, generator=gen),
         "timestep": torch.tensor([999.0, 450.0]),
     }
-    d = write_case(out_dir, "wan_flf2v_bf16", m, inputs,
-                   "first-last-frame (pos_embed_seq_len 10), bf16 weights in shards + index; "
-                   "expected from the bf16 values upcast to f32", dtype=torch.bfloat16,
-                   max_shard_size="40KB", cls=Reload)
-    shards = [f for f in os.listdir(d) if f.endswith(".safetensors") and f.startswith("diffusion")]
-    assert len(shards) >= 2, shards
+    d = write("wan_flf2v_bf16", m, inputs,
+              "first-last-frame (pos_embed_seq_len 10), bf16 weights in shards + index; "
+              "expected from the bf16 values upcast to f32", dtype=torch.bfloat16,
+              max_shard_size="40KB", cls=Reload)
+    if d:
+        shards = [f for f in os.listdir(d)
+                  if f.endswith(".safetensors") and f.startswith("diffusion")]
+        assert len(shards) >= 2, shards
+
+    # 6. an FFN width no TP degree > 1 divides: 12 heads x 4 (tp 2, 3, 4, 6, 12 divide the
+    #    heads), ffn_dim 41 (prime: tp 2 splits it 21 | 20, tp 3 14 | 14 | 13, tp 4 11 | 10 x 3),
+    #    batch 2, 2 x 3 x 4 tokens, 6 text tokens.
+    torch.manual_seed(5)
+    gen = seeded(5)
+    cfg = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=4, in_channels=4,
+               out_channels=4, text_dim=8, freq_dim=16, ffn_dim=41, num_layers=2,
+               rope_max_seq_len=8)
+    m = Wan(**cfg).eval()
+    perturb(m, gen)
+    inputs = {
+        "hidden_states": torch.randn(2, 4, 2, 6, 8, generator=gen),
+        "encoder_hidden_states": torch.randn(2, 6, 8, generator=gen),
+        "timestep": torch.tensor([420.0, 77.0]),
+    }
+    write("wan_ffn41", m, inputs,
+          "12 heads x 4, ffn_dim 41 (no tp > 1 divides it: uneven FFN split), batch 2, "
+          "24 video + 6 text tokens", cls=Reload)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "data"))
+    ap.add_argument("--only", nargs="*", help="write only these cases")
     torch.set_grad_enabled(False)
-    wan_cases(ap.parse_args().out)
+    args = ap.parse_args()
+    wan_cases(args.out, set(args.only) if args.only else None)

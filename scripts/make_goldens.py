@@ -7,7 +7,7 @@ float32, and writes tests/data/<case>/{config.json, weights, inputs.safetensors,
 expected.safetensors, versions.txt}. Needs a venv with torch, diffusers and safetensors
 (CI never runs this; the outputs are committed, < 2 MB in all).
 
-usage: python3 scripts/make_goldens.py [--out tests/data]
+usage: python3 scripts/make_goldens.py [--out tests/data] [--only CASE ...]
 """
 import argparse
 import json
@@ -20,11 +20,15 @@ import diffusers
 import safetensors
 from diffusers import FluxTransformer2DModel, MiniMaxH3Transformer3DModel
 from safetensors.torch import save_file
-from goldens_qwenimage import qwenimage_cases
+# the case modules `import make_goldens`: let that be this module when run as a script, so they
+# share its --only filter (ONLY)
+sys.modules.setdefault("make_goldens", sys.modules[__name__])
 
-from goldens_flux2 import flux2_cases
+from goldens_qwenimage import qwenimage_cases  # noqa: E402
 
-from goldens_wan import wan_cases
+from goldens_flux2 import flux2_cases  # noqa: E402
+
+from goldens_wan import wan_cases  # noqa: E402
 
 
 def perturb_norms(model, gen):
@@ -58,8 +62,15 @@ def euler(model, inputs, steps):
     return x
 
 
+# --only: the case names to write (None: every case); the others are skipped, their files kept.
+ONLY = None
+
+
 def write_case(out_dir, name, model, inputs, note, dtype=None, max_shard_size=None, steps=0,
                cls=FluxTransformer2DModel):
+    """Writes case `name` (returns its directory), or nothing when --only leaves it out (None)."""
+    if ONLY is not None and name not in ONLY:
+        return None
     d = os.path.join(out_dir, name)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
@@ -93,8 +104,11 @@ def write_case(out_dir, name, model, inputs, note, dtype=None, max_shard_size=No
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "data"))
+    ap.add_argument("--only", nargs="*", help="write only these cases (the others stay as they are)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
+    global ONLY
+    ONLY = set(args.only) if args.only else None
 
     # 1. diffusers' own tiny test config: heads 2 x 16, axes [4,4,8], 1+1 layers, 16 image + 48
     #    text tokens, batch 1, random-normal ids (like diffusers' tester), timestep 1.0.
@@ -159,15 +173,18 @@ def main():
     d = write_case(args.out, "flux_bf16_sharded", m, inputs,
                    "bf16 weights in 2 shards + index; expected from the bf16 values upcast to f32",
                    dtype=torch.bfloat16, max_shard_size="100KB")
-    shards = [f for f in os.listdir(d) if f.endswith(".safetensors") and f.startswith("diffusion")]
-    assert len(shards) == 2, shards
-    with open(os.path.join(d, "diffusion_pytorch_model.safetensors.index.json")) as fp:
-        assert len(set(json.load(fp)["weight_map"].values())) == 2
+    if d:
+        shards = [f for f in os.listdir(d)
+                  if f.endswith(".safetensors") and f.startswith("diffusion")]
+        assert len(shards) == 2, shards
+        with open(os.path.join(d, "diffusion_pytorch_model.safetensors.index.json")) as fp:
+            assert len(set(json.load(fp)["weight_map"].values())) == 2
 
     h3_cases(args.out)
     flux2_cases(args.out)
-    qwenimage_cases(args.out)
-    wan_cases(args.out)
+    if ONLY is None or any(c.startswith("qwenimage") for c in ONLY):
+        qwenimage_cases(args.out)
+    wan_cases(args.out, ONLY)
 
 
 def h3_layout(segments, timesteps):
@@ -235,6 +252,26 @@ def h3_cases(out_dir):
     write_case(out_dir, "h3_heads8", m, inputs,
                "MiniMax-H3 heads 8 x 8, 2 blocks + 1 refiner, S = 23 rows interleaved, "
                "three timesteps", cls=MiniMaxH3Transformer3DModel)
+
+    # 6. an FFN width no TP degree > 1 divides: heads 4 x 8, ffn_dim 45 (tp 2: 23 | 22 of each
+    #    SwiGLU half, tp 4: 12 | 11 x 3), 1 block + 1 refiner, S = 14 rows, batch 2.
+    torch.manual_seed(5)
+    gen = torch.Generator().manual_seed(5)
+    cfg = dict(num_attention_heads=4, attention_head_dim=8, hidden_size=24, num_layers=1,
+               num_refiner_layers=1, ffn_dim=45, in_channels=4, audio_in_channels=6,
+               patch_size=(1, 2, 2), text_dim=8, freq_dim=8, time_embed_hidden_dim=24,
+               time_embed_dim=16, rope_freq_dim=1)
+    m = MiniMaxH3Transformer3DModel(**cfg).eval()
+    perturb_norms(m, torch.Generator().manual_seed(5))
+    inputs = {
+        "hidden_states": torch.randn(2, 6, 16, generator=gen),
+        "audio_hidden_states": torch.randn(2, 5, 6, generator=gen),
+        "encoder_hidden_states": torch.randn(2, 3, 8, generator=gen),
+    }
+    inputs.update(h3_layout([(1, 0, 3), (2, 1, 5), (0, 0, 6)], [0.8, 0.4]))
+    write_case(out_dir, "h3_ffn45", m, inputs,
+               "MiniMax-H3 heads 4 x 8, ffn_dim 45 (no tp > 1 divides it: uneven SwiGLU split), "
+               "1 block + 1 refiner, S = 14 rows, batch 2", cls=MiniMaxH3Transformer3DModel)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,10 @@ negative() { # name env -- n T R U order
 negative "world-rank shard index, tp=2 x ring=2" MESHDIT_TEST_SHARD_INDEX=world -- 4 2 2 1 tp,ring,ulysses
 negative "world-rank shard index, tp=2 x ulysses=2" MESHDIT_TEST_SHARD_INDEX=world -- 4 2 1 2 tp,ring,ulysses
 negative "CP split skipped, ring=2 x ulysses=2" MESHDIT_TEST_SKIP_CP_SPLIT=1 -- 4 1 2 2 tp,ring,ulysses
+# an uneven FFN split whose shards start where even ones would (overlapping by a row, the last
+# rows never read): the slices, the forwards and the gather must all notice, at tp=2 and tp=4
+negative "uneven shards at even starts, tp=2" MESHDIT_TEST_UNEVEN_EVEN_STARTS=1 -- 2 2 1 1 tp,ring,ulysses
+negative "uneven shards at even starts, tp=4" MESHDIT_TEST_UNEVEN_EVEN_STARTS=1 -- 4 4 1 1 tp,ring,ulysses
 echo "== cli"
 run env BIN="$BUILD/meshdit" MPIEXEC="$MPIEXEC" bash tests/cli/test_cli.sh
 echo "== serve (the resident server over ZeroMQ, a C client)"

@@ -55,6 +55,7 @@ mdt_status mdt_dit_declare_qk_norms(mdt_wtable *t, const char *pfx, const mdt_at
 mdt_status mdt_dit_declare_ff(mdt_wtable *t, const char *pfx, const char *ff, mdt_lin *l0,
                               mdt_lin *l2, int64_t C, int64_t hidden, int gated, int bias) {
     char nm[MDT_NAME_MAX];
+    const int first = t->n;
     snprintf(nm, sizeof nm, "%s.net.0.proj", ff);
     MDT_TRY(mdt_wtable_add_linear(t, l0, pfx, nm, gated ? 2 * hidden : hidden, C,
                                   gated ? MDT_TP_PACKED_COLWISE : MDT_TP_COLWISE, bias));
@@ -63,7 +64,10 @@ mdt_status mdt_dit_declare_ff(mdt_wtable *t, const char *pfx, const char *ff, md
         w->nblocks = 2, w->blocks[0] = hidden, w->blocks[1] = hidden;
     }
     snprintf(nm, sizeof nm, "%s.net.2", ff);
-    return mdt_wtable_add_linear(t, l2, pfx, nm, C, hidden, MDT_TP_ROWWISE, bias);
+    MDT_TRY(mdt_wtable_add_linear(t, l2, pfx, nm, C, hidden, MDT_TP_ROWWISE, bias));
+    /* the hidden features: any tp (each forward sizes them by the local shape) */
+    mdt_wtable_set_uneven(t, first);
+    return MDT_OK;
 }
 
 mdt_status mdt_dit_check_heads(int64_t heads, int T) {

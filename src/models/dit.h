@@ -67,7 +67,9 @@ mdt_status mdt_dit_declare_adaln(mdt_wtable *t, mdt_lin *l, const char *pfx, con
 mdt_status mdt_dit_declare_qk_norms(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,
                                     mdt_qkv *w, int64_t D, float eps);
 /* A FeedForward `pfx ff`: net.0.proj colwise [hidden, C] (gated: packed colwise [value | gate]
- * [2 hidden, C], each half sharded on its own) and net.2 rowwise [C, hidden]. */
+ * [2 hidden, C], each half sharded on its own) and net.2 rowwise [C, hidden]; the hidden
+ * features split unevenly when tp does not divide them (plan.h: uneven; each rank's FFN then
+ * runs on its l0->out_local = l2->in_local features). */
 mdt_status mdt_dit_declare_ff(mdt_wtable *t, const char *pfx, const char *ff, mdt_lin *l0,
                               mdt_lin *l2, int64_t C, int64_t hidden, int gated, int bias);
 /* MDT_E_INVALID unless tp divides the attention heads. */

@@ -57,6 +57,9 @@ mdt_status mdt_wtable_add(mdt_wtable *t, const char *name, int ndim, int64_t d0,
  * weight [out, in, kt, kh, kw] used as the linear [out, in kt kh kw], a table [1, 6, C] as
  * [1, 6 C]. The loader checks, and gen and gather write, the stored dims. */
 mdt_status mdt_wtable_set_stored_shape(mdt_wtable *t, int i, int ndim, const int64_t *shape);
+/* Lets the sharded tensors i >= `first` of t split unevenly over TP (plan.h: uneven): for widths
+ * the forward takes from each rank's local shape alone, e.g. an FFN's hidden features. */
+void mdt_wtable_set_uneven(mdt_wtable *t, int first);
 /* Appends the replicated vector `pfx name` [n] (norm weights). */
 mdt_status mdt_wtable_add_vector(mdt_wtable *t, const float **v, const char *pfx, const char *name,
                                  int64_t n);

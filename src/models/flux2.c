@@ -70,15 +70,19 @@ static mdt_status add_embedder(mdt_wtable *t, mdt_lin *l1, mdt_lin *l2, const ch
 }
 
 /* A Flux2FeedForward `pfx ff`: linear_in packed colwise [gate | value] [2 M, C], linear_out
- * rowwise [C, M]. */
+ * rowwise [C, M]; the M features split unevenly when tp does not divide them (the forward takes
+ * them from linear_out's local columns). */
 static mdt_status add_ff(mdt_wtable *t, mdt_lin *in, mdt_lin *out, const char *pfx, const char *ff,
                          int64_t C, int64_t M) {
     char nm[MDT_NAME_MAX];
+    const int first = t->n;
     snprintf(nm, sizeof nm, "%s.linear_in", ff);
     MDT_TRY(mdt_wtable_add_linear(t, in, pfx, nm, 2 * M, C, MDT_TP_PACKED_COLWISE, 0));
     set_blocks(t, 2, (int64_t[]){M, M});
     snprintf(nm, sizeof nm, "%s.linear_out", ff);
-    return mdt_wtable_add_linear(t, out, pfx, nm, C, M, MDT_TP_ROWWISE, 0);
+    MDT_TRY(mdt_wtable_add_linear(t, out, pfx, nm, C, M, MDT_TP_ROWWISE, 0));
+    mdt_wtable_set_uneven(t, first);
+    return MDT_OK;
 }
 
 static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
@@ -118,12 +122,15 @@ static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
     for (int64_t i = 0; i < f->single_layers; i++) {
         f2_single *b = &f->sgl[i];
         snprintf(p, sizeof p, "single_transformer_blocks.%lld.", (long long)i);
+        const int first = t->n;
         MDT_TRY(mdt_wtable_add_linear(t, &b->qkv_mlp, p, "attn.to_qkv_mlp_proj", 3 * C + 2 * M, C,
                                       MDT_TP_PACKED_COLWISE, 0));
         set_blocks(t, 5, (int64_t[]){C, C, C, M, M});
         MDT_TRY(mdt_wtable_add_linear(t, &b->out, p, "attn.to_out", C, C + M, MDT_TP_PACKED_ROWWISE,
                                       0));
         set_blocks(t, 2, (int64_t[]){C, M});
+        /* the MLP blocks may split unevenly; the C blocks are whole heads (heads % tp = 0) */
+        mdt_wtable_set_uneven(t, first);
         MDT_TRY(mdt_dit_declare_qk_norms(t, p, &mdt_attn_self, &b->norms, D, eps));
     }
     return mdt_joint_declare_out(t, &f->norm_out, &f->proj_out, C, f->patch * f->patch * f->out_ch,
@@ -205,8 +212,7 @@ static mdt_status flux2_check_layout(const void *impl, int T, int R, int U) {
     const flux2 *f = impl;
     (void)R, (void)U;
     MDT_TRY(mdt_dit_check_heads(f->heads, T));
-    MDT_TRY(mdt_dit_check_tp(T, f->mlp_hidden, "the MLP width",
-                             "int(inner x mlp_ratio), sharded in every feed-forward"));
+    /* the MLP width int(inner x mlp_ratio) splits unevenly where tp does not divide it */
     return mdt_dit_check_tp(T, f->joint_dim, "joint_attention_dim",
                             "the input features context_embedder is sharded on");
 }
@@ -334,7 +340,8 @@ static mdt_status single_block(const f2_run *run, const mdt_dit *d, const f2_sin
     const float *mod = run->ms;
     const mdt_heads *hd = run->hd;
     const int64_t C = f->inner, B = d->B, S = in->s.si + in->s.st, M = B * S;
-    const int64_t Cl = d->heads * d->head_dim, Ml = f->mlp_hidden / d->T, W = Cl + Ml;
+    /* this rank's MLP features (an uneven split when tp does not divide the MLP width) */
+    const int64_t Cl = d->heads * d->head_dim, Ml = blk->out.in_local - Cl, W = Cl + Ml;
     float *n = mdt_arena_floats(d->ar, M * C);       // [B, S, C]
     float *g2 = mdt_arena_floats(d->ar, M * 2 * Ml); // [B*S, 2M/T] = [value | gate]
     float *sw = mdt_arena_floats(d->ar, M * Ml);     // [B*S, M/T]

@@ -231,7 +231,9 @@ static const mdt_input_decl *wan_inputs(const void *impl) {
 }
 
 static mdt_status wan_check_layout(const void *impl, int T, int R, int U) {
-    (void)R, (void)U; /* the sharded widths are heads x head_dim: heads % T covers them */
+    /* the other sharded widths are heads x head_dim, which heads % T covers, and the FFN's
+     * ffn_dim, which splits unevenly where T does not divide it (mdt_dit_declare_ff) */
+    (void)R, (void)U;
     return mdt_dit_check_heads(((const wan *)impl)->heads, T);
 }
 

@@ -97,6 +97,11 @@ mdt_status mdt_wtable_set_stored_shape(mdt_wtable *t, int i, int ndim, const int
     return MDT_OK;
 }
 
+void mdt_wtable_set_uneven(mdt_wtable *t, int first) {
+    for (int i = first < 0 ? 0 : first; i < t->n; i++)
+        t->specs[i].uneven = mdt_tp_shard_dim(t->specs[i].style) >= 0;
+}
+
 void mdt_wtable_free(mdt_wtable *t) {
     mdt_free((void *)t->lin);
     mdt_free(t->specs);

@@ -67,6 +67,24 @@ else bad "gen/inputs/run/report pipeline"; fi
 if "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp 2 >"$T/insp" &&
    grep -q 'single_transformer_blocks.0.proj_out.weight.*packed-rowwise.*\[32, 80\]' "$T/insp"; then ok
 else bad "inspect shows packed proj_out shard"; fi
+# an FFN width tp does not divide splits unevenly (the first n mod tp ranks one row more): Wan
+# 2.1 14B's 13 824 at tp=5 (40 heads) is 2765 | 2764, shown per tensor and per rank
+if "$BIN" inspect --config configs/wan2.1_t2v_14b.json --tp 5 >"$T/wan5" &&
+   grep -q '^blocks.39.ffn.net.0.proj.weight .*colwise .*\[2765|2764, 5120\]' "$T/wan5" &&
+   grep -q '^blocks.39.ffn.net.2.weight .*rowwise .*\[5120, 2765|2764\]' "$T/wan5" &&
+   grep -q '^blocks.39.ffn.net.0.proj.bias .*\[2765|2764\]' "$T/wan5" &&
+   grep -q '^  tp=5 .*per rank at most, uneven split.*<- this layout' "$T/wan5" &&
+   grep -q '^  tp=10 ' "$T/wan5" &&
+   [ "$(grep -c '^rank [0-4]: tp [0-4],.*resident$' "$T/wan5")" = 5 ]; then ok
+else bad "inspect Wan 14B at tp=5: $(grep -E 'ffn.net.0.proj.weight|tp=5' "$T/wan5" | head -3)"; fi
+# and runs: tp=3 splits wan_ffn41's FFN 14 | 14 | 13 (the MPI tests cover tp 2 and 4), equal to
+# diffusers; a width no flag lets split unevenly still says which tensor and size
+if timeout 300 "$MPIEXEC" -n 3 "$BIN" run --checkpoint "$DATA/wan_ffn41" --inputs \
+        "$DATA/wan_ffn41/inputs.safetensors" --out "$T/w3.safetensors" --tp 3 --quiet &&
+   "$BIN" compare "$T/w3.safetensors" "$DATA/wan_ffn41/expected.safetensors" --tol 1e-4 >/dev/null; then ok
+else bad "wan_ffn41 at tp=3"; fi
+expect_error inspect-uneven-rowwise-input 1 "tp=3 does not divide" "joint_attention_dim 20" -- \
+    "$BIN" inspect --checkpoint "$DATA/flux2_heads3" --tp 3
 
 # ---- errors from the command line ----
 cp -r "$DATA/flux_tiny" "$T/trunc"

@@ -21,7 +21,11 @@
  * and outputs agree with the single-rank bf16 run (1e-5; 5e-3 with bf16 GEMM operands, gemm.h)
  * and the f32 goldens within 1e-2 (measured <= 4e-3 either way).
  * Run with MESHDIT_TEST_SHARD_INDEX=world (shard index = world rank, the upstream bug) on a
- * 2-axis mesh it must fail: that is the negative control run.sh checks.
+ * 2-axis mesh it must fail: that is the negative control run.sh checks; likewise with
+ * MESHDIT_TEST_UNEVEN_EVEN_STARTS=1 (an uneven FFN shard starting where an even one would:
+ * neighbours overlap by a row, the last rows unread) at a tp that does not divide an FFN width.
+ * Uneven shards (wan_ffn41, flux2_mlp95, h3_ffn45: FFN widths 41, 95, 45) are checked against
+ * the same element-wise ownership rule, the first n mod T coordinates owning one row more.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "backend/backend.h"
@@ -41,21 +45,31 @@
 static int g_rank, g_size;
 static int g_bf16; /* MESHDIT_TEST_DTYPE=bf16: CPU backend with bf16 linear weights */
 
-/* Which coordinate owns element `idx` along the shard dim, and where it lands locally. */
-static void owner_of(const mdt_weight_spec *w, int T, int64_t idx, int *owner, int64_t *lidx) {
+/* Rows (or columns) of a block of size sb that coordinate c of T owns: sb / T, one more for the
+ * first sb mod T coordinates (an uneven split; every rank the same when T divides sb). */
+static int64_t share_of(int64_t sb, int T, int c) { return sb / T + (c < sb % T ? 1 : 0); }
+
+/* Which coordinate owns element `idx` along the shard dim, and where it lands locally (rank k's
+ * local layout: its piece of each block, side by side). */
+static void owner_of(const mdt_weight_spec *w, int T, int k, int64_t idx, int *owner,
+                     int64_t *lidx) {
     int dim = mdt_tp_shard_dim(w->style);
     int nb = w->nblocks > 0 ? w->nblocks : 1;
     int64_t off = 0, loff = 0;
     for (int b = 0; b < nb; b++) {
         int64_t sb = w->nblocks > 0 ? w->blocks[b] : w->shape[dim];
         if (idx < off + sb) {
-            int64_t q = idx - off, per = sb / T;
-            *owner = (int)(q / per);
-            *lidx = loff + q % per;
+            int64_t q = idx - off, big = sb / T + 1, nbig = sb % T;
+            /* the first nbig coordinates hold big rows each, the rest big - 1 */
+            const int c =
+                q < nbig * big ? (int)(q / big) : (int)(nbig + (q - nbig * big) / (big - 1));
+            const int64_t first = c < nbig ? c * big : nbig * big + (c - nbig) * (big - 1);
+            *owner = c;
+            *lidx = loff + q - first;
             return;
         }
         off += sb;
-        loff += sb / T;
+        loff += share_of(sb, T, k);
     }
     *owner = -1;
 }
@@ -75,7 +89,7 @@ static void check_loader(const char *dir, mdt_mesh *mesh) {
         return;
     }
     const int T = mesh->T, k = mesh->t;
-    int64_t expect_bytes = 0, bad_slices = 0, bad_reads = 0;
+    int64_t expect_bytes = 0, bad_slices = 0, bad_reads = 0, owned_bytes = 0;
     for (int i = 0; i < m->table.n; i++) {
         const mdt_weight_spec *w = &m->table.specs[i];
         const mdt_ckpt_ref *ref;
@@ -94,9 +108,10 @@ static void check_loader(const char *dir, mdt_mesh *mesh) {
                 int owner = k;
                 int64_t lr = r, lc = c;
                 if (dim == 0)
-                    owner_of(w, T, r, &owner, &lr);
+                    owner_of(w, T, k, r, &owner, &lr);
                 else if (dim == 1)
-                    owner_of(w, T, c, &owner, &lc);
+                    owner_of(w, T, k, c, &owner, &lc);
+                owned_bytes += owner == k ? (loch ? 2 : 4) : 0;
                 uint32_t x, y; /* bitwise equality, NaN payloads included */
                 if (loch) {
                     x = loch[lr * lcols + lc], y = mdt_f32_to_bf16(full[r * cols + c]);
@@ -117,8 +132,10 @@ static void check_loader(const char *dir, mdt_mesh *mesh) {
            g_rank, (long long)bad_slices);
     EXPECT(bad_reads == 0, "rank %d: %lld tensors read other than exactly their shard's bytes",
            g_rank, (long long)bad_reads);
-    /* resident = sharded / T + replicated, from the specs alone */
+    /* resident = the elements the ownership rule gives this rank, which is sharded / T +
+     * replicated when T divides every sharded dim */
     int64_t sharded = 0, replicated = 0;
+    int uneven = 0;
     for (int i = 0; i < m->table.n; i++) {
         const mdt_weight_spec *w = &m->table.specs[i];
         int64_t n = w->shape[0] * (w->ndim > 1 ? w->shape[1] : 1) * (m->ws[i].h ? 2 : 4);
@@ -126,10 +143,13 @@ static void check_loader(const char *dir, mdt_mesh *mesh) {
             sharded += n;
         else
             replicated += n;
+        uneven |= mdt_shard_uneven_at(w, T);
     }
-    EXPECT(m->weight_bytes == sharded / T + replicated && m->weight_bytes == expect_bytes,
-           "rank %d: resident %lld != sharded/T %lld + replicated %lld", g_rank,
-           (long long)m->weight_bytes, (long long)(sharded / T), (long long)replicated);
+    EXPECT(m->weight_bytes == owned_bytes && m->weight_bytes == expect_bytes &&
+               (uneven || owned_bytes == sharded / T + replicated),
+           "rank %d: resident %lld, owned %lld, sharded/T %lld + replicated %lld", g_rank,
+           (long long)m->weight_bytes, (long long)owned_bytes, (long long)(sharded / T),
+           (long long)replicated);
 
     /* gather back to a full checkpoint: bit-identical to the original stored bytes */
     char gdir[256];
@@ -343,9 +363,11 @@ int main(int argc, char **argv) {
     mdt_mesh *mesh = NULL;
     /* the library reads no environment for its test switches: this test installs them */
     const char *shard = getenv("MESHDIT_TEST_SHARD_INDEX"),
-               *skip = getenv("MESHDIT_TEST_SKIP_CP_SPLIT");
+               *skip = getenv("MESHDIT_TEST_SKIP_CP_SPLIT"),
+               *naive = getenv("MESHDIT_TEST_UNEVEN_EVEN_STARTS");
     const mdt_test_hooks hooks = {.shard_index_world = shard && strcmp(shard, "world") == 0,
-                                  .skip_cp_split = skip && strcmp(skip, "1") == 0};
+                                  .skip_cp_split = skip && strcmp(skip, "1") == 0,
+                                  .uneven_even_starts = naive && strcmp(naive, "1") == 0};
     mdt_test_hooks_set(&hooks);
     const char *dev = getenv("MESHDIT_TEST_DEVICE");
     const int cuda = dev && strcmp(dev, "cuda") == 0;
@@ -392,7 +414,8 @@ int main(int argc, char **argv) {
                                "flux2_guidance",   "flux2_heads3",      "flux2_bf16_sharded",
                                "qwenimage_tiny",   "qwenimage_mask",    "qwenimage_bf16_sharded",
                                "qwenimage_frames", "wan_tiny",          "wan_ti2v",
-                               "wan_odd",          "wan_i2v",           "wan_flf2v_bf16"};
+                               "wan_odd",          "wan_i2v",           "wan_flf2v_bf16",
+                               "wan_ffn41",        "flux2_mlp95",       "h3_ffn45"};
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             snprintf(d, sizeof d, "%s/%s", data, cases[i]);
             char cfgp[600];
