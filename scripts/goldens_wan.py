@@ -5,9 +5,15 @@ Randomly initialised diffusers models saved with save_pretrained, inputs drawn h
 outputs from diffusers' forward in float32: text-to-video on diffusers' own tiny test config,
 per-token timesteps (Wan 2.2 TI2V), an odd case (3 heads, batch 2, odd token grid, a frame
 count the temporal patch does not divide, no cross-attention norm), Wan 2.1 image-to-video
-(257 image tokens), first-last-frame with pos_embed in bf16 weights over several shards, and an
-FFN width no TP degree divides (12 heads, ffn_dim 41: the uneven split). The I2V cases use 512
-text tokens: diffusers' I2V attention takes the last 512 context tokens as the text.
+(257 image tokens), first-last-frame with pos_embed in bf16 weights over several shards, an FFN
+width no TP degree divides (12 heads, ffn_dim 41: the uneven split), and I2V with text lengths
+other than 512. diffusers' I2V attention cuts [image | text] (L tokens) at L - 512 as a Python
+slice bound, whatever the lengths: the image attention gets the tokens before the cut, the text
+attention the rest. wan_i2v and wan_flf2v_bf16 use 512 text tokens (the cut falls between image
+and text, as in Wan's pipelines); wan_i2v_txt20 20 (cut at -235: the text attention also sees
+the last 215 image tokens), wan_i2v_txt600 600 (the image attention also sees the first 88 text
+tokens), wan_flf2v_txt8 8 with 10 image tokens (cut at -494, before the start: no image tokens;
+diffusers attends over zero keys, which gives zeros).
 
 usage: python3 scripts/goldens_wan.py [--out tests/data] [--only CASE ...]
 """
@@ -165,6 +171,40 @@ def wan_cases(out_dir, only=None):
     write("wan_ffn41", m, inputs,
           "12 heads x 4, ffn_dim 41 (no tp > 1 divides it: uneven FFN split), batch 2, "
           "24 video + 6 text tokens", cls=Reload)
+
+    # 7-9. I2V with a text length other than 512 (one block each, heads 2 x 8 as wan_i2v).
+    def i2v(name, seed, n_txt, n_img, batch, note, pos=0):
+        torch.manual_seed(seed)
+        gen = seeded(seed)
+        cfg = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+                   in_channels=6, out_channels=4, text_dim=8, freq_dim=16, ffn_dim=24,
+                   num_layers=1, image_dim=12, added_kv_proj_dim=16, rope_max_seq_len=16)
+        if pos:
+            cfg["pos_embed_seq_len"] = pos
+        m = Wan(**cfg).eval()
+        perturb(m, gen)
+        if pos:
+            with torch.no_grad():
+                m.condition_embedder.image_embedder.pos_embed.normal_(generator=gen)
+        inputs = {
+            "hidden_states": torch.randn(batch, 6, 2, 4, 6, generator=gen),
+            "encoder_hidden_states": torch.randn(batch, n_txt, 8, generator=gen),
+            "encoder_hidden_states_image": torch.randn(batch * (2 if pos else 1), n_img, 12,
+                                                       generator=gen),
+            "timestep": torch.tensor([640.0, 130.0][:batch]),
+        }
+        write(name, m, inputs, note, cls=Reload)
+
+    i2v("wan_i2v_txt20", 6, 20, 257, 1,
+        "I2V, 20 text + 257 image tokens: of the 277 context tokens diffusers' image attention "
+        "takes the first 42 (277 - 512 = -235 as a slice end), its text attention the last 235 "
+        "(215 image + 20 text)")
+    i2v("wan_i2v_txt600", 7, 600, 257, 2,
+        "I2V, 600 text + 257 image tokens, batch 2: diffusers' image attention takes the first "
+        "345 context tokens (257 image + 88 text), its text attention the last 512")
+    i2v("wan_flf2v_txt8", 8, 8, 5, 1,
+        "first-last-frame, 8 text + 10 image tokens: diffusers' split leaves its image "
+        "attention no tokens (zeros); all 18 context tokens go to the text attention", pos=10)
 
 
 if __name__ == "__main__":

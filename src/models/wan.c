@@ -22,9 +22,10 @@
  * timestep value and picked per token (the same numbers as diffusers' per-token tables).
  * I2V image embeddings: LayerNorm, linear, GELU (erf), linear, LayerNorm (eps 1e-5, affine), with
  * pos_embed added first for first-last-frame models (input [2B, N, D] viewed as [B, 2N, D]).
- * diffusers' I2V attention takes the last 512 context tokens as text; here the text is
- * encoder_hidden_states and the image tokens encoder_hidden_states_image, whatever their lengths
- * (equal to diffusers when the text has 512 tokens, as Wan's pipelines pad it).
+ * diffusers' I2V attention cuts the context [image | text] at its length - 512 (as a slice bound)
+ * and attends the image projections over the tokens before the cut, the text ones over the rest;
+ * the same cut here (mdt_wan_context_cut), so any text length gives diffusers' result (with 512
+ * text tokens, as Wan's pipelines pad the text, the cut is exactly between image and text).
  *
  * TP: q/k/v, add_k_proj/add_v_proj and the FFN input colwise (the across-heads norm weights
  * sharded with them; the norm's sum of squares all-reduced over TP, mdt_dit_rmsnorm_tp), to_out
@@ -312,13 +313,14 @@ static mdt_status context_kv(const wan *f, const mdt_dit *d, const float *c, int
     return st;
 }
 
-/* attn2 on my tokens nx [B, n, C] over the whole text ctx [B, Nt, C] (and image tokens img
- * [B, Ni, C]): y [B n, C] = to_out(attention to text + attention to image). */
+/* attn2 on my tokens nx [B, n, C] over the whole text context ctx [B, Nct, C] (and the image
+ * context img [B, Nci, C]): y [B n, C] = to_out(attention to text + attention to image). */
 static mdt_status cross_attention(const wan *f, const mdt_dit *d, const wan_in *x,
                                   const wan_block *b, const float *nx, const float *ctx,
                                   const float *img, float *y) {
     mdt_arena_mark mk = mdt_arena_mark_get(d->ar);
-    const int64_t n = x->n, M = d->B * n, W = b->a2.q.out_local, Nc = x->Nt > x->Ni ? x->Nt : x->Ni;
+    const int64_t n = x->n, M = d->B * n, W = b->a2.q.out_local;
+    const int64_t Nc = x->Nct > x->Nci ? x->Nct : x->Nci;
     const int64_t R = (M > d->B * Nc ? M : d->B * Nc) * W; /* rows of the scratch */
     float *tmp = mdt_arena_floats(d->ar, R), *tmp2 = mdt_arena_floats(d->ar, R); // [rows, A/T]
     float *q = mdt_arena_floats(d->ar, M * W);                                   // [B, H/T, n, D]
@@ -331,13 +333,13 @@ static mdt_status cross_attention(const wan *f, const mdt_dit *d, const wan_in *
     const wan_scratch s = {tmp, tmp2};
     MDT_TRY(project(f, d, nx, n, &(wan_proj){&b->a2.q, b->a2.norm_q, NULL, q}, &s));
     if (img) { /* I2V: the same queries over the image tokens, added to the text result */
-        MDT_TRY(context_kv(f, d, img, x->Ni, &(wan_proj){&b->ak, b->n_ak, NULL, k},
+        MDT_TRY(context_kv(f, d, img, x->Nci, &(wan_proj){&b->ak, b->n_ak, NULL, k},
                            &(wan_proj){&b->av, NULL, NULL, v}, &s));
-        MDT_TRY(mdt_dit_attend_kv(d, q, n, k, v, x->Ni, ai, W)); // [B, n, A/T]
+        MDT_TRY(mdt_dit_attend_kv(d, q, n, k, v, x->Nci, ai, W)); // [B, n, A/T]
     }
-    MDT_TRY(context_kv(f, d, ctx, x->Nt, &(wan_proj){&b->a2.k, b->a2.norm_k, NULL, k},
+    MDT_TRY(context_kv(f, d, ctx, x->Nct, &(wan_proj){&b->a2.k, b->a2.norm_k, NULL, k},
                        &(wan_proj){&b->a2.v, NULL, NULL, v}, &s));
-    MDT_TRY(mdt_dit_attend_kv(d, q, n, k, v, x->Nt, ao, W)); // [B, n, A/T]
+    MDT_TRY(mdt_dit_attend_kv(d, q, n, k, v, x->Nct, ao, W)); // [B, n, A/T]
     if (img)
         mdt_k()->add(ao, ai, M * W);
     MDT_TRY(mdt_dit_row_linear(d, &b->o2, ao, W, y, M)); // [B n, C]
@@ -453,6 +455,34 @@ static mdt_status image_embed(const wan *f, const mdt_dit *d, const wan_in *x, f
     return MDT_OK;
 }
 
+/* The I2V contexts as diffusers' attention processor cuts them (mdt_wan_context_cut): of
+ * [img [B, Ni, C] | ctx [B, Nt, C]], *ci [B, Nci, C] the rows before the cut (NULL when there
+ * are none: no image attention, as zero keys give zeros) and *ct [B, Nct, C] the rows after.
+ * With 512 text tokens the cut is between the two: img and ctx themselves, no copy. */
+static mdt_status context_cut(const mdt_dit *d, const wan_in *x, int64_t C, const float *img,
+                              const float *ctx, const float **ci, const float **ct) {
+    const int64_t B = d->B, Ni = x->Ni, Nt = x->Nt, p = x->Nci;
+    *ci = p ? img : NULL, *ct = ctx;
+    if (p == Ni)
+        return MDT_OK;
+    float *bi = mdt_arena_floats(d->ar, B * p * C);      // [B, Nci, C]
+    float *bt = mdt_arena_floats(d->ar, B * x->Nct * C); // [B, Nct, C]
+    if (!bi || !bt)
+        return MDT_E_NOMEM;
+    const int64_t li = p * C, lt = x->Nct * C; /* rows of every batch element, as floats */
+    if (p < Ni) { /* the text attention also gets the image tokens [p, Ni) */
+        mdt_k()->copy2d(bi, li, img, Ni * C, B, li);
+        mdt_k()->copy2d(bt, lt, img + li, Ni * C, B, (Ni - p) * C);
+        mdt_k()->copy2d(bt + (Ni - p) * C, lt, ctx, Nt * C, B, Nt * C);
+    } else { /* the image attention also gets the text tokens [0, p - Ni) */
+        mdt_k()->copy2d(bi, li, img, Ni * C, B, Ni * C);
+        mdt_k()->copy2d(bi + Ni * C, li, ctx, Nt * C, B, (p - Ni) * C);
+        mdt_k()->copy2d(bt, lt, ctx + (p - Ni) * C, Nt * C, B, lt);
+    }
+    *ci = p ? bi : NULL, *ct = bt;
+    return MDT_OK;
+}
+
 static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_set *out) {
     const wan *f = m->impl;
     mdt_dit d;
@@ -482,11 +512,14 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
         MDT_TRY(image_embed(f, &d, &x, img)); // [B, Ni, C]
         mdt_guard_finite(d.m, "condition_embedder.image_embedder", img, B * x.Ni * C);
     }
+    const float *cimg = x.img ? img : NULL, *ctxt = ctx; /* the cross-attention's contexts */
+    if (x.img)
+        MDT_TRY(context_cut(&d, &x, C, img, ctx, &cimg, &ctxt));
     mdt_dit_linear(&f->patch_emb, x.x, M, h, C); // [B, n, C]
     mdt_guard_finite(d.m, "patch_embedding", h, M * C);
     for (int64_t i = 0; i < f->layers; i++) {
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
-        MDT_TRY(block(f, &d, &x, &f->blk[i], tproj, ctx, x.img ? img : NULL, h));
+        MDT_TRY(block(f, &d, &x, &f->blk[i], tproj, ctxt, cimg, h));
         mdt_dit_block_done(&d, mk, "blocks", i, &(mdt_stream){h, x.n, C}, 1);
     }
     /* norm_out: shift, scale = scale_shift_table + temb (per distinct timestep, picked per token)
@@ -513,9 +546,9 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
     /* no silent degrade: per block and batch element, the video over CP, text and image whole */
     mdt_promise p = {0};
     mdt_dit_promise_cp(&d, &p, &x.S, 1, f->layers * B);
-    mdt_dit_promise_kv(&d, &p, x.S, x.Nt, f->layers * B);
-    if (x.img)
-        mdt_dit_promise_kv(&d, &p, x.S, x.Ni, f->layers * B);
+    mdt_dit_promise_kv(&d, &p, x.S, x.Nct, f->layers * B);
+    if (cimg)
+        mdt_dit_promise_kv(&d, &p, x.S, x.Nci, f->layers * B);
     return mdt_dit_end(&d, &p);
 }
 

@@ -110,6 +110,12 @@ static mdt_status read_image(const wan *f, mdt_dit *d, const mdt_tensor_set *in,
     return MDT_OK;
 }
 
+int64_t mdt_wan_context_cut(int64_t Ni, int64_t Nt) {
+    const int64_t L = Ni + Nt, c = L - 512; /* `ehs[:, :c]` and `ehs[:, c:]` */
+    const int64_t cut = c >= 0 ? c : L + c;
+    return cut < 0 ? 0 : cut > L ? L : cut;
+}
+
 mdt_status mdt_wan_read(const wan *f, mdt_dit *d, const mdt_tensor_set *in, wan_in *x) {
     mdt_arena *ha = d->ha, *ar = d->ar;
     const int64_t B = mdt_input_dim(in, "hidden_states", 0), D = f->head_dim;
@@ -143,6 +149,8 @@ mdt_status mdt_wan_read(const wan *f, mdt_dit *d, const mdt_tensor_set *in, wan_
     MDT_TRY(mdt_input_f32_view(in, "encoder_hidden_states", 3, (int64_t[]){B, x->Nt, f->text_dim},
                                ha, &x->ehs));
     MDT_TRY(read_image(f, d, in, x, &x->img));
+    x->Nci = x->img ? mdt_wan_context_cut(x->Ni, x->Nt) : 0;
+    x->Nct = x->Ni + x->Nt - x->Nci;
     MDT_TRY(mdt_input_f32(in, "timestep", tok_t ? 2 : 1, (int64_t[]){B, S}, ha, &ts));
     /* per token: the timestep's row among the distinct values (every rank the same table) */
     float *pat = mdt_arena_floats(ha, B * S * f->Pin);                  // [B, S, Pin] host

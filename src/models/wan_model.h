@@ -35,6 +35,7 @@ typedef struct wan_in {
     int64_t F, H, W, Fp, Hp, Wp, S; /* latent frames, height, width; post-patch grid; tokens */
     int64_t s0, n;                  /* this rank's tokens [s0, s0 + n) */
     int64_t Nt, Ni, Tn;             /* text and image tokens, distinct timesteps */
+    int64_t Nci, Nct;               /* image, text attention contexts (mdt_wan_context_cut) */
     const float *x;                 /* [B, n, Pin] patches of my tokens */
     const float *ehs, *img;         /* [B, Nt, text_dim]; [B, Ni, image_dim] or NULL */
     const float *e;                 /* [Tn, freq] sinusoids of the distinct timesteps */
@@ -46,6 +47,12 @@ typedef struct wan_in {
  * timesteps (per sample [B] or per token [B, S]) as distinct values, the text, the optional image
  * embeddings, the rotary tables of this rank's tokens) and uploads them; sets d->B. */
 mdt_status mdt_wan_read(const wan *f, mdt_dit *d, const mdt_tensor_set *in, wan_in *x);
+/* Where diffusers' WanAttnProcessor cuts the I2V context [image (Ni) | text (Nt)] of L = Ni + Nt
+ * tokens: the image attention takes the tokens before the cut, the text attention the rest. The
+ * cut is L - 512 (the text encoder's padded length, hard-coded there) taken as a Python slice
+ * bound: L - 512 when L >= 512, else 2 L - 512 clamped at 0. Equal to Ni exactly when Nt is 512;
+ * 0 (no image tokens: diffusers attends over zero keys, giving zeros) when L <= 256 or L = 512. */
+int64_t mdt_wan_context_cut(int64_t Ni, int64_t Nt);
 /* proj_out rows y [B, S, Pout] (feature order (t, h, w, c)) as the video [B, Cout, F' pt, H' ph,
  * W' pw], diffusers' reshape and permute. */
 void mdt_wan_unpatchify(const wan *f, const wan_in *x, int64_t B, const float *y, float *v);

@@ -24,6 +24,14 @@ Sizes (Wan2.1-T2V layout, scaled down):
 generate() asks for 5 frames at 32 x 48 (latents [1, 8, 2, 4, 6] -> 2 x 2 x 3 = 12 video tokens), 32 text
 tokens, guidance_scale 5 with a negative prompt, so each step calls the transformer twice (cond, uncond).
 
+``build_i2v`` / ``load_i2v`` / ``generate_i2v``: the same components as a Wan 2.1 image-to-video pipeline
+(``WanImageToVideoPipeline``): a ``CLIPVisionModel`` image encoder (hidden 16, 64 x 64 images in 4 x 4 patches:
+257 tokens, as CLIP ViT-H/14's 224 / 14) with a ``CLIPImageProcessor``, a transformer with image_dim 16 and
+added_kv_proj_dim 64, in_channels 20 (latent 8 + mask 4 + condition 8). generate_i2v pads the text to
+``max_sequence_length`` I2V_TXT_LEN = 226 (the pipeline's encode_prompt default, not 512): diffusers' attention
+then cuts [image | text] (483 tokens) at 483 - 512 as a slice bound, the image attention getting the 257 image
+and the first 197 text tokens.
+
 Usage: ``python tests/python/wan_pipeline.py [--meshdit build/meshdit] [--keep DIR] [--steps N]`` builds into
 a temp dir, runs the pipeline twice with diffusers' own transformer and prints shapes, times and the max abs
 difference between the two runs (must be 0); then a non-Module stand-in for the transformer, and meshdit run on
@@ -36,6 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 import torch
@@ -94,8 +103,7 @@ _WORDS = [
 def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> None:
     """Write a complete, deterministic (for a seed) tiny WanPipeline under root (float32, random weights).
     transformer_config overrides WanTransformer3DModel arguments (keep text_dim, in/out_channels, patch_size)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
+    from diffusers import WanPipeline, WanTransformer3DModel
 
     gen = torch.Generator("cpu").manual_seed(seed + 12345)
 
@@ -104,6 +112,18 @@ def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> N
     torch.manual_seed(seed)
     transformer = WanTransformer3DModel(**{**TRANSFORMER_CONFIG, **(transformer_config or {})}).eval()
     _perturb_constants(transformer, gen)
+
+    vae, text_encoder, scheduler = _components(seed, gen, tokenizer)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer, transformer_2=None, boundary_ratio=None, expand_timesteps=False)
+    os.makedirs(root, exist_ok=True)
+    pipe.save_pretrained(root, safe_serialization=True)
+
+
+def _components(seed, gen, tokenizer):
+    """The VAE, the UMT5 text encoder and the scheduler of both pipelines, drawn from seed and gen."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLWan(
@@ -144,12 +164,75 @@ def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> N
         emb.copy_(torch.randn(emb.shape, generator=gen))
     _perturb_constants(text_encoder, gen)
 
-    scheduler = UniPCMultistepScheduler(**SCHEDULER_CONFIG)
+    return vae, text_encoder, UniPCMultistepScheduler(**SCHEDULER_CONFIG)
 
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer, transformer_2=None, boundary_ratio=None, expand_timesteps=False)
+
+# Wan 2.1 I2V, scaled down: the image encoder's hidden size is the transformer's image_dim.
+I2V_TXT_LEN = 226
+I2V_IMAGE_DIM = 16
+I2V_TRANSFORMER_CONFIG = dict(TRANSFORMER_CONFIG, in_channels=2 * LATENT_CHANNELS + 4, image_dim=I2V_IMAGE_DIM,
+                              added_kv_proj_dim=HEADS * HEAD_DIM)
+
+
+def build_i2v(root: str, seed: int = 0) -> None:
+    """Write a tiny WanImageToVideoPipeline (Wan 2.1 I2V) under root: build()'s components, a CLIP vision
+    encoder and image processor (257 image tokens of width I2V_IMAGE_DIM), an I2V transformer."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    gen = torch.Generator("cpu").manual_seed(seed + 23456)
+    tokenizer = t5_tokenizer(_WORDS)
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(**I2V_TRANSFORMER_CONFIG).eval()
+    _perturb_constants(transformer, gen)
+    vae, text_encoder, scheduler = _components(seed, gen, tokenizer)
+    torch.manual_seed(seed + 3)
+    image_encoder = CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=I2V_IMAGE_DIM, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        image_size=64, patch_size=4, projection_dim=16)).eval()
+    _perturb_constants(image_encoder, gen)
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                                   image_processor=image_processor, image_encoder=image_encoder,
+                                   transformer=transformer, transformer_2=None, boundary_ratio=None,
+                                   expand_timesteps=False)
     os.makedirs(root, exist_ok=True)
     pipe.save_pretrained(root, safe_serialization=True)
+
+
+def load_i2v(root: str, transformer=None):
+    """The I2V pipeline from root on CPU (float32), with `transformer` instead of root/transformer if given
+    (as load())."""
+    from diffusers import WanImageToVideoPipeline
+    from diffusers.pipelines.wan import pipeline_wan_i2v
+    from diffusers.utils import is_accelerate_available, is_ftfy_available
+
+    if not is_ftfy_available() and not hasattr(pipeline_wan_i2v, "ftfy"):
+        # diffusers 0.42.1's I2V prompt cleaning calls ftfy.fix_text without checking that ftfy is installed (the
+        # T2V pipeline checks); ftfy only repairs mojibake, which these ASCII prompts do not have
+        pipeline_wan_i2v.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
+    default = None if is_accelerate_available() else (
+        lambda: _transformer_from_dir(os.path.join(root, "transformer")))
+    return load_pipeline(WanImageToVideoPipeline, root, transformer, default_transformer=default)
+
+
+def generate_i2v(pipe, seed: int = 0, steps: int = 2, max_sequence_length: int = I2V_TXT_LEN,
+                 output_type: str = "np", **kwargs) -> np.ndarray:
+    """Run the I2V pipeline on a fixed 32 x 48 image (a colour gradient; the pipeline resizes it for CLIP)
+    with CFG: the decoded video [F, H, W, 3], or the latents with output_type="latent"."""
+    from PIL import Image
+
+    yy, xx = np.mgrid[0:HEIGHT, 0:WIDTH]
+    rgb = np.stack([xx * 255 // WIDTH, yy * 255 // HEIGHT, (xx + yy) * 127 // (HEIGHT + WIDTH)], -1)
+    image = Image.fromarray(rgb.astype(np.uint8))
+    generator = torch.Generator("cpu").manual_seed(seed)
+    with torch.inference_mode():
+        out = pipe(image=image, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, height=HEIGHT, width=WIDTH,
+                   num_frames=NUM_FRAMES, num_inference_steps=steps, guidance_scale=5.0,
+                   max_sequence_length=max_sequence_length, generator=generator, output_type=output_type, **kwargs)
+    if output_type == "latent":
+        return out.frames.float().cpu().numpy()
+    return np.asarray(out.frames, dtype=np.float32)[0]
 
 
 def _transformer_from_dir(path):
