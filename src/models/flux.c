@@ -176,11 +176,11 @@ static mdt_status flux_read(const flux *f, mdt_dit *d, const mdt_tensor_set *in,
     mdt_ids img_ids, txt_ids;
     float *pooled, *ts, *g = NULL;
     MDT_TRY(mdt_input_f32(in, "pooled_projections", 2, (int64_t[]){B, f->pooled_dim}, ha, &pooled));
-    MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ha, &ts));
+    MDT_TRY(mdt_input_f32_batch(in, "timestep", 1, (int64_t[]){B}, ha, &ts)); /* or [1] */
     MDT_TRY(mdt_joint_read_ids(d, in, "img_ids", x->s.Si, f->naxes, 1, &img_ids));
     MDT_TRY(mdt_joint_read_ids(d, in, "txt_ids", x->s.St, f->naxes, 1, &txt_ids));
     if (f->guidance)
-        MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ha, &g));
+        MDT_TRY(mdt_input_f32_batch(in, "guidance", 1, (int64_t[]){B}, ha, &g));
     float *e256 = mdt_arena_floats(ha, 2 * B * 256); // [2, B, 256] host: t, g
     if (!e256)
         return MDT_E_NOMEM;

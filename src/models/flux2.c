@@ -232,11 +232,11 @@ static mdt_status flux2_read(const flux2 *f, mdt_dit *d, const mdt_tensor_set *i
     mdt_arena *ha = d->ha, *ar = d->ar;
     mdt_ids img_ids, txt_ids;
     float *ts, *g = NULL;
-    MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, ha, &ts));
+    MDT_TRY(mdt_input_f32_batch(in, "timestep", 1, (int64_t[]){B}, ha, &ts)); /* or [1] */
     MDT_TRY(mdt_joint_read_ids(d, in, "img_ids", x->s.Si, f->naxes, 0, &img_ids));
     MDT_TRY(mdt_joint_read_ids(d, in, "txt_ids", x->s.St, f->naxes, 0, &txt_ids));
     if (f->guidance) /* without guidance_embeds diffusers ignores it, and so do we */
-        MDT_TRY(mdt_input_f32(in, "guidance", 1, (int64_t[]){B}, ha, &g));
+        MDT_TRY(mdt_input_f32_batch(in, "guidance", 1, (int64_t[]){B}, ha, &g));
     float *e = mdt_arena_floats(ha, 2 * B * Tc); // [2, B, t_ch] host: t, g
     if (!e)
         return MDT_E_NOMEM;

@@ -5,16 +5,23 @@
 
 #include "io/safetensors.h"
 
+#include <string.h>
+
+/* Whether t has shape `shape` (-1 = any). */
+static int has_shape(const mdt_tensor *t, int ndim, const int64_t *shape) {
+    int same = t->ndim == ndim;
+    for (int i = 0; same && i < ndim; i++)
+        same = shape[i] < 0 || t->shape[i] == shape[i];
+    return same;
+}
+
 static mdt_status input_tensor(const mdt_tensor_set *in, const char *name, int ndim,
                                const int64_t *shape, const mdt_tensor **out) {
     char s1[96], s2[96];
     const mdt_tensor *t = mdt_tensor_set_get(in, name);
     if (!t)
         return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' is missing (the model needs it)", name);
-    int same = t->ndim == ndim;
-    for (int i = 0; same && i < ndim; i++)
-        same = shape[i] < 0 || t->shape[i] == shape[i];
-    if (!same)
+    if (!has_shape(t, ndim, shape))
         return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has shape %s, expected %s", name,
                         mdt_shape_str(t->ndim, t->shape, s1, 96),
                         mdt_shape_str(ndim, shape, s2, 96));
@@ -47,6 +54,32 @@ mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, c
                         "(expected F32, BF16, F16, F64, I64 or I32)",
                         name, mdt_dtype_name(t->dtype));
     return check_finite(name, *out, n);
+}
+
+mdt_status mdt_input_f32_batch(const mdt_tensor_set *in, const char *name, int ndim,
+                               const int64_t *shape, mdt_arena *a, float **out) {
+    char s1[96], s2[96], s3[96];
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    int64_t one[MDT_MAX_DIMS];
+    memcpy(one, shape, sizeof(int64_t) * (size_t)ndim);
+    one[0] = 1;
+    if (!t || shape[0] == 1 || has_shape(t, ndim, shape))
+        return mdt_input_f32(in, name, ndim, shape, a, out);
+    if (!has_shape(t, ndim, one))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: tensor '%s' has shape %s, expected %s or %s (one value for the "
+                        "whole batch)",
+                        name, mdt_shape_str(t->ndim, t->shape, s1, 96),
+                        mdt_shape_str(ndim, shape, s2, 96), mdt_shape_str(ndim, one, s3, 96));
+    float *v;
+    MDT_TRY(mdt_input_f32(in, name, ndim, one, a, &v));
+    const int64_t n = mdt_tensor_numel(t); /* one sample's values, repeated over the batch */
+    *out = mdt_arena_floats(a, shape[0] * n);
+    if (!*out)
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < shape[0]; b++)
+        memcpy(*out + b * n, v, sizeof(float) * (size_t)n);
+    return MDT_OK;
 }
 
 mdt_status mdt_input_f32_view(const mdt_tensor_set *in, const char *name, int ndim,

@@ -11,6 +11,11 @@
  * the arena; NaN/Inf is an error naming the tensor and element. */
 mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
                          mdt_arena *a, float **out);
+/* A per-sample input of shape [B, rest...] (`shape`, shape[0] = B) as mdt_input_f32 reads it, or
+ * of shape [1, rest...] repeated to [B, rest...]: one value for the whole batch, which diffusers'
+ * transformers broadcast (a [1] timestep or guidance with batch B). Errors name both shapes. */
+mdt_status mdt_input_f32_batch(const mdt_tensor_set *in, const char *name, int ndim,
+                               const int64_t *shape, mdt_arena *a, float **out);
 /* The same, read-only and without a copy when the input is already F32 (the large activations:
  * checked in place, uploaded straight from the caller's buffer); other dtypes are converted. */
 mdt_status mdt_input_f32_view(const mdt_tensor_set *in, const char *name, int ndim,

@@ -292,7 +292,7 @@ static mdt_status qwen_read(const qwen *f, mdt_dit *d, const mdt_tensor_set *in,
     MDT_TRY(mdt_joint_read_streams(d, in, f->in_ch, f->joint_dim, 0, &s));
     const int64_t B = s.B;
     *x = (qwen_in){.B = B, .Si = s.Si, .St = s.St, .hs = s.hs, .ehs = s.ehs};
-    MDT_TRY(mdt_input_f32(in, "timestep", 1, (int64_t[]){B}, d->ha, &ts));
+    MDT_TRY(mdt_input_f32_batch(in, "timestep", 1, (int64_t[]){B}, d->ha, &ts)); /* or [1] */
     MDT_TRY(read_mask(in, x, d->ha));
     MDT_TRY(read_img_shapes(in, x, d->ha));
     float *e256 = mdt_arena_floats(d->ha, B * 256); // [B, 256] host

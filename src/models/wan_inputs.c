@@ -151,7 +151,8 @@ mdt_status mdt_wan_read(const wan *f, mdt_dit *d, const mdt_tensor_set *in, wan_
     MDT_TRY(read_image(f, d, in, x, &x->img));
     x->Nci = x->img ? mdt_wan_context_cut(x->Ni, x->Nt) : 0;
     x->Nct = x->Ni + x->Nt - x->Nci;
-    MDT_TRY(mdt_input_f32(in, "timestep", tok_t ? 2 : 1, (int64_t[]){B, S}, ha, &ts));
+    /* [B] or [B, S], or [1] / [1, S] for every sample (diffusers broadcasts them) */
+    MDT_TRY(mdt_input_f32_batch(in, "timestep", tok_t ? 2 : 1, (int64_t[]){B, S}, ha, &ts));
     /* per token: the timestep's row among the distinct values (every rank the same table) */
     float *pat = mdt_arena_floats(ha, B * S * f->Pin);                  // [B, S, Pin] host
     float *tv = mdt_arena_floats(ha, B * S);                            // [Tn] host

@@ -54,6 +54,42 @@ if "$BIN" compare "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/expect
     bad "compare accepted different tensors"
 else ok; fi
 
+# ---- per-sample inputs as diffusers pipelines pass them ----
+ST_EDIT=${ST_EDIT:-tests/cli/st-edit}
+same_run() { # same_run NAME CKPT INPUTS_A INPUTS_B [run args]: both runs succeed, identical bytes
+    local name=$1 ck=$2 a=$3 b=$4; shift 4
+    if "$BIN" run --checkpoint "$ck" --inputs "$a" --out "$T/sa.safetensors" --quiet "$@" 2>"$T/sa.err" &&
+       "$BIN" run --checkpoint "$ck" --inputs "$b" --out "$T/sb.safetensors" --quiet "$@" 2>"$T/sb.err" &&
+       cmp -s "$T/sa.safetensors" "$T/sb.safetensors"; then ok
+    else bad "$name: $(cat "$T/sa.err" "$T/sb.err" 2>/dev/null | head -2)"; fi
+}
+# a one-element timestep (and guidance) with batch 2 is every sample's, as diffusers' forwards
+# broadcast it (Flux, Flux.2, Qwen-Image, Wan; Wan's per-token [1, S] likewise): the same bytes as
+# the value repeated over the batch, one forward and under the sampler
+for c in "flux_guidance timestep guidance" "flux2_guidance timestep guidance" \
+         "qwenimage_bf16_sharded timestep" "wan_odd timestep" "wan_ti2v timestep"; do
+    set -- $c
+    d=$1; shift
+    first=() rep=()
+    for n in "$@"; do first+=("$n@first"); rep+=("$n@repeat"); done
+    "$ST_EDIT" "$DATA/$d/inputs.safetensors" "$T/one.st" "${first[@]}"
+    "$ST_EDIT" "$DATA/$d/inputs.safetensors" "$T/rep.st" "${rep[@]}"
+    same_run "$d: a [1] $* with batch 2" "$DATA/$d" "$T/one.st" "$T/rep.st"
+done
+"$ST_EDIT" "$DATA/flux_guidance/inputs.safetensors" "$T/one.st" timestep@first guidance@first
+"$ST_EDIT" "$DATA/flux_guidance/inputs.safetensors" "$T/rep.st" timestep@repeat guidance@repeat
+same_run "--steps with a [1] timestep and guidance, batch 2" "$DATA/flux_guidance" "$T/one.st" \
+    "$T/rep.st" --steps 2
+# negative control: a [1] timestep is not any [2] one
+"$ST_EDIT" "$DATA/flux_guidance/inputs.safetensors" "$T/one.st" timestep@first
+if "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$T/one.st" --out "$T/sa.safetensors" --quiet &&
+   ! "$BIN" compare "$T/sa.safetensors" "$DATA/flux_guidance/expected.safetensors" >/dev/null; then ok
+else bad "a [1] timestep matched the golden's two distinct timesteps"; fi
+# a per-sample input of another length is refused, naming both shapes it may have
+"$ST_EDIT" "$DATA/flux_guidance/inputs.safetensors" "$T/three.st" guidance@grow
+expect_error timestep-batch 1 "tensor 'guidance' has shape \\[3\\], expected \\[2\\] or \\[1\\]" -- \
+    "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$T/three.st" --out "$T/out.safetensors"
+
 # ---- gen / inputs / run / inspect on the built-in tiny model ----
 if "$BIN" gen --model flux --preset tiny --seed 1 --out "$T/tiny" >/dev/null &&
    "$BIN" gen --model flux --preset tiny --seed 1 --dtype bf16 --shards 2 --out "$T/tiny_bf16" >/dev/null &&
