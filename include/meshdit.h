@@ -337,8 +337,10 @@ typedef struct mdt_run_stats mdt_run_stats;
 /* Runs the model: with p->steps > 0, the Euler flow-matching sampler: for i = 0..N-1, sigma_i =
  * 1 - i/N, the family's timestep input (Flux: "timestep") set to sigma_i, one forward, then the
  * latent input (Flux: "hidden_states") x <- x + (sigma_{i+1} - sigma_i) v with v the forward's
- * output; the result is the final latent under the output name (Flux: "sample"). Both inputs
- * must be F32; they are the sampler's state and are overwritten (the latent ends as the result).
+ * output; the result is the final latent under the output name (Flux: "sample"). They are the
+ * sampler's state, converted to F32 once (the latent from any float dtype, the timestep from any
+ * number dtype: its values are overwritten, a per-token timestep's zeros kept) and overwritten
+ * (the latent ends as the result, in F32).
  * With steps = 0, `repeat` forwards; the result is the last one's outputs. `outputs` (created by
  * the caller, empty) receives the result. Every output is checked finite (MDT_E_NUMERIC naming
  * the tensor and element otherwise; a latent that goes non-finite is named with its step). With

@@ -99,10 +99,25 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     if (steps > 0) {
         lat = mdt_tensor_set_get(in, fam->latent_input);
         tst = mdt_tensor_set_get(in, fam->timestep_input);
-        if (!lat || lat->dtype != MDT_F32 || !tst || tst->dtype != MDT_F32) {
+        mdt_status cs = !lat || !tst
+                            ? MDT_FAIL(MDT_E_INVALID, "inputs: --steps needs '%s' and '%s'",
+                                       fam->latent_input, fam->timestep_input)
+                        : !mdt_dtype_is_float(lat->dtype)
+                            ? MDT_FAIL(MDT_E_INVALID,
+                                       "inputs: --steps integrates '%s' in f32: it must be a float "
+                                       "tensor (F32, BF16, F16, F64), not %s",
+                                       fam->latent_input, mdt_dtype_name(lat->dtype))
+                            : MDT_OK;
+        /* the sampler's state in f32, converted once (the latent is integrated and returned in
+         * f32; the timestep is written each step, so any number dtype will do) */
+        if (cs == MDT_OK)
+            cs = mdt_tensor_set_to_f32(in, lat);
+        if (cs == MDT_OK && (cs = mdt_tensor_set_to_f32(in, tst)) == MDT_E_UNSUPPORTED)
+            cs = MDT_FAIL(MDT_E_INVALID, "inputs: --steps: '%s' has dtype %s, not a number",
+                          fam->timestep_input, mdt_dtype_name(tst->dtype));
+        if (cs != MDT_OK) {
             free(times);
-            return MDT_FAIL(MDT_E_INVALID, "inputs: --steps needs F32 '%s' and '%s'",
-                            fam->latent_input, fam->timestep_input);
+            return cs;
         }
     }
     /* guidance's two branches, or the cfg axis splitting the batch; every rank reads the same

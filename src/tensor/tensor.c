@@ -269,6 +269,24 @@ mdt_status mdt_tensor_set_add(mdt_tensor_set *set, const char *name, mdt_dtype d
     return MDT_OK;
 }
 
+mdt_status mdt_tensor_set_to_f32(mdt_tensor_set *set, mdt_tensor *t) {
+    (void)set; /* the set owns t's data: it frees what it holds */
+    if (t->dtype == MDT_F32)
+        return MDT_OK;
+    const int64_t n = mdt_tensor_numel(t);
+    float *f = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!f)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    const mdt_status st = mdt_convert_to_f32(t->dtype, t->data, f, n);
+    if (st != MDT_OK) {
+        mdt_free(f);
+        return st;
+    }
+    mdt_free(t->data);
+    t->data = f, t->dtype = MDT_F32;
+    return MDT_OK;
+}
+
 mdt_status mdt_tensor_set_add_copy(mdt_tensor_set *set, const char *name, const mdt_tensor *t) {
     mdt_tensor *dst;
     MDT_TRY(mdt_tensor_set_add(set, name, t->dtype, t->ndim, t->shape, &dst));

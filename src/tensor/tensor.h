@@ -34,5 +34,8 @@ const char *mdt_shape_str(int ndim, const int64_t *shape, char *buf, size_t cap)
 
 /* Adds a copy of `t` (any dtype) as `name`. */
 mdt_status mdt_tensor_set_add_copy(mdt_tensor_set *set, const char *name, const mdt_tensor *t);
+/* Converts tensor `t` of `set` to F32 in place (its data replaced; nothing when already F32),
+ * from any dtype mdt_convert_to_f32 reads. MDT_E_UNSUPPORTED (set untouched) or MDT_E_NOMEM. */
+mdt_status mdt_tensor_set_to_f32(mdt_tensor_set *set, mdt_tensor *t);
 
 #endif /* MDT_TENSOR_H */

@@ -54,7 +54,10 @@ if "$BIN" compare "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/expect
     bad "compare accepted different tensors"
 else ok; fi
 
-# ---- per-sample inputs as diffusers pipelines pass them ----
+# ---- the sampler's inputs as diffusers pipelines pass them ----
+# `--steps` takes a latent in any float dtype (converted to f32 once: the result is the f32 run on
+# the same values) and a timestep in any number dtype (the sampler writes it each step): bf16
+# latents, and wan_tiny's int64 timestep (as diffusers' tester draws it)
 ST_EDIT=${ST_EDIT:-tests/cli/st-edit}
 same_run() { # same_run NAME CKPT INPUTS_A INPUTS_B [run args]: both runs succeed, identical bytes
     local name=$1 ck=$2 a=$3 b=$4; shift 4
@@ -63,6 +66,15 @@ same_run() { # same_run NAME CKPT INPUTS_A INPUTS_B [run args]: both runs succee
        cmp -s "$T/sa.safetensors" "$T/sb.safetensors"; then ok
     else bad "$name: $(cat "$T/sa.err" "$T/sb.err" 2>/dev/null | head -2)"; fi
 }
+"$ST_EDIT" "$DATA/flux_tiny/inputs.safetensors" "$T/lat_bf16.st" hidden_states=BF16
+"$ST_EDIT" "$T/lat_bf16.st" "$T/lat_f32.st" hidden_states=F32
+same_run "--steps with a BF16 latent" "$DATA/flux_tiny" "$T/lat_bf16.st" "$T/lat_f32.st" --steps 2
+"$ST_EDIT" "$DATA/wan_tiny/inputs.safetensors" "$T/wan_tf32.st" timestep=F32
+same_run "--steps with an I64 timestep" "$DATA/wan_tiny" "$DATA/wan_tiny/inputs.safetensors" \
+    "$T/wan_tf32.st" --steps 2
+"$ST_EDIT" "$DATA/flux_tiny/inputs.safetensors" "$T/both.st" hidden_states=BF16 timestep=I64
+same_run "--steps with a BF16 latent and an I64 timestep" "$DATA/flux_tiny" "$T/both.st" \
+    "$T/lat_f32.st" --steps 2
 # a one-element timestep (and guidance) with batch 2 is every sample's, as diffusers' forwards
 # broadcast it (Flux, Flux.2, Qwen-Image, Wan; Wan's per-token [1, S] likewise): the same bytes as
 # the value repeated over the batch, one forward and under the sampler
@@ -89,6 +101,9 @@ else bad "a [1] timestep matched the golden's two distinct timesteps"; fi
 "$ST_EDIT" "$DATA/flux_guidance/inputs.safetensors" "$T/three.st" guidance@grow
 expect_error timestep-batch 1 "tensor 'guidance' has shape \\[3\\], expected \\[2\\] or \\[1\\]" -- \
     "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$T/three.st" --out "$T/out.safetensors"
+"$ST_EDIT" "$DATA/flux_tiny/inputs.safetensors" "$T/int_latent.st" hidden_states=I64
+expect_error steps-integer-latent 1 "--steps" "'hidden_states'" "float" -- "$BIN" run --checkpoint \
+    "$DATA/flux_tiny" --inputs "$T/int_latent.st" --out "$T/out.safetensors" --steps 2
 
 # ---- gen / inputs / run / inspect on the built-in tiny model ----
 if "$BIN" gen --model flux --preset tiny --seed 1 --out "$T/tiny" >/dev/null &&
