@@ -244,7 +244,10 @@ mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
         st = mdt_model_describe(ck->config, &m);
     if (st == MDT_OK && p->max_weight_bytes > 0)
         st = check_memory(m, mesh ? mesh->T : 1, p->max_weight_bytes);
-    MDT_CHECK(mdt_mesh_agree(mesh, st));
+    st = mdt_mesh_agree(mesh, st);
+    if (st == MDT_OK && !m) /* a rank without a model has failed, so the agreement has too */
+        st = MDT_FAIL(MDT_E_INVALID, "%s: no model was described", p->checkpoint_dir);
+    MDT_CHECK(st);
     MDT_CHECK(mdt_model_load_ckpt(m, ck, mesh));
     mdt_ckpt_close(ck);
     *out = m;
