@@ -515,8 +515,8 @@ mdt_status mdt_lora_read(const mdt_wtable *t, const mdt_st_file *f, int T, int k
         const mdt_weight_spec sa = mdt_lora_factor_spec(w, x->rank, 'A');
         const mdt_weight_spec sb = mdt_lora_factor_spec(w, x->rank, 'B');
         int64_t la[2], lb[2];
-        mdt_shard_local_shape(&sa, T, la); /* [r, in_local] */
-        mdt_shard_local_shape(&sb, T, lb); /* [out_local, r] */
+        mdt_shard_local_shape(&sa, T, k, la); /* [r, in_local] */
+        mdt_shard_local_shape(&sb, T, k, lb); /* [out_local, r] */
         float *a = mdt_alloc(sizeof(float) * (size_t)(la[0] * la[1]));
         x->at = mdt_alloc(sizeof(float) * (size_t)(la[0] * la[1]));
         x->b = mdt_alloc(sizeof(float) * (size_t)(lb[0] * lb[1]));
@@ -537,7 +537,7 @@ mdt_status mdt_lora_read(const mdt_wtable *t, const mdt_st_file *f, int T, int k
         if (st == MDT_OK && x->bi >= 0) {
             const mdt_weight_spec *bs = &t->specs[x->bi];
             int64_t lbias[2];
-            mdt_shard_local_shape(bs, T, lbias);
+            mdt_shard_local_shape(bs, T, k, lbias);
             x->bias = mdt_alloc(sizeof(float) * (size_t)lbias[0]);
             const mdt_ckpt_ref rbias = {NULL, f, x->ebias};
             st = x->bias ? mdt_model_read_shard(&rbias, bs, T, k, x->bias) /* [out_local] */
@@ -585,9 +585,9 @@ mdt_status mdt_model_info_lora(const mdt_model_info *info, const char *path, int
         const mdt_weight_spec *w = &t->specs[tg[i].wi];
         const mdt_weight_spec sa = mdt_lora_factor_spec(w, tg[i].rank, 'A');
         const mdt_weight_spec sb = mdt_lora_factor_spec(w, tg[i].rank, 'B');
-        st = mdt_shard_local_shape(&sa, tp, r[i].a_local);
+        st = mdt_shard_local_shape(&sa, tp, 0, r[i].a_local); /* coordinate 0: the largest */
         if (st == MDT_OK)
-            st = mdt_shard_local_shape(&sb, tp, r[i].b_local);
+            st = mdt_shard_local_shape(&sb, tp, 0, r[i].b_local);
         r[i].weight = w->name, r[i].tp_style = mdt_tp_style_name(w->style);
         r[i].rank = tg[i].rank, r[i].scale = tg[i].scale, r[i].has_bias = tg[i].bi >= 0;
         r[i].bytes_local =
