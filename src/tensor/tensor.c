@@ -176,11 +176,33 @@ int64_t mdt_tensor_nbytes(const mdt_tensor *t) {
 }
 
 /* ---- tensor set ---- */
+/* Names are found through an open-addressing hash (linear probing, FNV-1a): a set built from a
+ * request or a file of N tensors costs O(N), where a scan per add made 60,000 names cost
+ * billions of comparisons. `slots` holds index + 1 of a tensor, 0 for an empty slot; its size is
+ * a power of two at least twice `cap`, so a probe ends quickly. Sets never remove a tensor. */
 struct mdt_tensor_set {
     int count, cap;
-    char **names;
+    char **names; /* one block with `tensors` and `slots` */
     mdt_tensor **tensors;
+    int *slots;
+    int nslots;
 };
+
+static uint32_t name_hash(const char *s) {
+    uint32_t h = 2166136261u;
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 16777619u;
+    return h;
+}
+
+/* The slot of `name`: where it is, or the empty slot where it would go. */
+static int slot_of(const mdt_tensor_set *set, const char *name) {
+    const int mask = set->nslots - 1;
+    int i = (int)(name_hash(name) & (uint32_t)mask);
+    while (set->slots[i] && strcmp(set->names[set->slots[i] - 1], name) != 0)
+        i = (i + 1) & mask;
+    return i;
+}
 
 mdt_status mdt_tensor_set_create(mdt_tensor_set **out) {
     *out = mdt_calloc(sizeof **out);
@@ -195,16 +217,15 @@ void mdt_tensor_set_free(mdt_tensor_set *set) {
         mdt_free(set->tensors[i]->data);
         mdt_free(set->tensors[i]);
     }
-    mdt_free(set->names);
-    mdt_free(set->tensors);
+    mdt_free(set->names); /* the block holding the tensors' pointers and the slots too */
     mdt_free(set);
 }
 
 mdt_tensor *mdt_tensor_set_get(const mdt_tensor_set *set, const char *name) {
-    for (int i = 0; i < set->count; i++)
-        if (strcmp(set->names[i], name) == 0)
-            return set->tensors[i];
-    return NULL;
+    if (set->nslots == 0)
+        return NULL;
+    const int k = set->slots[slot_of(set, name)];
+    return k ? set->tensors[k - 1] : NULL;
 }
 
 int mdt_tensor_set_count(const mdt_tensor_set *set) { return set->count; }
@@ -224,19 +245,24 @@ mdt_status mdt_tensor_set_add(mdt_tensor_set *set, const char *name, mdt_dtype d
     if (ndim < 0 || ndim > MDT_MAX_DIMS || (unsigned)dtype >= MDT_DTYPE_COUNT)
         return MDT_FAIL(MDT_E_INVALID, "tensor '%s': bad rank %d or dtype", name, ndim);
     if (set->count == set->cap) {
-        int cap = set->cap ? set->cap * 2 : 8;
-        char **nn = mdt_alloc(sizeof(char *) * (size_t)cap);
-        mdt_tensor **nt = mdt_alloc(sizeof(mdt_tensor *) * (size_t)cap);
-        if (!nn || !nt) {
-            mdt_free(nn), mdt_free(nt);
+        /* one block: the names, the tensors and the hash's slots (as many allocations per
+         * growth as before the hash: the forward's allocation count is a tested contract) */
+        const int cap = set->cap ? set->cap * 2 : 8;
+        const size_t pn = sizeof(char *) * (size_t)cap, pt = sizeof(mdt_tensor *) * (size_t)cap;
+        unsigned char *block = mdt_calloc(pn + pt + sizeof(int) * (size_t)cap * 2);
+        if (!block)
             return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-        }
+        char **nn = (char **)(void *)block;
+        mdt_tensor **nt = (mdt_tensor **)(void *)(block + pn);
         if (set->count) {
             memcpy(nn, set->names, sizeof(char *) * (size_t)set->count);
             memcpy(nt, set->tensors, sizeof(mdt_tensor *) * (size_t)set->count);
         }
-        mdt_free(set->names), mdt_free(set->tensors);
+        mdt_free(set->names); /* the previous block */
         set->names = nn, set->tensors = nt, set->cap = cap;
+        set->slots = (int *)(void *)(block + pn + pt), set->nslots = cap * 2;
+        for (int i = 0; i < set->count; i++) /* rehash every name */
+            set->slots[slot_of(set, set->names[i])] = i + 1;
     }
     mdt_tensor *t = mdt_calloc(sizeof *t);
     size_t len = strlen(name) + 1;
@@ -264,6 +290,7 @@ mdt_status mdt_tensor_set_add(mdt_tensor_set *set, const char *name, mdt_dtype d
     set->names[set->count] = nm;
     set->tensors[set->count] = t;
     set->count++;
+    set->slots[slot_of(set, nm)] = set->count;
     if (out)
         *out = t;
     return MDT_OK;
