@@ -170,6 +170,31 @@ static size_t pool_size(const cJSON *root) {
     return n;
 }
 
+static int cmp_str_ptr(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* JSON lets a key repeat and a reader would keep one of them ({"op": "info", "op": "close"} read
+ * as a close): a repeated __metadata__ key is refused, found by sorting (n log n for any n). */
+static mdt_status unique_meta_keys(const mdt_st_file *f) {
+    if (f->n_meta < 2)
+        return MDT_OK;
+    const char **k = mdt_alloc(sizeof(char *) * (size_t)f->n_meta);
+    if (!k)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    memcpy(k, f->meta_keys, sizeof(char *) * (size_t)f->n_meta);
+    qsort(k, (size_t)f->n_meta, sizeof *k, cmp_str_ptr);
+    mdt_status st = MDT_OK;
+    for (int i = 1; st == MDT_OK && i < f->n_meta; i++)
+        if (strcmp(k[i - 1], k[i]) == 0) {
+            char key[MDT_ESC_NAME];
+            st = MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ key '%s' appears twice", f->path,
+                          mdt_escape(k[i], key, sizeof key));
+        }
+    mdt_free(k);
+    return st;
+}
+
 static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item, size_t *used) {
     if (!cJSON_IsObject(item))
         return MDT_FAIL(MDT_E_FORMAT, "%s: __metadata__ is not a JSON object", f->path);
@@ -188,7 +213,7 @@ static mdt_status parse_metadata(mdt_st_file *f, const cJSON *item, size_t *used
         f->meta_vals[f->n_meta] = pool_put(f, used, kv->valuestring);
         f->n_meta++;
     }
-    return MDT_OK;
+    return unique_meta_keys(f);
 }
 
 /* Checks that the entries tile the data section: sorted by offset, each begins where the previous

@@ -209,6 +209,10 @@ static void test_malformed(void) {
                "{\"a\":{\"dtype\":\"F32\",\"dtype\":\"BF16\",\"shape\":[1],"
                "\"data_offsets\":[0,4]}}",
                -1, 4, MDT_E_FORMAT, "'dtype' appears twice");
+    expect_bad("dupmeta.safetensors", /* the last would win: {"op":"info","op":"close"} */
+               "{\"__metadata__\":{\"op\":\"info\",\"op\":\"close\"},\"a\":{\"dtype\":"
+               "\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+               -1, 4, MDT_E_FORMAT, "__metadata__ key 'op' appears twice");
     expect_bad("huge.safetensors",
                "{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,4294967296],"
                "\"data_offsets\":[0,8]}}",
