@@ -20,16 +20,16 @@ static const struct {
              {"end_session", MDT_SERVE_OP_END_SESSION},
              {"close", MDT_SERVE_OP_CLOSE}};
 
-/* A name the protocol carries (session, id, kept tensor): 1..MDT_SERVE_NAME_MAX bytes, no control
- * characters and no comma (the "keep" separator). */
+/* A name the protocol carries (session, id, kept tensor): 1..max bytes (max <= 1024) of text that
+ * mdt_escape leaves as it is — printable ASCII and well-formed UTF-8 without control, C1,
+ * line-separator or bidirectional code points, and no backslash — and no comma (the "keep"
+ * separator). Such a name is echoed in a reply (valid JSON, one inert line) as sent. */
 static int good_name(const char *s, size_t max) {
-    size_t n = strlen(s);
-    if (n == 0 || n > max)
+    char shown[1024 + 16];
+    const size_t n = strlen(s);
+    if (n == 0 || n > max || max > 1024 || strchr(s, ','))
         return 0;
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)s[i] < 0x20 || s[i] == 0x7f || s[i] == ',')
-            return 0;
-    return 1;
+    return strcmp(mdt_escape(s, shown, sizeof shown), s) == 0;
 }
 
 static mdt_status parse_keep(const char *v, mdt_serve_request *r) {
@@ -81,8 +81,8 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
     if (strcmp(k, "id") == 0 || strcmp(k, "session") == 0) {
         if (!good_name(v, MDT_SERVE_NAME_MAX))
             return MDT_FAIL(MDT_E_INVALID,
-                            "request: \"%s\" must be 1 to %d bytes without control characters "
-                            "or commas, got '%s'",
+                            "request: \"%s\" must be 1 to %d bytes of UTF-8 text without "
+                            "control characters, backslashes or commas, got '%s'",
                             k, MDT_SERVE_NAME_MAX, mdt_escape(v, shown, sizeof shown));
         strcpy(k[0] == 'i' ? r->id : r->session, v);
         return MDT_OK;
@@ -127,6 +127,9 @@ mdt_status mdt_serve_request_parse(const void *blob, size_t size, mdt_serve_requ
     for (int i = 0; i < f->n_meta; i++)
         MDT_CHECK(parse_meta(f->meta_keys[i], f->meta_vals[i], r));
     MDT_CHECK(check_request(r, f->n));
+    if (f->n > MDT_SERVE_TENSORS_MAX) /* a forward has a dozen inputs: refused before copying */
+        MDT_CHECK(MDT_FAIL(MDT_E_INVALID, "request: %d tensors, over the limit of %d per request",
+                           f->n, MDT_SERVE_TENSORS_MAX));
     MDT_CHECK(mdt_st_read_set(f, &r->tensors));
 fail:
     mdt_st_close(f);

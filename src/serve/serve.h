@@ -23,8 +23,9 @@ typedef enum mdt_serve_op {
     MDT_SERVE_OP_CLOSE,
 } mdt_serve_op;
 
-#define MDT_SERVE_NAME_MAX 128 /* bytes of a session name or a request id */
-#define MDT_SERVE_KEEP_MAX 64  /* names in one "keep" list */
+#define MDT_SERVE_NAME_MAX 128     /* bytes of a session name or a request id */
+#define MDT_SERVE_KEEP_MAX 64      /* names in one "keep" list */
+#define MDT_SERVE_TENSORS_MAX 1024 /* tensors in one request (a forward takes about a dozen) */
 
 /* One request, parsed. Tensors in their sent dtype, owned. */
 typedef struct mdt_serve_request {

@@ -39,6 +39,10 @@ static void test_request_checks(void) {
         {{"op", "forward", "session", "s", "keep", "a,,b", NULL}, 1, "separated by commas"},
         {{"op", "forward", "session", "s", "keep", "a,a", NULL}, 1, "names 'a' twice"},
         {{"op", "forward", "session", "a\nb", NULL}, 0, "without control characters"},
+        {{"op", "info", "id", "bad\xff\xfe" "utf8", NULL}, 0, "UTF-8 text"},
+        {{"op", "info", "id", "a\\b", NULL}, 0, "backslashes"},
+        {{"op", "info", "id", "rtl\xe2\x80\xae" "evil", NULL}, 0, "UTF-8 text"},
+        {{"op", "info", "id", "\xc2\x85next-line", NULL}, 0, "UTF-8 text"},
         {{"op", "end_session", NULL}, 0, "needs a \"session\""},
         {{"op", "forward", "session", "s", "end_session", "yes", NULL}, 0, "\"1\" or \"true\""},
     };
@@ -49,6 +53,17 @@ static void test_request_checks(void) {
         unsigned char *b = request(bad[i].meta, bad[i].ntensors, names, k, &n);
         mdt_serve_request r;
         EXPECT_ERR(mdt_serve_request_parse(b, n, &r), MDT_E_INVALID, "request: ", bad[i].want);
+        mdt_serve_request_free(&r);
+        mdt_free(b);
+    }
+    /* a well-formed UTF-8 id passes and is kept as sent */
+    {
+        const char *meta[] = {"op", "info", "id", "step-\xc3\xbc-\xe6\x97\xa5", NULL};
+        size_t n = 0;
+        unsigned char *b = request(meta, 0, names, k, &n);
+        mdt_serve_request r;
+        EXPECT_OK(mdt_serve_request_parse(b, n, &r));
+        EXPECT(strcmp(r.id, meta[3]) == 0, "id '%s'", r.id);
         mdt_serve_request_free(&r);
         mdt_free(b);
     }
@@ -149,8 +164,38 @@ static void test_sessions(void) {
     mdt_serve_sessions_free(&ss);
 }
 
+/* A forward of more tensors than MDT_SERVE_TENSORS_MAX is refused (after its id is read, which
+ * the reply echoes) before any tensor is copied; at the limit it parses. */
+static void test_tensor_cap(void) {
+    for (int extra = 0; extra <= 1; extra++) {
+        const int n = MDT_SERVE_TENSORS_MAX + extra;
+        const char **names = mdt_alloc(sizeof(char *) * (size_t)n);
+        const mdt_tensor **ts = mdt_alloc(sizeof(mdt_tensor *) * (size_t)n);
+        char *buf = mdt_alloc((size_t)n * 16);
+        const mdt_tensor zero = {.dtype = MDT_F32, .ndim = 1, .shape = {0}};
+        for (int i = 0; i < n; i++) {
+            snprintf(buf + 16 * i, 16, "t%d", i);
+            names[i] = buf + 16 * i, ts[i] = &zero;
+        }
+        const char *meta[] = {"op", "forward", "id", "many", NULL};
+        unsigned char *b = NULL;
+        size_t size = 0;
+        EXPECT_OK(mdt_st_serialize(n, names, ts, meta, &b, &size));
+        mdt_serve_request r;
+        if (extra)
+            EXPECT_ERR(mdt_serve_request_parse(b, size, &r), MDT_E_INVALID, "1025 tensors",
+                       "limit of 1024 per request");
+        else
+            EXPECT_OK(mdt_serve_request_parse(b, size, &r));
+        EXPECT(strcmp(r.id, "many") == 0, "id '%s' kept for the reply", r.id);
+        mdt_serve_request_free(&r);
+        mdt_free(b), mdt_free(buf), mdt_free(names), mdt_free(ts);
+    }
+}
+
 int main(void) {
     test_request_checks();
+    test_tensor_cap();
     test_replies();
     test_sessions();
     TEST_END();
