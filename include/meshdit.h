@@ -381,16 +381,25 @@ mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, doubl
 
 /* ---- the resident server (docs/serve.md) ---- */
 
+typedef struct mdt_serve_listener mdt_serve_listener;
+
 typedef struct mdt_serve_params {
     const char
         *endpoint;    /* "ipc://PATH" or "tcp://HOST:PORT"; NULL: ipc:///tmp/meshdit-UID-PID.sock */
     int listen_any;   /* allow a tcp host that is not loopback (no authentication!) */
     int max_sessions; /* sessions open at once (default 4) */
     int64_t max_session_bytes; /* bytes kept over all sessions (default 1 GiB) */
-    int64_t max_request_bytes; /* a larger request is dropped by ZeroMQ unread (default 2 GiB) */
+    int64_t max_request_bytes; /* a larger request is refused as it arrives (default 2 GiB) */
+    int64_t max_queue_bytes;   /* requests rank 0 holds at once, received or being received, over
+                                  all clients (0: twice max_request_bytes) */
     double step_timeout;       /* the step watchdog (mdt_sample_params), 0: its default */
     int64_t max_memory;        /* > 0: a forward whose weights plus activations per rank would
                                   exceed it gets an error reply before it runs (--max-memory) */
+    int owner_stdin;           /* rank 0 stops the server when its standard input ends (the
+                                  process that started it is gone: --owner-stdin) */
+    /* world rank 0: the endpoint bound before the load (mdt_serve_listen; the caller frees it);
+     * NULL: mdt_serve binds `endpoint` itself */
+    mdt_serve_listener *listener;
     /* optional, on world rank 0 once the endpoint is bound, with the endpoint as bound */
     void (*on_ready)(void *user, const char *endpoint);
     void *user;
@@ -403,13 +412,25 @@ mdt_serve_params mdt_serve_params_default(void);
  * naming the problem. Local (call it before the load to fail early). */
 mdt_status mdt_serve_endpoint_check(const char *endpoint, int listen_any);
 
-/* Serves `m` until a "close" request or mdt_serve_stop: world rank 0 binds a ZeroMQ ROUTER socket
- * on the endpoint (an ipc socket file owner-only), receives each request, validates it and
- * broadcasts it over the mesh's world; every rank runs it; rank 0 replies. A bad request gets an
- * error reply and the server goes on. Collective over the model's mesh (every rank calls it);
- * MDT_OK on close or stop, on every rank. A failure that ends the server (the endpoint cannot be
- * bound, MPI fails) is returned on every rank, except when mdt_mesh_peers_stuck is set (a rank
- * failed inside a step: the caller must end the job). */
+/* World rank 0, before the load: checks p->endpoint (mdt_serve_endpoint_check), binds it — an
+ * ipc socket file owner-only, checked and bound under a lock on its directory so that two
+ * servers started at once on one path cannot both bind it — and answers connections on a thread
+ * of its own (requests wait in its queue, under p's limits, until mdt_serve takes them). Errors
+ * (MDT_E_INVALID, MDT_E_IO) name the endpoint: a missing directory, a busy port, a refused host.
+ * Local. */
+mdt_status mdt_serve_listen(const mdt_serve_params *p, mdt_serve_listener **out);
+/* The endpoint as bound ("tcp://127.0.0.1:*" names the port chosen). */
+const char *mdt_serve_listener_endpoint(const mdt_serve_listener *l);
+/* Stops the thread, closes every connection and removes the ipc socket file. NULL: a no-op. */
+void mdt_serve_listener_free(mdt_serve_listener *l);
+
+/* Serves `m` until a "close" request or mdt_serve_stop: world rank 0 answers ZeroMQ clients on
+ * the endpoint (p->listener, or one it binds), validates each request and broadcasts it over the
+ * mesh's world; every rank runs it; rank 0 replies. A bad request gets an error reply and the
+ * server goes on. Collective over the model's mesh (every rank calls it); MDT_OK on close or
+ * stop, on every rank. A failure that ends the server (the endpoint cannot be bound, MPI fails)
+ * is returned on every rank, except when mdt_mesh_peers_stuck is set (a rank failed inside a
+ * step: the caller must end the job). */
 mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p);
 /* Asks mdt_serve to stop (async-signal-safe: a SIGTERM/SIGINT handler calls it on any rank).
  * Every rank leaves within about a second of the first rank that was asked. */

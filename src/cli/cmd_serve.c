@@ -1,8 +1,9 @@
 /*
- * cmd_serve.c — `meshdit serve`: the mesh, the device, the endpoint checked before any weight is
- * read, the load once, then the library's server (mdt_serve, docs/serve.md) until a "close"
- * request or SIGTERM/SIGINT on any rank (exit 0). Rank 0 prints "serving on ENDPOINT" once the
- * endpoint is bound, so that a script can wait for that line.
+ * cmd_serve.c — `meshdit serve`: the mesh, the device, the endpoint bound on rank 0 before any
+ * weight is read (a busy port or a missing directory costs no load), the load once, then the
+ * library's server (mdt_serve, docs/serve.md) until a "close" request or SIGTERM/SIGINT on any
+ * rank (exit 0). Rank 0 prints "serving on ENDPOINT" once the model is loaded, so that a script
+ * can wait for that line.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "cli/cli.h"
@@ -27,7 +28,7 @@ typedef struct serve_args {
     int listen_any;
     cli_layout l;
     long long max_sessions, step_timeout;
-    int64_t max_session_bytes, max_request_bytes;
+    int64_t max_session_bytes, max_request_bytes, max_queue_bytes;
     const char *lora[16]; /* --lora FILE[:SCALE], repeatable */
     int nlora;
 } serve_args;
@@ -61,6 +62,7 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
         (rc = cli_opt_int(&o, "max-sessions", def.max_sessions, 0, 4096, &a->max_sessions)) ||
         (rc = opt_size(&o, "max-session-bytes", def.max_session_bytes, &a->max_session_bytes)) ||
         (rc = opt_size(&o, "max-request-bytes", def.max_request_bytes, &a->max_request_bytes)) ||
+        (rc = opt_size(&o, "max-queue-bytes", 2 * a->max_request_bytes, &a->max_queue_bytes)) ||
         (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
         (rc = cli_opts_check_unused(&o)))
         return rc;
@@ -77,13 +79,19 @@ int cmd_serve(int argc, char **argv) {
     mdt_mesh *mesh = NULL;
     mdt_model *m = NULL;
     mdt_tensor_set *none = NULL;
+    mdt_serve_listener *listener = NULL;
     const mdt_layout lay = cli_mesh_layout(&a.l);
     mdt_status st = mdt_mesh_create_world(&lay, &mesh);
     if (st != MDT_OK)
         return cli_fail_exit(st);
-    /* the endpoint is rank 0's: refused now, not after the load */
-    st = mdt_mesh_agree(mesh,
-                        cli_rank == 0 ? mdt_serve_endpoint_check(a.listen, a.listen_any) : MDT_OK);
+    mdt_serve_params p = mdt_serve_params_default();
+    p.endpoint = a.listen, p.listen_any = a.listen_any;
+    p.max_sessions = (int)a.max_sessions, p.max_session_bytes = a.max_session_bytes;
+    p.max_request_bytes = a.max_request_bytes, p.max_queue_bytes = a.max_queue_bytes;
+    p.step_timeout = (double)a.step_timeout;
+    p.max_memory = a.l.max_bytes; /* every forward checked against --max-memory */
+    /* the endpoint is rank 0's, bound now: a refused one costs no load */
+    st = mdt_mesh_agree(mesh, cli_rank == 0 ? mdt_serve_listen(&p, &listener) : MDT_OK);
     if (st == MDT_OK)
         st = mdt_device_select(mesh, a.l.device, a.l.dtype, a.l.comm);
     if (st == MDT_OK) /* no inputs yet: the memory check counts the weights */
@@ -101,19 +109,17 @@ int cmd_serve(int argc, char **argv) {
         sigemptyset(&sa.sa_mask);
         sigaction(SIGTERM, &sa, NULL);
         sigaction(SIGINT, &sa, NULL);
-        mdt_serve_params p = mdt_serve_params_default();
-        p.endpoint = a.listen, p.listen_any = a.listen_any;
-        p.max_sessions = (int)a.max_sessions, p.max_session_bytes = a.max_session_bytes;
-        p.max_request_bytes = a.max_request_bytes, p.step_timeout = (double)a.step_timeout;
-        p.max_memory = a.l.max_bytes; /* every forward checked against --max-memory */
+        p.listener = listener;
         p.on_ready = cli_rank == 0 ? on_ready : NULL;
         st = mdt_serve(m, &p);
     }
     if (st != MDT_OK && mdt_mesh_peers_stuck(mesh)) {
         fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
         fflush(stderr);
+        mdt_serve_listener_free(listener); /* the replies are written; the socket file goes */
         cli_abort_job(1);
     }
+    mdt_serve_listener_free(listener); /* closes the clients, removes the socket file */
     mdt_tensor_set_free(none);
     mdt_model_free(m);
     mdt_mesh_free(mesh);

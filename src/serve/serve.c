@@ -1,19 +1,20 @@
 /*
  * serve.c — the resident server (meshdit.h: mdt_serve; the protocol is docs/serve.md). World
- * rank 0 owns a ZeroMQ ROUTER socket on the endpoint; a request that passes validation
- * (proto.c) is broadcast over a duplicate of the mesh's world communicator — a header
- * (operation, blob size), then the blob — and every rank parses and runs it; rank 0 replies.
- * A request that fails validation is answered by rank 0 alone: the other ranks never see it.
+ * rank 0's connections are listener.c's (a thread of their own, speaking ZMTP: zmtp.h); a request
+ * that passes validation (proto.c) is broadcast over a duplicate of the mesh's world communicator
+ * — a header (operation, blob size), then the blob — and every rank parses and runs it; rank 0
+ * replies. A request that fails validation is answered by rank 0 alone: the other ranks never see
+ * it.
  *
  * Stopping without a hang: SIGTERM/SIGINT handlers (the caller's) call mdt_serve_stop, which
- * sets a flag. Rank 0 checks it between polls of its socket (100 ms); the other ranks wait for the
- * next header in MPI_Ibcast polled with MPI_Test, and one that sees the flag sends rank 0 a note
- * (one int, tag k_tag_stop); rank 0, on its flag or a note, broadcasts the STOP header and every
- * rank leaves. At the end every rank says how many notes it sent and rank 0 receives the ones
- * still in flight, so nothing is pending at MPI_Finalize.
+ * sets a flag. Rank 0 checks it between waits for the next request (100 ms); the other ranks wait
+ * for the next header in MPI_Ibcast polled with MPI_Test, and one that sees the flag sends rank 0 a
+ * note (one int, tag k_tag_stop); rank 0, on its flag or a note, broadcasts the STOP header and
+ * every rank leaves. At the end every rank says how many notes it sent and rank 0 receives the
+ * ones still in flight, so nothing is pending at MPI_Finalize.
  *
  * Not here: option parsing and signal handlers (the caller), the messages (proto.c), the
- * sessions (session.c).
+ * sessions (session.c), the sockets (listener.c, endpoint.c).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "serve/serve.h"
@@ -29,10 +30,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-#include <zmq.h>
 
 static volatile sig_atomic_t g_stop;
 
@@ -44,7 +43,8 @@ enum { k_tag_stop = 7717, k_poll_ms = 100 };
 mdt_serve_params mdt_serve_params_default(void) {
     return (mdt_serve_params){.max_sessions = 4,
                               .max_session_bytes = (int64_t)1 << 30,
-                              .max_request_bytes = (int64_t)2 << 30};
+                              .max_request_bytes = (int64_t)2 << 30,
+                              .max_queue_bytes = 0};
 }
 
 static double now_s(void) {
@@ -61,9 +61,8 @@ typedef struct serve_ctx {
     const mdt_serve_params *p;
     MPI_Comm comm; /* the world, duplicated: the server's own traffic */
     int rank, world;
-    void *zctx, *sock; /* rank 0 */
-    char endpoint[1024];
-    char ipc_path[128]; /* the socket file this server created, removed at the end */
+    mdt_serve_listener *l; /* rank 0 */
+    int own_listener;      /* made here (p->listener was NULL): freed here */
     mdt_serve_sessions ss;
     int stop;      /* rank 0: a stop was asked here or by a note */
     int note_sent; /* ranks > 0: a stop note is in flight */
@@ -71,55 +70,6 @@ typedef struct serve_ctx {
     MPI_Request note_rq;
     int *notes_recv; /* rank 0: notes received per rank */
 } serve_ctx;
-
-/* Rank 0: binds the ROUTER socket (ipc: owner-only), *after* the checks. */
-static mdt_status bind_socket(serve_ctx *c) {
-    char def[128], shown[MDT_ESC_NAME];
-    const char *ep = c->p->endpoint;
-    if (!ep) {
-        snprintf(def, sizeof def, "ipc:///tmp/meshdit-%u-%ld.sock", (unsigned)getuid(),
-                 (long)getpid());
-        ep = def;
-    }
-    MDT_TRY(mdt_serve_endpoint_check(ep, c->p->listen_any));
-    char lo[64];
-    if (strncmp(ep, "tcp://localhost:", 16) == 0 && strlen(ep) < 40) { /* ZeroMQ takes no names */
-        snprintf(lo, sizeof lo, "tcp://127.0.0.1:%s", ep + 16);
-        ep = lo;
-    }
-    mdt_escape(ep, shown, sizeof shown);
-    c->zctx = zmq_ctx_new();
-    c->sock = c->zctx ? zmq_socket(c->zctx, ZMQ_ROUTER) : NULL;
-    if (!c->sock)
-        return MDT_FAIL(MDT_E_IO, "endpoint %s: cannot create a ZeroMQ socket: %s", shown,
-                        zmq_strerror(zmq_errno()));
-    const int zero = 0, one = 1;
-    const int64_t maxmsg = c->p->max_request_bytes;
-    /* replies to a client that left are dropped (ROUTER_MANDATORY off), nothing waits for a
-     * peer at close (LINGER 0), and a message over the limit is never read into memory */
-    if (zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero) != 0 ||
-        zmq_setsockopt(c->sock, ZMQ_ROUTER_MANDATORY, &zero, sizeof zero) != 0 ||
-        zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0 ||
-        (strncmp(ep, "tcp://[", 7) == 0 && /* an IPv6 host: ZeroMQ binds IPv4 only by default */
-         zmq_setsockopt(c->sock, ZMQ_IPV6, &one, sizeof one) != 0))
-        return MDT_FAIL(MDT_E_IO, "endpoint %s: socket options: %s", shown,
-                        zmq_strerror(zmq_errno()));
-    const int ipc = strncmp(ep, "ipc://", 6) == 0;
-    const mode_t old = umask(077); /* the socket file is created owner-only */
-    const int rc = zmq_bind(c->sock, ep);
-    const int err = zmq_errno();
-    umask(old);
-    if (rc != 0)
-        return MDT_FAIL(MDT_E_IO, "endpoint %s: cannot bind: %s", shown, zmq_strerror(err));
-    if (ipc)
-        snprintf(c->ipc_path, sizeof c->ipc_path, "%s", ep + 6);
-    if (ipc && chmod(ep + 6, 0600) != 0)
-        return MDT_FAIL(MDT_E_IO, "endpoint %s: chmod 0600: %s", shown, strerror(errno));
-    size_t n = sizeof c->endpoint;
-    if (zmq_getsockopt(c->sock, ZMQ_LAST_ENDPOINT, c->endpoint, &n) != 0)
-        snprintf(c->endpoint, sizeof c->endpoint, "%s", ep);
-    return MDT_OK;
-}
 
 /* Ranks > 0, waiting for a header: tell rank 0 once that a stop was asked here. */
 static mdt_status note_stop(serve_ctx *c) {
@@ -356,96 +306,35 @@ static mdt_status run_request(serve_ctx *c, mdt_serve_request *r, unsigned char 
     return MDT_OK;
 }
 
-/* ---- rank 0's socket ---- */
+/* ---- rank 0's requests ---- */
 
-/* Receives one message: frames[0] identity, [1] delimiter, [2] blob; frames past three are read
- * and dropped. *n: frames seen (0: nothing was there). */
-static mdt_status recv_message(serve_ctx *c, zmq_msg_t fr[3], int *n) {
-    *n = 0;
-    for (int more = 1; more;) {
-        zmq_msg_t extra;
-        zmq_msg_t *dst = *n < 3 ? &fr[*n] : &extra;
-        zmq_msg_init(dst);
-        int rc;
-        while ((rc = zmq_msg_recv(dst, c->sock, *n == 0 ? ZMQ_DONTWAIT : 0)) < 0 &&
-               zmq_errno() == EINTR)
-            ;
-        if (rc < 0) {
-            zmq_msg_close(dst);
-            if (*n == 0 && zmq_errno() == EAGAIN)
-                return MDT_OK;
-            return MDT_FAIL(MDT_E_IO, "serve: receiving a request failed: %s",
-                            zmq_strerror(zmq_errno()));
-        }
-        more = zmq_msg_more(dst);
-        if (*n >= 3)
-            zmq_msg_close(&extra);
-        (*n)++;
-    }
-    return MDT_OK;
-}
-
-/* Sends a reply to the client `id`; a client that left is none of the server's concern (ROUTER
- * drops it), so nothing here fails the server. */
-static void send_reply(serve_ctx *c, zmq_msg_t *id, const unsigned char *blob, size_t n) {
-    const void *parts[3] = {zmq_msg_data(id), "", blob};
-    const size_t sizes[3] = {zmq_msg_size(id), 0, n};
-    for (int i = 0; i < 3; i++)
-        while (zmq_send(c->sock, parts[i], sizes[i], ZMQ_DONTWAIT | (i < 2 ? ZMQ_SNDMORE : 0)) <
-                   0 &&
-               zmq_errno() == EINTR)
-            ;
-}
-
-static void reply_error(serve_ctx *c, zmq_msg_t *id, const char *op, const char *rid,
+/* Hands an error reply to the client `conn` (the listener writes it). */
+static void reply_error(serve_ctx *c, uint64_t conn, const char *op, const char *rid,
                         const char *msg) {
     unsigned char *b = NULL;
     size_t n = 0;
     if (mdt_serve_reply_error(op, rid, msg, &b, &n) == MDT_OK)
-        send_reply(c, id, b, n);
-    mdt_free(b);
+        mdt_serve_listener_reply(c->l, conn, b, n);
 }
 
 /* Rank 0: waits for the next valid request (answering invalid ones itself) or a stop. On return
- * *r holds the request and id the client's identity, or hdr[0] is MDT_SERVE_OP_STOP. */
-static mdt_status next_request(serve_ctx *c, mdt_serve_request *r, zmq_msg_t *id, int64_t hdr[2],
-                               zmq_msg_t *blob) {
+ * *r holds the request and *in the message it came in, or hdr[0] is MDT_SERVE_OP_STOP. */
+static mdt_status next_request(serve_ctx *c, mdt_serve_request *r, mdt_serve_incoming *in,
+                               int64_t hdr[2]) {
     for (;;) {
         MDT_TRY(take_notes(c));
         if (g_stop || c->stop) {
             hdr[0] = MDT_SERVE_OP_STOP, hdr[1] = 0;
             return MDT_OK;
         }
-        zmq_pollitem_t it = {c->sock, 0, ZMQ_POLLIN, 0};
-        const int rc = zmq_poll(&it, 1, k_poll_ms);
-        if (rc < 0 && zmq_errno() != EINTR)
-            return MDT_FAIL(MDT_E_IO, "serve: polling the socket failed: %s",
-                            zmq_strerror(zmq_errno()));
-        if (rc <= 0)
+        if (!mdt_serve_listener_next(c->l, k_poll_ms, in))
             continue;
-        zmq_msg_t fr[3];
-        int n = 0;
-        MDT_TRY(recv_message(c, fr, &n));
-        if (n == 0)
-            continue;
-        mdt_status st = MDT_OK;
-        if (n != 3 || zmq_msg_size(&fr[1]) != 0)
-            st = MDT_FAIL(MDT_E_FORMAT,
-                          "request: %d frames; a request is [empty delimiter, safetensors blob] "
-                          "(a REQ socket adds the delimiter, a DEALER must send it)",
-                          n - 1);
-        else
-            st = mdt_serve_request_parse(zmq_msg_data(&fr[2]), zmq_msg_size(&fr[2]), r);
-        if (st != MDT_OK) {
-            reply_error(c, &fr[0], r->op_name, r->id, mdt_last_error());
+        if (mdt_serve_request_parse(in->blob, in->size, r) != MDT_OK) {
+            reply_error(c, in->conn, r->op_name, r->id, mdt_last_error());
             mdt_serve_request_free(r);
-            for (int i = 0; i < n && i < 3; i++)
-                zmq_msg_close(&fr[i]);
+            mdt_serve_listener_done(c->l, in);
             continue;
         }
-        *id = fr[0];
-        zmq_msg_close(&fr[1]);
-        *blob = fr[2];
         hdr[0] = r->op, hdr[1] = r->bytes;
         return MDT_OK;
     }
@@ -458,16 +347,17 @@ static mdt_status next_request(serve_ctx *c, mdt_serve_request *r, zmq_msg_t *id
 static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
     mdt_serve_request r;
     memset(&r, 0, sizeof r);
-    zmq_msg_t id, zblob;
+    mdt_serve_incoming in;
+    memset(&in, 0, sizeof in);
     int have_msg = 0;
     int64_t hdr[2] = {0, 0};
     unsigned char *blob = NULL, *reply = NULL;
     size_t rn = 0;
     mdt_status st = MDT_OK;
     if (c->rank == 0) {
-        st = next_request(c, &r, &id, hdr, &zblob);
+        st = next_request(c, &r, &in, hdr);
         have_msg = st == MDT_OK && hdr[0] != MDT_SERVE_OP_STOP;
-        if (st != MDT_OK) /* the socket failed: every rank stops, rank 0 says why */
+        if (st != MDT_OK) /* the loop failed: every rank stops, rank 0 says why */
             hdr[0] = MDT_SERVE_OP_STOP, hdr[1] = 0;
     }
     const mdt_status local = st;
@@ -482,7 +372,7 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
     }
     /* the blob: every rank makes room (agreed), then it is broadcast and parsed */
     if (c->rank == 0)
-        blob = zmq_msg_data(&zblob);
+        blob = in.blob;
     else if (!(blob = mdt_alloc((size_t)(hdr[1] ? hdr[1] : 1))))
         st = MDT_FAIL(MDT_E_NOMEM, "rank %d: no memory for a request of %lld bytes", c->rank,
                       (long long)hdr[1]);
@@ -500,16 +390,16 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
         st = run_request(c, &r, &reply, &rn, fatal);
     else if (c->rank == 0)
         st = mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), &reply, &rn);
-    if (c->rank == 0 && reply)
-        send_reply(c, &id, reply, rn);
+    if (c->rank == 0 && reply) {
+        mdt_serve_listener_reply(c->l, in.conn, reply, rn); /* the listener frees it */
+        reply = NULL;
+    }
     if (*fatal == MDT_OK)
         st = mdt_mesh_agree(c->mesh, st); /* building a reply failed: stop everywhere */
     *done = st != MDT_OK || *fatal != MDT_OK || hdr[0] == MDT_SERVE_OP_CLOSE;
 out:
-    if (have_msg) {
-        zmq_msg_close(&id);
-        zmq_msg_close(&zblob); /* rank 0's blob lives in it */
-    }
+    if (have_msg)
+        mdt_serve_listener_done(c->l, &in); /* rank 0's blob lives in it */
     if (c->rank != 0)
         mdt_free(blob);
     mdt_free(reply);
@@ -531,27 +421,27 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
     mdt_model_set_step_timeout(m, p->step_timeout);
     if (c.mesh && MPI_Comm_dup(c.mesh->world, &c.comm) != MPI_SUCCESS)
         st = MDT_FAIL(MDT_E_MPI, "serve: duplicating the world communicator failed");
-    if (st == MDT_OK && c.rank == 0)
-        st = bind_socket(&c);
+    if (st == MDT_OK && c.rank == 0) {
+        c.l = p->listener;
+        if (!c.l && (st = mdt_serve_listen(p, &c.l)) == MDT_OK)
+            c.own_listener = 1;
+    }
     st = mdt_mesh_agree(c.mesh, st);
     if (st == MDT_OK && c.rank == 0 && p->on_ready)
-        p->on_ready(p->user, c.endpoint);
+        p->on_ready(p->user, mdt_serve_listener_endpoint(c.l));
     mdt_status fatal = MDT_OK;
     for (int done = 0; st == MDT_OK && !done;)
         st = serve_one(&c, &done, &fatal);
     if (fatal != MDT_OK) {
-        st = fatal; /* no agreement possible: the caller ends the job */
+        st = fatal;      /* no agreement possible: the caller ends the job */
+        if (c.rank == 0) /* clients still waiting get the reason, not a dropped connection */
+            mdt_serve_listener_fail_all(c.l, mdt_last_error(), 1.0);
     } else {
         const mdt_status dn = drain_notes(&c);
         st = mdt_mesh_agree(c.mesh, st != MDT_OK ? st : dn);
     }
-    if (c.sock)
-        zmq_close(c.sock);
-    if (c.zctx)
-        zmq_ctx_term(c.zctx);
-    struct stat sb;
-    if (c.ipc_path[0] && lstat(c.ipc_path, &sb) == 0 && S_ISSOCK(sb.st_mode))
-        unlink(c.ipc_path); /* ZeroMQ leaves the file behind */
+    if (c.own_listener)
+        mdt_serve_listener_free(c.l);
     if (c.comm != MPI_COMM_NULL)
         MPI_Comm_free(&c.comm);
     mdt_serve_sessions_free(&c.ss);

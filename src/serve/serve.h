@@ -12,6 +12,7 @@
 #include "tensor/tensor.h"
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* The operations, as numbered in the request header broadcast from rank 0 (MDT_SERVE_OP_STOP is
  * internal: rank 0 saw a stop signal and every rank leaves the loop). */
@@ -84,5 +85,43 @@ mdt_status mdt_serve_sessions_commit(mdt_serve_sessions *ss, const mdt_serve_req
 void mdt_serve_sessions_end(mdt_serve_sessions *ss, const char *name);
 /* Bytes kept under `name` (0 if none). */
 int64_t mdt_serve_sessions_bytes_of(const mdt_serve_sessions *ss, const char *name);
+
+/* ---- endpoint.c: binding the endpoint ---- */
+
+/* Checks `ep` (mdt_serve_endpoint_check) and binds a listening socket for it (non-blocking,
+ * close-on-exec): an ipc path under an exclusive lock on its directory (a stale socket file is
+ * replaced, a live one refused), created owner-only; a tcp host resolved to one address (port *
+ * picks a free one). *fd the socket, `bound` the endpoint as bound, `ipc_path` the socket file
+ * this call created ("" for tcp), for the caller to remove. MDT_E_INVALID / MDT_E_IO naming the
+ * endpoint. */
+mdt_status mdt_serve_endpoint_bind(const char *ep, int listen_any, int *fd, char *bound,
+                                   size_t bound_cap, char *ipc_path, size_t path_cap);
+
+/* ---- listener.c: rank 0's connections, on a thread of their own ---- */
+
+#define MDT_SERVE_CLIENT_QUEUE 8  /* requests of one connection waiting, running or unanswered */
+#define MDT_SERVE_MAX_CLIENTS 256 /* connections at once; more are closed at once */
+
+/* A request as received: the blob (mdt_alloc'd, owned by the listener until ..._done) and the
+ * connection its reply goes to. */
+typedef struct mdt_serve_incoming {
+    uint64_t conn;
+    unsigned char *blob;
+    size_t size;
+    int64_t reserved; /* bytes of the queue budget it holds */
+} mdt_serve_incoming;
+
+/* Waits up to timeout_ms for the next request: 1 and *in filled, or 0. */
+int mdt_serve_listener_next(mdt_serve_listener *l, int timeout_ms, mdt_serve_incoming *in);
+/* Hands a reply blob (mdt_alloc'd; the listener frees it) to connection `conn`; dropped when the
+ * connection is gone. */
+void mdt_serve_listener_reply(mdt_serve_listener *l, uint64_t conn, unsigned char *blob, size_t n);
+/* The request has been answered: its blob and its share of the queue budget are released. */
+void mdt_serve_listener_done(mdt_serve_listener *l, mdt_serve_incoming *in);
+/* Answers every request still queued with an error reply carrying `msg` (the server is ending),
+ * then waits up to `seconds` for the replies already handed over to be written. */
+void mdt_serve_listener_fail_all(mdt_serve_listener *l, const char *msg, double seconds);
+/* Whether the owner watched through standard input has gone (p->owner_stdin). */
+int mdt_serve_listener_owner_gone(const mdt_serve_listener *l);
 
 #endif /* MDT_API_SERVE_H */

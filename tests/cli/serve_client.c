@@ -8,6 +8,11 @@
  *                                  [--truncate NAME] [--timeout MS]
  *   serve_client EP raw FILE                      the file's bytes as the request blob
  *   serve_client EP leave IN                      a forward, then gone before the reply
+ *   serve_client EP frames N BYTES                a DEALER message: the delimiter, then N frames
+ *                                                 of BYTES each (the reply's metadata printed)
+ *   serve_client EP flood N IN                    a DEALER sends N forwards of IN at once, then
+ *                                                 reads N replies: prints ok=K error=E and the
+ *                                                 first error (exit 0 when all N came)
  *
  * Exit: 0 reply "ok", 1 reply "error" (its message on stdout as error=...), 3 no reply in time,
  * 4 the reply is not a valid safetensors blob, 2 usage or local failure.
@@ -98,6 +103,76 @@ static int print_reply(const unsigned char *b, size_t n, const char *out) {
     return rc;
 }
 
+/* The reply blob of a DEALER message (frames [empty, blob]) into *msg; 0 or -1 (timeout). */
+static int dealer_recv(void *sock, zmq_msg_t *msg) {
+    for (int more = 1; more;) {
+        zmq_msg_close(msg);
+        zmq_msg_init(msg);
+        if (zmq_msg_recv(msg, sock, 0) < 0)
+            return -1;
+        more = zmq_msg_more(msg);
+    }
+    return 0;
+}
+
+/* frames: one message of N frames; flood: N forwards at once, then their replies. */
+static int dealer(const char *ep, const char *op, const char *const *pos, int timeout_ms) {
+    void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_DEALER);
+    const int zero = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms);
+    int rc = 2;
+    if (!pos[0] || !pos[1] || zmq_connect(sock, ep) != 0) {
+        fprintf(stderr, "serve_client: %s needs N and BYTES (or IN), and a reachable EP\n", op);
+        goto out;
+    }
+    const long n = atol(pos[0]);
+    zmq_msg_t msg;
+    zmq_msg_init(&msg);
+    if (strcmp(op, "frames") == 0) {
+        const size_t bytes = (size_t)atol(pos[1]);
+        unsigned char *frame = mdt_calloc(bytes ? bytes : 1);
+        zmq_send(sock, "", 0, ZMQ_SNDMORE);
+        for (long i = 0; frame && i < n; i++)
+            zmq_send(sock, frame, bytes, i + 1 < n ? ZMQ_SNDMORE : 0);
+        mdt_free(frame);
+        rc = dealer_recv(sock, &msg) == 0
+                 ? print_reply(zmq_msg_data(&msg), zmq_msg_size(&msg), NULL)
+                 : (printf("no reply within %d ms\n", timeout_ms), 3);
+    } else {
+        unsigned char *blob = NULL;
+        size_t size = 0;
+        const char *meta[] = {"op", "forward", "id", "flood", NULL};
+        if ((rc = build_forward(pos[1], NULL, NULL, meta, &blob, &size)) != 0)
+            goto out;
+        for (long i = 0; i < n; i++) {
+            zmq_send(sock, "", 0, ZMQ_SNDMORE);
+            zmq_send(sock, blob, size, 0);
+        }
+        mdt_free(blob);
+        long ok = 0, err = 0;
+        char first[512] = "";
+        for (long i = 0; i < n && dealer_recv(sock, &msg) == 0; i++) {
+            mdt_st_file *f = NULL;
+            if (mdt_st_open_mem(zmq_msg_data(&msg), zmq_msg_size(&msg), "reply", &f) != MDT_OK)
+                continue;
+            const char *status = mdt_st_meta(f, "status"), *e = mdt_st_meta(f, "error");
+            if (status && strcmp(status, "ok") == 0)
+                ok++;
+            else if (err++ == 0 && e)
+                snprintf(first, sizeof first, "%s", e);
+            mdt_st_close(f);
+        }
+        printf("ok=%ld\nerror=%ld\nfirst_error=%s\n", ok, err, first);
+        rc = ok + err == n ? 0 : 3;
+    }
+    zmq_msg_close(&msg);
+out:
+    zmq_close(sock);
+    zmq_ctx_term(ctx);
+    return rc;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) {
         fprintf(stderr, "usage: serve_client EP OP [ARGS] [options]\n");
@@ -154,8 +229,13 @@ int main(int argc, char **argv) {
         if (mdt_st_serialize(0, NULL, NULL, meta, &blob, &n) != MDT_OK)
             return 2;
     }
+    if (strcmp(op, "frames") == 0 || strcmp(op, "flood") == 0)
+        return dealer(ep, op, pos, timeout_ms);
     void *ctx = zmq_ctx_new();
     void *sock = zmq_socket(ctx, ZMQ_REQ);
+    const int one = 1;
+    if (strncmp(ep, "tcp://[", 7) == 0)
+        zmq_setsockopt(sock, ZMQ_IPV6, &one, sizeof one);
     const int linger = leave ? 5000 : 0; /* a leaving client still delivers its request */
     zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms);

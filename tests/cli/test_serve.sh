@@ -54,6 +54,16 @@ stopped_within() {
     return 1
 }
 field() { grep "^$1=" "$2" | head -1 | cut -d= -f2-; }
+rank_pid() { # the pid of world rank $1 of the server (its launcher's rank variable)
+    local p c
+    for p in $(pgrep -P "$SPID"); do
+        for c in $p $(pgrep -P "$p"); do
+            tr '\0' '\n' <"/proc/$c/environ" 2>/dev/null |
+                grep -Eqx "(PMI_RANK|OMPI_COMM_WORLD_RANK)=$1" && { echo "$c"; return; }
+        done
+    done
+}
+hwm_kib() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status" 2>/dev/null; } # peak RSS of a process
 
 # ---- endpoints refused before any weight is read (one line, exit 1) ----
 refused() { # name pattern -- serve args
@@ -144,6 +154,98 @@ if start_server "$T/log" --max-memory 3M; then
     [ $rc = 0 ] && [ "$st" = 0 ] && [ ! -e "$T/s.sock" ] && ok || bad "close: rc $rc, server $st, $(cat "$T/log")"
 fi
 
+# ---- what rank 0 holds for a client (--max-request-bytes 4M, --max-queue-bytes 6M): the
+# issue's message of 128 frames of 4 MiB - 64 B is refused as it arrives (an error reply naming
+# the frames; rank 0's peak RSS grows by far less than the 512 MiB ZeroMQ buffered); a blob
+# over the limit gets an error reply; 60 forwards queued by one client: at most 8 are taken,
+# the others are refused at once; a good forward afterwards ----
+if start_server "$T/log5" --max-request-bytes 4M --max-queue-bytes 6M; then
+    r0=$(rank_pid 0)
+    h0=$(hwm_kib "$r0")
+    client frames 128 $((4 * 1048576 - 64)) >"$T/m1"; rc=$?
+    h1=$(hwm_kib "$r0")
+    grew=$(( (${h1:-0} - ${h0:-0}) / 1024 ))
+    [ $rc = 1 ] && grep -q "^error=request: 129 frames" "$T/m1" && [ -n "$h0" ] && [ "$grew" -lt 64 ] &&
+        ok || bad "128 frames: rc $rc, rank 0 peak RSS +${grew} MiB, $(cat "$T/m1")"
+    client frames 1 $((5 * 1048576)) >"$T/m2"; rc=$?
+    [ $rc = 1 ] && grep -q "^error=request: a blob of 5242880 bytes, over the server's --max-request-bytes 4194304" "$T/m2" &&
+        ok || bad "blob over the limit: rc $rc, $(cat "$T/m2")"
+    client flood 60 "$IN" >"$T/m3"; rc=$?
+    nok=$(field ok "$T/m3"); nerr=$(field error "$T/m3")
+    [ $rc = 0 ] && [ "$nok" -ge 1 ] && [ "$nok" -le 8 ] && [ "$nerr" = $((60 - nok)) ] &&
+        grep -q "^first_error=this connection has 8 requests waiting" "$T/m3" &&
+        ok || bad "60 queued forwards: rc $rc, $(cat "$T/m3")"
+    client forward "$IN" "$T/m4.safetensors" >/dev/null && cmp -s "$T/m4.safetensors" "$T/o.safetensors" &&
+        ok || bad "a good forward after the limits"
+    client close >/dev/null; stopped_within 10 || bad "close after the limits"
+fi
+
+# ---- endpoints checked before the load: a busy port and a missing directory are named even
+# though the checkpoint does not exist (the load would fail next); tcp://::1:* serves ----
+python3 -c 'import socket,time,sys; s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(30)' >"$T/port" &
+BUSY=$!
+for _ in $(seq 50); do [ -s "$T/port" ] && break; sleep 0.1; done
+timeout 60 "$MPIEXEC" -n 2 "$BIN" serve --checkpoint "$T/none" --tp 2 --listen "tcp://127.0.0.1:$(cat "$T/port")" >"$T/out" 2>"$T/err"
+rc=$?
+[ "$rc" = 1 ] && grep -q "cannot bind: Address already in use" "$T/err" && [ "$(grep -c . "$T/err")" = 1 ] &&
+    ok || bad "busy port: exit $rc, $(cat "$T/err")"
+kill "$BUSY" 2>/dev/null; wait "$BUSY" 2>/dev/null
+timeout 60 "$MPIEXEC" -n 2 "$BIN" serve --checkpoint "$T/none" --tp 2 --listen "ipc://$T/no/such/dir/s.sock" >"$T/out" 2>"$T/err"
+rc=$?
+[ "$rc" = 1 ] && grep -q "the directory '$T/no/such/dir' does not exist" "$T/err" && ok ||
+    bad "missing directory: exit $rc, $(cat "$T/err")"
+"$MPIEXEC" -n 2 "$BIN" serve --checkpoint "$CK" --tp 2 --listen 'tcp://::1:*' >"$T/log6" 2>&1 &
+SPID=$!
+for _ in $(seq 300); do grep -q "^serving on " "$T/log6" && break; kill -0 "$SPID" 2>/dev/null || break; sleep 0.1; done
+EP6=$(sed -n 's/^serving on //p' "$T/log6")
+if [[ $EP6 =~ ^tcp://\[::1\]:[0-9]+$ ]] && timeout 60 "$CLIENT" "$EP6" info >/dev/null &&
+    timeout 60 "$CLIENT" "$EP6" close >/dev/null && stopped_within 10 && [ "$STOPPED" = 0 ]; then ok; else
+    bad "tcp://::1:*: '$EP6', $(cat "$T/log6")"
+    kill -TERM "$SPID" 2>/dev/null; stopped_within 10
+fi
+
+# ---- two servers started at once on one ipc path: one serves, the other is refused (5 tries) ----
+both=0
+for i in 1 2 3 4 5; do
+    EPX=ipc://$T/twice$i.sock
+    "$BIN" serve --checkpoint "$CK" --listen "$EPX" >"$T/ta" 2>&1 & PA=$!
+    "$BIN" serve --checkpoint "$CK" --listen "$EPX" >"$T/tb" 2>&1 & PB=$!
+    for _ in $(seq 100); do
+        n=$(cat "$T/ta" "$T/tb" | grep -c "^serving on ")
+        { [ "$n" -ge 1 ] && { ! kill -0 "$PA" 2>/dev/null || ! kill -0 "$PB" 2>/dev/null; }; } && break
+        sleep 0.1
+    done
+    sleep 0.3
+    n=$(cat "$T/ta" "$T/tb" | grep -c "^serving on ")
+    refusedn=$(cat "$T/ta" "$T/tb" | grep -c "a running server listens there")
+    [ "$n" = 1 ] && [ "$refusedn" = 1 ] || both=$((both + 1))
+    timeout 10 "$CLIENT" "$EPX" close >/dev/null 2>&1
+    kill -TERM "$PA" "$PB" 2>/dev/null; wait "$PA" "$PB" 2>/dev/null
+done
+[ "$both" = 0 ] && ok || bad "two servers on one ipc path: $both of 5 tries did not end with one serving and one refused"
+
+# ---- a repeated __metadata__ key is refused ({"op":"info","op":"close"} once closed the server),
+# and so is an id that is not UTF-8 text (the reply stays valid JSON, without the id) ----
+if start_server "$T/log7"; then
+    python3 - "$T" <<'PY'
+import json, struct, sys
+t = sys.argv[1]
+def blob(header):
+    h = header.encode("latin-1")
+    return struct.pack("<Q", len(h)) + h
+open(t + "/dupop", "wb").write(blob('{"__metadata__":{"op":"info","op":"close"}}'))
+open(t + "/badid", "wb").write(blob('{"__metadata__":{"op":"info","id":"x\xff\xfe"}}'))
+PY
+    client raw "$T/dupop" >"$T/d1"; rc=$?
+    [ $rc = 1 ] && grep -q "^error=request: __metadata__ key 'op' appears twice" "$T/d1" && ok ||
+        bad "repeated op: rc $rc, $(cat "$T/d1")"
+    client raw "$T/badid" >"$T/d2"; rc=$?
+    [ $rc = 1 ] && grep -q '^error=request: "id" must be 1 to 128 bytes of UTF-8 text' "$T/d2" &&
+        ! grep -q "^id=" "$T/d2" && ok || bad "id not UTF-8: rc $rc, $(cat "$T/d2")"
+    client info >/dev/null && ok || bad "the server closed on a repeated op"
+    client close >/dev/null; stopped_within 10 || bad "close after the metadata checks"
+fi
+
 # ---- a loopback tcp endpoint on a free port: the port is on the "serving on" line ----
 "$MPIEXEC" -n 2 "$BIN" serve --checkpoint "$CK" --tp 2 --listen 'tcp://127.0.0.1:*' >"$T/logt" 2>&1 &
 SPID=$!
@@ -162,15 +264,6 @@ if start_server "$T/log2"; then
     stopped_within 10; st=$STOPPED
     [ "$st" = 0 ] && ok || bad "SIGTERM to mpiexec: $st, $(cat "$T/log2")"
 fi
-rank_pid() { # the pid of world rank $1 of the server (its launcher's rank variable)
-    local p c
-    for p in $(pgrep -P "$SPID"); do
-        for c in $p $(pgrep -P "$p"); do
-            tr '\0' '\n' <"/proc/$c/environ" 2>/dev/null |
-                grep -Eqx "(PMI_RANK|OMPI_COMM_WORLD_RANK)=$1" && { echo "$c"; return; }
-        done
-    done
-}
 if start_server "$T/log3"; then
     r1=$(rank_pid 1)
     if [ -n "$r1" ]; then

@@ -1,11 +1,21 @@
 /*
- * test_serve.c — the server's messages and sessions without a socket (api/serve.h): request
- * checks, reply blobs read back, and the session store's merge, replacement and limits. The
- * server itself is tested end to end by tests/cli/test_serve.sh.
+ * test_serve.c — the server's parts (serve/serve.h): request checks, reply blobs read back, the
+ * session store's merge, replacement and limits, the ZMTP reader fed a client's bytes in pieces
+ * of every size, and the listener against real libzmq clients in this process (its limits per
+ * message, per client and in all, heartbeats, REQ and DEALER peers). The server itself is tested
+ * end to end by tests/cli/test_serve.sh.
  */
+#define _POSIX_C_SOURCE 200809L
 #include "serve/serve.h"
 #include "harness.h"
 #include "io/safetensors.h"
+#include "serve/zmtp.h"
+
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
 
 /* A request blob with `meta` and, when `n` > 0, tensors named `names`, each F32 [k] of value v. */
 static unsigned char *request(const char *const *meta, int n, const char *const *names,
@@ -39,9 +49,9 @@ static void test_request_checks(void) {
         {{"op", "forward", "session", "s", "keep", "a,,b", NULL}, 1, "separated by commas"},
         {{"op", "forward", "session", "s", "keep", "a,a", NULL}, 1, "names 'a' twice"},
         {{"op", "forward", "session", "a\nb", NULL}, 0, "without control characters"},
-        {{"op", "info", "id", "bad\xff\xfe" "utf8", NULL}, 0, "UTF-8 text"},
+        {{"op", "info", "id", "bad\xff\xfe-utf8", NULL}, 0, "UTF-8 text"},
         {{"op", "info", "id", "a\\b", NULL}, 0, "backslashes"},
-        {{"op", "info", "id", "rtl\xe2\x80\xae" "evil", NULL}, 0, "UTF-8 text"},
+        {{"op", "info", "id", "rtl\xe2\x80\xae-evil", NULL}, 0, "UTF-8 text"},
         {{"op", "info", "id", "\xc2\x85next-line", NULL}, 0, "UTF-8 text"},
         {{"op", "end_session", NULL}, 0, "needs a \"session\""},
         {{"op", "forward", "session", "s", "end_session", "yes", NULL}, 0, "\"1\" or \"true\""},
@@ -193,8 +203,284 @@ static void test_tensor_cap(void) {
     }
 }
 
+/* ---- the ZMTP reader ---- */
+
+/* What a libzmq DEALER sends: greeting, READY, a PING, the message [empty, "abc"], and a long
+ * frame of 300 bytes as a one-frame message. */
+static size_t client_stream(unsigned char *b) {
+    size_t n = 0;
+    memset(b, 0, 64);
+    b[0] = 0xff, b[9] = 0x7f, b[10] = 3, b[11] = 1;
+    b[12] = 'N', b[13] = 'U', b[14] = 'L', b[15] = 'L';
+    n = 64;
+    static const unsigned char ready[] = {4,   41,  5,   'R', 'E', 'A', 'D', 'Y', 11,  'S', 'o',
+                                          'c', 'k', 'e', 't', '-', 'T', 'y', 'p', 'e', 0,   0,
+                                          0,   6,   'D', 'E', 'A', 'L', 'E', 'R', 8,   'I', 'd',
+                                          'e', 'n', 't', 'i', 't', 'y', 0,   0,   0,   0};
+    memcpy(b + n, ready, sizeof ready), n += sizeof ready;
+    static const unsigned char ping[] = {4, 9, 4, 'P', 'I', 'N', 'G', 0, 30, 'c', 'x'};
+    memcpy(b + n, ping, sizeof ping), n += sizeof ping;
+    static const unsigned char msg[] = {1, 0, 0, 3, 'a', 'b', 'c'};
+    memcpy(b + n, msg, sizeof msg), n += sizeof msg;
+    n += mdt_zmtp_frame_header(300, 0, b + n);
+    memset(b + n, 'z', 300), n += 300;
+    return n;
+}
+
+static void test_zmtp_reader(void) {
+    unsigned char in[1024];
+    const size_t total = client_stream(in);
+    for (size_t chunk = 1; chunk <= total; chunk += chunk < 8 ? 1 : 37) {
+        mdt_zmtp_reader r;
+        mdt_zmtp_reader_init(&r);
+        char log[256] = "";
+        size_t body = 0, pos = 0;
+        int errors = 0;
+        while (pos <= total) {
+            const size_t n = total - pos < chunk ? total - pos : chunk;
+            const unsigned char *p = in + pos;
+            size_t left = n;
+            for (;;) {
+                mdt_zmtp_event ev;
+                const size_t used = mdt_zmtp_step(&r, p, left, &ev);
+                p += used, left -= used;
+                char e[32] = "";
+                switch (ev.kind) {
+                case MDT_ZMTP_EV_READY: snprintf(e, sizeof e, "R(%s)", r.peer_type); break;
+                case MDT_ZMTP_EV_PING: snprintf(e, sizeof e, "P%zu", r.ping_ctx_len); break;
+                case MDT_ZMTP_EV_FRAME_START:
+                    snprintf(e, sizeof e, "S%llu%s", (unsigned long long)ev.size,
+                             ev.more ? "+" : "");
+                    break;
+                case MDT_ZMTP_EV_BODY: body += ev.len; break;
+                case MDT_ZMTP_EV_FRAME_END: snprintf(e, sizeof e, "E%s", ev.more ? "+" : ""); break;
+                case MDT_ZMTP_EV_ERROR: errors++; break;
+                case MDT_ZMTP_EV_NONE: break;
+                }
+                strncat(log, e, sizeof log - strlen(log) - 1);
+                if ((ev.kind == MDT_ZMTP_EV_NONE && used == 0) || ev.kind == MDT_ZMTP_EV_ERROR)
+                    break;
+            }
+            if (pos == total)
+                break;
+            pos += n;
+        }
+        EXPECT(!errors && strcmp(log, "R(DEALER)P2S0+E+S3ES300E") == 0 && body == 303,
+               "chunk %zu: '%s', %zu body bytes, %s", chunk, log, body, r.error);
+    }
+    /* broken peers: each is an error naming the problem, and stays one */
+    static const struct {
+        size_t at;
+        unsigned char byte;
+        const char *want;
+    } bad[] = {{0, 0x00, "not a ZMTP peer"},
+               {10, 2, "ZMTP 1 or 2"},
+               {12, 'C', "security mechanism 'CULL'"},
+               {64, 0x44, "reserved flag bits"},
+               {67, 'X', "first command is not READY"},
+               {64 + 43 + 11, 0x05, "command frame with MORE"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        unsigned char b[1024];
+        const size_t n = client_stream(b);
+        b[bad[i].at] = bad[i].byte;
+        mdt_zmtp_reader r;
+        mdt_zmtp_reader_init(&r);
+        mdt_zmtp_event ev = {0};
+        const unsigned char *p = b;
+        size_t left = n;
+        for (int k = 0; k < 100 && ev.kind != MDT_ZMTP_EV_ERROR; k++) {
+            const size_t used = mdt_zmtp_step(&r, p, left, &ev);
+            p += used, left -= used;
+        }
+        EXPECT(ev.kind == MDT_ZMTP_EV_ERROR && strstr(r.error, bad[i].want), "case %zu: '%s'", i,
+               r.error);
+        EXPECT(mdt_zmtp_step(&r, p, left, &ev) == 0 && ev.kind == MDT_ZMTP_EV_ERROR,
+               "stays failed");
+    }
+}
+
+/* ---- the listener against libzmq clients ---- */
+
+/* A client socket; heartbeat_ms > 0: it pings that often and drops the connection after 4 times
+ * as long without an answer (options before the connect: they apply to its connections). */
+static void *zsock(void *ctx, int type, const char *ep, int heartbeat_ms) {
+    void *s = zmq_socket(ctx, type);
+    const int zero = 0, tmo = 10000, hb_timeout = 4 * heartbeat_ms;
+    zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(s, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+    if (heartbeat_ms > 0) {
+        zmq_setsockopt(s, ZMQ_HEARTBEAT_IVL, &heartbeat_ms, sizeof heartbeat_ms);
+        zmq_setsockopt(s, ZMQ_HEARTBEAT_TIMEOUT, &hb_timeout, sizeof hb_timeout);
+        zmq_socket_monitor(s, "inproc://mon", ZMQ_EVENT_DISCONNECTED);
+    }
+    zmq_connect(s, ep);
+    return s;
+}
+
+/* A DEALER request: the delimiter and one blob of `n` bytes (content irrelevant here). */
+static void zsend(void *s, size_t n) {
+    unsigned char *b = calloc(1, n ? n : 1);
+    zmq_send(s, "", 0, ZMQ_SNDMORE);
+    zmq_send(s, b, n, 0);
+    free(b);
+}
+
+/* The reply's "error" (or "ok"), received within the socket's timeout, into out. */
+static const char *zreply(void *s, char *out, size_t cap) {
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    snprintf(out, cap, "(no reply)");
+    for (int more = 1; more;) {
+        if (zmq_msg_recv(&m, s, 0) < 0)
+            break;
+        more = zmq_msg_more(&m);
+        mdt_st_file *f = NULL;
+        if (!more && mdt_st_open_mem(zmq_msg_data(&m), zmq_msg_size(&m), "reply", &f) == MDT_OK) {
+            const char *e = mdt_st_meta(f, "error");
+            snprintf(out, cap, "%s", e ? e : "ok");
+            mdt_st_close(f);
+        }
+    }
+    zmq_msg_close(&m);
+    return out;
+}
+
+static void nap_ms(long ms) {
+    const struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+static void test_listener(void) {
+    char ep[128], path[120], got[512];
+    snprintf(path, sizeof path, "/tmp/mdt_test_serve_%ld.sock", (long)getpid());
+    snprintf(ep, sizeof ep, "ipc://%s", path);
+    mdt_serve_params p = mdt_serve_params_default();
+    p.endpoint = ep, p.max_request_bytes = 1 << 20, p.max_queue_bytes = 3 << 19; /* 1, 1.5 MiB */
+    mdt_serve_listener *l = NULL;
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (!l)
+        return;
+    struct stat sb;
+    EXPECT(stat(path, &sb) == 0 && (sb.st_mode & 0777) == 0600, "socket mode");
+    mdt_serve_listener *twice = NULL;
+    EXPECT_ERR(mdt_serve_listen(&p, &twice), MDT_E_INVALID, "a running server listens there");
+    void *ctx = zmq_ctx_new();
+    /* B pings every 50 ms and gives up after 200 ms without an answer: it must stay connected */
+    void *b = zsock(ctx, ZMQ_DEALER, ep, 50);
+    void *mon = zmq_socket(ctx, ZMQ_PAIR);
+    const int mtmo = 0;
+    zmq_setsockopt(mon, ZMQ_RCVTIMEO, &mtmo, sizeof mtmo);
+    zmq_connect(mon, "inproc://mon");
+    void *a = zsock(ctx, ZMQ_DEALER, ep, 0), *c = zsock(ctx, ZMQ_DEALER, ep, 0);
+    void *req = zsock(ctx, ZMQ_REQ, ep, 0);
+    /* the loop is "busy" (nothing is taken): A's 900 KB are held; B's 900 KB would pass the
+     * 1.5 MiB in all and are refused at once */
+    zsend(a, 900000);
+    nap_ms(300);
+    const int64_t base = mdt_mem_live();
+    zsend(b, 900000);
+    EXPECT(strstr(zreply(b, got, sizeof got), "the server is busy") &&
+               strstr(got, "--max-queue-bytes 1572864"),
+           "'%s'", got);
+    /* 128 frames of 1 MiB - 64: answered after the last, never more than one frame held */
+    mdt_mem_reset_peak();
+    {
+        unsigned char *f = calloc(1, (1 << 20) - 64);
+        zmq_send(c, "", 0, ZMQ_SNDMORE);
+        for (int i = 0; i < 128; i++)
+            zmq_send(c, f, (1 << 20) - 64, i < 127 ? ZMQ_SNDMORE : 0);
+        free(f);
+    }
+    EXPECT(strstr(zreply(c, got, sizeof got), "request: 129 frames"), "'%s'", got);
+    EXPECT(mdt_mem_peak() - base < (2 << 20), "peak %lld bytes over the base while 128 MiB came",
+           (long long)(mdt_mem_peak() - base));
+    /* a blob over --max-request-bytes, and a message without the delimiter */
+    zsend(c, (1 << 20) + 1);
+    EXPECT(strstr(zreply(c, got, sizeof got), "over the server's --max-request-bytes 1048576"),
+           "'%s'", got);
+    zmq_send(c, "x", 1, 0);
+    EXPECT(strstr(zreply(c, got, sizeof got), "request: 1 frame;"), "'%s'", got);
+    /* per client: 8 requests waiting, the 9th refused */
+    for (int i = 0; i < 9; i++)
+        zsend(c, 10);
+    EXPECT(strstr(zreply(c, got, sizeof got), "has 8 requests waiting"), "'%s'", got);
+    /* a REQ client's request, then a client that leaves before its request is taken */
+    zmq_send(req, "req", 3, 0);
+    void *gone = zsock(ctx, ZMQ_DEALER, ep, 0);
+    zsend(gone, 5);
+    nap_ms(200);
+    zmq_close(gone);
+    nap_ms(300);
+    /* the loop takes them in arrival order: A's, C's eight, the REQ's (the leaver's was dropped) */
+    mdt_serve_incoming in;
+    int taken = 0, from_req = 0;
+    size_t sizes[16];
+    while (taken < 16 && mdt_serve_listener_next(l, 500, &in)) {
+        sizes[taken++] = in.size;
+        from_req += in.size == 3;
+        unsigned char *r = NULL;
+        size_t rn = 0;
+        const char *meta[] = {NULL};
+        EXPECT_OK(mdt_serve_reply_ok(meta, NULL, &r, &rn));
+        mdt_serve_listener_reply(l, in.conn, r, rn);
+        mdt_serve_listener_done(l, &in);
+    }
+    EXPECT(taken == 10 && sizes[0] == 900000 && sizes[1] == 10 && sizes[8] == 10 && from_req == 1,
+           "%d taken", taken);
+    EXPECT(strcmp(zreply(a, got, sizeof got), "ok") == 0, "A: '%s'", got);
+    int oks = 0;
+    for (int i = 0; i < 8; i++)
+        oks += strcmp(zreply(c, got, sizeof got), "ok") == 0;
+    EXPECT(oks == 8, "C: %d ok", oks);
+    {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        EXPECT(zmq_msg_recv(&m, req, 0) > 0 && !zmq_msg_more(&m), "the REQ client's reply");
+        zmq_msg_close(&m);
+    }
+    /* a second of heartbeats later, B never lost its connection, and the budget is free again */
+    nap_ms(1000);
+    zmq_msg_t ev;
+    zmq_msg_init(&ev);
+    EXPECT(zmq_msg_recv(&ev, mon, 0) < 0, "B was disconnected: its pings went unanswered");
+    zmq_msg_close(&ev);
+    zsend(b, 900000);
+    EXPECT(mdt_serve_listener_next(l, 2000, &in) && in.size == 900000, "B's request now fits");
+    mdt_serve_listener_fail_all(l, "the server is ending", 1.0);
+    mdt_serve_listener_done(l, &in);
+    zmq_socket_monitor(b, NULL, 0);
+    void *socks[] = {a, b, c, req, mon};
+    for (size_t i = 0; i < sizeof socks / sizeof socks[0]; i++)
+        zmq_close(socks[i]);
+    zmq_ctx_term(ctx);
+    mdt_serve_listener_free(l);
+    EXPECT(stat(path, &sb) != 0, "the socket file is removed");
+    /* binding refuses a missing directory and a busy port before anything else */
+    p.endpoint = "ipc:///nonexistent-dir-mdt/s.sock";
+    EXPECT_ERR(mdt_serve_listen(&p, &l), MDT_E_IO,
+               "the directory '/nonexistent-dir-mdt' does "
+               "not exist");
+    p.endpoint = "tcp://127.0.0.1:*";
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (l) {
+        char busy[64];
+        snprintf(busy, sizeof busy, "%s", mdt_serve_listener_endpoint(l));
+        mdt_serve_listener *l2 = NULL;
+        p.endpoint = busy;
+        EXPECT_ERR(mdt_serve_listen(&p, &l2), MDT_E_IO, "cannot bind: Address already in use");
+        mdt_serve_listener_free(l);
+    }
+    p.endpoint = "tcp://::1:*";
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    EXPECT(l && strncmp(mdt_serve_listener_endpoint(l), "tcp://[::1]:", 12) == 0, "'%s'",
+           l ? mdt_serve_listener_endpoint(l) : "");
+    mdt_serve_listener_free(l);
+}
+
 int main(void) {
     test_request_checks();
+    test_zmtp_reader();
+    test_listener();
     test_tensor_cap();
     test_replies();
     test_sessions();

@@ -1,0 +1,644 @@
+/*
+ * listener.c — world rank 0's connections (meshdit.h: mdt_serve_listen), on a thread of their
+ * own: it accepts ZeroMQ clients on the bound socket, speaks ZMTP with each (zmtp.h), answers
+ * their heartbeats, reads their messages frame by frame as the bytes arrive, queues the valid
+ * requests for the server loop (serve.c) and writes the replies it is handed. Running beside the
+ * loop, it keeps doing so while a forward computes: a message is bounded as it arrives, not after.
+ *
+ * What rank 0 ever holds for clients, whatever they send:
+ *   - per message: one blob of at most --max-request-bytes, allocated when its frame header
+ *     announces it; a request of another shape (a frame past the second, a non-empty delimiter)
+ *     or size is read on but not kept, and answered with an error reply once it has ended;
+ *   - in all: the blobs being received, queued or run, at most --max-queue-bytes; a request that
+ *     would pass it is refused as it starts (an error reply: retry later);
+ *   - per connection: MDT_SERVE_CLIENT_QUEUE requests queued, running or with a reply not yet
+ *     written (more are refused), so a client that never reads its replies holds at most that
+ *     many; and at most 64 small error replies unwritten (then the connection is closed);
+ *   - MDT_SERVE_MAX_CLIENTS connections (more are closed as they come).
+ * Requests of a connection that closes before they ran are dropped unrun.
+ *
+ * The thread does no MPI and blocks the stop signals (the main thread takes them). Shared with
+ * the loop under one mutex: the request queue, the bytes held, the replies handed over, the quit
+ * flag; a pipe wakes the thread's poll.
+ */
+#define _GNU_SOURCE
+#include "serve/serve.h"
+#include "serve/zmtp.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { READ_CHUNK = 1 << 18, MAX_SMALL_OUT = 64 };
+
+typedef struct out_item {
+    struct out_item *next;
+    unsigned char head[72]; /* greeting, READY, PONG, or the reply's two frame headers */
+    size_t head_n;
+    unsigned char *body; /* a reply blob (owned) or NULL */
+    size_t body_n, off;  /* off: bytes of head + body written */
+    int is_reply;        /* writing it ends one request of the connection */
+} out_item;
+
+typedef struct peer {
+    int fd;
+    uint64_t id;
+    mdt_zmtp_reader rd;
+    /* the message being read */
+    int frames;   /* frames so far */
+    int refusing; /* not kept: answered with `refusal` at its end */
+    char refusal[320];
+    unsigned char *blob;
+    size_t blob_size, blob_have;
+    int64_t reserved;
+    int in_flight; /* requests queued, running or with an unwritten reply */
+    int small_out; /* unwritten items that are not replies */
+    out_item *out, *out_tail;
+} peer;
+
+typedef struct req_item {
+    struct req_item *next;
+    mdt_serve_incoming in;
+} req_item;
+
+typedef struct pending_reply {
+    struct pending_reply *next;
+    uint64_t conn;
+    unsigned char *blob;
+    size_t n;
+} pending_reply;
+
+struct mdt_serve_listener {
+    int listen_fd, wake[2], owner_fd;
+    char endpoint[1024], ipc_path[128];
+    int64_t max_request, max_queue;
+    pthread_t thread;
+    int started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    /* under mu */
+    req_item *q, *q_tail;
+    int64_t held; /* bytes of blobs received, being received, queued or running */
+    pending_reply *replies, *replies_tail;
+    int quit, out_empty;
+    volatile int owner_gone;
+    /* the thread's own */
+    peer *conns[MDT_SERVE_MAX_CLIENTS];
+    int nconns;
+    uint64_t next_id;
+    unsigned char *scratch;
+};
+
+/* ---- outgoing ---- */
+
+static out_item *out_new(peer *c, const unsigned char *head, size_t head_n) {
+    out_item *o = mdt_calloc(sizeof *o);
+    if (!o)
+        return NULL;
+    memcpy(o->head, head, head_n);
+    o->head_n = head_n;
+    if (c->out_tail)
+        c->out_tail->next = o;
+    else
+        c->out = o;
+    c->out_tail = o;
+    return o;
+}
+
+static void out_small(peer *c, const unsigned char *b, size_t n) {
+    if (out_new(c, b, n))
+        c->small_out++;
+}
+
+/* A reply: [empty delimiter, blob] (a REQ client strips the delimiter). Takes the blob. */
+static void out_reply(peer *c, unsigned char *blob, size_t n, int is_reply) {
+    unsigned char head[16];
+    size_t k = mdt_zmtp_frame_header(0, 1, head);
+    k += mdt_zmtp_frame_header(n, 0, head + k);
+    out_item *o = out_new(c, head, k);
+    if (!o) {
+        mdt_free(blob);
+        return;
+    }
+    o->body = blob, o->body_n = n, o->is_reply = is_reply;
+    if (!is_reply)
+        c->small_out++;
+}
+
+/* Writes what the socket takes. 0, or -1 when the connection broke. */
+static int out_flush(peer *c) {
+    while (c->out) {
+        out_item *o = c->out;
+        struct iovec iov[2];
+        int niov = 0;
+        if (o->off < o->head_n)
+            iov[niov++] = (struct iovec){o->head + o->off, o->head_n - o->off};
+        const size_t boff = o->off > o->head_n ? o->off - o->head_n : 0;
+        if (o->body_n > boff)
+            iov[niov++] = (struct iovec){o->body + boff, o->body_n - boff};
+        ssize_t w = 0;
+        if (niov) {
+            struct msghdr mh;
+            memset(&mh, 0, sizeof mh);
+            mh.msg_iov = iov, mh.msg_iovlen = (size_t)niov;
+            w = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (w < 0)
+                return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
+        }
+        o->off += (size_t)w;
+        if (o->off < o->head_n + o->body_n)
+            return 0;
+        c->out = o->next;
+        if (!c->out)
+            c->out_tail = NULL;
+        if (o->is_reply)
+            c->in_flight--;
+        else
+            c->small_out--;
+        mdt_free(o->body);
+        mdt_free(o);
+    }
+    return 0;
+}
+
+/* ---- connections ---- */
+
+static peer *find_conn(mdt_serve_listener *l, uint64_t id) {
+    for (int i = 0; i < l->nconns; i++)
+        if (l->conns[i]->id == id)
+            return l->conns[i];
+    return NULL;
+}
+
+static void release(mdt_serve_listener *l, int64_t bytes) {
+    pthread_mutex_lock(&l->mu);
+    l->held -= bytes;
+    pthread_mutex_unlock(&l->mu);
+}
+
+static void drop_message(mdt_serve_listener *l, peer *c) {
+    mdt_free(c->blob);
+    c->blob = NULL, c->blob_size = c->blob_have = 0;
+    if (c->reserved)
+        release(l, c->reserved);
+    c->reserved = 0;
+}
+
+/* Closes connection i: its unwritten output, its message in progress and its requests still
+ * queued (not yet run) go with it. */
+static void close_conn(mdt_serve_listener *l, int i) {
+    peer *c = l->conns[i];
+    close(c->fd);
+    for (out_item *o = c->out, *next; o; o = next) {
+        next = o->next;
+        mdt_free(o->body);
+        mdt_free(o);
+    }
+    drop_message(l, c);
+    pthread_mutex_lock(&l->mu);
+    for (req_item **pp = &l->q; *pp;) {
+        req_item *r = *pp;
+        if (r->in.conn == c->id) {
+            *pp = r->next;
+            l->held -= r->in.reserved;
+            mdt_free(r->in.blob);
+            mdt_free(r);
+        } else {
+            pp = &r->next;
+        }
+    }
+    l->q_tail = NULL;
+    for (req_item *r = l->q; r; r = r->next)
+        l->q_tail = r;
+    pthread_mutex_unlock(&l->mu);
+    mdt_free(c);
+    l->conns[i] = l->conns[--l->nconns];
+}
+
+static void accept_conns(mdt_serve_listener *l) {
+    for (;;) {
+        const int fd = accept4(l->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0)
+            return;
+        peer *c = l->nconns < MDT_SERVE_MAX_CLIENTS ? mdt_calloc(sizeof *c) : NULL;
+        if (!c) { /* over the limit (or out of memory): the client sees the connection close */
+            close(fd);
+            continue;
+        }
+        c->fd = fd, c->id = ++l->next_id;
+        mdt_zmtp_reader_init(&c->rd);
+        unsigned char g[MDT_ZMTP_GREETING_BYTES] = {0};
+        out_small(c, g, mdt_zmtp_greeting(g));
+        l->conns[l->nconns++] = c;
+    }
+}
+
+/* Refuses the message being read: nothing more of it is kept; `why` is its error reply. */
+static void refuse(mdt_serve_listener *l, peer *c, const char *why) {
+    if (c->refusing)
+        return;
+    c->refusing = 1;
+    snprintf(c->refusal, sizeof c->refusal, "%s", why);
+    drop_message(l, c);
+}
+
+static void frame_start(mdt_serve_listener *l, peer *c, uint64_t size) {
+    char why[320];
+    const int idx = c->frames++;
+    if (c->refusing)
+        return;
+    if ((idx == 0 && size != 0) || idx == 2) {
+        refuse(l, c, ""); /* not [empty, blob]: the frame count is reported at the end */
+    } else if (idx == 0 && c->in_flight >= MDT_SERVE_CLIENT_QUEUE) {
+        snprintf(why, sizeof why,
+                 "this connection has %d requests waiting for their replies, the server's limit "
+                 "per client; wait for a reply before sending more",
+                 c->in_flight);
+        refuse(l, c, why);
+    } else if (idx == 1 && (int64_t)size > l->max_request) {
+        snprintf(why, sizeof why,
+                 "request: a blob of %llu bytes, over the server's --max-request-bytes %lld "
+                 "(refused as it arrived: nothing of it was kept)",
+                 (unsigned long long)size, (long long)l->max_request);
+        refuse(l, c, why);
+    } else if (idx == 1) {
+        pthread_mutex_lock(&l->mu);
+        const int64_t after = l->held + (int64_t)size;
+        const int fits = after <= l->max_queue;
+        if (fits)
+            l->held = after;
+        pthread_mutex_unlock(&l->mu);
+        if (!fits) {
+            snprintf(why, sizeof why,
+                     "the server is busy: this request's %llu bytes would make the requests it "
+                     "holds %lld bytes, over its --max-queue-bytes %lld; retry later",
+                     (unsigned long long)size, (long long)after, (long long)l->max_queue);
+            refuse(l, c, why);
+            return;
+        }
+        c->reserved = (int64_t)size;
+        c->blob = mdt_alloc(size ? (size_t)size : 1); /* pages are touched as bytes arrive */
+        c->blob_size = (size_t)size, c->blob_have = 0;
+        if (!c->blob)
+            refuse(l, c, "the server is out of memory for this request; retry later");
+    }
+}
+
+/* The last frame of a message arrived: queue it, or answer it with its refusal. */
+static void message_end(mdt_serve_listener *l, peer *c) {
+    char why[400];
+    const char *err = NULL;
+    if (c->frames != 2 || (c->refusing && !c->refusal[0])) {
+        snprintf(why, sizeof why,
+                 "request: %d frame%s; a request is [empty delimiter, safetensors blob] (a REQ "
+                 "socket adds the delimiter, a DEALER must send it)",
+                 c->frames, c->frames == 1 ? "" : "s");
+        err = why;
+    } else if (c->refusing) {
+        err = c->refusal;
+    }
+    if (err) {
+        drop_message(l, c);
+        unsigned char *b = NULL;
+        size_t n = 0;
+        if (mdt_serve_reply_error(NULL, NULL, err, &b, &n) == MDT_OK)
+            out_reply(c, b, n, 0); /* a client that never reads them is closed (feed) */
+    } else {
+        req_item *r = mdt_calloc(sizeof *r);
+        if (!r) {
+            drop_message(l, c);
+        } else {
+            r->in = (mdt_serve_incoming){c->id, c->blob, c->blob_size, c->reserved};
+            c->blob = NULL, c->reserved = 0;
+            c->in_flight++;
+            pthread_mutex_lock(&l->mu);
+            if (l->q_tail)
+                l->q_tail->next = r;
+            else
+                l->q = r;
+            l->q_tail = r;
+            pthread_cond_signal(&l->cv);
+            pthread_mutex_unlock(&l->mu);
+        }
+    }
+    c->frames = 0, c->refusing = 0, c->refusal[0] = 0;
+}
+
+/* Feeds bytes through the connection's reader. 0, or -1 to close it. */
+static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n) {
+    for (;;) {
+        mdt_zmtp_event ev;
+        const size_t used = mdt_zmtp_step(&c->rd, p, n, &ev);
+        p += used, n -= used;
+        switch (ev.kind) {
+        case MDT_ZMTP_EV_NONE:
+            if (used == 0)
+                return 0;
+            break;
+        case MDT_ZMTP_EV_ERROR: return -1;
+        case MDT_ZMTP_EV_READY: {
+            if (strcmp(c->rd.peer_type, "DEALER") != 0 && strcmp(c->rd.peer_type, "REQ") != 0)
+                return -1; /* a ROUTER, PUB, ...: not a client of this server */
+            unsigned char b[64] = {0};
+            out_small(c, b, mdt_zmtp_ready(b, sizeof b));
+            break;
+        }
+        case MDT_ZMTP_EV_PING: {
+            unsigned char b[32] = {0};
+            if (c->small_out >= MAX_SMALL_OUT)
+                return -1; /* pings it never reads the answers of */
+            out_small(c, b, mdt_zmtp_pong(c->rd.ping_ctx, c->rd.ping_ctx_len, b, sizeof b));
+            break;
+        }
+        case MDT_ZMTP_EV_FRAME_START: frame_start(l, c, ev.size); break;
+        case MDT_ZMTP_EV_BODY:
+            if (!c->refusing && c->frames == 2 && c->blob) {
+                memcpy(c->blob + c->blob_have, ev.data, ev.len);
+                c->blob_have += ev.len;
+            }
+            break;
+        case MDT_ZMTP_EV_FRAME_END:
+            if (!ev.more)
+                message_end(l, c);
+            break;
+        }
+        if (c->small_out > MAX_SMALL_OUT)
+            return -1;
+    }
+}
+
+/* ---- the thread ---- */
+
+static void take_replies(mdt_serve_listener *l) {
+    pthread_mutex_lock(&l->mu);
+    pending_reply *r = l->replies;
+    l->replies = l->replies_tail = NULL;
+    pthread_mutex_unlock(&l->mu);
+    while (r) {
+        pending_reply *next = r->next;
+        peer *c = find_conn(l, r->conn);
+        if (c)
+            out_reply(c, r->blob, r->n, 1);
+        else
+            mdt_free(r->blob); /* the client left */
+        mdt_free(r);
+        r = next;
+    }
+}
+
+static void *run(void *arg) {
+    mdt_serve_listener *l = arg;
+    struct pollfd pf[3 + MDT_SERVE_MAX_CLIENTS];
+    for (;;) {
+        pthread_mutex_lock(&l->mu);
+        const int quit = l->quit;
+        pthread_mutex_unlock(&l->mu);
+        if (quit)
+            return NULL;
+        take_replies(l);
+        for (int i = l->nconns - 1; i >= 0; i--)
+            if (out_flush(l->conns[i]) != 0)
+                close_conn(l, i);
+        int empty = 1;
+        for (int i = 0; i < l->nconns; i++)
+            empty &= l->conns[i]->out == NULL;
+        pthread_mutex_lock(&l->mu);
+        l->out_empty = empty && !l->replies;
+        pthread_cond_broadcast(&l->cv);
+        pthread_mutex_unlock(&l->mu);
+        int n = 0;
+        pf[n++] = (struct pollfd){l->listen_fd, POLLIN, 0};
+        pf[n++] = (struct pollfd){l->wake[0], POLLIN, 0};
+        const int owner = l->owner_fd >= 0 && !l->owner_gone;
+        if (owner)
+            pf[n++] = (struct pollfd){l->owner_fd, POLLIN, 0};
+        const int first = n;
+        for (int i = 0; i < l->nconns; i++)
+            pf[n++] = (struct pollfd){l->conns[i]->fd,
+                                      (short)(POLLIN | (l->conns[i]->out ? POLLOUT : 0)), 0};
+        if (poll(pf, (nfds_t)n, -1) < 0)
+            continue;
+        if (pf[1].revents) {
+            char drain[64];
+            while (read(l->wake[0], drain, sizeof drain) > 0)
+                ;
+        }
+        if (owner && pf[2].revents) {
+            const ssize_t r = read(l->owner_fd, l->scratch, READ_CHUNK);
+            if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+                l->owner_gone = 1; /* end of input: the process that started the server is gone */
+                mdt_serve_stop();
+            }
+        }
+        /* connections by their poll slot; closing one moves the last into its place, so walk
+         * from the end */
+        const int nc = l->nconns;
+        for (int i = nc - 1; i >= 0; i--) {
+            const short ev = pf[first + i].revents;
+            peer *c = l->conns[i];
+            if (!ev)
+                continue;
+            int bad = (ev & (POLLERR | POLLNVAL)) != 0;
+            if (!bad && (ev & (POLLIN | POLLHUP))) {
+                const ssize_t r = recv(c->fd, l->scratch, READ_CHUNK, MSG_DONTWAIT);
+                if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR))
+                    bad = 1;
+                else if (r > 0)
+                    bad = feed(l, c, l->scratch, (size_t)r) != 0;
+            }
+            if (!bad && (ev & POLLOUT))
+                bad = out_flush(c) != 0;
+            if (bad)
+                close_conn(l, i);
+        }
+        if (pf[0].revents & POLLIN)
+            accept_conns(l);
+    }
+}
+
+static void wake(mdt_serve_listener *l) {
+    const char b = 1;
+    while (write(l->wake[1], &b, 1) < 0 && errno == EINTR)
+        ;
+}
+
+/* ---- the loop's side ---- */
+
+mdt_status mdt_serve_listen(const mdt_serve_params *p, mdt_serve_listener **out) {
+    *out = NULL;
+    char def[128];
+    const char *ep = p->endpoint;
+    if (!ep) {
+        snprintf(def, sizeof def, "ipc:///tmp/meshdit-%u-%ld.sock", (unsigned)getuid(),
+                 (long)getpid());
+        ep = def;
+    }
+    mdt_serve_listener *l = mdt_calloc(sizeof *l);
+    if (!l)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    l->listen_fd = l->wake[0] = l->wake[1] = l->owner_fd = -1;
+    l->max_request = p->max_request_bytes > 0 ? p->max_request_bytes : (int64_t)2 << 30;
+    l->max_queue = p->max_queue_bytes > 0 ? p->max_queue_bytes : 2 * l->max_request;
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&l->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    mdt_status st = mdt_serve_endpoint_bind(ep, p->listen_any, &l->listen_fd, l->endpoint,
+                                            sizeof l->endpoint, l->ipc_path, sizeof l->ipc_path);
+    if (st == MDT_OK && pipe2(l->wake, O_NONBLOCK | O_CLOEXEC) != 0)
+        st = MDT_FAIL(MDT_E_IO, "serve: pipe(): %s", strerror(errno));
+    if (st == MDT_OK && p->owner_stdin) {
+        struct stat sb;
+        if (fstat(0, &sb) != 0)
+            st = MDT_FAIL(MDT_E_INVALID, "--owner-stdin: standard input is not open");
+        else
+            l->owner_fd = 0;
+        fcntl(0, F_SETFL, fcntl(0, F_GETFL) | O_NONBLOCK);
+    }
+    if (st == MDT_OK && !(l->scratch = mdt_alloc(READ_CHUNK)))
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    if (st == MDT_OK) {
+        sigset_t all, old; /* the thread takes no signal: the loop's handlers see them all */
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        if (pthread_create(&l->thread, NULL, run, l) != 0)
+            st = MDT_FAIL(MDT_E_IO, "serve: cannot start the connection thread");
+        else
+            l->started = 1;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
+    if (st != MDT_OK) {
+        mdt_serve_listener_free(l);
+        return st;
+    }
+    *out = l;
+    return MDT_OK;
+}
+
+const char *mdt_serve_listener_endpoint(const mdt_serve_listener *l) { return l->endpoint; }
+
+int mdt_serve_listener_owner_gone(const mdt_serve_listener *l) { return l && l->owner_gone; }
+
+int mdt_serve_listener_next(mdt_serve_listener *l, int timeout_ms, mdt_serve_incoming *in) {
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L)
+        until.tv_sec++, until.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&l->mu);
+    while (!l->q && pthread_cond_timedwait(&l->cv, &l->mu, &until) == 0)
+        ;
+    req_item *r = l->q;
+    if (r) {
+        l->q = r->next;
+        if (!l->q)
+            l->q_tail = NULL;
+    }
+    pthread_mutex_unlock(&l->mu);
+    if (!r)
+        return 0;
+    *in = r->in;
+    mdt_free(r);
+    return 1;
+}
+
+void mdt_serve_listener_reply(mdt_serve_listener *l, uint64_t conn, unsigned char *blob, size_t n) {
+    pending_reply *r = mdt_calloc(sizeof *r);
+    if (!r) {
+        mdt_free(blob);
+        return;
+    }
+    *r = (pending_reply){NULL, conn, blob, n};
+    pthread_mutex_lock(&l->mu);
+    if (l->replies_tail)
+        l->replies_tail->next = r;
+    else
+        l->replies = r;
+    l->replies_tail = r;
+    l->out_empty = 0;
+    pthread_mutex_unlock(&l->mu);
+    wake(l);
+}
+
+void mdt_serve_listener_done(mdt_serve_listener *l, mdt_serve_incoming *in) {
+    mdt_free(in->blob);
+    in->blob = NULL;
+    if (in->reserved)
+        release(l, in->reserved);
+    in->reserved = 0;
+}
+
+/* Waits up to `seconds` for every reply handed over to be written. */
+static void wait_written(mdt_serve_listener *l, double seconds) {
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += (time_t)seconds;
+    until.tv_nsec += (long)((seconds - (double)(time_t)seconds) * 1e9);
+    if (until.tv_nsec >= 1000000000L)
+        until.tv_sec++, until.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&l->mu);
+    while (!l->out_empty && pthread_cond_timedwait(&l->cv, &l->mu, &until) == 0)
+        ;
+    pthread_mutex_unlock(&l->mu);
+}
+
+void mdt_serve_listener_fail_all(mdt_serve_listener *l, const char *msg, double seconds) {
+    if (!l)
+        return;
+    mdt_serve_incoming in;
+    while (mdt_serve_listener_next(l, 0, &in)) {
+        unsigned char *b = NULL;
+        size_t n = 0;
+        if (mdt_serve_reply_error(NULL, NULL, msg, &b, &n) == MDT_OK)
+            mdt_serve_listener_reply(l, in.conn, b, n);
+        mdt_serve_listener_done(l, &in);
+    }
+    wait_written(l, seconds);
+}
+
+void mdt_serve_listener_free(mdt_serve_listener *l) {
+    if (!l)
+        return;
+    if (l->started) {
+        wait_written(l, 1.0); /* the last replies (a close's) reach their clients */
+        pthread_mutex_lock(&l->mu);
+        l->quit = 1;
+        pthread_mutex_unlock(&l->mu);
+        wake(l);
+        pthread_join(l->thread, NULL);
+    }
+    while (l->nconns)
+        close_conn(l, l->nconns - 1);
+    mdt_serve_incoming in;
+    while (mdt_serve_listener_next(l, 0, &in))
+        mdt_serve_listener_done(l, &in);
+    for (pending_reply *r = l->replies, *next; r; r = next) {
+        next = r->next;
+        mdt_free(r->blob);
+        mdt_free(r);
+    }
+    if (l->listen_fd >= 0)
+        close(l->listen_fd);
+    for (int i = 0; i < 2; i++)
+        if (l->wake[i] >= 0)
+            close(l->wake[i]);
+    struct stat sb;
+    if (l->ipc_path[0] && lstat(l->ipc_path, &sb) == 0 && S_ISSOCK(sb.st_mode))
+        unlink(l->ipc_path);
+    pthread_mutex_destroy(&l->mu);
+    pthread_cond_destroy(&l->cv);
+    mdt_free(l->scratch);
+    mdt_free(l);
+}
