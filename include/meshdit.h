@@ -134,6 +134,12 @@ mdt_status mdt_world_agree(mdt_status local);
 /* 1 when a failure could not be agreed on (this rank failed inside a step while its peers wait in
  * a collective): the caller must end the whole job (MPI_Abort), after printing the message. */
 int mdt_mesh_peers_stuck(const mdt_mesh *m);
+/* Watches every later collective wait and agreement of `m` as the step watchdog does (0: wait as
+ * long as it takes): a rank that does not arrive within `seconds` ends the wait with one line
+ * naming it ("step watchdog: rank K did not reach the failure agreement within S s ...; OPTION
+ * sets the bound") and mdt_mesh_peers_stuck set. `option` names the bound in that line
+ * ("--load-timeout"; NULL: "--step-timeout"). NULL mesh: a no-op. */
+void mdt_mesh_watch(mdt_mesh *m, double seconds, const char *option);
 /* Coordinates of world rank `rank` in the mesh of `l`, without creating it. Not collective.
  * MDT_E_INVALID naming the bad axis for a malformed order. */
 mdt_status mdt_mesh_coords_of(const mdt_layout *l, int rank, mdt_coords *out);

@@ -27,7 +27,7 @@ typedef struct serve_args {
     const char *ck, *listen;
     int listen_any;
     cli_layout l;
-    long long max_sessions, step_timeout;
+    long long max_sessions, step_timeout, load_timeout;
     int64_t max_session_bytes, max_request_bytes, max_queue_bytes;
     const char *lora[16]; /* --lora FILE[:SCALE], repeatable */
     int nlora;
@@ -64,6 +64,7 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
         (rc = opt_size(&o, "max-request-bytes", def.max_request_bytes, &a->max_request_bytes)) ||
         (rc = opt_size(&o, "max-queue-bytes", 2 * a->max_request_bytes, &a->max_queue_bytes)) ||
         (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
+        (rc = cli_opt_int(&o, "load-timeout", 600, 0, 86400 * 7, &a->load_timeout)) ||
         (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!a->ck)
@@ -92,6 +93,9 @@ int cmd_serve(int argc, char **argv) {
     p.max_memory = a.l.max_bytes; /* every forward checked against --max-memory */
     /* the endpoint is rank 0's, bound now: a refused one costs no load */
     st = mdt_mesh_agree(mesh, cli_rank == 0 ? mdt_serve_listen(&p, &listener) : MDT_OK);
+    /* the load is watched: a rank that stops or hangs in it ends the job with one line naming
+     * it within --load-timeout (a server nobody watches must not hang forever half-loaded) */
+    mdt_mesh_watch(mesh, (double)a.load_timeout, "--load-timeout");
     if (st == MDT_OK)
         st = mdt_device_select(mesh, a.l.device, a.l.dtype, a.l.comm);
     if (st == MDT_OK) /* no inputs yet: the memory check counts the weights */
@@ -102,6 +106,7 @@ int cmd_serve(int argc, char **argv) {
     double lora_s = 0;
     if (st == MDT_OK && a.nlora) /* fused before the first request */
         st = cli_load_loras(m, a.lora, a.nlora, &lora_s);
+    mdt_mesh_watch(mesh, 0, NULL); /* the server arms its own bound */
     if (st == MDT_OK) {
         struct sigaction sa;
         memset(&sa, 0, sizeof sa);

@@ -52,7 +52,8 @@ void cli_usage(FILE *fp) {
         "          [--tp T --ring R --ulysses U] [--mesh-order O] [--device cpu|cuda]\n"
         "          [--dtype f32|bf16] [--comm auto|mpi|nccl] [--max-memory SIZE]\n"
         "          [--max-sessions N] [--max-session-bytes SIZE] [--max-request-bytes SIZE]\n"
-        "          [--max-queue-bytes SIZE] [--step-timeout S] [--lora FILE[:SCALE]]...\n"
+        "          [--max-queue-bytes SIZE] [--step-timeout S] [--load-timeout S]\n"
+        "          [--lora FILE[:SCALE]]...\n"
         "          (docs/serve.md)\n");
 }
 

@@ -4,9 +4,10 @@
  *   MESHDIT_TEST_SHARD_INDEX=world    a rank's TP shard index is its world rank (upstream bug)
  *   MESHDIT_TEST_SKIP_CP_SPLIT=1      every rank computes the whole sequence (upstream bug)
  *   MESHDIT_TEST_CFG_SAME_BRANCH=1    cfg group 1 computes the conditional branch too
- *   MESHDIT_TEST_FAIL=PHASE:RANK[:kill]  world rank RANK fails at PHASE ("load": mid-load,
- *                                     "step": inside a forward, "stage": between two
- *                                     blocks), or dies by SIGKILL, raised here
+ *   MESHDIT_TEST_FAIL=PHASE:RANK[:kill|:stop]  world rank RANK fails at PHASE ("load":
+ *                                     mid-load, "step": inside a forward, "stage": between two
+ *                                     blocks), or dies by SIGKILL, or stops itself (SIGSTOP: a
+ *                                     rank that hangs), raised here
  */
 #define _POSIX_C_SOURCE 200809L
 #include "cli/cli.h"
@@ -18,13 +19,15 @@
 
 static char g_fail[256]; /* MESHDIT_TEST_FAIL as given */
 static char g_fail_phase[16];
-static int g_fail_rank = -1, g_fail_kill;
+static int g_fail_rank = -1, g_fail_kill, g_fail_stop;
 
 static mdt_status at_point(const char *phase, int world_rank) {
     if (strcmp(g_fail_phase, phase) != 0 || world_rank != g_fail_rank)
         return MDT_OK;
     if (g_fail_kill)
         raise(SIGKILL); /* a rank that dies */
+    if (g_fail_stop)
+        raise(SIGSTOP); /* a rank that hangs: only SIGKILL (the launcher's) ends it */
     return mdt_error_set(MDT_E_IO, "injected failure during %s (MESHDIT_TEST_FAIL=%s)", phase,
                          g_fail);
 }
@@ -43,6 +46,7 @@ void cli_test_env_install(void) {
         sscanf(fail, "%15[a-z]:%d%n", g_fail_phase, &g_fail_rank, &n) == 2) {
         snprintf(g_fail, sizeof g_fail, "%s", fail);
         g_fail_kill = strcmp(fail + n, ":kill") == 0;
+        g_fail_stop = strcmp(fail + n, ":stop") == 0;
         h.at_point = at_point;
     }
     if (h.shard_index_world || h.skip_cp_split || h.cfg_same_branch || h.at_point)

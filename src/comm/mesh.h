@@ -72,6 +72,7 @@ struct mdt_mesh {
      * `deadline_s` (0: wait as long as it takes) is a stall; `watch` carries the side-channel
      * questions that find which ranks did not arrive. */
     double deadline_s;
+    const char *deadline_opt; /* the option that sets it, named in the stall's line */
     MPI_Comm watch;
     /* the failure agreement's own communicator: a rank that failed between two collectives
      * agrees here, where no peer's compute collective can ever match its message */

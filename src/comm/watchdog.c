@@ -33,9 +33,13 @@ enum {
     WAIT_NAP_MAX_NS = 50000
 };
 
-void mdt_mesh_set_deadline(mdt_mesh *m, double seconds) {
-    if (m)
-        m->deadline_s = seconds > 0 ? seconds : 0;
+void mdt_mesh_set_deadline(mdt_mesh *m, double seconds) { mdt_mesh_watch(m, seconds, NULL); }
+
+void mdt_mesh_watch(mdt_mesh *m, double seconds, const char *option) {
+    if (!m)
+        return;
+    m->deadline_s = seconds > 0 ? seconds : 0;
+    m->deadline_opt = option ? option : "--step-timeout";
 }
 
 static void nap(long ns) {
@@ -187,8 +191,9 @@ mdt_status mdt_mesh_stalled(mdt_mesh *m, const char *what, double waited) {
                         what, waited);
     return MDT_FAIL(MDT_E_MPI,
                     "step watchdog: rank%s %s did not reach the %s within %.0f s (stopped, hung, "
-                    "dead or still computing); --step-timeout sets the bound",
-                    missing > 1 ? "s" : "", list, what, waited);
+                    "dead or still computing); %s sets the bound",
+                    missing > 1 ? "s" : "", list, what, waited,
+                    m->deadline_opt ? m->deadline_opt : "--step-timeout");
 }
 
 mdt_status mdt_mesh_wait(mdt_mesh *m, MPI_Comm comm, int n, MPI_Request *rq, const char *what) {

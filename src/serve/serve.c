@@ -38,6 +38,9 @@ static volatile sig_atomic_t g_stop;
 void mdt_serve_stop(void) { g_stop = 1; }
 
 enum { k_tag_stop = 7717, k_poll_ms = 100 };
+/* The header rank 0 broadcasts for each turn of the loop: the operation, the blob's size, rank
+ * 0's clock (ms), and two words a turn may carry (a new session's token). */
+enum { H_OP, H_BYTES, H_NOW_MS, H_WORD0, H_WORD1, MDT_SERVE_HDR };
 #define CHUNK_BYTES ((int64_t)1 << 28) /* a blob is broadcast in pieces of this many bytes */
 
 mdt_serve_params mdt_serve_params_default(void) {
@@ -68,7 +71,8 @@ typedef struct serve_ctx {
     int note_sent; /* ranks > 0: a stop note is in flight */
     int note_val;  /* its payload */
     MPI_Request note_rq;
-    int *notes_recv; /* rank 0: notes received per rank */
+    int *notes_recv;    /* rank 0: notes received per rank */
+    double last_header; /* rank 0: when it last broadcast a header (heartbeats follow it) */
 } serve_ctx;
 
 /* Ranks > 0, waiting for a header: tell rank 0 once that a stop was asked here. */
@@ -101,35 +105,65 @@ static mdt_status take_notes(serve_ctx *c) {
     return MDT_OK;
 }
 
-/* The header {op, blob bytes} from rank 0. Non-blocking on every rank (a non-blocking collective
- * matches only non-blocking ones); the other ranks poll it so that a stop signal reaches them. */
-static mdt_status bcast_header(serve_ctx *c, int64_t hdr[2]) {
-    if (c->world == 1)
+/* The bound every wait of the loop is watched with: the forward's (mdt_model_forward), i.e.
+ * --step-timeout, else 10 x the longest forward so far, at least 60 s. */
+static double loop_bound(const serve_ctx *c) {
+    const mdt_model *m = c->m;
+    if (m->step_timeout > 0)
+        return m->step_timeout;
+    return 10.0 * m->longest_s > 60.0 ? 10.0 * m->longest_s : 60.0;
+}
+
+/* Rank 0 broadcasts a header at least this often while idle: the ranks waiting for it then
+ * know within heartbeat + bound that rank 0 is gone, and the heartbeat's barrier shows rank 0
+ * within the bound that each of them is there. */
+static double heartbeat_s(const serve_ctx *c) {
+    const double b = loop_bound(c) / 4;
+    return b < 1.0 ? b : 1.0;
+}
+
+/* The header from rank 0. Non-blocking on every rank (a non-blocking collective matches only
+ * non-blocking ones) and watched: rank 0 waits at most the bound; the other ranks poll it so that
+ * a stop signal reaches them, answer the watchdog's questions meanwhile, and take a header that
+ * does not come within heartbeat + bound for rank 0 having stopped (mdt_mesh_stalled names it). */
+static mdt_status bcast_header(serve_ctx *c, int64_t hdr[MDT_SERVE_HDR]) {
+    if (c->world == 1 || !c->mesh)
         return MDT_OK;
     MPI_Request rq;
-    if (MPI_Ibcast(hdr, 2, MPI_INT64_T, 0, c->comm, &rq) != MPI_SUCCESS)
+    if (MPI_Ibcast(hdr, MDT_SERVE_HDR, MPI_INT64_T, 0, c->comm, &rq) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "serve: broadcasting a request header failed");
     if (c->rank == 0)
-        return MPI_Wait(&rq, MPI_STATUS_IGNORE) == MPI_SUCCESS
-                   ? MDT_OK
-                   : MDT_FAIL(MDT_E_MPI, "serve: broadcasting a request header failed");
+        return mdt_mesh_wait(c->mesh, c->comm, 1, &rq, "request header");
+    const double t0 = now_s(), limit = heartbeat_s(c) + loop_bound(c);
+    mdt_status st = MDT_OK;
+    c->mesh->waiting = 1;
     for (;;) {
         int done = 0;
-        if (MPI_Test(&rq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS)
-            return MDT_FAIL(MDT_E_MPI, "serve: waiting for a request header failed");
-        if (done)
-            return MDT_OK;
-        MDT_TRY(note_stop(c));
+        if (MPI_Test(&rq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+            st = MDT_FAIL(MDT_E_MPI, "serve: waiting for a request header failed");
+            break;
+        }
+        if (done || (st = note_stop(c)) != MDT_OK)
+            break;
+        mdt_mesh_watch_serve(c->mesh);
+        if (now_s() - t0 > limit) { /* the request is abandoned: the job is being ended */
+            st = mdt_mesh_stalled(c->mesh, "request header", now_s() - t0);
+            break;
+        }
         const struct timespec ts = {0, 2000000}; /* 2 ms: an idle rank uses no CPU to speak of */
         nanosleep(&ts, NULL);
     }
+    c->mesh->waiting = 0;
+    return st;
 }
 
 static mdt_status bcast_blob(serve_ctx *c, unsigned char *blob, int64_t n) {
     for (int64_t off = 0; c->world > 1 && off < n; off += CHUNK_BYTES) {
         const int len = (int)(n - off < CHUNK_BYTES ? n - off : CHUNK_BYTES);
-        if (MPI_Bcast(blob + off, len, MPI_BYTE, 0, c->comm) != MPI_SUCCESS)
+        MPI_Request rq;
+        if (MPI_Ibcast(blob + off, len, MPI_BYTE, 0, c->comm, &rq) != MPI_SUCCESS)
             return MDT_FAIL(MDT_E_MPI, "serve: broadcasting a request failed");
+        MDT_TRY(mdt_mesh_wait(c->mesh, c->comm, 1, &rq, "request broadcast"));
     }
     return MDT_OK;
 }
@@ -142,15 +176,18 @@ static mdt_status drain_notes(serve_ctx *c) {
     int *all = c->rank == 0 ? mdt_calloc(sizeof(int) * (size_t)c->world) : NULL;
     if (c->rank == 0 && !all)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    MPI_Request rq;
     mdt_status st = MDT_OK;
-    if (MPI_Gather(&sent, 1, MPI_INT, all, 1, MPI_INT, 0, c->comm) != MPI_SUCCESS)
+    if (MPI_Igather(&sent, 1, MPI_INT, all, 1, MPI_INT, 0, c->comm, &rq) != MPI_SUCCESS)
         st = MDT_FAIL(MDT_E_MPI, "serve: the closing gather failed");
+    else
+        st = mdt_mesh_wait(c->mesh, c->comm, 1, &rq, "closing gather");
     for (int r = 0; st == MDT_OK && c->rank == 0 && r < c->world; r++)
         for (; c->notes_recv[r] < all[r]; c->notes_recv[r]++) {
             int v;
             MPI_Recv(&v, 1, MPI_INT, r, k_tag_stop, c->comm, MPI_STATUS_IGNORE);
         }
-    if (c->note_sent)
+    if (c->note_sent && st == MDT_OK)
         MPI_Wait(&c->note_rq, MPI_STATUS_IGNORE);
     mdt_free(all);
     return st;
@@ -163,9 +200,12 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     int64_t wb = mdt_model_weight_bytes(c->m);
     int64_t *all = c->rank == 0 ? mdt_calloc(sizeof(int64_t) * (size_t)c->world) : NULL;
     mdt_status st = (c->rank == 0 && !all) ? MDT_FAIL(MDT_E_NOMEM, "out of memory") : MDT_OK;
+    MPI_Request rq;
     if (c->world > 1 &&
-        MPI_Gather(&wb, 1, MPI_INT64_T, all, 1, MPI_INT64_T, 0, c->comm) != MPI_SUCCESS)
+        MPI_Igather(&wb, 1, MPI_INT64_T, all, 1, MPI_INT64_T, 0, c->comm, &rq) != MPI_SUCCESS)
         st = MDT_FAIL(MDT_E_MPI, "serve: gathering the weight bytes failed");
+    else if (c->world > 1)
+        st = mdt_mesh_wait(c->mesh, c->comm, 1, &rq, "weight-bytes gather");
     else if (all)
         all[0] = wb;
     if (c->rank != 0 || st != MDT_OK) {
@@ -301,7 +341,8 @@ static mdt_status run_request(serve_ctx *c, mdt_serve_request *r, unsigned char 
         return c->rank == 0 ? mdt_serve_reply_ok(meta, NULL, reply, rn) : MDT_OK;
     case MDT_SERVE_OP_CLOSE:
         return c->rank == 0 ? mdt_serve_reply_ok(meta, NULL, reply, rn) : MDT_OK;
-    case MDT_SERVE_OP_STOP: break;
+    case MDT_SERVE_OP_STOP:
+    case MDT_SERVE_OP_HEARTBEAT: break;
     }
     return MDT_OK;
 }
@@ -317,17 +358,25 @@ static void reply_error(serve_ctx *c, uint64_t conn, const char *op, const char 
         mdt_serve_listener_reply(c->l, conn, b, n);
 }
 
-/* Rank 0: waits for the next valid request (answering invalid ones itself) or a stop. On return
- * *r holds the request and *in the message it came in, or hdr[0] is MDT_SERVE_OP_STOP. */
+/* Rank 0: waits for the next valid request (answering invalid ones itself), a stop, or the time
+ * for a heartbeat. On return *r holds the request and *in the message it came in, or hdr[H_OP]
+ * is MDT_SERVE_OP_STOP or MDT_SERVE_OP_HEARTBEAT. */
 static mdt_status next_request(serve_ctx *c, mdt_serve_request *r, mdt_serve_incoming *in,
-                               int64_t hdr[2]) {
+                               int64_t hdr[MDT_SERVE_HDR]) {
+    const double due = c->last_header + heartbeat_s(c);
     for (;;) {
         MDT_TRY(take_notes(c));
         if (g_stop || c->stop) {
-            hdr[0] = MDT_SERVE_OP_STOP, hdr[1] = 0;
+            hdr[H_OP] = MDT_SERVE_OP_STOP;
             return MDT_OK;
         }
-        if (!mdt_serve_listener_next(c->l, k_poll_ms, in))
+        const double left = due - now_s();
+        if (left <= 0 && c->world > 1) {
+            hdr[H_OP] = MDT_SERVE_OP_HEARTBEAT;
+            return MDT_OK;
+        }
+        const int wait_ms = left * 1000 < k_poll_ms && left > 0 ? (int)(left * 1000) : k_poll_ms;
+        if (!mdt_serve_listener_next(c->l, wait_ms, in))
             continue;
         if (mdt_serve_request_parse(in->blob, in->size, r) != MDT_OK) {
             reply_error(c, in->conn, r->op_name, r->id, mdt_last_error());
@@ -335,68 +384,87 @@ static mdt_status next_request(serve_ctx *c, mdt_serve_request *r, mdt_serve_inc
             mdt_serve_listener_done(c->l, in);
             continue;
         }
-        hdr[0] = r->op, hdr[1] = r->bytes;
+        hdr[H_OP] = r->op, hdr[H_BYTES] = r->bytes;
         return MDT_OK;
     }
 }
 
 /* ---- the loop ---- */
 
-/* One turn on every rank: the next request (or stop) from rank 0, run, replied. *done set on
- * close or stop. */
+/* One turn on every rank: the next request (or stop, or heartbeat) from rank 0, run, replied.
+ * Every wait of it is watched (the loop's bound): a rank that stopped or died ends the turn with
+ * the watchdog's line and mdt_mesh_peers_stuck set, which makes it *fatal (the job is ended;
+ * rank 0 replies the line to the waiting client first). *done set on close or stop. */
 static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
     mdt_serve_request r;
     memset(&r, 0, sizeof r);
     mdt_serve_incoming in;
     memset(&in, 0, sizeof in);
     int have_msg = 0;
-    int64_t hdr[2] = {0, 0};
+    int64_t hdr[MDT_SERVE_HDR] = {0};
     unsigned char *blob = NULL, *reply = NULL;
     size_t rn = 0;
     mdt_status st = MDT_OK;
+    mdt_mesh_set_deadline(c->mesh, loop_bound(c)); /* (a forward disarms it when it ends) */
     if (c->rank == 0) {
         st = next_request(c, &r, &in, hdr);
-        have_msg = st == MDT_OK && hdr[0] != MDT_SERVE_OP_STOP;
+        have_msg =
+            st == MDT_OK && hdr[H_OP] != MDT_SERVE_OP_STOP && hdr[H_OP] != MDT_SERVE_OP_HEARTBEAT;
         if (st != MDT_OK) /* the loop failed: every rank stops, rank 0 says why */
-            hdr[0] = MDT_SERVE_OP_STOP, hdr[1] = 0;
+            hdr[H_OP] = MDT_SERVE_OP_STOP;
+        hdr[H_NOW_MS] = (int64_t)(now_s() * 1000);
+        c->last_header = now_s();
     }
     const mdt_status local = st;
     if ((st = bcast_header(c, hdr)) != MDT_OK) {
         *fatal = st;
-        goto out;
+        goto reply;
     }
-    if (hdr[0] == MDT_SERVE_OP_STOP) {
+    if (hdr[H_OP] == MDT_SERVE_OP_STOP) {
         *done = 1;
         st = local;
+        goto out;
+    }
+    if (hdr[H_OP] == MDT_SERVE_OP_HEARTBEAT) { /* every rank shows it is there */
+        if ((st = mdt_mesh_barrier(c->mesh, "idle heartbeat")) != MDT_OK)
+            *fatal = st;
         goto out;
     }
     /* the blob: every rank makes room (agreed), then it is broadcast and parsed */
     if (c->rank == 0)
         blob = in.blob;
-    else if (!(blob = mdt_alloc((size_t)(hdr[1] ? hdr[1] : 1))))
+    else if (!(blob = mdt_alloc((size_t)(hdr[H_BYTES] ? hdr[H_BYTES] : 1))))
         st = MDT_FAIL(MDT_E_NOMEM, "rank %d: no memory for a request of %lld bytes", c->rank,
-                      (long long)hdr[1]);
+                      (long long)hdr[H_BYTES]);
     st = mdt_mesh_agree(c->mesh, st);
     if (st == MDT_OK) {
-        if ((st = bcast_blob(c, blob, hdr[1])) != MDT_OK) {
+        if ((st = bcast_blob(c, blob, hdr[H_BYTES])) != MDT_OK) {
             *fatal = st;
-            goto out;
+            goto reply;
         }
         if (c->rank != 0)
-            st = mdt_serve_request_parse(blob, (size_t)hdr[1], &r);
+            st = mdt_serve_request_parse(blob, (size_t)hdr[H_BYTES], &r);
         st = mdt_mesh_agree(c->mesh, st);
     }
-    if (st == MDT_OK)
+    if (st == MDT_OK && !mdt_mesh_peers_stuck(c->mesh)) {
         st = run_request(c, &r, &reply, &rn, fatal);
-    else if (c->rank == 0)
+        mdt_mesh_set_deadline(c->mesh, loop_bound(c)); /* the forward disarmed it */
+    } else if (c->rank == 0)
         st = mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), &reply, &rn);
+reply:
+    if (mdt_mesh_peers_stuck(c->mesh) && *fatal == MDT_OK)
+        *fatal = st != MDT_OK ? st : MDT_E_MPI; /* a rank stalled or failed: the message stands */
+    if (c->rank == 0 && have_msg && *fatal != MDT_OK && !reply) /* the client gets the reason */
+        mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), &reply, &rn);
     if (c->rank == 0 && reply) {
         mdt_serve_listener_reply(c->l, in.conn, reply, rn); /* the listener frees it */
         reply = NULL;
     }
     if (*fatal == MDT_OK)
         st = mdt_mesh_agree(c->mesh, st); /* building a reply failed: stop everywhere */
-    *done = st != MDT_OK || *fatal != MDT_OK || hdr[0] == MDT_SERVE_OP_CLOSE;
+    if (mdt_mesh_peers_stuck(c->mesh) && *fatal == MDT_OK)
+        *fatal = st != MDT_OK ? st : MDT_E_MPI;
+    *done = st != MDT_OK || *fatal != MDT_OK || hdr[H_OP] == MDT_SERVE_OP_CLOSE;
 out:
     if (have_msg)
         mdt_serve_listener_done(c->l, &in); /* rank 0's blob lives in it */
@@ -430,6 +498,7 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
     if (st == MDT_OK && c.rank == 0 && p->on_ready)
         p->on_ready(p->user, mdt_serve_listener_endpoint(c.l));
     mdt_status fatal = MDT_OK;
+    c.last_header = now_s();
     for (int done = 0; st == MDT_OK && !done;)
         st = serve_one(&c, &done, &fatal);
     if (fatal != MDT_OK) {

@@ -14,14 +14,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The operations, as numbered in the request header broadcast from rank 0 (MDT_SERVE_OP_STOP is
- * internal: rank 0 saw a stop signal and every rank leaves the loop). */
+/* The operations, as numbered in the request header broadcast from rank 0 (MDT_SERVE_OP_STOP and
+ * MDT_SERVE_OP_HEARTBEAT are internal: rank 0 saw a stop signal and every rank leaves the loop;
+ * rank 0 had no request for a while and every rank shows it is alive). */
 typedef enum mdt_serve_op {
     MDT_SERVE_OP_STOP = 0,
     MDT_SERVE_OP_INFO,
     MDT_SERVE_OP_FORWARD,
     MDT_SERVE_OP_END_SESSION,
     MDT_SERVE_OP_CLOSE,
+    MDT_SERVE_OP_HEARTBEAT,
 } mdt_serve_op;
 
 #define MDT_SERVE_NAME_MAX 128     /* bytes of a session name or a request id */

@@ -275,6 +275,41 @@ if start_server "$T/log3"; then
     fi
 fi
 
+# ---- a rank stopped while the server is idle (--step-timeout 3): rank 1 stopped, then a
+# forward: its client gets the watchdog's line as the reply and every rank exits within the
+# bound (heartbeat 0.75 s + 3 s + the watchdog's 1 s grace); rank 0 stopped: the others miss
+# its heartbeats and end the job; a rank stopped during the load (--load-timeout 3) ends the job
+# with a line naming it. Before: each of the three hung forever ----
+if start_server "$T/log8" --step-timeout 3; then
+    r1=$(rank_pid 1)
+    kill -STOP "$r1"
+    start=$(date +%s)
+    client forward "$IN" "$T/x.safetensors" >"$T/w1"; rc=$?
+    stopped_within 20; st=$STOPPED
+    took=$(( $(date +%s) - start ))
+    [ $rc = 1 ] && grep -q "^error=step watchdog: rank 1 did not reach the .* within 3 s" "$T/w1" &&
+        [ "$st" != 0 ] && [ "$took" -lt 20 ] && grep -q "^meshdit: error: step watchdog: rank 1 did not reach" "$T/log8" &&
+        ok || bad "idle rank 1 stopped: rc $rc, server $st after ${took}s, $(cat "$T/w1" "$T/log8")"
+    kill -KILL "$r1" 2>/dev/null
+fi
+if start_server "$T/log9" --step-timeout 3; then
+    r0=$(rank_pid 0)
+    kill -STOP "$r0"
+    start=$(date +%s)
+    stopped_within 20; st=$STOPPED
+    took=$(( $(date +%s) - start ))
+    [ "$st" != 0 ] && [ "$took" -lt 20 ] &&
+        grep -q "^meshdit: error: step watchdog: rank 0 did not reach the request header within" "$T/log9" &&
+        ok || bad "idle rank 0 stopped: server $st after ${took}s, $(cat "$T/log9")"
+    kill -KILL "$r0" 2>/dev/null
+fi
+start=$(date +%s)
+MESHDIT_TEST_FAIL=load:1:stop timeout -k 5 40 "$MPIEXEC" -n 2 "$BIN" serve --checkpoint "$CK" --tp 2 --listen "$EP" --load-timeout 3 >"$T/log10" 2>&1
+rc=$?; took=$(( $(date +%s) - start ))
+[ "$rc" != 0 ] && [ "$rc" != 124 ] && [ "$took" -lt 20 ] &&
+    grep -q "^meshdit: error: step watchdog: rank 1 did not reach the failure agreement within 3 s .*--load-timeout sets the bound" "$T/log10" &&
+    ! grep -q "^serving on" "$T/log10" && ok || bad "rank 1 stopped in the load: exit $rc after ${took}s, $(cat "$T/log10")"
+
 # ---- a rank that fails inside a forward (default bounds: step watchdog >= 60 s, agreement
 # 20 s): the failed rank's note reaches rank 0 in its collective at once, the waiting client
 # gets "rank 1: ..." as its reply, and the job ends with that one line and exit 1 ----
