@@ -395,6 +395,8 @@ typedef struct mdt_serve_params {
     int listen_any;   /* allow a tcp host that is not loopback (no authentication!) */
     int max_sessions; /* sessions open at once (default 4) */
     int64_t max_session_bytes; /* bytes kept over all sessions (default 1 GiB) */
+    double session_idle;       /* seconds a session may go unused before it is dropped
+                                  (default 300; 0: never) */
     int64_t max_request_bytes; /* a larger request is refused as it arrives (default 2 GiB) */
     int64_t max_queue_bytes;   /* requests rank 0 holds at once, received or being received, over
                                   all clients (0: twice max_request_bytes) */

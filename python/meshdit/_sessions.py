@@ -13,18 +13,18 @@ A session whose tensors mostly match (at least half the bytes) is updated with t
 session of its own while there is room. Several sessions are kept at once (the least recently
 used ends first), so classifier-free guidance, which alternates two sets of text embeddings,
 sends each set once.
+
+Session names here are this planner's own handles (``s1``, ``s2``, ...): the server issues each
+session an unguessable token when it opens (``"session": "new"``), and the `Client` maps a
+handle to its token, so two planners (or two processes, whatever their PIDs) never share one.
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 from typing import Mapping
 
 from ._blob import Raw
-
-_serial = itertools.count(1)
-
 
 def fingerprint(t: Raw) -> bytes:
     h = hashlib.blake2b(digest_size=16)
@@ -39,7 +39,7 @@ class Planner:
     def __init__(self, capacity: int):
         self.capacity = max(0, capacity)
         self.open: dict[str, dict[str, bytes]] = {}  # session -> {name: fingerprint}, LRU first
-        self._tag = f"py{os.getpid()}x{next(_serial)}"
+        self._serial = itertools.count(1)
 
     def plan(self, tensors: Mapping[str, Raw], per_step) -> tuple:
         """(session or None, {name: Raw} to send, names to keep, sessions to end first,
@@ -67,7 +67,7 @@ class Planner:
                 lru = next(iter(self.open))
                 ended.append(lru)
                 del self.open[lru]
-            best = f"{self._tag}-{next(_serial)}"
+            best = f"s{next(self._serial)}"
             held = {}
         else:
             held = self.open.pop(best)

@@ -3,6 +3,10 @@
 The protocol is docs/serve.md. The socket is a DEALER (the server's is a ROUTER): every request
 carries an ``id`` and a reply with another id (a late reply to a request that timed out) is
 dropped, so a timeout never leaves the connection out of step the way a REQ socket would be.
+
+Sessions are named here by the caller's own handles; the server issues each one a token when it
+opens (``"session": "new"``), which this client keeps and sends for that handle from then on.
+Error messages name the handle, not the token.
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ class Client:
             raise MeshditError(f"meshdit: cannot connect to {endpoint}: {e}") from None
         self.bytes_sent = 0  # request bytes over the connection's life
         self.bytes_received = 0
+        self._tokens: dict[str, str] = {}  # the caller's session handle -> the server's token
         # the server's --max-request-bytes (from info): ZeroMQ drops a larger message without a
         # reply, so such a request is refused here instead of waiting for nothing
         self.max_request_bytes: int | None = None
@@ -133,18 +138,49 @@ class Client:
 
     def forward(self, tensors: Mapping[str, _blob.Raw], session: str | None = None,
                 keep=(), end_session: bool = False) -> tuple[dict, dict]:
-        """One transformer forward: (reply metadata, outputs as float32 numpy arrays)."""
+        """One transformer forward: (reply metadata, outputs as float32 numpy arrays).
+
+        `session` is the caller's handle: the first forward of a handle (it must name what to
+        `keep`) opens a session on the server and keeps the token the reply carries; later ones
+        send that token. A handle this client has no token for, without `keep`, is an error
+        reply's ServerError (`session 'H' is not open`), as the server would answer it."""
         meta = {"op": "forward"}
+        wire = None
         if session is not None:
-            meta["session"] = session
+            wire = self._tokens.get(session)
+            if wire is None:
+                if not keep:
+                    raise ServerError("forward", f"session '{session}' is not open (this client "
+                                      f"holds no token for it)", {})
+                wire = "new"
+            meta["session"] = wire
             if keep:
                 meta["keep"] = _blob.names(keep)
             if end_session:
                 meta["end_session"] = "1"
-        return self.request(meta, tensors)
+        try:
+            reply, out = self.request(meta, tensors)
+        except ServerError as e:
+            if session is None:
+                raise
+            if "is not open" in e.error:
+                self._tokens.pop(session, None)  # ended or dropped on the server
+            named = f"session '{wire}'" if wire != "new" else "a new session"
+            err = e.error.replace(named, f"session '{session}'")
+            raise ServerError("forward", err, e.metadata) from None
+        if session is not None:
+            if end_session or not reply.get("session"):
+                self._tokens.pop(session, None)
+            else:
+                self._tokens[session] = reply["session"]
+        return reply, out
 
     def end_session(self, session: str, timeout: float | None = -1.0) -> None:
-        self.request({"op": "end_session", "session": session}, timeout=timeout)
+        """Ends the session of handle `session` (a no-op for one this client holds no token
+        for)."""
+        token = self._tokens.pop(session, None)
+        if token is not None:
+            self.request({"op": "end_session", "session": token}, timeout=timeout)
 
     def close_server(self, timeout: float = 30.0) -> None:
         """Asks the server to exit (every rank, exit 0); the reply comes first."""

@@ -75,8 +75,8 @@ class Server:
     """A `meshdit serve` job owned by this process. Use `client` to talk to it; `close()` ends it.
 
     Options follow `meshdit serve` (docs/serve.md): tp, ring, ulysses, mesh_order, device, dtype,
-    comm, max_memory, max_sessions, max_session_bytes, max_request_bytes, step_timeout; `extra`
-    is appended as is. `launcher` is the command line that starts `world` ranks (default
+    comm, max_memory, max_sessions, max_session_bytes, session_idle, max_request_bytes,
+    max_queue_bytes, step_timeout, load_timeout; `extra` is appended as is. `launcher` is the command line that starts `world` ranks (default
     ``mpiexec -n tp*ring*ulysses``); `endpoint` defaults to a socket in a private temp dir.
     """
 
@@ -84,7 +84,9 @@ class Server:
                  mesh_order: str | None = None, device: str | None = None,
                  dtype: str | None = None, comm: str | None = None, max_memory=None,
                  max_sessions: int | None = None, max_session_bytes=None,
-                 max_request_bytes=None, step_timeout: float | None = None,
+                 session_idle: float | None = None, max_request_bytes=None,
+                 max_queue_bytes=None, step_timeout: float | None = None,
+                 load_timeout: float | None = None,
                  launcher: Sequence[str] | None = None, binary: str | None = None,
                  endpoint: str | None = None, extra: Sequence[str] = (), env=None,
                  startup_timeout: float = 600.0, timeout: float | None = None):
@@ -108,8 +110,9 @@ class Server:
                 "--listen", self.endpoint]
         opt = {"--mesh-order": mesh_order, "--device": device, "--dtype": dtype, "--comm": comm,
                "--max-memory": max_memory, "--max-sessions": max_sessions,
-               "--max-session-bytes": max_session_bytes,
-               "--max-request-bytes": max_request_bytes, "--step-timeout": step_timeout}
+               "--max-session-bytes": max_session_bytes, "--session-idle": session_idle,
+               "--max-request-bytes": max_request_bytes, "--max-queue-bytes": max_queue_bytes,
+               "--step-timeout": step_timeout, "--load-timeout": load_timeout}
         for k, v in opt.items():
             if v is not None:
                 args += [k, _size_arg(v) if k.startswith("--max") else str(v)]

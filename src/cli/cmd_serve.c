@@ -27,7 +27,7 @@ typedef struct serve_args {
     const char *ck, *listen;
     int listen_any;
     cli_layout l;
-    long long max_sessions, step_timeout, load_timeout;
+    long long max_sessions, step_timeout, load_timeout, session_idle;
     int64_t max_session_bytes, max_request_bytes, max_queue_bytes;
     const char *lora[16]; /* --lora FILE[:SCALE], repeatable */
     int nlora;
@@ -65,6 +65,8 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
         (rc = opt_size(&o, "max-queue-bytes", 2 * a->max_request_bytes, &a->max_queue_bytes)) ||
         (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
         (rc = cli_opt_int(&o, "load-timeout", 600, 0, 86400 * 7, &a->load_timeout)) ||
+        (rc = cli_opt_int(&o, "session-idle", (long long)def.session_idle, 0, 86400 * 7,
+                          &a->session_idle)) ||
         (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!a->ck)
@@ -88,6 +90,7 @@ int cmd_serve(int argc, char **argv) {
     mdt_serve_params p = mdt_serve_params_default();
     p.endpoint = a.listen, p.listen_any = a.listen_any;
     p.max_sessions = (int)a.max_sessions, p.max_session_bytes = a.max_session_bytes;
+    p.session_idle = (double)a.session_idle;
     p.max_request_bytes = a.max_request_bytes, p.max_queue_bytes = a.max_queue_bytes;
     p.step_timeout = (double)a.step_timeout;
     p.max_memory = a.l.max_bytes; /* every forward checked against --max-memory */

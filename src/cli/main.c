@@ -51,9 +51,9 @@ void cli_usage(FILE *fp) {
         "  serve   --checkpoint DIR [--listen ipc://PATH|tcp://HOST:PORT] [--listen-any]\n"
         "          [--tp T --ring R --ulysses U] [--mesh-order O] [--device cpu|cuda]\n"
         "          [--dtype f32|bf16] [--comm auto|mpi|nccl] [--max-memory SIZE]\n"
-        "          [--max-sessions N] [--max-session-bytes SIZE] [--max-request-bytes SIZE]\n"
-        "          [--max-queue-bytes SIZE] [--step-timeout S] [--load-timeout S]\n"
-        "          [--lora FILE[:SCALE]]...\n"
+        "          [--max-sessions N] [--max-session-bytes SIZE] [--session-idle S]\n"
+        "          [--max-request-bytes SIZE] [--max-queue-bytes SIZE]\n"
+        "          [--step-timeout S] [--load-timeout S] [--lora FILE[:SCALE]]...\n"
         "          (docs/serve.md)\n");
 }
 

@@ -85,6 +85,8 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
                             "control characters, backslashes or commas, got '%s'",
                             k, MDT_SERVE_NAME_MAX, mdt_escape(v, shown, sizeof shown));
         strcpy(k[0] == 'i' ? r->id : r->session, v);
+        if (k[0] == 's')
+            r->new_session = strcmp(v, "new") == 0;
         return MDT_OK;
     }
     if (strcmp(k, "keep") == 0)
@@ -115,6 +117,10 @@ static mdt_status check_request(const mdt_serve_request *r, int ntensors) {
         return MDT_FAIL(MDT_E_INVALID, "request: op 'end_session' needs a \"session\"");
     if ((r->n_keep || r->end_session) && !r->session[0])
         return MDT_FAIL(MDT_E_INVALID, "request: \"keep\" and \"end_session\" need a \"session\"");
+    if (r->new_session && (r->op != MDT_SERVE_OP_FORWARD || !r->n_keep))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "request: \"session\": \"new\" opens a session with a forward that names "
+                        "what to keep (\"keep\"); the reply's \"session\" is its token");
     return MDT_OK;
 }
 

@@ -46,6 +46,7 @@ enum { H_OP, H_BYTES, H_NOW_MS, H_WORD0, H_WORD1, MDT_SERVE_HDR };
 mdt_serve_params mdt_serve_params_default(void) {
     return (mdt_serve_params){.max_sessions = 4,
                               .max_session_bytes = (int64_t)1 << 30,
+                              .session_idle = 300.0,
                               .max_request_bytes = (int64_t)2 << 30,
                               .max_queue_bytes = 0};
 }
@@ -204,10 +205,12 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     if (c->world > 1 &&
         MPI_Igather(&wb, 1, MPI_INT64_T, all, 1, MPI_INT64_T, 0, c->comm, &rq) != MPI_SUCCESS)
         st = MDT_FAIL(MDT_E_MPI, "serve: gathering the weight bytes failed");
-    else if (c->world > 1)
-        st = mdt_mesh_wait(c->mesh, c->comm, 1, &rq, "weight-bytes gather");
-    else if (all)
+    else if (c->world > 1) {
+        const mdt_status w = mdt_mesh_wait(c->mesh, c->comm, 1, &rq, "weight-bytes gather");
+        st = st != MDT_OK ? st : w;
+    } else if (all) {
         all[0] = wb;
+    }
     if (c->rank != 0 || st != MDT_OK) {
         mdt_free(all);
         return st;
@@ -215,7 +218,7 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     char *cfg = cJSON_PrintUnformatted(c->m->config);
     const cJSON *cls = cJSON_GetObjectItemCaseSensitive(c->m->config, "_class_name");
     char *wlist = mdt_alloc((size_t)c->world * 24 + 1);
-    char tp[16], ring[16], uly[16], world[16], order[32], ms[32], msb[32], mrb[32];
+    char tp[16], ring[16], uly[16], world[16], order[32], ms[32], msb[32], mrb[32], idle[32];
     int T, R, U;
     mdt_device_info d;
     mdt_device_info_get(&d);
@@ -229,7 +232,8 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     snprintf(ms, sizeof ms, "%d", c->p->max_sessions);
     snprintf(msb, sizeof msb, "%lld", (long long)c->p->max_session_bytes);
     snprintf(mrb, sizeof mrb, "%lld", (long long)c->p->max_request_bytes);
-    if (!cfg || !wlist)
+    snprintf(idle, sizeof idle, "%g", c->p->session_idle);
+    if (!cfg || !wlist || !all)
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
     else {
         size_t off = 0;
@@ -269,6 +273,8 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
                               msb,
                               "max_request_bytes",
                               mrb,
+                              "session_idle",
+                              idle,
                               NULL};
         st = mdt_serve_reply_ok(meta, NULL, reply, rn);
     }
@@ -312,12 +318,23 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
             st = mdt_serve_reply_error("forward", r->id, mdt_last_error(), reply, rn);
         else {
             char sec[32], got[32], kept[32];
+            const int64_t held = mdt_serve_sessions_bytes_of(&c->ss, r->session);
             snprintf(sec, sizeof sec, "%.6f", secs);
             snprintf(got, sizeof got, "%lld", (long long)r->bytes);
-            snprintf(kept, sizeof kept, "%lld",
-                     (long long)mdt_serve_sessions_bytes_of(&c->ss, r->session));
-            const char *meta[] = {"op", "forward",        "id", r->id,           "step_seconds",
-                                  sec,  "bytes_received", got,  "session_bytes", kept,
+            snprintf(kept, sizeof kept, "%lld", (long long)held);
+            /* the session's token: the client names it in later forwards (absent once ended) */
+            const char *meta[] = {"op",
+                                  "forward",
+                                  "id",
+                                  r->id,
+                                  "session",
+                                  held > 0 ? r->session : "",
+                                  "step_seconds",
+                                  sec,
+                                  "bytes_received",
+                                  got,
+                                  "session_bytes",
+                                  kept,
                                   NULL};
             st = mdt_serve_reply_ok(meta, out, reply, rn);
         }
@@ -384,7 +401,15 @@ static mdt_status next_request(serve_ctx *c, mdt_serve_request *r, mdt_serve_inc
             mdt_serve_listener_done(c->l, in);
             continue;
         }
+        uint64_t token[2] = {0, 0};
+        if (r->new_session && mdt_serve_token_new(token) != MDT_OK) {
+            reply_error(c, in->conn, r->op_name, r->id, mdt_last_error());
+            mdt_serve_request_free(r);
+            mdt_serve_listener_done(c->l, in);
+            continue;
+        }
         hdr[H_OP] = r->op, hdr[H_BYTES] = r->bytes;
+        memcpy(&hdr[H_WORD0], token, sizeof token); /* every rank names the session alike */
         return MDT_OK;
     }
 }
@@ -425,7 +450,8 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
         st = local;
         goto out;
     }
-    if (hdr[H_OP] == MDT_SERVE_OP_HEARTBEAT) { /* every rank shows it is there */
+    mdt_serve_sessions_expire(&c->ss, hdr[H_NOW_MS]); /* the same clock on every rank */
+    if (hdr[H_OP] == MDT_SERVE_OP_HEARTBEAT) {        /* every rank shows it is there */
         if ((st = mdt_mesh_barrier(c->mesh, "idle heartbeat")) != MDT_OK)
             *fatal = st;
         goto out;
@@ -445,6 +471,12 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
         if (c->rank != 0)
             st = mdt_serve_request_parse(blob, (size_t)hdr[H_BYTES], &r);
         st = mdt_mesh_agree(c->mesh, st);
+    }
+    r.now_ms = hdr[H_NOW_MS];
+    if (st == MDT_OK && r.new_session) { /* the token rank 0 drew replaces "new" everywhere */
+        uint64_t token[2];
+        memcpy(token, &hdr[H_WORD0], sizeof token);
+        mdt_serve_token_text(token, r.session);
     }
     if (st == MDT_OK && !mdt_mesh_peers_stuck(c->mesh)) {
         st = run_request(c, &r, &reply, &rn, fatal);
@@ -482,7 +514,8 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
     c.comm = MPI_COMM_NULL;
     c.rank = c.mesh ? c.mesh->world_rank : 0;
     c.world = c.mesh ? c.mesh->world_size : 1;
-    mdt_status st = mdt_serve_sessions_init(&c.ss, p->max_sessions, p->max_session_bytes);
+    mdt_status st = mdt_serve_sessions_init(&c.ss, p->max_sessions, p->max_session_bytes,
+                                            (int64_t)(p->session_idle * 1000));
     if (st == MDT_OK && c.rank == 0 && c.world > 1 &&
         !(c.notes_recv = mdt_calloc(sizeof(int) * (size_t)c.world)))
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");

@@ -35,8 +35,11 @@ typedef struct mdt_serve_request {
     mdt_serve_op op;
     char op_name[16];                     /* as sent ("forward") */
     char id[MDT_SERVE_NAME_MAX + 1];      /* "id" echoed in the reply, "" when absent */
-    char session[MDT_SERVE_NAME_MAX + 1]; /* "" when absent */
+    char session[MDT_SERVE_NAME_MAX + 1]; /* "" when absent; "new", then the token the server
+                                             issued for it (serve.c) */
+    int new_session;                      /* "session": "new": this forward opens one */
     int end_session;                      /* forward: drop the session after this forward */
+    int64_t now_ms;                       /* rank 0's clock for this request (serve.c) */
     int n_keep;
     char *keep[MDT_SERVE_KEEP_MAX]; /* into keep_buf */
     char *keep_buf;
@@ -60,21 +63,34 @@ mdt_status mdt_serve_reply_error(const char *op, const char *id, const char *msg
                                  unsigned char **blob, size_t *size);
 
 /* ---- session.c: tensors kept between forwards ---- */
+
+#define MDT_SERVE_TOKEN_CHARS 32 /* a session's name: 128 random bits in hex, issued by rank 0 */
+
 typedef struct mdt_serve_session {
-    char name[MDT_SERVE_NAME_MAX + 1];
+    char name[MDT_SERVE_NAME_MAX + 1]; /* its token */
     mdt_tensor_set *set;
     int64_t bytes;
+    int64_t last_ms; /* rank 0's clock when a forward last named it */
 } mdt_serve_session;
 
 typedef struct mdt_serve_sessions {
     int max_sessions;
     int64_t max_bytes; /* over all sessions */
+    int64_t idle_ms;   /* a session unused this long is dropped (0: never) */
     int n;
     int64_t bytes;
     mdt_serve_session *s; /* max_sessions slots */
 } mdt_serve_sessions;
 
-mdt_status mdt_serve_sessions_init(mdt_serve_sessions *ss, int max_sessions, int64_t max_bytes);
+mdt_status mdt_serve_sessions_init(mdt_serve_sessions *ss, int max_sessions, int64_t max_bytes,
+                                   int64_t idle_ms);
+/* Drops every session unused for more than idle_ms at rank 0's clock `now_ms` (every rank runs
+ * it with the clock of the same header, so every rank drops the same ones). Returns how many. */
+int mdt_serve_sessions_expire(mdt_serve_sessions *ss, int64_t now_ms);
+/* A fresh session token (MDT_SERVE_TOKEN_CHARS hex characters and a NUL) from the system's
+ * random source, as two words for the header's broadcast, and its text. */
+mdt_status mdt_serve_token_new(uint64_t words[2]);
+void mdt_serve_token_text(const uint64_t words[2], char out[MDT_SERVE_TOKEN_CHARS + 1]);
 void mdt_serve_sessions_free(mdt_serve_sessions *ss);
 /* Before a forward: the session's kept tensors the request lacks are added to r->tensors, and
  * what r->keep would store is checked against the limits (MDT_E_INVALID naming the limit; an

@@ -5,16 +5,64 @@
  * fixed number of bytes over all of them, checked before anything is stored: nothing a client
  * sends makes the store grow past the limits the server was started with. Every rank holds the
  * same store (the same requests in the same order), so every rank reaches the same verdicts.
+ *
+ * A session's name is a token the server issues when a forward opens it ("session": "new"):
+ * 128 random bits, known only to the client it was sent to, so no other client can use, replace
+ * or end it (client-chosen names collided across clients). A session unused for idle_ms (rank
+ * 0's clock, carried by every header) is dropped, so clients that vanish do not fill the store.
  */
+#define _DEFAULT_SOURCE
 #include "serve/serve.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
 
-mdt_status mdt_serve_sessions_init(mdt_serve_sessions *ss, int max_sessions, int64_t max_bytes) {
+mdt_status mdt_serve_token_new(uint64_t words[2]) {
+    unsigned char b[16];
+    size_t got = 0;
+    while (got < sizeof b) {
+        const ssize_t k = getrandom(b + got, sizeof b - got, 0);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return MDT_FAIL(MDT_E_IO, "serve: no random bytes for a session token: %s",
+                            strerror(errno));
+        got += (size_t)k;
+    }
+    memcpy(words, b, sizeof b);
+    return MDT_OK;
+}
+
+void mdt_serve_token_text(const uint64_t words[2], char out[MDT_SERVE_TOKEN_CHARS + 1]) {
+    static const char hex[] = "0123456789abcdef";
+    unsigned char b[16];
+    memcpy(b, words, sizeof b);
+    for (int i = 0; i < 16; i++)
+        out[2 * i] = hex[b[i] >> 4], out[2 * i + 1] = hex[b[i] & 15];
+    out[MDT_SERVE_TOKEN_CHARS] = 0;
+}
+
+/* How the messages name the request's session: its token, or "a new session" (the client does
+ * not know the token before the reply). */
+static const char *shown_name(const mdt_serve_request *r, char *buf, size_t cap) {
+    char esc[MDT_ESC_NAME];
+    if (r->new_session)
+        snprintf(buf, cap, "a new session");
+    else
+        snprintf(buf, cap, "session '%s'", mdt_escape(r->session, esc, sizeof esc));
+    return buf;
+}
+
+mdt_status mdt_serve_sessions_init(mdt_serve_sessions *ss, int max_sessions, int64_t max_bytes,
+                                   int64_t idle_ms) {
     memset(ss, 0, sizeof *ss);
     ss->max_sessions = max_sessions > 0 ? max_sessions : 0;
     ss->max_bytes = max_bytes > 0 ? max_bytes : 0;
+    ss->idle_ms = idle_ms > 0 ? idle_ms : 0;
     if (ss->max_sessions) {
         ss->s = mdt_calloc(sizeof *ss->s * (size_t)ss->max_sessions);
         if (!ss->s)
@@ -54,6 +102,18 @@ void mdt_serve_sessions_end(mdt_serve_sessions *ss, const char *name) {
     memset(&ss->s[ss->n], 0, sizeof ss->s[ss->n]);
 }
 
+int mdt_serve_sessions_expire(mdt_serve_sessions *ss, int64_t now_ms) {
+    int n = 0;
+    for (int i = ss->n - 1; ss->idle_ms > 0 && i >= 0; i--)
+        if (now_ms - ss->s[i].last_ms > ss->idle_ms) {
+            char name[MDT_SERVE_NAME_MAX + 1];
+            snprintf(name, sizeof name, "%s", ss->s[i].name);
+            mdt_serve_sessions_end(ss, name);
+            n++;
+        }
+    return n;
+}
+
 /* Bytes of the named tensor in `set`, or 0. */
 static int64_t bytes_in(const mdt_tensor_set *set, const char *name) {
     const mdt_tensor *t = set ? mdt_tensor_set_get(set, name) : NULL;
@@ -61,34 +121,37 @@ static int64_t bytes_in(const mdt_tensor_set *set, const char *name) {
 }
 
 mdt_status mdt_serve_sessions_prepare(mdt_serve_sessions *ss, mdt_serve_request *r) {
-    char nm[MDT_ESC_NAME], sn[MDT_ESC_NAME];
+    char nm[MDT_ESC_NAME], sn[MDT_ESC_NAME + 16];
     if (!r->session[0])
         return MDT_OK;
-    mdt_escape(r->session, sn, sizeof sn);
-    const mdt_serve_session *s = find(ss, r->session);
-    if (!s && r->n_keep == 0)
+    shown_name(r, sn, sizeof sn);
+    mdt_serve_session *s = r->new_session ? NULL : find(ss, r->session);
+    if (!s && !r->new_session)
         return MDT_FAIL(MDT_E_NOTFOUND,
-                        "session '%s' is not open (ended, or never kept a tensor: send \"keep\")",
-                        sn);
+                        "%s is not open (ended, dropped after %lld s without use, or never "
+                        "opened: open one with \"session\": \"new\" and \"keep\")",
+                        sn, (long long)(ss->idle_ms / 1000));
+    if (s)
+        s->last_ms = r->now_ms;
     /* what the store would hold after this forward */
     int64_t after = ss->bytes;
     for (int i = 0; i < r->n_keep; i++) {
         const mdt_tensor *t = mdt_tensor_set_get(r->tensors, r->keep[i]);
         if (!t && !(s && mdt_tensor_set_get(s->set, r->keep[i])))
             return MDT_FAIL(MDT_E_INVALID,
-                            "session '%s': \"keep\" names '%s', which the request does not carry",
-                            sn, mdt_escape(r->keep[i], nm, sizeof nm));
+                            "%s: \"keep\" names '%s', which the request does not carry", sn,
+                            mdt_escape(r->keep[i], nm, sizeof nm));
         if (t)
             after += mdt_tensor_nbytes(t) - bytes_in(s ? s->set : NULL, r->keep[i]);
     }
     if (!s && ss->n >= ss->max_sessions)
         return MDT_FAIL(MDT_E_INVALID,
-                        "session '%s': %d sessions are open, the server's limit "
+                        "%s: %d sessions are open, the server's limit "
                         "(--max-sessions %d); end one first",
                         sn, ss->n, ss->max_sessions);
     if (after > ss->max_bytes)
         return MDT_FAIL(MDT_E_INVALID,
-                        "session '%s': keeping these tensors would hold %lld bytes over all "
+                        "%s: keeping these tensors would hold %lld bytes over all "
                         "sessions, over the server's limit (--max-session-bytes %lld)",
                         sn, (long long)after, (long long)ss->max_bytes);
     /* the kept tensors the request lacks join its inputs */
@@ -132,6 +195,7 @@ mdt_status mdt_serve_sessions_commit(mdt_serve_sessions *ss, const mdt_serve_req
         if (!s) {
             s = &ss->s[ss->n++];
             snprintf(s->name, sizeof s->name, "%s", r->session);
+            s->last_ms = r->now_ms;
         } else {
             ss->bytes -= s->bytes;
             mdt_tensor_set_free(s->set);

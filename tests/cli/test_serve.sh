@@ -103,28 +103,41 @@ if start_server "$T/log" --max-memory 3M; then
     "$BIN" compare "$T/o.safetensors" "$CK/expected.safetensors" --tol 2e-5 >/dev/null && ok ||
         bad "forward vs the diffusers golden beyond 2e-5"
 
-    # a session: the constant tensors sent once, then omitted; the same bytes, fewer received
-    client forward "$IN" "$T/s1.safetensors" --session gen1 --keep "$CONST" >"$T/f1"; rc1=$?
-    client forward "$IN" "$T/s2.safetensors" --session gen1 --omit "$CONST" >"$T/f2"; rc2=$?
+    # a session: opened with "new" (the reply names its token), the constant tensors sent once,
+    # then omitted; the same bytes, fewer received
+    client forward "$IN" "$T/s1.safetensors" --session new --keep "$CONST" >"$T/f1"; rc1=$?
+    TOK=$(field session "$T/f1")
+    client forward "$IN" "$T/s2.safetensors" --session "$TOK" --omit "$CONST" >"$T/f2"; rc2=$?
     b1=$(field bytes_received "$T/f1"); b2=$(field bytes_received "$T/f2")
-    if [ $rc1 = 0 ] && [ $rc2 = 0 ] && cmp -s "$T/s1.safetensors" "$T/o.safetensors" &&
+    if [ $rc1 = 0 ] && [ $rc2 = 0 ] && [[ $TOK =~ ^[0-9a-f]{32}$ ]] && cmp -s "$T/s1.safetensors" "$T/o.safetensors" &&
         cmp -s "$T/s2.safetensors" "$T/o.safetensors" && [ "$b2" -lt "$b1" ] &&
         [ "$(field session_bytes "$T/f2")" -gt 0 ]; then ok; else
-        bad "session: rc $rc1/$rc2, bytes $b1/$b2, $(cat "$T/f1" "$T/f2")"; fi
+        bad "session: rc $rc1/$rc2, token '$TOK', bytes $b1/$b2, $(cat "$T/f1" "$T/f2")"; fi
     # negative control: without the session the omitted tensors are missing
     client forward "$IN" "$T/x.safetensors" --omit "$CONST" >"$T/f3"
     grep -q "^error=.*encoder_hidden_states" "$T/f3" && ok || bad "omitted tensors without a session: $(cat "$T/f3")"
+    # nothing of another client's is reachable: a name the server did not issue (as a client
+    # of the old protocol would pick) is not open, even with "keep" (it used to open, overwrite
+    # or end whatever session had that name); ending it touches nothing of A's
+    client forward "$IN" "$T/x.safetensors" --session gen1 --keep "$CONST" >"$T/g1"
+    client end_session --session gen1 >/dev/null
+    client forward "$IN" "$T/g2.safetensors" --session "$TOK" --omit "$CONST" >"$T/g2"; rc=$?
+    grep -q "^error=.*session 'gen1' is not open" "$T/g1" && [ $rc = 0 ] && cmp -s "$T/g2.safetensors" "$T/o.safetensors" &&
+        ok || bad "sessions of other clients: $(cat "$T/g1" "$T/g2")"
     # the session ends; a forward naming it is refused
-    client forward "$IN" "$T/x.safetensors" --session gen1 --omit "$CONST" --end-session >/dev/null &&
+    client forward "$IN" "$T/x.safetensors" --session "$TOK" --omit "$CONST" --end-session >/dev/null &&
         ok || bad "the last forward of a session failed"
-    client forward "$IN" "$T/x.safetensors" --session gen1 --omit "$CONST" >"$T/f4"
-    grep -q "^error=.*session 'gen1' is not open" "$T/f4" && ok || bad "ended session: $(cat "$T/f4")"
-    # a session over the byte limit is refused (the server was started with 1 GiB; ask for more
-    # sessions than allowed instead: 4 open, the fifth refused)
-    for s in a b c d; do client forward "$IN" "$T/x.safetensors" --session "$s" --keep txt_ids >/dev/null; done
-    client forward "$IN" "$T/x.safetensors" --session e --keep txt_ids >"$T/f5"
-    grep -q "^error=.*--max-sessions 4" "$T/f5" && ok || bad "fifth session: $(cat "$T/f5")"
-    for s in a b c d; do client end_session --session "$s" >/dev/null || bad "end_session $s"; done
+    client forward "$IN" "$T/x.safetensors" --session "$TOK" --omit "$CONST" >"$T/f4"
+    grep -q "^error=.*session '$TOK' is not open" "$T/f4" && ok || bad "ended session: $(cat "$T/f4")"
+    # the session count (4 open, the fifth refused)
+    toks=
+    for s in a b c d; do
+        client forward "$IN" "$T/x.safetensors" --session new --keep txt_ids >"$T/f_$s"
+        toks="$toks $(field session "$T/f_$s")"
+    done
+    client forward "$IN" "$T/x.safetensors" --session new --keep txt_ids >"$T/f5"
+    grep -q "^error=.*a new session: 4 sessions are open.*--max-sessions 4" "$T/f5" && ok || bad "fifth session: $(cat "$T/f5")"
+    for s in $toks; do client end_session --session "$s" >/dev/null || bad "end_session $s"; done
 
     # faults: each gets an error reply, and the server still computes the same bytes after it
     alive() { # name
@@ -244,6 +257,23 @@ PY
         ! grep -q "^id=" "$T/d2" && ok || bad "id not UTF-8: rc $rc, $(cat "$T/d2")"
     client info >/dev/null && ok || bad "the server closed on a repeated op"
     client close >/dev/null; stopped_within 10 || bad "close after the metadata checks"
+fi
+
+# ---- idle sessions expire (--session-idle 2): a session unused for 3 s is gone, one used every
+# second stays ----
+if start_server "$T/log11" --session-idle 2; then
+    client forward "$IN" "$T/x.safetensors" --session new --keep "$CONST" >"$T/i1"; T1=$(field session "$T/i1")
+    client forward "$IN" "$T/x.safetensors" --session new --keep "$CONST" >"$T/i2"; T2=$(field session "$T/i2")
+    for _ in 1 2 3; do
+        sleep 1
+        client forward "$IN" "$T/x.safetensors" --session "$T2" --omit "$CONST" >/dev/null || bad "the session in use expired"
+    done
+    client forward "$IN" "$T/x.safetensors" --session "$T1" --omit "$CONST" >"$T/i3"
+    grep -q "^error=.*session '$T1' is not open (ended, dropped after 2 s without use" "$T/i3" && ok ||
+        bad "idle session: '$T1', $(cat "$T/i1" "$T/i3")"
+    client info >"$T/i4"
+    [ "$(field session_idle "$T/i4")" = 2 ] && ok || bad "info: session_idle $(field session_idle "$T/i4")"
+    client close >/dev/null; stopped_within 10 || bad "close after the expiry"
 fi
 
 # ---- a loopback tcp endpoint on a free port: the port is on the "serving on" line ----

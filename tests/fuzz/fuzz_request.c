@@ -6,6 +6,7 @@
 #include "serve/serve.h"
 
 #include <stdint.h>
+#include <stdio.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -14,9 +15,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     mdt_serve_sessions ss;
     unsigned char *reply = NULL;
     size_t n = 0;
-    if (mdt_serve_sessions_init(&ss, 2, 1 << 16) != MDT_OK)
+    if (mdt_serve_sessions_init(&ss, 2, 1 << 16, 1000) != MDT_OK)
         return 0;
     if (mdt_serve_request_parse(data, size, &r) == MDT_OK) {
+        if (r.new_session) /* the token serve.c would draw */
+            snprintf(r.session, sizeof r.session, "%032x", 7);
         /* twice: the second finds what the first kept */
         for (int i = 0; i < 2; i++)
             if (mdt_serve_sessions_prepare(&ss, &r) == MDT_OK)

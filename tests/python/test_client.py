@@ -347,3 +347,59 @@ def test_a_killed_rank_is_named():
         with pytest.raises(meshdit.MeshditError, match=r"a rank was killed \(signal 9"):
             t(**tensors(os.path.join(FLUX, "inputs.safetensors")))
         assert time.monotonic() - t0 < 30
+
+
+# ---- sessions belong to the client that opened them (issue 26, item 3) ------------------------
+def _steps(args, n=3):
+    return [dict(args, hidden_states=args["hidden_states"] + 0.1 * i,
+                 timestep=torch.tensor([0.9 - 0.2 * i])) for i in range(n)]
+
+
+def test_two_clients_with_the_same_session_names_do_not_mix(monkeypatch):
+    """Two drop-ins whose planners name their sessions alike (as two processes with one PID in
+    different PID namespaces did) step through different prompts on one server, interleaved:
+    each gets the outputs of its own inputs (equal to a client without sessions). Before, B's
+    first forward replaced A's kept prompt and A's later steps used B's."""
+    import itertools
+    from meshdit import _sessions
+    base = tensors(os.path.join(FLUX, "inputs.safetensors"))
+    other = dict(base, encoder_hidden_states=base["encoder_hidden_states"] * 0.5 + 0.1)
+    srv = meshdit.Server(FLUX, tp=2)
+    try:
+        with meshdit.Transformer.connect(srv.endpoint, sessions=False) as plain:
+            want_a = [plain(**s).sample for s in _steps(base)]
+            want_b = [plain(**s).sample for s in _steps(other)]
+        got_a, got_b, clients = [], [], []
+        for args, got in ((base, got_a), (other, got_b)):  # each starts as if a fresh process
+            monkeypatch.setattr(_sessions, "_serial", itertools.count(1), raising=False)
+            clients.append(meshdit.Transformer.connect(srv.endpoint))
+            got.append(clients[-1](**_steps(args)[0]).sample)
+        a, b = clients
+        for sa, sb in list(zip(_steps(base), _steps(other)))[1:]:
+            got_a.append(a(**sa).sample)
+            got_b.append(b(**sb).sample)
+        for g, w in zip(got_a, want_a):
+            assert torch.equal(g, w)
+        for g, w in zip(got_b, want_b):
+            assert torch.equal(g, w)
+        assert list(a._planner.open) == list(b._planner.open)  # the same handles...
+        assert a._client._tokens != b._client._tokens  # ...behind tokens of their own
+        assert a.stats["request_bytes"][-1] < a.stats["request_bytes"][0] / 5  # sessions in use
+        a.close()
+        b.close()
+    finally:
+        srv.close()
+
+
+def test_an_idle_session_expires_and_the_client_recovers():
+    """--session-idle 1: a session unused for 2.5 s is dropped by the server; the drop-in's next
+    forward finds it gone, sends everything again and gives the same result."""
+    args = tensors(os.path.join(FLUX, "inputs.safetensors"))
+    with meshdit.Transformer.from_pretrained(FLUX, tp=2, session_idle=1) as t:
+        assert t.info["session_idle"] == "1"
+        first = t(**args).sample
+        time.sleep(2.5)
+        again = t(**dict(args, hidden_states=args["hidden_states"].clone())).sample
+        sent = t.stats["request_bytes"]
+    assert torch.equal(first, again)
+    assert sent[1] >= sent[0] * 0.9, sent  # the dropped session's tensors went again

@@ -101,77 +101,99 @@ static void test_replies(void) {
     mdt_free(b);
 }
 
+/* Parses a request as every rank does: a "session": "new" gets `token` (serve.c draws it on rank
+ * 0 and broadcasts it), at rank 0's clock `now_ms`. */
+static void parse_as(const char *const *meta, int nt, const char *const *names, const int64_t *k,
+                     const char *token, int64_t now_ms, mdt_serve_request *r) {
+    size_t n = 0;
+    unsigned char *b = request(meta, nt, names, k, &n);
+    EXPECT_OK(mdt_serve_request_parse(b, n, r));
+    mdt_free(b);
+    if (r->new_session)
+        snprintf(r->session, sizeof r->session, "%s", token);
+    r->now_ms = now_ms;
+}
+
 static void test_sessions(void) {
-    mdt_serve_sessions ss;
-    EXPECT_OK(mdt_serve_sessions_init(&ss, 2, 100)); /* 2 sessions, 100 bytes over both */
+    mdt_serve_sessions ss; /* 2 sessions, 100 bytes over both, dropped after 1 s unused */
+    EXPECT_OK(mdt_serve_sessions_init(&ss, 2, 100, 1000));
     const char *names[] = {"a", "b", "x"};
     const int64_t k[] = {4, 8, 2}; /* 16, 32 and 8 bytes */
-    const char *keep_ab[] = {"op", "forward", "session", "s1", "keep", "a,b", NULL};
-    size_t n = 0;
-    unsigned char *b = request(keep_ab, 3, names, k, &n);
+    const char *keep_ab[] = {"op", "forward", "session", "new", "keep", "a,b", NULL};
     mdt_serve_request r;
-    EXPECT_OK(mdt_serve_request_parse(b, n, &r));
+    parse_as(keep_ab, 3, names, k, "s1", 0, &r);
+    EXPECT(r.new_session, "a new session");
     EXPECT_OK(mdt_serve_sessions_prepare(&ss, &r));
     EXPECT_OK(mdt_serve_sessions_commit(&ss, &r));
     EXPECT(mdt_serve_sessions_bytes_of(&ss, "s1") == 48 && ss.bytes == 48, "%lld",
            (long long)ss.bytes);
     mdt_serve_request_free(&r);
-    mdt_free(b);
     /* a later forward sends only x: a and b are merged in, with their kept values */
     const char *use[] = {"op", "forward", "session", "s1", NULL};
-    b = request(use, 1, names + 2, k + 2, &n);
-    EXPECT_OK(mdt_serve_request_parse(b, n, &r));
+    parse_as(use, 1, names + 2, k + 2, NULL, 500, &r);
     EXPECT_OK(mdt_serve_sessions_prepare(&ss, &r));
     const mdt_tensor *tb = mdt_tensor_set_get(r.tensors, "b");
     EXPECT(mdt_tensor_set_count(r.tensors) == 3 && tb && tb->shape[0] == 8 &&
                ((const float *)tb->data)[0] == 2.0f,
            "merged");
     mdt_serve_request_free(&r);
-    mdt_free(b);
+    /* a name the server did not issue opens nothing, even with keep ("s9" is no one's) */
+    const char *guess[] = {"op", "forward", "session", "s9", "keep", "a", NULL};
+    parse_as(guess, 1, names, k, NULL, 500, &r);
+    EXPECT_ERR(mdt_serve_sessions_prepare(&ss, &r), MDT_E_NOTFOUND, "session 's9' is not open",
+               "\"session\": \"new\"");
+    mdt_serve_request_free(&r);
     /* a second session over the byte limit: 48 + 64 > 100, refused, nothing stored */
-    const char *big[] = {"op", "forward", "session", "s2", "keep", "a", NULL};
+    const char *big[] = {"op", "forward", "session", "new", "keep", "a", NULL};
     const int64_t k16[] = {16};
-    b = request(big, 1, names, k16, &n);
-    EXPECT_OK(mdt_serve_request_parse(b, n, &r));
-    EXPECT_ERR(mdt_serve_sessions_prepare(&ss, &r), MDT_E_INVALID, "session 's2'",
+    parse_as(big, 1, names, k16, "s2", 500, &r);
+    EXPECT_ERR(mdt_serve_sessions_prepare(&ss, &r), MDT_E_INVALID, "a new session",
                "--max-session-bytes 100");
     EXPECT(ss.n == 1 && ss.bytes == 48, "nothing stored");
     mdt_serve_request_free(&r);
-    mdt_free(b);
     /* replacing a kept tensor counts the difference: b (32 bytes) becomes 8 bytes */
     const char *repl[] = {"op", "forward", "session", "s1", "keep", "b", NULL};
     const int64_t k2[] = {2};
-    b = request(repl, 1, names + 1, k2, &n);
-    EXPECT_OK(mdt_serve_request_parse(b, n, &r));
+    parse_as(repl, 1, names + 1, k2, NULL, 600, &r);
     EXPECT_OK(mdt_serve_sessions_prepare(&ss, &r));
     EXPECT_OK(mdt_serve_sessions_commit(&ss, &r));
     EXPECT(ss.bytes == 24 && mdt_serve_sessions_bytes_of(&ss, "s1") == 24, "%lld",
            (long long)ss.bytes);
     mdt_serve_request_free(&r);
-    mdt_free(b);
     /* the session count: s2 and s3 would make three */
-    const char *s2[] = {"op", "forward", "session", "s2", "keep", "x", NULL};
-    const char *s3[] = {"op", "forward", "session", "s3", "keep", "x", NULL};
-    b = request(s2, 1, names + 2, k + 2, &n);
-    EXPECT_OK(mdt_serve_request_parse(b, n, &r));
+    const char *opn[] = {"op", "forward", "session", "new", "keep", "x", NULL};
+    parse_as(opn, 1, names + 2, k + 2, "s2", 900, &r);
     EXPECT_OK(mdt_serve_sessions_prepare(&ss, &r));
     EXPECT_OK(mdt_serve_sessions_commit(&ss, &r));
     mdt_serve_request_free(&r);
-    mdt_free(b);
-    b = request(s3, 1, names + 2, k + 2, &n);
-    EXPECT_OK(mdt_serve_request_parse(b, n, &r));
+    parse_as(opn, 1, names + 2, k + 2, "s3", 900, &r);
     EXPECT_ERR(mdt_serve_sessions_prepare(&ss, &r), MDT_E_INVALID, "--max-sessions 2");
     mdt_serve_request_free(&r);
-    mdt_free(b);
-    /* ending frees the bytes; a forward naming an ended session without keep is refused */
+    /* ending frees the bytes; a forward naming an ended session is refused */
     mdt_serve_sessions_end(&ss, "s1");
     EXPECT(ss.n == 1 && ss.bytes == 8, "%d %lld", ss.n, (long long)ss.bytes);
-    b = request(use, 1, names + 2, k + 2, &n);
-    EXPECT_OK(mdt_serve_request_parse(b, n, &r));
+    parse_as(use, 1, names + 2, k + 2, NULL, 1000, &r);
     EXPECT_ERR(mdt_serve_sessions_prepare(&ss, &r), MDT_E_NOTFOUND, "session 's1' is not open");
     mdt_serve_request_free(&r);
-    mdt_free(b);
+    /* expiry: s2 was last used at 900 ms; at 1900 it is 1000 ms old (kept), at 1901 dropped */
+    EXPECT(mdt_serve_sessions_expire(&ss, 1900) == 0 && ss.n == 1, "kept at the limit");
+    EXPECT(mdt_serve_sessions_expire(&ss, 1901) == 1 && ss.n == 0 && ss.bytes == 0, "dropped");
     mdt_serve_sessions_free(&ss);
+    /* "new" goes with a forward that keeps something */
+    const char *bare[] = {"op", "forward", "session", "new", NULL};
+    size_t n = 0;
+    unsigned char *b = request(bare, 1, names, k, &n);
+    EXPECT_ERR(mdt_serve_request_parse(b, n, &r), MDT_E_INVALID, "\"session\": \"new\" opens");
+    mdt_serve_request_free(&r);
+    mdt_free(b);
+    /* tokens: 32 hex characters, two draws differ */
+    uint64_t w1[2], w2[2];
+    char t1[MDT_SERVE_TOKEN_CHARS + 1], t2[MDT_SERVE_TOKEN_CHARS + 1];
+    EXPECT_OK(mdt_serve_token_new(w1));
+    EXPECT_OK(mdt_serve_token_new(w2));
+    mdt_serve_token_text(w1, t1), mdt_serve_token_text(w2, t2);
+    EXPECT(strlen(t1) == 32 && strspn(t1, "0123456789abcdef") == 32 && strcmp(t1, t2) != 0,
+           "'%s' '%s'", t1, t2);
 }
 
 /* A forward of more tensors than MDT_SERVE_TENSORS_MAX is refused (after its id is read, which
