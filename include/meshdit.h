@@ -38,6 +38,7 @@ typedef enum mdt_status {
     MDT_E_UNSUPPORTED = -6, /* valid request this build or model does not implement */
     MDT_E_NOTFOUND = -7,    /* a named tensor, file or key is missing */
     MDT_E_NUMERIC = -8,     /* a computation produced NaN or Inf from finite inputs */
+    MDT_E_STOPPED = -9,     /* a stop was asked (SIGTERM to a server) while the work ran */
 } mdt_status;
 
 /* Static name of a status code ("MDT_E_FORMAT"). */
@@ -402,7 +403,11 @@ typedef struct mdt_serve_params {
                                   all clients (0: twice max_request_bytes) */
     double step_timeout;       /* the step watchdog (mdt_sample_params), 0: its default */
     int64_t max_memory;        /* > 0: a forward whose weights plus activations per rank would
-                                  exceed it gets an error reply before it runs (--max-memory) */
+                                  exceed it gets an error reply before it runs (--max-memory);
+                                  0: the same check against what the process may use, as run's
+                                  default, measured when the server starts */
+    const char *mem_available; /* with max_memory 0: a size that replaces the system's figure
+                                  (MESHDIT_MEM_AVAILABLE), or NULL */
     int owner_stdin;           /* rank 0 stops the server when its standard input ends (the
                                   process that started it is gone: --owner-stdin) */
     /* world rank 0: the endpoint bound before the load (mdt_serve_listen; the caller frees it);
@@ -410,6 +415,11 @@ typedef struct mdt_serve_params {
     mdt_serve_listener *listener;
     /* optional, on world rank 0 once the endpoint is bound, with the endpoint as bound */
     void (*on_ready)(void *user, const char *endpoint);
+    /* optional, on world rank 0, from the listener's thread: a stop was asked while a request
+     * ran and the request did not end within MDT_SERVE_STOP_GRACE_S; its client and every
+     * queued one got `msg` as their reply and the ipc socket file is removed. The caller ends
+     * the process (the library does not). */
+    void (*on_stop_stuck)(void *user, const char *msg);
     void *user;
 } mdt_serve_params;
 mdt_serve_params mdt_serve_params_default(void);
@@ -440,6 +450,8 @@ void mdt_serve_listener_free(mdt_serve_listener *l);
  * is returned on every rank, except when mdt_mesh_peers_stuck is set (a rank failed inside a
  * step: the caller must end the job). */
 mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p);
+/* Seconds a request under way may run on after a stop was asked (see on_stop_stuck). */
+#define MDT_SERVE_STOP_GRACE_S 5
 /* Asks mdt_serve to stop (async-signal-safe: a SIGTERM/SIGINT handler calls it on any rank).
  * Every rank leaves within about a second of the first rank that was asked. */
 void mdt_serve_stop(void);

@@ -11,10 +11,20 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 static void on_signal(int sig) {
     (void)sig;
     mdt_serve_stop(); /* a flag: every rank leaves the loop within about a second */
+}
+
+/* The listener's thread: a request outlived a stop's grace; its client has the reason. */
+static void on_stop_stuck(void *user, const char *msg) {
+    (void)user;
+    fprintf(stderr, "meshdit: error: %s\n", msg);
+    fflush(stderr);
+    _exit(1); /* the launcher ends the other ranks */
 }
 
 static void on_ready(void *user, const char *endpoint) {
@@ -93,7 +103,9 @@ int cmd_serve(int argc, char **argv) {
     p.session_idle = (double)a.session_idle;
     p.max_request_bytes = a.max_request_bytes, p.max_queue_bytes = a.max_queue_bytes;
     p.step_timeout = (double)a.step_timeout;
-    p.max_memory = a.l.max_bytes; /* every forward checked against --max-memory */
+    p.max_memory = a.l.max_bytes; /* every forward checked: --max-memory, else run's default */
+    p.mem_available = getenv("MESHDIT_MEM_AVAILABLE");
+    p.on_stop_stuck = cli_rank == 0 ? on_stop_stuck : NULL;
     /* the endpoint is rank 0's, bound now: a refused one costs no load */
     st = mdt_mesh_agree(mesh, cli_rank == 0 ? mdt_serve_listen(&p, &listener) : MDT_OK);
     /* the load is watched: a rank that stops or hangs in it ends the job with one line naming
@@ -122,6 +134,10 @@ int cmd_serve(int argc, char **argv) {
         st = mdt_serve(m, &p);
     }
     if (st != MDT_OK && mdt_mesh_peers_stuck(mesh)) {
+        if (st == MDT_E_STOPPED && cli_rank != 0) { /* rank 0 answers and reports it: give */
+            const struct timespec t = {3, 0};       /* it the time (its note arrived) */
+            nanosleep(&t, NULL);
+        }
         fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
         fflush(stderr);
         mdt_serve_listener_free(listener); /* the replies are written; the socket file goes */

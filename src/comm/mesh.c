@@ -315,6 +315,11 @@ static mdt_status agree(mdt_mesh *m, mdt_status local) {
         }
         m->waiting = 1;
         mdt_mesh_watch_serve(m);
+        if (local == MDT_OK) {
+            const mdt_status stop = mdt_mesh_check_stop(m, "failure agreement", 1);
+            if (stop != MDT_OK)
+                return stop;
+        }
         if (local == MDT_OK && m->deadline_s > 0 && mdt_now() - t0 > m->deadline_s) {
             const mdt_status st = mdt_mesh_stalled(m, "failure agreement", mdt_now() - t0);
             m->waiting = 0;

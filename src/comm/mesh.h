@@ -77,7 +77,8 @@ struct mdt_mesh {
     /* the failure agreement's own communicator: a rank that failed between two collectives
      * agrees here, where no peer's compute collective can ever match its message */
     MPI_Comm agree;
-    int waiting; /* inside a watched wait (answers "waiting" to a question) */
+    int waiting;       /* inside a watched wait (answers "waiting" to a question) */
+    int interruptible; /* a stop request (mdt_mesh_request_stop) ends this mesh's waits */
     /* failure notes (watchdog.c): agreements started so far (the same count on every rank);
      * the note this rank sent when it failed (kept until the mesh is freed: the send is not
      * waited for); on rank 0, the note of a failed rank for the coming agreement (-1: none) */
@@ -204,6 +205,19 @@ void mdt_mesh_watch_serve(mdt_mesh *m);
 void mdt_mesh_note_failure(mdt_mesh *m, mdt_status local);
 /* Rank 0: receives pending failure notes, keeps the first one for the coming agreement. */
 void mdt_mesh_poll_notes(mdt_mesh *m);
+/* Stop requests: mdt_mesh_request_stop (async-signal-safe, any thread; a server's SIGTERM
+ * handler calls it) marks this process as asked to stop. While a mesh is interruptible
+ * (mdt_mesh_set_interruptible, around a server's forward) every later collective wait and
+ * agreement of it that sees the request ends with MDT_E_STOPPED naming the signal, after sending
+ * rank 0 the failure note, with m->peers_stuck set (ranks may leave different collectives: the
+ * caller ends the job). A mesh that is not interruptible ignores the request: an idle server
+ * stops at its own pace, cleanly. */
+void mdt_mesh_request_stop(void);
+int mdt_mesh_stop_requested(void);
+void mdt_mesh_set_interruptible(mdt_mesh *m, int on);
+/* MDT_E_STOPPED with peers_stuck set, when `m` is interruptible and a stop was asked; else
+ * MDT_OK. `in_agreement`: called from inside an agreement (its count already taken). */
+mdt_status mdt_mesh_check_stop(mdt_mesh *m, const char *what, int in_agreement);
 /* Called by a waiting loop that passed the deadline: see mdt_mesh_wait. */
 mdt_status mdt_mesh_stalled(mdt_mesh *m, const char *what, double waited);
 

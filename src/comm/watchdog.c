@@ -15,6 +15,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "mesh.h"
 
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -34,6 +35,33 @@ enum {
 };
 
 void mdt_mesh_set_deadline(mdt_mesh *m, double seconds) { mdt_mesh_watch(m, seconds, NULL); }
+
+static volatile sig_atomic_t g_stop_requested;
+
+void mdt_mesh_request_stop(void) { g_stop_requested = 1; }
+int mdt_mesh_stop_requested(void) { return g_stop_requested != 0; }
+
+void mdt_mesh_set_interruptible(mdt_mesh *m, int on) {
+    if (m)
+        m->interruptible = on;
+}
+
+mdt_status mdt_mesh_check_stop(mdt_mesh *m, const char *what, int in_agreement) {
+    if (!m || !m->interruptible || !g_stop_requested)
+        return MDT_OK;
+    m->waiting = 0;
+    const mdt_status st = MDT_FAIL(MDT_E_STOPPED,
+                                   "stopped by a signal (SIGTERM or SIGINT) while waiting in the "
+                                   "%s of a forward: the server is ending",
+                                   what);
+    /* the note names the agreement this rank would have gone to next, which is what rank 0
+     * waits for (the job ends before any agreement is held: peers_stuck skips them all) */
+    m->agreements += !in_agreement;
+    mdt_mesh_note_failure(m, st); /* rank 0 ends its own wait with this line */
+    m->agreements -= !in_agreement;
+    m->peers_stuck = 1;
+    return st;
+}
 
 void mdt_mesh_watch(mdt_mesh *m, double seconds, const char *option) {
     if (!m)
@@ -216,6 +244,9 @@ mdt_status mdt_mesh_wait(mdt_mesh *m, MPI_Comm comm, int n, MPI_Request *rq, con
         if (waited * 1e9 < SPIN_NS)
             continue;
         mdt_mesh_watch_serve(m);
+        const mdt_status stop = mdt_mesh_check_stop(m, what, 0);
+        if (stop != MDT_OK)
+            return stop; /* the requests are abandoned: the job is being ended */
         /* a member of this collective failed and went to the agreement: once any message of
          * its that was already on the way has had NOTE_GRACE_S to land, it never comes */
         mdt_mesh_poll_notes(m);

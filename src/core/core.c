@@ -26,6 +26,7 @@ const char *mdt_status_str(mdt_status s) {
     case MDT_E_UNSUPPORTED: return "MDT_E_UNSUPPORTED";
     case MDT_E_NOTFOUND: return "MDT_E_NOTFOUND";
     case MDT_E_NUMERIC: return "MDT_E_NUMERIC";
+    case MDT_E_STOPPED: return "MDT_E_STOPPED";
     }
     return "MDT_E_UNKNOWN";
 }

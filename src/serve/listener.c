@@ -23,6 +23,7 @@
  */
 #define _GNU_SOURCE
 #include "serve/serve.h"
+#include "comm/mesh.h"
 #include "serve/zmtp.h"
 
 #include <errno.h>
@@ -81,6 +82,8 @@ struct mdt_serve_listener {
     int listen_fd, wake[2], owner_fd;
     char endpoint[1024], ipc_path[128];
     int64_t max_request, max_queue;
+    void (*on_stop_stuck)(void *user, const char *msg);
+    void *user;
     pthread_t thread;
     int started;
     pthread_mutex_t mu;
@@ -90,6 +93,9 @@ struct mdt_serve_listener {
     int64_t held; /* bytes of blobs received, being received, queued or running */
     pending_reply *replies, *replies_tail;
     int quit, out_empty;
+    int busy; /* the loop runs a request of busy_conn */
+    uint64_t busy_conn;
+    double stop_seen; /* the thread's: when it first saw a stop asked while busy (0: not) */
     volatile int owner_gone;
     /* the thread's own */
     peer *conns[MDT_SERVE_MAX_CLIENTS];
@@ -395,6 +401,59 @@ static void take_replies(mdt_serve_listener *l) {
     }
 }
 
+static double mono_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* A stop asked while a request runs and not obeyed within the grace (one rank computing a long
+ * stage, or a single rank, which has no collective to stop at): its client and every queued one
+ * are answered, the replies written (at most 1 s), the socket file removed, and the caller's
+ * callback ends the process. */
+static void stop_stuck(mdt_serve_listener *l, uint64_t conn) {
+    char msg[256];
+    snprintf(msg, sizeof msg,
+             "stopped by a signal (SIGTERM or SIGINT) while this server ran a request, which did "
+             "not end within %d s of it: the server is ending",
+             MDT_SERVE_STOP_GRACE_S);
+    peer *c = find_conn(l, conn);
+    unsigned char *b = NULL;
+    size_t n = 0;
+    if (c && mdt_serve_reply_error(NULL, NULL, msg, &b, &n) == MDT_OK)
+        out_reply(c, b, n, 1);
+    pthread_mutex_lock(&l->mu);
+    req_item *q = l->q;
+    l->q = l->q_tail = NULL;
+    pthread_mutex_unlock(&l->mu);
+    for (req_item *r = q, *next; r; r = next) {
+        next = r->next;
+        if ((c = find_conn(l, r->in.conn)) &&
+            mdt_serve_reply_error(NULL, NULL, msg, &b, &n) == MDT_OK)
+            out_reply(c, b, n, 1);
+        mdt_free(r->in.blob);
+        mdt_free(r);
+    }
+    for (const double t0 = mono_s(); mono_s() - t0 < 1.0;) {
+        int left = 0;
+        for (int i = l->nconns - 1; i >= 0; i--) {
+            if (out_flush(l->conns[i]) != 0)
+                close_conn(l, i);
+            else
+                left += l->conns[i]->out != NULL;
+        }
+        if (!left)
+            break;
+        const struct timespec ms = {0, 10000000};
+        nanosleep(&ms, NULL);
+    }
+    struct stat sb;
+    if (l->ipc_path[0] && lstat(l->ipc_path, &sb) == 0 && S_ISSOCK(sb.st_mode))
+        unlink(l->ipc_path);
+    if (l->on_stop_stuck)
+        l->on_stop_stuck(l->user, msg);
+}
+
 static void *run(void *arg) {
     mdt_serve_listener *l = arg;
     struct pollfd pf[3 + MDT_SERVE_MAX_CLIENTS];
@@ -425,7 +484,19 @@ static void *run(void *arg) {
         for (int i = 0; i < l->nconns; i++)
             pf[n++] = (struct pollfd){l->conns[i]->fd,
                                       (short)(POLLIN | (l->conns[i]->out ? POLLOUT : 0)), 0};
-        if (poll(pf, (nfds_t)n, -1) < 0)
+        pthread_mutex_lock(&l->mu);
+        const int busy = l->busy;
+        const uint64_t busy_conn = l->busy_conn;
+        pthread_mutex_unlock(&l->mu);
+        if (busy && mdt_mesh_stop_requested()) {
+            if (l->stop_seen == 0)
+                l->stop_seen = mono_s();
+            else if (l->stop_seen > 0 && mono_s() - l->stop_seen > MDT_SERVE_STOP_GRACE_S) {
+                stop_stuck(l, busy_conn); /* returns only without a callback */
+                l->stop_seen = -1;
+            }
+        }
+        if (poll(pf, (nfds_t)n, busy ? 200 : -1) < 0)
             continue;
         if (pf[1].revents) {
             char drain[64];
@@ -488,6 +559,7 @@ mdt_status mdt_serve_listen(const mdt_serve_params *p, mdt_serve_listener **out)
     l->listen_fd = l->wake[0] = l->wake[1] = l->owner_fd = -1;
     l->max_request = p->max_request_bytes > 0 ? p->max_request_bytes : (int64_t)2 << 30;
     l->max_queue = p->max_queue_bytes > 0 ? p->max_queue_bytes : 2 * l->max_request;
+    l->on_stop_stuck = p->on_stop_stuck, l->user = p->user;
     pthread_mutex_init(&l->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -570,6 +642,14 @@ void mdt_serve_listener_reply(mdt_serve_listener *l, uint64_t conn, unsigned cha
     l->out_empty = 0;
     pthread_mutex_unlock(&l->mu);
     wake(l);
+}
+
+void mdt_serve_listener_busy(mdt_serve_listener *l, uint64_t conn, int busy) {
+    pthread_mutex_lock(&l->mu);
+    l->busy = busy, l->busy_conn = conn;
+    pthread_mutex_unlock(&l->mu);
+    if (busy)
+        wake(l); /* its poll watches the clock from now on */
 }
 
 void mdt_serve_listener_done(mdt_serve_listener *l, mdt_serve_incoming *in) {

@@ -21,7 +21,6 @@
 
 #include "comm/mesh.h"
 #include "models/model.h"
-#include "plan/memory.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -35,7 +34,10 @@
 
 static volatile sig_atomic_t g_stop;
 
-void mdt_serve_stop(void) { g_stop = 1; }
+void mdt_serve_stop(void) {
+    g_stop = 1;
+    mdt_mesh_request_stop(); /* a forward under way ends at its next wait (interruptible) */
+}
 
 enum { k_tag_stop = 7717, k_poll_ms = 100 };
 /* The header rank 0 broadcasts for each turn of the loop: the operation, the blob's size, rank
@@ -68,9 +70,10 @@ typedef struct serve_ctx {
     mdt_serve_listener *l; /* rank 0 */
     int own_listener;      /* made here (p->listener was NULL): freed here */
     mdt_serve_sessions ss;
-    int stop;      /* rank 0: a stop was asked here or by a note */
-    int note_sent; /* ranks > 0: a stop note is in flight */
-    int note_val;  /* its payload */
+    mdt_serve_budget budget; /* this rank's memory per forward */
+    int stop;                /* rank 0: a stop was asked here or by a note */
+    int note_sent;           /* ranks > 0: a stop note is in flight */
+    int note_val;            /* its payload */
     MPI_Request note_rq;
     int *notes_recv;    /* rank 0: notes received per rank */
     double last_header; /* rank 0: when it last broadcast a header (heartbeats follow it) */
@@ -293,8 +296,8 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     mdt_device_info d;
     mdt_device_info_get(&d);
     mdt_status st = mdt_serve_sessions_prepare(&c->ss, r);
-    if (st == MDT_OK) /* with --max-memory, this forward's activations too, before it runs */
-        st = mdt_check_forward_memory(c->m, r->tensors, c->p->max_memory, d.gpu);
+    if (st == MDT_OK) /* this forward's activations too, before it runs (run's check) */
+        st = mdt_serve_budget_check(&c->budget, c->m, r->tensors, d.gpu);
     if (st == MDT_OK)
         st = mdt_tensor_set_create(&out);
     st = mdt_mesh_agree(c->mesh, st);
@@ -479,7 +482,15 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
         mdt_serve_token_text(token, r.session);
     }
     if (st == MDT_OK && !mdt_mesh_peers_stuck(c->mesh)) {
+        /* a stop signal now ends the request at its next wait (every rank, the job ends), and
+         * rank 0's listener ends the server if the request outlasts the stop's grace */
+        mdt_mesh_set_interruptible(c->mesh, 1);
+        if (c->rank == 0)
+            mdt_serve_listener_busy(c->l, in.conn, 1);
         st = run_request(c, &r, &reply, &rn, fatal);
+        if (c->rank == 0)
+            mdt_serve_listener_busy(c->l, in.conn, 0);
+        mdt_mesh_set_interruptible(c->mesh, 0);
         mdt_mesh_set_deadline(c->mesh, loop_bound(c)); /* the forward disarmed it */
     } else if (c->rank == 0)
         st = mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), &reply, &rn);
@@ -520,6 +531,8 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
         !(c.notes_recv = mdt_calloc(sizeof(int) * (size_t)c.world)))
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
     mdt_model_set_step_timeout(m, p->step_timeout);
+    if (st == MDT_OK)
+        st = mdt_serve_budget_init(&c.budget, m, p);
     if (c.mesh && MPI_Comm_dup(c.mesh->world, &c.comm) != MPI_SUCCESS)
         st = MDT_FAIL(MDT_E_MPI, "serve: duplicating the world communicator failed");
     if (st == MDT_OK && c.rank == 0) {

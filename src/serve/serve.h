@@ -104,6 +104,22 @@ void mdt_serve_sessions_end(mdt_serve_sessions *ss, const char *name);
 /* Bytes kept under `name` (0 if none). */
 int64_t mdt_serve_sessions_bytes_of(const mdt_serve_sessions *ss, const char *name);
 
+/* ---- budget.c: the memory a request's forward may take on one rank ---- */
+
+typedef struct mdt_serve_budget {
+    int64_t limit;  /* bytes of weights + activations per rank (0: no check) */
+    int is_default; /* measured at the start, not --max-memory: `what` says how */
+    char what[320];
+} mdt_serve_budget;
+
+/* The budget of this rank: p->max_memory, else the share of what the process may use (run's
+ * default), measured now (after the load). Local. */
+mdt_status mdt_serve_budget_init(mdt_serve_budget *b, const mdt_model *m,
+                                 const mdt_serve_params *p);
+/* MDT_E_NOMEM (run's message: the need, the limit) when this forward's inputs would pass it. */
+mdt_status mdt_serve_budget_check(const mdt_serve_budget *b, const mdt_model *m,
+                                  const mdt_tensor_set *inputs, int device_activations);
+
 /* ---- endpoint.c: binding the endpoint ---- */
 
 /* Checks `ep` (mdt_serve_endpoint_check) and binds a listening socket for it (non-blocking,
@@ -139,6 +155,9 @@ void mdt_serve_listener_done(mdt_serve_listener *l, mdt_serve_incoming *in);
 /* Answers every request still queued with an error reply carrying `msg` (the server is ending),
  * then waits up to `seconds` for the replies already handed over to be written. */
 void mdt_serve_listener_fail_all(mdt_serve_listener *l, const char *msg, double seconds);
+/* The loop runs a request of `conn` (busy 1) or has finished it (0): while it runs, a stop that
+ * is not obeyed within MDT_SERVE_STOP_GRACE_S ends the server from the listener's thread. */
+void mdt_serve_listener_busy(mdt_serve_listener *l, uint64_t conn, int busy);
 /* Whether the owner watched through standard input has gone (p->owner_stdin). */
 int mdt_serve_listener_owner_gone(const mdt_serve_listener *l);
 

@@ -340,6 +340,55 @@ rc=$?; took=$(( $(date +%s) - start ))
     grep -q "^meshdit: error: step watchdog: rank 1 did not reach the failure agreement within 3 s .*--load-timeout sets the bound" "$T/log10" &&
     ! grep -q "^serving on" "$T/log10" && ok || bad "rank 1 stopped in the load: exit $rc after ${took}s, $(cat "$T/log10")"
 
+# ---- memory: without --max-memory every forward is checked as `run` checks its inputs, against
+# what the node has (MESHDIT_MEM_AVAILABLE=64M replaces that figure: 32 MiB for each of the two
+# ranks): a 40k-token forward is refused before it runs, the tiny one still served. Before, only
+# --max-memory was checked and the forward ran ----
+"$BIN" inputs --checkpoint "$CK" --img-tokens 40000 --txt-tokens 512 --out "$T/huge.safetensors" >/dev/null ||
+    bad "inputs for the default memory check"
+if MESHDIT_MEM_AVAILABLE=64M start_server "$T/log12"; then
+    start=$(date +%s)
+    client forward "$T/huge.safetensors" "$T/x.safetensors" >"$T/mm1"; rc=$?
+    took=$(( $(date +%s) - start ))
+    [ $rc = 1 ] && [ "$took" -lt 5 ] &&
+        grep -q "^error=rank 0: tp=2 needs .* over the 32.0 MiB this rank may use (MESHDIT_MEM_AVAILABLE: 64.0 MiB for the 2 ranks on this node" "$T/mm1" &&
+        ok || bad "default memory check: rc $rc after ${took}s, $(cat "$T/mm1")"
+    alive "the default memory check"
+    client close >/dev/null; stopped_within 10 || bad "close after the memory check"
+fi
+
+# ---- SIGTERM while a forward runs (60k tokens: half a minute of compute): on mpiexec, every
+# rank's next wait ends the forward, the client's reply says so within seconds and the job ends;
+# one rank (no collective to stop at): the request gets 5 s, then the reply and the exit. Before,
+# the forward ran to its end and only SIGKILL ended it sooner ----
+"$BIN" inputs --checkpoint "$CK" --img-tokens 60000 --txt-tokens 512 --out "$T/long.safetensors" >/dev/null ||
+    bad "inputs for the long forward"
+if start_server "$T/log13"; then
+    client forward "$T/long.safetensors" "$T/x.safetensors" >"$T/st1" & CL=$!
+    sleep 2
+    start=$(date +%s)
+    kill -TERM "$SPID"
+    wait "$CL"; rc=$?
+    took=$(( $(date +%s) - start ))
+    stopped_within 10; st=$STOPPED
+    [ $rc = 1 ] && [ "$took" -lt 8 ] && grep -q "^error=.*stopped by a signal (SIGTERM or SIGINT)" "$T/st1" &&
+        [ "$st" != "still running after 10 s" ] && ok ||
+        bad "SIGTERM during a forward: rc $rc after ${took}s, server $st, $(cat "$T/st1" "$T/log13")"
+fi
+"$BIN" serve --checkpoint "$CK" --listen "$EP" >"$T/log14" 2>&1 &
+SPID=$!
+for _ in $(seq 300); do grep -q "^serving on" "$T/log14" && break; sleep 0.1; done
+client forward "$T/long.safetensors" "$T/x.safetensors" >"$T/st2" & CL=$!
+sleep 2
+start=$(date +%s)
+kill -TERM "$SPID"
+wait "$CL"; rc=$?
+took=$(( $(date +%s) - start ))
+stopped_within 10; st=$STOPPED
+[ $rc = 1 ] && [ "$took" -lt 9 ] && grep -q "^error=stopped by a signal .* did not end within 5 s" "$T/st2" &&
+    [ "$st" = 1 ] && [ ! -e "$T/s.sock" ] && ok ||
+    bad "SIGTERM during a one-rank forward: rc $rc after ${took}s, server $st, $(cat "$T/st2" "$T/log14")"
+
 # ---- a rank that fails inside a forward (default bounds: step watchdog >= 60 s, agreement
 # 20 s): the failed rank's note reaches rank 0 in its collective at once, the waiting client
 # gets "rank 1: ..." as its reply, and the job ends with that one line and exit 1 ----
