@@ -4,20 +4,30 @@ The protocol is docs/serve.md. The socket is a DEALER (the server's is a ROUTER)
 carries an ``id`` and a reply with another id (a late reply to a request that timed out) is
 dropped, so a timeout never leaves the connection out of step the way a REQ socket would be.
 
+A dead server is noticed within seconds, not at the end of the timeout: the socket runs ZeroMQ
+heartbeats (the server answers them, also while a forward computes) and a monitor of its
+connection, so a request pending when the connection closes — the server exited, was killed,
+or stopped answering heartbeats — fails at once. A socket file nobody listens on any more is
+removed (under the same lock on its directory that a server takes to bind it).
+
 Sessions are named here by the caller's own handles; the server issues each one a token when it
 opens (``"session": "new"``), which this client keeps and sends for that handle from then on.
 Error messages name the handle, not the token.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import itertools
 import os
+import socket
 import stat
 import threading
 import time
 from typing import Callable, Mapping
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import _blob
 
@@ -35,6 +45,39 @@ class ServerError(MeshditError):
 
 
 _ids = itertools.count(1)
+HEARTBEAT_MS = 1000  # a ping this often; the connection is dropped after 4 without an answer
+CONNECT_GRACE_S = 5.0  # a request sent while not connected waits this long for a connection
+
+
+def remove_stale_socket(path: str) -> bool:
+    """Removes `path` if it is a Unix socket nobody listens on (a server that was killed left it),
+    under an exclusive lock on its directory, the lock a server holds while it checks and binds
+    that path (so a server that is just starting there is never touched). True when removed."""
+    try:
+        dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        try:
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                return False
+        except OSError:
+            return False
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(1.0)
+            s.connect(path)
+            return False  # a live server
+        except OSError as e:
+            if e.errno != errno.ECONNREFUSED:
+                return False
+            os.unlink(path)
+            return True
+        finally:
+            s.close()
+    finally:
+        os.close(dfd)  # releases the lock
 
 
 class Client:
@@ -60,15 +103,27 @@ class Client:
                 raise MeshditError(f"meshdit: no server at {endpoint}: {e.strerror}") from None
             if not is_sock:
                 raise MeshditError(f"meshdit: no server at {endpoint}: '{path}' is not a socket")
+            if remove_stale_socket(path):
+                raise MeshditError(f"meshdit: no server at {endpoint}: nobody listens there any "
+                                   f"more (the socket file of a server that ended; removed)")
         self._lock = threading.Lock()  # one request at a time over the one socket
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4 * HEARTBEAT_MS)
         if endpoint.startswith("tcp://[") or endpoint.count(":") > 2:
             self._sock.setsockopt(zmq.IPV6, 1)
+        # the connection's events: a request pending when it closes fails at once
+        self._mon = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED |
+                                                  zmq.EVENT_DISCONNECTED)
+        self._connected = False
+        self._lost = False  # the connection closed since the last request was sent
         try:
             self._sock.connect(endpoint)
         except zmq.ZMQError as e:
+            self._sock.disable_monitor()
+            self._mon.close(0)
             self._sock.close(0)
             self._sock = None
             raise MeshditError(f"meshdit: cannot connect to {endpoint}: {e}") from None
@@ -101,6 +156,8 @@ class Client:
         if self.max_request_bytes is not None and len(body) > self.max_request_bytes:
             raise MeshditError(f"meshdit serve: {op}: the request is {len(body):,} bytes, over the "
                                f"server's --max-request-bytes {self.max_request_bytes:,}")
+        self._events()
+        self._lost = False
         self._sock.send_multipart([b"", body], copy=False)
         self.bytes_sent += len(body)
         limit = self.timeout if timeout == -1.0 else timeout
@@ -108,6 +165,16 @@ class Client:
         while True:
             left = None if limit is None else limit - (time.monotonic() - t0)
             wait_ms = 100 if left is None else max(0, min(100, int(left * 1000)))
+            self._events()
+            lost = self._lost or (not self._connected and time.monotonic() - t0 > CONNECT_GRACE_S)
+            if lost:
+                # a server this process watches says best what happened: give it a moment
+                for _ in range(100 if self._alive else 0):
+                    why = self._alive()
+                    if why:
+                        raise MeshditError(f"meshdit serve: {op}: {why}")
+                    time.sleep(0.1)
+                raise MeshditError(f"meshdit serve: {op}: {self._lost_why(self._lost)}")
             if self._sock.poll(wait_ms, zmq.POLLIN):
                 frames = self._sock.recv_multipart(copy=False)
                 blob = frames[-1].buffer
@@ -128,6 +195,29 @@ class Client:
             if limit is not None and time.monotonic() - t0 >= limit:
                 raise MeshditError(f"meshdit serve: {op}: no reply from {self.endpoint} within "
                                    f"{limit:g} s")
+
+    def _events(self) -> bool:
+        """Reads the connection's events; True when there were any."""
+        seen = False
+        while self._mon.poll(0):
+            ev = recv_monitor_message(self._mon)["event"]
+            seen = True
+            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+            elif ev == zmq.EVENT_DISCONNECTED and self._connected:
+                self._connected, self._lost = False, True
+        return seen
+
+    def _lost_why(self, connected: bool = True) -> str:
+        if connected:
+            why = (f"the connection to {self.endpoint} closed while this request was pending: "
+                   f"the server ended, was killed, or stopped answering heartbeats")
+        else:
+            why = (f"no server answered a connection to {self.endpoint} within "
+                   f"{CONNECT_GRACE_S:g} s (it ended, was killed or stopped)")
+        if self.endpoint.startswith("ipc://") and remove_stale_socket(self.endpoint[6:]):
+            why += " (its socket file, which nobody listens on any more, was removed)"
+        return why
 
     def info(self) -> dict:
         """The server's `info` metadata (family, class_name, config text, layout, memory)."""
@@ -190,6 +280,8 @@ class Client:
         """Closes this connection (the server goes on)."""
         with self._lock:
             if self._sock is not None:
+                self._sock.disable_monitor()
+                self._mon.close(0)
                 self._sock.close(0)
                 self._sock = None
 

@@ -22,7 +22,7 @@ import time
 import weakref
 from typing import Sequence
 
-from .client import Client, MeshditError
+from .client import Client, MeshditError, remove_stale_socket
 
 _LAYOUT = ("tp", "ring", "ulysses")
 
@@ -132,7 +132,8 @@ class Server:
             raise MeshditError(f"meshdit: cannot start {self.command[0]}: {e}") from None
         # a Server dropped or left at exit without close(): SIGTERM at once (weakref.finalize
         # also runs at interpreter exit)
-        self._finalizer = weakref.finalize(self, _stop, self.proc, self._log, self._tmp, 0.0)
+        sock = self.endpoint[len("ipc://"):] if self.endpoint.startswith("ipc://") else None
+        self._finalizer = weakref.finalize(self, _stop, self.proc, self._log, self._tmp, 0.0, sock)
         self._wait_ready(startup_timeout)
         alive = weakref.WeakMethod(self._alive)  # no cycle: a dropped Server is stopped at once
         self.client = Client(self.endpoint, timeout=timeout,
@@ -203,7 +204,8 @@ class Server:
         self.client = None
         if self._finalizer.detach() is None:
             return self.proc.poll()  # closed before
-        return _stop(self.proc, self._log, self._tmp, 10.0 if closed else 0.0)
+        sock = self.endpoint[len("ipc://"):] if self.endpoint.startswith("ipc://") else None
+        return _stop(self.proc, self._log, self._tmp, 10.0 if closed else 0.0, sock)
 
     def __enter__(self):
         return self
@@ -223,9 +225,10 @@ def _die_with_parent() -> None:
             pass
 
 
-def _stop(proc, log, tmp, grace: float) -> int | None:
+def _stop(proc, log, tmp, grace: float, sock: str | None = None) -> int | None:
     """Waits `grace` s for the job to end by itself (after a close request), then SIGTERM to its
-    process group (every rank exits 0 within seconds), then SIGKILL; removes the temp dir."""
+    process group (every rank exits 0 within seconds), then SIGKILL; removes the temp dir and a
+    socket file `sock` that a killed job left behind (nobody listening on it)."""
     for sig, wait in ((None, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         if proc.poll() is not None:
             break
@@ -239,5 +242,7 @@ def _stop(proc, log, tmp, grace: float) -> int | None:
         except subprocess.TimeoutExpired:
             pass
     log.close()
+    if sock and proc.poll() is not None:
+        remove_stale_socket(sock)
     shutil.rmtree(tmp, ignore_errors=True)
     return proc.poll()
