@@ -441,6 +441,8 @@ mdt_status mdt_serve_listen(const mdt_serve_params *p, mdt_serve_listener **out)
 const char *mdt_serve_listener_endpoint(const mdt_serve_listener *l);
 /* Stops the thread, closes every connection and removes the ipc socket file. NULL: a no-op. */
 void mdt_serve_listener_free(mdt_serve_listener *l);
+/* 1 when the server stopped because its standard input ended (p->owner_stdin). */
+int mdt_serve_listener_owner_gone(const mdt_serve_listener *l);
 
 /* Serves `m` until a "close" request or mdt_serve_stop: world rank 0 answers ZeroMQ clients on
  * the endpoint (p->listener, or one it binds), validates each request and broadcasts it over the

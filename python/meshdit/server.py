@@ -5,17 +5,23 @@ waits for rank 0's ``serving on ENDPOINT`` line, and stops the job when closed: 
 request first (every rank exits 0), then SIGTERM to the group, then SIGKILL. The job's stdout and
 stderr go to a log file, so a failed start or a rank that fails later is reported with the
 server's own one-line error.
+
+The job follows this process, not the thread that started it: its standard input is a pipe
+whose other end only this process holds, and the server runs with ``--owner-stdin``, so rank 0
+stops the job (every rank exits 0, a forward under way is ended) as soon as this process is
+gone, however it ended — SIGKILL, SIGTERM from ``timeout``, a crash — while a Server made in a
+worker thread (a Gradio or FastAPI loader) lives on after that thread ends. (The launcher's
+PR_SET_PDEATHSIG did the opposite: it fired when the *thread* that forked it ended, and not at
+all for some ways the process died.)
 """
 from __future__ import annotations
 
-import ctypes
 import numbers
 import os
 import re
 import shlex
 import shutil
 import signal
-import sys
 import subprocess
 import tempfile
 import time
@@ -89,7 +95,8 @@ class Server:
                  load_timeout: float | None = None,
                  launcher: Sequence[str] | None = None, binary: str | None = None,
                  endpoint: str | None = None, extra: Sequence[str] = (), env=None,
-                 startup_timeout: float = 600.0, timeout: float | None = None):
+                 startup_timeout: float = 600.0, timeout: float | None = None,
+                 watch_owner: bool = True):
         if not isinstance(checkpoint, (str, os.PathLike)) or not os.path.isdir(checkpoint):
             raise MeshditError(f"meshdit: checkpoint '{checkpoint}' is not a directory")
         layout = []
@@ -108,6 +115,8 @@ class Server:
         args = [exe, "serve", "--checkpoint", os.path.abspath(checkpoint),
                 "--tp", str(tp), "--ring", str(ring), "--ulysses", str(ulysses),
                 "--listen", self.endpoint]
+        if watch_owner:  # rank 0 ends the job when this process's end of its stdin closes
+            args.append("--owner-stdin")
         opt = {"--mesh-order": mesh_order, "--device": device, "--dtype": dtype, "--comm": comm,
                "--max-memory": max_memory, "--max-sessions": max_sessions,
                "--max-session-bytes": max_session_bytes, "--session-idle": session_idle,
@@ -123,9 +132,10 @@ class Server:
         run_env = dict(os.environ if env is None else env)
         run_env.setdefault("OPENBLAS_NUM_THREADS", "1")  # one thread per rank
         try:
-            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE if watch_owner else
+                                         subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, env=run_env,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True)
         except OSError as e:
             self._log.close()
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -214,21 +224,15 @@ class Server:
         self.close()
 
 
-def _die_with_parent() -> None:
-    """In the launcher's child process: the kernel sends it SIGTERM when this process ends
-    (Linux PR_SET_PDEATHSIG), so a Python process that is killed does not leave its server
-    running; the launcher passes SIGTERM on to every rank, which exits 0. Elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-
-
 def _stop(proc, log, tmp, grace: float, sock: str | None = None) -> int | None:
     """Waits `grace` s for the job to end by itself (after a close request), then SIGTERM to its
     process group (every rank exits 0 within seconds), then SIGKILL; removes the temp dir and a
     socket file `sock` that a killed job left behind (nobody listening on it)."""
+    if proc.stdin is not None:  # the owner pipe: closing it alone stops the job
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
     for sig, wait in ((None, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         if proc.poll() is not None:
             break

@@ -14,9 +14,25 @@
 #include <time.h>
 #include <unistd.h>
 
-static void on_signal(int sig) {
-    (void)sig;
+static volatile sig_atomic_t g_signal, g_signal_pid; /* the stop signal and its sender */
+
+static void on_signal(int sig, siginfo_t *info, void *ctx) {
+    (void)ctx;
+    if (!g_signal)
+        g_signal = sig, g_signal_pid = info ? (sig_atomic_t)info->si_pid : 0;
     mdt_serve_stop(); /* a flag: every rank leaves the loop within about a second */
+}
+
+/* Rank 0, after a stop: one line saying why, so that whoever watches the job's output (the
+ * Python package's Server) can say what happened. A close request needs none. */
+static void say_why_stopped(const mdt_serve_listener *l) {
+    if (mdt_serve_listener_owner_gone(l))
+        fprintf(stderr, "meshdit: serve: stopped: its standard input ended (--owner-stdin: the "
+                        "process that started the server is gone)\n");
+    else if (g_signal)
+        fprintf(stderr, "meshdit: serve: stopped by %s from process %ld\n",
+                g_signal == SIGTERM ? "SIGTERM" : "SIGINT", (long)g_signal_pid);
+    fflush(stderr);
 }
 
 /* The listener's thread: a request outlived a stop's grace; its client has the reason. */
@@ -35,7 +51,7 @@ static void on_ready(void *user, const char *endpoint) {
 
 typedef struct serve_args {
     const char *ck, *listen;
-    int listen_any;
+    int listen_any, owner_stdin;
     cli_layout l;
     long long max_sessions, step_timeout, load_timeout, session_idle;
     int64_t max_session_bytes, max_request_bytes, max_queue_bytes;
@@ -56,7 +72,7 @@ static int opt_size(cli_opts *o, const char *key, int64_t def, int64_t *out) {
 }
 
 static int parse_serve(int argc, char **argv, serve_args *a) {
-    static const char *const flags[] = {"listen-any", NULL};
+    static const char *const flags[] = {"listen-any", "owner-stdin", NULL};
     cli_opts o;
     int rc = cli_parse_opts(argc, argv, &o, flags);
     if (rc)
@@ -68,6 +84,7 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
     a->nlora = cli_opt_all(&o, "lora", a->lora, 16);
     if (a->nlora > 16)
         return cli_usage_exit("at most 16 --lora adapters, got %d", a->nlora);
+    a->owner_stdin = cli_opt_str(&o, "owner-stdin", NULL) != NULL;
     if ((rc = cli_parse_layout(&o, &a->l)) ||
         (rc = cli_opt_int(&o, "max-sessions", def.max_sessions, 0, 4096, &a->max_sessions)) ||
         (rc = opt_size(&o, "max-session-bytes", def.max_session_bytes, &a->max_session_bytes)) ||
@@ -98,7 +115,7 @@ int cmd_serve(int argc, char **argv) {
     if (st != MDT_OK)
         return cli_fail_exit(st);
     mdt_serve_params p = mdt_serve_params_default();
-    p.endpoint = a.listen, p.listen_any = a.listen_any;
+    p.endpoint = a.listen, p.listen_any = a.listen_any, p.owner_stdin = a.owner_stdin;
     p.max_sessions = (int)a.max_sessions, p.max_session_bytes = a.max_session_bytes;
     p.session_idle = (double)a.session_idle;
     p.max_request_bytes = a.max_request_bytes, p.max_queue_bytes = a.max_queue_bytes;
@@ -125,13 +142,16 @@ int cmd_serve(int argc, char **argv) {
     if (st == MDT_OK) {
         struct sigaction sa;
         memset(&sa, 0, sizeof sa);
-        sa.sa_handler = on_signal; /* no SA_RESTART: a wait returns and sees the flag */
+        sa.sa_sigaction = on_signal; /* no SA_RESTART: a wait returns and sees the flag */
+        sa.sa_flags = SA_SIGINFO;
         sigemptyset(&sa.sa_mask);
         sigaction(SIGTERM, &sa, NULL);
         sigaction(SIGINT, &sa, NULL);
         p.listener = listener;
         p.on_ready = cli_rank == 0 ? on_ready : NULL;
         st = mdt_serve(m, &p);
+        if (st == MDT_OK && cli_rank == 0)
+            say_why_stopped(listener);
     }
     if (st != MDT_OK && mdt_mesh_peers_stuck(mesh)) {
         if (st == MDT_E_STOPPED && cli_rank != 0) { /* rank 0 answers and reports it: give */

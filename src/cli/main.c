@@ -53,8 +53,8 @@ void cli_usage(FILE *fp) {
         "          [--dtype f32|bf16] [--comm auto|mpi|nccl] [--max-memory SIZE]\n"
         "          [--max-sessions N] [--max-session-bytes SIZE] [--session-idle S]\n"
         "          [--max-request-bytes SIZE] [--max-queue-bytes SIZE]\n"
-        "          [--step-timeout S] [--load-timeout S] [--lora FILE[:SCALE]]...\n"
-        "          (docs/serve.md)\n");
+        "          [--step-timeout S] [--load-timeout S] [--owner-stdin]\n"
+        "          [--lora FILE[:SCALE]]...   (docs/serve.md)\n");
 }
 
 /* The launcher forwards a rank's stdout and stderr through pipes, and on MPI_Abort it kills every

@@ -158,7 +158,5 @@ void mdt_serve_listener_fail_all(mdt_serve_listener *l, const char *msg, double 
 /* The loop runs a request of `conn` (busy 1) or has finished it (0): while it runs, a stop that
  * is not obeyed within MDT_SERVE_STOP_GRACE_S ends the server from the listener's thread. */
 void mdt_serve_listener_busy(mdt_serve_listener *l, uint64_t conn, int busy);
-/* Whether the owner watched through standard input has gone (p->owner_stdin). */
-int mdt_serve_listener_owner_gone(const mdt_serve_listener *l);
 
 #endif /* MDT_API_SERVE_H */

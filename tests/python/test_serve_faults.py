@@ -73,6 +73,80 @@ def gone_within(pids, seconds):
     return False
 
 
+# ---- the job follows its owner process (issue 27, items 4 and 6) ------------------------------
+def test_a_server_made_in_a_thread_outlives_the_thread():
+    """A loader thread (as Gradio or FastAPI runs one) starts the server and ends: the server
+    keeps serving. Before, PR_SET_PDEATHSIG ended it with the thread ("the server exited with
+    status 0: serving on ...")."""
+    made = {}
+    th = threading.Thread(target=lambda: made.setdefault("t", meshdit.Transformer.from_pretrained(FLUX, tp=2)))
+    th.start()
+    th.join()
+    t = made["t"]
+    try:
+        time.sleep(1.5)
+        assert t._server.proc.poll() is None, t._server.log()
+        assert t(**tensors()).sample.isfinite().all()
+    finally:
+        t.close()
+
+
+OWNER = ("import meshdit, sys, time; s = meshdit.Server(sys.argv[1], tp=2, max_sessions=%d); "
+         "print(s.proc.pid, flush=True); time.sleep(600)")
+
+
+@pytest.mark.parametrize("sig", ["TERM", "KILL"])
+def test_an_owner_ended_by_timeout_takes_its_server_along(sig):
+    """`timeout -s TERM|KILL` ends the Python process that started a server: every process of
+    the job ends within seconds. Before, the server was left running, its parent init."""
+    tag = 40 + (sig == "KILL")  # the launch's own command line, to find its processes
+    py = subprocess.Popen(["timeout", "-s", sig, "4", sys.executable, "-c", OWNER % tag, FLUX],
+                          stdout=subprocess.PIPE, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python")))
+    pid = int(py.stdout.readline())
+    job = children(pid)
+    py.wait(timeout=30)
+    ok = gone_within(job, 20)
+    if not ok:
+        for p in job:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+    assert ok, "the job outlived the process that started it"
+
+
+def test_an_unexpected_exit_says_what_happened():
+    """Someone else stops the job: the next call says by which signal and from which process,
+    not the 'serving on' line."""
+    srv = meshdit.Server(FLUX, tp=2)
+    try:
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        srv.proc.wait(timeout=20)
+        with pytest.raises(meshdit.MeshditError,
+                           match=r"exited with status 0: meshdit: serve: stopped by SIGTERM from process \d+"):
+            srv.client.info()
+    finally:
+        srv.close()
+
+
+# ---- a rank stopped while the server idles (issue 26, item 1) ---------------------------------
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_stopped_while_idle_ends_the_wait(rank):
+    """SIGSTOP of rank 1 (or rank 0) between requests, then a forward: it fails within the
+    bound (step_timeout=3) with the watchdog's line. Before, the client hung."""
+    t = meshdit.Transformer.from_pretrained(FLUX, tp=2, step_timeout=3)
+    try:
+        os.kill(rank_pid(t._server, rank), signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(meshdit.MeshditError, match=f"step watchdog: rank {rank} did not reach"):
+            t(**tensors())
+        assert time.monotonic() - t0 < 20
+        assert t._server.proc.wait(timeout=20) not in (None, 0)
+    finally:
+        t.close()
+
+
 # ---- a dead server, seen by a client that only connected (issue 26, item 8) -------------------
 def test_a_connect_client_notices_a_killed_server(tmp_path):
     """Rank 1 is killed mid-forward; the launcher ends the job at once. A client that only
