@@ -53,7 +53,7 @@ TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 MPI_TEST_BIN := $(patsubst tests/mpi/%.c,$(BUILD)/tests/mpi/%,$(wildcard tests/mpi/test_*.c))
 FUZZ_NAMES := $(patsubst tests/fuzz/fuzz_%.c,%,$(wildcard tests/fuzz/fuzz_*.c))
 REPLAY_BIN := $(FUZZ_NAMES:%=$(BUILD)/tests/replay_%)
-ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] tests/mpi/*.c tests/cli/*.c tests/gpu/*.c tests/fuzz/*.c bench/*.c)
+ALL_SRC  := $(wildcard include/*.h src/*/*.[ch] src/*/*/*.[ch] tests/unit/*.[ch] tests/mpi/*.c tests/cli/*.c tests/gpu/*.c tests/fuzz/*.c bench/*.c tools/*.c)
 
 .DEFAULT_GOAL := all
 
@@ -79,7 +79,7 @@ cuda: $(CUDA_LIB)
         valgrind test-sanitize campaign venv test-python demo-python
 
 all: $(BUILD)/meshdit $(TEST_BIN) $(MPI_TEST_BIN) $(REPLAY_BIN) $(CUDA_LIB) $(BUILD)/tests/gpu/test_gpu \
-     $(BUILD)/tests/serve_client
+     $(BUILD)/tests/serve_client $(BUILD)/libmeshdit_loopback.so
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -114,6 +114,11 @@ $(BUILD)/tests/mpi/%: $(BUILD)/tests/mpi/%.o $(BUILD)/libmeshdit.a
 $(BUILD)/tests/gpu/test_gpu: tests/gpu/test_gpu.c $(BUILD)/libmeshdit.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests/unit $(LDFLAGS) -o $@ $< $(BUILD)/libmeshdit.a $(LDLIBS)
+
+# preloaded into a one-host job's mpiexec by the Python package: its sockets stay on loopback
+$(BUILD)/libmeshdit_loopback.so: tools/loopback_bind.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 $(WARN) -O2 -fPIC -shared -o $@ $< -ldl
 
 # the test client of `meshdit serve` (tests/cli/test_serve.sh), on libzmq directly
 $(BUILD)/tests/serve_client: tests/cli/serve_client.c $(BUILD)/libmeshdit.a
@@ -183,7 +188,7 @@ format-check:
 
 cppcheck:
 	cppcheck --quiet --error-exitcode=1 --std=c11 --enable=warning,performance,portability \
-	  --inline-suppr --suppress=missingIncludeSystem -Iinclude -Isrc -Itests/unit src tests/unit tests/mpi tests/cli
+	  --inline-suppr --suppress=missingIncludeSystem -Iinclude -Isrc -Itests/unit src tests/unit tests/mpi tests/cli tools
 
 layers:
 	scripts/check-layers

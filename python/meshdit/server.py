@@ -25,6 +25,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import warnings
 import weakref
 from typing import Sequence
 
@@ -73,6 +74,32 @@ def default_launcher(world: int) -> list:
     return [mpiexec, "-n", str(world)]
 
 
+# what keeps a one-host job's MPI sockets on loopback, per MPI: UCX (MPICH ch4:ucx, Open MPI's
+# pml ucx), Open MPI's own TCP paths, libfabric's TCP and sockets providers, MPICH ch3's TCP,
+# and hydra's proxies; hydra's PMI port needs the preload library below (it binds 0.0.0.0)
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "OMPI_MCA_btl_tcp_if_include": "lo",
+                "OMPI_MCA_oob_tcp_if_include": "lo", "FI_TCP_IFACE": "lo", "FI_SOCKETS_IFACE": "lo",
+                "MPIR_CVAR_CH3_INTERFACE_HOSTNAME": "127.0.0.1", "HYDRA_IFACE": "lo"}
+
+
+def loopback_env(env: dict, exe: str) -> dict:
+    """`env` with the variables and the preload library (build/libmeshdit_loopback.so, beside the
+    binary, or $MESHDIT_LOOPBACK_LIB) that keep every socket of a one-host job on loopback;
+    variables the caller set win. Without the library a warning says hydra's port stays open."""
+    out = dict(env)
+    for k, v in LOOPBACK_ENV.items():
+        out.setdefault(k, v)
+    lib = out.get("MESHDIT_LOOPBACK_LIB") or os.path.join(os.path.dirname(exe),
+                                                           "libmeshdit_loopback.so")
+    if os.path.isfile(lib):
+        out["LD_PRELOAD"] = " ".join(p for p in (lib, out.get("LD_PRELOAD", "")) if p)
+    else:
+        warnings.warn(f"meshdit: no {lib}: the launcher's PMI port will listen on every "
+                      f"interface (build it with make, or set MESHDIT_LOOPBACK_LIB)",
+                      stacklevel=3)
+    return out
+
+
 def _size_arg(v) -> str:
     return str(v) if isinstance(v, str) else str(int(v))
 
@@ -84,6 +111,9 @@ class Server:
     comm, max_memory, max_sessions, max_session_bytes, session_idle, max_request_bytes,
     max_queue_bytes, step_timeout, load_timeout; `extra` is appended as is. `launcher` is the command line that starts `world` ranks (default
     ``mpiexec -n tp*ring*ulysses``); `endpoint` defaults to a socket in a private temp dir.
+    `loopback` (default: True with the default launcher, which runs every rank on this host)
+    keeps every socket of the MPI job on loopback (`loopback_env`); a launcher across hosts must
+    leave it False. `watch_owner` (default True) ends the job when this process ends.
     """
 
     def __init__(self, checkpoint: str, *, tp: int = 1, ring: int = 1, ulysses: int = 1,
@@ -96,7 +126,7 @@ class Server:
                  launcher: Sequence[str] | None = None, binary: str | None = None,
                  endpoint: str | None = None, extra: Sequence[str] = (), env=None,
                  startup_timeout: float = 600.0, timeout: float | None = None,
-                 watch_owner: bool = True):
+                 watch_owner: bool = True, loopback: bool | None = None):
         if not isinstance(checkpoint, (str, os.PathLike)) or not os.path.isdir(checkpoint):
             raise MeshditError(f"meshdit: checkpoint '{checkpoint}' is not a directory")
         layout = []
@@ -131,6 +161,8 @@ class Server:
         self._log = open(self.log_path, "wb")
         run_env = dict(os.environ if env is None else env)
         run_env.setdefault("OPENBLAS_NUM_THREADS", "1")  # one thread per rank
+        if launcher is None if loopback is None else loopback:  # a one-host job: loopback only
+            run_env = loopback_env(run_env, exe)
         try:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE if watch_owner else
                                          subprocess.DEVNULL, stdout=self._log,

@@ -202,3 +202,56 @@ def test_a_stale_socket_file_is_removed_by_a_client(tmp_path):
         assert srv.client.info()["status"] == "ok"
     finally:
         srv.close()
+
+
+# ---- the MPI job's sockets stay on loopback (issue 26, item 4) --------------------------------
+def listening(pids):
+    """(protocol, address, port) of every TCP/UDP socket that processes `pids` listen on."""
+    inodes = set()
+    for p in pids:
+        try:
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{p}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            pass
+    out = []
+    for name, v6, state in (("tcp", False, "0A"), ("tcp6", True, "0A"), ("udp", False, "07"),
+                            ("udp6", True, "07")):
+        with open(f"/proc/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                x = line.split()
+                if x[3] != state or x[9] not in inodes:
+                    continue
+                addr, port = x[1].split(":")
+                raw = bytes.fromhex(addr)
+                if v6:  # four little-endian words
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                    host = socket.inet_ntop(socket.AF_INET6, raw)
+                else:
+                    host = socket.inet_ntop(socket.AF_INET, raw[::-1])
+                out.append((name, host, int(port, 16)))
+    return out
+
+
+def is_loopback(host):
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1")
+
+
+def test_the_mpi_job_listens_on_loopback_only():
+    """A one-host job started by the package: no process of it (mpiexec, hydra's proxy, the
+    ranks) listens outside loopback. Before, hydra's PMI port was on 0.0.0.0 and every rank had
+    a port on the machine's external address. With loopback=False (the negative control) they
+    are back, on a machine that has an external address."""
+    with meshdit.Server(FLUX, tp=2) as srv:
+        socks = listening(children(srv.proc.pid))
+        assert socks and all(is_loopback(h) for _, h, _ in socks), socks
+        assert srv.client.info()["world"] == "2"
+    with meshdit.Server(FLUX, tp=2, loopback=False) as srv:
+        socks = listening(children(srv.proc.pid))
+    if not any(not is_loopback(h) for _, h, _ in socks):
+        pytest.skip("no socket off loopback even without the loopback launch (no external address?)")
