@@ -156,8 +156,9 @@ _LOAD_ARGS = {
     "proxies": (None,), "dduf_entries": (None,), "low_cpu_mem_usage": _ANY, "disable_mmap": _ANY,
     "local_files_only": _ANY, "token": _ANY,
 }
-_SERVE_OPTIONS = ("comm", "max_memory", "max_sessions", "max_session_bytes", "max_request_bytes",
-                  "step_timeout", "endpoint", "extra", "env", "startup_timeout")
+_SERVE_OPTIONS = ("comm", "max_memory", "max_sessions", "max_session_bytes", "session_idle",
+                  "max_request_bytes", "max_queue_bytes", "step_timeout", "load_timeout",
+                  "endpoint", "extra", "env", "startup_timeout", "watch_owner", "loopback")
 
 
 class Transformer(ModelMixin):
