@@ -331,11 +331,17 @@ typedef struct mdt_sample_params {
      * the inputs as negative_NAME (docs/models.md): each step combines the two branches'
      * predictions by the family's formula; with cfg 2 each cfg group runs one branch */
     double guidance_scale;
+    /* a step cache for the run (docs/cache.md): "first_block[:threshold=X]", as diffusers'
+     * FirstBlockCacheConfig; NULL or "none": every block of every step */
+    const char *cache;
     /* optional, on every rank after each step or forward (1-based), with its seconds */
     void (*on_step)(void *user, int step, int nsteps, double seconds);
     void *user;
 } mdt_sample_params;
-mdt_sample_params mdt_sample_params_default(void); /* steps 0, repeat 1, no timeout, no callback */
+mdt_sample_params mdt_sample_params_default(void);
+/* Checks a step cache's spec (mdt_sample_params.cache): MDT_E_INVALID naming the unknown cache,
+ * key or bad value; *enabled 1 when it turns a cache on. */
+mdt_status mdt_cache_spec_check(const char *spec, int *enabled); /* steps 0, repeat 1, no timeout, no callback */
 
 /* What the last mdt_sample did: per-rank facts (on world rank 0: every rank's; elsewhere only
  * this rank's) and the step times. Opaque; mdt_run_stats_free frees it. */
@@ -377,6 +383,10 @@ int mdt_run_stats_steps(const mdt_run_stats *s);           /* steps or forwards 
 int mdt_run_stats_sampled(const mdt_run_stats *s);         /* 1 if the sampler ran */
 double mdt_run_stats_step_seconds(const mdt_run_stats *s); /* median seconds per step */
 int mdt_run_stats_rank_count(const mdt_run_stats *s);      /* world on rank 0, else 1 */
+/* The run's step cache (mdt_sample_params.cache): the forwards it saw (0: no cache), and
+ * whether forward i skipped its remaining blocks (1), computed them (0), or -1 out of range. */
+int64_t mdt_run_stats_cache_forwards(const mdt_run_stats *s);
+int mdt_run_stats_cache_skipped(const mdt_run_stats *s, int64_t i);
 /* The i-th rank's facts (0 <= i < rank_count), or NULL. */
 const mdt_rank_stats *mdt_run_stats_rank(const mdt_run_stats *s, int i);
 /* The run report as JSON text (free() it): model, world, layout and mesh order, device, weights

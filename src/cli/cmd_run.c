@@ -97,9 +97,29 @@ static void print_adapters(const mdt_model *m, double lora_s) {
     printf("adapters loaded and fused in %.3f s (fusing %.3f s on rank 0)\n", lora_s, fuse_s);
 }
 
+/* The step cache's decisions: forwards skipped and computed, and the skip pattern. */
+static void print_cache(const mdt_run_stats *s, const char *spec) {
+    const int64_t nf = mdt_run_stats_cache_forwards(s);
+    if (nf <= 0)
+        return;
+    char pat[256];
+    int64_t n = 0, skipped = 0;
+    for (int64_t i = 0; i < nf; i++) {
+        const int k = mdt_run_stats_cache_skipped(s, i);
+        skipped += k == 1;
+        if (n + 1 < (int64_t)sizeof pat)
+            pat[n++] = k == 1 ? '-' : 'C';
+    }
+    pat[n] = '\0';
+    printf("cache %s: %lld of %lld forwards skipped their remaining blocks (%s%s; C computed, - "
+           "skipped)\n",
+           spec, (long long)skipped, (long long)nf, pat, n < nf ? "..." : "");
+}
+
 /* The options of `meshdit run`. */
 typedef struct run_args {
     const char *ck, *inp, *out, *report;
+    const char *cache; /* --cache NAME[:key=value,...] */
     cli_layout l;
     int quiet;
     long long steps, repeat, step_timeout;
@@ -117,6 +137,7 @@ static int parse_run(int argc, char **argv, run_args *a) {
     a->ck = cli_opt_str(&o, "checkpoint", NULL), a->inp = cli_opt_str(&o, "inputs", NULL);
     a->out = cli_opt_str(&o, "out", NULL), a->report = cli_opt_str(&o, "report", NULL);
     a->quiet = cli_opt_str(&o, "quiet", NULL) != NULL;
+    a->cache = cli_opt_str(&o, "cache", NULL);
     a->nlora = cli_opt_all(&o, "lora", a->lora, 16);
     if (a->nlora > 16)
         return cli_usage_exit("at most 16 --lora adapters, got %d", a->nlora);
@@ -132,6 +153,11 @@ static int parse_run(int argc, char **argv, run_args *a) {
                               a->guidance_scale);
     if (!a->ck || !a->inp || !a->out)
         return cli_usage_exit("run needs --checkpoint DIR --inputs FILE --out FILE");
+    int cached = 0;
+    if (mdt_cache_spec_check(a->cache, &cached) != MDT_OK)
+        return cli_usage_exit("%s", mdt_last_error());
+    if (cached && a->steps == 0)
+        return cli_usage_exit("--cache caches across the steps of a generation: it needs --steps N");
     return 0;
 }
 
@@ -170,7 +196,7 @@ int cmd_run(int argc, char **argv) {
     int printed = 0;
     mdt_sample_params sp = mdt_sample_params_default();
     sp.steps = (int)a.steps, sp.repeat = (int)a.repeat, sp.step_timeout = (double)a.step_timeout;
-    sp.guidance_scale = a.guidance_scale;
+    sp.guidance_scale = a.guidance_scale, sp.cache = a.cache;
     sp.on_step = progress ? on_step : NULL, sp.user = &printed;
     st = mdt_sample(m, in, &sp, res, &stats);
     if (printed)
@@ -193,6 +219,7 @@ int cmd_run(int argc, char **argv) {
     if (st == MDT_OK && !a.quiet && cli_rank == 0) {
         print_plan(m, a.l.order, stats, load_s, a.out);
         print_adapters(m, lora_s);
+        print_cache(stats, a.cache);
     }
 done:
     if (st != MDT_OK && mdt_mesh_peers_stuck(mesh)) {

@@ -12,6 +12,7 @@
  * ids) split into P chunks each; the joint sequence of a rank is its text chunk then its image
  * chunk; the output's image rows gathered.
  */
+#include "models/cache.h"
 #include "models/joint.h"
 
 #include "backend/backend.h"
@@ -294,27 +295,51 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_guard_finite(d.m, "x_embedder", xs, B * si * C);
     mdt_guard_finite(d.m, "context_embedder", c, B * st * C);
     const flux_run run = {f, &x, &hd};
-    for (int64_t i = 0; i < f->layers; i++) { /* double blocks: image and text streams */
+    /* the step cache (cache.h): the image stream's residual over block 0 decides */
+    mdt_cache *cache;
+    int skip = 0;
+    MDT_TRY(mdt_cache_begin(&d, 1, f->layers + f->single_layers, &cache));
+    float *x0 = cache ? mdt_arena_floats(ar, B * si * C) : NULL; // [B, Si/P, C] block 0's input
+    if (cache && !x0)
+        return MDT_E_NOMEM;
+    const mdt_cache_rows heads[2] = {{xs, si, C, si * C}, {c, st, C, st * C}};
+    int64_t ran = 0;
+    for (int64_t i = 0; i < f->layers && !skip; i++) { /* double blocks: image and text */
+        if (cache && i == 0)
+            memcpy(x0, xs, sizeof(float) * (size_t)(B * si * C));
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&run, &d, &f->dbl[i], xs, c));
         mdt_dit_block_done(&d, mk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
                            2);
+        ran++;
         if (i == 0) /* test seam: a rank failing mid-step */
             MDT_TRY(mdt_dit_test_point(&d, "step"));
+        if (cache && i == 0) {
+            MDT_TRY(mdt_cache_head(cache, &d, x0, xs, B * si * C, &skip));
+            MDT_TRY(skip ? mdt_cache_apply(cache, &d, heads, 2)
+                         : mdt_cache_keep_head(cache, &d, heads, 2));
+        }
     }
     MDT_TRY(mdt_joint_concat(&d, &x.s, C, c, xs, &h)); // [B, S/P, C] text rows, then image rows
-    for (int64_t i = 0; i < f->single_layers; i++) {   /* single blocks: the joint rows */
+    for (int64_t i = 0; i < f->single_layers && !skip; i++) { /* single blocks: the joint rows */
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(single_block(&run, &d, &f->sgl[i], h));
         mdt_dit_block_done(&d, mk, "single_transformer_blocks", i, &(mdt_stream){h, S, C}, 1);
+        ran++;
     }
+    if (cache && !skip) /* the tail residuals: each stream's rows of the joint sequence */
+        MDT_TRY(mdt_cache_tail(cache, &d,
+                               (mdt_cache_rows[]){{h + st * C, si, C, S * C}, {h, st, C, S * C}},
+                               2));
+    if (cache)
+        MDT_TRY(mdt_cache_end(cache, ran, f->layers + f->single_layers - ran));
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */
     float *emb = mdt_arena_floats(ar, B * 2 * C); // [B, 2C]
     float *xn = mdt_arena_floats(ar, B * si * C); // [B, Si/P, C]
     if (!emb || !xn)
         return MDT_E_NOMEM;
     MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, emb)); // [B, 2C]
-    const mdt_joint_out o = {h, emb, k_eps, &f->proj_out, xn, (f->layers + f->single_layers) * B};
+    const mdt_joint_out o = {h, emb, k_eps, &f->proj_out, xn, ran * B};
     return mdt_joint_finish(&d, in, &x.s, &o, out);
 }
 

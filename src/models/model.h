@@ -52,6 +52,7 @@ struct mdt_model {
     char nan_stage[48];
     int64_t nan_elem;            /* -1: none */
     struct mdt_lora_state *lora; /* LoRA adapters and what they did to the shards (lora.h) */
+    struct mdt_cache *cache;     /* borrowed: the step cache of the next forwards (cache.h) */
 };
 
 /* Loads the weights of a described model from `ck`, each rank reading only its TP shards for

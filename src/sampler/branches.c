@@ -5,6 +5,8 @@
  */
 #include "sampler/branches.h"
 
+#include "models/cache.h"
+
 #include "core/testhooks.h"
 #include "parallel/plan.h"
 #include "tensor/tensor.h"
@@ -188,6 +190,9 @@ static mdt_status run_one(mdt_branches *br, mdt_model *m, int k, float **buf, in
                           int64_t *n) {
     const int64_t B = br->split ? br->nb[0] + br->nb[1] : 0;
     mdt_tensor_set *res = NULL;
+    /* the step cache keeps each branch's state apart, as diffusers' cache_context does */
+    if (m->cache)
+        MDT_TRY(mdt_cache_select(m->cache, br->guided && k == 1 ? "uncond" : "cond"));
     MDT_TRY(mdt_tensor_set_create(&res));
     mdt_status st = mdt_model_forward(m, br->set[k], res); /* guarded, watched, agreed */
     const mdt_tensor *o = st == MDT_OK ? mdt_tensor_set_get(res, m->fam->output) : NULL;

@@ -5,10 +5,12 @@
  */
 #include "sampler/run_stats.h"
 #include "backend/backend.h"
+#include "models/cache.h"
 #include "models/lora.h"
 #include "models/model.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -67,6 +69,40 @@ static void add_rank(cJSON *ranks, const mdt_rank_facts *rf) {
     cJSON_AddNumberToObject(rk, "world_collectives_per_step", (double)f->world_collectives);
 }
 
+/* The step cache's decisions: the spec, then per forward its branch, the statistic, the blocks
+ * run and skipped and the FLOPs the skip saved (this rank's; the decisions are every rank's). */
+static void add_cache(cJSON *r, const mdt_cache *c) {
+    char spec[128];
+    mdt_cache_spec_str(&c->spec, spec, sizeof spec);
+    cJSON *o = cJSON_AddObjectToObject(r, "cache");
+    cJSON_AddStringToObject(o, "spec", spec);
+    const int64_t skipped = mdt_cache_skipped(c);
+    double saved = 0;
+    for (int64_t i = 0; i < c->nlog; i++)
+        saved += c->log[i].flops_saved;
+    cJSON_AddNumberToObject(o, "forwards", (double)c->nlog);
+    cJSON_AddNumberToObject(o, "skipped", (double)skipped);
+    cJSON_AddNumberToObject(o, "computed", (double)(c->nlog - skipped));
+    cJSON_AddNumberToObject(o, "flops_saved", saved);
+    cJSON *steps = cJSON_AddArrayToObject(o, "forwards_log");
+    const int per = c->nbranches > 0 ? c->nbranches : 1; /* forwards per sampler step */
+    for (int64_t i = 0; i < c->nlog; i++) {
+        const mdt_cache_step *e = &c->log[i];
+        cJSON *t = cJSON_CreateObject();
+        cJSON_AddItemToArray(steps, t);
+        cJSON_AddNumberToObject(t, "step", (double)(i / per));
+        cJSON_AddStringToObject(t, "branch", c->br[e->branch].name);
+        cJSON_AddBoolToObject(t, "skipped", e->skipped);
+        if (isfinite(e->diff))
+            cJSON_AddNumberToObject(t, "diff", e->diff);
+        else
+            cJSON_AddNullToObject(t, "diff");
+        cJSON_AddNumberToObject(t, "blocks_computed", (double)e->blocks_run);
+        cJSON_AddNumberToObject(t, "blocks_skipped", (double)e->blocks_skip);
+        cJSON_AddNumberToObject(t, "flops_saved", e->flops_saved);
+    }
+}
+
 mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, double load_seconds,
                                char **json) {
     *json = NULL;
@@ -94,6 +130,8 @@ mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, doubl
     cJSON_AddNumberToObject(r, "step_seconds_median", s->step_median_s);
     cJSON_AddNumberToObject(r, "steps", s->steps);
     mdt_lora_report(m, r); /* the adapters fused into the weights */
+    if (s->cache)
+        add_cache(r, s->cache);
     cJSON *ranks = cJSON_AddArrayToObject(r, "ranks");
     for (int i = 0; i < s->nranks; i++)
         add_rank(ranks, &s->facts[i]);

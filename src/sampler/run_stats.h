@@ -21,6 +21,7 @@ struct mdt_run_stats {
     double step_median_s;
     int nranks;            /* entries of facts: the world on rank 0, else 1 */
     mdt_rank_facts *facts; /* [nranks] */
+    struct mdt_cache *cache; /* the run's step cache and its decisions (NULL: none) */
 };
 
 #endif /* MDT_SAMPLER_RUN_STATS_H */

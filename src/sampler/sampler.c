@@ -5,6 +5,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "io/checkpoint.h"
+#include "models/cache.h"
 #include "sampler/branches.h"
 #include "sampler/run_stats.h"
 #include "models/model.h"
@@ -127,6 +128,25 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         free(times);
         return st;
     }
+    /* the step cache of this run: a generation's state, one branch per guidance branch */
+    mdt_cache *cache = NULL;
+    mdt_cache_spec spec;
+    st = mdt_cache_spec_parse(p->cache, &spec);
+    if (st == MDT_OK && spec.kind != MDT_CACHE_OFF && br.split)
+        st = MDT_FAIL(MDT_E_UNSUPPORTED,
+                      "--cache with cfg 2 and no guidance: each cfg group would decide on its "
+                      "half of the batch, where one rank decides on the whole (run cfg 1)");
+    if (st == MDT_OK && spec.kind != MDT_CACHE_OFF)
+        st = mdt_cache_create(&spec, &cache);
+    if (st == MDT_OK && cache)
+        st = mdt_cache_select(cache, "cond");
+    if (st != MDT_OK) {
+        mdt_cache_free(cache);
+        mdt_branches_free(&br);
+        free(times);
+        return st;
+    }
+    m->cache = cache;
     /* the step watchdog: each forward arms it (mdt_model_forward), with this run's bound */
     const double saved_timeout = m->step_timeout;
     if (p->step_timeout > 0)
@@ -208,6 +228,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             p->on_step(p->user, i + 1, nsteps, times[i]);
     }
     m->step_timeout = saved_timeout;
+    m->cache = NULL;
     /* a plain forward split between the cfg groups: its gathered output is the result */
     if (st == MDT_OK && !lat && mdt_branches_active(&br))
         st = mdt_tensor_set_add_copy(outputs, fam->output, mdt_tensor_set_get(res, fam->output));
@@ -218,14 +239,17 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         st = mdt_tensor_set_add_copy(outputs, fam->output, lat);
     st = mdt_mesh_agree(mesh, st); /* a local failure between forwards (out of memory) */
     if (st != MDT_OK || !stats) {
+        mdt_cache_free(cache);
         free(times);
         return st;
     }
     mdt_run_stats *s = calloc(1, sizeof *s);
     if (!s) {
+        mdt_cache_free(cache);
         free(times);
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     }
+    s->cache = cache; /* its decisions go to the report */
     s->steps = nsteps, s->sampled = steps > 0;
     s->step_median_s = mdt_median(times, nsteps);
     free(times);
@@ -237,9 +261,20 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     return MDT_OK;
 }
 
+int64_t mdt_run_stats_cache_forwards(const mdt_run_stats *s) {
+    return s && s->cache ? s->cache->nlog : 0;
+}
+
+int mdt_run_stats_cache_skipped(const mdt_run_stats *s, int64_t i) {
+    if (!s || !s->cache || i < 0 || i >= s->cache->nlog)
+        return -1;
+    return s->cache->log[i].skipped;
+}
+
 void mdt_run_stats_free(mdt_run_stats *s) {
     if (!s)
         return;
+    mdt_cache_free(s->cache);
     free(s->facts);
     free(s);
 }

@@ -1,0 +1,123 @@
+/*
+ * cache.h — step caches inside the forward, as diffusers' hooks (diffusers/hooks/) run
+ * them: state per generation and per branch (diffusers' cache_context name: "cond", "uncond"),
+ * a decision per forward that every rank of the forward's mesh takes together.
+ *
+ * First-Block Cache (diffusers' FirstBlockCacheConfig, hooks/first_block_cache.py): the first
+ * block always runs; its residual r = out - in of the hidden (image or video) stream is compared
+ * with the residual of the last forward of the branch that ran every block:
+ *     diff = mean |r - r_prev| / mean |r_prev|,
+ * and when diff <= threshold the remaining blocks are skipped: each stream leaves the first block
+ * and gets the tail residual of that last full forward added (out_last - head_out_last), where
+ * diffusers' hooks add it. r_prev and the tail residuals only change on forwards that compute.
+ *
+ * One decision, shared: the two sums are this rank's rows' (in double), gathered over the CP
+ * group (TP ranks hold the same rows, bit for bit) and added in chunk order, so every rank of
+ * the forward's mesh computes the same diff from the same numbers; the only dependence on the
+ * layout left is the activations' own rounding (~1e-7 relative). Cached state is this rank's
+ * rows only: no rank holds more than its share.
+ */
+#ifndef MDT_MODELS_CACHE_H
+#define MDT_MODELS_CACHE_H
+
+#include "core/core.h"
+
+#include <stdint.h>
+
+struct mdt_dit;
+
+typedef enum mdt_cache_kind { MDT_CACHE_OFF = 0, MDT_CACHE_FIRST_BLOCK } mdt_cache_kind;
+
+/* What --cache NAME[:key=value,...] asks for. */
+typedef struct mdt_cache_spec {
+    mdt_cache_kind kind;
+    double threshold; /* first_block: diffusers' default 0.05 */
+} mdt_cache_spec;
+
+/* Parses "first_block[:threshold=X]" (also "fbc"); NULL or "" or "none": off. MDT_E_INVALID
+ * naming the unknown cache or key, or the bad value. */
+mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out);
+/* The spec's canonical text ("first_block:threshold=0.05"; "none"). */
+void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap);
+
+#define MDT_CACHE_BRANCHES 4  /* branches of one generation ("cond", "uncond", ...) */
+#define MDT_CACHE_STREAMS 2   /* streams a block returns (hidden, encoder_hidden) */
+#define MDT_CACHE_NAME_MAX 63 /* bytes of a branch name */
+
+typedef struct mdt_cache_branch {
+    char name[MDT_CACHE_NAME_MAX + 1];
+    float *prev_res; /* [n_res] the first block's residual of the last full forward */
+    int64_t n_res;
+    float *head[MDT_CACHE_STREAMS]; /* [n[k]] the first block's outputs of that forward */
+    float *tail[MDT_CACHE_STREAMS]; /* [n[k]] out - head of that forward, per stream */
+    int64_t n[MDT_CACHE_STREAMS];
+    int nstreams;
+    int have_tail;     /* a full forward has run: the tail residuals are there */
+    double tail_flops; /* this rank's FLOPs of the blocks after the first, in that forward */
+} mdt_cache_branch;
+
+/* One forward's decision, as the report and the server's reply give it. */
+typedef struct mdt_cache_step {
+    int branch;                      /* index into the cache's branches */
+    int skipped;                     /* the remaining blocks were skipped */
+    double diff;                     /* the statistic (NaN when there was nothing to compare) */
+    int64_t blocks_run, blocks_skip; /* blocks of the forward */
+    double flops_saved;              /* this rank's FLOPs the skip saved */
+} mdt_cache_step;
+
+typedef struct mdt_cache {
+    mdt_cache_spec spec;
+    int nbranches;
+    mdt_cache_branch br[MDT_CACHE_BRANCHES];
+    int cur;          /* the branch of the forward under way (-1: none selected) */
+    int in_forward;   /* a family forward consulted the cache */
+    double flops_at_head;
+    mdt_cache_step last;   /* the last forward's decision */
+    mdt_cache_step *log;   /* every forward of the generation */
+    int64_t nlog, caplog;
+    int64_t bytes;         /* held by the branches */
+} mdt_cache;
+
+/* A cache for one generation (no branch yet). */
+mdt_status mdt_cache_create(const mdt_cache_spec *sp, mdt_cache **out);
+void mdt_cache_free(mdt_cache *c);
+/* The branch the next forward runs as (created on first use; at most MDT_CACHE_BRANCHES names,
+ * each at most MDT_CACHE_NAME_MAX bytes). MDT_E_INVALID otherwise. */
+mdt_status mdt_cache_select(mdt_cache *c, const char *branch);
+/* The skips of the generation so far, and its forwards. */
+int64_t mdt_cache_skipped(const mdt_cache *c);
+
+/* ---- what a family's forward calls (the model's cache: mdt_dit's m->cache) ---- */
+
+/* The model's cache for this forward, or NULL when none is on. MDT_E_UNSUPPORTED naming the
+ * family when it has none of `kind` (the caller passes its own support), MDT_E_INVALID when no
+ * branch was selected. */
+mdt_status mdt_cache_begin(const struct mdt_dit *d, int supported, int64_t blocks,
+                           mdt_cache **out);
+/* After the first block: in, out [n] this rank's rows of the hidden stream before and after it.
+ * Computes the shared statistic (collective over the CP group) and sets *skip. On a forward
+ * that computes, keeps the residual and then the first block's outputs of each stream s[k]
+ * (mdt_cache_keep_head). */
+mdt_status mdt_cache_head(mdt_cache *c, const struct mdt_dit *d, const float *in, const float *out,
+                          int64_t n, int *skip);
+
+/* A stream's rows on this rank: B elements of `rows` rows of `width`, element b at x + b ld
+ * (ld = rows * width when dense). */
+typedef struct mdt_cache_rows {
+    float *x;
+    int64_t rows, width, ld;
+} mdt_cache_rows;
+/* Computing: copies the first block's output streams (nstreams of them, the order fixed per
+ * family). */
+mdt_status mdt_cache_keep_head(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *s,
+                               int nstreams);
+/* Skipping: s[k] += the tail residual of stream k (s holds the first block's outputs). */
+mdt_status mdt_cache_apply(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *s,
+                           int nstreams);
+/* Computing, after the last block: the tail residuals s[k] - head[k]. */
+mdt_status mdt_cache_tail(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *s,
+                          int nstreams);
+/* The end of the forward's cache part: the step's record (blocks run and skipped). */
+mdt_status mdt_cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip);
+
+#endif /* MDT_MODELS_CACHE_H */
