@@ -341,7 +341,8 @@ typedef struct mdt_sample_params {
 mdt_sample_params mdt_sample_params_default(void);
 /* Checks a step cache's spec (mdt_sample_params.cache): MDT_E_INVALID naming the unknown cache,
  * key or bad value; *enabled 1 when it turns a cache on. */
-mdt_status mdt_cache_spec_check(const char *spec, int *enabled); /* steps 0, repeat 1, no timeout, no callback */
+mdt_status mdt_cache_spec_check(const char *spec,
+                                int *enabled); /* steps 0, repeat 1, no timeout, no callback */
 
 /* What the last mdt_sample did: per-rank facts (on world rank 0: every rank's; elsewhere only
  * this rank's) and the step times. Opaque; mdt_run_stats_free frees it. */

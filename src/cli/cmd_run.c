@@ -157,7 +157,8 @@ static int parse_run(int argc, char **argv, run_args *a) {
     if (mdt_cache_spec_check(a->cache, &cached) != MDT_OK)
         return cli_usage_exit("%s", mdt_last_error());
     if (cached && a->steps == 0)
-        return cli_usage_exit("--cache caches across the steps of a generation: it needs --steps N");
+        return cli_usage_exit(
+            "--cache caches across the steps of a generation: it needs --steps N");
     return 0;
 }
 

@@ -72,8 +72,7 @@ void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap) {
         if (strtod(t, NULL) != sp->threshold)
             snprintf(t, sizeof t, "%.17g", sp->threshold);
         snprintf(buf, cap, "first_block:threshold=%s", t);
-    }
-    else
+    } else
         snprintf(buf, cap, "none");
 }
 
@@ -277,12 +276,10 @@ mdt_status mdt_cache_keep_head(mdt_cache *c, const mdt_dit *d, const mdt_cache_r
     return MDT_OK;
 }
 
-mdt_status mdt_cache_apply(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *s,
-                           int nstreams) {
+mdt_status mdt_cache_apply(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *s, int nstreams) {
     mdt_cache_branch *b = &c->br[c->cur];
     if (nstreams != b->nstreams)
-        return MDT_FAIL(MDT_E_INVALID, "cache: %d streams cached, %d given", b->nstreams,
-                        nstreams);
+        return MDT_FAIL(MDT_E_INVALID, "cache: %d streams cached, %d given", b->nstreams, nstreams);
     for (int k = 0; k < nstreams; k++) {
         if (rows_n(d, &s[k]) != b->n[k])
             return MDT_FAIL(MDT_E_INVALID,
@@ -294,8 +291,7 @@ mdt_status mdt_cache_apply(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows 
     return MDT_OK;
 }
 
-mdt_status mdt_cache_tail(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *s,
-                          int nstreams) {
+mdt_status mdt_cache_tail(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *s, int nstreams) {
     mdt_cache_branch *b = &c->br[c->cur];
     for (int k = 0; k < nstreams; k++) {
         int64_t have = b->tail[k] ? b->n[k] : 0;

@@ -69,13 +69,13 @@ typedef struct mdt_cache {
     mdt_cache_spec spec;
     int nbranches;
     mdt_cache_branch br[MDT_CACHE_BRANCHES];
-    int cur;          /* the branch of the forward under way (-1: none selected) */
-    int in_forward;   /* a family forward consulted the cache */
+    int cur;        /* the branch of the forward under way (-1: none selected) */
+    int in_forward; /* a family forward consulted the cache */
     double flops_at_head;
-    mdt_cache_step last;   /* the last forward's decision */
-    mdt_cache_step *log;   /* every forward of the generation */
+    mdt_cache_step last; /* the last forward's decision */
+    mdt_cache_step *log; /* every forward of the generation */
     int64_t nlog, caplog;
-    int64_t bytes;         /* held by the branches */
+    int64_t bytes; /* held by the branches */
 } mdt_cache;
 
 /* A cache for one generation (no branch yet). */
@@ -92,8 +92,7 @@ int64_t mdt_cache_skipped(const mdt_cache *c);
 /* The model's cache for this forward, or NULL when none is on. MDT_E_UNSUPPORTED naming the
  * family when it has none of `kind` (the caller passes its own support), MDT_E_INVALID when no
  * branch was selected. */
-mdt_status mdt_cache_begin(const struct mdt_dit *d, int supported, int64_t blocks,
-                           mdt_cache **out);
+mdt_status mdt_cache_begin(const struct mdt_dit *d, int supported, int64_t blocks, mdt_cache **out);
 /* After the first block: in, out [n] this rank's rows of the hidden stream before and after it.
  * Computes the shared statistic (collective over the CP group) and sets *skip. On a forward
  * that computes, keeps the residual and then the first block's outputs of each stream s[k]

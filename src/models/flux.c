@@ -328,9 +328,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         ran++;
     }
     if (cache && !skip) /* the tail residuals: each stream's rows of the joint sequence */
-        MDT_TRY(mdt_cache_tail(cache, &d,
-                               (mdt_cache_rows[]){{h + st * C, si, C, S * C}, {h, st, C, S * C}},
-                               2));
+        MDT_TRY(mdt_cache_tail(
+            cache, &d, (mdt_cache_rows[]){{h + st * C, si, C, S * C}, {h, st, C, S * C}}, 2));
     if (cache)
         MDT_TRY(mdt_cache_end(cache, ran, f->layers + f->single_layers - ran));
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */

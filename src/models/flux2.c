@@ -21,6 +21,7 @@
  * CP (diffusers' _cp_plan): image and text tokens and their ids split into P chunks each; a
  * rank's joint sequence is its text chunk then its image chunk; the output gathered.
  */
+#include "models/cache.h"
 #include "models/joint.h"
 
 #include "backend/backend.h"
@@ -385,6 +386,8 @@ static mdt_status flux2_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tens
     mdt_dit d;
     f2_in x;
     mdt_dit_begin(&d, m, f->heads, f->head_dim);
+    mdt_cache *cache; /* none here: diffusers' first-block hook cannot run this family either */
+    MDT_TRY(mdt_cache_begin(&d, 0, 0, &cache));
     MDT_TRY(flux2_read(f, &d, in, &x));
     mdt_counters_get()->prep_s += mdt_now() - t_prep;
     const int64_t C = f->inner, B = d.B, si = x.s.si, st = x.s.st, S = si + st;

@@ -20,6 +20,7 @@
  * outputs are all-gathered before the rows are selected. fp32 compute (the modules diffusers keeps
  * in fp32 are fp32 here like everything else).
  */
+#include "models/cache.h"
 #include "models/dit.h"
 
 #include "backend/backend.h"
@@ -426,6 +427,8 @@ static mdt_status h3_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor_
     mdt_dit d;
     h3_in x;
     mdt_dit_begin(&d, m, f->heads, f->head_dim);
+    mdt_cache *cache; /* none here: diffusers' first-block hook cannot run this family either */
+    MDT_TRY(mdt_cache_begin(&d, 0, 0, &cache));
     MDT_TRY(h3_read(f, &d, in, &x));
     const int64_t C = f->hidden, E = f->time_embed, B = d.B, M = B * x.Sc;
     mdt_arena *ar = d.ar;

@@ -34,6 +34,7 @@
  * builds its own), the joint sequence of a rank is its text chunk then its image chunk; `sample`
  * gathered on dim 1 after proj_out.
  */
+#include "models/cache.h"
 #include "models/joint.h"
 
 #include "backend/backend.h"
@@ -359,6 +360,7 @@ typedef struct qwen_pass {
     int64_t b0, n;
     const int64_t *keep;
     int64_t Sv;
+    mdt_cache *cache; /* the step cache (cache.h), or NULL */
 } qwen_pass;
 
 /* One pass: its elements' image rows and kept text rows split into P chunks each, the local
@@ -404,14 +406,35 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     mdt_dit_linear(&f->txt_in, tn, n * st, c, C); // [n, St/P, C]
     mdt_guard_finite(d->m, "img_in", xs, n * si * C);
     mdt_guard_finite(d->m, "txt_in", c, n * st * C);
-    for (int64_t i = 0; i < f->layers; i++) { /* a block's scratch is reused by the next */
+    /* the step cache: the image stream's residual over block 0 decides (the text stream's
+     * output is never read after the blocks, so only the image stream is cached) */
+    mdt_cache *cache = ps->cache;
+    float *x0 = cache ? mdt_arena_floats(ar, n * si * C) : NULL; // [n, Si/P, C] block 0's input
+    if (cache && !x0)
+        return MDT_E_NOMEM;
+    const mdt_cache_rows img = {xs, si, C, si * C};
+    int skip = 0;
+    int64_t ran = 0;
+    for (int64_t i = 0; i < f->layers && !skip; i++) { /* a block's scratch is reused */
+        if (cache && i == 0)
+            memcpy(x0, xs, sizeof(float) * (size_t)(n * si * C));
         const mdt_arena_mark bk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c));
         mdt_dit_block_done(d, bk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
                            2);
+        ran++;
         if (i == 0) /* test seam: a rank failing mid-step */
             MDT_TRY(mdt_dit_test_point(d, "step"));
+        if (cache && i == 0) {
+            MDT_TRY(mdt_cache_head(cache, d, x0, xs, n * si * C, &skip));
+            MDT_TRY(skip ? mdt_cache_apply(cache, d, &img, 1)
+                         : mdt_cache_keep_head(cache, d, &img, 1));
+        }
     }
+    if (cache && !skip)
+        MDT_TRY(mdt_cache_tail(cache, d, &img, 1));
+    if (cache)
+        MDT_TRY(mdt_cache_end(cache, ran, f->layers - ran));
     MDT_TRY(mdt_dit_adaln(d, &f->norm_out, emb)); // [n, 2C] scale first
     for (int64_t b = 0; b < n; b++)
         mdt_k()->layernorm_modulate(xs + b * si * C, xn + b * si * C, si, C, k_eps,
@@ -422,7 +445,7 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     part.shape[0] = n, part.data = (float *)sample->data + b0 * Si * O;
     MDT_TRY(mdt_cp_give(&d->cp, "sample", ar, ha, NULL, Si, ol, &part));
     /* no silent degrade: each query row once over the joint sequence, per block and element */
-    mdt_dit_promise_cp(d, p, (int64_t[]){Sv, Si}, 2, f->layers * n);
+    mdt_dit_promise_cp(d, p, (int64_t[]){Sv, Si}, 2, ran * n);
     mdt_arena_rewind(ar, mk), mdt_arena_rewind(ha, hk);
     return MDT_OK;
 }
@@ -462,8 +485,15 @@ static mdt_status qwen_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     int same = 1;
     for (int64_t b = 1; x.mask && b < B; b++)
         same = same && memcmp(x.mask, x.mask + b * St, (size_t)St) == 0;
+    mdt_cache *cache;
+    MDT_TRY(mdt_cache_begin(&d, 1, f->layers, &cache));
+    if (cache && !same && B > 1)
+        return MDT_FAIL(MDT_E_UNSUPPORTED,
+                        "cache: the batch's elements attend different text tokens "
+                        "(encoder_hidden_states_mask), so they run in separate passes, but the "
+                        "cache decides once over the whole batch: send them one per forward");
     for (int64_t b0 = 0, n = same ? B : 1; b0 < B; b0 += n) {
-        const qwen_pass pass = {b0, n, keep, kept_tokens(&x, b0, keep)};
+        const qwen_pass pass = {b0, n, keep, kept_tokens(&x, b0, keep), cache};
         MDT_TRY(qwen_run(f, &d, &x, cond, &pass, o, &p));
     }
     return mdt_dit_end(&d, &p);

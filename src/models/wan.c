@@ -35,6 +35,7 @@
  * patch embedding, with their rotary rows and, for [B, S] timesteps, their timesteps), the text
  * and image tokens stay whole on every rank, the output tokens gathered before unpatchify.
  */
+#include "models/cache.h"
 #include "models/wan_model.h"
 
 #include "backend/backend.h"
@@ -517,11 +518,32 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
         MDT_TRY(context_cut(&d, &x, C, img, ctx, &cimg, &ctxt));
     mdt_dit_linear(&f->patch_emb, x.x, M, h, C); // [B, n, C]
     mdt_guard_finite(d.m, "patch_embedding", h, M * C);
-    for (int64_t i = 0; i < f->layers; i++) {
+    /* the step cache (cache.h): the video rows' residual over block 0 decides */
+    mdt_cache *cache;
+    MDT_TRY(mdt_cache_begin(&d, 1, f->layers, &cache));
+    float *x0 = cache ? mdt_arena_floats(ar, M * C) : NULL; // [B, n, C] block 0's input
+    if (cache && !x0)
+        return MDT_E_NOMEM;
+    const mdt_cache_rows vid = {h, x.n, C, x.n * C};
+    int skip = 0;
+    int64_t ran = 0;
+    for (int64_t i = 0; i < f->layers && !skip; i++) {
+        if (cache && i == 0)
+            memcpy(x0, h, sizeof(float) * (size_t)(M * C));
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(block(f, &d, &x, &f->blk[i], tproj, ctxt, cimg, h));
         mdt_dit_block_done(&d, mk, "blocks", i, &(mdt_stream){h, x.n, C}, 1);
+        ran++;
+        if (cache && i == 0) {
+            MDT_TRY(mdt_cache_head(cache, &d, x0, h, M * C, &skip));
+            MDT_TRY(skip ? mdt_cache_apply(cache, &d, &vid, 1)
+                         : mdt_cache_keep_head(cache, &d, &vid, 1));
+        }
     }
+    if (cache && !skip)
+        MDT_TRY(mdt_cache_tail(cache, &d, &vid, 1));
+    if (cache)
+        MDT_TRY(mdt_cache_end(cache, ran, f->layers - ran));
     /* norm_out: shift, scale = scale_shift_table + temb (per distinct timestep, picked per token)
      */
     float *tab = mdt_arena_floats(ar, Tn * 2 * C);     // [Tn, 2C]
@@ -545,10 +567,10 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
     mdt_wan_unpatchify(f, &x, B, full, o->data);
     /* no silent degrade: per block and batch element, the video over CP, text and image whole */
     mdt_promise p = {0};
-    mdt_dit_promise_cp(&d, &p, &x.S, 1, f->layers * B);
-    mdt_dit_promise_kv(&d, &p, x.S, x.Nct, f->layers * B);
+    mdt_dit_promise_cp(&d, &p, &x.S, 1, ran * B);
+    mdt_dit_promise_kv(&d, &p, x.S, x.Nct, ran * B);
     if (cimg)
-        mdt_dit_promise_kv(&d, &p, x.S, x.Nci, f->layers * B);
+        mdt_dit_promise_kv(&d, &p, x.S, x.Nci, ran * B);
     return mdt_dit_end(&d, &p);
 }
 
