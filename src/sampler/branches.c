@@ -27,7 +27,10 @@ static void branch_list(const mdt_model *m, char *buf, size_t cap) {
 }
 
 /* negative_X is an input of the unconditional branch: X is a branch input the conditional
- * branch has too, of the same rank, batch and width. */
+ * branch has too, of the same rank, the same batch where X is batched (dim 0) and the same width
+ * where it has one (the last dimension of [B, S, C]). Its sequence may differ: a negative prompt
+ * of other length than the positive one comes with ids [S_neg, 3] and a mask [B, S_neg] of its
+ * own, and each branch's forward checks its inputs as a whole. */
 static mdt_status check_negative(const mdt_model *m, const mdt_tensor_set *in, const char *name,
                                  const mdt_tensor *neg) {
     const char *x = name + sizeof k_neg - 1;
@@ -44,8 +47,9 @@ static mdt_status check_negative(const mdt_model *m, const mdt_tensor_set *in, c
     const mdt_tensor *c = mdt_tensor_set_get(in, x);
     if (!c)
         return MDT_FAIL(MDT_E_INVALID, "inputs: '%s' without the conditional '%s'", shown, x);
-    if (neg->ndim != c->ndim || (c->ndim > 0 && neg->shape[0] != c->shape[0]) ||
-        (c->ndim > 1 && neg->shape[c->ndim - 1] != c->shape[c->ndim - 1]))
+    const int batched = (d->flags & MDT_IN_BATCH) && c->ndim > 0;
+    if (neg->ndim != c->ndim || (batched && neg->shape[0] != c->shape[0]) ||
+        (c->ndim >= 3 && neg->shape[c->ndim - 1] != c->shape[c->ndim - 1]))
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: '%s' has shape %s, the conditional '%s' %s: the rank, the batch "
                         "and the width must agree",

@@ -40,8 +40,9 @@ typedef struct mdt_branches {
 /* Reads what the step needs from `in` (the caller's inputs, latent and timestep F32) for a run
  * with guidance `scale` (0: none) on m's mesh: guided when `in` carries negative_NAME inputs of
  * the family's branch inputs (then scale must be > 0, and each negative tensor matches its
- * conditional one's rank, batch and width), split when cfg is 2 without guidance (the batch, at
- * least 2, is cut between the groups). One line naming the tensor, option or constraint
+ * conditional one's rank, its batch where the family batches it, its width where it is
+ * [B, S, C]; its sequence may be another length), split when cfg is 2 without guidance (the batch,
+ * at least 2, is cut between the groups). One line naming the tensor, option or constraint
  * otherwise; a cfg group never idles. Local (every rank reads the same inputs). */
 mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_tensor_set *in,
                              double scale, int steps);
