@@ -58,10 +58,18 @@ static mdt_status check_negative(const mdt_model *m, const mdt_tensor_set *in, c
     return MDT_OK;
 }
 
+/* 1 when t, an input of the family's, is one value for every sample of a batch of B > 1: dim 0
+ * of 1 where the family broadcasts it (a timestep [1] beside a latent [B, ...]). */
+static int shared_by_batch(const mdt_input_decl *d, const mdt_tensor *t, int64_t B) {
+    return d && (d->flags & MDT_IN_BATCH) && (d->flags & MDT_IN_SHARED) && t->ndim >= 1 &&
+           t->shape[0] == 1 && B > 1;
+}
+
 /* The inputs of one branch: every conditional input, negative_X in place of X for the
- * unconditional one (`uncond`), or rows [b0, b0 + nb) of the batched ones (nb > 0). */
-static mdt_status make_set(const mdt_model *m, const mdt_tensor_set *in, int uncond, int64_t b0,
-                           int64_t nb, mdt_tensor_set **out) {
+ * unconditional one (`uncond`), or rows [b0, b0 + nb) of the batched ones of batch B (nb > 0;
+ * those shared by the batch whole). */
+static mdt_status make_set(const mdt_model *m, const mdt_tensor_set *in, int uncond, int64_t B,
+                           int64_t b0, int64_t nb, mdt_tensor_set **out) {
     mdt_tensor_set *s = NULL;
     MDT_TRY(mdt_tensor_set_create(&s));
     mdt_status st = MDT_OK;
@@ -74,7 +82,7 @@ static mdt_status make_set(const mdt_model *m, const mdt_tensor_set *in, int unc
         snprintf(nn, sizeof nn, "%s%s", k_neg, name);
         const mdt_tensor *neg = uncond ? mdt_tensor_set_get(in, nn) : NULL;
         const mdt_input_decl *d = mdt_model_input(m, name);
-        if (nb > 0 && d && (d->flags & MDT_IN_BATCH) && t->ndim >= 1) {
+        if (nb > 0 && d && (d->flags & MDT_IN_BATCH) && t->ndim >= 1 && !shared_by_batch(d, t, B)) {
             mdt_tensor part = *t; /* rows b0.. of dim 0 */
             const int64_t row = t->shape[0] > 0 ? mdt_tensor_nbytes(t) / t->shape[0] : 0;
             part.shape[0] = nb;
@@ -141,11 +149,14 @@ mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_ten
             const char *name;
             const mdt_tensor *t = mdt_tensor_set_at(in, i, &name);
             const mdt_input_decl *d = mdt_model_input(m, name);
-            if (d && (d->flags & MDT_IN_BATCH) && (t->ndim < 1 || t->shape[0] != B))
+            if (d && (d->flags & MDT_IN_BATCH) && (t->ndim < 1 || t->shape[0] != B) &&
+                !shared_by_batch(d, t, B))
                 return MDT_FAIL(MDT_E_INVALID,
                                 "inputs: '%s' must have the batch %lld of '%s' in dim 0 to be "
-                                "split by --cfg 2",
-                                name, (long long)B, fam->latent_input);
+                                "split by --cfg 2%s",
+                                name, (long long)B, fam->latent_input,
+                                d->flags & MDT_IN_SHARED ? " (or 1: one value for the whole batch)"
+                                                         : "");
         }
         br->split = 1;
         for (int j = 0; j < 2; j++)
@@ -159,7 +170,7 @@ mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_ten
     mdt_status st = MDT_OK;
     for (int k = 0; k < 2 && st == MDT_OK; k++)
         if (br->C == 1 ? br->guided : k == br->mine)
-            st = make_set(m, in, br->guided && k == 1, br->b0[k], br->split ? br->nb[k] : 0,
+            st = make_set(m, in, br->guided && k == 1, B, br->b0[k], br->split ? br->nb[k] : 0,
                           &br->set[k]);
     if (st != MDT_OK)
         mdt_branches_free(br);
@@ -169,8 +180,10 @@ mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_ten
 int mdt_branches_active(const mdt_branches *br) { return br->guided || br->split; }
 
 /* The latent and timestep of the caller's inputs (the sampler's state) into set k: whole for a
- * branch, rows b0.. for a part of the batch. */
-static void refresh(const mdt_branches *br, const mdt_model *m, const mdt_tensor_set *in, int k) {
+ * branch, rows b0.. for a part of the batch (whole again for one shared by the batch, dim 0 of 1:
+ * only a source with the batch's rows has a part's rows to read). */
+static mdt_status refresh(const mdt_branches *br, const mdt_model *m, const mdt_tensor_set *in,
+                          int k) {
     const char *names[2] = {m->fam->latent_input, m->fam->timestep_input};
     for (int i = 0; i < 2; i++) {
         const mdt_tensor *src = mdt_tensor_set_get(in, names[i]);
@@ -180,9 +193,14 @@ static void refresh(const mdt_branches *br, const mdt_model *m, const mdt_tensor
         const int64_t row = src->ndim >= 1 && src->shape[0] > 0
                                 ? mdt_tensor_nbytes(src) / src->shape[0]
                                 : mdt_tensor_nbytes(src);
-        const int64_t off = br->split && src->ndim >= 1 ? br->b0[k] * row : 0;
+        const int64_t B = br->nb[0] + br->nb[1];
+        const int64_t off = br->split && src->ndim >= 1 && src->shape[0] == B ? br->b0[k] * row : 0;
+        if (off + mdt_tensor_nbytes(dst) > mdt_tensor_nbytes(src))
+            return MDT_FAIL(MDT_E_INVALID, "inputs: '%s' changed its shape during the run",
+                            names[i]);
         memcpy(dst->data, (const char *)src->data + off, (size_t)mdt_tensor_nbytes(dst));
     }
+    return MDT_OK;
 }
 
 /* One forward on set k into *buf (allocated on the first step, `front` floats left free before
@@ -274,7 +292,7 @@ mdt_status mdt_branches_step(mdt_branches *br, mdt_model *m, const mdt_tensor_se
     const mdt_family *fam = m->fam;
     if (br->C == 1) { /* guided on one cfg group: both branches in turn */
         for (int k = 0; k < 2; k++) {
-            refresh(br, m, in, k);
+            MDT_TRY(refresh(br, m, in, k));
             MDT_TRY(run_one(br, m, k, &br->pred[k], 0, &br->n));
         }
         MDT_TRY(ensure_v(br, br->n));
@@ -283,7 +301,7 @@ mdt_status mdt_branches_step(mdt_branches *br, mdt_model *m, const mdt_tensor_se
     }
     /* cfg 2: this group's branch or part (tagged), then one exchange */
     const int k = br->mine;
-    refresh(br, m, in, k);
+    MDT_TRY(refresh(br, m, in, k));
     MDT_TRY(run_one(br, m, k, &br->send, 1, &br->n_mine));
     br->send[0] = (float)(2 * step + k);
     int64_t counts[2] = {br->n_mine, br->n_mine};
