@@ -234,14 +234,13 @@ static mdt_status run_one(mdt_branches *br, mdt_model *m, int k, float **buf, in
     return st;
 }
 
-/* v [n] = the guided prediction of v_c and v_u (the family's rule over rows of `width`). */
-static void combine(mdt_cfg_rule rule, double scale, const float *vc, const float *vu, int64_t n,
-                    int64_t width, float *v) {
+mdt_status mdt_branches_combine(mdt_cfg_rule rule, double scale, const float *vc, const float *vu,
+                                int64_t n, int64_t width, float *v) {
     const float s = (float)scale;
     for (int64_t j = 0; j < n; j++)
         v[j] = vu[j] + s * (vc[j] - vu[j]); /* diffusers: neg + scale * (cond - neg) */
     if (rule != MDT_CFG_RESCALED || width < 1)
-        return;
+        return MDT_OK;
     for (int64_t r = 0; r + width <= n; r += width) { /* each token: the conditional's norm */
         double cn = 0, vn = 0;
         for (int64_t j = r; j < r + width; j++)
@@ -249,7 +248,18 @@ static void combine(mdt_cfg_rule rule, double scale, const float *vc, const floa
         const float f = (float)sqrt(cn) / (float)sqrt(vn);
         for (int64_t j = r; j < r + width; j++)
             v[j] *= f;
+        /* a combined vector of norm 0 (or one past f32) has no direction to rescale: diffusers
+         * divides by it into NaNs; here the step ends naming it, before the latent takes it */
+        const int64_t bad = mdt_first_nonfinite(v + r, width);
+        if (bad >= 0)
+            return MDT_FAIL(MDT_E_NUMERIC,
+                            "the guided combination (rescale) went non-finite at token %lld "
+                            "(element %lld): the combined prediction's norm there is %g, the "
+                            "conditional's %g; a zero or overflowing norm cannot be rescaled to "
+                            "the conditional's",
+                            (long long)(r / width), (long long)(r + bad), sqrt(vn), sqrt(cn));
     }
+    return MDT_OK;
 }
 
 /* The cfg axis' exchange: this group's tagged row br->send [1 + counts[c]] in, every group's in
@@ -296,8 +306,8 @@ mdt_status mdt_branches_step(mdt_branches *br, mdt_model *m, const mdt_tensor_se
             MDT_TRY(run_one(br, m, k, &br->pred[k], 0, &br->n));
         }
         MDT_TRY(ensure_v(br, br->n));
-        combine(fam->cfg_rule, br->scale, br->pred[0], br->pred[1], br->n, br->width, br->v);
-        return MDT_OK;
+        return mdt_branches_combine(fam->cfg_rule, br->scale, br->pred[0], br->pred[1], br->n,
+                                    br->width, br->v);
     }
     /* cfg 2: this group's branch or part (tagged), then one exchange */
     const int k = br->mine;
@@ -316,7 +326,9 @@ mdt_status mdt_branches_step(mdt_branches *br, mdt_model *m, const mdt_tensor_se
         memcpy(br->v, r0, sizeof(float) * (size_t)counts[0]);
         memcpy(br->v + counts[0], r1, sizeof(float) * (size_t)counts[1]);
     } else {
-        combine(fam->cfg_rule, br->scale, r0, r1, br->n_mine, br->width, br->v);
+        /* the same two rows on every rank: the same verdict, nothing to agree */
+        MDT_TRY(
+            mdt_branches_combine(fam->cfg_rule, br->scale, r0, r1, br->n_mine, br->width, br->v));
     }
     return MDT_OK;
 }

@@ -55,5 +55,11 @@ int mdt_branches_active(const mdt_branches *br);
  * prediction must come from its own branch or part (no silent degrade). */
 mdt_status mdt_branches_step(mdt_branches *br, mdt_model *m, const mdt_tensor_set *in, int step);
 void mdt_branches_free(mdt_branches *br);
+/* v [n] = the guided prediction of v_c and v_u [n] by `rule` over rows (tokens) of `width`:
+ * v_u + scale (v_c - v_u), rescaled per token to v_c's norm for MDT_CFG_RESCALED. MDT_E_NUMERIC
+ * naming the guided combination when a rescaled token goes non-finite (a combined norm of 0 or
+ * past f32), v then unfit for use. Local. */
+mdt_status mdt_branches_combine(mdt_cfg_rule rule, double scale, const float *vc, const float *vu,
+                                int64_t n, int64_t width, float *v);
 
 #endif /* MDT_SAMPLER_BRANCHES_H */

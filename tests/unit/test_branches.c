@@ -1,7 +1,8 @@
 /*
  * test_branches.c — the sampler's branches on one rank (sampler/branches.h): which negative_
  * inputs a guided step takes (a negative text of another length than the positive one runs, and
- * gives what its two forwards give), and the families' combinations of the two predictions.
+ * gives what its two forwards give), and the families' combinations of the two predictions (a
+ * rescale that cannot be done is an error).
  * The cfg axis on two groups is tested from the command line (tests/cli/test_cli.sh).
  */
 #include "harness.h"
@@ -205,10 +206,41 @@ static void check_negative_shapes(void) {
     mdt_model_free(m);
 }
 
+/* Qwen-Image's rescaled combination: each token of v_u + S (v_c - v_u) rescaled to v_c's norm;
+ * a token whose combined vector is 0 (v_u = 2 v_c at S = 2; or v_c = 0 at S = 1) has no direction
+ * to rescale: an error naming the combination, never NaNs handed on. */
+static void check_rescale(void) {
+    enum { W = 4, N = 3 * W };
+    float vc[N], vu[N], v[N];
+    for (int j = 0; j < N; j++)
+        vc[j] = (float)(j % 5) - 1.5f, vu[j] = 0.25f * (float)(j % 3) + 0.5f;
+    EXPECT_OK(mdt_branches_combine(MDT_CFG_RESCALED, 2.0, vc, vu, N, W, v));
+    for (int r = 0; r < N; r += W) {
+        double cn = 0, vn = 0, dot = 0;
+        for (int j = r; j < r + W; j++) {
+            const double c = vu[j] + 2.0 * (vc[j] - vu[j]);
+            cn += (double)vc[j] * vc[j], vn += (double)v[j] * v[j], dot += c * v[j];
+        }
+        EXPECT(fabs(sqrt(vn) - sqrt(cn)) <= 1e-5 * sqrt(cn) && dot > 0,
+               "token %d: norm %g, the conditional's %g", r / W, sqrt(vn), sqrt(cn));
+    }
+    for (int j = W; j < 2 * W; j++) /* token 1: v_u = 2 v_c, so v_u + 2 (v_c - v_u) = 0 */
+        vu[j] = 2.0f * vc[j];
+    EXPECT_ERR(mdt_branches_combine(MDT_CFG_RESCALED, 2.0, vc, vu, N, W, v), MDT_E_NUMERIC,
+               "the guided combination (rescale)", "token 1", "norm there is 0");
+    EXPECT_OK(mdt_branches_combine(MDT_CFG_PLAIN, 2.0, vc, vu, N, W, v)); /* 0 is a prediction */
+    EXPECT(v[W] == 0.0f && v[2 * W - 1] == 0.0f, "plain: token 1 is 0");
+    for (int j = 0; j < N; j++) /* S = 1, v_c = 0: the combination is v_c, 0 everywhere */
+        vc[j] = 0.0f;
+    EXPECT_ERR(mdt_branches_combine(MDT_CFG_RESCALED, 1.0, vc, vu, N, W, v), MDT_E_NUMERIC,
+               "the guided combination (rescale)", "token 0");
+}
+
 int main(void) {
     check_flux_short_negative();
     check_qwen_short_negative();
     check_negative_shapes();
+    check_rescale();
     EXPECT(mdt_mem_live() == 0, "everything freed: %lld bytes live", (long long)mdt_mem_live());
     TEST_END();
 }
