@@ -616,7 +616,8 @@ typedef struct mdt_layout_estimate {
  * text stream's (joint models: part of `tokens`; cross-attention models: the encoder sequence),
  * at `elem_bytes` per element, on `devices` devices; `guided`: the step runs two forwards
  * (classifier-free guidance), so cfg 2 layouts (one branch per half of the devices, one
- * exchange) are ranked beside cfg 1 (both branches in turn). */
+ * exchange) are ranked beside cfg 1 (both branches in turn); a family whose pipeline does not
+ * guide (no negative_ inputs: MiniMax-H3) gets no cfg 2 layouts. */
 typedef struct mdt_plan_request {
     int devices;
     int64_t tokens, txt_tokens;

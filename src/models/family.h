@@ -90,6 +90,9 @@ typedef struct mdt_model_dims {
 enum {
     MDT_IN_BATCH = 1,  /* dim 0 is the batch: the cfg axis may split it between its groups */
     MDT_IN_BRANCH = 2, /* a guided step's unconditional branch has its own (negative_NAME) */
+    /* with MDT_IN_BATCH: dim 0 may also be 1 for a larger batch, one value for every sample (the
+     * forward broadcasts it: timestep, guidance); the cfg axis gives it whole to each part */
+    MDT_IN_SHARED = 4,
 };
 typedef struct mdt_input_decl {
     const char *name;

@@ -345,13 +345,14 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
 /* FluxTransformer2DModel.forward's tensors; guidance only with a guidance embedding */
 #define FLUX_INPUTS                                                                                \
     {"hidden_states", MDT_IN_BATCH}, {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},      \
-        {"pooled_projections", MDT_IN_BATCH | MDT_IN_BRANCH}, {"timestep", MDT_IN_BATCH},          \
-        {"img_ids", 0}, {                                                                          \
+        {"pooled_projections", MDT_IN_BATCH | MDT_IN_BRANCH},                                      \
+        {"timestep", MDT_IN_BATCH | MDT_IN_SHARED}, {"img_ids", 0}, {                              \
         "txt_ids", MDT_IN_BRANCH                                                                   \
     }
 static const mdt_input_decl *flux_inputs(const void *impl) {
     static const mdt_input_decl plain[] = {FLUX_INPUTS, {NULL, 0}};
-    static const mdt_input_decl guided[] = {FLUX_INPUTS, {"guidance", MDT_IN_BATCH}, {NULL, 0}};
+    static const mdt_input_decl guided[] = {
+        FLUX_INPUTS, {"guidance", MDT_IN_BATCH | MDT_IN_SHARED}, {NULL, 0}};
     return ((const flux *)impl)->guidance ? guided : plain;
 }
 

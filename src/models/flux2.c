@@ -200,12 +200,13 @@ static mdt_status flux2_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
  * ignores it without one: here it is refused, so it is never silently unused) */
 #define FLUX2_INPUTS                                                                               \
     {"hidden_states", MDT_IN_BATCH}, {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},      \
-        {"timestep", MDT_IN_BATCH}, {"img_ids", 0}, {                                              \
+        {"timestep", MDT_IN_BATCH | MDT_IN_SHARED}, {"img_ids", 0}, {                              \
         "txt_ids", MDT_IN_BRANCH                                                                   \
     }
 static const mdt_input_decl *flux2_inputs(const void *impl) {
     static const mdt_input_decl plain[] = {FLUX2_INPUTS, {NULL, 0}};
-    static const mdt_input_decl guided[] = {FLUX2_INPUTS, {"guidance", MDT_IN_BATCH}, {NULL, 0}};
+    static const mdt_input_decl guided[] = {
+        FLUX2_INPUTS, {"guidance", MDT_IN_BATCH | MDT_IN_SHARED}, {NULL, 0}};
     return ((const flux2 *)impl)->guidance ? guided : plain;
 }
 

@@ -115,6 +115,13 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
         st = mdt_backend_check(); /* a device failure surfaces here at the latest */
     if (st == MDT_OK)
         st = check_finite(m, outputs);
+    /* the deadline bounds each wait, and this rank waits here for the slowest peer's forward:
+     * on a first forward (no longest_s yet) or on the longer of two cfg groups' parts that can
+     * outlast the 60 s floor; so at least 10 x this forward, unless the caller set the bound */
+    if (!(m->step_timeout > 0)) {
+        const double el = 10.0 * (mdt_now() - t0), bound = mdt_model_step_bound(m);
+        mdt_mesh_set_deadline(mesh, el > bound ? el : bound);
+    }
     st = mdt_mesh_agree(mesh, st); /* agreed once, for the whole forward */
     const double secs = mdt_now() - t0;
     m->longest_s = secs > m->longest_s ? secs : m->longest_s;

@@ -319,3 +319,10 @@ mdt_model_dims mdt_model_dims_of(const mdt_model *m) {
 }
 
 int mdt_model_cross_attention(const mdt_model *m) { return mdt_model_dims_of(m).text_cross; }
+
+int mdt_model_guides(const mdt_model *m) {
+    for (const mdt_input_decl *d = m->fam->inputs(m->impl); d->name; d++)
+        if (d->flags & MDT_IN_BRANCH)
+            return 1;
+    return 0;
+}

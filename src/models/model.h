@@ -97,6 +97,9 @@ mdt_model_dims mdt_model_dims_of(const mdt_model *m);
 /* 1: the model's text reaches it through cross-attention (Wan), its own rows beside the
  * sequence; 0: the text rows are part of the joint sequence (Flux, Qwen-Image, ...). */
 int mdt_model_cross_attention(const mdt_model *m);
+/* 1: the family's pipeline guides (some input of this configuration has an unconditional
+ * branch's own negative_NAME: MDT_IN_BRANCH); 0: a guided step is refused (MiniMax-H3). */
+int mdt_model_guides(const mdt_model *m);
 
 /* The step watchdog's bound for the model's next collective wait: its step timeout, or 10 x the
  * longest forward so far, at least 60 s. */

@@ -161,7 +161,7 @@ static const mdt_input_decl *qwen_inputs(const void *impl) {
     static const mdt_input_decl k[] = {{"hidden_states", MDT_IN_BATCH},
                                        {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},
                                        {"encoder_hidden_states_mask", MDT_IN_BATCH | MDT_IN_BRANCH},
-                                       {"timestep", MDT_IN_BATCH},
+                                       {"timestep", MDT_IN_BATCH | MDT_IN_SHARED},
                                        {"img_shapes", MDT_IN_BATCH},
                                        {NULL, 0}};
     (void)impl;

@@ -222,7 +222,7 @@ static mdt_status wan_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
 
 /* WanTransformer3DModel.forward's tensors; the image embedding only for I2V (image_dim > 0) */
 #define WAN_INPUTS                                                                                 \
-    {"hidden_states", MDT_IN_BATCH}, {"timestep", MDT_IN_BATCH}, {                                 \
+    {"hidden_states", MDT_IN_BATCH}, {"timestep", MDT_IN_BATCH | MDT_IN_SHARED}, {                 \
         "encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH                                      \
     }
 static const mdt_input_decl *wan_inputs(const void *impl) {

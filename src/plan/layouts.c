@@ -50,7 +50,10 @@ mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *d
     int k = 0;
     if (!est)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    for (int C = 1; C <= (rq->guided ? 2 : 1); C++) {
+    /* cfg 2 runs one branch per group: only for a family whose pipeline has two (a guided run of
+     * any other is refused, so a cfg 2 layout of it would be a plan that cannot run) */
+    const int max_cfg = rq->guided && mdt_model_guides(info->m) ? 2 : 1;
+    for (int C = 1; C <= max_cfg; C++) {
         if (devices % C)
             continue;
         const long long inner = devices / C;

@@ -29,7 +29,10 @@ static void branch_list(const mdt_model *m, char *buf, size_t cap) {
 }
 
 /* negative_X is an input of the unconditional branch: X is a branch input the conditional
- * branch has too, of the same rank, batch and width. */
+ * branch has too, of the same rank, the same batch where X is batched (dim 0) and the same width
+ * where it has one (the last dimension of [B, S, C]). Its sequence may differ: a negative prompt
+ * of other length than the positive one comes with ids [S_neg, 3] and a mask [B, S_neg] of its
+ * own, and each branch's forward checks its inputs as a whole. */
 static mdt_status check_negative(const mdt_model *m, const mdt_tensor_set *in, const char *name,
                                  const mdt_tensor *neg) {
     const char *x = name + sizeof k_neg - 1;
@@ -46,8 +49,9 @@ static mdt_status check_negative(const mdt_model *m, const mdt_tensor_set *in, c
     const mdt_tensor *c = mdt_tensor_set_get(in, x);
     if (!c)
         return MDT_FAIL(MDT_E_INVALID, "inputs: '%s' without the conditional '%s'", shown, x);
-    if (neg->ndim != c->ndim || (c->ndim > 0 && neg->shape[0] != c->shape[0]) ||
-        (c->ndim > 1 && neg->shape[c->ndim - 1] != c->shape[c->ndim - 1]))
+    const int batched = (d->flags & MDT_IN_BATCH) && c->ndim > 0;
+    if (neg->ndim != c->ndim || (batched && neg->shape[0] != c->shape[0]) ||
+        (c->ndim >= 3 && neg->shape[c->ndim - 1] != c->shape[c->ndim - 1]))
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: '%s' has shape %s, the conditional '%s' %s: the rank, the batch "
                         "and the width must agree",
@@ -56,10 +60,18 @@ static mdt_status check_negative(const mdt_model *m, const mdt_tensor_set *in, c
     return MDT_OK;
 }
 
+/* 1 when t, an input of the family's, is one value for every sample of a batch of B > 1: dim 0
+ * of 1 where the family broadcasts it (a timestep [1] beside a latent [B, ...]). */
+static int shared_by_batch(const mdt_input_decl *d, const mdt_tensor *t, int64_t B) {
+    return d && (d->flags & MDT_IN_BATCH) && (d->flags & MDT_IN_SHARED) && t->ndim >= 1 &&
+           t->shape[0] == 1 && B > 1;
+}
+
 /* The inputs of one branch: every conditional input, negative_X in place of X for the
- * unconditional one (`uncond`), or rows [b0, b0 + nb) of the batched ones (nb > 0). */
-static mdt_status make_set(const mdt_model *m, const mdt_tensor_set *in, int uncond, int64_t b0,
-                           int64_t nb, mdt_tensor_set **out) {
+ * unconditional one (`uncond`), or rows [b0, b0 + nb) of the batched ones of batch B (nb > 0;
+ * those shared by the batch whole). */
+static mdt_status make_set(const mdt_model *m, const mdt_tensor_set *in, int uncond, int64_t B,
+                           int64_t b0, int64_t nb, mdt_tensor_set **out) {
     mdt_tensor_set *s = NULL;
     MDT_TRY(mdt_tensor_set_create(&s));
     mdt_status st = MDT_OK;
@@ -72,7 +84,7 @@ static mdt_status make_set(const mdt_model *m, const mdt_tensor_set *in, int unc
         snprintf(nn, sizeof nn, "%s%s", k_neg, name);
         const mdt_tensor *neg = uncond ? mdt_tensor_set_get(in, nn) : NULL;
         const mdt_input_decl *d = mdt_model_input(m, name);
-        if (nb > 0 && d && (d->flags & MDT_IN_BATCH) && t->ndim >= 1) {
+        if (nb > 0 && d && (d->flags & MDT_IN_BATCH) && t->ndim >= 1 && !shared_by_batch(d, t, B)) {
             mdt_tensor part = *t; /* rows b0.. of dim 0 */
             const int64_t row = t->shape[0] > 0 ? mdt_tensor_nbytes(t) / t->shape[0] : 0;
             part.shape[0] = nb;
@@ -139,11 +151,14 @@ mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_ten
             const char *name;
             const mdt_tensor *t = mdt_tensor_set_at(in, i, &name);
             const mdt_input_decl *d = mdt_model_input(m, name);
-            if (d && (d->flags & MDT_IN_BATCH) && (t->ndim < 1 || t->shape[0] != B))
+            if (d && (d->flags & MDT_IN_BATCH) && (t->ndim < 1 || t->shape[0] != B) &&
+                !shared_by_batch(d, t, B))
                 return MDT_FAIL(MDT_E_INVALID,
                                 "inputs: '%s' must have the batch %lld of '%s' in dim 0 to be "
-                                "split by --cfg 2",
-                                name, (long long)B, fam->latent_input);
+                                "split by --cfg 2%s",
+                                name, (long long)B, fam->latent_input,
+                                d->flags & MDT_IN_SHARED ? " (or 1: one value for the whole batch)"
+                                                         : "");
         }
         br->split = 1;
         for (int j = 0; j < 2; j++)
@@ -157,7 +172,7 @@ mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_ten
     mdt_status st = MDT_OK;
     for (int k = 0; k < 2 && st == MDT_OK; k++)
         if (br->C == 1 ? br->guided : k == br->mine)
-            st = make_set(m, in, br->guided && k == 1, br->b0[k], br->split ? br->nb[k] : 0,
+            st = make_set(m, in, br->guided && k == 1, B, br->b0[k], br->split ? br->nb[k] : 0,
                           &br->set[k]);
     if (st != MDT_OK)
         mdt_branches_free(br);
@@ -167,8 +182,10 @@ mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_ten
 int mdt_branches_active(const mdt_branches *br) { return br->guided || br->split; }
 
 /* The latent and timestep of the caller's inputs (the sampler's state) into set k: whole for a
- * branch, rows b0.. for a part of the batch. */
-static void refresh(const mdt_branches *br, const mdt_model *m, const mdt_tensor_set *in, int k) {
+ * branch, rows b0.. for a part of the batch (whole again for one shared by the batch, dim 0 of 1:
+ * only a source with the batch's rows has a part's rows to read). */
+static mdt_status refresh(const mdt_branches *br, const mdt_model *m, const mdt_tensor_set *in,
+                          int k) {
     const char *names[2] = {m->fam->latent_input, m->fam->timestep_input};
     for (int i = 0; i < 2; i++) {
         const mdt_tensor *src = mdt_tensor_set_get(in, names[i]);
@@ -178,9 +195,14 @@ static void refresh(const mdt_branches *br, const mdt_model *m, const mdt_tensor
         const int64_t row = src->ndim >= 1 && src->shape[0] > 0
                                 ? mdt_tensor_nbytes(src) / src->shape[0]
                                 : mdt_tensor_nbytes(src);
-        const int64_t off = br->split && src->ndim >= 1 ? br->b0[k] * row : 0;
+        const int64_t B = br->nb[0] + br->nb[1];
+        const int64_t off = br->split && src->ndim >= 1 && src->shape[0] == B ? br->b0[k] * row : 0;
+        if (off + mdt_tensor_nbytes(dst) > mdt_tensor_nbytes(src))
+            return MDT_FAIL(MDT_E_INVALID, "inputs: '%s' changed its shape during the run",
+                            names[i]);
         memcpy(dst->data, (const char *)src->data + off, (size_t)mdt_tensor_nbytes(dst));
     }
+    return MDT_OK;
 }
 
 /* One forward on set k into *buf (allocated on the first step, `front` floats left free before
@@ -217,14 +239,13 @@ static mdt_status run_one(mdt_branches *br, mdt_model *m, int k, float **buf, in
     return st;
 }
 
-/* v [n] = the guided prediction of v_c and v_u (the family's rule over rows of `width`). */
-static void combine(mdt_cfg_rule rule, double scale, const float *vc, const float *vu, int64_t n,
-                    int64_t width, float *v) {
+mdt_status mdt_branches_combine(mdt_cfg_rule rule, double scale, const float *vc, const float *vu,
+                                int64_t n, int64_t width, float *v) {
     const float s = (float)scale;
     for (int64_t j = 0; j < n; j++)
         v[j] = vu[j] + s * (vc[j] - vu[j]); /* diffusers: neg + scale * (cond - neg) */
     if (rule != MDT_CFG_RESCALED || width < 1)
-        return;
+        return MDT_OK;
     for (int64_t r = 0; r + width <= n; r += width) { /* each token: the conditional's norm */
         double cn = 0, vn = 0;
         for (int64_t j = r; j < r + width; j++)
@@ -232,7 +253,18 @@ static void combine(mdt_cfg_rule rule, double scale, const float *vc, const floa
         const float f = (float)sqrt(cn) / (float)sqrt(vn);
         for (int64_t j = r; j < r + width; j++)
             v[j] *= f;
+        /* a combined vector of norm 0 (or one past f32) has no direction to rescale: diffusers
+         * divides by it into NaNs; here the step ends naming it, before the latent takes it */
+        const int64_t bad = mdt_first_nonfinite(v + r, width);
+        if (bad >= 0)
+            return MDT_FAIL(MDT_E_NUMERIC,
+                            "the guided combination (rescale) went non-finite at token %lld "
+                            "(element %lld): the combined prediction's norm there is %g, the "
+                            "conditional's %g; a zero or overflowing norm cannot be rescaled to "
+                            "the conditional's",
+                            (long long)(r / width), (long long)(r + bad), sqrt(vn), sqrt(cn));
     }
+    return MDT_OK;
 }
 
 /* The cfg axis' exchange: this group's tagged row br->send [1 + counts[c]] in, every group's in
@@ -275,16 +307,16 @@ mdt_status mdt_branches_step(mdt_branches *br, mdt_model *m, const mdt_tensor_se
     const mdt_family *fam = m->fam;
     if (br->C == 1) { /* guided on one cfg group: both branches in turn */
         for (int k = 0; k < 2; k++) {
-            refresh(br, m, in, k);
+            MDT_TRY(refresh(br, m, in, k));
             MDT_TRY(run_one(br, m, k, &br->pred[k], 0, &br->n));
         }
         MDT_TRY(ensure_v(br, br->n));
-        combine(fam->cfg_rule, br->scale, br->pred[0], br->pred[1], br->n, br->width, br->v);
-        return MDT_OK;
+        return mdt_branches_combine(fam->cfg_rule, br->scale, br->pred[0], br->pred[1], br->n,
+                                    br->width, br->v);
     }
     /* cfg 2: this group's branch or part (tagged), then one exchange */
     const int k = br->mine;
-    refresh(br, m, in, k);
+    MDT_TRY(refresh(br, m, in, k));
     MDT_TRY(run_one(br, m, k, &br->send, 1, &br->n_mine));
     br->send[0] = (float)(2 * step + k);
     int64_t counts[2] = {br->n_mine, br->n_mine};
@@ -299,7 +331,9 @@ mdt_status mdt_branches_step(mdt_branches *br, mdt_model *m, const mdt_tensor_se
         memcpy(br->v, r0, sizeof(float) * (size_t)counts[0]);
         memcpy(br->v + counts[0], r1, sizeof(float) * (size_t)counts[1]);
     } else {
-        combine(fam->cfg_rule, br->scale, r0, r1, br->n_mine, br->width, br->v);
+        /* the same two rows on every rank: the same verdict, nothing to agree */
+        MDT_TRY(
+            mdt_branches_combine(fam->cfg_rule, br->scale, r0, r1, br->n_mine, br->width, br->v));
     }
     return MDT_OK;
 }

@@ -40,8 +40,9 @@ typedef struct mdt_branches {
 /* Reads what the step needs from `in` (the caller's inputs, latent and timestep F32) for a run
  * with guidance `scale` (0: none) on m's mesh: guided when `in` carries negative_NAME inputs of
  * the family's branch inputs (then scale must be > 0, and each negative tensor matches its
- * conditional one's rank, batch and width), split when cfg is 2 without guidance (the batch, at
- * least 2, is cut between the groups). One line naming the tensor, option or constraint
+ * conditional one's rank, its batch where the family batches it, its width where it is
+ * [B, S, C]; its sequence may be another length), split when cfg is 2 without guidance (the batch,
+ * at least 2, is cut between the groups). One line naming the tensor, option or constraint
  * otherwise; a cfg group never idles. Local (every rank reads the same inputs). */
 mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_tensor_set *in,
                              double scale, int steps);
@@ -54,5 +55,11 @@ int mdt_branches_active(const mdt_branches *br);
  * prediction must come from its own branch or part (no silent degrade). */
 mdt_status mdt_branches_step(mdt_branches *br, mdt_model *m, const mdt_tensor_set *in, int step);
 void mdt_branches_free(mdt_branches *br);
+/* v [n] = the guided prediction of v_c and v_u [n] by `rule` over rows (tokens) of `width`:
+ * v_u + scale (v_c - v_u), rescaled per token to v_c's norm for MDT_CFG_RESCALED. MDT_E_NUMERIC
+ * naming the guided combination when a rescaled token goes non-finite (a combined norm of 0 or
+ * past f32), v then unfit for use. Local. */
+mdt_status mdt_branches_combine(mdt_cfg_rule rule, double scale, const float *vc, const float *vu,
+                                int64_t n, int64_t width, float *v);
 
 #endif /* MDT_SAMPLER_BRANCHES_H */

@@ -658,6 +658,20 @@ if "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$T/b3.safetensors" --out 
         --inputs "$T/b3.safetensors" --out "$T/s2.safetensors" --steps 2 --cfg 2 --quiet &&
    "$BIN" compare "$T/s2.safetensors" "$T/s1.safetensors" --tol 1e-6 >/dev/null; then ok
 else bad "a batch of 3 split by --cfg 2 differs from one rank"; fi
+# a timestep and guidance of [1] are every sample's: each part of the split batch gets them whole
+# (equal to one rank); a text of [1, ...] beside a batch of 2 is no such value and stays refused
+"$ST_EDIT" "$DATA/flux_guidance/inputs.safetensors" "$T/shared.st" timestep@first guidance@first
+rm -f "$T/s1.safetensors" "$T/s2.safetensors"
+if "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$T/shared.st" --out "$T/s1.safetensors" \
+        --steps 2 --quiet && timeout 300 "$MPIEXEC" -n 2 "$BIN" run --checkpoint \
+        "$DATA/flux_guidance" --inputs "$T/shared.st" --out "$T/s2.safetensors" --steps 2 --cfg 2 \
+        --quiet 2>"$T/stderr" &&
+   "$BIN" compare "$T/s2.safetensors" "$T/s1.safetensors" --tol 1e-6 >/dev/null; then ok
+else bad "a [1] timestep and guidance, batch 2 split by --cfg 2: $(head -c 300 "$T/stderr")"; fi
+"$ST_EDIT" "$T/shared.st" "$T/shared_txt.st" encoder_hidden_states@first
+mpi_error cfg-split-batch 2 "'encoder_hidden_states' must have the batch 2 of 'hidden_states'" -- \
+    run --checkpoint "$DATA/flux_guidance" --inputs "$T/shared_txt.st" --out "$T/out.safetensors" \
+    --steps 2 --cfg 2
 CFGARGS=(run --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --steps 2)
 mpi_error cfg-idle 2 "a cfg group would idle" -- "${CFGARGS[@]}" --inputs \
     "$DATA/flux_tiny/inputs.safetensors" --cfg 2

@@ -146,6 +146,21 @@ static void test_info_and_plan(void) {
     free(g), free(one);
     free(e);
     mdt_model_info_free(v);
+    /* a family whose pipeline does not guide (MiniMax-H3: no negative_ inputs) has no branch for
+     * a second cfg group: its guided plan lists cfg 1 layouts only, and every one of them */
+    EXPECT_OK(mdt_model_info_open("tests/data/h3_tiny", NULL, 1, &v));
+    g = e = NULL, ng = n = 0;
+    if (v) {
+        EXPECT_OK(mdt_plan_layouts(v, &dev, &(mdt_plan_request){4, 1024, 0, 2, 0}, &e, &n));
+        EXPECT_OK(mdt_plan_layouts(v, &dev, &(mdt_plan_request){4, 1024, 0, 2, 1}, &g, &ng));
+        cfg2 = 0;
+        for (int i = 0; g && i < ng; i++)
+            cfg2 += g[i].cfg != 1;
+        EXPECT(n > 0 && ng == n && cfg2 == 0,
+               "guided plan of MiniMax-H3: %d layouts (%d unguided), %d with cfg 2", ng, n, cfg2);
+        free(g), free(e);
+        mdt_model_info_free(v);
+    }
     EXPECT_ERR(mdt_model_info_open("/nonexistent", NULL, 0, &v), MDT_E_NOTFOUND, "/nonexistent");
 }
 
