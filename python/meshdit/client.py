@@ -227,14 +227,17 @@ class Client:
         return meta
 
     def forward(self, tensors: Mapping[str, _blob.Raw], session: str | None = None,
-                keep=(), end_session: bool = False) -> tuple[dict, dict]:
+                keep=(), end_session: bool = False,
+                cache: Mapping[str, str] | None = None) -> tuple[dict, dict]:
         """One transformer forward: (reply metadata, outputs as float32 numpy arrays).
 
         `session` is the caller's handle: the first forward of a handle (it must name what to
         `keep`) opens a session on the server and keeps the token the reply carries; later ones
         send that token. A handle this client has no token for, without `keep`, is an error
-        reply's ServerError (`session 'H' is not open`), as the server would answer it."""
-        meta = {"op": "forward"}
+        reply's ServerError (`session 'H' is not open`), as the server would answer it.
+        `cache`: the step cache's keys ("cache", "cache_context", "cache_generation";
+        docs/serve.md), sent as they are."""
+        meta = {"op": "forward", **(cache or {})}
         wire = None
         if session is not None:
             wire = self._tokens.get(session)
@@ -271,6 +274,11 @@ class Client:
         token = self._tokens.pop(session, None)
         if token is not None:
             self.request({"op": "end_session", "session": token}, timeout=timeout)
+
+    def end_cache_generation(self, generation: str, timeout: float | None = -1.0) -> None:
+        """Drops the step cache state of `generation` on the server (a no-op for an unknown
+        one)."""
+        self.request({"op": "end_session", "cache_generation": generation}, timeout=timeout)
 
     def close_server(self, timeout: float = 30.0) -> None:
         """Asks the server to exit (every rank, exit 0); the reply comes first."""

@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import re
+import secrets
 import shutil
 import threading
 import time
@@ -182,9 +183,13 @@ class Transformer(ModelMixin):
         self._stale: list[str] = []  # sessions to end on the server before the next request
         self._lock = threading.RLock()
         self._cache_name = None
+        self._cache_config = None  # diffusers' cache config given to enable_cache
+        self._cache_spec = None  # its --cache text
+        self._cache_gen = None  # the server-side generation of the cache state
         self.attention_backend: str | None = None  # the exact-attention choice recorded
         self.training = False  # the mesh runs inference only (a diffusers model after loading)
-        self.stats = {"forwards": 0, "request_bytes": [], "step_seconds": [], "wall_seconds": []}
+        self.stats = {"forwards": 0, "request_bytes": [], "step_seconds": [], "wall_seconds": [],
+                      "cache": []}
 
     # ---- making one ---------------------------------------------------------------------------
     @classmethod
@@ -366,9 +371,55 @@ class Transformer(ModelMixin):
         """No attention module runs in this process: no processors."""
         return {}
 
+    # ---- step caches: diffusers' CacheMixin API, the cache run on the mesh (docs/cache.md) ----
     @property
     def is_cache_enabled(self) -> bool:
-        return False
+        return self._cache_config is not None
+
+    def enable_cache(self, config) -> None:
+        """diffusers' `enable_cache`: FirstBlockCacheConfig runs on the mesh with diffusers'
+        arithmetic; another diffusers cache config raises NotImplementedError naming it."""
+        self._cache_spec = _cache_spec(config)
+        if self.is_cache_enabled:
+            raise ValueError(f"Caching has already been enabled with {type(self._cache_config)}. "
+                             "To apply a new caching technique, please disable the existing one "
+                             "first.")
+        self._cache_config = config
+        self._new_cache_generation()
+
+    def disable_cache(self) -> None:
+        """diffusers' `disable_cache`: every block of every step again."""
+        if self._cache_config is None:
+            warnings.warn("Caching techniques have not been enabled, so there's nothing to "
+                          "disable.", stacklevel=2)
+            return
+        self._end_cache_generation()
+        self._cache_config = self._cache_spec = None
+
+    def _reset_stateful_cache(self, recurse: bool = True) -> None:
+        """What a pipeline calls when a generation ends (maybe_free_model_hooks): the next
+        forward starts a fresh cache state, as diffusers' hooks reset theirs."""
+        if self._cache_config is not None:
+            self._new_cache_generation()
+
+    def _new_cache_generation(self) -> None:
+        self._end_cache_generation()
+        self._cache_gen = "gen-" + secrets.token_hex(16)
+
+    def _end_cache_generation(self) -> None:
+        gen, self._cache_gen = self._cache_gen, None
+        if gen is not None and self._client is not None:
+            with contextlib.suppress(MeshditError):
+                self._client.end_cache_generation(gen, timeout=5.0)
+
+    def _cache_meta(self) -> dict | None:
+        if self._cache_config is None:
+            return None
+        if self._cache_name is None:
+            raise ValueError("No cache context is set. Wrap the denoiser call in "
+                             "`model.cache_context(name, ...)` before calling it.")
+        return {"cache": self._cache_spec, "cache_context": self._cache_name,
+                "cache_generation": self._cache_gen}
 
     def set_attention_backend(self, backend: str) -> None:
         """meshdit computes exact softmax attention (its own tiled kernel, on the mesh). A backend
@@ -552,6 +603,13 @@ class Transformer(ModelMixin):
         res = {k: torch.from_numpy(np.array(v)).to(dtype=like.dtype, device=like.device)
                for k, v in out.items()}
         self.stats["wall_seconds"].append(time.perf_counter() - t0)
+        if "cache_skipped" in meta:
+            self.stats["cache"].append({
+                "branch": self._cache_name, "skipped": meta["cache_skipped"] == "1",
+                "diff": float(meta["cache_diff"]),
+                "blocks_computed": int(meta["cache_blocks_computed"]),
+                "blocks_skipped": int(meta["cache_blocks_skipped"]),
+                "flops_saved": float(meta["cache_flops_saved"])})
         return res
 
     def _forward(self, raws):
@@ -562,11 +620,12 @@ class Transformer(ModelMixin):
             with contextlib.suppress(MeshditError):
                 self._client.end_session(s, timeout=5.0)
         self._stale.clear()
+        cache = self._cache_meta()
         session, send, keep, ended, fps = self._planner.plan(raws, self.per_step)
         for s in ended:
             self._client.end_session(s)
         try:
-            meta, out = self._client.forward(send, session=session, keep=keep)
+            meta, out = self._client.forward(send, session=session, keep=keep, cache=cache)
         except ServerError as e:
             if session is None:
                 raise
@@ -577,7 +636,7 @@ class Transformer(ModelMixin):
             elif len(send) == len(raws):
                 raise  # everything was sent: the error is the inputs', not the session's
             # the session lost tensors it should hold (ended by the server, say): resend all
-            return self._client.forward(raws)
+            return self._client.forward(raws, cache=cache)
         except BaseException:
             if session is not None:
                 self._planner.forget(session)
@@ -592,6 +651,8 @@ class Transformer(ModelMixin):
         if self._client is None:
             return
         with self._lock:
+            if self._cache_config is not None:
+                self._end_cache_generation()
             sessions = self._stale + list(self._planner.open)
             self._stale.clear()
             for s in sessions:
@@ -637,7 +698,32 @@ _NO_GRAD = "no gradient flows through the mesh (inference only)"
 _LORA = ("LoRA adapters cannot be loaded into a running server yet; fuse them at its start with "
          "from_pretrained(..., extra=['--lora', 'FILE:SCALE']) (meshdit._lora.adapter_blob writes "
          "what diffusers' lora_state_dict gives as such a file; docs/lora.md)")
-_CACHE = "step caches (FirstBlockCache, TaylorSeer, ...) are not implemented yet"
+
+
+def _cache_spec(config) -> str:
+    """The server's --cache text for a diffusers cache config: FirstBlockCacheConfig with the
+    fields diffusers gives it; NotImplementedError naming any other config or field."""
+    import dataclasses
+
+    from diffusers import hooks
+    if isinstance(config, hooks.FirstBlockCacheConfig):
+        fields = {f.name for f in dataclasses.fields(config)}
+        extra = sorted(fields - {"threshold"})
+        if extra:
+            raise NotImplementedError(f"meshdit: FirstBlockCacheConfig field(s) {extra} are not "
+                                      f"implemented (meshdit takes threshold)")
+        t = float(config.threshold)
+        if not (t >= 0 and t != float("inf")):
+            raise ValueError(f"meshdit: FirstBlockCacheConfig.threshold must be a finite number "
+                             f">= 0, got {config.threshold!r}")
+        return f"first_block:threshold={t!r}"
+    known = [n for n in dir(hooks) if n.endswith("Config")]
+    if type(config).__name__ in known:
+        raise NotImplementedError(f"meshdit: {type(config).__name__} is not implemented (meshdit "
+                                  f"runs FirstBlockCacheConfig on the mesh)")
+    raise ValueError(f"Cache config {type(config)} is not supported.")
+
+
 METHODS: dict[str, tuple[str, str]] = {
     # making, saving, configuring
     "from_pretrained": ("works", "starts meshdit serve on a directory or a locally cached Hub id"),
@@ -709,8 +795,9 @@ METHODS: dict[str, tuple[str, str]] = {
     "enable_parallelism": ("refused", "the mesh is the parallelism: from_pretrained(tp=, ring=, "
                                       "ulysses=)"),
     # caches and LoRA (to come)
-    "is_cache_enabled": ("works", "False"),
-    "enable_cache": ("refused", _CACHE), "disable_cache": ("refused", _CACHE),
+    "is_cache_enabled": ("works", "whether enable_cache holds a config"),
+    "enable_cache": ("works", "FirstBlockCacheConfig on the mesh; other configs refused"),
+    "disable_cache": ("works", "every block of every step again"),
     **{n: ("refused", _LORA) for n in (
         "load_lora_adapter", "save_lora_adapter", "set_adapters", "set_adapter", "add_adapter",
         "active_adapters", "delete_adapters", "enable_adapters", "disable_adapters",

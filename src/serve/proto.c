@@ -7,6 +7,8 @@
  */
 #include "serve/serve.h"
 
+#include "models/cache.h"
+
 #include "io/safetensors.h"
 
 #include <stdio.h>
@@ -89,6 +91,25 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
             r->new_session = strcmp(v, "new") == 0;
         return MDT_OK;
     }
+    if (strcmp(k, "cache_context") == 0 || strcmp(k, "cache_generation") == 0) {
+        char *dst = k[6] == 'c' ? r->cache_context : r->cache_gen;
+        const int max = k[6] == 'c' ? MDT_SERVE_CACHE_NAME_MAX : MDT_SERVE_NAME_MAX;
+        if (!good_name(v, max))
+            return MDT_FAIL(MDT_E_INVALID,
+                            "request: \"%s\" must be 1 to %d bytes of UTF-8 text without "
+                            "control characters, backslashes or commas, got '%s'",
+                            k, max, mdt_escape(v, shown, sizeof shown));
+        strcpy(dst, v);
+        return MDT_OK;
+    }
+    if (strcmp(k, "cache") == 0) {
+        int on = 0;
+        if (strlen(v) >= sizeof r->cache || mdt_cache_spec_check(v, &on) != MDT_OK)
+            return MDT_FAIL(MDT_E_INVALID, "request: \"cache\": %s",
+                            strlen(v) >= sizeof r->cache ? "too long" : mdt_last_error());
+        strcpy(r->cache, v);
+        return MDT_OK;
+    }
     if (strcmp(k, "keep") == 0)
         return parse_keep(v, r);
     if (strcmp(k, "end_session") == 0) {
@@ -98,7 +119,8 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
         return MDT_OK;
     }
     return MDT_FAIL(MDT_E_INVALID,
-                    "request: unknown metadata key '%s' (op, id, session, keep, end_session)",
+                    "request: unknown metadata key '%s' (op, id, session, keep, end_session, "
+                    "cache, cache_context, cache_generation)",
                     mdt_escape(k, key, sizeof key));
 }
 
@@ -113,8 +135,22 @@ static mdt_status check_request(const mdt_serve_request *r, int ntensors) {
         return MDT_FAIL(MDT_E_INVALID, "request: \"keep\" and \"end_session\" go with a forward");
     if (r->op != MDT_SERVE_OP_FORWARD && r->op != MDT_SERVE_OP_END_SESSION && r->session[0])
         return MDT_FAIL(MDT_E_INVALID, "request: op '%s' takes no \"session\"", r->op_name);
-    if (r->op == MDT_SERVE_OP_END_SESSION && !r->session[0])
-        return MDT_FAIL(MDT_E_INVALID, "request: op 'end_session' needs a \"session\"");
+    if (r->op == MDT_SERVE_OP_END_SESSION && !r->session[0] && !r->cache_gen[0])
+        return MDT_FAIL(MDT_E_INVALID,
+                        "request: op 'end_session' needs a \"session\" or a \"cache_generation\"");
+    if (r->op != MDT_SERVE_OP_FORWARD && (r->cache[0] || r->cache_context[0]))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "request: \"cache\" and \"cache_context\" go with a forward");
+    if (r->op != MDT_SERVE_OP_FORWARD && r->op != MDT_SERVE_OP_END_SESSION && r->cache_gen[0])
+        return MDT_FAIL(MDT_E_INVALID, "request: op '%s' takes no \"cache_generation\"",
+                        r->op_name);
+    if (r->cache[0] && strcmp(r->cache, "none") != 0 && (!r->cache_context[0] || !r->cache_gen[0]))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "request: a cached forward needs \"cache_context\" (the branch: \"cond\", "
+                        "\"uncond\", ...) and \"cache_generation\" (the generation's name)");
+    if (!r->cache[0] && (r->cache_context[0] || (r->cache_gen[0] && r->op == MDT_SERVE_OP_FORWARD)))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "request: \"cache_context\" and \"cache_generation\" go with \"cache\"");
     if ((r->n_keep || r->end_session) && !r->session[0])
         return MDT_FAIL(MDT_E_INVALID, "request: \"keep\" and \"end_session\" need a \"session\"");
     if (r->new_session && (r->op != MDT_SERVE_OP_FORWARD || !r->n_keep))

@@ -19,6 +19,8 @@
 #define _POSIX_C_SOURCE 200809L
 #include "serve/serve.h"
 
+#include "models/cache.h"
+
 #include "comm/mesh.h"
 #include "models/model.h"
 
@@ -70,6 +72,7 @@ typedef struct serve_ctx {
     mdt_serve_listener *l; /* rank 0 */
     int own_listener;      /* made here (p->listener was NULL): freed here */
     mdt_serve_sessions ss;
+    mdt_serve_caches cs;     /* step caches of generations (caches.c) */
     mdt_serve_budget budget; /* this rank's memory per forward */
     int stop;                /* rank 0: a stop was asked here or by a note */
     int note_sent;           /* ranks > 0: a stop note is in flight */
@@ -295,7 +298,10 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     mdt_tensor_set *out = NULL;
     mdt_device_info d;
     mdt_device_info_get(&d);
+    mdt_cache *cache = NULL;
     mdt_status st = mdt_serve_sessions_prepare(&c->ss, r);
+    if (st == MDT_OK) /* the generation's step cache, its branch selected (every rank alike) */
+        st = mdt_serve_caches_use(&c->cs, r, &cache);
     if (st == MDT_OK) /* this forward's activations too, before it runs (run's check) */
         st = mdt_serve_budget_check(&c->budget, c->m, r->tensors, d.gpu);
     if (st == MDT_OK)
@@ -304,7 +310,9 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     double secs = 0;
     if (st == MDT_OK) {
         const double t0 = now_s();
+        c->m->cache = cache;
         st = mdt_model_forward(c->m, r->tensors, out); /* guarded, watched, agreed */
+        c->m->cache = NULL;
         secs = now_s() - t0;
         if (st != MDT_OK && mdt_mesh_peers_stuck(c->mesh))
             *fatal = st;
@@ -320,7 +328,15 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
         if (st != MDT_OK)
             st = mdt_serve_reply_error("forward", r->id, mdt_last_error(), reply, rn);
         else {
-            char sec[32], got[32], kept[32];
+            char sec[32], got[32], kept[32], cdiff[40] = "", cran[24] = "", cskip[24] = "",
+                                             csaved[40] = "";
+            if (cache) {
+                const mdt_cache_step *e = &cache->last;
+                snprintf(cdiff, sizeof cdiff, "%.17g", e->diff);
+                snprintf(cran, sizeof cran, "%lld", (long long)e->blocks_run);
+                snprintf(cskip, sizeof cskip, "%lld", (long long)e->blocks_skip);
+                snprintf(csaved, sizeof csaved, "%.17g", e->flops_saved);
+            }
             const int64_t held = mdt_serve_sessions_bytes_of(&c->ss, r->session);
             snprintf(sec, sizeof sec, "%.6f", secs);
             snprintf(got, sizeof got, "%lld", (long long)r->bytes);
@@ -338,6 +354,16 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
                                   got,
                                   "session_bytes",
                                   kept,
+                                  cache ? "cache_skipped" : NULL,
+                                  cache && cache->last.skipped ? "1" : "0",
+                                  "cache_diff",
+                                  cdiff,
+                                  "cache_blocks_computed",
+                                  cran,
+                                  "cache_blocks_skipped",
+                                  cskip,
+                                  "cache_flops_saved",
+                                  csaved,
                                   NULL};
             st = mdt_serve_reply_ok(meta, out, reply, rn);
         }
@@ -357,7 +383,10 @@ static mdt_status run_request(serve_ctx *c, mdt_serve_request *r, unsigned char 
     case MDT_SERVE_OP_INFO: return op_info(c, r, reply, rn);
     case MDT_SERVE_OP_FORWARD: return op_forward(c, r, reply, rn, fatal);
     case MDT_SERVE_OP_END_SESSION:
-        mdt_serve_sessions_end(&c->ss, r->session);
+        if (r->session[0])
+            mdt_serve_sessions_end(&c->ss, r->session);
+        if (r->cache_gen[0])
+            mdt_serve_caches_end(&c->cs, r->cache_gen);
         return c->rank == 0 ? mdt_serve_reply_ok(meta, NULL, reply, rn) : MDT_OK;
     case MDT_SERVE_OP_CLOSE:
         return c->rank == 0 ? mdt_serve_reply_ok(meta, NULL, reply, rn) : MDT_OK;
@@ -454,7 +483,8 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
         goto out;
     }
     mdt_serve_sessions_expire(&c->ss, hdr[H_NOW_MS]); /* the same clock on every rank */
-    if (hdr[H_OP] == MDT_SERVE_OP_HEARTBEAT) {        /* every rank shows it is there */
+    mdt_serve_caches_expire(&c->cs, hdr[H_NOW_MS]);
+    if (hdr[H_OP] == MDT_SERVE_OP_HEARTBEAT) { /* every rank shows it is there */
         if ((st = mdt_mesh_barrier(c->mesh, "idle heartbeat")) != MDT_OK)
             *fatal = st;
         goto out;
@@ -527,6 +557,8 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
     c.world = c.mesh ? c.mesh->world_size : 1;
     mdt_status st = mdt_serve_sessions_init(&c.ss, p->max_sessions, p->max_session_bytes,
                                             (int64_t)(p->session_idle * 1000));
+    if (st == MDT_OK)
+        st = mdt_serve_caches_init(&c.cs, p->max_sessions, (int64_t)(p->session_idle * 1000));
     if (st == MDT_OK && c.rank == 0 && c.world > 1 &&
         !(c.notes_recv = mdt_calloc(sizeof(int) * (size_t)c.world)))
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
@@ -560,6 +592,7 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
     if (c.comm != MPI_COMM_NULL)
         MPI_Comm_free(&c.comm);
     mdt_serve_sessions_free(&c.ss);
+    mdt_serve_caches_free(&c.cs);
     mdt_free(c.notes_recv);
     return st;
 }

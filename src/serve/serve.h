@@ -26,9 +26,10 @@ typedef enum mdt_serve_op {
     MDT_SERVE_OP_HEARTBEAT,
 } mdt_serve_op;
 
-#define MDT_SERVE_NAME_MAX 128     /* bytes of a session name or a request id */
-#define MDT_SERVE_KEEP_MAX 64      /* names in one "keep" list */
-#define MDT_SERVE_TENSORS_MAX 1024 /* tensors in one request (a forward takes about a dozen) */
+#define MDT_SERVE_NAME_MAX 128      /* bytes of a session name or a request id */
+#define MDT_SERVE_KEEP_MAX 64       /* names in one "keep" list */
+#define MDT_SERVE_CACHE_NAME_MAX 63 /* bytes of a cache branch name (cache.h) */
+#define MDT_SERVE_TENSORS_MAX 1024  /* tensors in one request (a forward takes about a dozen) */
 
 /* One request, parsed. Tensors in their sent dtype, owned. */
 typedef struct mdt_serve_request {
@@ -39,7 +40,10 @@ typedef struct mdt_serve_request {
                                              issued for it (serve.c) */
     int new_session;                      /* "session": "new": this forward opens one */
     int end_session;                      /* forward: drop the session after this forward */
-    int64_t now_ms;                       /* rank 0's clock for this request (serve.c) */
+    char cache[128];                      /* the step cache's spec ("" or "none": none) */
+    char cache_context[MDT_SERVE_CACHE_NAME_MAX + 1]; /* its branch ("cond", "uncond", ...) */
+    char cache_gen[MDT_SERVE_NAME_MAX + 1];           /* the generation its state belongs to */
+    int64_t now_ms; /* rank 0's clock for this request (serve.c) */
     int n_keep;
     char *keep[MDT_SERVE_KEEP_MAX]; /* into keep_buf */
     char *keep_buf;
@@ -103,6 +107,36 @@ mdt_status mdt_serve_sessions_commit(mdt_serve_sessions *ss, const mdt_serve_req
 void mdt_serve_sessions_end(mdt_serve_sessions *ss, const char *name);
 /* Bytes kept under `name` (0 if none). */
 int64_t mdt_serve_sessions_bytes_of(const mdt_serve_sessions *ss, const char *name);
+
+/* ---- caches.c: the step caches of generations, kept between forwards ---- */
+
+struct mdt_cache;
+#define MDT_SERVE_CACHES_GONE 64
+typedef struct mdt_serve_cache {
+    char gen[MDT_SERVE_NAME_MAX + 1]; /* the client's "cache_generation" */
+    struct mdt_cache *cache;
+    int64_t last_ms; /* rank 0's clock when a forward last used it */
+} mdt_serve_cache;
+
+typedef struct mdt_serve_caches {
+    int max, n;
+    int64_t idle_ms; /* unused this long: dropped (0: never) */
+    mdt_serve_cache *e;
+    char (*gone)[MDT_SERVE_NAME_MAX + 1]; /* the last MDT_SERVE_CACHES_GONE dropped names */
+    int64_t ngone;
+} mdt_serve_caches;
+
+mdt_status mdt_serve_caches_init(mdt_serve_caches *cs, int max, int64_t idle_ms);
+void mdt_serve_caches_free(mdt_serve_caches *cs);
+/* Drops the generations unused for more than idle_ms at `now_ms`; returns how many. */
+int mdt_serve_caches_expire(mdt_serve_caches *cs, int64_t now_ms);
+/* The generation of r->cache_gen (made on first use, the least recently used one dropped when
+ * all max are taken) with r->cache_context selected, in *out; NULL when r asks for no cache.
+ * MDT_E_INVALID when the generation runs another spec than r->cache. */
+mdt_status mdt_serve_caches_use(mdt_serve_caches *cs, const mdt_serve_request *r,
+                                struct mdt_cache **out);
+/* Drops a generation its client ended (a no-op for an unknown name). */
+void mdt_serve_caches_end(mdt_serve_caches *cs, const char *gen);
 
 /* ---- budget.c: the memory a request's forward may take on one rank ---- */
 

@@ -295,6 +295,17 @@ def _check_fuse(t):
 
 
 # what each entry of METHODS marked "works" does on the golden's transformer (tmp: a directory)
+def _check_cache(t):
+    from diffusers.hooks import FirstBlockCacheConfig
+    t.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    try:
+        with t.cache_context("cond"):
+            ok = t.is_cache_enabled and _forward_equal(t) and len(t.stats["cache"]) >= 1
+    finally:
+        t.disable_cache()
+    return ok and not t.is_cache_enabled and _forward_equal(t)
+
+
 WORKS = {
     "from_pretrained": lambda t, tmp: isinstance(t, meshdit.FluxTransformer),
     "save_pretrained": _check_save,
@@ -330,6 +341,11 @@ WORKS = {
     "fuse_qkv_projections": lambda t, tmp: _check_fuse(t),
     "unfuse_qkv_projections": lambda t, tmp: _check_fuse(t),
     "is_cache_enabled": lambda t, tmp: t.is_cache_enabled is False,
+    # a cache on, a forward in its context, off again: the golden output both times (the first
+    # forward of a generation computes every block; tests/python/test_cache_pipelines.py checks
+    # the skips against diffusers)
+    "enable_cache": lambda t, tmp: _check_cache(t),
+    "disable_cache": lambda t, tmp: _check_cache(t),
 }
 
 

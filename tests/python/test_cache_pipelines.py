@@ -1,0 +1,150 @@
+"""Step caching against diffusers' own hook: the same pipeline, weights and seed, run with diffusers'
+transformer plus `enable_cache(FirstBlockCacheConfig(...))` and with meshdit's drop-in plus the
+same call, on several layouts: the same forwards skip (the pattern is asserted, and the thresholds
+make some skip and some compute), the statistic agrees, and the decoded outputs agree within 1e-4.
+A threshold that flips decisions changes the output (the negative control)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+from diffusers.hooks import first_block_cache as fbc
+
+import flux_pipeline
+import meshdit
+import wan_pipeline
+
+TOL = 1e-4
+LAYOUTS = [dict(), dict(tp=2, ulysses=2), dict(ring=2)]
+# family: (builder, generate kwargs, steps, threshold (mixed decisions on these weights), flipped)
+CASES = {
+    "flux": (flux_pipeline, dict(size=64), 8, 0.5, 0.45),
+    "wan": (wan_pipeline, dict(), 6, 0.1, 0.06),  # CFG: "cond" and "uncond" each decide
+}
+
+
+def rel(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+class Spy:
+    """diffusers' decisions as its hook takes them: (branch, statistic, computes)."""
+
+    def __init__(self):
+        self.rec = []
+
+    def __enter__(self):
+        orig = self.orig = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
+        rec = self.rec
+
+        def spy(hook, r):
+            st = hook.state_manager.get_state()
+            p = st.head_block_residual
+            d = float("nan") if p is None else ((r - p).abs().mean() / p.abs().mean()).item()
+            out = orig(hook, r)
+            rec.append((hook.state_manager.context.name, d, bool(out)))
+            return out
+        fbc.FBCHeadBlockHook._should_compute_remaining_blocks = spy
+        return self
+
+    def __exit__(self, *exc):
+        fbc.FBCHeadBlockHook._should_compute_remaining_blocks = self.orig
+
+
+_refs = {}
+
+
+def _ref(name, threshold, tmp_path_factory):
+    """diffusers + its hook: (root, output, decisions), built once per (family, threshold)."""
+    mod, kw, steps, _, _ = CASES[name]
+    if name not in _refs:
+        root = str(tmp_path_factory.mktemp(f"{name}_cache"))
+        mod.build(root, seed=0)
+        _refs[name] = {"root": root}
+    if threshold not in _refs[name]:
+        root = _refs[name]["root"]
+        pipe = mod.load(root)
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        with Spy() as s:
+            out = mod.generate(pipe, seed=3, steps=steps, **kw)
+        _refs[name][threshold] = (out, s.rec)
+    return (_refs[name]["root"], *_refs[name][threshold])
+
+
+def _meshdit(name, root, threshold, layout):
+    mod, kw, steps, _, _ = CASES[name]
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
+        pipe = mod.load(root, transformer=t)
+        t.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        assert t.is_cache_enabled
+        out = mod.generate(pipe, seed=3, steps=steps, **kw)
+        return out, list(t.stats["cache"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
+@pytest.mark.parametrize("name", CASES)
+def test_first_block_cache_equals_diffusers(name, layout, tmp_path_factory):
+    threshold = CASES[name][3]
+    root, ref, rec = _ref(name, threshold, tmp_path_factory)
+    got, log = _meshdit(name, root, threshold, layout)
+    want = [(b, c) for b, _, c in rec]
+    have = [(e["branch"], not e["skipped"]) for e in log]
+    assert have == want, (have, want)  # the same forwards skip, branch by branch
+    assert any(c for _, c in want[1:]) and not all(c for _, c in want)  # some of each
+    for (_, d, _), e in zip(rec, log):  # the statistic, where there is one
+        assert math.isnan(d) == math.isnan(e["diff"])
+        assert math.isnan(d) or abs(d - e["diff"]) <= 1e-5 * abs(d) + 1e-7
+    for e in log:  # a skip runs the first block only and says what it saved
+        assert e["blocks_computed"] == 1 if e["skipped"] else e["blocks_skipped"] == 0
+        assert (e["flops_saved"] > 0) == e["skipped"]
+    print(f"{name} {layout}: {sum(e['skipped'] for e in log)} of {len(log)} skipped, "
+          f"rel {rel(got, ref):.2e}")
+    assert rel(got, ref) <= TOL
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_flipped_decision_changes_the_output(name, tmp_path_factory):
+    """Negative control: a threshold that makes other decisions gives another output (and still
+    diffusers' decisions for that threshold)."""
+    threshold, flipped = CASES[name][3], CASES[name][4]
+    root, ref, rec = _ref(name, threshold, tmp_path_factory)
+    _, ref2, rec2 = _ref(name, flipped, tmp_path_factory)
+    assert [c for *_, c in rec2] != [c for *_, c in rec]  # the control flips decisions
+    got, log = _meshdit(name, root, flipped, {})
+    assert [not e["skipped"] for e in log] == [c for *_, c in rec2]
+    assert rel(got, ref2) <= TOL
+    assert rel(got, ref) > 10 * TOL  # the comparison above can fail (flux: 8e-3)
+
+
+def test_cache_api_as_diffusers(tmp_path_factory):
+    """enable_cache twice, a config meshdit does not run, a forward outside cache_context and a
+    second generation (the state resets between generations, as diffusers' pipelines reset it)."""
+    threshold = CASES["flux"][3]
+    root, ref, _ = _ref("flux", threshold, tmp_path_factory)
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer") as t:
+        with pytest.raises(NotImplementedError, match="TaylorSeerCacheConfig"):
+            t.enable_cache(TaylorSeerCacheConfig())
+        assert not t.is_cache_enabled
+        with pytest.raises(ValueError, match="is not supported"):
+            t.enable_cache(object())
+        t.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        with pytest.raises(ValueError, match="already been enabled"):
+            t.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        x = torch.zeros(1, 16, 16)
+        with pytest.raises(ValueError, match="No cache context"):
+            t(hidden_states=x, encoder_hidden_states=torch.zeros(1, 4, 64),
+              pooled_projections=torch.zeros(1, 32), timestep=torch.ones(1),
+              img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3), guidance=torch.ones(1))
+        pipe = flux_pipeline.load(root, transformer=t)
+        kw, steps = CASES["flux"][1], CASES["flux"][2]
+        first = flux_pipeline.generate(pipe, seed=3, steps=steps, **kw)
+        second = flux_pipeline.generate(pipe, seed=3, steps=steps, **kw)
+        n = len(t.stats["cache"])
+        assert n == 2 * steps and math.isnan(t.stats["cache"][steps]["diff"])  # a fresh state
+        t.disable_cache()
+        assert not t.is_cache_enabled
+        plain = flux_pipeline.generate(pipe, seed=3, steps=steps, **kw)
+        assert len(t.stats["cache"]) == n  # no cache: no decisions
+    assert rel(first, ref) <= TOL and rel(second, ref) <= TOL
+    assert rel(plain, ref) > 100 * TOL  # uncached differs from cached at this threshold
