@@ -720,5 +720,60 @@ write_st "$T/lbad.safetensors" '{"transformer.nope.lora_A.weight":{"dtype":"F32"
 expect_error lora-unmapped 1 "2 keys map to no weight" "'lora_unet_x.lora_down.weight'" "'transformer.nope.lora_A.weight'" "kohya" -- \
     "$BIN" "${LRUN[@]}" --out "$T/out.safetensors" --lora "$T/lbad.safetensors:0.5"
 expect_error lora-inspect 1 "2 keys map to no weight" -- "$BIN" inspect --checkpoint "$DATA/flux_tiny" --lora "$T/lbad.safetensors"
+# step caching (--cache first_block): the decisions are every rank's, so every layout skips the
+# same forwards as one rank and gives its result (<= 1e-5); the threshold makes some forwards skip
+# and some compute; threshold 0 computes every block (the bits of no cache); the guided branches
+# keep their own state, the same under cfg 2 as cfg 1
+"$BIN" gen --model flux --preset tiny --seed 0 --out "$T/ctiny" >/dev/null
+"$BIN" inputs --checkpoint "$T/ctiny" --seed 1 --img-tokens 64 --txt-tokens 16 \
+    --out "$T/cin.safetensors" >/dev/null
+CRUN=(run --checkpoint "$T/ctiny" --inputs "$T/cin.safetensors" --steps 10)
+"$BIN" "${CRUN[@]}" --out "$T/c1.safetensors" --cache first_block:threshold=1.0 \
+    --report "$T/c1.json" >"$T/c1.txt" 2>&1
+"$BIN" "${CRUN[@]}" --out "$T/c0.safetensors" --quiet
+cpat=$(grep -o '(C[-C]*;' "$T/c1.txt")
+if grep -q 'skipped their remaining blocks' "$T/c1.txt" && [[ $cpat == *-* ]] &&
+   [[ ${cpat#(C} == *C* ]] && tr -d ' \t\n' <"$T/c1.json" | grep -q '"blocks_skipped":' &&
+   ! "$BIN" compare "$T/c1.safetensors" "$T/c0.safetensors" --tol 1e-3 >/dev/null; then ok
+else bad "--cache: no mixed skip pattern, or no effect: $(head -c 300 "$T/c1.txt")"; fi
+for lay in "2 --ring 2" "4 --tp 2 --ulysses 2" "4 --ring 2 --ulysses 2"; do
+    set -- $lay
+    n=$1; shift
+    if timeout 300 "$MPIEXEC" -n "$n" "$BIN" "${CRUN[@]}" --out "$T/cl.safetensors" "$@" \
+            --cache first_block:threshold=1.0 >"$T/cl.txt" 2>&1 &&
+       [ "$(grep -o '(C[-C]*;' "$T/cl.txt")" = "$cpat" ] &&
+       "$BIN" compare "$T/cl.safetensors" "$T/c1.safetensors" --tol 1e-5 >/dev/null; then ok
+    else bad "--cache on $lay: not one rank's skips or result: $(head -c 300 "$T/cl.txt")"; fi
+done
+"$BIN" "${CRUN[@]}" --out "$T/cz.safetensors" --cache first_block:threshold=0 --quiet
+if cmp -s "$T/cz.safetensors" "$T/c0.safetensors"; then ok
+else bad "--cache threshold 0 is not the uncached result"; fi
+"$BIN" inputs --checkpoint "$T/ctiny" --seed 2 --img-tokens 64 --txt-tokens 16 --negative \
+    --out "$T/cneg.safetensors" >/dev/null
+GRUN=(run --checkpoint "$T/ctiny" --inputs "$T/cneg.safetensors" --steps 10 --guidance-scale 3
+      --cache first_block:threshold=1.0)
+if "$BIN" "${GRUN[@]}" --out "$T/cg1.safetensors" --report "$T/cg1.json" >"$T/cg1.txt" 2>&1 &&
+   timeout 300 "$MPIEXEC" -n 2 "$BIN" "${GRUN[@]}" --cfg 2 --out "$T/cg2.safetensors" \
+       --quiet 2>"$T/stderr" && cmp -s "$T/cg1.safetensors" "$T/cg2.safetensors" &&
+   tr -d ' \t\n' <"$T/cg1.json" | grep -q '"branch":"uncond","skipped":true' &&
+   tr -d ' \t\n' <"$T/cg1.json" | grep -q '"branch":"cond","skipped":false'; then ok
+else bad "--cache with guidance: cfg 2 not the bits of cfg 1: $(head -c 300 "$T/cg1.txt" "$T/stderr")"; fi
+expect_error cache-no-steps 2 "--cache" "--steps" -- "$BIN" run --checkpoint "$T/ctiny" \
+    --inputs "$T/cin.safetensors" --out "$T/out.safetensors" --cache first_block
+expect_error cache-unknown 2 "unknown cache 'taylorseer'" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache taylorseer
+expect_error cache-key 2 "first_block has no key 'tresh'" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache first_block:tresh=0.1
+expect_error cache-value 2 "threshold=-1 is not a number >= 0" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache first_block:threshold=-1
+"$BIN" gen --model flux2 --preset tiny --seed 0 --out "$T/c2tiny" >/dev/null
+"$BIN" inputs --checkpoint "$T/c2tiny" --seed 1 --out "$T/c2in.safetensors" >/dev/null
+expect_error cache-family 1 "first_block is not implemented for Flux2Transformer2DModel" -- \
+    "$BIN" run --checkpoint "$T/c2tiny" --inputs "$T/c2in.safetensors" --steps 2 \
+    --out "$T/out.safetensors" --cache first_block
+"$BIN" inputs --checkpoint "$T/ctiny" --seed 1 --batch 2 --out "$T/cb2.safetensors" >/dev/null
+mpi_error cache-cfg-split 2 "each cfg group would decide on its half" -- run --checkpoint \
+    "$T/ctiny" --inputs "$T/cb2.safetensors" --out "$T/out.safetensors" --steps 2 --cfg 2 \
+    --cache first_block
 echo "test_cli.sh: $pass passed, $fail failed"
 [ "$fail" = 0 ]
