@@ -18,7 +18,7 @@ static mdt_status parse_double(const char *v, const char *key, double lo, double
     char *end = NULL;
     const double x = strtod(v, &end);
     if (!*v || *end || !isfinite(x) || x < lo)
-        return MDT_FAIL(MDT_E_INVALID, "--cache: %s=%s is not a number >= %g", key, v, lo);
+        return MDT_FAIL(MDT_E_INVALID, "cache spec: %s=%s is not a number >= %g", key, v, lo);
     *out = x;
     return MDT_OK;
 }
@@ -29,7 +29,7 @@ mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out) {
         return MDT_OK;
     char buf[256];
     if (strlen(s) >= sizeof buf)
-        return MDT_FAIL(MDT_E_INVALID, "--cache: the spec is longer than %zu bytes",
+        return MDT_FAIL(MDT_E_INVALID, "cache spec: the spec is longer than %zu bytes",
                         sizeof buf - 1);
     snprintf(buf, sizeof buf, "%s", s);
     char *args = strchr(buf, ':');
@@ -39,19 +39,19 @@ mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out) {
         out->kind = MDT_CACHE_FIRST_BLOCK;
     else
         return MDT_FAIL(MDT_E_INVALID,
-                        "--cache: unknown cache '%.64s' (meshdit has first_block, as diffusers' "
+                        "cache spec: unknown cache '%.64s' (meshdit has first_block, as diffusers' "
                         "FirstBlockCacheConfig)",
                         buf);
     for (char *kv = args ? strtok(args, ",") : NULL; kv; kv = strtok(NULL, ",")) {
         char *v = strchr(kv, '=');
         if (!v)
-            return MDT_FAIL(MDT_E_INVALID, "--cache: '%.64s' is not key=value", kv);
+            return MDT_FAIL(MDT_E_INVALID, "cache spec: '%.64s' is not key=value", kv);
         *v++ = '\0';
         if (strcmp(kv, "threshold") == 0)
             MDT_TRY(parse_double(v, kv, 0.0, &out->threshold));
         else
             return MDT_FAIL(MDT_E_INVALID,
-                            "--cache: first_block has no key '%.64s' (it takes threshold)", kv);
+                            "cache spec: first_block has no key '%.64s' (it takes threshold)", kv);
     }
     return MDT_OK;
 }

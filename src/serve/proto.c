@@ -104,9 +104,14 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
     }
     if (strcmp(k, "cache") == 0) {
         int on = 0;
-        if (strlen(v) >= sizeof r->cache || mdt_cache_spec_check(v, &on) != MDT_OK)
-            return MDT_FAIL(MDT_E_INVALID, "request: \"cache\": %s",
-                            strlen(v) >= sizeof r->cache ? "too long" : mdt_last_error());
+        if (strlen(v) >= sizeof r->cache)
+            return MDT_FAIL(MDT_E_INVALID, "request: \"cache\" is longer than %zu bytes",
+                            sizeof r->cache - 1);
+        if (mdt_cache_spec_check(v, &on) != MDT_OK) {
+            char why[256]; /* the message is rewritten below: copied first */
+            snprintf(why, sizeof why, "%s", mdt_last_error());
+            return MDT_FAIL(MDT_E_INVALID, "request: \"cache\": %s", why);
+        }
         strcpy(r->cache, v);
         return MDT_OK;
     }

@@ -8,6 +8,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "serve/serve.h"
 #include "harness.h"
+#include "models/cache.h"
 #include "io/safetensors.h"
 #include "serve/zmtp.h"
 
@@ -36,7 +37,7 @@ static unsigned char *request(const char *const *meta, int n, const char *const 
 
 static void test_request_checks(void) {
     static const struct {
-        const char *meta[8];
+        const char *meta[10];
         int ntensors;
         const char *want;
     } bad[] = {
@@ -53,7 +54,18 @@ static void test_request_checks(void) {
         {{"op", "info", "id", "a\\b", NULL}, 0, "backslashes"},
         {{"op", "info", "id", "rtl\xe2\x80\xae-evil", NULL}, 0, "UTF-8 text"},
         {{"op", "info", "id", "\xc2\x85next-line", NULL}, 0, "UTF-8 text"},
-        {{"op", "end_session", NULL}, 0, "needs a \"session\""},
+        {{"op", "end_session", NULL}, 0, "needs a \"session\" or a \"cache_generation\""},
+        {{"op", "forward", "cache", "first_block", NULL}, 1, "needs \"cache_context\""},
+        {{"op", "forward", "cache", "first_block", "cache_context", "cond", NULL},
+         1,
+         "\"cache_generation\""},
+        {{"op", "forward", "cache", "magcache", NULL}, 1, "unknown cache 'magcache'"},
+        {{"op", "forward", "cache_context", "cond", NULL}, 1, "go with \"cache\""},
+        {{"op", "info", "cache", "first_block", NULL}, 0, "go with a forward"},
+        {{"op", "info", "cache_generation", "g", NULL}, 0, "takes no \"cache_generation\""},
+        {{"op", "forward", "cache", "fbc", "cache_context", "a\nb", "cache_generation", "g", NULL},
+         1,
+         "without control characters"},
         {{"op", "forward", "session", "s", "end_session", "yes", NULL}, 0, "\"1\" or \"true\""},
     };
     const char *names[] = {"a"};
