@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""First-Block Cache over a whole FluxPipeline: meshdit's drop-in with enable_cache against
+diffusers' own transformer with the same enable_cache, and each against its uncached run: same
+pipeline, weights, prompt, seed, machine and thread count. Benchmarks only.
+
+usage: python bench/cache_pipeline.py [--size 128] [--steps 8] [--rounds 3]
+           [--thresholds 0.05,0.3,0.5] [--ranks 1]
+The pipeline is tests/python/flux_pipeline.py's with bench/pipeline_wall.py's medium transformer
+(inner 1024, 2 double + 4 single blocks). Random weights do not change slowly between steps as a
+trained model's do: the default threshold 0.05 skips nothing on them, so larger thresholds are
+swept to make the cache skip. Per threshold: the skip pattern of each, wall medians per
+generation (alternating, --rounds each), the ratio, the transformer FLOPs saved (meshdit's
+report), and each output's distance from the uncached one (max rel, PSNR of the decoded image).
+"""
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "..", "python"), os.path.join(HERE, "..", "tests", "python"),
+                HERE]
+os.environ["OPENBLAS_NUM_THREADS"] = "1"
+os.environ.pop("OPENBLAS_CORETYPE", None)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from diffusers.hooks import FirstBlockCacheConfig  # noqa: E402
+from diffusers.hooks import first_block_cache as fbc  # noqa: E402
+
+import flux_pipeline  # noqa: E402
+import meshdit  # noqa: E402
+from pipeline_wall import MEDIUM  # noqa: E402
+
+
+def psnr(a, b):
+    mse = float(np.mean((a - b) ** 2))
+    return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def rel(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--thresholds", default="0.05,0.3,0.5")
+    ap.add_argument("--ranks", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.ranks)
+    root = tempfile.mkdtemp(prefix="mdt_cache_bench_")
+    flux_pipeline.build(root, seed=0, transformer_config=MEDIUM)
+    ref_pipe = flux_pipeline.load(root)
+    decisions = []
+    orig = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
+
+    def spy(hook, r):
+        out = orig(hook, r)
+        decisions.append(bool(out))
+        return out
+    fbc.FBCHeadBlockHook._should_compute_remaining_blocks = spy
+    gen = dict(seed=3, steps=a.steps, size=a.size)
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", tp=a.ranks) as t:
+        md_pipe = flux_pipeline.load(root, transformer=t)
+        base_d = flux_pipeline.generate(ref_pipe, **gen)
+        base_m = flux_pipeline.generate(md_pipe, **gen)
+        print(f"# {a.size}px, {a.steps} steps, {a.ranks} rank(s)/thread(s); uncached meshdit vs "
+              f"diffusers rel {rel(base_m, base_d):.1e}")
+        print("| threshold | skip pattern (C computed, - skipped) | diffusers + hook s | meshdit + "
+              "hook s | ratio | uncached diffusers s | uncached meshdit s | FLOPs saved | "
+              "rel vs uncached | PSNR vs uncached dB | meshdit vs diffusers rel |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for th in [float(x) for x in a.thresholds.split(",")]:
+            times = {k: [] for k in ("dc", "mc", "du", "mu")}
+            for _ in range(a.rounds):  # alternating: each kind once per round
+                for k in ("dc", "mc", "du", "mu"):
+                    pipe = ref_pipe if k[0] == "d" else md_pipe
+                    tr = pipe.transformer
+                    if k[1] == "c":
+                        tr.enable_cache(FirstBlockCacheConfig(threshold=th))
+                    decisions.clear()
+                    n0 = len(t.stats["cache"])
+                    t0 = time.perf_counter()
+                    out = flux_pipeline.generate(pipe, **gen)
+                    times[k].append(time.perf_counter() - t0)
+                    if k[1] == "c":
+                        tr.disable_cache()
+                    if k == "dc":
+                        d_out, d_pat = out, "".join("C" if c else "-" for c in decisions)
+                    if k == "mc":
+                        log = t.stats["cache"][n0:]
+                        m_out = out
+                        m_pat = "".join("-" if e["skipped"] else "C" for e in log)
+                        saved = sum(e["flops_saved"] for e in log)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            pat = m_pat if m_pat == d_pat else f"{m_pat} (diffusers {d_pat})"
+            print(f"| {th} | {pat} | {med['dc']:.3f} | {med['mc']:.3f} | "
+                  f"{med['dc'] / med['mc']:.2f}x | {med['du']:.3f} | {med['mu']:.3f} | "
+                  f"{saved / 1e9:.2f} GFLOP | {rel(m_out, base_m):.1e} | "
+                  f"{psnr(m_out, base_m):.1f} | {rel(m_out, d_out):.1e} |")
+
+
+if __name__ == "__main__":
+    main()
