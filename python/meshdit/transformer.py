@@ -415,10 +415,13 @@ class Transformer(ModelMixin):
     def _cache_meta(self) -> dict | None:
         if self._cache_config is None:
             return None
-        if self._cache_name is None:
+        name = self._cache_name
+        if name is None and isinstance(self._cache_config, _hooks().MagCacheConfig):
+            name = "inference"  # diffusers' MagCache hooks take this context when none is set
+        if name is None:
             raise ValueError("No cache context is set. Wrap the denoiser call in "
                              "`model.cache_context(name, ...)` before calling it.")
-        return {"cache": self._cache_spec, "cache_context": self._cache_name,
+        return {"cache": self._cache_spec, "cache_context": name,
                 "cache_generation": self._cache_gen}
 
     def set_attention_backend(self, backend: str) -> None:
@@ -605,7 +608,7 @@ class Transformer(ModelMixin):
         self.stats["wall_seconds"].append(time.perf_counter() - t0)
         if "cache_skipped" in meta:
             self.stats["cache"].append({
-                "branch": self._cache_name, "skipped": meta["cache_skipped"] == "1",
+                "branch": self._cache_name or "inference", "skipped": meta["cache_skipped"] == "1",
                 "diff": float(meta["cache_diff"]),
                 "blocks_computed": int(meta["cache_blocks_computed"]),
                 "blocks_skipped": int(meta["cache_blocks_skipped"]),
@@ -700,9 +703,15 @@ _LORA = ("LoRA adapters cannot be loaded into a running server yet; fuse them at
          "what diffusers' lora_state_dict gives as such a file; docs/lora.md)")
 
 
+def _hooks():
+    from diffusers import hooks
+    return hooks
+
+
 def _cache_spec(config) -> str:
-    """The server's --cache text for a diffusers cache config: FirstBlockCacheConfig with the
-    fields diffusers gives it; NotImplementedError naming any other config or field."""
+    """The server's --cache text for a diffusers cache config: FirstBlockCacheConfig or
+    MagCacheConfig with the fields diffusers gives them; NotImplementedError naming any other
+    config or field."""
     import dataclasses
 
     from diffusers import hooks
@@ -717,6 +726,23 @@ def _cache_spec(config) -> str:
             raise ValueError(f"meshdit: FirstBlockCacheConfig.threshold must be a finite number "
                              f">= 0, got {config.threshold!r}")
         return f"first_block:threshold={t!r}"
+    if isinstance(config, hooks.MagCacheConfig):
+        fields = {f.name for f in dataclasses.fields(config)}
+        extra = sorted(fields - {"threshold", "max_skip_steps", "retention_ratio",
+                                 "num_inference_steps", "mag_ratios", "calibrate"})
+        if extra:
+            raise NotImplementedError(f"meshdit: MagCacheConfig field(s) {extra} are not "
+                                      f"implemented")
+        if config.calibrate:
+            raise NotImplementedError("meshdit: MagCacheConfig(calibrate=True) is not "
+                                      "implemented: calibrate with diffusers' own transformer, "
+                                      "then pass its mag_ratios")
+        ratios = torch.as_tensor(config.mag_ratios, dtype=torch.float32).reshape(-1).tolist()
+        return (f"mag:threshold={float(config.threshold)!r},"
+                f"max_skip_steps={int(config.max_skip_steps)},"
+                f"retention_ratio={float(config.retention_ratio)!r},"
+                f"num_inference_steps={int(config.num_inference_steps)},"
+                f"mag_ratios={'/'.join(repr(float(r)) for r in ratios)}")
     known = [n for n in dir(hooks) if n.endswith("Config")]
     if type(config).__name__ in known:
         raise NotImplementedError(f"meshdit: {type(config).__name__} is not implemented (meshdit "
@@ -796,7 +822,8 @@ METHODS: dict[str, tuple[str, str]] = {
                                       "ulysses=)"),
     # caches and LoRA (to come)
     "is_cache_enabled": ("works", "whether enable_cache holds a config"),
-    "enable_cache": ("works", "FirstBlockCacheConfig on the mesh; other configs refused"),
+    "enable_cache": ("works", "FirstBlockCacheConfig and MagCacheConfig on the mesh; other "
+                             "configs refused"),
     "disable_cache": ("works", "every block of every step again"),
     **{n: ("refused", _LORA) for n in (
         "load_lora_adapter", "save_lora_adapter", "set_adapters", "set_adapter", "add_adapter",

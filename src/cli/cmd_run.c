@@ -111,7 +111,7 @@ static void print_cache(const mdt_run_stats *s, const char *spec) {
             pat[n++] = k == 1 ? '-' : 'C';
     }
     pat[n] = '\0';
-    printf("cache %s: %lld of %lld forwards skipped their remaining blocks (%s%s; C computed, - "
+    printf("cache %s: %lld of %lld forwards skipped blocks (%s%s; C: every block computed, - "
            "skipped)\n",
            spec, (long long)skipped, (long long)nf, pat, n < nf ? "..." : "");
 }

@@ -39,6 +39,8 @@ void cli_usage(FILE *fp) {
         "          [--report FILE.json] [--max-memory SIZE] [--step-timeout S] [--quiet]\n"
         "          [--device cpu|cuda] [--dtype f32|bf16] [--comm auto|mpi|nccl]\n"
         "          [--lora FILE[:SCALE]]...   (docs/lora.md)\n"
+        "          [--cache first_block[:threshold=X] | mag:mag_ratios=A/B/...[,...]]\n"
+        "                                            (with --steps; docs/cache.md)\n"
         "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
         "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n"
         "          [--mesh-order ORDER] [--lora FILE]...\n"

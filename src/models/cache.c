@@ -2,6 +2,7 @@
  * cache.c — the step caches of cache.h: the spec, a generation's branches, and First-Block
  * Cache's decision and residuals as diffusers' hooks/first_block_cache.py computes them.
  */
+#define _POSIX_C_SOURCE 200809L
 #include "models/cache.h"
 
 #include "backend/backend.h"
@@ -18,42 +19,122 @@ static mdt_status parse_double(const char *v, const char *key, double lo, double
     char *end = NULL;
     const double x = strtod(v, &end);
     if (!*v || *end || !isfinite(x) || x < lo)
-        return MDT_FAIL(MDT_E_INVALID, "cache spec: %s=%s is not a number >= %g", key, v, lo);
+        return MDT_FAIL(MDT_E_INVALID, "cache spec: %s=%.64s is not a number >= %g", key, v, lo);
     *out = x;
     return MDT_OK;
 }
 
+static mdt_status parse_int(const char *v, const char *key, int lo, int hi, int *out) {
+    char *end = NULL;
+    const long x = strtol(v, &end, 10);
+    if (!*v || *end || x < lo || x > hi)
+        return MDT_FAIL(MDT_E_INVALID, "cache spec: %s=%.64s is not an integer in [%d, %d]", key, v,
+                        lo, hi);
+    *out = (int)x;
+    return MDT_OK;
+}
+
+/* mag_ratios=A/B/C...: the magnitude ratios, as float32 (diffusers keeps them in a float32
+ * tensor) */
+static mdt_status parse_ratios(char *v, mdt_cache_spec *out) {
+    out->nratios = 0;
+    for (char *t = v, *next; t; t = next) {
+        next = strchr(t, '/');
+        if (next)
+            *next++ = '\0';
+        double x;
+        if (out->nratios == MDT_CACHE_RATIOS_MAX)
+            return MDT_FAIL(MDT_E_INVALID, "cache spec: mag_ratios has more than %d values",
+                            MDT_CACHE_RATIOS_MAX);
+        MDT_TRY(parse_double(t, "mag_ratios", -1e30, &x));
+        out->ratios[out->nratios++] = (float)x;
+    }
+    return MDT_OK;
+}
+
+/* diffusers' nearest_interp: the ratios to `n` values, src[round(i (len - 1) / (n - 1))] with the
+ * product in float32 and torch's round (half to even) */
+static void interp_ratios(mdt_cache_spec *sp, int n) {
+    float src[MDT_CACHE_RATIOS_MAX];
+    const int len = sp->nratios;
+    memcpy(src, sp->ratios, sizeof(float) * (size_t)len);
+    for (int i = 0; i < n; i++) {
+        if (n == 1) {
+            sp->ratios[0] = src[len - 1];
+            break;
+        }
+        const float scale = (float)((double)(len - 1) / (double)(n - 1));
+        const long k = lrintf((float)i * scale);
+        sp->ratios[i] = src[k < 0 ? 0 : k >= len ? len - 1 : k];
+    }
+    sp->nratios = n;
+}
+
 mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out) {
-    *out = (mdt_cache_spec){.kind = MDT_CACHE_OFF, .threshold = 0.05};
+    memset(out, 0, sizeof *out);
+    out->kind = MDT_CACHE_OFF;
     if (!s || !*s || strcmp(s, "none") == 0)
         return MDT_OK;
-    char buf[256];
-    if (strlen(s) >= sizeof buf)
-        return MDT_FAIL(MDT_E_INVALID, "cache spec: the spec is longer than %zu bytes",
-                        sizeof buf - 1);
-    snprintf(buf, sizeof buf, "%s", s);
+    const size_t len = strlen(s);
+    if (len > MDT_CACHE_SPEC_MAX)
+        return MDT_FAIL(MDT_E_INVALID, "cache spec: the spec is longer than %d bytes",
+                        MDT_CACHE_SPEC_MAX);
+    char *buf = malloc(len + 1);
+    if (!buf)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    memcpy(buf, s, len + 1);
+    mdt_status st = MDT_OK;
     char *args = strchr(buf, ':');
     if (args)
         *args++ = '\0';
     if (strcmp(buf, "first_block") == 0 || strcmp(buf, "fbc") == 0)
-        out->kind = MDT_CACHE_FIRST_BLOCK;
+        out->kind = MDT_CACHE_FIRST_BLOCK, out->threshold = 0.05;
+    else if (strcmp(buf, "mag") == 0 || strcmp(buf, "magcache") == 0)
+        *out = (mdt_cache_spec){.kind = MDT_CACHE_MAG,
+                                .threshold = 0.06,
+                                .max_skip_steps = 3,
+                                .retention_ratio = 0.2,
+                                .num_inference_steps = 28};
     else
-        return MDT_FAIL(MDT_E_INVALID,
-                        "cache spec: unknown cache '%.64s' (meshdit has first_block, as diffusers' "
-                        "FirstBlockCacheConfig)",
-                        buf);
-    for (char *kv = args ? strtok(args, ",") : NULL; kv; kv = strtok(NULL, ",")) {
+        st = MDT_FAIL(MDT_E_INVALID,
+                      "cache spec: unknown cache '%.64s' (meshdit has first_block and mag, as "
+                      "diffusers' FirstBlockCacheConfig and MagCacheConfig)",
+                      buf);
+    const int mag = out->kind == MDT_CACHE_MAG;
+    char *save = NULL;
+    for (char *kv = st == MDT_OK && args ? strtok_r(args, ",", &save) : NULL; kv && st == MDT_OK;
+         kv = strtok_r(NULL, ",", &save)) {
         char *v = strchr(kv, '=');
-        if (!v)
-            return MDT_FAIL(MDT_E_INVALID, "cache spec: '%.64s' is not key=value", kv);
+        if (!v) {
+            st = MDT_FAIL(MDT_E_INVALID, "cache spec: '%.64s' is not key=value", kv);
+            break;
+        }
         *v++ = '\0';
         if (strcmp(kv, "threshold") == 0)
-            MDT_TRY(parse_double(v, kv, 0.0, &out->threshold));
+            st = parse_double(v, kv, 0.0, &out->threshold);
+        else if (mag && strcmp(kv, "max_skip_steps") == 0)
+            st = parse_int(v, kv, 0, 1 << 20, &out->max_skip_steps);
+        else if (mag && strcmp(kv, "retention_ratio") == 0)
+            st = parse_double(v, kv, 0.0, &out->retention_ratio);
+        else if (mag && strcmp(kv, "num_inference_steps") == 0)
+            st = parse_int(v, kv, 1, MDT_CACHE_RATIOS_MAX, &out->num_inference_steps);
+        else if (mag && strcmp(kv, "mag_ratios") == 0)
+            st = parse_ratios(v, out);
         else
-            return MDT_FAIL(MDT_E_INVALID,
-                            "cache spec: first_block has no key '%.64s' (it takes threshold)", kv);
+            st = MDT_FAIL(MDT_E_INVALID, "cache spec: %s has no key '%.64s' (it takes %s)",
+                          mag ? "mag" : "first_block", kv,
+                          mag ? "threshold, max_skip_steps, retention_ratio, num_inference_steps, "
+                                "mag_ratios"
+                              : "threshold");
     }
-    return MDT_OK;
+    if (st == MDT_OK && mag && out->nratios == 0)
+        st = MDT_FAIL(MDT_E_INVALID,
+                      "cache spec: mag needs mag_ratios=A/B/... (the model's magnitude ratios, as "
+                      "diffusers' MagCacheConfig needs them; calibrating is not implemented)");
+    if (st == MDT_OK && mag && out->nratios != out->num_inference_steps)
+        interp_ratios(out, out->num_inference_steps);
+    free(buf);
+    return st;
 }
 
 mdt_status mdt_cache_spec_check(const char *spec, int *enabled) {
@@ -64,16 +145,33 @@ mdt_status mdt_cache_spec_check(const char *spec, int *enabled) {
     return MDT_OK;
 }
 
+/* the shortest text that reads back as the same double */
+static void num_str(double x, char *t, size_t cap) {
+    snprintf(t, cap, "%.15g", x);
+    if (strtod(t, NULL) != x)
+        snprintf(t, cap, "%.17g", x);
+}
+
 void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap) {
-    if (sp->kind == MDT_CACHE_FIRST_BLOCK) {
-        /* the shortest text that reads back as the same double */
-        char t[32];
-        snprintf(t, sizeof t, "%.15g", sp->threshold);
-        if (strtod(t, NULL) != sp->threshold)
-            snprintf(t, sizeof t, "%.17g", sp->threshold);
+    char t[32], r[32];
+    num_str(sp->threshold, t, sizeof t);
+    if (sp->kind == MDT_CACHE_FIRST_BLOCK)
         snprintf(buf, cap, "first_block:threshold=%s", t);
+    else if (sp->kind == MDT_CACHE_MAG) {
+        num_str(sp->retention_ratio, r, sizeof r);
+        snprintf(buf, cap,
+                 "mag:threshold=%s,max_skip_steps=%d,retention_ratio=%s,num_inference_steps=%d "
+                 "(%d mag_ratios)",
+                 t, sp->max_skip_steps, r, sp->num_inference_steps, sp->nratios);
     } else
         snprintf(buf, cap, "none");
+}
+
+int mdt_cache_spec_equal(const mdt_cache_spec *a, const mdt_cache_spec *b) {
+    return a->kind == b->kind && a->threshold == b->threshold &&
+           a->max_skip_steps == b->max_skip_steps && a->retention_ratio == b->retention_ratio &&
+           a->num_inference_steps == b->num_inference_steps && a->nratios == b->nratios &&
+           memcmp(a->ratios, b->ratios, sizeof(float) * (size_t)a->nratios) == 0;
 }
 
 /* ---- a generation's state ---- */
@@ -124,6 +222,7 @@ mdt_status mdt_cache_select(mdt_cache *c, const char *branch) {
     mdt_cache_branch *b = &c->br[c->nbranches];
     memset(b, 0, sizeof *b);
     snprintf(b->name, sizeof b->name, "%s", branch);
+    b->acc_ratio = 1.0f;
     c->cur = c->nbranches++;
     return MDT_OK;
 }
@@ -152,16 +251,17 @@ mdt_status mdt_cache_begin(const mdt_dit *d, int supported, int64_t blocks, mdt_
         return MDT_OK;
     if (!supported)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
-                        "cache: first_block is not implemented for %s (meshdit caches Flux, "
-                        "Qwen-Image and Wan, as diffusers' hooks do)",
+                        "cache: %s is not implemented for %s (meshdit caches Flux, Qwen-Image and "
+                        "Wan, as diffusers' hooks do)",
+                        c->spec.kind == MDT_CACHE_MAG ? "mag" : "first_block",
                         d->m->fam->class_name);
     if (blocks < 2)
         return MDT_FAIL(MDT_E_INVALID,
-                        "cache: first_block needs at least 2 transformer blocks (the model has "
+                        "cache: a step cache needs at least 2 transformer blocks (the model has "
                         "%lld)",
                         (long long)blocks);
     if (mdt_backend_mem())
-        return MDT_FAIL(MDT_E_UNSUPPORTED, "cache: first_block runs on the CPU backend only");
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "cache: step caches run on the CPU backend only");
     if (c->cur < 0)
         return MDT_FAIL(MDT_E_INVALID, "cache: no branch selected for this forward");
     c->in_forward = 1;
@@ -303,6 +403,81 @@ mdt_status mdt_cache_tail(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *
     }
     b->have_tail = 1;
     b->tail_flops = flops_now() - c->flops_at_head;
+    return MDT_OK;
+}
+
+/* ---- MagCache (diffusers' hooks/mag_cache.py) ---- */
+
+mdt_status mdt_cache_mag_decide(mdt_cache *c, int *skip) {
+    mdt_cache_branch *b = &c->br[c->cur];
+    const mdt_cache_spec *sp = &c->spec;
+    const int cur = b->step_index;
+    const float scale = cur >= sp->nratios ? 1.0f : sp->ratios[cur];
+    const int retention = (int)(sp->retention_ratio * sp->num_inference_steps + 0.5);
+    int compute = 1;
+    c->last.diff = NAN;
+    if (cur >= retention) { /* float32, as the hook's tensors compute it */
+        b->acc_ratio *= scale;
+        b->acc_steps++;
+        b->acc_err += fabsf(1.0f - b->acc_ratio);
+        c->last.diff = b->acc_err;
+        if (b->prev_res && b->acc_err <= (float)sp->threshold && b->acc_steps <= sp->max_skip_steps)
+            compute = 0;
+        else
+            b->acc_ratio = 1.0f, b->acc_steps = 0, b->acc_err = 0.0f;
+    }
+    *skip = !compute;
+    c->last.skipped = *skip;
+    if (*skip)
+        c->last.flops_saved = b->tail_flops;
+    else
+        c->flops_at_head = flops_now();
+    return MDT_OK;
+}
+
+/* The hook's _advance_step: past the schedule's last step, a fresh state. */
+static void mag_advance(mdt_cache *c, mdt_cache_branch *b) {
+    if (++b->step_index < c->spec.num_inference_steps)
+        return;
+    b->step_index = 0, b->acc_ratio = 1.0f, b->acc_steps = 0, b->acc_err = 0.0f;
+    if (b->prev_res) {
+        c->bytes -= (int64_t)sizeof(float) * b->n_res;
+        mdt_free(b->prev_res);
+        b->prev_res = NULL, b->n_res = 0;
+    }
+}
+
+mdt_status mdt_cache_mag_apply(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *s) {
+    mdt_cache_branch *b = &c->br[c->cur];
+    if (rows_n(d, s) != b->n_res)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "cache: branch '%s' kept %lld values of the residual on this rank, the "
+                        "forward has %lld: the shapes of a generation stay fixed",
+                        b->name, (long long)b->n_res, (long long)rows_n(d, s));
+    const int64_t w = s->rows * s->width;
+    for (int64_t bb = 0; bb < d->B; bb++) { /* output = hidden_states + residual */
+        float *x = s->x + bb * s->ld;
+        const float *r = b->prev_res + bb * w;
+        for (int64_t i = 0; i < w; i++)
+            x[i] = x[i] + r[i];
+    }
+    mag_advance(c, b);
+    return MDT_OK;
+}
+
+mdt_status mdt_cache_mag_keep(mdt_cache *c, const mdt_dit *d, const float *in,
+                              const mdt_cache_rows *out) {
+    mdt_cache_branch *b = &c->br[c->cur];
+    const int64_t n = rows_n(d, out), w = out->rows * out->width;
+    MDT_TRY(keep_buf(c, &b->prev_res, &b->n_res, n, "the residual"));
+    for (int64_t bb = 0; bb < d->B; bb++) {
+        const float *x = out->x + bb * out->ld, *x0 = in + bb * w;
+        float *r = b->prev_res + bb * w;
+        for (int64_t i = 0; i < w; i++)
+            r[i] = x[i] - x0[i];
+    }
+    b->tail_flops = flops_now() - c->flops_at_head;
+    mag_advance(c, b);
     return MDT_OK;
 }
 

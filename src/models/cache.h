@@ -26,19 +26,37 @@
 
 struct mdt_dit;
 
-typedef enum mdt_cache_kind { MDT_CACHE_OFF = 0, MDT_CACHE_FIRST_BLOCK } mdt_cache_kind;
+typedef enum mdt_cache_kind {
+    MDT_CACHE_OFF = 0,
+    MDT_CACHE_FIRST_BLOCK,
+    MDT_CACHE_MAG
+} mdt_cache_kind;
+
+#define MDT_CACHE_RATIOS_MAX 1024 /* MagCache's mag_ratios (one per inference step) */
+#define MDT_CACHE_SPEC_MAX 16383  /* bytes of a spec's text */
 
 /* What --cache NAME[:key=value,...] asks for. */
 typedef struct mdt_cache_spec {
     mdt_cache_kind kind;
-    double threshold; /* first_block: diffusers' default 0.05 */
+    double threshold; /* first_block: diffusers' default 0.05; mag: 0.06 */
+    /* mag (diffusers' MagCacheConfig): consecutive skips at most, the fraction of the first
+     * steps that always compute, the steps the ratios are for, and the ratios (float32) */
+    int max_skip_steps;
+    double retention_ratio;
+    int num_inference_steps;
+    int nratios;
+    float ratios[MDT_CACHE_RATIOS_MAX];
 } mdt_cache_spec;
 
-/* Parses "first_block[:threshold=X]" (also "fbc"); NULL or "" or "none": off. MDT_E_INVALID
- * naming the unknown cache or key, or the bad value. */
+/* Parses "first_block[:threshold=X]" (also "fbc") or "mag:mag_ratios=A/B/...[,threshold=X,
+ * max_skip_steps=K,retention_ratio=R,num_inference_steps=N]" (also "magcache"; the ratios
+ * interpolated to N as diffusers' nearest_interp does when their count differs); NULL, "" or
+ * "none": off. MDT_E_INVALID naming the unknown cache or key, or the bad value. */
 mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out);
-/* The spec's canonical text ("first_block:threshold=0.05"; "none"). */
+/* The spec's text for messages and the report ("first_block:threshold=0.05"; "none"). */
 void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap);
+/* 1 when two specs ask for the same cache. */
+int mdt_cache_spec_equal(const mdt_cache_spec *a, const mdt_cache_spec *b);
 
 #define MDT_CACHE_BRANCHES 4  /* branches of one generation ("cond", "uncond", ...) */
 #define MDT_CACHE_STREAMS 2   /* streams a block returns (hidden, encoder_hidden) */
@@ -53,7 +71,11 @@ typedef struct mdt_cache_branch {
     int64_t n[MDT_CACHE_STREAMS];
     int nstreams;
     int have_tail;     /* a full forward has run: the tail residuals are there */
-    double tail_flops; /* this rank's FLOPs of the blocks after the first, in that forward */
+    double tail_flops; /* this rank's FLOPs of the blocks after the first, in that forward
+                          (mag: of every block) */
+    /* mag: diffusers' MagCacheState, its accumulators in float32 as torch computes them */
+    float acc_ratio, acc_err;
+    int acc_steps, step_index;
 } mdt_cache_branch;
 
 /* One forward's decision, as the report and the server's reply give it. */
@@ -116,6 +138,18 @@ mdt_status mdt_cache_apply(mdt_cache *c, const struct mdt_dit *d, const mdt_cach
 /* Computing, after the last block: the tail residuals s[k] - head[k]. */
 mdt_status mdt_cache_tail(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *s,
                           int nstreams);
+/* ---- MagCache: a decision from the schedule alone (the same on every rank by construction),
+ * before the first block; a skip skips every block ---- */
+/* Decides this forward (*skip) and advances nothing yet. */
+mdt_status mdt_cache_mag_decide(mdt_cache *c, int *skip);
+/* Skipping: s (the first block's input rows of the hidden stream) += the kept residual. Then
+ * the step advances. */
+mdt_status mdt_cache_mag_apply(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *s);
+/* Computing, after the last block: the residual out - in of the hidden stream (in: the first
+ * block's input rows, dense; out: the last block's, as a view), kept; then the step advances. */
+mdt_status mdt_cache_mag_keep(mdt_cache *c, const struct mdt_dit *d, const float *in,
+                              const mdt_cache_rows *out);
+
 /* The end of the forward's cache part: the step's record (blocks run and skipped). */
 mdt_status mdt_cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip);
 

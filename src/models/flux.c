@@ -303,7 +303,12 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     if (cache && !x0)
         return MDT_E_NOMEM;
     const mdt_cache_rows heads[2] = {{xs, si, C, si * C}, {c, st, C, st * C}};
+    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK, mag = cache && !fbc;
     int64_t ran = 0;
+    if (mag) /* MagCache: the schedule decides before any block; a skip skips them all */
+        MDT_TRY(mdt_cache_mag_decide(cache, &skip));
+    if (mag && skip)
+        MDT_TRY(mdt_cache_mag_apply(cache, &d, &heads[0]));
     for (int64_t i = 0; i < f->layers && !skip; i++) { /* double blocks: image and text */
         if (cache && i == 0)
             memcpy(x0, xs, sizeof(float) * (size_t)(B * si * C));
@@ -314,7 +319,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         ran++;
         if (i == 0) /* test seam: a rank failing mid-step */
             MDT_TRY(mdt_dit_test_point(&d, "step"));
-        if (cache && i == 0) {
+        if (fbc && i == 0) {
             MDT_TRY(mdt_cache_head(cache, &d, x0, xs, B * si * C, &skip));
             MDT_TRY(skip ? mdt_cache_apply(cache, &d, heads, 2)
                          : mdt_cache_keep_head(cache, &d, heads, 2));
@@ -327,9 +332,12 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         mdt_dit_block_done(&d, mk, "single_transformer_blocks", i, &(mdt_stream){h, S, C}, 1);
         ran++;
     }
-    if (cache && !skip) /* the tail residuals: each stream's rows of the joint sequence */
-        MDT_TRY(mdt_cache_tail(
-            cache, &d, (mdt_cache_rows[]){{h + st * C, si, C, S * C}, {h, st, C, S * C}}, 2));
+    /* the tail residuals: each stream's rows of the joint sequence (mag: the image's) */
+    const mdt_cache_rows tails[2] = {{h + st * C, si, C, S * C}, {h, st, C, S * C}};
+    if (fbc && !skip)
+        MDT_TRY(mdt_cache_tail(cache, &d, tails, 2));
+    if (mag && !skip)
+        MDT_TRY(mdt_cache_mag_keep(cache, &d, x0, &tails[0]));
     if (cache)
         MDT_TRY(mdt_cache_end(cache, ran, f->layers + f->single_layers - ran));
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */

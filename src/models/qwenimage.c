@@ -414,7 +414,12 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
         return MDT_E_NOMEM;
     const mdt_cache_rows img = {xs, si, C, si * C};
     int skip = 0;
+    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK, mag = cache && !fbc;
     int64_t ran = 0;
+    if (mag) /* MagCache: the schedule decides before any block; a skip skips them all */
+        MDT_TRY(mdt_cache_mag_decide(cache, &skip));
+    if (mag && skip)
+        MDT_TRY(mdt_cache_mag_apply(cache, d, &img));
     for (int64_t i = 0; i < f->layers && !skip; i++) { /* a block's scratch is reused */
         if (cache && i == 0)
             memcpy(x0, xs, sizeof(float) * (size_t)(n * si * C));
@@ -425,14 +430,16 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
         ran++;
         if (i == 0) /* test seam: a rank failing mid-step */
             MDT_TRY(mdt_dit_test_point(d, "step"));
-        if (cache && i == 0) {
+        if (fbc && i == 0) {
             MDT_TRY(mdt_cache_head(cache, d, x0, xs, n * si * C, &skip));
             MDT_TRY(skip ? mdt_cache_apply(cache, d, &img, 1)
                          : mdt_cache_keep_head(cache, d, &img, 1));
         }
     }
-    if (cache && !skip)
+    if (fbc && !skip)
         MDT_TRY(mdt_cache_tail(cache, d, &img, 1));
+    if (mag && !skip)
+        MDT_TRY(mdt_cache_mag_keep(cache, d, x0, &img));
     if (cache)
         MDT_TRY(mdt_cache_end(cache, ran, f->layers - ran));
     MDT_TRY(mdt_dit_adaln(d, &f->norm_out, emb)); // [n, 2C] scale first

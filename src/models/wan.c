@@ -526,7 +526,12 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
         return MDT_E_NOMEM;
     const mdt_cache_rows vid = {h, x.n, C, x.n * C};
     int skip = 0;
+    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK, mag = cache && !fbc;
     int64_t ran = 0;
+    if (mag) /* MagCache: the schedule decides before any block; a skip skips them all */
+        MDT_TRY(mdt_cache_mag_decide(cache, &skip));
+    if (mag && skip)
+        MDT_TRY(mdt_cache_mag_apply(cache, &d, &vid));
     for (int64_t i = 0; i < f->layers && !skip; i++) {
         if (cache && i == 0)
             memcpy(x0, h, sizeof(float) * (size_t)(M * C));
@@ -534,14 +539,16 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
         MDT_TRY(block(f, &d, &x, &f->blk[i], tproj, ctxt, cimg, h));
         mdt_dit_block_done(&d, mk, "blocks", i, &(mdt_stream){h, x.n, C}, 1);
         ran++;
-        if (cache && i == 0) {
+        if (fbc && i == 0) {
             MDT_TRY(mdt_cache_head(cache, &d, x0, h, M * C, &skip));
             MDT_TRY(skip ? mdt_cache_apply(cache, &d, &vid, 1)
                          : mdt_cache_keep_head(cache, &d, &vid, 1));
         }
     }
-    if (cache && !skip)
+    if (fbc && !skip)
         MDT_TRY(mdt_cache_tail(cache, &d, &vid, 1));
+    if (mag && !skip)
+        MDT_TRY(mdt_cache_mag_keep(cache, &d, x0, &vid));
     if (cache)
         MDT_TRY(mdt_cache_end(cache, ran, f->layers - ran));
     /* norm_out: shift, scale = scale_shift_table + temb (per distinct timestep, picked per token)

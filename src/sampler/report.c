@@ -72,7 +72,7 @@ static void add_rank(cJSON *ranks, const mdt_rank_facts *rf) {
 /* The step cache's decisions: the spec, then per forward its branch, the statistic, the blocks
  * run and skipped and the FLOPs the skip saved (this rank's; the decisions are every rank's). */
 static void add_cache(cJSON *r, const mdt_cache *c) {
-    char spec[128];
+    char spec[256];
     mdt_cache_spec_str(&c->spec, spec, sizeof spec);
     cJSON *o = cJSON_AddObjectToObject(r, "cache");
     cJSON_AddStringToObject(o, "spec", spec);
@@ -90,7 +90,8 @@ static void add_cache(cJSON *r, const mdt_cache *c) {
         const mdt_cache_step *e = &c->log[i];
         cJSON *t = cJSON_CreateObject();
         cJSON_AddItemToArray(steps, t);
-        cJSON_AddNumberToObject(t, "step", (double)(i / per));
+        const int64_t step = i / per;
+        cJSON_AddNumberToObject(t, "step", (double)step);
         cJSON_AddStringToObject(t, "branch", c->br[e->branch].name);
         cJSON_AddBoolToObject(t, "skipped", e->skipped);
         if (isfinite(e->diff))

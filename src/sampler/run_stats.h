@@ -19,8 +19,8 @@ typedef struct mdt_rank_facts {
 struct mdt_run_stats {
     int steps, sampled;
     double step_median_s;
-    int nranks;            /* entries of facts: the world on rank 0, else 1 */
-    mdt_rank_facts *facts; /* [nranks] */
+    int nranks;              /* entries of facts: the world on rank 0, else 1 */
+    mdt_rank_facts *facts;   /* [nranks] */
     struct mdt_cache *cache; /* the run's step cache and its decisions (NULL: none) */
 };
 

@@ -64,10 +64,10 @@ mdt_status mdt_serve_caches_use(mdt_serve_caches *cs, const mdt_serve_request *r
         if (strcmp(cs->e[i].gen, r->cache_gen) == 0)
             e = &cs->e[i];
     if (e) {
-        char had[128], now[128];
+        char had[256], now[256];
         mdt_cache_spec_str(&e->cache->spec, had, sizeof had);
         mdt_cache_spec_str(&sp, now, sizeof now);
-        if (strcmp(had, now) != 0)
+        if (!mdt_cache_spec_equal(&e->cache->spec, &sp))
             return MDT_FAIL(MDT_E_INVALID,
                             "request: cache generation '%s' runs %s, this forward asks for %s "
                             "(a new cache config starts a new generation)",

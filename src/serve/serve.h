@@ -40,7 +40,7 @@ typedef struct mdt_serve_request {
                                              issued for it (serve.c) */
     int new_session;                      /* "session": "new": this forward opens one */
     int end_session;                      /* forward: drop the session after this forward */
-    char cache[128];                      /* the step cache's spec ("" or "none": none) */
+    char cache[16384]; /* the step cache's spec ("" or "none": none; MDT_CACHE_SPEC_MAX) */
     char cache_context[MDT_SERVE_CACHE_NAME_MAX + 1]; /* its branch ("cond", "uncond", ...) */
     char cache_gen[MDT_SERVE_NAME_MAX + 1];           /* the generation its state belongs to */
     int64_t now_ms; /* rank 0's clock for this request (serve.c) */

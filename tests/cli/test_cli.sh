@@ -732,7 +732,7 @@ CRUN=(run --checkpoint "$T/ctiny" --inputs "$T/cin.safetensors" --steps 10)
     --report "$T/c1.json" >"$T/c1.txt" 2>&1
 "$BIN" "${CRUN[@]}" --out "$T/c0.safetensors" --quiet
 cpat=$(grep -o '(C[-C]*;' "$T/c1.txt")
-if grep -q 'skipped their remaining blocks' "$T/c1.txt" && [[ $cpat == *-* ]] &&
+if grep -q 'forwards skipped blocks' "$T/c1.txt" && [[ $cpat == *-* ]] &&
    [[ ${cpat#(C} == *C* ]] && tr -d ' \t\n' <"$T/c1.json" | grep -q '"blocks_skipped":' &&
    ! "$BIN" compare "$T/c1.safetensors" "$T/c0.safetensors" --tol 1e-3 >/dev/null; then ok
 else bad "--cache: no mixed skip pattern, or no effect: $(head -c 300 "$T/c1.txt")"; fi
@@ -758,6 +758,22 @@ if "$BIN" "${GRUN[@]}" --out "$T/cg1.safetensors" --report "$T/cg1.json" >"$T/cg
    tr -d ' \t\n' <"$T/cg1.json" | grep -q '"branch":"uncond","skipped":true' &&
    tr -d ' \t\n' <"$T/cg1.json" | grep -q '"branch":"cond","skipped":false'; then ok
 else bad "--cache with guidance: cfg 2 not the bits of cfg 1: $(head -c 300 "$T/cg1.txt" "$T/stderr")"; fi
+# MagCache: the decisions come from the ratio schedule (FLUX_MAG_RATIOS' first values here), the
+# same on every layout; a skip skips every block
+MAG="mag:threshold=0.1,num_inference_steps=10,retention_ratio=0.2,max_skip_steps=3,mag_ratios=1.0/1.21094/1.11719/1.07812/1.0625/1.03906/1.03125/1.03906/1.02344/1.03125"
+"$BIN" "${CRUN[@]}" --out "$T/m1.safetensors" --cache "$MAG" --report "$T/m1.json" >"$T/m1.txt" 2>&1
+mpat=$(grep -o '(C[-C]*;' "$T/m1.txt")
+if [[ $mpat == *-* ]] && [[ ${mpat#(CC} == *C* ]] &&
+   tr -d ' \t\n' <"$T/m1.json" | grep -q '"skipped":true,"diff":[0-9.e-]*,"blocks_computed":0' &&
+   ! "$BIN" compare "$T/m1.safetensors" "$T/c0.safetensors" --tol 1e-3 >/dev/null &&
+   timeout 300 "$MPIEXEC" -n 4 "$BIN" "${CRUN[@]}" --out "$T/ml.safetensors" --tp 2 --ring 2 \
+       --cache "$MAG" >"$T/ml.txt" 2>&1 && [ "$(grep -o '(C[-C]*;' "$T/ml.txt")" = "$mpat" ] &&
+   "$BIN" compare "$T/ml.safetensors" "$T/m1.safetensors" --tol 1e-5 >/dev/null; then ok
+else bad "--cache mag: $(head -c 300 "$T/m1.txt" "$T/ml.txt")"; fi
+expect_error cache-mag-ratios 2 "mag needs mag_ratios" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache mag:threshold=0.1
+expect_error cache-mag-key 2 "mag has no key 'calibrate'" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache mag:mag_ratios=1.0,calibrate=1
 expect_error cache-no-steps 2 "--cache" "--steps" -- "$BIN" run --checkpoint "$T/ctiny" \
     --inputs "$T/cin.safetensors" --out "$T/out.safetensors" --cache first_block
 expect_error cache-unknown 2 "unknown cache 'taylorseer'" -- "$BIN" "${CRUN[@]}" \

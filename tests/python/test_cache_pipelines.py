@@ -128,6 +128,10 @@ def test_cache_api_as_diffusers(tmp_path_factory):
         assert not t.is_cache_enabled
         with pytest.raises(ValueError, match="is not supported"):
             t.enable_cache(object())
+        from diffusers.hooks import MagCacheConfig
+        with pytest.raises(NotImplementedError, match=r"calibrate=True"):
+            t.enable_cache(MagCacheConfig(calibrate=True))
+        assert not t.is_cache_enabled
         t.enable_cache(FirstBlockCacheConfig(threshold=threshold))
         with pytest.raises(ValueError, match="already been enabled"):
             t.enable_cache(FirstBlockCacheConfig(threshold=threshold))
@@ -148,3 +152,68 @@ def test_cache_api_as_diffusers(tmp_path_factory):
         assert len(t.stats["cache"]) == n  # no cache: no decisions
     assert rel(first, ref) <= TOL and rel(second, ref) <= TOL
     assert rel(plain, ref) > 100 * TOL  # uncached differs from cached at this threshold
+
+
+# ---- MagCache: decisions from the magnitude-ratio schedule alone (diffusers' FLUX_MAG_RATIOS,
+# interpolated to the steps as MagCacheConfig does); a skip skips every block and adds the kept
+# residual to the first block's input ----
+def _mag_config(steps, threshold=0.06):
+    from diffusers.hooks import MagCacheConfig
+    from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+    return MagCacheConfig(threshold=threshold, num_inference_steps=steps, retention_ratio=0.2,
+                          max_skip_steps=3, mag_ratios=FLUX_MAG_RATIOS)
+
+
+class MagSpy:
+    def __init__(self):
+        self.rec = []
+
+    def __enter__(self):
+        from diffusers.hooks import mag_cache
+        self.mod = mag_cache
+        orig = self.orig = mag_cache.MagCacheHeadHook.new_forward
+        rec = self.rec
+
+        def spy(hook, module, *args, **kwargs):
+            out = orig(hook, module, *args, **kwargs)
+            rec.append((hook.state_manager.context.name, hook.state_manager.get_state().should_compute))
+            return out
+        mag_cache.MagCacheHeadHook.new_forward = spy
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.MagCacheHeadHook.new_forward = self.orig
+
+
+_mag_refs = {}
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(tp=2, ulysses=2), dict(ring=2)],
+                         ids=["1rank", "tp2xulysses2", "ring2"])
+@pytest.mark.parametrize("name,threshold", [("flux", 0.06), ("wan", 0.3)])
+def test_mag_cache_equals_diffusers(name, threshold, layout, tmp_path_factory):
+    mod, kw, steps, _, _ = CASES[name]
+    root = _ref(name, CASES[name][3], tmp_path_factory)[0]
+    if (name, threshold) not in _mag_refs:
+        pipe = mod.load(root)
+        with MagSpy() as s:  # the hook's forward is bound when enable_cache registers it
+            pipe.transformer.enable_cache(_mag_config(steps, threshold))
+            ref = mod.generate(pipe, seed=3, steps=steps, **kw)
+        plain = mod.generate(mod.load(root), seed=3, steps=steps, **kw)
+        _mag_refs[name, threshold] = (ref, s.rec, plain)
+    ref, rec, plain = _mag_refs[name, threshold]
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
+        pipe = mod.load(root, transformer=t)
+        t.enable_cache(_mag_config(steps, threshold))
+        got = mod.generate(pipe, seed=3, steps=steps, **kw)
+        log = list(t.stats["cache"])
+    want = [(b, c) for b, c in rec]
+    have = [(e["branch"], not e["skipped"]) for e in log]
+    assert have == want, (have, want)
+    assert any(not c for _, c in want) and any(c for _, c in want[2:])  # skips and computes
+    for e in log:
+        assert e["blocks_computed"] == 0 if e["skipped"] else e["blocks_skipped"] == 0
+    print(f"mag {name} {layout}: {sum(e['skipped'] for e in log)} of {len(log)} skipped, "
+          f"rel {rel(got, ref):.2e}, vs uncached {rel(plain, ref):.2e}")
+    assert rel(got, ref) <= TOL
+    assert rel(plain, ref) > 10 * TOL  # the skips changed the output: the comparison can fail

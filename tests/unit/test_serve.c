@@ -59,7 +59,7 @@ static void test_request_checks(void) {
         {{"op", "forward", "cache", "first_block", "cache_context", "cond", NULL},
          1,
          "\"cache_generation\""},
-        {{"op", "forward", "cache", "magcache", NULL}, 1, "unknown cache 'magcache'"},
+        {{"op", "forward", "cache", "pab", NULL}, 1, "unknown cache 'pab'"},
         {{"op", "forward", "cache_context", "cond", NULL}, 1, "go with \"cache\""},
         {{"op", "info", "cache", "first_block", NULL}, 0, "go with a forward"},
         {{"op", "info", "cache_generation", "g", NULL}, 0, "takes no \"cache_generation\""},
