@@ -78,6 +78,48 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     return MDT_OK;
 }
 
+/* Under cfg 2 each group's cache saw only its own branch: the two logs, traded over the cfg axis
+ * (each entry's numbers as the bits of doubles), become one log on every rank, step by step
+ * (cond, then uncond, as cfg 1 runs them), so the report is the same as cfg 1's. Collective. */
+static mdt_status merge_cache_logs(mdt_model *m, mdt_cache *c) {
+    mdt_mesh *mesh = m->mesh;
+    if (!mesh || mesh->C != 2)
+        return MDT_OK;
+    enum { F = 6 }; /* doubles per entry: skipped, diff, run, skip, flops saved, spare */
+    const int64_t n = c->nlog, nf = 2 * F * n;
+    float *mine = malloc(sizeof(float) * (size_t)(nf > 0 ? nf : 1));
+    float *both = malloc(sizeof(float) * (size_t)(2 * nf > 0 ? 2 * nf : 1));
+    mdt_cache_step *log = malloc(sizeof *log * (size_t)(2 * n > 0 ? 2 * n : 1));
+    mdt_status st = mine && both && log ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    for (int64_t i = 0; st == MDT_OK && i < n; i++) {
+        const mdt_cache_step *e = &c->log[i];
+        const double v[F] = {e->skipped,     e->diff, (double)e->blocks_run, (double)e->blocks_skip,
+                             e->flops_saved, 0};
+        memcpy(mine + i * 2 * F, v, sizeof v);
+    }
+    if (st == MDT_OK)
+        st = mdt_allgather_floats(mesh, MDT_GROUP_CFG, mine, both, nf);
+    for (int g = 0; st == MDT_OK && g < 2; g++)
+        st = mdt_cache_select(c, g ? "uncond" : "cond"); /* the branch names of cfg 1 */
+    for (int64_t i = 0; st == MDT_OK && i < n; i++)
+        for (int g = 0; g < 2; g++) {
+            double v[F];
+            memcpy(v, both + g * nf + i * 2 * F, sizeof v);
+            log[2 * i + g] = (mdt_cache_step){.branch = g,
+                                              .skipped = (int)v[0],
+                                              .diff = v[1],
+                                              .blocks_run = (int64_t)v[2],
+                                              .blocks_skip = (int64_t)v[3],
+                                              .flops_saved = v[4]};
+        }
+    if (st == MDT_OK) {
+        free(c->log);
+        c->log = log, c->nlog = c->caplog = 2 * n, log = NULL;
+    }
+    free(mine), free(both), free(log);
+    return st;
+}
+
 mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params *p,
                       mdt_tensor_set *outputs, mdt_run_stats **stats) {
     if (stats)
@@ -253,6 +295,10 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     s->steps = nsteps, s->sampled = steps > 0;
     s->step_median_s = mdt_median(times, nsteps);
     free(times);
+    if (cache && (st = merge_cache_logs(m, cache)) != MDT_OK) {
+        mdt_run_stats_free(s);
+        return st;
+    }
     if ((st = gather_stats(m, &per, coll, group, world_colls, s)) != MDT_OK) {
         mdt_run_stats_free(s);
         return st;
