@@ -743,6 +743,29 @@ def _cache_spec(config) -> str:
                 f"retention_ratio={float(config.retention_ratio)!r},"
                 f"num_inference_steps={int(config.num_inference_steps)},"
                 f"mag_ratios={'/'.join(repr(float(r)) for r in ratios)}")
+    if isinstance(config, hooks.TaylorSeerCacheConfig):
+        fields = {f.name for f in dataclasses.fields(config)}
+        extra = sorted(fields - {"cache_interval", "disable_cache_before_step",
+                                 "disable_cache_after_step", "max_order", "taylor_factors_dtype",
+                                 "skip_predict_identifiers", "cache_identifiers", "use_lite_mode"})
+        for name, default in (("skip_predict_identifiers", None), ("cache_identifiers", None),
+                              ("use_lite_mode", False)):
+            if getattr(config, name) != default:
+                extra.append(name)
+        if extra:
+            raise NotImplementedError(f"meshdit: TaylorSeerCacheConfig field(s) {sorted(extra)} "
+                                      f"are not implemented (meshdit hooks diffusers' default "
+                                      f"modules: every block's attention)")
+        dt = config.taylor_factors_dtype
+        if dt not in (torch.bfloat16, torch.float32, None):
+            raise NotImplementedError(f"meshdit: TaylorSeerCacheConfig.taylor_factors_dtype={dt} "
+                                      f"is not implemented (bfloat16 or float32)")
+        after = config.disable_cache_after_step
+        return (f"taylorseer:cache_interval={int(config.cache_interval)},"
+                f"disable_cache_before_step={int(config.disable_cache_before_step)},"
+                f"disable_cache_after_step={'none' if after is None else int(after)},"
+                f"max_order={int(config.max_order)},"
+                f"taylor_factors_dtype={'bfloat16' if dt == torch.bfloat16 else 'float32'}")
     known = [n for n in dir(hooks) if n.endswith("Config")]
     if type(config).__name__ in known:
         raise NotImplementedError(f"meshdit: {type(config).__name__} is not implemented (meshdit "
@@ -822,8 +845,8 @@ METHODS: dict[str, tuple[str, str]] = {
                                       "ulysses=)"),
     # caches and LoRA (to come)
     "is_cache_enabled": ("works", "whether enable_cache holds a config"),
-    "enable_cache": ("works", "FirstBlockCacheConfig and MagCacheConfig on the mesh; other "
-                             "configs refused"),
+    "enable_cache": ("works", "FirstBlockCacheConfig, MagCacheConfig and TaylorSeerCacheConfig "
+                             "on the mesh; other configs refused"),
     "disable_cache": ("works", "every block of every step again"),
     **{n: ("refused", _LORA) for n in (
         "load_lora_adapter", "save_lora_adapter", "set_adapters", "set_adapter", "add_adapter",

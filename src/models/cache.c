@@ -7,6 +7,7 @@
 
 #include "backend/backend.h"
 #include "models/dit.h"
+#include "tensor/tensor.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -95,12 +96,16 @@ mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out) {
                                 .max_skip_steps = 3,
                                 .retention_ratio = 0.2,
                                 .num_inference_steps = 28};
+    else if (strcmp(buf, "taylorseer") == 0)
+        out->kind = MDT_CACHE_TAYLOR, out->cache_interval = 5, out->disable_before = 3,
+        out->disable_after = -1, out->max_order = 1, out->factors_bf16 = 1;
     else
         st = MDT_FAIL(MDT_E_INVALID,
-                      "cache spec: unknown cache '%.64s' (meshdit has first_block and mag, as "
-                      "diffusers' FirstBlockCacheConfig and MagCacheConfig)",
+                      "cache spec: unknown cache '%.64s' (meshdit has first_block, mag and "
+                      "taylorseer, as diffusers' FirstBlockCacheConfig, MagCacheConfig and "
+                      "TaylorSeerCacheConfig)",
                       buf);
-    const int mag = out->kind == MDT_CACHE_MAG;
+    const int mag = out->kind == MDT_CACHE_MAG, ts = out->kind == MDT_CACHE_TAYLOR;
     char *save = NULL;
     for (char *kv = st == MDT_OK && args ? strtok_r(args, ",", &save) : NULL; kv && st == MDT_OK;
          kv = strtok_r(NULL, ",", &save)) {
@@ -110,7 +115,27 @@ mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out) {
             break;
         }
         *v++ = '\0';
-        if (strcmp(kv, "threshold") == 0)
+        if (ts && strcmp(kv, "cache_interval") == 0)
+            st = parse_int(v, kv, 1, 1 << 20, &out->cache_interval);
+        else if (ts && strcmp(kv, "disable_cache_before_step") == 0)
+            st = parse_int(v, kv, 0, 1 << 20, &out->disable_before);
+        else if (ts && strcmp(kv, "disable_cache_after_step") == 0)
+            st = strcmp(v, "none") == 0 ? (out->disable_after = -1, MDT_OK)
+                                        : parse_int(v, kv, 0, 1 << 20, &out->disable_after);
+        else if (ts && strcmp(kv, "max_order") == 0)
+            st = parse_int(v, kv, 0, MDT_TAYLOR_ORDERS, &out->max_order);
+        else if (ts && strcmp(kv, "taylor_factors_dtype") == 0) {
+            out->factors_bf16 = strcmp(v, "bfloat16") == 0;
+            if (!out->factors_bf16 && strcmp(v, "float32") != 0)
+                st = MDT_FAIL(MDT_E_INVALID,
+                              "cache spec: taylor_factors_dtype=%.64s (bfloat16 or float32)", v);
+        } else if (ts)
+            st = MDT_FAIL(MDT_E_INVALID,
+                          "cache spec: taylorseer has no key '%.64s' (it takes cache_interval, "
+                          "disable_cache_before_step, disable_cache_after_step, max_order, "
+                          "taylor_factors_dtype)",
+                          kv);
+        else if (strcmp(kv, "threshold") == 0)
             st = parse_double(v, kv, 0.0, &out->threshold);
         else if (mag && strcmp(kv, "max_skip_steps") == 0)
             st = parse_int(v, kv, 0, 1 << 20, &out->max_skip_steps);
@@ -157,6 +182,12 @@ void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap) {
     num_str(sp->threshold, t, sizeof t);
     if (sp->kind == MDT_CACHE_FIRST_BLOCK)
         snprintf(buf, cap, "first_block:threshold=%s", t);
+    else if (sp->kind == MDT_CACHE_TAYLOR)
+        snprintf(buf, cap,
+                 "taylorseer:cache_interval=%d,disable_cache_before_step=%d,"
+                 "disable_cache_after_step=%d,max_order=%d,taylor_factors_dtype=%s",
+                 sp->cache_interval, sp->disable_before, sp->disable_after, sp->max_order,
+                 sp->factors_bf16 ? "bfloat16" : "float32");
     else if (sp->kind == MDT_CACHE_MAG) {
         num_str(sp->retention_ratio, r, sizeof r);
         snprintf(buf, cap,
@@ -171,6 +202,9 @@ int mdt_cache_spec_equal(const mdt_cache_spec *a, const mdt_cache_spec *b) {
     return a->kind == b->kind && a->threshold == b->threshold &&
            a->max_skip_steps == b->max_skip_steps && a->retention_ratio == b->retention_ratio &&
            a->num_inference_steps == b->num_inference_steps && a->nratios == b->nratios &&
+           a->cache_interval == b->cache_interval && a->disable_before == b->disable_before &&
+           a->disable_after == b->disable_after && a->max_order == b->max_order &&
+           a->factors_bf16 == b->factors_bf16 &&
            memcmp(a->ratios, b->ratios, sizeof(float) * (size_t)a->nratios) == 0;
 }
 
@@ -186,6 +220,10 @@ mdt_status mdt_cache_create(const mdt_cache_spec *sp, mdt_cache **out) {
 }
 
 static void branch_clear(mdt_cache_branch *b) {
+    for (int64_t i = 0; i < b->nts; i++)
+        for (int k = 0; k <= MDT_TAYLOR_ORDERS; k++)
+            mdt_free(b->ts[i].f[k]);
+    free(b->ts);
     mdt_free(b->prev_res);
     for (int k = 0; k < MDT_CACHE_STREAMS; k++)
         mdt_free(b->head[k]), mdt_free(b->tail[k]);
@@ -222,7 +260,7 @@ mdt_status mdt_cache_select(mdt_cache *c, const char *branch) {
     mdt_cache_branch *b = &c->br[c->nbranches];
     memset(b, 0, sizeof *b);
     snprintf(b->name, sizeof b->name, "%s", branch);
-    b->acc_ratio = 1.0f;
+    b->acc_ratio = 1.0f, b->ts_step = -1, b->ts_last = -1;
     c->cur = c->nbranches++;
     return MDT_OK;
 }
@@ -249,12 +287,14 @@ mdt_status mdt_cache_begin(const mdt_dit *d, int supported, int64_t blocks, mdt_
     *out = NULL;
     if (!c || c->spec.kind == MDT_CACHE_OFF)
         return MDT_OK;
-    if (!supported)
-        return MDT_FAIL(MDT_E_UNSUPPORTED,
-                        "cache: %s is not implemented for %s (meshdit caches Flux, Qwen-Image and "
-                        "Wan, as diffusers' hooks do)",
-                        c->spec.kind == MDT_CACHE_MAG ? "mag" : "first_block",
-                        d->m->fam->class_name);
+    static const char *const names[] = {"none", "first_block", "mag", "taylorseer"};
+    if (!(supported & (1 << c->spec.kind)))
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "cache: %s is not implemented for %s (%s)",
+                        names[c->spec.kind], d->m->fam->class_name,
+                        c->spec.kind == MDT_CACHE_TAYLOR
+                            ? "meshdit runs TaylorSeer on Flux and Qwen-Image, whose attention "
+                              "modules diffusers' default patterns hook"
+                            : "meshdit caches Flux, Qwen-Image and Wan, as diffusers' hooks do");
     if (blocks < 2)
         return MDT_FAIL(MDT_E_INVALID,
                         "cache: a step cache needs at least 2 transformer blocks (the model has "
@@ -266,7 +306,96 @@ mdt_status mdt_cache_begin(const mdt_dit *d, int supported, int64_t blocks, mdt_
         return MDT_FAIL(MDT_E_INVALID, "cache: no branch selected for this forward");
     c->in_forward = 1;
     c->last = (mdt_cache_step){.branch = c->cur, .diff = NAN};
+    if (c->spec.kind == MDT_CACHE_TAYLOR) { /* the hook's _measure_should_compute */
+        mdt_cache_branch *b = &c->br[c->cur];
+        const mdt_cache_spec *sp = &c->spec;
+        const int step = ++b->ts_step, k = step - sp->disable_before - 1;
+        const int warmup = step < sp->disable_before;
+        const int interval =
+            ((k % sp->cache_interval) + sp->cache_interval) % sp->cache_interval == 0;
+        const int cooldown = sp->disable_after >= 0 && step >= sp->disable_after;
+        c->ts_compute = warmup || interval || cooldown;
+        if (!c->ts_compute && b->ts_last < 0)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "cache: TaylorSeer would predict step %d of branch '%s' before any "
+                            "computed one (diffusers: \"Cannot predict without prior "
+                            "initialization\"): disable_cache_before_step must be >= 1",
+                            step, b->name);
+        c->last.skipped = !c->ts_compute;
+        c->last.diff = c->ts_compute ? NAN : (double)(step - b->ts_last);
+        c->flops_at_head = flops_now();
+        if (!c->ts_compute)
+            c->last.flops_saved = b->tail_flops;
+    }
     *out = c;
+    return MDT_OK;
+}
+
+mdt_cache *mdt_cache_taylor_of(const mdt_dit *d) {
+    mdt_cache *c = d->m->cache;
+    return c && c->in_forward && c->spec.kind == MDT_CACHE_TAYLOR ? c : NULL;
+}
+
+mdt_status mdt_cache_taylor(mdt_cache *c, const mdt_dit *d, int64_t slot, int64_t b, float *x,
+                            int64_t rows, int64_t width, int64_t ld) {
+    mdt_cache_branch *br = &c->br[c->cur];
+    const mdt_cache_spec *sp = &c->spec;
+    const int64_t n = d->B * rows * width, w = rows * width;
+    if (slot >= br->nts) {
+        mdt_taylor_slot *p = realloc(br->ts, sizeof *p * (size_t)(slot + 1));
+        if (!p)
+            return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        memset(p + br->nts, 0, sizeof *p * (size_t)(slot + 1 - br->nts));
+        br->ts = p, br->nts = slot + 1;
+    }
+    mdt_taylor_slot *t = &br->ts[slot];
+    if (t->n && t->n != n)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "cache: branch '%s' held %lld values of an attention output on this rank "
+                        "and now has %lld: the shapes of a generation stay fixed",
+                        br->name, (long long)t->n, (long long)n);
+    if (!c->ts_compute) { /* predict: sum over orders of f_k offset^k / k!, in float32 */
+        if (t->norders == 0)
+            return MDT_FAIL(MDT_E_INVALID, "cache: TaylorSeer has no factors to predict from");
+        const int off = br->ts_step - br->ts_last;
+        float coeff[MDT_TAYLOR_ORDERS + 1];
+        double fact = 1, pw = 1;
+        for (int k = 0; k < t->norders; k++) { /* (offset ** k) / math.factorial(k) */
+            coeff[k] = (float)(pw / fact);
+            pw *= off, fact *= k + 1;
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < width; i++) {
+                const int64_t e = b * w + r * width + i;
+                float o = 0.0f;
+                for (int k = 0; k < t->norders; k++)
+                    o = o + t->f[k][e] * coeff[k];
+                x[r * ld + i] = o;
+            }
+        return MDT_OK;
+    }
+    /* update: f_0 = x; f_{j+1} = (f_j(new) - f_j(kept)) / (step - last), while f_j is kept */
+    const int have = br->ts_last < 0 ? 0 : t->norders;
+    const int nn = have + 1 < sp->max_order + 1 ? have + 1 : sp->max_order + 1;
+    for (int k = 0; k < nn; k++)
+        if (!t->f[k]) {
+            if (!(t->f[k] = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1))))
+                return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for TaylorSeer's factors");
+            c->bytes += (int64_t)sizeof(float) * n;
+        }
+    t->n = n;
+    const float delta = (float)(br->ts_step - br->ts_last);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < width; i++) {
+            const int64_t e = b * w + r * width + i;
+            float nf = x[r * ld + i]; /* new_factors[j], float32 */
+            for (int k = 0; k < nn; k++) {
+                const float next = k + 1 < nn ? (nf - t->f[k][e]) / delta : 0.0f;
+                t->f[k][e] = sp->factors_bf16 ? mdt_bf16_to_f32(mdt_f32_to_bf16(nf)) : nf;
+                nf = next;
+            }
+        }
+    t->updated = nn;
     return MDT_OK;
 }
 
@@ -483,6 +612,16 @@ mdt_status mdt_cache_mag_keep(mdt_cache *c, const mdt_dit *d, const float *in,
 
 mdt_status mdt_cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip) {
     c->last.blocks_run = blocks_run, c->last.blocks_skip = blocks_skip;
+    if (c->spec.kind == MDT_CACHE_TAYLOR) {
+        mdt_cache_branch *b = &c->br[c->cur];
+        if (c->ts_compute) { /* the factors' orders, then last_update_step = current_step */
+            for (int64_t i = 0; i < b->nts; i++)
+                if (b->ts[i].updated)
+                    b->ts[i].norders = b->ts[i].updated, b->ts[i].updated = 0;
+            b->ts_last = b->ts_step;
+            b->tail_flops = flops_now() - c->flops_at_head;
+        }
+    }
     c->in_forward = 0;
     if (c->nlog == c->caplog) {
         const int64_t cap = c->caplog ? 2 * c->caplog : 64;

@@ -29,8 +29,12 @@ struct mdt_dit;
 typedef enum mdt_cache_kind {
     MDT_CACHE_OFF = 0,
     MDT_CACHE_FIRST_BLOCK,
-    MDT_CACHE_MAG
+    MDT_CACHE_MAG,
+    MDT_CACHE_TAYLOR
 } mdt_cache_kind;
+
+#define MDT_TAYLOR_ORDERS 4         /* TaylorSeer's max_order at most */
+#define MDT_CACHE_BIT(k) (1 << (k)) /* a family's supported caches, for mdt_cache_begin */
 
 #define MDT_CACHE_RATIOS_MAX 1024 /* MagCache's mag_ratios (one per inference step) */
 #define MDT_CACHE_SPEC_MAX 16383  /* bytes of a spec's text */
@@ -46,6 +50,11 @@ typedef struct mdt_cache_spec {
     int num_inference_steps;
     int nratios;
     float ratios[MDT_CACHE_RATIOS_MAX];
+    /* taylorseer (diffusers' TaylorSeerCacheConfig): a full step every cache_interval steps from
+     * disable_cache_before_step on, every step before it and from disable_cache_after_step
+     * (-1: never); the expansion's order; factors kept rounded to bf16 (taylor_factors_dtype
+     * bfloat16, diffusers' default) or in f32 */
+    int cache_interval, disable_before, disable_after, max_order, factors_bf16;
 } mdt_cache_spec;
 
 /* Parses "first_block[:threshold=X]" (also "fbc") or "mag:mag_ratios=A/B/...[,threshold=X,
@@ -76,7 +85,19 @@ typedef struct mdt_cache_branch {
     /* mag: diffusers' MagCacheState, its accumulators in float32 as torch computes them */
     float acc_ratio, acc_err;
     int acc_steps, step_index;
+    /* taylorseer: the step (the hook's current_step), the last computed one (-1: none), and per
+     * hooked attention output ("slot") its Taylor factors, this rank's rows */
+    int ts_step, ts_last;
+    struct mdt_taylor_slot *ts;
+    int64_t nts;
 } mdt_cache_branch;
+
+typedef struct mdt_taylor_slot {
+    float *f[MDT_TAYLOR_ORDERS + 1]; /* [n] factor of each order (bf16 values when rounded) */
+    int64_t n;
+    int norders; /* orders held (0: none yet) */
+    int updated; /* this forward wrote it (its order count is committed at the end) */
+} mdt_taylor_slot;
 
 /* One forward's decision, as the report and the server's reply give it. */
 typedef struct mdt_cache_step {
@@ -92,6 +113,7 @@ typedef struct mdt_cache {
     int nbranches;
     mdt_cache_branch br[MDT_CACHE_BRANCHES];
     int cur;        /* the branch of the forward under way (-1: none selected) */
+    int ts_compute; /* taylorseer: this forward runs the hooked modules (else predicts) */
     int in_forward; /* a family forward consulted the cache */
     double flops_at_head;
     mdt_cache_step last; /* the last forward's decision */
@@ -112,8 +134,8 @@ int64_t mdt_cache_skipped(const mdt_cache *c);
 /* ---- what a family's forward calls (the model's cache: mdt_dit's m->cache) ---- */
 
 /* The model's cache for this forward, or NULL when none is on. MDT_E_UNSUPPORTED naming the
- * family when it has none of `kind` (the caller passes its own support), MDT_E_INVALID when no
- * branch was selected. */
+ * family when `supported` (MDT_CACHE_BIT of each kind the family runs) lacks the cache's kind,
+ * MDT_E_INVALID when no branch was selected. TaylorSeer: its schedule decides here. */
 mdt_status mdt_cache_begin(const struct mdt_dit *d, int supported, int64_t blocks, mdt_cache **out);
 /* After the first block: in, out [n] this rank's rows of the hidden stream before and after it.
  * Computes the shared statistic (collective over the CP group) and sets *skip. On a forward
@@ -149,6 +171,17 @@ mdt_status mdt_cache_mag_apply(mdt_cache *c, const struct mdt_dit *d, const mdt_
  * block's input rows, dense; out: the last block's, as a view), kept; then the step advances. */
 mdt_status mdt_cache_mag_keep(mdt_cache *c, const struct mdt_dit *d, const float *in,
                               const mdt_cache_rows *out);
+
+/* ---- TaylorSeer: attention outputs predicted from Taylor factors on the steps between full
+ * ones (a schedule, the same on every rank) ---- */
+/* The model's TaylorSeer cache for this forward, or NULL: the schedule's verdict is in
+ * c->ts_compute. */
+mdt_cache *mdt_cache_taylor_of(const struct mdt_dit *d);
+/* Attention output `slot` (a family numbers its hooked modules' outputs from 0), batch element
+ * b: x [rows, width] (rows ld floats apart) updates the factors (ts_compute) or receives the
+ * prediction. */
+mdt_status mdt_cache_taylor(mdt_cache *c, const struct mdt_dit *d, int64_t slot, int64_t b,
+                            float *x, int64_t rows, int64_t width, int64_t ld);
 
 /* The end of the forward's cache part: the step's record (blocks run and skipped). */
 mdt_status mdt_cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip);

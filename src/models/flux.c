@@ -211,9 +211,15 @@ typedef struct flux_run {
 
 /* FluxTransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention. */
 static mdt_status double_block(const flux_run *run, const mdt_dit *d, const flux_double *blk,
-                               float *x, float *c) {
+                               float *x, float *c, int64_t i) {
     const int64_t C = run->f->inner, B = d->B;
-    mdt_joint_rows r = {.x = x, .c = c, .si = run->in->s.si, .st = run->in->s.st};
+    /* TaylorSeer's slots: block i's image and text attention outputs */
+    mdt_joint_rows r = {.x = x,
+                        .c = c,
+                        .si = run->in->s.si,
+                        .st = run->in->s.st,
+                        .ts = mdt_cache_taylor_of(d),
+                        .slot = 2 * i};
     float *mod = mdt_arena_floats(d->ar, B * 6 * C);  // [B, 6C] image
     float *cmod = mdt_arena_floats(d->ar, B * 6 * C); // [B, 6C] text
     if (!mod || !cmod || mdt_joint_rows_alloc(d, C, blk->attn.img.q.out_local, &r) != MDT_OK)
@@ -233,7 +239,10 @@ static mdt_status double_block(const flux_run *run, const mdt_dit *d, const flux
 /* FluxSingleTransformerBlock: h [B, S, C] += gate * proj_out([attn(n) | GELU(proj_mlp(n))]),
  * n = LN(h)(1 + scale) + shift; proj_out's local columns are [attn block k | mlp block k]. */
 static mdt_status single_block(const flux_run *run, const mdt_dit *d, const flux_single *blk,
-                               float *h) {
+                               float *h, int64_t i) {
+    mdt_cache *ts = mdt_cache_taylor_of(d); /* TaylorSeer: slot 2 layers + i, the attention's */
+    const int predict = ts && !ts->ts_compute;
+    const int64_t slot = 2 * run->f->layers + i;
     const mdt_heads *hd = run->hd;
     const int64_t C = run->f->inner, B = d->B, S = run->in->s.si + run->in->s.st;
     const int64_t Cl = blk->qkv.q.out_local, Ml = blk->proj_mlp.out_local, W = Cl + Ml;
@@ -250,10 +259,14 @@ static mdt_status single_block(const flux_run *run, const mdt_dit *d, const flux
     mdt_k_shared_begin(n, C, B * S, C); /* n feeds proj_mlp and q, k, v: rounded once */
     mdt_dit_linear(&blk->proj_mlp, n, B * S, cat + Cl, W); // [B*S, 4C/T] in columns [C/T, W)
     mdt_k()->gelu_rows(cat + Cl, W, B * S, Ml);
-    mdt_dit_qkv(d, &blk->qkv, n, S, 0, &run->in->rope, hd, tmp);
+    if (!predict)
+        mdt_dit_qkv(d, &blk->qkv, n, S, 0, &run->in->rope, hd, tmp);
     mdt_k_shared_end();
-    MDT_TRY(mdt_dit_attend(d, hd, 1, cat, W));                          // columns [0, C/T)
-    MDT_TRY(mdt_dit_row_linear(d, &blk->proj_out, cat, W, tmp, B * S)); // [B*S, C]
+    if (!predict)
+        MDT_TRY(mdt_dit_attend(d, hd, 1, cat, W)); // columns [0, C/T)
+    for (int64_t b = 0; ts && b < B; b++)          /* its heads' columns of the joint rows */
+        MDT_TRY(mdt_cache_taylor(ts, d, slot, b, cat + b * S * W, S, Cl, W)); // [S, C/T]
+    MDT_TRY(mdt_dit_row_linear(d, &blk->proj_out, cat, W, tmp, B * S));       // [B*S, C]
     for (int64_t b = 0; b < B; b++)
         mdt_k()->gate_residual(h + b * S * C, tmp + b * S * C, C, mod + b * 3 * C + 2 * C, S, C);
     return MDT_OK;
@@ -298,12 +311,16 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     /* the step cache (cache.h): the image stream's residual over block 0 decides */
     mdt_cache *cache;
     int skip = 0;
-    MDT_TRY(mdt_cache_begin(&d, 1, f->layers + f->single_layers, &cache));
+    MDT_TRY(mdt_cache_begin(&d,
+                            MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
+                                MDT_CACHE_BIT(MDT_CACHE_TAYLOR),
+                            f->layers + f->single_layers, &cache));
     float *x0 = cache ? mdt_arena_floats(ar, B * si * C) : NULL; // [B, Si/P, C] block 0's input
     if (cache && !x0)
         return MDT_E_NOMEM;
     const mdt_cache_rows heads[2] = {{xs, si, C, si * C}, {c, st, C, st * C}};
-    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK, mag = cache && !fbc;
+    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK;
+    const int mag = cache && cache->spec.kind == MDT_CACHE_MAG;
     int64_t ran = 0;
     if (mag) /* MagCache: the schedule decides before any block; a skip skips them all */
         MDT_TRY(mdt_cache_mag_decide(cache, &skip));
@@ -313,7 +330,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         if (cache && i == 0)
             memcpy(x0, xs, sizeof(float) * (size_t)(B * si * C));
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
-        MDT_TRY(double_block(&run, &d, &f->dbl[i], xs, c));
+        MDT_TRY(double_block(&run, &d, &f->dbl[i], xs, c, i));
         mdt_dit_block_done(&d, mk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
                            2);
         ran++;
@@ -328,7 +345,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     MDT_TRY(mdt_joint_concat(&d, &x.s, C, c, xs, &h)); // [B, S/P, C] text rows, then image rows
     for (int64_t i = 0; i < f->single_layers && !skip; i++) { /* single blocks: the joint rows */
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
-        MDT_TRY(single_block(&run, &d, &f->sgl[i], h));
+        MDT_TRY(single_block(&run, &d, &f->sgl[i], h, i));
         mdt_dit_block_done(&d, mk, "single_transformer_blocks", i, &(mdt_stream){h, S, C}, 1);
         ran++;
     }
@@ -346,7 +363,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     if (!emb || !xn)
         return MDT_E_NOMEM;
     MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, emb)); // [B, 2C]
-    const mdt_joint_out o = {h, emb, k_eps, &f->proj_out, xn, ran * B};
+    const int predicted = cache && cache->spec.kind == MDT_CACHE_TAYLOR && !cache->ts_compute;
+    const mdt_joint_out o = {h, emb, k_eps, &f->proj_out, xn, (predicted ? 0 : ran) * B};
     return mdt_joint_finish(&d, in, &x.s, &o, out);
 }
 

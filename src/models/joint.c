@@ -3,6 +3,8 @@
  */
 #include "models/joint.h"
 
+#include "models/cache.h"
+
 #include "backend/backend.h"
 
 #include <math.h>
@@ -144,19 +146,30 @@ mdt_status mdt_joint_attention(const mdt_dit *d, const mdt_joint_attn *w, const 
                                const mdt_joint_rows *r) {
     const int64_t C = w->to_out.out, B = d->B, si = r->si, st = r->st, S = si + st;
     const int64_t Cl = w->img.q.out_local;
-    for (int64_t b = 0; b < B; b++) {
+    /* TaylorSeer between its full steps: the attention module's outputs (after to_out and
+     * to_add_out) come from the factors, the module does not run */
+    const int predict = r->ts && !r->ts->ts_compute;
+    for (int64_t b = 0; b < B && !predict; b++) {
         mdt_k()->layernorm_modulate(r->x + b * si * C, r->nx + b * si * C, si, C, eps,
                                     mi + b * 6 * C, mi + b * 6 * C + C); // [si, C]
         mdt_k()->layernorm_modulate(r->c + b * st * C, r->nc + b * st * C, st, C, eps,
                                     mt + b * 6 * C, mt + b * 6 * C + C); // [st, C]
     }
-    mdt_dit_qkv(d, &w->ctx, r->nc, st, 0, rope, h, r->tmp);  /* text rows [0, st) */
-    mdt_dit_qkv(d, &w->img, r->nx, si, st, rope, h, r->tmp); /* image rows [st, S) */
-    MDT_TRY(mdt_dit_attend(d, h, 1, r->ao, Cl));             // [B, S/P, C/T]
+    if (!predict) {
+        mdt_dit_qkv(d, &w->ctx, r->nc, st, 0, rope, h, r->tmp);  /* text rows [0, st) */
+        mdt_dit_qkv(d, &w->img, r->nx, si, st, rope, h, r->tmp); /* image rows [st, S) */
+        MDT_TRY(mdt_dit_attend(d, h, 1, r->ao, Cl));             // [B, S/P, C/T]
+    }
     for (int64_t b = 0; b < B; b++) {
-        MDT_TRY(mdt_dit_row_linear(d, &w->to_out, r->ao + (b * S + st) * Cl, Cl, r->tmp, si));
+        if (!predict)
+            MDT_TRY(mdt_dit_row_linear(d, &w->to_out, r->ao + (b * S + st) * Cl, Cl, r->tmp, si));
+        if (r->ts)
+            MDT_TRY(mdt_cache_taylor(r->ts, d, r->slot, b, r->tmp, si, C, C)); // [si, C]
         mdt_k()->gate_residual(r->x + b * si * C, r->tmp, C, mi + b * 6 * C + 2 * C, si, C);
-        MDT_TRY(mdt_dit_row_linear(d, &w->to_add_out, r->ao + b * S * Cl, Cl, r->tmp, st));
+        if (!predict)
+            MDT_TRY(mdt_dit_row_linear(d, &w->to_add_out, r->ao + b * S * Cl, Cl, r->tmp, st));
+        if (r->ts)
+            MDT_TRY(mdt_cache_taylor(r->ts, d, r->slot + 1, b, r->tmp, st, C, C)); // [st, C]
         mdt_k()->gate_residual(r->c + b * st * C, r->tmp, C, mt + b * 6 * C + 2 * C, st, C);
     }
     return MDT_OK;

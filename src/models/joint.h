@@ -39,6 +39,8 @@ typedef struct mdt_joint_rows {
     float *x, *c;
     int64_t si, st;
     float *nx, *nc, *tmp, *ao;
+    struct mdt_cache *ts; /* TaylorSeer (models/cache.h): the outputs' factors, or NULL */
+    int64_t slot;         /* its slots: the image output's, the text one's is slot + 1 */
 } mdt_joint_rows;
 
 /* ---- weights ---- */

@@ -336,9 +336,12 @@ static mdt_status rope_table(const qwen *f, const mdt_dit *d, const qwen_in *x, 
 
 /* QwenImageTransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention. */
 static mdt_status double_block(const qwen_block *blk, const mdt_dit *d, const mdt_rope *rope,
-                               const mdt_heads *h, int64_t si, int64_t st, float *x, float *c) {
+                               const mdt_heads *h, int64_t si, int64_t st, float *x, float *c,
+                               int64_t i) {
     const int64_t C = blk->attn.to_out.out, B = d->B;
-    mdt_joint_rows r = {.x = x, .c = c, .si = si, .st = st};
+    /* TaylorSeer's slots: block i's image and text attention outputs */
+    mdt_joint_rows r = {
+        .x = x, .c = c, .si = si, .st = st, .ts = mdt_cache_taylor_of(d), .slot = 2 * i};
     float *mod = mdt_arena_floats(d->ar, B * 6 * C);  // [B, 6C] image
     float *cmod = mdt_arena_floats(d->ar, B * 6 * C); // [B, 6C] text
     if (!mod || !cmod || mdt_joint_rows_alloc(d, C, blk->attn.img.q.out_local, &r) != MDT_OK)
@@ -414,7 +417,8 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
         return MDT_E_NOMEM;
     const mdt_cache_rows img = {xs, si, C, si * C};
     int skip = 0;
-    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK, mag = cache && !fbc;
+    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK;
+    const int mag = cache && cache->spec.kind == MDT_CACHE_MAG;
     int64_t ran = 0;
     if (mag) /* MagCache: the schedule decides before any block; a skip skips them all */
         MDT_TRY(mdt_cache_mag_decide(cache, &skip));
@@ -424,7 +428,7 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
         if (cache && i == 0)
             memcpy(x0, xs, sizeof(float) * (size_t)(n * si * C));
         const mdt_arena_mark bk = mdt_arena_mark_get(ar);
-        MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c));
+        MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c, i));
         mdt_dit_block_done(d, bk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
                            2);
         ran++;
@@ -452,7 +456,8 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     part.shape[0] = n, part.data = (float *)sample->data + b0 * Si * O;
     MDT_TRY(mdt_cp_give(&d->cp, "sample", ar, ha, NULL, Si, ol, &part));
     /* no silent degrade: each query row once over the joint sequence, per block and element */
-    mdt_dit_promise_cp(d, p, (int64_t[]){Sv, Si}, 2, ran * n);
+    const int predicted = cache && cache->spec.kind == MDT_CACHE_TAYLOR && !cache->ts_compute;
+    mdt_dit_promise_cp(d, p, (int64_t[]){Sv, Si}, 2, predicted ? 0 : ran * n);
     mdt_arena_rewind(ar, mk), mdt_arena_rewind(ha, hk);
     return MDT_OK;
 }
@@ -493,7 +498,10 @@ static mdt_status qwen_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     for (int64_t b = 1; x.mask && b < B; b++)
         same = same && memcmp(x.mask, x.mask + b * St, (size_t)St) == 0;
     mdt_cache *cache;
-    MDT_TRY(mdt_cache_begin(&d, 1, f->layers, &cache));
+    MDT_TRY(mdt_cache_begin(&d,
+                            MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
+                                MDT_CACHE_BIT(MDT_CACHE_TAYLOR),
+                            f->layers, &cache));
     if (cache && !same && B > 1)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "cache: the batch's elements attend different text tokens "

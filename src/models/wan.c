@@ -520,13 +520,15 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
     mdt_guard_finite(d.m, "patch_embedding", h, M * C);
     /* the step cache (cache.h): the video rows' residual over block 0 decides */
     mdt_cache *cache;
-    MDT_TRY(mdt_cache_begin(&d, 1, f->layers, &cache));
+    MDT_TRY(mdt_cache_begin(&d, MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG),
+                            f->layers, &cache));
     float *x0 = cache ? mdt_arena_floats(ar, M * C) : NULL; // [B, n, C] block 0's input
     if (cache && !x0)
         return MDT_E_NOMEM;
     const mdt_cache_rows vid = {h, x.n, C, x.n * C};
     int skip = 0;
-    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK, mag = cache && !fbc;
+    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK;
+    const int mag = cache && cache->spec.kind == MDT_CACHE_MAG;
     int64_t ran = 0;
     if (mag) /* MagCache: the schedule decides before any block; a skip skips them all */
         MDT_TRY(mdt_cache_mag_decide(cache, &skip));
