@@ -610,6 +610,43 @@ mdt_status mdt_cache_mag_keep(mdt_cache *c, const mdt_dit *d, const float *in,
     return MDT_OK;
 }
 
+/* ---- the block loop's points ---- */
+
+mdt_status mdt_cache_pre(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *hidden, float **x0,
+                         int *skip) {
+    *x0 = NULL, *skip = 0;
+    if (!c || c->spec.kind == MDT_CACHE_TAYLOR) /* TaylorSeer works inside the blocks */
+        return MDT_OK;
+    const int64_t n = rows_n(d, hidden), w = hidden->rows * hidden->width;
+    if (!(*x0 = mdt_arena_floats(d->ar, n > 0 ? n : 1))) // [B, rows, width] block 0's input
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < d->B; b++)
+        memcpy(*x0 + b * w, hidden->x + b * hidden->ld, sizeof(float) * (size_t)w);
+    if (c->spec.kind != MDT_CACHE_MAG)
+        return MDT_OK;
+    MDT_TRY(mdt_cache_mag_decide(c, skip));
+    return *skip ? mdt_cache_mag_apply(c, d, hidden) : MDT_OK;
+}
+
+mdt_status mdt_cache_after_first(mdt_cache *c, const mdt_dit *d, const float *x0,
+                                 const mdt_cache_rows *s, int n, int *skip) {
+    if (!c || c->spec.kind != MDT_CACHE_FIRST_BLOCK)
+        return MDT_OK;
+    MDT_TRY(mdt_cache_head(c, d, x0, s[0].x, rows_n(d, &s[0]), skip));
+    return *skip ? mdt_cache_apply(c, d, s, n) : mdt_cache_keep_head(c, d, s, n);
+}
+
+mdt_status mdt_cache_post(mdt_cache *c, const mdt_dit *d, const float *x0, const mdt_cache_rows *t,
+                          int n, int skip, int64_t ran, int64_t blocks) {
+    if (!c)
+        return MDT_OK;
+    if (!skip && c->spec.kind == MDT_CACHE_FIRST_BLOCK)
+        MDT_TRY(mdt_cache_tail(c, d, t, n));
+    if (!skip && c->spec.kind == MDT_CACHE_MAG)
+        MDT_TRY(mdt_cache_mag_keep(c, d, x0, &t[0]));
+    return mdt_cache_end(c, ran, blocks - ran);
+}
+
 mdt_status mdt_cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip) {
     c->last.blocks_run = blocks_run, c->last.blocks_skip = blocks_skip;
     if (c->spec.kind == MDT_CACHE_TAYLOR) {

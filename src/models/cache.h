@@ -183,6 +183,21 @@ mdt_cache *mdt_cache_taylor_of(const struct mdt_dit *d);
 mdt_status mdt_cache_taylor(mdt_cache *c, const struct mdt_dit *d, int64_t slot, int64_t b,
                             float *x, int64_t rows, int64_t width, int64_t ld);
 
+/* ---- the block loop's three points, for a family's forward (each a no-op without a cache) ---- */
+/* Before the first block: *x0 [n] a copy of the hidden stream's rows `hidden` (dense, from the
+ * arena; NULL without a cache), and MagCache's decision (*skip: no block runs; the residual is
+ * added to `hidden`). */
+mdt_status mdt_cache_pre(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *hidden,
+                         float **x0, int *skip);
+/* After the first block: First-Block Cache's decision on x0 against hidden->x, then its skip
+ * (the tail residuals added to the n streams s, s[0] the hidden one) or its keep. */
+mdt_status mdt_cache_after_first(mdt_cache *c, const struct mdt_dit *d, const float *x0,
+                                 const mdt_cache_rows *s, int n, int *skip);
+/* After the last block (or the skip): the streams' tails (First-Block Cache: all n; MagCache: the
+ * hidden one, t[0], against x0), then the forward's record of `ran` of `blocks` blocks. */
+mdt_status mdt_cache_post(mdt_cache *c, const struct mdt_dit *d, const float *x0,
+                          const mdt_cache_rows *t, int n, int skip, int64_t ran, int64_t blocks);
+
 /* The end of the forward's cache part: the step's record (blocks run and skipped). */
 mdt_status mdt_cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip);
 

@@ -315,20 +315,11 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
                             MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
                                 MDT_CACHE_BIT(MDT_CACHE_TAYLOR),
                             f->layers + f->single_layers, &cache));
-    float *x0 = cache ? mdt_arena_floats(ar, B * si * C) : NULL; // [B, Si/P, C] block 0's input
-    if (cache && !x0)
-        return MDT_E_NOMEM;
     const mdt_cache_rows heads[2] = {{xs, si, C, si * C}, {c, st, C, st * C}};
-    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK;
-    const int mag = cache && cache->spec.kind == MDT_CACHE_MAG;
+    float *x0;
     int64_t ran = 0;
-    if (mag) /* MagCache: the schedule decides before any block; a skip skips them all */
-        MDT_TRY(mdt_cache_mag_decide(cache, &skip));
-    if (mag && skip)
-        MDT_TRY(mdt_cache_mag_apply(cache, &d, &heads[0]));
-    for (int64_t i = 0; i < f->layers && !skip; i++) { /* double blocks: image and text */
-        if (cache && i == 0)
-            memcpy(x0, xs, sizeof(float) * (size_t)(B * si * C));
+    MDT_TRY(mdt_cache_pre(cache, &d, &heads[0], &x0, &skip)); /* MagCache may skip every block */
+    for (int64_t i = 0; i < f->layers && !skip; i++) {        /* double blocks: image and text */
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&run, &d, &f->dbl[i], xs, c, i));
         mdt_dit_block_done(&d, mk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
@@ -336,11 +327,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         ran++;
         if (i == 0) /* test seam: a rank failing mid-step */
             MDT_TRY(mdt_dit_test_point(&d, "step"));
-        if (fbc && i == 0) {
-            MDT_TRY(mdt_cache_head(cache, &d, x0, xs, B * si * C, &skip));
-            MDT_TRY(skip ? mdt_cache_apply(cache, &d, heads, 2)
-                         : mdt_cache_keep_head(cache, &d, heads, 2));
-        }
+        if (i == 0) /* First-Block Cache may skip the rest */
+            MDT_TRY(mdt_cache_after_first(cache, &d, x0, heads, 2, &skip));
     }
     MDT_TRY(mdt_joint_concat(&d, &x.s, C, c, xs, &h)); // [B, S/P, C] text rows, then image rows
     for (int64_t i = 0; i < f->single_layers && !skip; i++) { /* single blocks: the joint rows */
@@ -351,12 +339,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     }
     /* the tail residuals: each stream's rows of the joint sequence (mag: the image's) */
     const mdt_cache_rows tails[2] = {{h + st * C, si, C, S * C}, {h, st, C, S * C}};
-    if (fbc && !skip)
-        MDT_TRY(mdt_cache_tail(cache, &d, tails, 2));
-    if (mag && !skip)
-        MDT_TRY(mdt_cache_mag_keep(cache, &d, x0, &tails[0]));
-    if (cache)
-        MDT_TRY(mdt_cache_end(cache, ran, f->layers + f->single_layers - ran));
+    MDT_TRY(mdt_cache_post(cache, &d, x0, tails, 2, skip, ran, f->layers + f->single_layers));
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */
     float *emb = mdt_arena_floats(ar, B * 2 * C); // [B, 2C]
     float *xn = mdt_arena_floats(ar, B * si * C); // [B, Si/P, C]

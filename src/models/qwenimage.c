@@ -412,21 +412,12 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     /* the step cache: the image stream's residual over block 0 decides (the text stream's
      * output is never read after the blocks, so only the image stream is cached) */
     mdt_cache *cache = ps->cache;
-    float *x0 = cache ? mdt_arena_floats(ar, n * si * C) : NULL; // [n, Si/P, C] block 0's input
-    if (cache && !x0)
-        return MDT_E_NOMEM;
     const mdt_cache_rows img = {xs, si, C, si * C};
+    float *x0;
     int skip = 0;
-    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK;
-    const int mag = cache && cache->spec.kind == MDT_CACHE_MAG;
     int64_t ran = 0;
-    if (mag) /* MagCache: the schedule decides before any block; a skip skips them all */
-        MDT_TRY(mdt_cache_mag_decide(cache, &skip));
-    if (mag && skip)
-        MDT_TRY(mdt_cache_mag_apply(cache, d, &img));
-    for (int64_t i = 0; i < f->layers && !skip; i++) { /* a block's scratch is reused */
-        if (cache && i == 0)
-            memcpy(x0, xs, sizeof(float) * (size_t)(n * si * C));
+    MDT_TRY(mdt_cache_pre(cache, d, &img, &x0, &skip)); /* MagCache may skip every block */
+    for (int64_t i = 0; i < f->layers && !skip; i++) {  /* a block's scratch is reused */
         const mdt_arena_mark bk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c, i));
         mdt_dit_block_done(d, bk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
@@ -434,18 +425,10 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
         ran++;
         if (i == 0) /* test seam: a rank failing mid-step */
             MDT_TRY(mdt_dit_test_point(d, "step"));
-        if (fbc && i == 0) {
-            MDT_TRY(mdt_cache_head(cache, d, x0, xs, n * si * C, &skip));
-            MDT_TRY(skip ? mdt_cache_apply(cache, d, &img, 1)
-                         : mdt_cache_keep_head(cache, d, &img, 1));
-        }
+        if (i == 0) /* First-Block Cache may skip the rest */
+            MDT_TRY(mdt_cache_after_first(cache, d, x0, &img, 1, &skip));
     }
-    if (fbc && !skip)
-        MDT_TRY(mdt_cache_tail(cache, d, &img, 1));
-    if (mag && !skip)
-        MDT_TRY(mdt_cache_mag_keep(cache, d, x0, &img));
-    if (cache)
-        MDT_TRY(mdt_cache_end(cache, ran, f->layers - ran));
+    MDT_TRY(mdt_cache_post(cache, d, x0, &img, 1, skip, ran, f->layers));
     MDT_TRY(mdt_dit_adaln(d, &f->norm_out, emb)); // [n, 2C] scale first
     for (int64_t b = 0; b < n; b++)
         mdt_k()->layernorm_modulate(xs + b * si * C, xn + b * si * C, si, C, k_eps,

@@ -522,37 +522,20 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
     mdt_cache *cache;
     MDT_TRY(mdt_cache_begin(&d, MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG),
                             f->layers, &cache));
-    float *x0 = cache ? mdt_arena_floats(ar, M * C) : NULL; // [B, n, C] block 0's input
-    if (cache && !x0)
-        return MDT_E_NOMEM;
     const mdt_cache_rows vid = {h, x.n, C, x.n * C};
+    float *x0;
     int skip = 0;
-    const int fbc = cache && cache->spec.kind == MDT_CACHE_FIRST_BLOCK;
-    const int mag = cache && cache->spec.kind == MDT_CACHE_MAG;
     int64_t ran = 0;
-    if (mag) /* MagCache: the schedule decides before any block; a skip skips them all */
-        MDT_TRY(mdt_cache_mag_decide(cache, &skip));
-    if (mag && skip)
-        MDT_TRY(mdt_cache_mag_apply(cache, &d, &vid));
+    MDT_TRY(mdt_cache_pre(cache, &d, &vid, &x0, &skip)); /* MagCache may skip every block */
     for (int64_t i = 0; i < f->layers && !skip; i++) {
-        if (cache && i == 0)
-            memcpy(x0, h, sizeof(float) * (size_t)(M * C));
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(block(f, &d, &x, &f->blk[i], tproj, ctxt, cimg, h));
         mdt_dit_block_done(&d, mk, "blocks", i, &(mdt_stream){h, x.n, C}, 1);
         ran++;
-        if (fbc && i == 0) {
-            MDT_TRY(mdt_cache_head(cache, &d, x0, h, M * C, &skip));
-            MDT_TRY(skip ? mdt_cache_apply(cache, &d, &vid, 1)
-                         : mdt_cache_keep_head(cache, &d, &vid, 1));
-        }
+        if (i == 0) /* First-Block Cache may skip the rest */
+            MDT_TRY(mdt_cache_after_first(cache, &d, x0, &vid, 1, &skip));
     }
-    if (fbc && !skip)
-        MDT_TRY(mdt_cache_tail(cache, &d, &vid, 1));
-    if (mag && !skip)
-        MDT_TRY(mdt_cache_mag_keep(cache, &d, x0, &vid));
-    if (cache)
-        MDT_TRY(mdt_cache_end(cache, ran, f->layers - ran));
+    MDT_TRY(mdt_cache_post(cache, &d, x0, &vid, 1, skip, ran, f->layers));
     /* norm_out: shift, scale = scale_shift_table + temb (per distinct timestep, picked per token)
      */
     float *tab = mdt_arena_floats(ar, Tn * 2 * C);     // [Tn, 2C]
