@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""First-Block Cache over a whole FluxPipeline: meshdit's drop-in with enable_cache against
+"""Step caches over a whole FluxPipeline: meshdit's drop-in with enable_cache against
 diffusers' own transformer with the same enable_cache, and each against its uncached run: same
 pipeline, weights, prompt, seed, machine and thread count. Benchmarks only.
 
 usage: python bench/cache_pipeline.py [--size 128] [--steps 8] [--rounds 3]
-           [--thresholds 0.05,0.3,0.5] [--ranks 1]
+           [--caches fbc,mag,taylorseer] [--thresholds 0.05,0.3,0.5] [--ranks 1]
 The pipeline is tests/python/flux_pipeline.py's with bench/pipeline_wall.py's medium transformer
 (inner 1024, 2 double + 4 single blocks). Random weights do not change slowly between steps as a
 trained model's do: the default threshold 0.05 skips nothing on them, so larger thresholds are
@@ -52,6 +52,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--thresholds", default="0.05,0.3,0.5")
     ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--caches", default="fbc",
+                    help="comma-separated: fbc (the --thresholds sweep), mag (FLUX_MAG_RATIOS at "
+                         "diffusers' defaults), taylorseer (diffusers' defaults)")
     a = ap.parse_args()
     torch.set_num_threads(a.ranks)
     root = tempfile.mkdtemp(prefix="mdt_cache_bench_")
@@ -72,18 +75,30 @@ def main():
         base_m = flux_pipeline.generate(md_pipe, **gen)
         print(f"# {a.size}px, {a.steps} steps, {a.ranks} rank(s)/thread(s); uncached meshdit vs "
               f"diffusers rel {rel(base_m, base_d):.1e}")
-        print("| threshold | skip pattern (C computed, - skipped) | diffusers + hook s | meshdit + "
+        print("| cache | skip pattern (C computed, - skipped) | diffusers + hook s | meshdit + "
               "hook s | ratio | uncached diffusers s | uncached meshdit s | FLOPs saved | "
               "rel vs uncached | PSNR vs uncached dB | meshdit vs diffusers rel |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for th in [float(x) for x in a.thresholds.split(",")]:
+        from diffusers.hooks import MagCacheConfig, TaylorSeerCacheConfig
+        from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+        configs = []
+        for kind in a.caches.split(","):
+            if kind == "fbc":
+                configs += [(f"first_block {th}", lambda th=th: FirstBlockCacheConfig(threshold=th))
+                            for th in (float(x) for x in a.thresholds.split(","))]
+            elif kind == "mag":
+                configs.append(("mag (defaults)", lambda: MagCacheConfig(
+                    num_inference_steps=a.steps, mag_ratios=FLUX_MAG_RATIOS)))
+            elif kind == "taylorseer":
+                configs.append(("taylorseer (defaults)", lambda: TaylorSeerCacheConfig()))
+        for label, make in configs:
             times = {k: [] for k in ("dc", "mc", "du", "mu")}
             for _ in range(a.rounds):  # alternating: each kind once per round
                 for k in ("dc", "mc", "du", "mu"):
                     pipe = ref_pipe if k[0] == "d" else md_pipe
                     tr = pipe.transformer
                     if k[1] == "c":
-                        tr.enable_cache(FirstBlockCacheConfig(threshold=th))
+                        tr.enable_cache(make())
                     decisions.clear()
                     n0 = len(t.stats["cache"])
                     t0 = time.perf_counter()
@@ -99,8 +114,8 @@ def main():
                         m_pat = "".join("-" if e["skipped"] else "C" for e in log)
                         saved = sum(e["flops_saved"] for e in log)
             med = {k: statistics.median(v) for k, v in times.items()}
-            pat = m_pat if m_pat == d_pat else f"{m_pat} (diffusers {d_pat})"
-            print(f"| {th} | {pat} | {med['dc']:.3f} | {med['mc']:.3f} | "
+            pat = m_pat if not d_pat or m_pat == d_pat else f"{m_pat} (diffusers {d_pat})"
+            print(f"| {label} | {pat} | {med['dc']:.3f} | {med['mc']:.3f} | "
                   f"{med['dc'] / med['mc']:.2f}x | {med['du']:.3f} | {med['mu']:.3f} | "
                   f"{saved / 1e9:.2f} GFLOP | {rel(m_out, base_m):.1e} | "
                   f"{psnr(m_out, base_m):.1f} | {rel(m_out, d_out):.1e} |")
