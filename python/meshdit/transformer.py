@@ -766,6 +766,8 @@ def _cache_spec(config) -> str:
                 f"disable_cache_after_step={'none' if after is None else int(after)},"
                 f"max_order={int(config.max_order)},"
                 f"taylor_factors_dtype={'bfloat16' if dt == torch.bfloat16 else 'float32'}")
+    if isinstance(config, hooks.TextKVCacheConfig):
+        return "text_kv"  # exact: Wan's cross-attention K/V kept across the steps
     known = [n for n in dir(hooks) if n.endswith("Config")]
     if type(config).__name__ in known:
         raise NotImplementedError(f"meshdit: {type(config).__name__} is not implemented (meshdit "
@@ -845,8 +847,8 @@ METHODS: dict[str, tuple[str, str]] = {
                                       "ulysses=)"),
     # caches and LoRA (to come)
     "is_cache_enabled": ("works", "whether enable_cache holds a config"),
-    "enable_cache": ("works", "FirstBlockCacheConfig, MagCacheConfig and TaylorSeerCacheConfig "
-                             "on the mesh; other configs refused"),
+    "enable_cache": ("works", "FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig and "
+                             "TextKVCacheConfig on the mesh; other configs refused"),
     "disable_cache": ("works", "every block of every step again"),
     **{n: ("refused", _LORA) for n in (
         "load_lora_adapter", "save_lora_adapter", "set_adapters", "set_adapter", "add_adapter",

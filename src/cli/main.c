@@ -40,7 +40,7 @@ void cli_usage(FILE *fp) {
         "          [--device cpu|cuda] [--dtype f32|bf16] [--comm auto|mpi|nccl]\n"
         "          [--lora FILE[:SCALE]]...   (docs/lora.md)\n"
         "          [--cache first_block[:threshold=X] | mag:mag_ratios=A/B/...[,...] |\n"
-        "                   taylorseer[:cache_interval=N,...]]\n"
+        "                   taylorseer[:cache_interval=N,...] | text_kv]\n"
         "                                            (with --steps; docs/cache.md)\n"
         "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
         "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n"

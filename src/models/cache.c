@@ -96,14 +96,16 @@ mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out) {
                                 .max_skip_steps = 3,
                                 .retention_ratio = 0.2,
                                 .num_inference_steps = 28};
+    else if (strcmp(buf, "text_kv") == 0)
+        out->kind = MDT_CACHE_TEXT_KV;
     else if (strcmp(buf, "taylorseer") == 0)
         out->kind = MDT_CACHE_TAYLOR, out->cache_interval = 5, out->disable_before = 3,
         out->disable_after = -1, out->max_order = 1, out->factors_bf16 = 1;
     else
         st = MDT_FAIL(MDT_E_INVALID,
-                      "cache spec: unknown cache '%.64s' (meshdit has first_block, mag and "
-                      "taylorseer, as diffusers' FirstBlockCacheConfig, MagCacheConfig and "
-                      "TaylorSeerCacheConfig)",
+                      "cache spec: unknown cache '%.64s' (meshdit has first_block, mag, "
+                      "taylorseer and text_kv: diffusers' FirstBlockCacheConfig, MagCacheConfig, "
+                      "TaylorSeerCacheConfig, and the exact K/V of Wan's cross-attention)",
                       buf);
     const int mag = out->kind == MDT_CACHE_MAG, ts = out->kind == MDT_CACHE_TAYLOR;
     char *save = NULL;
@@ -182,6 +184,8 @@ void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap) {
     num_str(sp->threshold, t, sizeof t);
     if (sp->kind == MDT_CACHE_FIRST_BLOCK)
         snprintf(buf, cap, "first_block:threshold=%s", t);
+    else if (sp->kind == MDT_CACHE_TEXT_KV)
+        snprintf(buf, cap, "text_kv");
     else if (sp->kind == MDT_CACHE_TAYLOR)
         snprintf(buf, cap,
                  "taylorseer:cache_interval=%d,disable_cache_before_step=%d,"
@@ -224,6 +228,10 @@ static void branch_clear(mdt_cache_branch *b) {
         for (int k = 0; k <= MDT_TAYLOR_ORDERS; k++)
             mdt_free(b->ts[i].f[k]);
     free(b->ts);
+    for (int64_t i = 0; i < b->nkv; i++)
+        mdt_free(b->kv[i]);
+    free(b->kv), free(b->kv_n);
+    mdt_free(b->kv_ctx);
     mdt_free(b->prev_res);
     for (int k = 0; k < MDT_CACHE_STREAMS; k++)
         mdt_free(b->head[k]), mdt_free(b->tail[k]);
@@ -287,13 +295,16 @@ mdt_status mdt_cache_begin(const mdt_dit *d, int supported, int64_t blocks, mdt_
     *out = NULL;
     if (!c || c->spec.kind == MDT_CACHE_OFF)
         return MDT_OK;
-    static const char *const names[] = {"none", "first_block", "mag", "taylorseer"};
+    static const char *const names[] = {"none", "first_block", "mag", "taylorseer", "text_kv"};
     if (!(supported & (1 << c->spec.kind)))
         return MDT_FAIL(MDT_E_UNSUPPORTED, "cache: %s is not implemented for %s (%s)",
                         names[c->spec.kind], d->m->fam->class_name,
                         c->spec.kind == MDT_CACHE_TAYLOR
                             ? "meshdit runs TaylorSeer on Flux and Qwen-Image, whose attention "
                               "modules diffusers' default patterns hook"
+                        : c->spec.kind == MDT_CACHE_TEXT_KV
+                            ? "only Wan attends a context through cross-attention; the joint "
+                              "families' text K/V change with every block's text stream"
                             : "meshdit caches Flux, Qwen-Image and Wan, as diffusers' hooks do");
     if (blocks < 2)
         return MDT_FAIL(MDT_E_INVALID,
@@ -610,12 +621,83 @@ mdt_status mdt_cache_mag_keep(mdt_cache *c, const mdt_dit *d, const float *in,
     return MDT_OK;
 }
 
+/* ---- text_kv ---- */
+
+mdt_cache *mdt_cache_kv_of(const mdt_dit *d) {
+    mdt_cache *c = d->m->cache;
+    return c && c->in_forward && c->spec.kind == MDT_CACHE_TEXT_KV ? c : NULL;
+}
+
+mdt_status mdt_cache_kv_context(mdt_cache *c, const mdt_dit *d, const float *ctx, int64_t n) {
+    mdt_cache_branch *b = &c->br[c->cur];
+    int64_t same =
+        b->kv_ctx && b->kv_nctx == n && memcmp(b->kv_ctx, ctx, sizeof(float) * (size_t)n) == 0;
+    /* every rank must take the same path: its collectives (the K norm's TP all-reduce) follow */
+    for (int g = 0; d->mesh && g < 2; g++) {
+        const mdt_group grp = g ? MDT_GROUP_CP : MDT_GROUP_TP;
+        const int P = mdt_group_size(d->mesh, grp);
+        if (P < 2)
+            continue;
+        int64_t *all = d->mesh->member_i64;
+        MDT_TRY(mdt_allgather_i64(d->mesh, grp, same, all));
+        for (int i = 0; i < P; i++)
+            same = same && all[i];
+    }
+    b->kv_valid = (int)same;
+    c->last.skipped = (int)same;
+    if (same)
+        return MDT_OK;
+    if (b->kv_nctx != n) {
+        mdt_free(b->kv_ctx);
+        c->bytes -= (int64_t)sizeof(float) * b->kv_nctx;
+        b->kv_nctx = 0;
+        if (!(b->kv_ctx = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1))))
+            return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for the context");
+        b->kv_nctx = n, c->bytes += (int64_t)sizeof(float) * n;
+    }
+    memcpy(b->kv_ctx, ctx, sizeof(float) * (size_t)n);
+    return MDT_OK;
+}
+
+mdt_status mdt_cache_kv_slot(mdt_cache *c, int64_t slot, int64_t n, float **buf, int *valid) {
+    mdt_cache_branch *b = &c->br[c->cur];
+    if (slot >= b->nkv) {
+        float **p = realloc(b->kv, sizeof *p * (size_t)(slot + 1));
+        if (p)
+            b->kv = p;
+        int64_t *q = p ? realloc(b->kv_n, sizeof *q * (size_t)(slot + 1)) : NULL;
+        if (!p || !q)
+            return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        b->kv_n = q;
+        for (int64_t i = b->nkv; i <= slot; i++)
+            b->kv[i] = NULL, b->kv_n[i] = 0;
+        b->nkv = slot + 1;
+    }
+    if (b->kv[slot] && b->kv_n[slot] != n) { /* a new context of another length */
+        mdt_free(b->kv[slot]);
+        c->bytes -= (int64_t)sizeof(float) * b->kv_n[slot];
+        b->kv[slot] = NULL;
+        if (b->kv_valid)
+            return MDT_FAIL(MDT_E_INVALID, "cache: text_kv slot %lld changed size",
+                            (long long)slot);
+    }
+    if (!b->kv[slot]) {
+        if (!(b->kv[slot] = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1))))
+            return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for the kept K/V");
+        b->kv_n[slot] = n, c->bytes += (int64_t)sizeof(float) * n;
+    }
+    *buf = b->kv[slot];
+    *valid = b->kv_valid;
+    return MDT_OK;
+}
+
 /* ---- the block loop's points ---- */
 
 mdt_status mdt_cache_pre(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *hidden, float **x0,
                          int *skip) {
     *x0 = NULL, *skip = 0;
-    if (!c || c->spec.kind == MDT_CACHE_TAYLOR) /* TaylorSeer works inside the blocks */
+    if (!c || c->spec.kind == MDT_CACHE_TAYLOR || c->spec.kind == MDT_CACHE_TEXT_KV)
+        /* TaylorSeer and text_kv work inside the blocks */
         return MDT_OK;
     const int64_t n = rows_n(d, hidden), w = hidden->rows * hidden->width;
     if (!(*x0 = mdt_arena_floats(d->ar, n > 0 ? n : 1))) // [B, rows, width] block 0's input

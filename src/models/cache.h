@@ -30,7 +30,8 @@ typedef enum mdt_cache_kind {
     MDT_CACHE_OFF = 0,
     MDT_CACHE_FIRST_BLOCK,
     MDT_CACHE_MAG,
-    MDT_CACHE_TAYLOR
+    MDT_CACHE_TAYLOR,
+    MDT_CACHE_TEXT_KV
 } mdt_cache_kind;
 
 #define MDT_TAYLOR_ORDERS 4         /* TaylorSeer's max_order at most */
@@ -90,6 +91,13 @@ typedef struct mdt_cache_branch {
     int ts_step, ts_last;
     struct mdt_taylor_slot *ts;
     int64_t nts;
+    /* text_kv: the context the kept K/V were computed from, and per slot its K or V */
+    float *kv_ctx;
+    int64_t kv_nctx;
+    float **kv;
+    int64_t *kv_n;
+    int64_t nkv;
+    int kv_valid; /* the kept K/V are this forward's context's */
 } mdt_cache_branch;
 
 typedef struct mdt_taylor_slot {
@@ -182,6 +190,18 @@ mdt_cache *mdt_cache_taylor_of(const struct mdt_dit *d);
  * prediction. */
 mdt_status mdt_cache_taylor(mdt_cache *c, const struct mdt_dit *d, int64_t slot, int64_t b,
                             float *x, int64_t rows, int64_t width, int64_t ld);
+
+/* ---- text_kv: an exact cache of the cross-attention's K/V over a context that does not change
+ * between the steps of a generation (Wan's text and image context) ---- */
+/* The model's text_kv cache for this forward, or NULL. */
+mdt_cache *mdt_cache_kv_of(const struct mdt_dit *d);
+/* At the forward's start: ctx [n] this rank's copy of the context (the same bits on every rank);
+ * the kept K/V stay valid when it is the kept one, bit for bit, on every rank of the forward's
+ * mesh (agreed over TP and CP), else they are recomputed this forward. */
+mdt_status mdt_cache_kv_context(mdt_cache *c, const struct mdt_dit *d, const float *ctx, int64_t n);
+/* The kept buffer of `slot` (n floats, made on first use); *valid 1 when it holds this
+ * context's values (else the caller computes into it). */
+mdt_status mdt_cache_kv_slot(mdt_cache *c, int64_t slot, int64_t n, float **buf, int *valid);
 
 /* ---- the block loop's three points, for a family's forward (each a no-op without a cache) ---- */
 /* Before the first block: *x0 [n] a copy of the hidden stream's rows `hidden` (dense, from the

@@ -333,14 +333,29 @@ static mdt_status cross_attention(const wan *f, const mdt_dit *d, const wan_in *
         return MDT_E_NOMEM;
     const wan_scratch s = {tmp, tmp2};
     MDT_TRY(project(f, d, nx, n, &(wan_proj){&b->a2.q, b->a2.norm_q, NULL, q}, &s));
+    /* text_kv (cache.h): the context's K/V kept from the generation's first forward */
+    mdt_cache *kv = mdt_cache_kv_of(d);
+    const int64_t slot = 4 * (b - f->blk);
+    float *ki = k, *vi = v, *kt = k, *vt = v;
+    int valid = 0;
     if (img) { /* I2V: the same queries over the image tokens, added to the text result */
-        MDT_TRY(context_kv(f, d, img, x->Nci, &(wan_proj){&b->ak, b->n_ak, NULL, k},
-                           &(wan_proj){&b->av, NULL, NULL, v}, &s));
-        MDT_TRY(mdt_dit_attend_kv(d, q, n, k, v, x->Nci, ai, W)); // [B, n, A/T]
+        if (kv) {
+            MDT_TRY(mdt_cache_kv_slot(kv, slot + 2, d->B * x->Nci * W, &ki, &valid));
+            MDT_TRY(mdt_cache_kv_slot(kv, slot + 3, d->B * x->Nci * W, &vi, &valid));
+        }
+        if (!valid)
+            MDT_TRY(context_kv(f, d, img, x->Nci, &(wan_proj){&b->ak, b->n_ak, NULL, ki},
+                               &(wan_proj){&b->av, NULL, NULL, vi}, &s));
+        MDT_TRY(mdt_dit_attend_kv(d, q, n, ki, vi, x->Nci, ai, W)); // [B, n, A/T]
     }
-    MDT_TRY(context_kv(f, d, ctx, x->Nct, &(wan_proj){&b->a2.k, b->a2.norm_k, NULL, k},
-                       &(wan_proj){&b->a2.v, NULL, NULL, v}, &s));
-    MDT_TRY(mdt_dit_attend_kv(d, q, n, k, v, x->Nct, ao, W)); // [B, n, A/T]
+    if (kv) {
+        MDT_TRY(mdt_cache_kv_slot(kv, slot, d->B * x->Nct * W, &kt, &valid));
+        MDT_TRY(mdt_cache_kv_slot(kv, slot + 1, d->B * x->Nct * W, &vt, &valid));
+    }
+    if (!valid)
+        MDT_TRY(context_kv(f, d, ctx, x->Nct, &(wan_proj){&b->a2.k, b->a2.norm_k, NULL, kt},
+                           &(wan_proj){&b->a2.v, NULL, NULL, vt}, &s));
+    MDT_TRY(mdt_dit_attend_kv(d, q, n, kt, vt, x->Nct, ao, W)); // [B, n, A/T]
     if (img)
         mdt_k()->add(ao, ai, M * W);
     MDT_TRY(mdt_dit_row_linear(d, &b->o2, ao, W, y, M)); // [B n, C]
@@ -520,8 +535,20 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
     mdt_guard_finite(d.m, "patch_embedding", h, M * C);
     /* the step cache (cache.h): the video rows' residual over block 0 decides */
     mdt_cache *cache;
-    MDT_TRY(mdt_cache_begin(&d, MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG),
+    MDT_TRY(mdt_cache_begin(&d,
+                            MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
+                                MDT_CACHE_BIT(MDT_CACHE_TEXT_KV),
                             f->layers, &cache));
+    if (cache && cache->spec.kind == MDT_CACHE_TEXT_KV) { /* the contexts the K/V come from */
+        const int64_t nt = B * x.Nct * C, ni = cimg ? B * x.Nci * C : 0;
+        float *key = mdt_arena_floats(d.ha, nt + ni + 1); // [text | image context] host
+        if (!key)
+            return MDT_E_NOMEM;
+        memcpy(key, ctxt, sizeof(float) * (size_t)nt);
+        if (ni)
+            memcpy(key + nt, cimg, sizeof(float) * (size_t)ni);
+        MDT_TRY(mdt_cache_kv_context(cache, &d, key, nt + ni));
+    }
     const mdt_cache_rows vid = {h, x.n, C, x.n * C};
     float *x0;
     int skip = 0;

@@ -792,6 +792,22 @@ if "$BIN" "${QRUN[@]}" --out "$T/q1.safetensors" --quiet 2>"$T/stderr" &&
 else bad "--cache taylorseer on Qwen-Image, tp2 x ulysses2: $(head -c 300 "$T/stderr")"; fi
 "$BIN" gen --model wan --preset tiny --seed 0 --out "$T/cw" >/dev/null
 "$BIN" inputs --checkpoint "$T/cw" --seed 1 --out "$T/cwin.safetensors" >/dev/null
+# text_kv: Wan's cross-attention K/V kept from each branch's first forward: exact (the uncached
+# bits, guided, on one rank and tp2 x ring2); a family without cross-attention refuses it
+"$BIN" inputs --checkpoint "$T/cw" --seed 2 --negative --out "$T/cwneg.safetensors" >/dev/null
+KRUN=(run --checkpoint "$T/cw" --inputs "$T/cwneg.safetensors" --steps 4 --guidance-scale 3)
+kv_ok=1
+for lay in "1" "4 --tp 2 --ring 2"; do
+    set -- $lay
+    n=$1; shift
+    timeout 300 "$MPIEXEC" -n "$n" "$BIN" "${KRUN[@]}" "$@" --out "$T/ku.safetensors" --quiet &&
+    timeout 300 "$MPIEXEC" -n "$n" "$BIN" "${KRUN[@]}" "$@" --out "$T/kc.safetensors" \
+        --cache text_kv >"$T/kc.txt" 2>&1 &&
+    grep -q '(CC------;' "$T/kc.txt" && cmp -s "$T/ku.safetensors" "$T/kc.safetensors" || kv_ok=0
+done
+if [ $kv_ok = 1 ]; then ok; else bad "--cache text_kv: not the uncached bits: $(head -c 300 "$T/kc.txt")"; fi
+expect_error cache-kv-flux 1 "text_kv is not implemented for FluxTransformer2DModel" -- \
+    "$BIN" "${CRUN[@]}" --out "$T/out.safetensors" --cache text_kv
 expect_error cache-taylor-wan 1 "taylorseer is not implemented for WanTransformer3DModel" -- \
     "$BIN" run --checkpoint "$T/cw" --inputs "$T/cwin.safetensors" --steps 4 \
     --out "$T/out.safetensors" --cache "$TS"

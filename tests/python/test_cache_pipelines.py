@@ -123,9 +123,9 @@ def test_cache_api_as_diffusers(tmp_path_factory):
     threshold = CASES["flux"][3]
     root, ref, _ = _ref("flux", threshold, tmp_path_factory)
     with meshdit.Transformer.from_pretrained(f"{root}/transformer") as t:
-        from diffusers.hooks import TextKVCacheConfig
-        with pytest.raises(NotImplementedError, match="TextKVCacheConfig"):
-            t.enable_cache(TextKVCacheConfig())
+        from diffusers.hooks import PyramidAttentionBroadcastConfig
+        with pytest.raises(NotImplementedError, match="PyramidAttentionBroadcastConfig"):
+            t.enable_cache(PyramidAttentionBroadcastConfig())
         assert not t.is_cache_enabled
         with pytest.raises(ValueError, match="is not supported"):
             t.enable_cache(object())
@@ -295,3 +295,26 @@ def test_taylorseer_refusals(tmp_path_factory):
         with pytest.raises(NotImplementedError, match="cache_identifiers"):
             t.enable_cache(TaylorSeerCacheConfig(cache_identifiers=["proj_out"]))
         assert not t.is_cache_enabled
+
+
+# ---- text_kv: Wan's cross-attention K/V over the text (a generation's constant) computed once per
+# branch and kept: exact, the bits of the uncached run; diffusers' TextKVCacheConfig hooks only
+# NucleusMoE blocks, so on Wan its run is the uncached one too ----
+@pytest.mark.parametrize("layout", [dict(), dict(tp=2, ring=2)], ids=["1rank", "tp2xring2"])
+def test_text_kv_is_exact(layout, tmp_path_factory):
+    from diffusers.hooks import TextKVCacheConfig
+    mod, kw, steps, _, _ = CASES["wan"]
+    root, _, _ = _ref("wan", CASES["wan"][3], tmp_path_factory)
+    ref = mod.generate(mod.load(root), seed=3, steps=steps, **kw)  # diffusers, uncached
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
+        pipe = mod.load(root, transformer=t)
+        plain = mod.generate(pipe, seed=3, steps=steps, **kw)
+        t.enable_cache(TextKVCacheConfig())
+        got = mod.generate(pipe, seed=3, steps=steps, **kw)
+        log = list(t.stats["cache"])
+    # each branch computes its K/V on its first forward and reuses them after
+    assert [(e["branch"], e["skipped"]) for e in log[:4]] == [
+        ("cond", False), ("uncond", False), ("cond", True), ("uncond", True)]
+    assert all(e["skipped"] for e in log[2:]) and len(log) == 2 * steps
+    assert np.array_equal(got, plain)  # exact: the uncached bits
+    assert rel(got, ref) <= TOL
