@@ -335,8 +335,6 @@ mdt_status mdt_cache_begin(const mdt_dit *d, int supported, int64_t blocks, mdt_
         c->last.skipped = !c->ts_compute;
         c->last.diff = c->ts_compute ? NAN : (double)(step - b->ts_last);
         c->flops_at_head = flops_now();
-        if (!c->ts_compute)
-            c->last.flops_saved = b->tail_flops;
     }
     *out = c;
     return MDT_OK;
@@ -739,6 +737,9 @@ mdt_status mdt_cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip) 
                     b->ts[i].norders = b->ts[i].updated, b->ts[i].updated = 0;
             b->ts_last = b->ts_step;
             b->tail_flops = flops_now() - c->flops_at_head;
+        } else { /* saved: a full forward's FLOPs less this one's (the MLPs still ran) */
+            const double spent = flops_now() - c->flops_at_head;
+            c->last.flops_saved = b->tail_flops > spent ? b->tail_flops - spent : 0;
         }
     }
     c->in_forward = 0;
