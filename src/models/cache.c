@@ -1,6 +1,7 @@
 /*
- * cache.c — the step caches of cache.h: the spec, a generation's branches, and First-Block
- * Cache's decision and residuals as diffusers' hooks/first_block_cache.py computes them.
+ * cache.c — the step caches of cache.h: the spec, a generation's branches, and each cache's
+ * decision and kept state as diffusers' hooks compute them (first_block_cache.py, mag_cache.py,
+ * taylorseer_cache.py), text_kv's kept K/V, and the three points a family's block loop calls.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "models/cache.h"
@@ -233,8 +234,7 @@ static void branch_clear(mdt_cache_branch *b) {
     free(b->kv), free(b->kv_n);
     mdt_free(b->kv_ctx);
     mdt_free(b->prev_res);
-    for (int k = 0; k < MDT_CACHE_STREAMS; k++)
-        mdt_free(b->head[k]), mdt_free(b->tail[k]);
+    mdt_free(b->head), mdt_free(b->tail);
     char name[sizeof b->name];
     memcpy(name, b->name, sizeof name);
     memset(b, 0, sizeof *b);
@@ -390,7 +390,6 @@ mdt_status mdt_cache_taylor(mdt_cache *c, const mdt_dit *d, int64_t slot, int64_
         if (!t->f[k]) {
             if (!(t->f[k] = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1))))
                 return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for TaylorSeer's factors");
-            c->bytes += (int64_t)sizeof(float) * n;
         }
     t->n = n;
     const float delta = (float)(br->ts_step - br->ts_last);
@@ -420,13 +419,19 @@ static mdt_status keep_buf(mdt_cache *c, float **p, int64_t *have, int64_t n, co
         if (!(*p = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1))))
             return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for %s", what);
         *have = n;
-        c->bytes += (int64_t)sizeof(float) * n;
     }
     return MDT_OK;
 }
 
-mdt_status mdt_cache_head(mdt_cache *c, const mdt_dit *d, const float *in, const float *out,
-                          int64_t n, int *skip) {
+static int64_t rows_n(const mdt_dit *d, const mdt_cache_rows *s) {
+    return d->B * s->rows * s->width;
+}
+
+/* First-Block Cache after the first block: in, out [n] this rank's rows of the hidden stream
+ * before and after it; the shared statistic (collective over the CP group) sets *skip, and a
+ * forward that computes keeps the residual. */
+static mdt_status fbc_decide(mdt_cache *c, const mdt_dit *d, const float *in, const float *out,
+                             int64_t n, int *skip) {
     mdt_cache_branch *b = &c->br[c->cur];
     *skip = 0;
     float *r = mdt_arena_floats(d->ar, n > 0 ? n : 1); // [n] this forward's residual
@@ -481,72 +486,28 @@ mdt_status mdt_cache_head(mdt_cache *c, const mdt_dit *d, const float *in, const
     return MDT_OK;
 }
 
-static int64_t rows_n(const mdt_dit *d, const mdt_cache_rows *s) {
-    return d->B * s->rows * s->width;
-}
-
-/* f(dst row piece, src row piece, count) over every element's rows of stream s. */
+/* Over every element's rows of s and the branch's dense [B, rows, width] buffer f: keep (f = s),
+ * apply (s = f + s, as the hook adds the tail) or tail (f = s - f, f holding the head). */
+enum { ROWS_KEEP, ROWS_APPLY, ROWS_TAIL };
 static void each_row_block(const mdt_dit *d, const mdt_cache_rows *s, float *flat, int mode) {
     const int64_t w = s->rows * s->width;
     for (int64_t bb = 0; bb < d->B; bb++) {
         float *x = s->x + bb * s->ld, *f = flat + bb * w;
-        if (mode == 0) /* keep */
+        if (mode == ROWS_KEEP)
             memcpy(f, x, sizeof(float) * (size_t)w);
-        else if (mode == 1) /* apply: x = tail + x, as the hook adds */
+        else if (mode == ROWS_APPLY)
             for (int64_t i = 0; i < w; i++)
                 x[i] = f[i] + x[i];
-        else /* tail: f = x - head (f holds head) */
+        else
             for (int64_t i = 0; i < w; i++)
                 f[i] = x[i] - f[i];
     }
 }
 
-mdt_status mdt_cache_keep_head(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *s,
-                               int nstreams) {
-    mdt_cache_branch *b = &c->br[c->cur];
-    if (nstreams > MDT_CACHE_STREAMS)
-        return MDT_FAIL(MDT_E_INVALID, "cache: at most %d streams", MDT_CACHE_STREAMS);
-    for (int k = 0; k < nstreams; k++) {
-        MDT_TRY(keep_buf(c, &b->head[k], &b->n[k], rows_n(d, &s[k]), "a block's output"));
-        each_row_block(d, &s[k], b->head[k], 0);
-    }
-    b->nstreams = nstreams;
-    return MDT_OK;
-}
-
-mdt_status mdt_cache_apply(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *s, int nstreams) {
-    mdt_cache_branch *b = &c->br[c->cur];
-    if (nstreams != b->nstreams)
-        return MDT_FAIL(MDT_E_INVALID, "cache: %d streams cached, %d given", b->nstreams, nstreams);
-    for (int k = 0; k < nstreams; k++) {
-        if (rows_n(d, &s[k]) != b->n[k])
-            return MDT_FAIL(MDT_E_INVALID,
-                            "cache: branch '%s' cached %lld values of stream %d on this rank, "
-                            "the forward has %lld: the shapes of a generation stay fixed",
-                            b->name, (long long)b->n[k], k, (long long)rows_n(d, &s[k]));
-        each_row_block(d, &s[k], b->tail[k], 1);
-    }
-    return MDT_OK;
-}
-
-mdt_status mdt_cache_tail(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *s, int nstreams) {
-    mdt_cache_branch *b = &c->br[c->cur];
-    for (int k = 0; k < nstreams; k++) {
-        int64_t have = b->tail[k] ? b->n[k] : 0;
-        MDT_TRY(keep_buf(c, &b->tail[k], &have, b->n[k], "a tail residual"));
-        if (rows_n(d, &s[k]) != b->n[k])
-            return MDT_FAIL(MDT_E_INVALID, "cache: stream %d changed size within a forward", k);
-        memcpy(b->tail[k], b->head[k], sizeof(float) * (size_t)b->n[k]);
-        each_row_block(d, &s[k], b->tail[k], 2);
-    }
-    b->have_tail = 1;
-    b->tail_flops = flops_now() - c->flops_at_head;
-    return MDT_OK;
-}
-
 /* ---- MagCache (diffusers' hooks/mag_cache.py) ---- */
 
-mdt_status mdt_cache_mag_decide(mdt_cache *c, int *skip) {
+/* Decides this forward (*skip: no block runs) from the schedule alone. */
+static mdt_status mag_decide(mdt_cache *c, int *skip) {
     mdt_cache_branch *b = &c->br[c->cur];
     const mdt_cache_spec *sp = &c->spec;
     const int cur = b->step_index;
@@ -579,13 +540,13 @@ static void mag_advance(mdt_cache *c, mdt_cache_branch *b) {
         return;
     b->step_index = 0, b->acc_ratio = 1.0f, b->acc_steps = 0, b->acc_err = 0.0f;
     if (b->prev_res) {
-        c->bytes -= (int64_t)sizeof(float) * b->n_res;
         mdt_free(b->prev_res);
         b->prev_res = NULL, b->n_res = 0;
     }
 }
 
-mdt_status mdt_cache_mag_apply(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *s) {
+/* Skipping: s (the first block's input) += the kept residual; the step advances. */
+static mdt_status mag_apply(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *s) {
     mdt_cache_branch *b = &c->br[c->cur];
     if (rows_n(d, s) != b->n_res)
         return MDT_FAIL(MDT_E_INVALID,
@@ -603,8 +564,10 @@ mdt_status mdt_cache_mag_apply(mdt_cache *c, const mdt_dit *d, const mdt_cache_r
     return MDT_OK;
 }
 
-mdt_status mdt_cache_mag_keep(mdt_cache *c, const mdt_dit *d, const float *in,
-                              const mdt_cache_rows *out) {
+/* Computing, after the last block: the residual out - in (in dense, out a view) kept; the step
+ * advances. */
+static mdt_status mag_keep(mdt_cache *c, const mdt_dit *d, const float *in,
+                           const mdt_cache_rows *out) {
     mdt_cache_branch *b = &c->br[c->cur];
     const int64_t n = rows_n(d, out), w = out->rows * out->width;
     MDT_TRY(keep_buf(c, &b->prev_res, &b->n_res, n, "the residual"));
@@ -647,11 +610,10 @@ mdt_status mdt_cache_kv_context(mdt_cache *c, const mdt_dit *d, const float *ctx
         return MDT_OK;
     if (b->kv_nctx != n) {
         mdt_free(b->kv_ctx);
-        c->bytes -= (int64_t)sizeof(float) * b->kv_nctx;
         b->kv_nctx = 0;
         if (!(b->kv_ctx = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1))))
             return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for the context");
-        b->kv_nctx = n, c->bytes += (int64_t)sizeof(float) * n;
+        b->kv_nctx = n;
     }
     memcpy(b->kv_ctx, ctx, sizeof(float) * (size_t)n);
     return MDT_OK;
@@ -673,7 +635,6 @@ mdt_status mdt_cache_kv_slot(mdt_cache *c, int64_t slot, int64_t n, float **buf,
     }
     if (b->kv[slot] && b->kv_n[slot] != n) { /* a new context of another length */
         mdt_free(b->kv[slot]);
-        c->bytes -= (int64_t)sizeof(float) * b->kv_n[slot];
         b->kv[slot] = NULL;
         if (b->kv_valid)
             return MDT_FAIL(MDT_E_INVALID, "cache: text_kv slot %lld changed size",
@@ -682,7 +643,7 @@ mdt_status mdt_cache_kv_slot(mdt_cache *c, int64_t slot, int64_t n, float **buf,
     if (!b->kv[slot]) {
         if (!(b->kv[slot] = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1))))
             return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for the kept K/V");
-        b->kv_n[slot] = n, c->bytes += (int64_t)sizeof(float) * n;
+        b->kv_n[slot] = n;
     }
     *buf = b->kv[slot];
     *valid = b->kv_valid;
@@ -690,6 +651,9 @@ mdt_status mdt_cache_kv_slot(mdt_cache *c, int64_t slot, int64_t n, float **buf,
 }
 
 /* ---- the block loop's points ---- */
+
+/* The forward's record: its blocks run and skipped; TaylorSeer's factors committed. */
+static mdt_status cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip);
 
 mdt_status mdt_cache_pre(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *hidden, float **x0,
                          int *skip) {
@@ -704,30 +668,52 @@ mdt_status mdt_cache_pre(mdt_cache *c, const mdt_dit *d, const mdt_cache_rows *h
         memcpy(*x0 + b * w, hidden->x + b * hidden->ld, sizeof(float) * (size_t)w);
     if (c->spec.kind != MDT_CACHE_MAG)
         return MDT_OK;
-    MDT_TRY(mdt_cache_mag_decide(c, skip));
-    return *skip ? mdt_cache_mag_apply(c, d, hidden) : MDT_OK;
+    MDT_TRY(mag_decide(c, skip));
+    return *skip ? mag_apply(c, d, hidden) : MDT_OK;
 }
 
 mdt_status mdt_cache_after_first(mdt_cache *c, const mdt_dit *d, const float *x0,
-                                 const mdt_cache_rows *s, int n, int *skip) {
+                                 const mdt_cache_rows *hidden, int *skip) {
     if (!c || c->spec.kind != MDT_CACHE_FIRST_BLOCK)
         return MDT_OK;
-    MDT_TRY(mdt_cache_head(c, d, x0, s[0].x, rows_n(d, &s[0]), skip));
-    return *skip ? mdt_cache_apply(c, d, s, n) : mdt_cache_keep_head(c, d, s, n);
+    mdt_cache_branch *b = &c->br[c->cur];
+    const int64_t n = rows_n(d, hidden);
+    MDT_TRY(fbc_decide(c, d, x0, hidden->x, n, skip));
+    if (!*skip) { /* computing: the first block's output, for this forward's tail */
+        MDT_TRY(keep_buf(c, &b->head, &b->n_out, n, "the first block's output"));
+        each_row_block(d, hidden, b->head, ROWS_KEEP);
+        return MDT_OK;
+    }
+    if (n != b->n_out)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "cache: branch '%s' cached %lld values of the hidden stream on this rank, "
+                        "the forward has %lld: the shapes of a generation stay fixed",
+                        b->name, (long long)b->n_out, (long long)n);
+    each_row_block(d, hidden, b->tail, ROWS_APPLY);
+    return MDT_OK;
 }
 
-mdt_status mdt_cache_post(mdt_cache *c, const mdt_dit *d, const float *x0, const mdt_cache_rows *t,
-                          int n, int skip, int64_t ran, int64_t blocks) {
+mdt_status mdt_cache_post(mdt_cache *c, const mdt_dit *d, const float *x0,
+                          const mdt_cache_rows *out, int skip, int64_t ran, int64_t blocks) {
     if (!c)
         return MDT_OK;
-    if (!skip && c->spec.kind == MDT_CACHE_FIRST_BLOCK)
-        MDT_TRY(mdt_cache_tail(c, d, t, n));
+    if (!skip && c->spec.kind == MDT_CACHE_FIRST_BLOCK) { /* the tail residual: out - head */
+        mdt_cache_branch *b = &c->br[c->cur];
+        int64_t have = b->tail ? b->n_out : 0;
+        if (rows_n(d, out) != b->n_out)
+            return MDT_FAIL(MDT_E_INVALID, "cache: the hidden stream changed size in a forward");
+        MDT_TRY(keep_buf(c, &b->tail, &have, b->n_out, "the tail residual"));
+        memcpy(b->tail, b->head, sizeof(float) * (size_t)b->n_out);
+        each_row_block(d, out, b->tail, ROWS_TAIL);
+        b->have_tail = 1;
+        b->tail_flops = flops_now() - c->flops_at_head;
+    }
     if (!skip && c->spec.kind == MDT_CACHE_MAG)
-        MDT_TRY(mdt_cache_mag_keep(c, d, x0, &t[0]));
-    return mdt_cache_end(c, ran, blocks - ran);
+        MDT_TRY(mag_keep(c, d, x0, out));
+    return cache_end(c, ran, blocks - ran);
 }
 
-mdt_status mdt_cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip) {
+static mdt_status cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip) {
     c->last.blocks_run = blocks_run, c->last.blocks_skip = blocks_skip;
     if (c->spec.kind == MDT_CACHE_TAYLOR) {
         mdt_cache_branch *b = &c->br[c->cur];

@@ -7,9 +7,11 @@
  * block always runs; its residual r = out - in of the hidden (image or video) stream is compared
  * with the residual of the last forward of the branch that ran every block:
  *     diff = mean |r - r_prev| / mean |r_prev|,
- * and when diff <= threshold the remaining blocks are skipped: each stream leaves the first block
- * and gets the tail residual of that last full forward added (out_last - head_out_last), where
- * diffusers' hooks add it. r_prev and the tail residuals only change on forwards that compute.
+ * and when diff <= threshold the remaining blocks are skipped: the hidden stream leaves the
+ * first block and gets the tail residual of that last full forward added (out_last -
+ * head_out_last), where diffusers' hook adds it (its text-stream residual is added to rows
+ * nothing reads afterwards, so it is not kept). r_prev and the tail residual only change on
+ * forwards that compute. MagCache, TaylorSeer and text_kv: below.
  *
  * One decision, shared: the two sums are this rank's rows' (in double), gathered over the CP
  * group (TP ranks hold the same rows, bit for bit) and added in chunk order, so every rank of
@@ -69,18 +71,18 @@ void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap);
 int mdt_cache_spec_equal(const mdt_cache_spec *a, const mdt_cache_spec *b);
 
 #define MDT_CACHE_BRANCHES 4  /* branches of one generation ("cond", "uncond", ...) */
-#define MDT_CACHE_STREAMS 2   /* streams a block returns (hidden, encoder_hidden) */
 #define MDT_CACHE_NAME_MAX 63 /* bytes of a branch name */
 
 typedef struct mdt_cache_branch {
     char name[MDT_CACHE_NAME_MAX + 1];
     float *prev_res; /* [n_res] the first block's residual of the last full forward */
     int64_t n_res;
-    float *head[MDT_CACHE_STREAMS]; /* [n[k]] the first block's outputs of that forward */
-    float *tail[MDT_CACHE_STREAMS]; /* [n[k]] out - head of that forward, per stream */
-    int64_t n[MDT_CACHE_STREAMS];
-    int nstreams;
-    int have_tail;     /* a full forward has run: the tail residuals are there */
+    /* [n_out] the first block's output of the hidden stream in that forward, then (have_tail)
+     * the tail residual, the last block's output less it: the only stream read after the
+     * blocks (the text stream's output is not), so the only one kept */
+    float *head, *tail;
+    int64_t n_out;
+    int have_tail;     /* a full forward has run: the tail residual is there */
     double tail_flops; /* this rank's FLOPs of the blocks after the first, in that forward
                           (mag: of every block) */
     /* mag: diffusers' MagCacheState, its accumulators in float32 as torch computes them */
@@ -127,7 +129,6 @@ typedef struct mdt_cache {
     mdt_cache_step last; /* the last forward's decision */
     mdt_cache_step *log; /* every forward of the generation */
     int64_t nlog, caplog;
-    int64_t bytes; /* held by the branches */
 } mdt_cache;
 
 /* A cache for one generation (no branch yet). */
@@ -145,41 +146,12 @@ int64_t mdt_cache_skipped(const mdt_cache *c);
  * family when `supported` (MDT_CACHE_BIT of each kind the family runs) lacks the cache's kind,
  * MDT_E_INVALID when no branch was selected. TaylorSeer: its schedule decides here. */
 mdt_status mdt_cache_begin(const struct mdt_dit *d, int supported, int64_t blocks, mdt_cache **out);
-/* After the first block: in, out [n] this rank's rows of the hidden stream before and after it.
- * Computes the shared statistic (collective over the CP group) and sets *skip. On a forward
- * that computes, keeps the residual and then the first block's outputs of each stream s[k]
- * (mdt_cache_keep_head). */
-mdt_status mdt_cache_head(mdt_cache *c, const struct mdt_dit *d, const float *in, const float *out,
-                          int64_t n, int *skip);
-
 /* A stream's rows on this rank: B elements of `rows` rows of `width`, element b at x + b ld
  * (ld = rows * width when dense). */
 typedef struct mdt_cache_rows {
     float *x;
     int64_t rows, width, ld;
 } mdt_cache_rows;
-/* Computing: copies the first block's output streams (nstreams of them, the order fixed per
- * family). */
-mdt_status mdt_cache_keep_head(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *s,
-                               int nstreams);
-/* Skipping: s[k] += the tail residual of stream k (s holds the first block's outputs). */
-mdt_status mdt_cache_apply(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *s,
-                           int nstreams);
-/* Computing, after the last block: the tail residuals s[k] - head[k]. */
-mdt_status mdt_cache_tail(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *s,
-                          int nstreams);
-/* ---- MagCache: a decision from the schedule alone (the same on every rank by construction),
- * before the first block; a skip skips every block ---- */
-/* Decides this forward (*skip) and advances nothing yet. */
-mdt_status mdt_cache_mag_decide(mdt_cache *c, int *skip);
-/* Skipping: s (the first block's input rows of the hidden stream) += the kept residual. Then
- * the step advances. */
-mdt_status mdt_cache_mag_apply(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *s);
-/* Computing, after the last block: the residual out - in of the hidden stream (in: the first
- * block's input rows, dense; out: the last block's, as a view), kept; then the step advances. */
-mdt_status mdt_cache_mag_keep(mdt_cache *c, const struct mdt_dit *d, const float *in,
-                              const mdt_cache_rows *out);
-
 /* ---- TaylorSeer: attention outputs predicted from Taylor factors on the steps between full
  * ones (a schedule, the same on every rank) ---- */
 /* The model's TaylorSeer cache for this forward, or NULL: the schedule's verdict is in
@@ -209,16 +181,14 @@ mdt_status mdt_cache_kv_slot(mdt_cache *c, int64_t slot, int64_t n, float **buf,
  * added to `hidden`). */
 mdt_status mdt_cache_pre(mdt_cache *c, const struct mdt_dit *d, const mdt_cache_rows *hidden,
                          float **x0, int *skip);
-/* After the first block: First-Block Cache's decision on x0 against hidden->x, then its skip
- * (the tail residuals added to the n streams s, s[0] the hidden one) or its keep. */
+/* After the first block: First-Block Cache's decision on x0 against hidden->x (dense), then its
+ * skip (the tail residual added to `hidden`) or its keep of the first block's output. */
 mdt_status mdt_cache_after_first(mdt_cache *c, const struct mdt_dit *d, const float *x0,
-                                 const mdt_cache_rows *s, int n, int *skip);
-/* After the last block (or the skip): the streams' tails (First-Block Cache: all n; MagCache: the
- * hidden one, t[0], against x0), then the forward's record of `ran` of `blocks` blocks. */
+                                 const mdt_cache_rows *hidden, int *skip);
+/* After the last block (or the skip): the hidden stream's rows `out` there (a view) give
+ * First-Block Cache's tail residual (out - the first block's output) and MagCache's (out - x0);
+ * then the forward's record of `ran` of `blocks` blocks. */
 mdt_status mdt_cache_post(mdt_cache *c, const struct mdt_dit *d, const float *x0,
-                          const mdt_cache_rows *t, int n, int skip, int64_t ran, int64_t blocks);
-
-/* The end of the forward's cache part: the step's record (blocks run and skipped). */
-mdt_status mdt_cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_skip);
+                          const mdt_cache_rows *out, int skip, int64_t ran, int64_t blocks);
 
 #endif /* MDT_MODELS_CACHE_H */

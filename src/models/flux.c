@@ -315,11 +315,11 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
                             MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
                                 MDT_CACHE_BIT(MDT_CACHE_TAYLOR),
                             f->layers + f->single_layers, &cache));
-    const mdt_cache_rows heads[2] = {{xs, si, C, si * C}, {c, st, C, st * C}};
+    const mdt_cache_rows img = {xs, si, C, si * C}; /* the image stream: decides, is cached */
     float *x0;
     int64_t ran = 0;
-    MDT_TRY(mdt_cache_pre(cache, &d, &heads[0], &x0, &skip)); /* MagCache may skip every block */
-    for (int64_t i = 0; i < f->layers && !skip; i++) {        /* double blocks: image and text */
+    MDT_TRY(mdt_cache_pre(cache, &d, &img, &x0, &skip)); /* MagCache may skip every block */
+    for (int64_t i = 0; i < f->layers && !skip; i++) {   /* double blocks: image and text */
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&run, &d, &f->dbl[i], xs, c, i));
         mdt_dit_block_done(&d, mk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
@@ -328,7 +328,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         if (i == 0) /* test seam: a rank failing mid-step */
             MDT_TRY(mdt_dit_test_point(&d, "step"));
         if (i == 0) /* First-Block Cache may skip the rest */
-            MDT_TRY(mdt_cache_after_first(cache, &d, x0, heads, 2, &skip));
+            MDT_TRY(mdt_cache_after_first(cache, &d, x0, &img, &skip));
     }
     MDT_TRY(mdt_joint_concat(&d, &x.s, C, c, xs, &h)); // [B, S/P, C] text rows, then image rows
     for (int64_t i = 0; i < f->single_layers && !skip; i++) { /* single blocks: the joint rows */
@@ -337,9 +337,9 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         mdt_dit_block_done(&d, mk, "single_transformer_blocks", i, &(mdt_stream){h, S, C}, 1);
         ran++;
     }
-    /* the tail residuals: each stream's rows of the joint sequence (mag: the image's) */
-    const mdt_cache_rows tails[2] = {{h + st * C, si, C, S * C}, {h, st, C, S * C}};
-    MDT_TRY(mdt_cache_post(cache, &d, x0, tails, 2, skip, ran, f->layers + f->single_layers));
+    /* the tails: the image rows of the joint sequence (the text rows are not read after it) */
+    const mdt_cache_rows tail = {h + st * C, si, C, S * C};
+    MDT_TRY(mdt_cache_post(cache, &d, x0, &tail, skip, ran, f->layers + f->single_layers));
     /* norm_out: emb [B, 2C] = (scale, shift) -- scale first; image rows only */
     float *emb = mdt_arena_floats(ar, B * 2 * C); // [B, 2C]
     float *xn = mdt_arena_floats(ar, B * si * C); // [B, Si/P, C]

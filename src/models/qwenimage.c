@@ -426,9 +426,9 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
         if (i == 0) /* test seam: a rank failing mid-step */
             MDT_TRY(mdt_dit_test_point(d, "step"));
         if (i == 0) /* First-Block Cache may skip the rest */
-            MDT_TRY(mdt_cache_after_first(cache, d, x0, &img, 1, &skip));
+            MDT_TRY(mdt_cache_after_first(cache, d, x0, &img, &skip));
     }
-    MDT_TRY(mdt_cache_post(cache, d, x0, &img, 1, skip, ran, f->layers));
+    MDT_TRY(mdt_cache_post(cache, d, x0, &img, skip, ran, f->layers));
     MDT_TRY(mdt_dit_adaln(d, &f->norm_out, emb)); // [n, 2C] scale first
     for (int64_t b = 0; b < n; b++)
         mdt_k()->layernorm_modulate(xs + b * si * C, xn + b * si * C, si, C, k_eps,

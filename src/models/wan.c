@@ -560,9 +560,9 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
         mdt_dit_block_done(&d, mk, "blocks", i, &(mdt_stream){h, x.n, C}, 1);
         ran++;
         if (i == 0) /* First-Block Cache may skip the rest */
-            MDT_TRY(mdt_cache_after_first(cache, &d, x0, &vid, 1, &skip));
+            MDT_TRY(mdt_cache_after_first(cache, &d, x0, &vid, &skip));
     }
-    MDT_TRY(mdt_cache_post(cache, &d, x0, &vid, 1, skip, ran, f->layers));
+    MDT_TRY(mdt_cache_post(cache, &d, x0, &vid, skip, ran, f->layers));
     /* norm_out: shift, scale = scale_shift_table + temb (per distinct timestep, picked per token)
      */
     float *tab = mdt_arena_floats(ar, Tn * 2 * C);     // [Tn, 2C]
