@@ -340,6 +340,10 @@ mdt_status mdt_cache_begin(const mdt_dit *d, int supported, int64_t blocks, mdt_
     return MDT_OK;
 }
 
+int mdt_cache_predicts(const mdt_cache *c) {
+    return c && c->spec.kind == MDT_CACHE_TAYLOR && !c->ts_compute;
+}
+
 mdt_cache *mdt_cache_taylor_of(const mdt_dit *d) {
     mdt_cache *c = d->m->cache;
     return c && c->in_forward && c->spec.kind == MDT_CACHE_TAYLOR ? c : NULL;
@@ -589,10 +593,13 @@ mdt_cache *mdt_cache_kv_of(const mdt_dit *d) {
     return c && c->in_forward && c->spec.kind == MDT_CACHE_TEXT_KV ? c : NULL;
 }
 
-mdt_status mdt_cache_kv_context(mdt_cache *c, const mdt_dit *d, const float *ctx, int64_t n) {
+mdt_status mdt_cache_kv_context(mdt_cache *c, const mdt_dit *d, const float *txt, int64_t nt,
+                                const float *img, int64_t ni) {
     mdt_cache_branch *b = &c->br[c->cur];
-    int64_t same =
-        b->kv_ctx && b->kv_nctx == n && memcmp(b->kv_ctx, ctx, sizeof(float) * (size_t)n) == 0;
+    const int64_t n = nt + ni;
+    int64_t same = b->kv_ctx && b->kv_nctx == n &&
+                   memcmp(b->kv_ctx, txt, sizeof(float) * (size_t)nt) == 0 &&
+                   (ni == 0 || memcmp(b->kv_ctx + nt, img, sizeof(float) * (size_t)ni) == 0);
     /* every rank must take the same path: its collectives (the K norm's TP all-reduce) follow */
     for (int g = 0; d->mesh && g < 2; g++) {
         const mdt_group grp = g ? MDT_GROUP_CP : MDT_GROUP_TP;
@@ -615,7 +622,9 @@ mdt_status mdt_cache_kv_context(mdt_cache *c, const mdt_dit *d, const float *ctx
             return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for the context");
         b->kv_nctx = n;
     }
-    memcpy(b->kv_ctx, ctx, sizeof(float) * (size_t)n);
+    memcpy(b->kv_ctx, txt, sizeof(float) * (size_t)nt); /* [text | image] */
+    if (ni)
+        memcpy(b->kv_ctx + nt, img, sizeof(float) * (size_t)ni);
     return MDT_OK;
 }
 

@@ -157,6 +157,10 @@ typedef struct mdt_cache_rows {
 /* The model's TaylorSeer cache for this forward, or NULL: the schedule's verdict is in
  * c->ts_compute. */
 mdt_cache *mdt_cache_taylor_of(const struct mdt_dit *d);
+/* 1 when the forward under way (or just recorded) predicts the hooked attention outputs (a
+ * TaylorSeer step between full ones): the attention modules do not run, and the forward's
+ * promise counts no attention. */
+int mdt_cache_predicts(const mdt_cache *c);
 /* Attention output `slot` (a family numbers its hooked modules' outputs from 0), batch element
  * b: x [rows, width] (rows ld floats apart) updates the factors (ts_compute) or receives the
  * prediction. */
@@ -167,10 +171,12 @@ mdt_status mdt_cache_taylor(mdt_cache *c, const struct mdt_dit *d, int64_t slot,
  * between the steps of a generation (Wan's text and image context) ---- */
 /* The model's text_kv cache for this forward, or NULL. */
 mdt_cache *mdt_cache_kv_of(const struct mdt_dit *d);
-/* At the forward's start: ctx [n] this rank's copy of the context (the same bits on every rank);
- * the kept K/V stay valid when it is the kept one, bit for bit, on every rank of the forward's
- * mesh (agreed over TP and CP), else they are recomputed this forward. */
-mdt_status mdt_cache_kv_context(mdt_cache *c, const struct mdt_dit *d, const float *ctx, int64_t n);
+/* At the forward's start: the context, text [nt] then image [ni] (NULL, 0: none), this rank's
+ * copy (the same bits on every rank); the kept K/V stay valid when it is the kept one, bit for
+ * bit, on every rank of the forward's mesh (agreed over TP and CP), else they are recomputed
+ * this forward. */
+mdt_status mdt_cache_kv_context(mdt_cache *c, const struct mdt_dit *d, const float *txt, int64_t nt,
+                                const float *img, int64_t ni);
 /* The kept buffer of `slot` (n floats, made on first use); *valid 1 when it holds this
  * context's values (else the caller computes into it). */
 mdt_status mdt_cache_kv_slot(mdt_cache *c, int64_t slot, int64_t n, float **buf, int *valid);

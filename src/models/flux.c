@@ -241,7 +241,7 @@ static mdt_status double_block(const flux_run *run, const mdt_dit *d, const flux
 static mdt_status single_block(const flux_run *run, const mdt_dit *d, const flux_single *blk,
                                float *h, int64_t i) {
     mdt_cache *ts = mdt_cache_taylor_of(d); /* TaylorSeer: slot 2 layers + i, the attention's */
-    const int predict = ts && !ts->ts_compute;
+    const int predict = mdt_cache_predicts(ts);
     const int64_t slot = 2 * run->f->layers + i;
     const mdt_heads *hd = run->hd;
     const int64_t C = run->f->inner, B = d->B, S = run->in->s.si + run->in->s.st;
@@ -346,7 +346,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     if (!emb || !xn)
         return MDT_E_NOMEM;
     MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, emb)); // [B, 2C]
-    const int predicted = cache && cache->spec.kind == MDT_CACHE_TAYLOR && !cache->ts_compute;
+    const int predicted = mdt_cache_predicts(cache);
     const mdt_joint_out o = {h, emb, k_eps, &f->proj_out, xn, (predicted ? 0 : ran) * B};
     return mdt_joint_finish(&d, in, &x.s, &o, out);
 }

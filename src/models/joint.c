@@ -148,7 +148,7 @@ mdt_status mdt_joint_attention(const mdt_dit *d, const mdt_joint_attn *w, const 
     const int64_t Cl = w->img.q.out_local;
     /* TaylorSeer between its full steps: the attention module's outputs (after to_out and
      * to_add_out) come from the factors, the module does not run */
-    const int predict = r->ts && !r->ts->ts_compute;
+    const int predict = mdt_cache_predicts(r->ts);
     for (int64_t b = 0; b < B && !predict; b++) {
         mdt_k()->layernorm_modulate(r->x + b * si * C, r->nx + b * si * C, si, C, eps,
                                     mi + b * 6 * C, mi + b * 6 * C + C); // [si, C]

@@ -439,7 +439,7 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     part.shape[0] = n, part.data = (float *)sample->data + b0 * Si * O;
     MDT_TRY(mdt_cp_give(&d->cp, "sample", ar, ha, NULL, Si, ol, &part));
     /* no silent degrade: each query row once over the joint sequence, per block and element */
-    const int predicted = cache && cache->spec.kind == MDT_CACHE_TAYLOR && !cache->ts_compute;
+    const int predicted = mdt_cache_predicts(cache);
     mdt_dit_promise_cp(d, p, (int64_t[]){Sv, Si}, 2, predicted ? 0 : ran * n);
     mdt_arena_rewind(ar, mk), mdt_arena_rewind(ha, hk);
     return MDT_OK;

@@ -539,16 +539,9 @@ static mdt_status wan_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tensor
                             MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
                                 MDT_CACHE_BIT(MDT_CACHE_TEXT_KV),
                             f->layers, &cache));
-    if (cache && cache->spec.kind == MDT_CACHE_TEXT_KV) { /* the contexts the K/V come from */
-        const int64_t nt = B * x.Nct * C, ni = cimg ? B * x.Nci * C : 0;
-        float *key = mdt_arena_floats(d.ha, nt + ni + 1); // [text | image context] host
-        if (!key)
-            return MDT_E_NOMEM;
-        memcpy(key, ctxt, sizeof(float) * (size_t)nt);
-        if (ni)
-            memcpy(key + nt, cimg, sizeof(float) * (size_t)ni);
-        MDT_TRY(mdt_cache_kv_context(cache, &d, key, nt + ni));
-    }
+    if (cache && cache->spec.kind == MDT_CACHE_TEXT_KV) /* the contexts the K/V come from */
+        MDT_TRY(
+            mdt_cache_kv_context(cache, &d, ctxt, B * x.Nct * C, cimg, cimg ? B * x.Nci * C : 0));
     const mdt_cache_rows vid = {h, x.n, C, x.n * C};
     float *x0;
     int skip = 0;
