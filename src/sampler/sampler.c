@@ -85,7 +85,7 @@ static mdt_status merge_cache_logs(mdt_model *m, mdt_cache *c) {
     mdt_mesh *mesh = m->mesh;
     if (!mesh || mesh->C != 2)
         return MDT_OK;
-    enum { F = 6 }; /* doubles per entry: skipped, diff, run, skip, flops saved, spare */
+    enum { F = 5 }; /* doubles per entry: skipped, diff, blocks run, blocks skipped, FLOPs saved */
     const int64_t n = c->nlog, nf = 2 * F * n;
     float *mine = malloc(sizeof(float) * (size_t)(nf > 0 ? nf : 1));
     float *both = malloc(sizeof(float) * (size_t)(2 * nf > 0 ? 2 * nf : 1));
@@ -93,8 +93,8 @@ static mdt_status merge_cache_logs(mdt_model *m, mdt_cache *c) {
     mdt_status st = mine && both && log ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory");
     for (int64_t i = 0; st == MDT_OK && i < n; i++) {
         const mdt_cache_step *e = &c->log[i];
-        const double v[F] = {e->skipped,     e->diff, (double)e->blocks_run, (double)e->blocks_skip,
-                             e->flops_saved, 0};
+        const double v[F] = {e->skipped, e->diff, (double)e->blocks_run, (double)e->blocks_skip,
+                             e->flops_saved};
         memcpy(mine + i * 2 * F, v, sizeof v);
     }
     if (st == MDT_OK)
