@@ -704,17 +704,18 @@ _LORA = ("LoRA adapters cannot be loaded into a running server yet; fuse them at
 
 
 def _hooks():
+    """diffusers.hooks, imported when a cache is first asked for."""
     from diffusers import hooks
     return hooks
 
 
 def _cache_spec(config) -> str:
-    """The server's --cache text for a diffusers cache config: FirstBlockCacheConfig or
-    MagCacheConfig with the fields diffusers gives them; NotImplementedError naming any other
-    config or field."""
+    """The server's --cache text for a diffusers cache config: FirstBlockCacheConfig,
+    MagCacheConfig, TaylorSeerCacheConfig or TextKVCacheConfig with the fields diffusers gives
+    them; NotImplementedError naming any other config or field."""
     import dataclasses
 
-    from diffusers import hooks
+    hooks = _hooks()
     if isinstance(config, hooks.FirstBlockCacheConfig):
         fields = {f.name for f in dataclasses.fields(config)}
         extra = sorted(fields - {"threshold"})
