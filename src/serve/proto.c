@@ -11,7 +11,9 @@
 
 #include "io/safetensors.h"
 
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static const struct {
@@ -20,7 +22,9 @@ static const struct {
 } k_ops[] = {{"info", MDT_SERVE_OP_INFO},
              {"forward", MDT_SERVE_OP_FORWARD},
              {"end_session", MDT_SERVE_OP_END_SESSION},
-             {"close", MDT_SERVE_OP_CLOSE}};
+             {"close", MDT_SERVE_OP_CLOSE},
+             {"lora_load", MDT_SERVE_OP_LORA_LOAD},
+             {"lora_unload", MDT_SERVE_OP_LORA_UNLOAD}};
 
 /* A name the protocol carries (session, id, kept tensor): 1..max bytes (max <= 1024) of text that
  * mdt_escape leaves as it is — printable ASCII and well-formed UTF-8 without control, C1,
@@ -66,6 +70,46 @@ static mdt_status parse_keep(const char *v, mdt_serve_request *r) {
     }
 }
 
+/* "lora": NAME=WEIGHT entries separated by commas ("" for none), each name an adapter's as
+ * good_name takes it (up to MDT_SERVE_ADAPTER_NAME_MAX bytes, split at its last '='), each
+ * weight a finite decimal, no name twice. */
+static mdt_status parse_lora(const char *v, mdt_serve_request *r) {
+    char shown[MDT_ESC_NAME];
+    const size_t n = strlen(v);
+    if (!(r->lora_buf = mdt_alloc(n + 1)))
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    memcpy(r->lora_buf, v, n + 1);
+    r->has_lora = 1;
+    for (char *p = r->lora_buf; n > 0;) {
+        char *comma = strchr(p, ','), *eq, *end = NULL;
+        if (comma)
+            *comma = 0;
+        eq = strrchr(p, '=');
+        if (eq)
+            *eq = 0;
+        const double w = eq ? strtod(eq + 1, &end) : 0;
+        if (!eq || !good_name(p, MDT_SERVE_ADAPTER_NAME_MAX) || end == eq + 1 || *end ||
+            !isfinite(w))
+            return MDT_FAIL(MDT_E_INVALID,
+                            "request: \"lora\" must be NAME=WEIGHT entries separated by commas "
+                            "(an adapter's name of 1 to %d bytes, a finite weight; \"\" for "
+                            "none), got '%s'",
+                            MDT_SERVE_ADAPTER_NAME_MAX, mdt_escape(v, shown, sizeof shown));
+        if (r->n_lora == MDT_SERVE_LORA_MAX)
+            return MDT_FAIL(MDT_E_INVALID, "request: \"lora\" names more than %d adapters",
+                            MDT_SERVE_LORA_MAX);
+        for (int i = 0; i < r->n_lora; i++)
+            if (strcmp(r->lora_names[i], p) == 0)
+                return MDT_FAIL(MDT_E_INVALID, "request: \"lora\" names adapter '%s' twice",
+                                mdt_escape(p, shown, sizeof shown));
+        r->lora_names[r->n_lora] = p, r->lora_weights[r->n_lora++] = w;
+        if (!comma)
+            break;
+        p = comma + 1;
+    }
+    return MDT_OK;
+}
+
 /* One __metadata__ key of a request into *r. */
 static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r) {
     char shown[MDT_ESC_NAME], key[MDT_ESC_NAME];
@@ -77,7 +121,8 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
                 return MDT_OK;
             }
         return MDT_FAIL(MDT_E_INVALID,
-                        "request: unknown op '%s' (info, forward, end_session or close)",
+                        "request: unknown op '%s' (info, forward, end_session, close, lora_load "
+                        "or lora_unload)",
                         mdt_escape(v, shown, sizeof shown));
     }
     if (strcmp(k, "id") == 0 || strcmp(k, "session") == 0) {
@@ -117,6 +162,25 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
     }
     if (strcmp(k, "keep") == 0)
         return parse_keep(v, r);
+    if (strcmp(k, "lora") == 0) {
+        if (r->has_lora)
+            return MDT_FAIL(MDT_E_INVALID, "request: \"lora\" appears twice");
+        return parse_lora(v, r);
+    }
+    if (strcmp(k, "adapter_name") == 0) {
+        if (!good_name(v, MDT_SERVE_ADAPTER_NAME_MAX) || strchr(v, '='))
+            return MDT_FAIL(MDT_E_INVALID,
+                            "request: \"adapter_name\" must be 1 to %d bytes of UTF-8 text "
+                            "without control characters, backslashes, commas or '=', got '%s'",
+                            MDT_SERVE_ADAPTER_NAME_MAX, mdt_escape(v, shown, sizeof shown));
+        strcpy(r->adapter, v);
+        return MDT_OK;
+    }
+    /* an adapter file's own metadata (read by the adapter loader) */
+    if (strcmp(k, "lora_adapter_metadata") == 0 || strcmp(k, "format") == 0) {
+        r->adapter_meta = 1;
+        return MDT_OK;
+    }
     if (strcmp(k, "end_session") == 0) {
         if (strcmp(v, "1") != 0 && strcmp(v, "true") != 0)
             return MDT_FAIL(MDT_E_INVALID, "request: \"end_session\" must be \"1\" or \"true\"");
@@ -125,7 +189,8 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
     }
     return MDT_FAIL(MDT_E_INVALID,
                     "request: unknown metadata key '%s' (op, id, session, keep, end_session, "
-                    "cache, cache_context, cache_generation)",
+                    "cache, cache_context, cache_generation, lora, adapter_name, "
+                    "lora_adapter_metadata, format)",
                     mdt_escape(k, key, sizeof key));
 }
 
@@ -133,9 +198,24 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
 static mdt_status check_request(const mdt_serve_request *r, int ntensors) {
     if (!r->op_name[0])
         return MDT_FAIL(MDT_E_INVALID, "request: __metadata__ has no \"op\"");
-    if (r->op != MDT_SERVE_OP_FORWARD && ntensors > 0)
+    const int adapter_op = r->op == MDT_SERVE_OP_LORA_LOAD || r->op == MDT_SERVE_OP_LORA_UNLOAD;
+    if (r->op != MDT_SERVE_OP_FORWARD && r->op != MDT_SERVE_OP_LORA_LOAD && ntensors > 0)
         return MDT_FAIL(MDT_E_INVALID, "request: op '%s' takes no tensors (got %d)", r->op_name,
                         ntensors);
+    if (adapter_op != !!r->adapter[0])
+        return MDT_FAIL(MDT_E_INVALID,
+                        adapter_op ? "request: op '%s' needs \"adapter_name\""
+                                   : "request: op '%s' takes no \"adapter_name\" (lora_load and "
+                                     "lora_unload do)",
+                        r->op_name);
+    if (r->op == MDT_SERVE_OP_LORA_LOAD && ntensors == 0)
+        return MDT_FAIL(MDT_E_INVALID, "request: op 'lora_load' carries the adapter's factors as "
+                                       "its tensors, and this one has none");
+    if (r->op != MDT_SERVE_OP_LORA_LOAD && r->adapter_meta)
+        return MDT_FAIL(MDT_E_INVALID, "request: \"lora_adapter_metadata\" and \"format\" go "
+                                       "with op 'lora_load' (an adapter file's metadata)");
+    if (r->op != MDT_SERVE_OP_FORWARD && r->has_lora)
+        return MDT_FAIL(MDT_E_INVALID, "request: \"lora\" goes with a forward");
     if (r->op != MDT_SERVE_OP_FORWARD && (r->n_keep || r->end_session))
         return MDT_FAIL(MDT_E_INVALID, "request: \"keep\" and \"end_session\" go with a forward");
     if (r->op != MDT_SERVE_OP_FORWARD && r->op != MDT_SERVE_OP_END_SESSION && r->session[0])
@@ -174,10 +254,13 @@ mdt_status mdt_serve_request_parse(const void *blob, size_t size, mdt_serve_requ
     for (int i = 0; i < f->n_meta; i++)
         MDT_CHECK(parse_meta(f->meta_keys[i], f->meta_vals[i], r));
     MDT_CHECK(check_request(r, f->n));
-    if (f->n > MDT_SERVE_TENSORS_MAX) /* a forward has a dozen inputs: refused before copying */
+    if (r->op == MDT_SERVE_OP_LORA_LOAD) /* the adapter loader reads the blob itself */
+        r->blob = blob;
+    else if (f->n > MDT_SERVE_TENSORS_MAX) /* a forward has a dozen inputs: refused unread */
         MDT_CHECK(MDT_FAIL(MDT_E_INVALID, "request: %d tensors, over the limit of %d per request",
                            f->n, MDT_SERVE_TENSORS_MAX));
-    MDT_CHECK(mdt_st_read_set(f, &r->tensors));
+    else
+        MDT_CHECK(mdt_st_read_set(f, &r->tensors));
 fail:
     mdt_st_close(f);
     return st;
@@ -188,6 +271,7 @@ void mdt_serve_request_free(mdt_serve_request *r) {
         return;
     mdt_tensor_set_free(r->tensors);
     mdt_free(r->keep_buf);
+    mdt_free(r->lora_buf);
     memset(r, 0, sizeof *r);
 }
 

@@ -80,6 +80,10 @@ typedef struct serve_ctx {
     MPI_Request note_rq;
     int *notes_recv;    /* rank 0: notes received per rank */
     double last_header; /* rank 0: when it last broadcast a header (heartbeats follow it) */
+    /* the adapters fused at the start (--lora): a forward without "lora" runs with them */
+    int n_start;
+    char start_names[MDT_SERVE_LORA_MAX][MDT_SERVE_ADAPTER_NAME_MAX + 1];
+    double start_w[MDT_SERVE_LORA_MAX];
 } serve_ctx;
 
 /* Ranks > 0, waiting for a header: tell rank 0 once that a stop was asked here. */
@@ -200,6 +204,130 @@ static mdt_status drain_notes(serve_ctx *c) {
     return st;
 }
 
+/* ---- LoRA adapters: each forward runs with the set it names ---- */
+
+static void note_startup_adapters(serve_ctx *c) {
+    for (int i = 0; i < mdt_model_lora_count(c->m) && c->n_start < MDT_SERVE_LORA_MAX; i++) {
+        mdt_lora_info li;
+        if (mdt_model_lora_info(c->m, i, &li) == MDT_OK && li.active) {
+            snprintf(c->start_names[c->n_start], sizeof c->start_names[0], "%s", li.name);
+            c->start_w[c->n_start++] = li.weight;
+        }
+    }
+}
+
+static int is_startup(const serve_ctx *c, const char *name) {
+    for (int i = 0; i < c->n_start; i++)
+        if (strcmp(c->start_names[i], name) == 0)
+            return 1;
+    return 0;
+}
+
+/* Fuses the adapters this forward runs with (its "lora", else those of the server's start)
+ * unless they are fused now, at the same weights; *fuse_s: the seconds it took (-1: nothing to
+ * do). Every rank holds the same adapters and the same request, so every rank decides alike;
+ * mdt_model_set_adapters is collective and agreed. So a client never runs with another's set. */
+static mdt_status use_adapters(serve_ctx *c, const mdt_serve_request *r, double *fuse_s) {
+    const char *names[MDT_SERVE_LORA_MAX];
+    double w[MDT_SERVE_LORA_MAX];
+    const int n = r->has_lora ? r->n_lora : c->n_start;
+    for (int i = 0; i < n; i++) {
+        names[i] = r->has_lora ? r->lora_names[i] : c->start_names[i];
+        w[i] = r->has_lora ? r->lora_weights[i] : c->start_w[i];
+    }
+    int fused = 0, same = 1;
+    for (int i = 0; i < mdt_model_lora_count(c->m); i++) {
+        mdt_lora_info li;
+        if (mdt_model_lora_info(c->m, i, &li) != MDT_OK || !li.active)
+            continue;
+        fused++;
+        int found = 0;
+        for (int j = 0; j < n && !found; j++)
+            found = strcmp(names[j], li.name) == 0 && w[j] == li.weight;
+        same = same && found;
+    }
+    *fuse_s = -1;
+    if (same && fused == n)
+        return MDT_OK;
+    const double t0 = now_s();
+    const mdt_status st = mdt_model_set_adapters(c->m, n, names, w);
+    *fuse_s = now_s() - t0;
+    return st;
+}
+
+static mdt_status op_lora_load(serve_ctx *c, const mdt_serve_request *r, unsigned char **reply,
+                               size_t *rn) {
+    char shown[MDT_SERVE_ADAPTER_NAME_MAX + 32];
+    mdt_status st;
+    if (mdt_model_lora_count(c->m) >= MDT_SERVE_LORA_MAX) /* the same count on every rank */
+        st = MDT_FAIL(MDT_E_INVALID,
+                      "lora_load: %d adapters are loaded, the server's limit: lora_unload one "
+                      "first",
+                      MDT_SERVE_LORA_MAX);
+    else {
+        snprintf(shown, sizeof shown, "adapter '%s'", r->adapter);
+        st = mdt_model_lora_load_mem(c->m, r->adapter, r->blob, (size_t)r->bytes, shown);
+    }
+    if (c->rank != 0)
+        return MDT_OK;
+    if (st != MDT_OK)
+        return mdt_serve_reply_error("lora_load", r->id, mdt_last_error(), reply, rn);
+    mdt_lora_info li;
+    mdt_model_lora_info(c->m, mdt_model_lora_count(c->m) - 1, &li);
+    char targets[24], rmin[24], rmax[24], bytes[24];
+    snprintf(targets, sizeof targets, "%d", li.targets);
+    snprintf(rmin, sizeof rmin, "%lld", (long long)li.rank_min);
+    snprintf(rmax, sizeof rmax, "%lld", (long long)li.rank_max);
+    snprintf(bytes, sizeof bytes, "%lld", (long long)li.bytes);
+    const char *meta[] = {
+        "op",    "lora_load", "id", r->id,      "adapter_name", r->adapter,     "linear_weights",
+        targets, "rank_min",  rmin, "rank_max", rmax,           "factor_bytes", bytes,
+        NULL};
+    return mdt_serve_reply_ok(meta, NULL, reply, rn);
+}
+
+static mdt_status op_lora_unload(serve_ctx *c, const mdt_serve_request *r, unsigned char **reply,
+                                 size_t *rn) {
+    char shown[MDT_ESC_NAME];
+    const mdt_status st =
+        is_startup(c, r->adapter)
+            ? MDT_FAIL(MDT_E_INVALID,
+                       "lora_unload: adapter '%s' was fused at the server's start (--lora) and "
+                       "stays loaded",
+                       mdt_escape(r->adapter, shown, sizeof shown))
+            : mdt_model_lora_unload(c->m, r->adapter);
+    if (c->rank != 0)
+        return MDT_OK;
+    if (st != MDT_OK)
+        return mdt_serve_reply_error("lora_unload", r->id, mdt_last_error(), reply, rn);
+    const char *meta[] = {"op", "lora_unload", "id", r->id, "adapter_name", r->adapter, NULL};
+    return mdt_serve_reply_ok(meta, NULL, reply, rn);
+}
+
+/* info's "adapters": every loaded adapter as JSON text (cJSON_free it), NULL out of memory. */
+static char *adapters_json(const serve_ctx *c) {
+    cJSON *arr = cJSON_CreateArray();
+    for (int i = 0; arr && i < mdt_model_lora_count(c->m); i++) {
+        mdt_lora_info li;
+        cJSON *a = cJSON_CreateObject();
+        if (!a || mdt_model_lora_info(c->m, i, &li) != MDT_OK) {
+            cJSON_Delete(a);
+            continue;
+        }
+        cJSON_AddItemToArray(arr, a);
+        cJSON_AddStringToObject(a, "name", li.name);
+        cJSON_AddBoolToObject(a, "startup", is_startup(c, li.name));
+        cJSON_AddBoolToObject(a, "fused", li.active);
+        cJSON_AddNumberToObject(a, "weight", li.weight);
+        cJSON_AddNumberToObject(a, "linear_weights", li.targets);
+        cJSON_AddNumberToObject(a, "rank_min", (double)li.rank_min);
+        cJSON_AddNumberToObject(a, "rank_max", (double)li.rank_max);
+    }
+    char *txt = arr ? cJSON_PrintUnformatted(arr) : NULL;
+    cJSON_Delete(arr);
+    return txt;
+}
+
 /* ---- the operations, run on every rank ---- */
 
 static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned char **reply,
@@ -221,7 +349,7 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
         mdt_free(all);
         return st;
     }
-    char *cfg = cJSON_PrintUnformatted(c->m->config);
+    char *cfg = cJSON_PrintUnformatted(c->m->config), *adapters = adapters_json(c);
     const cJSON *cls = cJSON_GetObjectItemCaseSensitive(c->m->config, "_class_name");
     char *wlist = mdt_alloc((size_t)c->world * 24 + 1);
     char tp[16], ring[16], uly[16], world[16], order[32], ms[32], msb[32], mrb[32], idle[32];
@@ -239,7 +367,7 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     snprintf(msb, sizeof msb, "%lld", (long long)c->p->max_session_bytes);
     snprintf(mrb, sizeof mrb, "%lld", (long long)c->p->max_request_bytes);
     snprintf(idle, sizeof idle, "%g", c->p->session_idle);
-    if (!cfg || !wlist || !all)
+    if (!cfg || !wlist || !all || !adapters)
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
     else {
         size_t off = 0;
@@ -281,10 +409,13 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
                               mrb,
                               "session_idle",
                               idle,
+                              "adapters",
+                              adapters,
                               NULL};
         st = mdt_serve_reply_ok(meta, NULL, reply, rn);
     }
     cJSON_free(cfg);
+    cJSON_free(adapters);
     mdt_free(wlist);
     mdt_free(all);
     return st;
@@ -307,7 +438,12 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     if (st == MDT_OK)
         st = mdt_tensor_set_create(&out);
     st = mdt_mesh_agree(c->mesh, st);
-    double secs = 0;
+    double secs = 0, fuse_s = -1;
+    if (st == MDT_OK) { /* the adapters it names (collective, agreed) */
+        st = use_adapters(c, r, &fuse_s);
+        if (st != MDT_OK && mdt_mesh_peers_stuck(c->mesh))
+            *fatal = st;
+    }
     if (st == MDT_OK) {
         const double t0 = now_s();
         c->m->cache = cache;
@@ -329,7 +465,9 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
             st = mdt_serve_reply_error("forward", r->id, mdt_last_error(), reply, rn);
         else {
             char sec[32], got[32], kept[32], cdiff[40] = "", cran[24] = "", cskip[24] = "",
-                                             csaved[40] = "";
+                                             csaved[40] = "", fuse[32] = "";
+            if (fuse_s >= 0)
+                snprintf(fuse, sizeof fuse, "%.6f", fuse_s);
             if (cache) {
                 const mdt_cache_step *e = &cache->last;
                 snprintf(cdiff, sizeof cdiff, "%.17g", e->diff);
@@ -354,6 +492,8 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
                                   got,
                                   "session_bytes",
                                   kept,
+                                  "lora_fuse_seconds",
+                                  fuse,
                                   cache ? "cache_skipped" : NULL,
                                   cache && cache->last.skipped ? "1" : "0",
                                   "cache_diff",
@@ -390,6 +530,8 @@ static mdt_status run_request(serve_ctx *c, mdt_serve_request *r, unsigned char 
         return c->rank == 0 ? mdt_serve_reply_ok(meta, NULL, reply, rn) : MDT_OK;
     case MDT_SERVE_OP_CLOSE:
         return c->rank == 0 ? mdt_serve_reply_ok(meta, NULL, reply, rn) : MDT_OK;
+    case MDT_SERVE_OP_LORA_LOAD: return op_lora_load(c, r, reply, rn);
+    case MDT_SERVE_OP_LORA_UNLOAD: return op_lora_unload(c, r, reply, rn);
     case MDT_SERVE_OP_STOP:
     case MDT_SERVE_OP_HEARTBEAT: break;
     }
@@ -563,6 +705,7 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
         !(c.notes_recv = mdt_calloc(sizeof(int) * (size_t)c.world)))
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
     mdt_model_set_step_timeout(m, p->step_timeout);
+    note_startup_adapters(&c);
     if (st == MDT_OK)
         st = mdt_serve_budget_init(&c.budget, m, p);
     if (c.mesh && MPI_Comm_dup(c.mesh->world, &c.comm) != MPI_SUCCESS)

@@ -24,12 +24,16 @@ typedef enum mdt_serve_op {
     MDT_SERVE_OP_END_SESSION,
     MDT_SERVE_OP_CLOSE,
     MDT_SERVE_OP_HEARTBEAT,
+    MDT_SERVE_OP_LORA_LOAD,   /* an adapter's factors (the blob) under "adapter_name" */
+    MDT_SERVE_OP_LORA_UNLOAD, /* drops adapter "adapter_name" */
 } mdt_serve_op;
 
-#define MDT_SERVE_NAME_MAX 128      /* bytes of a session name or a request id */
-#define MDT_SERVE_KEEP_MAX 64       /* names in one "keep" list */
-#define MDT_SERVE_CACHE_NAME_MAX 63 /* bytes of a cache branch name (cache.h) */
-#define MDT_SERVE_TENSORS_MAX 1024  /* tensors in one request (a forward takes about a dozen) */
+#define MDT_SERVE_NAME_MAX 128        /* bytes of a session name or a request id */
+#define MDT_SERVE_KEEP_MAX 64         /* names in one "keep" list */
+#define MDT_SERVE_CACHE_NAME_MAX 63   /* bytes of a cache branch name (cache.h) */
+#define MDT_SERVE_TENSORS_MAX 1024    /* tensors in one request (a forward takes about a dozen) */
+#define MDT_SERVE_ADAPTER_NAME_MAX 63 /* bytes of an adapter's name (models/lora.h) */
+#define MDT_SERVE_LORA_MAX 64         /* adapters named in one "lora" set, and loaded at once */
 
 /* One request, parsed. Tensors in their sent dtype, owned. */
 typedef struct mdt_serve_request {
@@ -49,12 +53,23 @@ typedef struct mdt_serve_request {
     char *keep_buf;
     mdt_tensor_set *tensors;
     int64_t bytes; /* the blob's size */
+    /* lora_load / lora_unload: the adapter; lora_load's factors are the blob itself (read by
+     * the adapter loader, not copied into `tensors`), valid while the caller holds it */
+    char adapter[MDT_SERVE_ADAPTER_NAME_MAX + 1];
+    const void *blob;
+    int adapter_meta; /* "lora_adapter_metadata" or "format" was given */
+    /* forward with "lora": the adapter set to fuse first (n_lora 0: the base weights) */
+    int has_lora, n_lora;
+    char *lora_names[MDT_SERVE_LORA_MAX]; /* into lora_buf */
+    double lora_weights[MDT_SERVE_LORA_MAX];
+    char *lora_buf;
 } mdt_serve_request;
 
 /* Parses and validates a request blob (safetensors, the same checks and limits as a file): its
- * __metadata__ keys and values (op, id, session, keep, end_session; no other key), tensors only
- * with a forward. *r is zeroed first; mdt_serve_request_free(r) always. MDT_E_FORMAT for a bad
- * blob, MDT_E_INVALID for a bad operation, naming the problem in one line. */
+ * __metadata__ keys and values (docs/serve.md; no other key), tensors only with a forward (its
+ * inputs) and a lora_load (the adapter's factors, left in the blob). *r is zeroed first;
+ * mdt_serve_request_free(r) always. MDT_E_FORMAT for a bad blob, MDT_E_INVALID for a bad operation,
+ * naming the problem in one line. */
 mdt_status mdt_serve_request_parse(const void *blob, size_t size, mdt_serve_request *r);
 void mdt_serve_request_free(mdt_serve_request *r);
 

@@ -67,6 +67,21 @@ static void test_request_checks(void) {
          1,
          "without control characters"},
         {{"op", "forward", "session", "s", "end_session", "yes", NULL}, 0, "\"1\" or \"true\""},
+        {{"op", "lora_load", NULL}, 1, "op 'lora_load' needs \"adapter_name\""},
+        {{"op", "lora_load", "adapter_name", "a", NULL}, 0, "has none"},
+        {{"op", "lora_unload", "adapter_name", "a", NULL}, 1, "takes no tensors"},
+        {{"op", "forward", "adapter_name", "a", NULL}, 1, "takes no \"adapter_name\""},
+        {{"op", "lora_load", "adapter_name", "a=b", NULL}, 1, "or '='"},
+        {{"op", "lora_load", "adapter_name", "a,b", NULL}, 1, "commas"},
+        {{"op", "forward", "lora_adapter_metadata", "{}", NULL}, 1, "go with op 'lora_load'"},
+        {{"op", "info", "lora", "a=1", NULL}, 0, "\"lora\" goes with a forward"},
+        {{"op", "forward", "lora", "a", NULL}, 1, "NAME=WEIGHT entries"},
+        {{"op", "forward", "lora", "a=", NULL}, 1, "NAME=WEIGHT entries"},
+        {{"op", "forward", "lora", "a=1x", NULL}, 1, "NAME=WEIGHT entries"},
+        {{"op", "forward", "lora", "a=nan", NULL}, 1, "a finite weight"},
+        {{"op", "forward", "lora", "a=1,,b=2", NULL}, 1, "NAME=WEIGHT entries"},
+        {{"op", "forward", "lora", "=1", NULL}, 1, "NAME=WEIGHT entries"},
+        {{"op", "forward", "lora", "a=1,a=2", NULL}, 1, "names adapter 'a' twice"},
     };
     const char *names[] = {"a"};
     const int64_t k[] = {4};
@@ -86,6 +101,50 @@ static void test_request_checks(void) {
         mdt_serve_request r;
         EXPECT_OK(mdt_serve_request_parse(b, n, &r));
         EXPECT(strcmp(r.id, meta[3]) == 0, "id '%s'", r.id);
+        mdt_serve_request_free(&r);
+        mdt_free(b);
+    }
+    /* "lora" sets: names and weights in order ("" for none; a name may hold '=': split at the
+     * last), the adapter's blob left to the adapter loader */
+    {
+        const char *sets[][2] = {{"", "0"}, {"x=0.5,y=-1e-3", "2"}, {"k=v=2", "1"}};
+        for (int i = 0; i < 3; i++) {
+            const char *meta[] = {"op", "forward", "lora", sets[i][0], NULL};
+            size_t n = 0;
+            unsigned char *b = request(meta, 1, names, k, &n);
+            mdt_serve_request r;
+            EXPECT_OK(mdt_serve_request_parse(b, n, &r));
+            EXPECT(r.has_lora && r.n_lora == atoi(sets[i][1]), "'%s': %d", sets[i][0], r.n_lora);
+            mdt_serve_request_free(&r);
+            mdt_free(b);
+        }
+        const char *meta[] = {"op", "forward", "lora", "x=0.5,y=-1e-3", NULL};
+        size_t n = 0;
+        unsigned char *b = request(meta, 1, names, k, &n);
+        mdt_serve_request r;
+        EXPECT_OK(mdt_serve_request_parse(b, n, &r));
+        EXPECT(strcmp(r.lora_names[1], "y") == 0 && r.lora_weights[1] == -1e-3 &&
+                   r.lora_weights[0] == 0.5,
+               "'%s' %g", r.lora_names[1], r.lora_weights[1]);
+        mdt_serve_request_free(&r);
+        mdt_free(b);
+        const char *load[] = {"op",     "lora_load", "adapter_name",          "py-1",
+                              "format", "pt",        "lora_adapter_metadata", "{}",
+                              NULL};
+        b = request(load, 1, names, k, &n);
+        EXPECT_OK(mdt_serve_request_parse(b, n, &r));
+        EXPECT(r.blob == b && !r.tensors && strcmp(r.adapter, "py-1") == 0,
+               "lora_load keeps the blob for the adapter loader");
+        mdt_serve_request_free(&r);
+        mdt_free(b);
+        char many[65 * 8 + 1];
+        size_t off = 0;
+        for (int i = 0; i <= MDT_SERVE_LORA_MAX; i++)
+            off += (size_t)snprintf(many + off, sizeof many - off, "%sa%d=1", i ? "," : "", i);
+        const char *lots[] = {"op", "forward", "lora", many, NULL};
+        b = request(lots, 1, names, k, &n);
+        EXPECT_ERR(mdt_serve_request_parse(b, n, &r), MDT_E_INVALID,
+                   "request: ", "more than 64 adapters");
         mdt_serve_request_free(&r);
         mdt_free(b);
     }
