@@ -15,6 +15,7 @@ Needs torch and diffusers.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, Mapping
 
@@ -42,7 +43,16 @@ def _raw(t: torch.Tensor) -> _blob.Raw:
 
 def adapter_blob(state_dict: Mapping[str, Any], network_alphas: Mapping[str, Any] | None = None,
                  metadata: Mapping[str, Any] | None = None, prefix: str | None = "transformer") -> bytes:
-    """The safetensors blob of one adapter, from what diffusers hands ``load_lora_adapter``.
+    """The safetensors blob of one adapter, from what diffusers hands ``load_lora_adapter``
+    (`adapter_parts`, as one file's bytes)."""
+    meta, tensors = adapter_parts(state_dict, network_alphas, metadata, prefix)
+    return b"".join(bytes(p) for p in _blob.encode(meta, tensors))
+
+
+def adapter_parts(state_dict: Mapping[str, Any], network_alphas: Mapping[str, Any] | None = None,
+                  metadata: Mapping[str, Any] | None = None, prefix: str | None = "transformer"):
+    """(metadata, tensors) of one adapter's safetensors, from what diffusers hands
+    ``load_lora_adapter``.
 
     state_dict: peft/diffusers keys, with `prefix` (``transformer.``) or without (prefix None);
     keys of other components (``text_encoder.``) are left to the pipeline, as diffusers does.
@@ -73,7 +83,7 @@ def adapter_blob(state_dict: Mapping[str, Any], network_alphas: Mapping[str, Any
         cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
         cfg = {(k if k.startswith("transformer.") else f"transformer.{k}"): v for k, v in cfg.items()}
         meta["lora_adapter_metadata"] = json.dumps(cfg, sort_keys=True)
-    return b"".join(bytes(p) for p in _blob.encode(meta, tensors))
+    return meta, tensors
 
 
 def family_lora_state_dict(family: str, path_or_dict, **kwargs):
@@ -95,3 +105,178 @@ def family_lora_state_dict(family: str, path_or_dict, **kwargs):
                                      **kwargs)
     sd, meta = mixin.lora_state_dict(path_or_dict, return_lora_metadata=True, **kwargs)
     return sd, None, meta
+
+
+# ---- the drop-in's adapters: diffusers' LoRA API, its state kept by peft itself ---------------
+# diffusers' LoRA calls (load_lora_adapter, set_adapters, fuse_lora / unfuse_lora, delete_adapters,
+# disable_lora / enable_lora, unload_lora, the `scale` of the attention kwargs, and the pipeline's
+# get_active_adapters / fused_loras that walk the model's peft layers) all act on peft's per-layer
+# state: the active adapters, each one's scaling, the merged ones, the disabled flag. meshdit runs
+# that state unchanged, on one real peft LoRA layer in this process, the probe: a linear of one
+# input and SLOTS outputs (zero weights), where each adapter is a rank-1 LoRA whose A is 1 and
+# whose B is its slot's unit vector, at lora_alpha = r = 1. The probe's output for the input 1 is
+# then, slot by slot, the coefficient peft applies to that adapter's B A in every layer it
+# adapts (its set_adapters weight, times the scale of the forward, for an active adapter; what
+# fuse_lora merged, kept through unfuse, disable and unload as peft keeps it). Each forward sends
+# those coefficients as its "lora" set and the server fuses W0 + sum c_i s_i B_i A_i (s_i the
+# adapter's own alpha / r per module) before it runs, unless that set is fused already.
+PROBE = "meshdit_probe"  # no "lora" in it: diffusers' unload_lora skips modules so named
+SLOTS = 16  # adapters one drop-in holds at once (loaded, or merged and still in the weights)
+
+
+def _state(t) -> dict:
+    st = t.__dict__.get("_meshdit_lora")
+    if st is None:
+        import secrets
+        startup = [f"{a['name']}={float(a['weight'])!r}"
+                   for a in json.loads(t.info.get("adapters", "[]")) if a.get("startup")]
+        st = {"prefix": f"py{secrets.token_hex(6)}-", "next": 0, "slots": {},
+              "startup": startup}
+        t.__dict__["_meshdit_lora"] = st
+    return st
+
+
+def load_adapter(t, pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap=False,
+                 **kwargs) -> None:
+    """diffusers' ``PeftAdapterMixin.load_lora_adapter`` for a drop-in: the same state dict
+    handling (prefix, kohya-style names turned into peft's, network alphas, metadata), the
+    factors loaded on the server under a name of this drop-in's, and the adapter added to the
+    probe as peft adds one to every layer (so which adapters are active afterwards is peft's
+    answer)."""
+    from diffusers.loaders.lora_base import _fetch_state_dict
+    from diffusers.utils import convert_unet_state_dict_to_peft, get_adapter_name
+    from peft import LoraConfig, inject_adapter_in_model
+
+    adapter_name = kwargs.pop("adapter_name", None)
+    network_alphas = kwargs.pop("network_alphas", None)
+    metadata = kwargs.pop("metadata", None)
+    for k in ("_pipeline", "low_cpu_mem_usage"):
+        kwargs.pop(k, None)
+    fetch = {k: kwargs.pop(k, d) for k, d in (
+        ("weight_name", None), ("use_safetensors", None), ("local_files_only", None),
+        ("cache_dir", None), ("force_download", False), ("proxies", None), ("token", None),
+        ("revision", None), ("subfolder", None))}
+    if kwargs:
+        raise TypeError(f"meshdit: load_lora_adapter() got unexpected keyword argument(s) "
+                        f"{sorted(kwargs)}")
+    if hotswap:
+        raise NotImplementedError("meshdit: load_lora_adapter(hotswap=True) is not supported: "
+                                  "delete_adapters(name), then load the new one")
+    state_dict, metadata = _fetch_state_dict(
+        pretrained_model_name_or_path_or_dict=pretrained_model_name_or_path_or_dict,
+        user_agent={"file_type": "attn_procs_weights", "framework": "pytorch"},
+        allow_pickle=False, metadata=metadata, **fetch)
+    if network_alphas is not None and prefix is None:
+        raise ValueError("`network_alphas` cannot be None when `prefix` is None.")
+    if network_alphas and metadata:
+        raise ValueError("Both `network_alphas` and `metadata` cannot be specified.")
+    if prefix is not None:
+        state_dict = {k.removeprefix(f"{prefix}."): v for k, v in state_dict.items()
+                      if k.startswith(f"{prefix}.")}
+        if metadata is not None:
+            metadata = {k.removeprefix(f"{prefix}."): v for k, v in metadata.items()
+                        if k.startswith(f"{prefix}.")}
+    if not state_dict:
+        import warnings
+        warnings.warn(f"meshdit: no LoRA keys for {type(t).__name__} found with prefix={prefix!r}; "
+                      f"nothing was loaded", stacklevel=3)
+        return
+    if adapter_name in getattr(t, "peft_config", {}):
+        raise ValueError(f"Adapter name {adapter_name} already in use in the model - please "
+                         f"select a new adapter name.")
+    if adapter_name is None:
+        adapter_name = get_adapter_name(t)
+    if "lora_A" not in next(iter(state_dict)) and not any(".lokr_" in k for k in state_dict):
+        state_dict = convert_unet_state_dict_to_peft(state_dict)
+    if network_alphas:
+        network_alphas = {k.removeprefix(f"{prefix}."): v for k, v in network_alphas.items()
+                          if prefix is None or k.startswith(f"{prefix}.")}
+    meta, tensors = adapter_parts(state_dict, network_alphas, metadata, prefix=None)
+    st = _state(t)
+    collect(t)
+    slot = next((i for i in range(SLOTS) if i not in st["slots"]), None)
+    if slot is None:
+        raise ValueError(f"meshdit: {SLOTS} adapters are held (loaded, or fused and still in the "
+                         f"weights): delete_adapters() or unload_lora_weights() first")
+    server_name = f"{st['prefix']}{st['next']}"
+    st["next"] += 1
+    t._client.lora_load(server_name, meta, tensors)  # the server's checks: every key, every shape
+    try:
+        probe = t._modules.get(PROBE)
+        if probe is None:
+            probe = torch.nn.Linear(1, SLOTS, bias=False, dtype=torch.float64)
+            torch.nn.init.zeros_(probe.weight)
+            probe.requires_grad_(False)
+            t._modules[PROBE] = probe  # (add_module is refused to users: see METHODS)
+        cfg = LoraConfig(r=1, lora_alpha=1, target_modules=[PROBE], lora_dropout=0.0,
+                         init_lora_weights=False)
+        with torch.no_grad():
+            inject_adapter_in_model(cfg, t, adapter_name=adapter_name)
+            layer = t._modules[PROBE]
+            layer.lora_A[adapter_name].to(torch.float64).weight.fill_(1.0)
+            layer.lora_B[adapter_name].to(torch.float64).weight.zero_()
+            layer.lora_B[adapter_name].weight[slot, 0] = 1.0
+        t._hf_peft_config_loaded = True
+    except BaseException:
+        with contextlib.suppress(Exception):
+            t._client.lora_unload(server_name)
+        raise
+    st["slots"][slot] = {"name": adapter_name, "server": server_name, "meta": meta,
+                         "tensors": tensors}
+
+
+def _coefficients(t) -> list[float] | None:
+    """What peft applies to each slot's adapter now (the probe's output for 1), or None."""
+    probe = t._modules.get(PROBE)
+    if probe is None:
+        return None
+    with torch.no_grad():
+        return probe(torch.ones(1, dtype=torch.float64)).tolist()
+
+
+def collect(t) -> None:
+    """Frees the slots of adapters gone from peft (deleted, unloaded) whose coefficient is 0 (a
+    merged one stays in the weights, as in diffusers), and unloads them from the server; the
+    probe goes with the last slot."""
+    st = t.__dict__.get("_meshdit_lora")
+    c = _coefficients(t)
+    if st is None or c is None:
+        return
+    live = set(getattr(t, "peft_config", None) or {})
+    for slot, a in list(st["slots"].items()):
+        if a["name"] not in live and c[slot] == 0:
+            del st["slots"][slot]
+            if t._client is not None:
+                with contextlib.suppress(Exception):
+                    t._client.lora_unload(a["server"])
+    if not st["slots"] and not live:
+        del t._modules[PROBE]
+
+
+def lora_value(t) -> str | None:
+    """The forward's "lora": the server's start-up adapters and this drop-in's at their
+    coefficients, or None when it never loaded one (the server's start-up set)."""
+    st = t.__dict__.get("_meshdit_lora")
+    if st is None or t._modules.get(PROBE) is None:
+        return None
+    collect(t)
+    c = _coefficients(t)
+    if c is None:  # the last adapter gone: the server's start-up set again
+        return None
+    mine = [f"{a['server']}={c[slot]!r}" for slot, a in sorted(st["slots"].items()) if c[slot] != 0]
+    return ",".join(st["startup"] + mine)
+
+
+def reload(t) -> None:
+    """Loads this drop-in's adapters again on a new server (after a relaunch: _resume)."""
+    st = t.__dict__.get("_meshdit_lora")
+    for a in (st or {}).get("slots", {}).values():
+        t._client.lora_load(a["server"], a["meta"], a["tensors"])
+
+
+def release(t) -> None:
+    """Unloads this drop-in's adapters from a server it shares (close of a connect())."""
+    st = t.__dict__.get("_meshdit_lora")
+    for a in (st or {}).get("slots", {}).values():
+        with contextlib.suppress(Exception):
+            t._client.lora_unload(a["server"], timeout=1.0)

@@ -43,6 +43,7 @@ import subprocess
 import time
 import weakref
 
+from . import _lora
 from ._sessions import Planner
 from .client import MeshditError, ServerError
 
@@ -208,6 +209,7 @@ class _Resumer:
             t._server, t._client, t.info = server, server.client, dict(server.info)
             t._planner = Planner(planner.capacity)  # the sessions died with the old job
             t._stale = []
+            _lora.reload(t)  # so did its adapters: this drop-in holds their factors
             self.layout = lay
             return dict(lay)
         t._client = None  # nothing to talk to: later calls raise "closed"

@@ -228,7 +228,8 @@ class Client:
 
     def forward(self, tensors: Mapping[str, _blob.Raw], session: str | None = None,
                 keep=(), end_session: bool = False,
-                cache: Mapping[str, str] | None = None) -> tuple[dict, dict]:
+                cache: Mapping[str, str] | None = None,
+                lora: str | None = None) -> tuple[dict, dict]:
         """One transformer forward: (reply metadata, outputs as float32 numpy arrays).
 
         `session` is the caller's handle: the first forward of a handle (it must name what to
@@ -236,8 +237,11 @@ class Client:
         send that token. A handle this client has no token for, without `keep`, is an error
         reply's ServerError (`session 'H' is not open`), as the server would answer it.
         `cache`: the step cache's keys ("cache", "cache_context", "cache_generation";
-        docs/serve.md), sent as they are."""
+        docs/serve.md), sent as they are. `lora`: the adapters to run with, ``NAME=WEIGHT,...``
+        ("" for the base weights; None: those the server was started with)."""
         meta = {"op": "forward", **(cache or {})}
+        if lora is not None:
+            meta["lora"] = lora
         wire = None
         if session is not None:
             wire = self._tokens.get(session)
@@ -279,6 +283,19 @@ class Client:
         """Drops the step cache state of `generation` on the server (a no-op for an unknown
         one)."""
         self.request({"op": "end_session", "cache_generation": generation}, timeout=timeout)
+
+    def lora_load(self, name: str, metadata: Mapping[str, str], tensors: Mapping[str, _blob.Raw],
+                  timeout: float | None = -1.0) -> dict:
+        """Loads an adapter's factors (an adapter file's metadata and tensors, docs/lora.md) on
+        the server under `name`; nothing is fused until a forward names it in its `lora`.
+        Returns the reply's metadata (linear_weights, rank_min, rank_max, factor_bytes)."""
+        meta, _ = self.request({**metadata, "op": "lora_load", "adapter_name": name}, tensors,
+                               timeout=timeout)
+        return meta
+
+    def lora_unload(self, name: str, timeout: float | None = -1.0) -> None:
+        """Drops adapter `name` from the server."""
+        self.request({"op": "lora_unload", "adapter_name": name}, timeout=timeout)
 
     def close_server(self, timeout: float = 30.0) -> None:
         """Asks the server to exit (every rank, exit 0); the reply comes first."""

@@ -5,8 +5,10 @@ lives on the mesh. The object stands in for the family's diffusers model: it is 
 ``ModelMixin`` (so ``FluxPipeline.from_pretrained(DIR, transformer=t)`` accepts it), has
 ``.config`` (the checkpoint's config.json, attribute access as diffusers' FrozenDict), ``.dtype``,
 ``.device``, ``cache_context(name)``, and ``forward``/``__call__`` with the family's diffusers
-argument names and return types. Arguments meshdit does not implement (LoRA scales, ControlNet
-residuals, IP-adapter inputs) raise ``NotImplementedError``; nothing is silently ignored.
+argument names and return types. Arguments meshdit does not implement (ControlNet residuals,
+IP-adapter inputs) raise ``NotImplementedError``; nothing is silently ignored. diffusers' LoRA
+API (``pipe.load_lora_weights``, ``set_adapters``, ``fuse_lora``, the attention kwargs' ``scale``,
+...) works: the adapters are fused on the mesh (meshdit/_lora.py, docs/lora.md).
 
 What every other public method of diffusers' models does here is one table, `METHODS`: it works
 (implemented here, or inherited with its meaning intact) or it raises ``NotImplementedError``
@@ -23,6 +25,7 @@ import json
 import os
 import re
 import secrets
+import sys
 import shutil
 import threading
 import time
@@ -32,10 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers.configuration_utils import FrozenDict
+from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
+from diffusers.utils import apply_lora_scale
 
-from . import _blob
+from . import _blob, _lora
 from ._sessions import Planner
 from .client import Client, MeshditError, ServerError
 from .server import Server
@@ -67,16 +72,11 @@ def _to_raw(name: str, value) -> _blob.Raw:
                         f"take") from None
 
 
-def _is_one(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1
-
-
 def _refuse(**args) -> None:
     """Raises for an argument meshdit would otherwise have to ignore. An attention-kwargs dict
-    whose only key is ``scale`` at 1 (diffusers' default LoRA scale: it changes nothing) passes."""
+    arrives here without its ``scale`` (diffusers' apply_lora_scale took it: the LoRA scale of
+    this forward, applied to the adapters' coefficients as diffusers applies it)."""
     for name, v in args.items():
-        if isinstance(v, dict) and name.endswith("attention_kwargs"):
-            v = {k: x for k, x in v.items() if not (k == "scale" and _is_one(x))}
         if v is None or v is False or (isinstance(v, dict) and not v):
             continue
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
@@ -84,9 +84,9 @@ def _refuse(**args) -> None:
         what = (", ".join(f"{k}={x!r}" if k == "scale" else repr(k) for k, x in sorted(v.items()))
                 if isinstance(v, dict) else "a value")
         raise NotImplementedError(
-            f"meshdit: '{name}' with {what} is not supported (LoRA scales other than 1, ControlNet "
-            f"residuals, IP-adapter inputs and KV caches are not implemented); meshdit runs the "
-            f"checkpoint's own weights on the inputs it is given")
+            f"meshdit: '{name}' with {what} is not supported (ControlNet residuals, IP-adapter "
+            f"inputs and KV caches are not implemented); meshdit runs the checkpoint's own "
+            f"weights and the adapters loaded on it on the inputs it is given")
 
 
 # ---- the checkpoint: a Hub id from the local cache, the files meshdit reads --------------------
@@ -162,7 +162,7 @@ _SERVE_OPTIONS = ("comm", "max_memory", "max_sessions", "max_session_bytes", "se
                   "endpoint", "extra", "env", "startup_timeout", "watch_owner", "loopback")
 
 
-class Transformer(ModelMixin):
+class Transformer(ModelMixin, PeftAdapterMixin):
     """The family-neutral part. Make one with `from_pretrained` or `connect`; they return the
     family's subclass (`FluxTransformer`, `MiniMaxH3Transformer`)."""
 
@@ -424,6 +424,19 @@ class Transformer(ModelMixin):
         return {"cache": self._cache_spec, "cache_context": name,
                 "cache_generation": self._cache_gen}
 
+    # ---- LoRA: diffusers' PeftAdapterMixin, its state in peft's own layer (meshdit/_lora.py) ----
+    def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer",
+                          hotswap: bool = False, **kwargs) -> None:
+        """diffusers' load_lora_adapter (what pipe.load_lora_weights calls after the family's
+        converters): the factors are loaded on the mesh, every key mapped to a weight or the
+        whole adapter refused naming the keys; set_adapters, fuse_lora, unfuse_lora,
+        delete_adapters, disable_lora/enable_lora and unload_lora are diffusers' own."""
+        with self._lock:
+            if self._client is None:
+                raise MeshditError(f"meshdit: this {type(self).__name__} is closed")
+            _lora.load_adapter(self, pretrained_model_name_or_path_or_dict, prefix=prefix,
+                               hotswap=hotswap, **kwargs)
+
     def set_attention_backend(self, backend: str) -> None:
         """meshdit computes exact softmax attention (its own tiled kernel, on the mesh). A backend
         that computes the same function (native SDPA and its variants, flash, flex, xformers,
@@ -624,11 +637,13 @@ class Transformer(ModelMixin):
                 self._client.end_session(s, timeout=5.0)
         self._stale.clear()
         cache = self._cache_meta()
+        lora = _lora.lora_value(self)  # the adapters this forward runs with, as peft has them
         session, send, keep, ended, fps = self._planner.plan(raws, self.per_step)
         for s in ended:
             self._client.end_session(s)
         try:
-            meta, out = self._client.forward(send, session=session, keep=keep, cache=cache)
+            meta, out = self._client.forward(send, session=session, keep=keep, cache=cache,
+                                             lora=lora)
         except ServerError as e:
             if session is None:
                 raise
@@ -639,7 +654,7 @@ class Transformer(ModelMixin):
             elif len(send) == len(raws):
                 raise  # everything was sent: the error is the inputs', not the session's
             # the session lost tensors it should hold (ended by the server, say): resend all
-            return self._client.forward(raws, cache=cache)
+            return self._client.forward(raws, cache=cache, lora=lora)
         except BaseException:
             if session is not None:
                 self._planner.forget(session)
@@ -663,6 +678,7 @@ class Transformer(ModelMixin):
             # a server this object started ends with its sessions; a shared one is told (briefly:
             # a server that is gone must not hold up close)
             if self._server is None:
+                _lora.release(self)
                 for s in sessions:
                     try:
                         self._client.end_session(s, timeout=1.0)
@@ -698,9 +714,6 @@ class Transformer(ModelMixin):
 _NO_WEIGHTS = "the weights are on the mesh; save_pretrained writes the checkpoint"
 _NO_MODULES = "the transformer's modules run on the mesh; one added here would never run"
 _NO_GRAD = "no gradient flows through the mesh (inference only)"
-_LORA = ("LoRA adapters cannot be loaded into a running server yet; fuse them at its start with "
-         "from_pretrained(..., extra=['--lora', 'FILE:SCALE']) (meshdit._lora.adapter_blob writes "
-         "what diffusers' lora_state_dict gives as such a file; docs/lora.md)")
 
 
 def _hooks():
@@ -820,8 +833,9 @@ METHODS: dict[str, tuple[str, str]] = {
         "get_buffer", "apply", "share_memory", "extra_repr")},
     "num_parameters": ("works", "counted from the checkpoint's safetensors headers"),
     "get_memory_footprint": ("refused", "the weights are on the mesh: t.info['weight_bytes']"),
+    "state_dict": ("refused", _NO_WEIGHTS + " (to diffusers' Flux LoRA loader: {})"),
     **{n: ("refused", _NO_WEIGHTS) for n in (
-        "state_dict", "load_state_dict", "get_extra_state", "set_extra_state",
+        "load_state_dict", "get_extra_state", "set_extra_state",
         "register_state_dict_pre_hook", "register_state_dict_post_hook",
         "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook",
         "dequantize")},
@@ -846,16 +860,21 @@ METHODS: dict[str, tuple[str, str]] = {
     "enable_layerwise_casting": ("refused", "the mesh computes in f32 or bf16: dtype='bf16'"),
     "enable_parallelism": ("refused", "the mesh is the parallelism: from_pretrained(tp=, ring=, "
                                       "ulysses=)"),
-    # caches and LoRA (to come)
+    # caches and LoRA
     "is_cache_enabled": ("works", "whether enable_cache holds a config"),
     "enable_cache": ("works", "FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig and "
                              "TextKVCacheConfig on the mesh; other configs refused"),
     "disable_cache": ("works", "every block of every step again"),
-    **{n: ("refused", _LORA) for n in (
-        "load_lora_adapter", "save_lora_adapter", "set_adapters", "set_adapter", "add_adapter",
-        "active_adapters", "delete_adapters", "enable_adapters", "disable_adapters",
-        "enable_lora", "disable_lora", "enable_lora_hotswap", "fuse_lora", "unfuse_lora",
+    "load_lora_adapter": ("works", "the factors loaded on the mesh, fused before a forward"),
+    **{n: ("works", "diffusers' own, on peft's state; the mesh fuses what it says") for n in (
+        "set_adapters", "set_adapter", "active_adapters", "delete_adapters", "enable_adapters",
+        "disable_adapters", "enable_lora", "disable_lora", "fuse_lora", "unfuse_lora",
         "unload_lora")},
+    "save_lora_adapter": ("refused", "the adapter's factors are on the mesh; save the file it "
+                                     "came from"),
+    "add_adapter": ("refused", "a new trainable adapter: " + _NO_GRAD),
+    "enable_lora_hotswap": ("refused", "hotswapping is not implemented: delete_adapters(name), "
+                                       "then load the new adapter"),
     # pipe.load_ip_adapter() calls this on the transformer
     "_load_ip_adapter_weights": ("refused", "IP-adapters are not implemented"),
 }
@@ -874,6 +893,26 @@ for _name, (_verdict, _why) in METHODS.items():
         setattr(Transformer, _name, _refusal(_name, _why))
 
 
+def _state_dict(refused):
+    """state_dict's refusal, but for diffusers' Flux LoRA loader, which reads it to widen the
+    modules of this process that a Control LoRA's factors outgrow: there are none ({}), and the
+    server checks every factor's shape against its weight."""
+    def state_dict(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_name
+        if caller == "_maybe_expand_lora_state_dict":
+            return {}
+        if caller == "_load_norm_into_transformer":
+            raise NotImplementedError("meshdit: LoRAs that replace norm layers (Flux Control "
+                                      "LoRAs) are not supported: meshdit fuses LoRA factors only")
+        return refused(*args, **kwargs)
+    state_dict.__name__ = state_dict.__qualname__ = "state_dict"
+    state_dict.__doc__ = refused.__doc__
+    return state_dict
+
+
+Transformer.state_dict = _state_dict(Transformer.state_dict)
+
+
 class FluxTransformer(Transformer):
     """Stands in for diffusers' FluxTransformer2DModel."""
 
@@ -881,6 +920,7 @@ class FluxTransformer(Transformer):
     per_step = frozenset({"hidden_states", "timestep"})
 
     @_eager
+    @apply_lora_scale("joint_attention_kwargs")
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                 pooled_projections: torch.Tensor = None, timestep: torch.LongTensor = None,
                 img_ids: torch.Tensor = None, txt_ids: torch.Tensor = None,
@@ -911,6 +951,7 @@ class MiniMaxH3Transformer(Transformer):
     per_step = frozenset({"hidden_states", "audio_hidden_states", "timestep"})
 
     @_eager
+    @apply_lora_scale("attention_kwargs")
     def forward(self, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor,
                 encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
                 timestep_indices: torch.Tensor, token_tags: torch.Tensor,
@@ -938,6 +979,7 @@ class Flux2Transformer(Transformer):
     per_step = frozenset({"hidden_states", "timestep"})
 
     @_eager
+    @apply_lora_scale("joint_attention_kwargs")
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                 timestep: torch.LongTensor = None, img_ids: torch.Tensor = None,
                 txt_ids: torch.Tensor = None, guidance: torch.Tensor = None,
@@ -993,6 +1035,7 @@ class QwenImageTransformer(Transformer):
     per_step = frozenset({"hidden_states", "timestep"})
 
     @_eager
+    @apply_lora_scale("attention_kwargs")
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                 encoder_hidden_states_mask: torch.Tensor = None,
                 timestep: torch.LongTensor = None, img_shapes=None,
@@ -1020,6 +1063,7 @@ class WanTransformer(Transformer):
     per_step = frozenset({"hidden_states", "timestep"})
 
     @_eager
+    @apply_lora_scale("attention_kwargs")
     def forward(self, hidden_states: torch.Tensor, timestep: torch.LongTensor,
                 encoder_hidden_states: torch.Tensor,
                 encoder_hidden_states_image: torch.Tensor | None = None,

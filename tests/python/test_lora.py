@@ -7,8 +7,8 @@ with no transformer keys is refused here, a key meshdit cannot map is refused by
 key named, and a scale of 0 is the base run bit for bit.
 
 The adapters are made here or are scripts/goldens_lora.py's (tests/data/lora); nothing is
-downloaded. The drop-in's LoRA methods (pipe.load_lora_weights on meshdit.Transformer) wait for
-the server's adapter requests (docs/lora.md)."""
+downloaded. The drop-in's own LoRA API (pipe.load_lora_weights on meshdit.Transformer, ...) is
+tests/python/test_lora_dropin.py's."""
 import json
 import os
 import shutil

@@ -1,0 +1,346 @@
+"""diffusers' LoRA API on the drop-in, against diffusers + peft on the same weights.
+
+The drop-in keeps peft's own adapter state (meshdit/_lora.py: one peft layer, the probe) and
+each forward fuses on the mesh what that state says. So every call of diffusers' API is checked
+the only way that proves it: the same calls on diffusers' own transformer (with peft) and on the
+drop-in, a forward after each, the outputs within 1e-4 — a fixed sequence on one rank, tp=2 and
+tp=2 x ulysses=2, random sequences of every call (seeded), the four families' adapters, and a
+real FluxPipeline's ``load_lora_weights`` / ``set_adapters`` / ``fuse_lora`` / ``unfuse_lora`` /
+``unload_lora_weights``. Where no adapter acts the drop-in's output is its base output bit for
+bit; a LoRA on one layer changes it (negative control); a second client of the same server
+runs without the first one's adapters; bad adapters are refused naming what is wrong, and
+nothing changes.
+"""
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import meshdit
+from meshdit.client import ServerError
+from meshdit._lora import family_lora_state_dict
+from test_lora import DATA, LAYOUTS, TOL, _families, kohya_flux, rel
+
+LAYOUT_KW = [dict(), dict(tp=2), dict(tp=2, ulysses=2)]
+IDS = [i for i in ("1rank", "tp2", "tp2xulysses2")]
+assert len(LAYOUT_KW) == len(LAYOUTS)
+
+
+def flux_adapters():
+    """Three Flux adapters as diffusers' pipeline hands them to load_lora_adapter: kohya names
+    converted (alphas baked), the goldens' diffusers file with metadata, and one with alphas."""
+    k = family_lora_state_dict("flux", kohya_flux(seed=5))
+    a = family_lora_state_dict("flux", f"{DATA}/lora/flux_tiny/a.safetensors")
+    b = family_lora_state_dict("flux", f"{DATA}/lora/flux_tiny/b.safetensors")
+    return {"k": k, "a": a, "b": b}
+
+
+def load(m, adapters, src, name):
+    sd, alphas, meta = adapters[src]
+    m.load_lora_adapter(dict(sd), prefix="transformer", adapter_name=name,
+                        network_alphas=alphas or None, metadata=meta or None)
+
+
+def reference(case="flux_tiny"):
+    return _families()[case.split("_")[0]][1].from_pretrained(
+        f"{DATA}/{case}", torch_dtype=torch.float32).eval()
+
+
+def out(m, inputs, scale=None):
+    kw = {} if scale is None else {"joint_attention_kwargs": {"scale": scale}}
+    with torch.no_grad():
+        return m(**inputs, **kw, return_dict=False)[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def adapters():
+    return flux_adapters()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return load_file(f"{DATA}/flux_tiny/inputs.safetensors")
+
+
+@pytest.mark.parametrize("layout", LAYOUT_KW, ids=IDS)
+def test_the_calls_in_turn(adapters, inputs, layout):
+    ref = reference()
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny", **layout) as t:
+        base = out(t, inputs)
+        assert rel(base, out(ref, inputs)) <= TOL
+
+        def same(what, scale=None, changed=True):
+            want, got = out(ref, inputs, scale), out(t, inputs, scale)
+            assert rel(got, want) <= TOL, what
+            if changed:
+                assert rel(got, base) > 100 * TOL, f"{what}: the adapters did nothing"
+            if getattr(ref, "peft_config", None):
+                assert t.active_adapters() == ref.active_adapters(), what
+            return got
+
+        for m in (ref, t):
+            load(m, adapters, "k", "k")
+        same("load k")
+        for m in (ref, t):
+            load(m, adapters, "a", "a")
+        same("load a (peft makes the new one active)")
+        for m in (ref, t):
+            m.set_adapters(["k", "a"], [0.7, -1.3])
+        two = same("set_adapters two with weights")
+        same("the attention kwargs' scale", scale=0.4)
+        assert np.array_equal(out(t, inputs), two)  # the scale was for that forward only
+        for m in (ref, t):
+            m.fuse_lora(lora_scale=0.8, adapter_names=["a"])
+        same("fuse_lora one of two")
+        for m in (ref, t):
+            m.unfuse_lora()
+        same("unfuse_lora")
+        for m in (ref, t):
+            m.disable_lora()
+        assert np.array_equal(out(t, inputs), base)  # disabled: the base weights, bit for bit
+        same("disable_lora", changed=False)
+        for m in (ref, t):
+            m.enable_lora()
+        same("enable_lora")
+        for m in (ref, t):
+            m.set_adapters(["k", "a"], [0.0, 0.0])
+        assert np.array_equal(out(t, inputs), base)  # weight 0: the base bits
+        for m in (ref, t):
+            m.set_adapters(["k"], [1.0])
+            m.delete_adapters(["a"])
+        same("delete_adapters")
+        assert sorted(t.peft_config) == sorted(ref.peft_config) == ["k"]
+        for m in (ref, t):
+            m.fuse_lora()
+            m.unload_lora()
+        same("fuse_lora then unload_lora: the fused weights stay (as in diffusers)")
+        assert not hasattr(t, "peft_config")
+        for m in (ref, t):
+            load(m, adapters, "b", "b")
+            m.set_adapters(["b"], [0.0])
+        same("an adapter at 0 over what unload kept")
+
+
+def test_unload_gives_back_the_base_bits(adapters, inputs):
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny") as t:
+        base = out(t, inputs)
+        load(t, adapters, "k", "k")
+        load(t, adapters, "b", "b")
+        t.set_adapters(["k", "b"], [1.0, 0.5])
+        assert rel(out(t, inputs), base) > 100 * TOL
+        t.unload_lora()
+        assert np.array_equal(out(t, inputs), base)
+        assert list(t.modules()) == [t]  # no probe left: the drop-in as before any adapter
+        load(t, adapters, "k", "again")  # the same name space again
+        assert t.active_adapters() == ["again"]
+
+
+def test_one_layer_changes_the_output(inputs):
+    """Negative control: a LoRA on one linear of one block moves the output; the same adapter
+    with B = 0 does not (bit for bit)."""
+    g = torch.Generator().manual_seed(3)
+    key = "transformer.single_transformer_blocks.0.proj_out"
+    sd = {f"{key}.lora_A.weight": torch.randn(2, 160, generator=g),
+          f"{key}.lora_B.weight": torch.randn(32, 2, generator=g)}
+    ref = reference()
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny", tp=2) as t:
+        base = out(t, inputs)
+        for m in (ref, t):
+            m.load_lora_adapter(dict(sd), adapter_name="one")
+        got = out(t, inputs)
+        assert rel(got, out(ref, inputs)) <= TOL and rel(got, base) > 100 * TOL
+        t.load_lora_adapter({k: torch.zeros_like(v) if "lora_B" in k else v for k, v in sd.items()},
+                            adapter_name="zero")
+        t.set_adapters(["zero"])
+        assert np.array_equal(out(t, inputs), base)
+
+
+OPS = ("load", "set_adapters", "set_adapter", "fuse", "unfuse", "disable", "enable", "delete",
+       "unload", "scale")
+
+
+def _random_op(rnd, m, names, op):
+    """Applies one call to `m`; returns (the forward's scale, the exception's type or None)."""
+    scale = None
+    try:
+        if op == "set_adapters":
+            pick = rnd.sample(names, rnd.randint(1, len(names))) if names else ["nope"]
+            m.set_adapters(pick, [rnd.choice([0.0, 0.5, -1.0, 1.7]) for _ in pick])
+        elif op == "set_adapter":
+            m.set_adapter(rnd.choice(names) if names else "nope")
+        elif op == "fuse":
+            m.fuse_lora(lora_scale=rnd.choice([1.0, 0.5, 2.0]),
+                        adapter_names=rnd.choice([None, names[:1]]) if names else None)
+        elif op == "unfuse":
+            m.unfuse_lora()
+        elif op == "disable":
+            m.disable_lora()
+        elif op == "enable":
+            m.enable_lora()
+        elif op == "delete":
+            m.delete_adapters(rnd.choice(names) if names else "nope")
+        elif op == "unload":
+            m.unload_lora()
+        elif op == "scale":
+            scale = rnd.choice([0.0, 0.25, 3.0])
+    except Exception as e:  # noqa: BLE001 - both sides must fail alike
+        return scale, type(e)
+    return scale, None
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_random_sequences_match_diffusers(adapters, inputs, seed):
+    """Random sequences of every call (seeded), on both sides; after each, a forward within
+    1e-4, the same active adapters and adapter list, and the same failures."""
+    rnd = random.Random(seed)
+    ref = reference()
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny", tp=1 + seed % 2) as t:
+        n = 0
+        for step in range(24):
+            names = sorted(getattr(ref, "peft_config", None) or {})
+            op = rnd.choice(OPS) if names or step else "load"
+            if op == "load":
+                src, n = rnd.choice(sorted(adapters)), n + 1
+                for m in (ref, t):
+                    load(m, adapters, src, f"x{n}")
+                scale, err = None, None
+            else:
+                r = rnd.getstate()
+                scale, err = _random_op(rnd, ref, names, op)
+                rnd.setstate(r)
+                scale2, err2 = _random_op(rnd, t, names, op)
+                assert (scale, err) == (scale2, err2), f"step {step} {op}"
+            what = f"seed {seed} step {step} {op} -> {err}"
+            assert rel(out(t, inputs, scale), out(ref, inputs, scale)) <= TOL, what
+            assert sorted(getattr(t, "peft_config", None) or {}) == sorted(
+                getattr(ref, "peft_config", None) or {}), what
+            if getattr(ref, "peft_config", None):
+                assert t.active_adapters() == ref.active_adapters(), what
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan"])
+def test_every_family_through_load_lora_adapter(tmp_path, family):
+    """The goldens' two adapters per family through the drop-in's load_lora_adapter and
+    set_adapters (0.7, -1.3): diffusers + peft's output (scripts/goldens_lora.py)."""
+    case = _families()[family][0]
+    want = load_file(f"{DATA}/lora/{case}/expected_ab.safetensors")["sample"].numpy()
+    x = load_file(f"{DATA}/{case}/inputs.safetensors")
+    with meshdit.Transformer.from_pretrained(f"{DATA}/{case}", tp=2) as t:
+        for name in ("a", "b"):
+            path = f"{DATA}/lora/{case}/{name}.safetensors"
+            if name == "b" and family != "flux":  # as test_lora.test_diffusers_form hands it over
+                sd = load_file(path)
+                alphas = {k: float(v) for k, v in sd.items() if k.endswith(".alpha")}
+                t.load_lora_adapter({k: v for k, v in sd.items() if not k.endswith(".alpha")},
+                                    adapter_name=name, network_alphas=alphas)
+            else:
+                sd, alphas, meta = family_lora_state_dict(family, path)
+                t.load_lora_adapter(sd, adapter_name=name, network_alphas=alphas or None,
+                                    metadata=meta or None)
+        t.set_adapters(["a", "b"], [0.7, -1.3])
+        if family == "qwenimage":
+            from goldens_qwenimage import to_diffusers
+            x = to_diffusers(x)
+        with torch.no_grad():
+            got = t(**x, return_dict=False)[0].numpy()
+    print(f"{family} drop-in: {rel(got, want):.2e}")
+    assert rel(got, want) <= TOL
+
+
+def test_bad_adapters_are_refused_and_nothing_changes(adapters, inputs):
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny") as t:
+        base = out(t, inputs)
+        sd, alphas, meta = adapters["k"]
+        bad = dict(sd)
+        bad["transformer.transformer_blocks.0.attn.nope.lora_A.weight"] = torch.zeros(4, 32)
+        bad["transformer.transformer_blocks.0.attn.nope.lora_B.weight"] = torch.zeros(32, 4)
+        with pytest.raises(ServerError, match=r"map to no weight.*transformer_blocks\.0\.attn\.nope"):
+            t.load_lora_adapter(bad, adapter_name="bad")
+        shape = dict(sd)
+        k = next(k for k in shape if k.endswith("lora_B.weight"))
+        shape[k] = torch.zeros(shape[k].shape[0] + 1, shape[k].shape[1])
+        with pytest.raises(ServerError, match=k.removeprefix("transformer.").replace(".", r"\.")):
+            t.load_lora_adapter(shape, adapter_name="shape")
+        dora = {**dict(sd), "transformer.transformer_blocks.0.attn.to_q.lora_magnitude_vector":
+                torch.ones(32)}
+        with pytest.raises(ServerError, match="DoRA"):
+            t.load_lora_adapter(dora, adapter_name="dora")
+        with pytest.raises(NotImplementedError, match="hotswap"):
+            t.load_lora_adapter(dict(sd), adapter_name="hot", hotswap=True)
+        assert not getattr(t, "peft_config", None) and list(t.modules()) == [t]
+        assert np.array_equal(out(t, inputs), base)
+        load(t, adapters, "k", "k")
+        with pytest.raises(ValueError, match="already in use"):
+            load(t, adapters, "k", "k")
+        with pytest.raises(ValueError, match="could not be found"):
+            t.set_adapter("nope")
+        assert t.active_adapters() == ["k"]
+
+
+def test_a_second_client_runs_without_the_first_ones_adapters(adapters, inputs):
+    """Each forward names its adapters: a client that loaded none gets the base weights from a
+    server whose other client has one fused (negative control for the per-forward set)."""
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny", tp=2) as t:
+        base = out(t, inputs)
+        other = meshdit.Transformer.connect(t._client.endpoint)
+        try:
+            load(other, adapters, "k", "k")
+            adapted = out(other, inputs)
+            assert rel(adapted, base) > 100 * TOL
+            assert np.array_equal(out(t, inputs), base)
+            assert np.array_equal(out(other, inputs), adapted)
+        finally:
+            other.close()  # unloads its adapters from the shared server
+        info = t._client.info()
+        assert info["adapters"] == "[]", info["adapters"]
+
+
+@pytest.fixture(scope="module")
+def flux_root(tmp_path_factory):
+    import flux_pipeline
+
+    root = str(tmp_path_factory.mktemp("flux_lora_dropin"))
+    flux_pipeline.build(root, seed=0)
+    return root
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, ulysses=2)], ids=["tp2", "tp2xulysses2"])
+def test_a_flux_pipeline_with_its_lora_calls(flux_root, layout):
+    """FluxPipeline: pipe.load_lora_weights(kohya dict) twice, set_adapters, the generation's
+    joint_attention_kwargs scale, fuse_lora / unfuse_lora, get_active_adapters and
+    unload_lora_weights: the images equal diffusers' own pipeline's (1e-4) at every stage."""
+    import flux_pipeline
+
+    h = flux_pipeline.HEADS * flux_pipeline.HEAD_DIM
+    l1, l2 = (kohya_flux(seed=s, h=h, double=2, single=2) for s in (1, 2))
+    ref = flux_pipeline.load(flux_root)
+    with meshdit.Transformer.from_pretrained(f"{flux_root}/transformer", **layout) as t:
+        pipe = flux_pipeline.load(flux_root, transformer=t)
+        gen = dict(seed=3, steps=2, size=64)
+        base = flux_pipeline.generate(pipe, **gen)
+
+        def same(what, **kw):
+            want, got = flux_pipeline.generate(ref, **gen, **kw), flux_pipeline.generate(pipe, **gen, **kw)
+            assert rel(got, want) <= TOL, what
+            assert pipe.get_active_adapters() == ref.get_active_adapters(), what
+            assert pipe.get_list_adapters() == ref.get_list_adapters(), what
+            return got
+
+        for p in (ref, pipe):
+            p.load_lora_weights(dict(l1), adapter_name="one")
+            p.load_lora_weights(dict(l2), adapter_name="two")
+            p.set_adapters(["one", "two"], [0.8, 0.5])
+        assert rel(same("two adapters"), base) > 100 * TOL
+        same("scale", joint_attention_kwargs={"scale": 0.5})
+        for p in (ref, pipe):
+            p.fuse_lora(adapter_names=["one"], lora_scale=0.9)
+        assert pipe.num_fused_loras == ref.num_fused_loras == 1
+        same("fused")
+        for p in (ref, pipe):
+            p.unfuse_lora()
+            p.unload_lora_weights()
+        assert np.array_equal(flux_pipeline.generate(pipe, **gen), base)
+        same("unloaded")
