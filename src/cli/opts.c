@@ -216,11 +216,17 @@ mdt_status cli_load_loras(mdt_model *m, const char *const *specs, int n, double 
         if (len > 12 && strcmp(base + len - 12, ".safetensors") == 0)
             len -= 12;
         snprintf(bases[i], sizeof bases[i], "%.*s", (int)(len < 50 ? len : 50), base);
+        /* a name the server's protocol carries as it is (docs/serve.md, "lora"): ASCII
+         * letters, digits and . _ - only, anything else made '_' */
+        for (char *c = bases[i]; *c; c++)
+            if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') ||
+                  (*c >= '0' && *c <= '9') || *c == '.' || *c == '_' || *c == '-'))
+                *c = '_';
         int rep = 1; /* the same name again: NAME#2, NAME#3, ... */
         for (int j = 0; j < i; j++)
             rep += strcmp(bases[j], bases[i]) == 0;
         if (rep > 1)
-            snprintf(names[i], sizeof names[i], "%.51s#%d", bases[i], rep);
+            snprintf(names[i], sizeof names[i], "%.51s-%d", bases[i], rep);
         else
             snprintf(names[i], sizeof names[i], "%.51s", bases[i]);
         np[i] = names[i];

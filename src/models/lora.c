@@ -133,6 +133,7 @@ static mdt_status pattern_value(const cJSON *patterns, const char *mod, const ch
                                 const char *what, double *out, int *found) {
     *found = 0;
     const cJSON *p;
+    char shown[MDT_ESC_NAME];
     cJSON_ArrayForEach(p, patterns) {
         char re[2 * MDT_NAME_MAX + 32];
         regex_t rx;
@@ -141,17 +142,43 @@ static mdt_status pattern_value(const cJSON *patterns, const char *mod, const ch
             return MDT_FAIL(MDT_E_UNSUPPORTED,
                             "%s: lora_adapter_metadata: %s key '%s' is not a POSIX extended "
                             "regular expression",
-                            src, what, p->string);
+                            src, what, mdt_escape(p->string, shown, sizeof shown));
         const int hit = regexec(&rx, mod, 0, NULL, 0) == 0;
         regfree(&rx);
         if (hit) {
             if (!cJSON_IsNumber(p))
                 return MDT_FAIL(MDT_E_FORMAT, "%s: lora_adapter_metadata: %s['%s'] is not a number",
-                                src, what, p->string);
+                                src, what, mdt_escape(p->string, shown, sizeof shown));
             *out = p->valuedouble;
             *found = 1;
             return MDT_OK;
         }
+    }
+    return MDT_OK;
+}
+
+/* A pattern table as a file (or a server's client) may give it: at most MDT_LORA_PATTERNS_MAX
+ * keys of at most MDT_NAME_MAX bytes, none with a back-reference (\\1 .. \\9: the one regex
+ * feature whose matching can take exponential time), so matching stays bounded. */
+#define MDT_LORA_PATTERNS_MAX 4096
+static mdt_status check_patterns(const cJSON *patterns, const char *src, const char *what) {
+    char shown[MDT_ESC_NAME];
+    int n = 0;
+    const cJSON *p;
+    cJSON_ArrayForEach(p, patterns) {
+        if (++n > MDT_LORA_PATTERNS_MAX)
+            return MDT_FAIL(MDT_E_UNSUPPORTED,
+                            "%s: lora_adapter_metadata: %s has more than %d keys", src, what,
+                            MDT_LORA_PATTERNS_MAX);
+        const char *k = p->string;
+        int backref = 0;
+        for (const char *q = k; q[0] && q[1] && !backref; q++)
+            backref = q[0] == '\\' && q[1] >= '1' && q[1] <= '9';
+        if (strlen(k) >= MDT_NAME_MAX || backref)
+            return MDT_FAIL(MDT_E_UNSUPPORTED, "%s: lora_adapter_metadata: %s key '%s' is %s", src,
+                            what, mdt_escape(k, shown, sizeof shown),
+                            backref ? "a regular expression with a back-reference"
+                                    : "longer than a module name");
     }
     return MDT_OK;
 }
@@ -182,7 +209,8 @@ static mdt_status cfg_from_meta(const cJSON *meta, const char *src, lora_cfg *c)
         c->alpha_p = v;
     if ((v = meta_get(c, "rank_pattern")) && cJSON_IsObject(v))
         c->rank_p = v;
-    return MDT_OK;
+    MDT_TRY(check_patterns(c->alpha_p, src, "alpha_pattern"));
+    return check_patterns(c->rank_p, src, "rank_pattern");
 }
 
 /* ---- mapping ---- */

@@ -87,13 +87,16 @@ static mdt_status parse_lora(const char *v, mdt_serve_request *r) {
         eq = strrchr(p, '=');
         if (eq)
             *eq = 0;
-        const double w = eq ? strtod(eq + 1, &end) : 0;
-        if (!eq || !good_name(p, MDT_SERVE_ADAPTER_NAME_MAX) || end == eq + 1 || *end ||
-            !isfinite(w))
+        /* a plain decimal (no spaces, hex, inf or nan) of magnitude at most 1e6 */
+        const char *num = eq ? eq + 1 : "";
+        const int plain = num[0] && strspn(num, "0123456789.eE+-") == strlen(num);
+        const double w = plain ? strtod(num, &end) : 0;
+        if (!eq || !good_name(p, MDT_SERVE_ADAPTER_NAME_MAX) || !plain || end == num || *end ||
+            !(fabs(w) <= 1e6))
             return MDT_FAIL(MDT_E_INVALID,
                             "request: \"lora\" must be NAME=WEIGHT entries separated by commas "
-                            "(an adapter's name of 1 to %d bytes, a finite weight; \"\" for "
-                            "none), got '%s'",
+                            "(an adapter's name of 1 to %d bytes, a decimal weight of magnitude "
+                            "at most 1e6; \"\" for none), got '%s'",
                             MDT_SERVE_ADAPTER_NAME_MAX, mdt_escape(v, shown, sizeof shown));
         if (r->n_lora == MDT_SERVE_LORA_MAX)
             return MDT_FAIL(MDT_E_INVALID, "request: \"lora\" names more than %d adapters",
@@ -254,7 +257,11 @@ mdt_status mdt_serve_request_parse(const void *blob, size_t size, mdt_serve_requ
     for (int i = 0; i < f->n_meta; i++)
         MDT_CHECK(parse_meta(f->meta_keys[i], f->meta_vals[i], r));
     MDT_CHECK(check_request(r, f->n));
-    if (r->op == MDT_SERVE_OP_LORA_LOAD) /* the adapter loader reads the blob itself */
+    if (r->op == MDT_SERVE_OP_LORA_LOAD && f->n > MDT_SERVE_ADAPTER_TENSORS_MAX)
+        MDT_CHECK(MDT_FAIL(MDT_E_INVALID,
+                           "request: an adapter of %d tensors, over the limit of %d per adapter",
+                           f->n, MDT_SERVE_ADAPTER_TENSORS_MAX));
+    else if (r->op == MDT_SERVE_OP_LORA_LOAD) /* the adapter loader reads the blob itself */
         r->blob = blob;
     else if (f->n > MDT_SERVE_TENSORS_MAX) /* a forward has a dozen inputs: refused unread */
         MDT_CHECK(MDT_FAIL(MDT_E_INVALID, "request: %d tensors, over the limit of %d per request",

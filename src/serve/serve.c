@@ -304,19 +304,21 @@ static mdt_status op_lora_unload(serve_ctx *c, const mdt_serve_request *r, unsig
     return mdt_serve_reply_ok(meta, NULL, reply, rn);
 }
 
-/* info's "adapters": every loaded adapter as JSON text (cJSON_free it), NULL out of memory. */
+/* info's "adapters": the start-up adapters as JSON text (cJSON_free it), NULL out of memory.
+ * A client's adapters are not listed: their names are that client's to give. */
 static char *adapters_json(const serve_ctx *c) {
     cJSON *arr = cJSON_CreateArray();
     for (int i = 0; arr && i < mdt_model_lora_count(c->m); i++) {
         mdt_lora_info li;
+        if (mdt_model_lora_info(c->m, i, &li) != MDT_OK || !is_startup(c, li.name))
+            continue;
         cJSON *a = cJSON_CreateObject();
-        if (!a || mdt_model_lora_info(c->m, i, &li) != MDT_OK) {
+        if (!a) {
             cJSON_Delete(a);
             continue;
         }
         cJSON_AddItemToArray(arr, a);
         cJSON_AddStringToObject(a, "name", li.name);
-        cJSON_AddBoolToObject(a, "startup", is_startup(c, li.name));
         cJSON_AddBoolToObject(a, "fused", li.active);
         cJSON_AddNumberToObject(a, "weight", li.weight);
         cJSON_AddNumberToObject(a, "linear_weights", li.targets);
@@ -352,7 +354,8 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     char *cfg = cJSON_PrintUnformatted(c->m->config), *adapters = adapters_json(c);
     const cJSON *cls = cJSON_GetObjectItemCaseSensitive(c->m->config, "_class_name");
     char *wlist = mdt_alloc((size_t)c->world * 24 + 1);
-    char tp[16], ring[16], uly[16], world[16], order[32], ms[32], msb[32], mrb[32], idle[32];
+    char tp[16], ring[16], uly[16], world[16], order[32], ms[32], msb[32], mrb[32], idle[32],
+        nad[16];
     int T, R, U;
     mdt_device_info d;
     mdt_device_info_get(&d);
@@ -367,6 +370,7 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     snprintf(msb, sizeof msb, "%lld", (long long)c->p->max_session_bytes);
     snprintf(mrb, sizeof mrb, "%lld", (long long)c->p->max_request_bytes);
     snprintf(idle, sizeof idle, "%g", c->p->session_idle);
+    snprintf(nad, sizeof nad, "%d", mdt_model_lora_count(c->m));
     if (!cfg || !wlist || !all || !adapters)
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
     else {
@@ -411,6 +415,8 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
                               idle,
                               "adapters",
                               adapters,
+                              "adapters_loaded",
+                              nad,
                               NULL};
         st = mdt_serve_reply_ok(meta, NULL, reply, rn);
     }

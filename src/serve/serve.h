@@ -34,6 +34,7 @@ typedef enum mdt_serve_op {
 #define MDT_SERVE_TENSORS_MAX 1024    /* tensors in one request (a forward takes about a dozen) */
 #define MDT_SERVE_ADAPTER_NAME_MAX 63 /* bytes of an adapter's name (models/lora.h) */
 #define MDT_SERVE_LORA_MAX 64         /* adapters named in one "lora" set, and loaded at once */
+#define MDT_SERVE_ADAPTER_TENSORS_MAX 16384 /* tensors of one adapter (lora_load) */
 
 /* One request, parsed. Tensors in their sent dtype, owned. */
 typedef struct mdt_serve_request {
