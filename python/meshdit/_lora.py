@@ -129,10 +129,15 @@ def _state(t) -> dict:
     if st is None:
         import secrets
         startup = [f"{a['name']}={float(a['weight'])!r}"
-                   for a in json.loads(t.info.get("adapters", "[]")) if a.get("startup")]
-        st = {"prefix": f"py{secrets.token_hex(6)}-", "next": 0, "slots": {},
+                   for a in json.loads(t.info.get("adapters", "[]")) if a.get("fused")]
+        # server-side names: unguessable (the server lists no client's adapters), so no other
+        # client can name, fuse or unload them
+        st = {"prefix": f"py{secrets.token_hex(16)}-", "next": 0, "slots": {},
               "startup": startup}
         t.__dict__["_meshdit_lora"] = st
+        if t._server is None:  # a shared server (connect): its adapters go with this object
+            import weakref
+            weakref.finalize(t, _unload_all, t._client, st)
     return st
 
 
@@ -220,18 +225,27 @@ def load_adapter(t, pretrained_model_name_or_path_or_dict, prefix="transformer",
     except BaseException:
         with contextlib.suppress(Exception):
             t._client.lora_unload(server_name)
+        cfgs = getattr(t, "peft_config", None)
+        if cfgs is not None and adapter_name in cfgs:  # as diffusers drops a failed adapter's
+            layer = t._modules.get(PROBE)
+            with contextlib.suppress(Exception):
+                layer.delete_adapter(adapter_name)
+            cfgs.pop(adapter_name)
         raise
     st["slots"][slot] = {"name": adapter_name, "server": server_name, "meta": meta,
                          "tensors": tensors}
 
 
 def _coefficients(t) -> list[float] | None:
-    """What peft applies to each slot's adapter now (the probe's output for 1), or None."""
+    """What peft applies to each slot's adapter now (the probe's output for 1), or None. A
+    coefficient within 1e-12 of 0 is 0: what x * s / s leaves of a merge unmerged after a scale
+    (peft's own arithmetic; in real weights it is far below their rounding)."""
     probe = t._modules.get(PROBE)
     if probe is None:
         return None
     with torch.no_grad():
-        return probe(torch.ones(1, dtype=torch.float64)).tolist()
+        c = probe(torch.ones(1, dtype=torch.float64)).tolist()
+    return [0.0 if abs(v) < 1e-12 else v for v in c]
 
 
 def collect(t) -> None:
@@ -277,6 +291,14 @@ def reload(t) -> None:
 def release(t) -> None:
     """Unloads this drop-in's adapters from a server it shares (close of a connect())."""
     st = t.__dict__.get("_meshdit_lora")
-    for a in (st or {}).get("slots", {}).values():
-        with contextlib.suppress(Exception):
-            t._client.lora_unload(a["server"], timeout=1.0)
+    if st:
+        _unload_all(t._client, st)
+
+
+def _unload_all(client, st) -> None:
+    for a in list(st["slots"].values()):
+        try:
+            client.lora_unload(a["server"], timeout=1.0)
+        except Exception:  # noqa: BLE001 - a server that is gone, or a closed client
+            break
+    st["slots"].clear()

@@ -53,6 +53,17 @@ _BF16 = torch.bfloat16
 _eager = torch.compiler.disable
 
 
+def _locked(forward):
+    """The forward under the object's lock, outside diffusers' apply_lora_scale: a forward's LoRA
+    scale changes the probe's peft state until it returns, and another thread's forward must not
+    see it (several threads may share one object)."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return forward(self, *args, **kwargs)
+    return wrapper
+
+
 def _to_raw(name: str, value) -> _blob.Raw:
     """A forward argument as request bytes: floats in their own precision (f64 as f32, which the
     server computes in anyway), integers and bools as they are; CPU copy only when needed."""
@@ -189,7 +200,7 @@ class Transformer(ModelMixin, PeftAdapterMixin):
         self.attention_backend: str | None = None  # the exact-attention choice recorded
         self.training = False  # the mesh runs inference only (a diffusers model after loading)
         self.stats = {"forwards": 0, "request_bytes": [], "step_seconds": [], "wall_seconds": [],
-                      "cache": []}
+                      "cache": [], "lora_fuse_seconds": []}
 
     # ---- making one ---------------------------------------------------------------------------
     @classmethod
@@ -437,6 +448,16 @@ class Transformer(ModelMixin, PeftAdapterMixin):
             _lora.load_adapter(self, pretrained_model_name_or_path_or_dict, prefix=prefix,
                                hotswap=hotswap, **kwargs)
 
+    def set_adapters(self, adapter_names, weights=None):
+        """diffusers' set_adapters; a weight per block (a dict, diffusers' UNet form) is refused:
+        the mesh fuses one weight per adapter."""
+        ws = weights if isinstance(weights, list) else [weights]
+        if any(isinstance(w, dict) for w in ws):
+            raise NotImplementedError("meshdit: set_adapters() with per-block weights (a dict) "
+                                      "is not supported: one weight per adapter")
+        with self._lock:
+            return PeftAdapterMixin.set_adapters(self, adapter_names, weights)
+
     def set_attention_backend(self, backend: str) -> None:
         """meshdit computes exact softmax attention (its own tiled kernel, on the mesh). A backend
         that computes the same function (native SDPA and its variants, flash, flex, xformers,
@@ -619,6 +640,8 @@ class Transformer(ModelMixin, PeftAdapterMixin):
         res = {k: torch.from_numpy(np.array(v)).to(dtype=like.dtype, device=like.device)
                for k, v in out.items()}
         self.stats["wall_seconds"].append(time.perf_counter() - t0)
+        if "lora_fuse_seconds" in meta:  # this forward fused a new adapter set first
+            self.stats["lora_fuse_seconds"].append(float(meta["lora_fuse_seconds"]))
         if "cache_skipped" in meta:
             self.stats["cache"].append({
                 "branch": self._cache_name or "inference", "skipped": meta["cache_skipped"] == "1",
@@ -920,6 +943,7 @@ class FluxTransformer(Transformer):
     per_step = frozenset({"hidden_states", "timestep"})
 
     @_eager
+    @_locked
     @apply_lora_scale("joint_attention_kwargs")
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                 pooled_projections: torch.Tensor = None, timestep: torch.LongTensor = None,
@@ -951,6 +975,7 @@ class MiniMaxH3Transformer(Transformer):
     per_step = frozenset({"hidden_states", "audio_hidden_states", "timestep"})
 
     @_eager
+    @_locked
     @apply_lora_scale("attention_kwargs")
     def forward(self, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor,
                 encoder_hidden_states: torch.Tensor, timestep: torch.Tensor,
@@ -979,6 +1004,7 @@ class Flux2Transformer(Transformer):
     per_step = frozenset({"hidden_states", "timestep"})
 
     @_eager
+    @_locked
     @apply_lora_scale("joint_attention_kwargs")
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                 timestep: torch.LongTensor = None, img_ids: torch.Tensor = None,
@@ -1035,6 +1061,7 @@ class QwenImageTransformer(Transformer):
     per_step = frozenset({"hidden_states", "timestep"})
 
     @_eager
+    @_locked
     @apply_lora_scale("attention_kwargs")
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                 encoder_hidden_states_mask: torch.Tensor = None,
@@ -1063,6 +1090,7 @@ class WanTransformer(Transformer):
     per_step = frozenset({"hidden_states", "timestep"})
 
     @_eager
+    @_locked
     @apply_lora_scale("attention_kwargs")
     def forward(self, hidden_states: torch.Tensor, timestep: torch.LongTensor,
                 encoder_hidden_states: torch.Tensor,
