@@ -128,6 +128,14 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
                         "or lora_unload)",
                         mdt_escape(v, shown, sizeof shown));
     }
+    if (strcmp(k, "cfg_next") == 0) {
+        if (!good_name(v, MDT_SERVE_NAME_MAX))
+            return MDT_FAIL(MDT_E_INVALID,
+                            "request: \"cfg_next\" must be a session's token, got '%s'",
+                            mdt_escape(v, shown, sizeof shown));
+        strcpy(r->cfg_next, v);
+        return MDT_OK;
+    }
     if (strcmp(k, "id") == 0 || strcmp(k, "session") == 0) {
         if (!good_name(v, MDT_SERVE_NAME_MAX))
             return MDT_FAIL(MDT_E_INVALID,
@@ -192,7 +200,7 @@ static mdt_status parse_meta(const char *k, const char *v, mdt_serve_request *r)
     }
     return MDT_FAIL(MDT_E_INVALID,
                     "request: unknown metadata key '%s' (op, id, session, keep, end_session, "
-                    "cache, cache_context, cache_generation, lora, adapter_name, "
+                    "cache, cache_context, cache_generation, lora, cfg_next, adapter_name, "
                     "lora_adapter_metadata, format)",
                     mdt_escape(k, key, sizeof key));
 }
@@ -219,6 +227,8 @@ static mdt_status check_request(const mdt_serve_request *r, int ntensors) {
                                        "with op 'lora_load' (an adapter file's metadata)");
     if (r->op != MDT_SERVE_OP_FORWARD && r->has_lora)
         return MDT_FAIL(MDT_E_INVALID, "request: \"lora\" goes with a forward");
+    if (r->op != MDT_SERVE_OP_FORWARD && r->cfg_next[0])
+        return MDT_FAIL(MDT_E_INVALID, "request: \"cfg_next\" goes with a forward");
     if (r->op != MDT_SERVE_OP_FORWARD && (r->n_keep || r->end_session))
         return MDT_FAIL(MDT_E_INVALID, "request: \"keep\" and \"end_session\" go with a forward");
     if (r->op != MDT_SERVE_OP_FORWARD && r->op != MDT_SERVE_OP_END_SESSION && r->session[0])

@@ -24,6 +24,8 @@
 #include "comm/mesh.h"
 #include "models/model.h"
 
+#include "io/safetensors.h"
+
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <mpi.h>
@@ -41,7 +43,8 @@ void mdt_serve_stop(void) {
     mdt_mesh_request_stop(); /* a forward under way ends at its next wait (interruptible) */
 }
 
-enum { k_tag_stop = 7717, k_poll_ms = 100 };
+enum { k_tag_stop = 7717, k_tag_spec = 7718, k_poll_ms = 100 };
+#define MDT_SERVE_LORA_KEY (MDT_SERVE_LORA_MAX * (MDT_SERVE_ADAPTER_NAME_MAX + 27) + 2)
 /* The header rank 0 broadcasts for each turn of the loop: the operation, the blob's size, rank
  * 0's clock (ms), and two words a turn may carry (a new session's token). */
 enum { H_OP, H_BYTES, H_NOW_MS, H_WORD0, H_WORD1, MDT_SERVE_HDR };
@@ -84,6 +87,16 @@ typedef struct serve_ctx {
     int n_start;
     char start_names[MDT_SERVE_LORA_MAX][MDT_SERVE_ADAPTER_NAME_MAX + 1];
     double start_w[MDT_SERVE_LORA_MAX];
+    /* --cfg 2: group 1 computes the other branch of a guided step while group 0 computes the
+     * request (docs/serve.md, "Two branches at once"); its inputs are kept on every rank (a later
+     * request that equals them, byte for byte, is answered with its outputs), its outputs on
+     * rank 0 */
+    int C, grp, spec_leader; /* cfg degree, this rank's group, this rank leads group 1 */
+    int leader1;             /* group 1's leader's world rank */
+    mdt_tensor_set *spec_in, *spec_out;
+    double spec_s;                      /* the speculative forward's seconds */
+    char spec_lora[MDT_SERVE_LORA_KEY]; /* the adapters it ran with (lora_key) */
+    int64_t cfg_hits, cfg_speculated;
 } serve_ctx;
 
 /* Ranks > 0, waiting for a header: tell rank 0 once that a stop was asked here. */
@@ -355,7 +368,7 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     const cJSON *cls = cJSON_GetObjectItemCaseSensitive(c->m->config, "_class_name");
     char *wlist = mdt_alloc((size_t)c->world * 24 + 1);
     char tp[16], ring[16], uly[16], world[16], order[32], ms[32], msb[32], mrb[32], idle[32],
-        nad[16];
+        nad[16], cfgd[8];
     int T, R, U;
     mdt_device_info d;
     mdt_device_info_get(&d);
@@ -371,6 +384,7 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     snprintf(mrb, sizeof mrb, "%lld", (long long)c->p->max_request_bytes);
     snprintf(idle, sizeof idle, "%g", c->p->session_idle);
     snprintf(nad, sizeof nad, "%d", mdt_model_lora_count(c->m));
+    snprintf(cfgd, sizeof cfgd, "%d", c->C);
     if (!cfg || !wlist || !all || !adapters)
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
     else {
@@ -391,6 +405,8 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
                               cfg,
                               "world",
                               world,
+                              "cfg",
+                              cfgd,
                               "tp",
                               tp,
                               "ring",
@@ -427,6 +443,113 @@ static mdt_status op_info(serve_ctx *c, const mdt_serve_request *r, unsigned cha
     return st;
 }
 
+/* ---- --cfg 2: the other branch at once ---- */
+
+/* Every tensor of `a` is in `b` with the same dtype, shape and bytes, and the other way round. */
+static int sets_equal(const mdt_tensor_set *a, const mdt_tensor_set *b) {
+    if (!a || !b || mdt_tensor_set_count(a) != mdt_tensor_set_count(b))
+        return 0;
+    for (int i = 0; i < mdt_tensor_set_count(a); i++) {
+        const char *name;
+        const mdt_tensor *x = mdt_tensor_set_at(a, i, &name), *y = mdt_tensor_set_get(b, name);
+        if (!y || x->dtype != y->dtype || x->ndim != y->ndim ||
+            memcmp(x->shape, y->shape, sizeof(int64_t) * (size_t)x->ndim) != 0 ||
+            memcmp(x->data, y->data, (size_t)mdt_tensor_nbytes(x)) != 0)
+            return 0;
+    }
+    return 1;
+}
+
+/* The adapters a forward asks for, as one comparable text ("-": the start-up set). */
+static void lora_key(const mdt_serve_request *r, char *out, size_t cap) {
+    size_t n = (size_t)snprintf(out, cap, "%s", r->has_lora ? "" : "-");
+    for (int i = 0; i < r->n_lora && n < cap; i++)
+        n += (size_t)snprintf(out + n, cap - n, "%s=%.17g,", r->lora_names[i], r->lora_weights[i]);
+}
+
+static void spec_drop(serve_ctx *c) {
+    mdt_tensor_set_free(c->spec_in), mdt_tensor_set_free(c->spec_out);
+    c->spec_in = c->spec_out = NULL;
+}
+
+/* The other branch's inputs: this forward's, with the tensors kept under r->cfg_next in place
+ * of (or besides) those of the same name. NULL in *out when there is nothing to compute: no
+ * cfg 2, no cfg_next, a step cache (its state is per branch), or no such session. */
+static mdt_status spec_inputs(serve_ctx *c, const mdt_serve_request *r, mdt_tensor_set **out) {
+    *out = NULL;
+    const mdt_tensor_set *kept = mdt_serve_sessions_set_of(&c->ss, r->cfg_next);
+    if (c->C != 2 || !r->cfg_next[0] || (r->cache[0] && strcmp(r->cache, "none") != 0) || !kept)
+        return MDT_OK;
+    mdt_tensor_set *in = NULL;
+    MDT_TRY(mdt_tensor_set_create(&in));
+    mdt_status st = MDT_OK;
+    for (int i = 0; st == MDT_OK && i < mdt_tensor_set_count(r->tensors); i++) {
+        const char *name;
+        const mdt_tensor *t = mdt_tensor_set_at(r->tensors, i, &name);
+        const mdt_tensor *k = mdt_tensor_set_get(kept, name);
+        st = mdt_tensor_set_add_copy(in, name, k ? k : t);
+    }
+    for (int i = 0; st == MDT_OK && i < mdt_tensor_set_count(kept); i++) {
+        const char *name;
+        const mdt_tensor *k = mdt_tensor_set_at(kept, i, &name);
+        if (!mdt_tensor_set_get(in, name))
+            st = mdt_tensor_set_add_copy(in, name, k);
+    }
+    if (st != MDT_OK) {
+        mdt_tensor_set_free(in);
+        return st;
+    }
+    *out = in;
+    return MDT_OK;
+}
+
+/* Moves `n` bytes at `buf` from world rank `from` to world rank `to` over the server's
+ * communicator in CHUNK_BYTES pieces, each wait watched as the forward's are. */
+static mdt_status spec_move(serve_ctx *c, void *buf, int64_t n, int from, int to) {
+    for (int64_t off = 0; off < n; off += CHUNK_BYTES) {
+        const int len = (int)(n - off < CHUNK_BYTES ? n - off : CHUNK_BYTES);
+        MPI_Request rq;
+        const int rc =
+            c->rank == from
+                ? MPI_Isend((char *)buf + off, len, MPI_BYTE, to, k_tag_spec, c->comm, &rq)
+                : MPI_Irecv((char *)buf + off, len, MPI_BYTE, from, k_tag_spec, c->comm, &rq);
+        if (rc != MPI_SUCCESS)
+            return MDT_FAIL(MDT_E_MPI, "serve: moving the other branch's outputs failed");
+        MDT_TRY(mdt_mesh_wait(c->mesh, c->comm, 1, &rq, "the other branch's outputs"));
+    }
+    return MDT_OK;
+}
+
+/* Group 1's leader hands its outputs (a blob) to rank 0, which keeps them in c->spec_out. */
+static mdt_status spec_send(serve_ctx *c, const mdt_tensor_set *sout) {
+    if (!c->spec_leader && c->rank != 0)
+        return MDT_OK;
+    unsigned char *blob = NULL;
+    size_t n = 0;
+    int64_t size = -1;
+    mdt_status st = MDT_OK;
+    if (c->spec_leader && (st = mdt_tensor_set_serialize(sout, NULL, &blob, &n)) == MDT_OK)
+        size = (int64_t)n;
+    mdt_status mv = spec_move(c, &size, (int64_t)sizeof size, c->leader1, 0);
+    if (mv == MDT_OK && size > 0 && c->rank == 0 && !(blob = mdt_alloc((size_t)size)))
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory for the other branch's outputs");
+    if (mv == MDT_OK && size > 0 && (c->spec_leader || blob))
+        mv = spec_move(c, blob, size, c->leader1, 0);
+    if (st == MDT_OK)
+        st = mv;
+    if (st == MDT_OK && c->rank == 0 && size < 0)
+        st = MDT_FAIL(MDT_E_NOMEM, "the other cfg group could not serialize its outputs");
+    if (st == MDT_OK && c->rank == 0) {
+        mdt_st_file *f = NULL;
+        st = mdt_st_open_mem(blob, (size_t)size, "the other branch's outputs", &f);
+        if (st == MDT_OK)
+            st = mdt_st_read_set(f, &c->spec_out);
+        mdt_st_close(f);
+    }
+    mdt_free(blob);
+    return st;
+}
+
 /* A forward: the session's kept tensors merged in, every rank's verdict agreed before and after.
  * A failure is a reply (the forward's own message), not an end of the server, unless the peers
  * are stuck (then the caller ends the job). */
@@ -436,7 +559,10 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     mdt_device_info d;
     mdt_device_info_get(&d);
     mdt_cache *cache = NULL;
-    mdt_status st = mdt_serve_sessions_prepare(&c->ss, r);
+    mdt_status st = r->cfg_next[0] && c->C != 2
+                        ? MDT_FAIL(MDT_E_INVALID, "request: \"cfg_next\" needs a server started "
+                                                  "with --cfg 2 (this one has one cfg group)")
+                        : mdt_serve_sessions_prepare(&c->ss, r);
     if (st == MDT_OK) /* the generation's step cache, its branch selected (every rank alike) */
         st = mdt_serve_caches_use(&c->cs, r, &cache);
     if (st == MDT_OK) /* this forward's activations too, before it runs (run's check) */
@@ -445,19 +571,68 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
         st = mdt_tensor_set_create(&out);
     st = mdt_mesh_agree(c->mesh, st);
     double secs = 0, fuse_s = -1;
-    if (st == MDT_OK) { /* the adapters it names (collective, agreed) */
+    /* --cfg 2: the other branch of the last request, computed with it, if these are its inputs
+     * byte for byte (and its adapters); every rank holds the same and decides alike */
+    char lk[MDT_SERVE_LORA_KEY];
+    lora_key(r, lk, sizeof lk);
+    const int hit = st == MDT_OK && c->spec_in && !cache && strcmp(lk, c->spec_lora) == 0 &&
+                    sets_equal(r->tensors, c->spec_in);
+    mdt_tensor_set *sin = NULL, *sout = NULL;
+    if (st == MDT_OK && !hit && c->C == 2) { /* a new request: any earlier one is stale */
+        spec_drop(c);
+        mdt_status sp = spec_inputs(c, r, &sin);
+        if (sp == MDT_OK && sin)
+            sp = mdt_serve_budget_check(&c->budget, c->m, sin, d.gpu);
+        if (sp == MDT_OK && sin)
+            sp = mdt_tensor_set_create(&sout);
+        if (mdt_mesh_agree(c->mesh, sp) != MDT_OK) { /* optional: the request runs alone */
+            if (mdt_mesh_peers_stuck(c->mesh))
+                st = *fatal = MDT_E_MPI;
+            mdt_tensor_set_free(sin), mdt_tensor_set_free(sout);
+            sin = sout = NULL;
+        }
+    }
+    if (st == MDT_OK && !hit) { /* the adapters it names (collective, agreed) */
         st = use_adapters(c, r, &fuse_s);
         if (st != MDT_OK && mdt_mesh_peers_stuck(c->mesh))
             *fatal = st;
     }
-    if (st == MDT_OK) {
+    for (int attempt = 0; st == MDT_OK && !hit && attempt < 2; attempt++) {
         const double t0 = now_s();
         c->m->cache = cache;
-        st = mdt_model_forward(c->m, r->tensors, out); /* guarded, watched, agreed */
+        if (c->grp == 0) /* group 0: the request (the only group without cfg) */
+            st = mdt_model_forward(c->m, r->tensors, out); /* guarded, watched, agreed */
+        else if (sin)
+            st = mdt_model_forward(c->m, sin, sout);
+        else
+            st = mdt_model_sit_out(c->m, MDT_OK);
         c->m->cache = NULL;
         secs = now_s() - t0;
         if (st != MDT_OK && mdt_mesh_peers_stuck(c->mesh))
             *fatal = st;
+        if (st == MDT_OK || *fatal != MDT_OK || !sin)
+            break;
+        /* it may be the other branch's inputs that failed: the request alone once more */
+        mdt_tensor_set_free(sin), mdt_tensor_set_free(sout), mdt_tensor_set_free(out);
+        sin = sout = out = NULL;
+        st = mdt_mesh_agree(c->mesh, mdt_tensor_set_create(&out));
+    }
+    if (st == MDT_OK && sin) { /* group 1's outputs to rank 0, kept for the next request */
+        const mdt_status sp = mdt_mesh_agree(c->mesh, spec_send(c, sout));
+        if (sp == MDT_OK) {
+            c->spec_in = sin, sin = NULL;
+            snprintf(c->spec_lora, sizeof c->spec_lora, "%s", lk);
+            c->cfg_speculated++;
+        } else {
+            if (mdt_mesh_peers_stuck(c->mesh))
+                st = *fatal = sp;
+            spec_drop(c);
+        }
+    }
+    mdt_tensor_set_free(sin), mdt_tensor_set_free(sout);
+    if (hit) {
+        c->cfg_hits++;
+        secs = 0; /* no forward ran for this request: the last one's computed it */
     }
     if (st == MDT_OK) {
         const int64_t before = mdt_serve_sessions_bytes_of(&c->ss, r->session);
@@ -482,6 +657,8 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
                 snprintf(csaved, sizeof csaved, "%.17g", e->flops_saved);
             }
             const int64_t held = mdt_serve_sessions_bytes_of(&c->ss, r->session);
+            const char *cfgv = hit ? "hit" : c->C == 2 ? "computed" : "";
+            const char *specv = !hit && c->spec_in ? "1" : "";
             snprintf(sec, sizeof sec, "%.6f", secs);
             snprintf(got, sizeof got, "%lld", (long long)r->bytes);
             snprintf(kept, sizeof kept, "%lld", (long long)held);
@@ -500,6 +677,10 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
                                   kept,
                                   "lora_fuse_seconds",
                                   fuse,
+                                  "cfg",
+                                  cfgv,
+                                  "cfg_speculated",
+                                  specv,
                                   cache ? "cache_skipped" : NULL,
                                   cache && cache->last.skipped ? "1" : "0",
                                   "cache_diff",
@@ -511,11 +692,13 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
                                   "cache_flops_saved",
                                   csaved,
                                   NULL};
-            st = mdt_serve_reply_ok(meta, out, reply, rn);
+            st = mdt_serve_reply_ok(meta, hit ? c->spec_out : out, reply, rn);
         }
     } else {
         st = MDT_OK;
     }
+    if (hit)
+        spec_drop(c); /* answered: the speculation is spent */
     mdt_tensor_set_free(out);
     return st;
 }
@@ -716,6 +899,13 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
         st = mdt_serve_budget_init(&c.budget, m, p);
     if (c.mesh && MPI_Comm_dup(c.mesh->world, &c.comm) != MPI_SUCCESS)
         st = MDT_FAIL(MDT_E_MPI, "serve: duplicating the world communicator failed");
+    c.C = c.mesh ? c.mesh->C : 1, c.grp = c.mesh ? c.mesh->c : 0;
+    c.spec_leader = c.C == 2 && c.grp == 1 && c.mesh->t == 0 && c.mesh->r == 0 && c.mesh->u == 0;
+    if (st == MDT_OK && c.C == 2) { /* every rank learns group 1's leader */
+        int me = c.spec_leader ? c.rank : -1;
+        if (MPI_Allreduce(&me, &c.leader1, 1, MPI_INT, MPI_MAX, c.comm) != MPI_SUCCESS)
+            st = MDT_FAIL(MDT_E_MPI, "serve: finding the second cfg group's leader failed");
+    }
     if (st == MDT_OK && c.rank == 0) {
         c.l = p->listener;
         if (!c.l && (st = mdt_serve_listen(p, &c.l)) == MDT_OK)
@@ -742,6 +932,7 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
         MPI_Comm_free(&c.comm);
     mdt_serve_sessions_free(&c.ss);
     mdt_serve_caches_free(&c.cs);
+    spec_drop(&c);
     mdt_free(c.notes_recv);
     return st;
 }

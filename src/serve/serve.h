@@ -60,6 +60,10 @@ typedef struct mdt_serve_request {
     const void *blob;
     int adapter_meta; /* "lora_adapter_metadata" or "format" was given */
     /* forward with "lora": the adapter set to fuse first (n_lora 0: the base weights) */
+    /* forward on a --cfg 2 server: the session whose kept tensors, over this forward's inputs,
+     * are the next forward's (the other branch of a guided step): the other cfg group computes
+     * that forward now ("" : none) */
+    char cfg_next[MDT_SERVE_NAME_MAX + 1];
     int has_lora, n_lora;
     char *lora_names[MDT_SERVE_LORA_MAX]; /* into lora_buf */
     double lora_weights[MDT_SERVE_LORA_MAX];
@@ -121,6 +125,8 @@ mdt_status mdt_serve_sessions_prepare(mdt_serve_sessions *ss, mdt_serve_request 
 mdt_status mdt_serve_sessions_commit(mdt_serve_sessions *ss, const mdt_serve_request *r);
 /* Drops a session (a no-op for an unknown name). */
 void mdt_serve_sessions_end(mdt_serve_sessions *ss, const char *name);
+/* The tensors kept under `name` (NULL if none). */
+const mdt_tensor_set *mdt_serve_sessions_set_of(const mdt_serve_sessions *ss, const char *name);
 /* Bytes kept under `name` (0 if none). */
 int64_t mdt_serve_sessions_bytes_of(const mdt_serve_sessions *ss, const char *name);
 

@@ -87,6 +87,11 @@ static mdt_serve_session *find(const mdt_serve_sessions *ss, const char *name) {
     return NULL;
 }
 
+const mdt_tensor_set *mdt_serve_sessions_set_of(const mdt_serve_sessions *ss, const char *name) {
+    const mdt_serve_session *s = find(ss, name);
+    return s ? s->set : NULL;
+}
+
 int64_t mdt_serve_sessions_bytes_of(const mdt_serve_sessions *ss, const char *name) {
     const mdt_serve_session *s = find(ss, name);
     return s ? s->bytes : 0;

@@ -75,6 +75,8 @@ static void test_request_checks(void) {
         {{"op", "lora_load", "adapter_name", "a,b", NULL}, 1, "commas"},
         {{"op", "forward", "lora_adapter_metadata", "{}", NULL}, 1, "go with op 'lora_load'"},
         {{"op", "info", "lora", "a=1", NULL}, 0, "\"lora\" goes with a forward"},
+        {{"op", "info", "cfg_next", "s", NULL}, 0, "\"cfg_next\" goes with a forward"},
+        {{"op", "forward", "cfg_next", "a\nb", NULL}, 1, "must be a session's token"},
         {{"op", "forward", "lora", "a", NULL}, 1, "NAME=WEIGHT entries"},
         {{"op", "forward", "lora", "a=", NULL}, 1, "NAME=WEIGHT entries"},
         {{"op", "forward", "lora", "a=1x", NULL}, 1, "NAME=WEIGHT entries"},
