@@ -229,7 +229,7 @@ class Client:
     def forward(self, tensors: Mapping[str, _blob.Raw], session: str | None = None,
                 keep=(), end_session: bool = False,
                 cache: Mapping[str, str] | None = None,
-                lora: str | None = None) -> tuple[dict, dict]:
+                lora: str | None = None, cfg_next: str | None = None) -> tuple[dict, dict]:
         """One transformer forward: (reply metadata, outputs as float32 numpy arrays).
 
         `session` is the caller's handle: the first forward of a handle (it must name what to
@@ -242,6 +242,8 @@ class Client:
         meta = {"op": "forward", **(cache or {})}
         if lora is not None:
             meta["lora"] = lora
+        if cfg_next is not None:  # a --cfg 2 server: the other branch's session token
+            meta["cfg_next"] = cfg_next
         wire = None
         if session is not None:
             wire = self._tokens.get(session)

@@ -31,7 +31,7 @@ from typing import Sequence
 
 from .client import Client, MeshditError, remove_stale_socket
 
-_LAYOUT = ("tp", "ring", "ulysses")
+_LAYOUT = ("cfg", "tp", "ring", "ulysses")
 
 
 def _is_python_command(path: str) -> bool:
@@ -107,17 +107,17 @@ def _size_arg(v) -> str:
 class Server:
     """A `meshdit serve` job owned by this process. Use `client` to talk to it; `close()` ends it.
 
-    Options follow `meshdit serve` (docs/serve.md): tp, ring, ulysses, mesh_order, device, dtype,
+    Options follow `meshdit serve` (docs/serve.md): cfg, tp, ring, ulysses, mesh_order, device, dtype,
     comm, max_memory, max_sessions, max_session_bytes, session_idle, max_request_bytes,
     max_queue_bytes, step_timeout, load_timeout; `extra` is appended as is. `launcher` is the command line that starts `world` ranks (default
-    ``mpiexec -n tp*ring*ulysses``); `endpoint` defaults to a socket in a private temp dir.
+    ``mpiexec -n cfg*tp*ring*ulysses``); `endpoint` defaults to a socket in a private temp dir.
     `loopback` (default: True with the default launcher, which runs every rank on this host)
     keeps every socket of the MPI job on loopback (`loopback_env`); a launcher across hosts must
     leave it False. `watch_owner` (default True) ends the job when this process ends.
     """
 
-    def __init__(self, checkpoint: str, *, tp: int = 1, ring: int = 1, ulysses: int = 1,
-                 mesh_order: str | None = None, device: str | None = None,
+    def __init__(self, checkpoint: str, *, cfg: int = 1, tp: int = 1, ring: int = 1,
+                 ulysses: int = 1, mesh_order: str | None = None, device: str | None = None,
                  dtype: str | None = None, comm: str | None = None, max_memory=None,
                  max_sessions: int | None = None, max_session_bytes=None,
                  session_idle: float | None = None, max_request_bytes=None,
@@ -130,12 +130,14 @@ class Server:
         if not isinstance(checkpoint, (str, os.PathLike)) or not os.path.isdir(checkpoint):
             raise MeshditError(f"meshdit: checkpoint '{checkpoint}' is not a directory")
         layout = []
-        for k, v in zip(_LAYOUT, (tp, ring, ulysses)):
+        for k, v in zip(_LAYOUT, (cfg, tp, ring, ulysses)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise MeshditError(f"meshdit: {k}={v!r}: must be an integer >= 1")
             layout.append(int(v))
-        tp, ring, ulysses = layout
-        world = tp * ring * ulysses
+        cfg, tp, ring, ulysses = layout
+        if cfg > 2:
+            raise MeshditError(f"meshdit: cfg={cfg}: 1 or 2 (the two branches of a guided step)")
+        world = cfg * tp * ring * ulysses
         exe = find_binary(binary)  # both resolved before anything is made
         launch = (default_launcher(world) if launcher is None else
                   shlex.split(launcher) if isinstance(launcher, str) else list(launcher))
@@ -143,8 +145,8 @@ class Server:
         self._tmp = tempfile.mkdtemp(prefix="meshdit-")
         self.endpoint = endpoint or f"ipc://{self._tmp}/serve.sock"
         args = [exe, "serve", "--checkpoint", os.path.abspath(checkpoint),
-                "--tp", str(tp), "--ring", str(ring), "--ulysses", str(ulysses),
-                "--listen", self.endpoint]
+                "--cfg", str(cfg), "--tp", str(tp), "--ring", str(ring), "--ulysses",
+                str(ulysses), "--listen", self.endpoint]
         if watch_owner:  # rank 0 ends the job when this process's end of its stdin closes
             args.append("--owner-stdin")
         opt = {"--mesh-order": mesh_order, "--device": device, "--dtype": dtype, "--comm": comm,

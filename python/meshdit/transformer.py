@@ -200,11 +200,16 @@ class Transformer(ModelMixin, PeftAdapterMixin):
         self.attention_backend: str | None = None  # the exact-attention choice recorded
         self.training = False  # the mesh runs inference only (a diffusers model after loading)
         self.stats = {"forwards": 0, "request_bytes": [], "step_seconds": [], "wall_seconds": [],
-                      "cache": [], "lora_fuse_seconds": []}
+                      "cache": [], "lora_fuse_seconds": [], "cfg_hits": 0, "cfg_misses": 0}
+        # cfg=2: the session of each branch's other branch (a forward whose step inputs equal
+        # the previous forward's, under another session), and the previous forward's
+        self._cfg_pairs: dict = {}
+        self._cfg_last = None
 
     # ---- making one ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, checkpoint: str, *, tp: int = 1, ring: int = 1, ulysses: int = 1,
+                        cfg: int = 1,
                         mesh_order: str | None = None, device: str | None = None,
                         dtype=None, launcher=None, binary: str | None = None,
                         torch_dtype: torch.dtype | None = None, sessions: bool = True,
@@ -221,7 +226,10 @@ class Transformer(ModelMixin, PeftAdapterMixin):
         arguments are serve options (comm, max_memory, max_sessions, step_timeout, endpoint,
         ...) or diffusers' loading arguments at values that change nothing (what a pipeline's
         from_pretrained passes: device_map=None, variant=None, low_cpu_mem_usage, ...); another
-        value of those raises NotImplementedError naming it. timeout: seconds a forward may take
+        value of those raises NotImplementedError naming it. cfg=2: twice the ranks, and the
+        second half computes the other branch of each guided step (the unconditional forward)
+        while the first computes the conditional one (docs/python.md, "cfg=2"). timeout: seconds
+        a forward may take
         (None: no bound; the server process is watched, so a server that dies ends the wait
         with its error line). resume: True or options: a forward whose server job ends (a lost
         rank) relaunches the job and is redone (meshdit/_resume.py)."""
@@ -247,7 +255,7 @@ class Transformer(ModelMixin, PeftAdapterMixin):
                 raise TypeError(f"meshdit: from_pretrained() got an unexpected keyword argument "
                                 f"'{k}'")
         checkpoint = _resolve(checkpoint, subfolder, revision, cache_dir)
-        start = functools.partial(Server, checkpoint, tp=tp, ring=ring, ulysses=ulysses,
+        start = functools.partial(Server, checkpoint, cfg=cfg, tp=tp, ring=ring, ulysses=ulysses,
                                   mesh_order=mesh_order, device=device, dtype=dtype,
                                   launcher=launcher, binary=binary, timeout=timeout, **serve)
         server = start()
@@ -664,9 +672,10 @@ class Transformer(ModelMixin, PeftAdapterMixin):
         session, send, keep, ended, fps = self._planner.plan(raws, self.per_step)
         for s in ended:
             self._client.end_session(s)
+        second, cfg_next = self._cfg_plan(session, raws)
         try:
             meta, out = self._client.forward(send, session=session, keep=keep, cache=cache,
-                                             lora=lora)
+                                             lora=lora, cfg_next=cfg_next)
         except ServerError as e:
             if session is None:
                 raise
@@ -684,7 +693,34 @@ class Transformer(ModelMixin, PeftAdapterMixin):
                 self._stale.append(session)
             raise
         self._planner.commit(session, fps)
+        if meta.get("cfg") == "hit":
+            self.stats["cfg_hits"] += 1
+        elif second:
+            self.stats["cfg_misses"] += 1
         return meta, out
+
+    def _cfg_plan(self, session, raws):
+        """cfg=2: whether this forward is the second branch of a guided step (the previous
+        forward had the same step inputs under another session), and the server token of this
+        session's other branch, for the server to compute at once (None: no pair known). The
+        server answers the other branch from that forward only if its inputs are the same bytes:
+        a pairing guessed wrong costs time, never a wrong answer."""
+        if self.info.get("cfg") != "2" or session is None:
+            return False, None
+        import hashlib
+        h = hashlib.blake2b(digest_size=16)
+        for name in sorted(n for n in raws if n in self.per_step):
+            r = raws[name]
+            h.update(name.encode() + b"\0" + r.dtype.encode() + repr(r.shape).encode())
+            h.update(r.data)
+        fp, prev = h.digest(), self._cfg_last
+        self._cfg_last = (session, fp)
+        second = prev is not None and prev[0] != session and prev[1] == fp
+        if second:
+            self._cfg_pairs[prev[0]] = session
+        other = self._cfg_pairs.get(session)
+        token = self._client._tokens.get(other) if other is not None and not second else None
+        return second, token
 
     # ---- ending it ----------------------------------------------------------------------------
     def close(self) -> None:
