@@ -109,6 +109,17 @@ double mdt_model_step_bound(const mdt_model *m);
  * forward does not take it. */
 const mdt_input_decl *mdt_model_input(const mdt_model *m, const char *name);
 
+/* ---- batch.c: a forward's inputs cut by batch rows (the cfg axis' split) ---- */
+/* 1 when t, input d of a batch of B > 1, is one value for every sample (dim 0 of 1, where the
+ * family broadcasts it: a timestep [1] beside a latent [B, ...]). */
+int mdt_input_shared_by_batch(const mdt_input_decl *d, const mdt_tensor *t, int64_t B);
+/* The batch B >= 2 of `in` when its rows can be cut: the latent input's dim 0, which every
+ * batched input of the family has in dim 0 (or 1 where it may be shared); 0 otherwise. */
+int64_t mdt_model_batch_of(const mdt_model *m, const mdt_tensor_set *in);
+/* *out (new): rows [b0, b0 + nb) of every batched input of `in` (batch B), the others whole. */
+mdt_status mdt_model_inputs_rows(const mdt_model *m, const mdt_tensor_set *in, int64_t B,
+                                 int64_t b0, int64_t nb, mdt_tensor_set **out);
+
 /* Creates a model from a config only (no weights; used by gen and inspect). */
 mdt_status mdt_model_describe(const cJSON *config, mdt_model **out);
 

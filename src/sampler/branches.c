@@ -60,18 +60,13 @@ static mdt_status check_negative(const mdt_model *m, const mdt_tensor_set *in, c
     return MDT_OK;
 }
 
-/* 1 when t, an input of the family's, is one value for every sample of a batch of B > 1: dim 0
- * of 1 where the family broadcasts it (a timestep [1] beside a latent [B, ...]). */
-static int shared_by_batch(const mdt_input_decl *d, const mdt_tensor *t, int64_t B) {
-    return d && (d->flags & MDT_IN_BATCH) && (d->flags & MDT_IN_SHARED) && t->ndim >= 1 &&
-           t->shape[0] == 1 && B > 1;
-}
-
 /* The inputs of one branch: every conditional input, negative_X in place of X for the
  * unconditional one (`uncond`), or rows [b0, b0 + nb) of the batched ones of batch B (nb > 0;
- * those shared by the batch whole). */
+ * those shared by the batch whole: models/batch.c). */
 static mdt_status make_set(const mdt_model *m, const mdt_tensor_set *in, int uncond, int64_t B,
                            int64_t b0, int64_t nb, mdt_tensor_set **out) {
+    if (nb > 0)
+        return mdt_model_inputs_rows(m, in, B, b0, nb, out);
     mdt_tensor_set *s = NULL;
     MDT_TRY(mdt_tensor_set_create(&s));
     mdt_status st = MDT_OK;
@@ -83,16 +78,7 @@ static mdt_status make_set(const mdt_model *m, const mdt_tensor_set *in, int unc
             continue;
         snprintf(nn, sizeof nn, "%s%s", k_neg, name);
         const mdt_tensor *neg = uncond ? mdt_tensor_set_get(in, nn) : NULL;
-        const mdt_input_decl *d = mdt_model_input(m, name);
-        if (nb > 0 && d && (d->flags & MDT_IN_BATCH) && t->ndim >= 1 && !shared_by_batch(d, t, B)) {
-            mdt_tensor part = *t; /* rows b0.. of dim 0 */
-            const int64_t row = t->shape[0] > 0 ? mdt_tensor_nbytes(t) / t->shape[0] : 0;
-            part.shape[0] = nb;
-            part.data = (char *)t->data + b0 * row;
-            st = mdt_tensor_set_add_copy(s, name, &part);
-        } else {
-            st = mdt_tensor_set_add_copy(s, name, neg ? neg : t);
-        }
+        st = mdt_tensor_set_add_copy(s, name, neg ? neg : t);
     }
     if (st != MDT_OK) {
         mdt_tensor_set_free(s);
@@ -152,7 +138,7 @@ mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_ten
             const mdt_tensor *t = mdt_tensor_set_at(in, i, &name);
             const mdt_input_decl *d = mdt_model_input(m, name);
             if (d && (d->flags & MDT_IN_BATCH) && (t->ndim < 1 || t->shape[0] != B) &&
-                !shared_by_batch(d, t, B))
+                !mdt_input_shared_by_batch(d, t, B))
                 return MDT_FAIL(MDT_E_INVALID,
                                 "inputs: '%s' must have the batch %lld of '%s' in dim 0 to be "
                                 "split by --cfg 2%s",

@@ -25,6 +25,7 @@
 #include "models/model.h"
 
 #include "io/safetensors.h"
+#include "parallel/plan.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -520,8 +521,8 @@ static mdt_status spec_move(serve_ctx *c, void *buf, int64_t n, int from, int to
     return MDT_OK;
 }
 
-/* Group 1's leader hands its outputs (a blob) to rank 0, which keeps them in c->spec_out. */
-static mdt_status spec_send(serve_ctx *c, const mdt_tensor_set *sout) {
+/* Group 1's leader hands its outputs (a blob) to rank 0, which reads them into *dst. */
+static mdt_status spec_send(serve_ctx *c, const mdt_tensor_set *sout, mdt_tensor_set **dst) {
     if (!c->spec_leader && c->rank != 0)
         return MDT_OK;
     unsigned char *blob = NULL;
@@ -543,10 +544,43 @@ static mdt_status spec_send(serve_ctx *c, const mdt_tensor_set *sout) {
         mdt_st_file *f = NULL;
         st = mdt_st_open_mem(blob, (size_t)size, "the other branch's outputs", &f);
         if (st == MDT_OK)
-            st = mdt_st_read_set(f, &c->spec_out);
+            st = mdt_st_read_set(f, dst);
         mdt_st_close(f);
     }
     mdt_free(blob);
+    return st;
+}
+
+/* *out (new): every output of `a` (batch rows first) followed by the same output's rows in `b`:
+ * the two groups' parts of a split batch, in order. */
+static mdt_status cat_rows(const mdt_tensor_set *a, const mdt_tensor_set *b, mdt_tensor_set **out) {
+    MDT_TRY(mdt_tensor_set_create(out));
+    mdt_status st = MDT_OK;
+    for (int i = 0; st == MDT_OK && i < mdt_tensor_set_count(a); i++) {
+        const char *name;
+        const mdt_tensor *x = mdt_tensor_set_at(a, i, &name), *y = mdt_tensor_set_get(b, name);
+        if (!y || x->ndim < 1 || y->ndim != x->ndim || x->dtype != y->dtype ||
+            memcmp(x->shape + 1, y->shape + 1, sizeof(int64_t) * (size_t)(x->ndim - 1)) != 0) {
+            st = MDT_FAIL(MDT_E_INVALID,
+                          "serve: the two cfg groups' parts of output '%s' do not "
+                          "join along the batch",
+                          name);
+            break;
+        }
+        int64_t shape[MDT_MAX_DIMS];
+        memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
+        shape[0] = x->shape[0] + y->shape[0];
+        mdt_tensor *t;
+        st = mdt_tensor_set_add(*out, name, x->dtype, x->ndim, shape, &t);
+        if (st == MDT_OK) {
+            memcpy(t->data, x->data, (size_t)mdt_tensor_nbytes(x));
+            memcpy((char *)t->data + mdt_tensor_nbytes(x), y->data, (size_t)mdt_tensor_nbytes(y));
+        }
+    }
+    if (st != MDT_OK) {
+        mdt_tensor_set_free(*out);
+        *out = NULL;
+    }
     return st;
 }
 
@@ -592,6 +626,20 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
             sin = sout = NULL;
         }
     }
+    /* --cfg 2 and nothing to compute for the other branch: a batch of B >= 2 is cut between
+     * the groups (rows [0, B/2) on group 0, the rest on group 1), joined on rank 0 */
+    mdt_tensor_set *part = NULL, *other = NULL;
+    const int64_t B = st == MDT_OK && !hit && !sin && c->C == 2 && !cache
+                          ? mdt_model_batch_of(c->m, r->tensors)
+                          : 0;
+    if (B >= 2) {
+        int64_t b0, nb;
+        mdt_split_range(B, 2, c->grp, &b0, &nb);
+        mdt_status sp = mdt_model_inputs_rows(c->m, r->tensors, B, b0, nb, &part);
+        if (sp == MDT_OK && c->grp == 1)
+            sp = mdt_tensor_set_create(&sout);
+        st = mdt_mesh_agree(c->mesh, sp);
+    }
     if (st == MDT_OK && !hit) { /* the adapters it names (collective, agreed) */
         st = use_adapters(c, r, &fuse_s);
         if (st != MDT_OK && mdt_mesh_peers_stuck(c->mesh))
@@ -600,7 +648,9 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     for (int attempt = 0; st == MDT_OK && !hit && attempt < 2; attempt++) {
         const double t0 = now_s();
         c->m->cache = cache;
-        if (c->grp == 0) /* group 0: the request (the only group without cfg) */
+        if (part) /* a split batch: this group's rows */
+            st = mdt_model_forward(c->m, part, c->grp == 0 ? out : sout);
+        else if (c->grp == 0) /* group 0: the request (the only group without cfg) */
             st = mdt_model_forward(c->m, r->tensors, out); /* guarded, watched, agreed */
         else if (sin)
             st = mdt_model_forward(c->m, sin, sout);
@@ -618,7 +668,7 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
         st = mdt_mesh_agree(c->mesh, mdt_tensor_set_create(&out));
     }
     if (st == MDT_OK && sin) { /* group 1's outputs to rank 0, kept for the next request */
-        const mdt_status sp = mdt_mesh_agree(c->mesh, spec_send(c, sout));
+        const mdt_status sp = mdt_mesh_agree(c->mesh, spec_send(c, sout, &c->spec_out));
         if (sp == MDT_OK) {
             c->spec_in = sin, sin = NULL;
             snprintf(c->spec_lora, sizeof c->spec_lora, "%s", lk);
@@ -629,6 +679,20 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
             spec_drop(c);
         }
     }
+    if (st == MDT_OK && part) { /* group 1's rows to rank 0, after group 0's */
+        st = mdt_mesh_agree(c->mesh, spec_send(c, sout, &other));
+        mdt_tensor_set *whole = NULL;
+        if (st == MDT_OK && c->rank == 0)
+            st = cat_rows(out, other, &whole);
+        st = mdt_mesh_agree(c->mesh, st);
+        if (st == MDT_OK && c->rank == 0) {
+            mdt_tensor_set_free(out);
+            out = whole;
+        } else if (mdt_mesh_peers_stuck(c->mesh)) {
+            *fatal = st;
+        }
+    }
+    mdt_tensor_set_free(part), mdt_tensor_set_free(other);
     mdt_tensor_set_free(sin), mdt_tensor_set_free(sout);
     if (hit) {
         c->cfg_hits++;
@@ -657,7 +721,7 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
                 snprintf(csaved, sizeof csaved, "%.17g", e->flops_saved);
             }
             const int64_t held = mdt_serve_sessions_bytes_of(&c->ss, r->session);
-            const char *cfgv = hit ? "hit" : c->C == 2 ? "computed" : "";
+            const char *cfgv = hit ? "hit" : B >= 2 ? "split" : c->C == 2 ? "computed" : "";
             const char *specv = !hit && c->spec_in ? "1" : "";
             snprintf(sec, sizeof sec, "%.6f", secs);
             snprintf(got, sizeof got, "%lld", (long long)r->bytes);
