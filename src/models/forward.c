@@ -25,10 +25,17 @@ double mdt_model_step_bound(const mdt_model *m) {
 
 mdt_status mdt_model_sit_out(mdt_model *m, mdt_status local) {
     mdt_mesh *mesh = m->mesh;
-    /* the peers' forward is watched from here too */
-    mdt_mesh_set_deadline(mesh, mdt_model_step_bound(m));
+    /* the peers' forward is watched from here too, with the bound their forwards have taught
+     * this rank (it learns from each wait: a rank that only sits out would keep the 60 s floor
+     * while the peers' forwards grow); before any, unbounded here (the peers' own waits are
+     * watched, and a forward's first agreement is stretched to 10 x its time there too) */
+    const double t0 = mdt_now();
+    mdt_mesh_set_deadline(mesh,
+                          m->longest_s > 0 || m->step_timeout > 0 ? mdt_model_step_bound(m) : 0);
     const mdt_status st = mdt_mesh_agree(mesh, local);
     mdt_mesh_set_deadline(mesh, 0);
+    const double secs = mdt_now() - t0;
+    m->longest_s = secs > m->longest_s ? secs : m->longest_s;
     return st;
 }
 
