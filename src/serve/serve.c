@@ -269,10 +269,13 @@ static mdt_status use_adapters(serve_ctx *c, const mdt_serve_request *r, double 
     return st;
 }
 
+static void spec_drop(serve_ctx *c);
+
 static mdt_status op_lora_load(serve_ctx *c, const mdt_serve_request *r, unsigned char **reply,
                                size_t *rn) {
     char shown[MDT_SERVE_ADAPTER_NAME_MAX + 32];
     mdt_status st;
+    spec_drop(c); /* an adapter of that name may be another now: no answer computed before */
     if (mdt_model_lora_count(c->m) >= MDT_SERVE_LORA_MAX) /* the same count on every rank */
         st = MDT_FAIL(MDT_E_INVALID,
                       "lora_load: %d adapters are loaded, the server's limit: lora_unload one "
@@ -303,6 +306,7 @@ static mdt_status op_lora_load(serve_ctx *c, const mdt_serve_request *r, unsigne
 static mdt_status op_lora_unload(serve_ctx *c, const mdt_serve_request *r, unsigned char **reply,
                                  size_t *rn) {
     char shown[MDT_ESC_NAME];
+    spec_drop(c); /* the answer computed with it must not outlive it */
     const mdt_status st =
         is_startup(c, r->adapter)
             ? MDT_FAIL(MDT_E_INVALID,
@@ -504,6 +508,17 @@ static mdt_status spec_inputs(serve_ctx *c, const mdt_serve_request *r, mdt_tens
     return MDT_OK;
 }
 
+static int leader_of_group1(const mdt_mesh *mesh) {
+    const mdt_layout l = {mesh->C, mesh->T, mesh->R, mesh->U, NULL};
+    for (int r = 0; r < mesh->world_size; r++) {
+        mdt_coords co;
+        mdt_mesh_coords(r, &l, mesh->order, &co);
+        if (co.cfg == 1 && co.tp == 0 && co.ring == 0 && co.ulysses == 0)
+            return r;
+    }
+    return -1;
+}
+
 /* Moves `n` bytes at `buf` from world rank `from` to world rank `to` over the server's
  * communicator in CHUNK_BYTES pieces, each wait watched as the forward's are. */
 static mdt_status spec_move(serve_ctx *c, void *buf, int64_t n, int from, int to) {
@@ -532,10 +547,19 @@ static mdt_status spec_send(serve_ctx *c, const mdt_tensor_set *sout, mdt_tensor
     if (c->spec_leader && (st = mdt_tensor_set_serialize(sout, NULL, &blob, &n)) == MDT_OK)
         size = (int64_t)n;
     mdt_status mv = spec_move(c, &size, (int64_t)sizeof size, c->leader1, 0);
-    if (mv == MDT_OK && size > 0 && c->rank == 0 && !(blob = mdt_alloc((size_t)size)))
+    if (mv == MDT_OK && size > 0 && c->rank == 0 && !(blob = mdt_alloc((size_t)size))) {
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory for the other branch's outputs");
-    if (mv == MDT_OK && size > 0 && (c->spec_leader || blob))
+        /* the leader sends anyway: take its pieces into one scratch piece, so none is left
+         * pending for a later receive to match */
+        static unsigned char scratch[1 << 16];
+        for (int64_t off = 0; mv == MDT_OK && off < size; off += (int64_t)sizeof scratch) {
+            const int64_t n_piece =
+                size - off < (int64_t)sizeof scratch ? size - off : (int64_t)sizeof scratch;
+            mv = spec_move(c, scratch, n_piece, c->leader1, 0);
+        }
+    } else if (mv == MDT_OK && size > 0) {
         mv = spec_move(c, blob, size, c->leader1, 0);
+    }
     if (st == MDT_OK)
         st = mv;
     if (st == MDT_OK && c->rank == 0 && size < 0)
@@ -612,8 +636,9 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     const int hit = st == MDT_OK && c->spec_in && !cache && strcmp(lk, c->spec_lora) == 0 &&
                     sets_equal(r->tensors, c->spec_in);
     mdt_tensor_set *sin = NULL, *sout = NULL;
-    if (st == MDT_OK && !hit && c->C == 2) { /* a new request: any earlier one is stale */
+    if (st == MDT_OK && !hit && c->C == 2) /* a new request: any earlier one is stale */
         spec_drop(c);
+    if (st == MDT_OK && !hit && c->C == 2 && r->cfg_next[0]) {
         mdt_status sp = spec_inputs(c, r, &sin);
         if (sp == MDT_OK && sin)
             sp = mdt_serve_budget_check(&c->budget, c->m, sin, d.gpu);
@@ -965,11 +990,8 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
         st = MDT_FAIL(MDT_E_MPI, "serve: duplicating the world communicator failed");
     c.C = c.mesh ? c.mesh->C : 1, c.grp = c.mesh ? c.mesh->c : 0;
     c.spec_leader = c.C == 2 && c.grp == 1 && c.mesh->t == 0 && c.mesh->r == 0 && c.mesh->u == 0;
-    if (st == MDT_OK && c.C == 2) { /* every rank learns group 1's leader */
-        int me = c.spec_leader ? c.rank : -1;
-        if (MPI_Allreduce(&me, &c.leader1, 1, MPI_INT, MPI_MAX, c.comm) != MPI_SUCCESS)
-            st = MDT_FAIL(MDT_E_MPI, "serve: finding the second cfg group's leader failed");
-    }
+    if (c.C == 2) /* group 1's leader: cfg coordinate 1, every other 0 (no collective) */
+        c.leader1 = leader_of_group1(c.mesh);
     if (st == MDT_OK && c.rank == 0) {
         c.l = p->listener;
         if (!c.l && (st = mdt_serve_listen(p, &c.l)) == MDT_OK)
