@@ -210,6 +210,8 @@ class _Resumer:
             t._planner = Planner(planner.capacity)  # the sessions died with the old job
             t._stale = []
             _lora.reload(t)  # so did its adapters: this drop-in holds their factors
+            t._cfg_pairs.clear()  # and the sessions the cfg pairs named
+            t._cfg_last = t._cfg_prev = t._cfg_asked = None
             self.layout = lay
             return dict(lay)
         t._client = None  # nothing to talk to: later calls raise "closed"

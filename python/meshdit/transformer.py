@@ -204,7 +204,7 @@ class Transformer(ModelMixin, PeftAdapterMixin):
         # cfg=2: the session of each branch's other branch (a forward whose step inputs equal
         # the previous forward's, under another session), and the previous forward's
         self._cfg_pairs: dict = {}
-        self._cfg_last = None
+        self._cfg_last = self._cfg_prev = self._cfg_asked = None
 
     # ---- making one ---------------------------------------------------------------------------
     @classmethod
@@ -693,10 +693,15 @@ class Transformer(ModelMixin, PeftAdapterMixin):
                 self._stale.append(session)
             raise
         self._planner.commit(session, fps)
+        asked, self._cfg_asked = self._cfg_asked, (self._cfg_pairs.get(session) if cfg_next else None)
+        if cfg_next and meta.get("cfg_speculated") != "1":
+            self._cfg_pairs.pop(session, None)  # the server had nothing to compute it with
         if meta.get("cfg") == "hit":
             self.stats["cfg_hits"] += 1
-        elif second:
+        elif second or asked == session:  # a second branch not answered from the other group
             self.stats["cfg_misses"] += 1
+            if second and asked == session:  # same step inputs, other bytes: a wrong pair
+                self._cfg_pairs.pop(self._cfg_prev, None)
         return meta, out
 
     def _cfg_plan(self, session, raws):
@@ -715,8 +720,11 @@ class Transformer(ModelMixin, PeftAdapterMixin):
             h.update(r.data)
         fp, prev = h.digest(), self._cfg_last
         self._cfg_last = (session, fp)
+        self._cfg_prev = prev[0] if prev is not None else None
         second = prev is not None and prev[0] != session and prev[1] == fp
         if second:
+            if len(self._cfg_pairs) >= 64:  # sessions come and go: a bounded memory of pairs
+                self._cfg_pairs.clear()
             self._cfg_pairs[prev[0]] = session
         other = self._cfg_pairs.get(session)
         token = self._client._tokens.get(other) if other is not None and not second else None

@@ -103,6 +103,14 @@ def test_other_latents_get_their_own_forward():
         assert rel(got, ref(**other, return_dict=False)[0].numpy()) <= TOL
         assert t.stats["cfg_hits"] == 2  # not answered from the concurrent forward
         assert t.stats["forwards"] == 8
+        assert t.stats["cfg_misses"] == 2  # the first step's, and this one
+        # the pair itself was right (other latents, same sessions): the next steps hit again
+        for step in (5, 6):
+            hs = x["hidden_states"] * step
+            for inp in (dict(x, hidden_states=hs), dict(neg, hidden_states=hs)):
+                got = t(**inp, return_dict=False)[0].numpy()
+                assert rel(got, ref(**inp, return_dict=False)[0].numpy()) <= TOL
+        assert t.stats["cfg_hits"] == 4 and t.stats["cfg_misses"] == 2
 
 
 def test_cfg_next_needs_two_groups():
