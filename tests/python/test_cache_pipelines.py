@@ -82,7 +82,10 @@ def _meshdit(name, root, threshold, layout):
         return out, list(t.stats["cache"])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
+# cfg=2 too: a cached forward runs on the first group alone (its state is per branch), the same
+# decisions and outputs as diffusers' hook
+@pytest.mark.parametrize("layout", LAYOUTS + [dict(cfg=2)],
+                         ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
 @pytest.mark.parametrize("name", CASES)
 def test_first_block_cache_equals_diffusers(name, layout, tmp_path_factory):
     threshold = CASES[name][3]
