@@ -170,6 +170,7 @@ typedef struct mdt_device_info {
     char description[256];   /* the GPU in words (gpu only) */
     int bf16;                /* compute with bf16 weights */
     int bf16_operands;       /* CPU bf16: bf16 x bf16 GEMM operands (else widened to f32) */
+    const char *bf16_why;    /* CPU bf16: which of the two and why (measured at the start) */
     const char *cpu_kernels; /* the CPU kernel set ("avx2") */
     char cpu_gemm[96];       /* the CPU GEMM path in words */
     int64_t scratch_bytes;   /* CPU bf16: operand or widening scratch */

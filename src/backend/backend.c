@@ -150,6 +150,18 @@ mdt_status mdt_cpu_kernels_select(const char *isa, const char *gemm) {
     return MDT_OK;
 }
 
+mdt_status mdt_backend_measure_bf16(int *operands, double *t_ops, double *t_widen) {
+    *operands = 0, *t_ops = *t_widen = 0;
+    if (g_ops || !g_bf16)
+        return MDT_OK;
+    return mdt_cpu_backend_measure_bf16(operands, t_ops, t_widen);
+}
+
+void mdt_backend_set_bf16_operands(int operands, const char *why) {
+    if (!g_ops && g_bf16)
+        mdt_cpu_gemm_set_bf16_operands(operands, why);
+}
+
 void mdt_device_info_get(mdt_device_info *out) {
     memset(out, 0, sizeof *out);
     out->backend = mdt_backend_name();
@@ -160,6 +172,7 @@ void mdt_device_info_get(mdt_device_info *out) {
     }
     out->bf16 = g_bf16;
     out->bf16_operands = out->bf16 && mdt_cpu_gemm_bf16_operands();
+    out->bf16_why = out->bf16 && !g_ops ? mdt_cpu_gemm_bf16_why() : "";
     out->cpu_kernels = mdt_cpu_isa();
     mdt_cpu_gemm_describe(out->cpu_gemm, sizeof out->cpu_gemm);
     out->scratch_bytes = mdt_backend_scratch_bytes();

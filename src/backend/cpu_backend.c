@@ -9,6 +9,8 @@
 #include "kernels/cpu/gemm.h"
 
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 static int g_bf16;
 static float *g_lin_ws;
@@ -48,6 +50,62 @@ void mdt_cpu_backend_start(int bf16) {
 }
 
 int64_t mdt_cpu_backend_scratch_bytes(void) { return g_lin_ws_n * 4; }
+
+mdt_status mdt_cpu_backend_measure_bf16(int *operands, double *t_ops, double *t_widen) {
+    *operands = 0, *t_ops = *t_widen = 0;
+    const char *env = getenv("MESHDIT_CPU_BF16");
+    const int possible = mdt_cpu_gemm_bf16_operands_possible();
+    if (env && *env && strcmp(env, "auto") != 0) {
+        if (strcmp(env, "operands") != 0 && strcmp(env, "widen") != 0)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "MESHDIT_CPU_BF16='%s': operands, widen or auto (the default)", env);
+        if (strcmp(env, "operands") == 0 && !possible)
+            return MDT_FAIL(MDT_E_UNSUPPORTED,
+                            "MESHDIT_CPU_BF16=operands: this CPU GEMM path (%s) has no bf16 "
+                            "GEMM; bf16 weights are widened to f32 here",
+                            mdt_cpu_gemm());
+        *operands = strcmp(env, "operands") == 0;
+        return MDT_OK;
+    }
+    if (!possible)
+        return MDT_OK;
+    enum { M = 256, K = 1024, N = 1024 };
+    const int prev = mdt_cpu_gemm_bf16_operands();
+    float *x = mdt_alloc(sizeof(float) * M * K), *y = mdt_alloc(sizeof(float) * M * N);
+    uint16_t *wh = mdt_alloc(sizeof(uint16_t) * N * K);
+    int64_t wsf = 0;
+    for (int op = 0; op < 2; op++) {
+        mdt_cpu_gemm_set_bf16_operands(op, NULL);
+        const int64_t need = mdt_cpu_backend_linear_bf16_ws_floats(M, K, N);
+        wsf = need > wsf ? need : wsf;
+    }
+    float *ws = mdt_alloc(sizeof(float) * (size_t)wsf);
+    mdt_status st = MDT_OK;
+    if (!x || !y || !wh || !ws)
+        st = MDT_FAIL(MDT_E_NOMEM, "out of memory for the bf16 path's measurement");
+    for (int64_t i = 0; st == MDT_OK && i < (int64_t)M * K; i++)
+        x[i] = (float)((i * 7919) % 2003) / 2003.0f - 0.5f;
+    for (int64_t r = 0; st == MDT_OK && r < N; r += M) { /* M rows of weights at a time, in y */
+        for (int64_t i = 0; i < (int64_t)M * K; i++)     /* (K = N: y holds M x K) */
+            y[i] = (float)(((r * K + i) * 104729) % 1999) / 1999.0f - 0.5f;
+        mdt_cpu_kernel_set_get()->to_bf16_rows(wh + r * K, K, y, K, M, K);
+    }
+    double best[2] = {1e30, 1e30};
+    for (int round = 0; st == MDT_OK && round < 4; round++) /* round 0 warms both up */
+        for (int op = 0; op < 2; op++) {
+            mdt_cpu_gemm_set_bf16_operands(op, NULL);
+            const double t0 = mdt_now();
+            mdt_cpu_backend_linear_bf16(x, K, wh, NULL, y, N, M, K, N, ws, wsf);
+            const double t = mdt_now() - t0;
+            if (round > 0 && t < best[op])
+                best[op] = t;
+        }
+    mdt_cpu_gemm_set_bf16_operands(prev, NULL);
+    mdt_free(x), mdt_free(y), mdt_free(wh), mdt_free(ws);
+    if (st == MDT_OK)
+        *t_widen = best[0], *t_ops = best[1], *operands = best[1] < best[0];
+    return st;
+}
 
 int64_t mdt_cpu_backend_linear_bf16_ws_floats(int64_t M, int64_t K, int64_t N) {
     if (mdt_cpu_gemm_bf16_operands())

@@ -47,8 +47,9 @@ static void print_plan(const mdt_model *m, const char *order, const mdt_run_stat
     mdt_device_info_get(&d);
     mdt_model_layout(m, &T, &R, &U);
     printf("plan: model %s, world %d = tp %d x ring %d x ulysses %d (mesh order %s), cpu kernels "
-           "%s, gemm %s\n",
-           mdt_model_family(m), cli_world, T, R, U, order, d.cpu_kernels, d.cpu_gemm);
+           "%s, gemm %s%s%s\n",
+           mdt_model_family(m), cli_world, T, R, U, order, d.cpu_kernels, d.cpu_gemm,
+           d.bf16_why && d.bf16_why[0] ? ", " : "", d.bf16_why ? d.bf16_why : "");
     double tot0 = 0;
     for (int i = 0; i < mdt_run_stats_rank_count(s); i++) {
         const mdt_rank_stats *f = mdt_run_stats_rank(s, i);

@@ -126,6 +126,8 @@ mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, doubl
     cJSON_AddStringToObject(r, "weights_dtype", dev.bf16 ? "bf16" : "f32");
     cJSON_AddStringToObject(r, "cpu_kernels", dev.cpu_kernels);
     cJSON_AddStringToObject(r, "cpu_gemm", dev.cpu_gemm);
+    if (dev.bf16_why && dev.bf16_why[0])
+        cJSON_AddStringToObject(r, "bf16_path", dev.bf16_why);
     cJSON_AddStringToObject(r, "gemm_operands", dev.bf16_operands ? "bf16" : "f32");
     cJSON_AddNumberToObject(r, "load_seconds", load_seconds);
     cJSON_AddNumberToObject(r, "step_seconds_median", s->step_median_s);

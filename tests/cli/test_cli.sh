@@ -431,6 +431,27 @@ for g in openblas onednn; do
         else bad "MESHDIT_CPU_GEMM=$g --dtype $dt run"; fi
     done
 done
+# MESHDIT_CPU_BF16: bf16 weights as bf16 GEMM operands or widened to f32, by measurement unless
+# asked; the plan line and the report say which and why; both land on the golden
+for b in auto widen operands; do
+    want="widened to f32\|as bf16 GEMM operands"
+    [ "$b" = widen ] && want="widened to f32 for the f32 GEMM (MESHDIT_CPU_BF16)"
+    [ "$b" = operands ] && want="as bf16 GEMM operands (MESHDIT_CPU_BF16)"
+    [ "$b" = auto ] && want="(measured on rank 0\|(no bf16 GEMM on this path)"
+    if MESHDIT_CPU_BF16=$b "$BIN" run --checkpoint "$DATA/flux_tiny" --dtype bf16 \
+           --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/bf.safetensors" \
+           --report "$T/bf.json" >"$T/bf.txt" 2>&1; then
+        if grep -q "^plan: .*bf16 weights .*\($want\)" "$T/bf.txt" &&
+           grep -q '"bf16_path":[[:space:]]*"bf16 weights' "$T/bf.json" &&
+           "$BIN" compare "$T/bf.safetensors" "$DATA/flux_tiny/expected.safetensors" \
+               --tol 2e-2 >/dev/null; then ok
+        else bad "MESHDIT_CPU_BF16=$b run: $(grep '^plan' "$T/bf.txt")"; fi
+    elif [ "$b" = operands ] && grep -q "has no bf16 GEMM" "$T/bf.txt"; then ok # an AVX2 CPU
+    else bad "MESHDIT_CPU_BF16=$b run failed: $(tail -1 "$T/bf.txt")"; fi
+done
+MESHDIT_CPU_BF16=fast expect_error cpu-bf16-unknown 1 "MESHDIT_CPU_BF16='fast': operands, widen or auto" \
+    -- "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$DATA/flux_tiny" --dtype bf16 \
+    --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --tp 2
 MESHDIT_CPU_GEMM=cublas expect_error cpu-gemm-unknown 1 "CPU GEMM 'cublas': no such GEMM path" \
     -- "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$DATA/flux_tiny" \
     --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --tp 2

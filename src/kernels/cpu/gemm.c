@@ -37,7 +37,9 @@ enum { N_PATHS = sizeof k_paths / sizeof k_paths[0] };
 
 static int g_onednn = -1; /* -1: not chosen yet */
 static int g_bf16ops;     /* bf16 weights mean bf16 operands (set with the path) */
-static int g_cap_set;     /* oneDNN's cap is set (it can be set once per process) */
+static int g_bf16able;    /* bf16 operands are possible on this path */
+static char g_bf16why[256];
+static int g_cap_set; /* oneDNN's cap is set (it can be set once per process) */
 static dnnl_cpu_isa_t g_cap = dnnl_cpu_isa_all;
 static char g_err[200];
 
@@ -95,7 +97,7 @@ static const gemm_path *auto_path(void) {
 
 static mdt_status apply(const gemm_path *p) {
     if (p == &k_paths[0]) {
-        g_onednn = 0, g_bf16ops = 0;
+        g_onednn = 0, g_bf16ops = g_bf16able = 0;
         return MDT_OK;
     }
     if (g_cap_set && p->cap != dnnl_cpu_isa_all && p->cap != g_cap)
@@ -111,7 +113,7 @@ static mdt_status apply(const gemm_path *p) {
     g_onednn = 1;
     /* oneDNN 2.6 multiplies bf16 from AVX-512 on (natively from AVX512-BF16); below it refuses.
      * Asked once here (the cap is set by now), not on every GEMM. */
-    g_bf16ops = dnnl_get_effective_cpu_isa() >= dnnl_cpu_isa_avx512_core;
+    g_bf16ops = g_bf16able = dnnl_get_effective_cpu_isa() >= dnnl_cpu_isa_avx512_core;
     return MDT_OK;
 }
 
@@ -126,7 +128,7 @@ static void pick(void) {
         p = auto_path();
     }
     if (apply(p) != MDT_OK)
-        g_onednn = 0, g_bf16ops = 0;
+        g_onednn = 0, g_bf16ops = g_bf16able = 0;
 }
 
 const char *mdt_cpu_gemm(void) {
@@ -138,6 +140,19 @@ int mdt_cpu_gemm_bf16_operands(void) {
     pick();
     return g_bf16ops;
 }
+
+int mdt_cpu_gemm_bf16_operands_possible(void) {
+    pick();
+    return g_bf16able;
+}
+
+void mdt_cpu_gemm_set_bf16_operands(int on, const char *why) {
+    pick();
+    g_bf16ops = on && g_bf16able;
+    snprintf(g_bf16why, sizeof g_bf16why, "%s", why ? why : "");
+}
+
+const char *mdt_cpu_gemm_bf16_why(void) { return g_bf16why; }
 
 static const char *isa_name(dnnl_cpu_isa_t isa) {
     switch (isa) {

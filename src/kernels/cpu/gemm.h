@@ -33,6 +33,13 @@ void mdt_cpu_gemm_describe(char *buf, int64_t n);
  * (oneDNN has no bf16 matmul below it: onednn-avx2 widens bf16 weights like openblas and
  * multiplies f32 operands through oneDNN). */
 int mdt_cpu_gemm_bf16_operands(void);
+/* 1 if bf16 operands are possible (the onednn path at AVX-512 or wider). */
+int mdt_cpu_gemm_bf16_operands_possible(void);
+/* Chooses between bf16 operands (on = 1; only where possible) and widening bf16 weights to f32
+ * (on = 0) for the rest of the process; `why` (copied) says why, for the plan line. */
+void mdt_cpu_gemm_set_bf16_operands(int on, const char *why);
+/* Why the bf16 path in force is that one ("" until mdt_cpu_gemm_set_bf16_operands). */
+const char *mdt_cpu_gemm_bf16_why(void);
 /* 1 if `name` is a path this CPU runs. */
 int mdt_cpu_gemm_available(const char *name);
 /* Switches to path `name` ("auto" or one of the names above). oneDNN's cap can be set once per
