@@ -20,15 +20,7 @@ while [ $# -gt 0 ]; do
     *) echo "usage: see the header of $0" >&2; exit 2 ;;
     esac
 done
-unset OPENBLAS_CORETYPE
-export OPENBLAS_NUM_THREADS=1
-C=scripts/netns-cluster
-BIN=build-ompi/meshdit
-make -s -j2 build/meshdit >/dev/null
-make -s MPI_PKG=ompi BUILD=build-ompi build-ompi/meshdit >/dev/null
-T=$(mktemp -d)
-trap '$C down >/dev/null 2>&1; rm -rf "$T"' EXIT
-$C down >/dev/null 2>&1 || true
+. bench/cluster_setup.sh # env, builds, $C, $BIN, $T, the cluster down on exit
 $C up "$HOSTS" --rate "$RATE" >/dev/null
 N=$((HOSTS * PER)) S=$((IMG + TXT)) H=$($C hosts "$PER")
 build/meshdit gen --model flux --preset "$PRESET" --seed 1 --out "$T/ck" >/dev/null
