@@ -248,12 +248,12 @@ def _coefficients(t) -> list[float] | None:
     return [0.0 if abs(v) < 1e-12 else v for v in c]
 
 
-def collect(t) -> None:
+def collect(t, c=None) -> None:
     """Frees the slots of adapters gone from peft (deleted, unloaded) whose coefficient is 0 (a
     merged one stays in the weights, as in diffusers), and unloads them from the server; the
-    probe goes with the last slot."""
+    probe goes with the last slot. `c`: the coefficients, when the caller has them."""
     st = t.__dict__.get("_meshdit_lora")
-    c = _coefficients(t)
+    c = _coefficients(t) if c is None else c
     if st is None or c is None:
         return
     live = set(getattr(t, "peft_config", None) or {})
@@ -273,9 +273,9 @@ def lora_value(t) -> str | None:
     st = t.__dict__.get("_meshdit_lora")
     if st is None or t._modules.get(PROBE) is None:
         return None
-    collect(t)
-    c = _coefficients(t)
-    if c is None:  # the last adapter gone: the server's start-up set again
+    c = _coefficients(t)  # one read of the probe per forward
+    collect(t, c)
+    if t._modules.get(PROBE) is None:  # the last adapter gone: the server's start-up set again
         return None
     mine = [f"{a['server']}={c[slot]!r}" for slot, a in sorted(st["slots"].items()) if c[slot] != 0]
     return ",".join(st["startup"] + mine)

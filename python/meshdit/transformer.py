@@ -41,7 +41,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import apply_lora_scale
 
 from . import _blob, _lora
-from ._sessions import Planner
+from ._sessions import Planner, fingerprint
 from .client import Client, MeshditError, ServerError
 from .server import Server
 
@@ -712,13 +712,8 @@ class Transformer(ModelMixin, PeftAdapterMixin):
         a pairing guessed wrong costs time, never a wrong answer."""
         if self.info.get("cfg") != "2" or session is None:
             return False, None
-        import hashlib
-        h = hashlib.blake2b(digest_size=16)
-        for name in sorted(n for n in raws if n in self.per_step):
-            r = raws[name]
-            h.update(name.encode() + b"\0" + r.dtype.encode() + repr(r.shape).encode())
-            h.update(r.data)
-        fp, prev = h.digest(), self._cfg_last
+        fp = tuple((n, fingerprint(raws[n])) for n in sorted(n for n in raws if n in self.per_step))
+        prev = self._cfg_last
         self._cfg_last = (session, fp)
         self._cfg_prev = prev[0] if prev is not None else None
         second = prev is not None and prev[0] != session and prev[1] == fp
