@@ -35,10 +35,12 @@ static mdt_status choose_bf16(mdt_mesh *mesh) {
                  op ? "as bf16 GEMM operands" : "widened to f32 for the f32 GEMM", 1e3 * msg[1],
                  1e3 * msg[2]);
     else {
+        /* no measurement: the variable chose (auto, or unset, means it did not) */
         const char *env = getenv("MESHDIT_CPU_BF16");
+        const int asked = env && *env && strcmp(env, "auto") != 0;
         snprintf(why, sizeof why, "bf16 weights %s (%s)",
                  op ? "as bf16 GEMM operands" : "widened to f32 for the f32 GEMM",
-                 env && *env ? "MESHDIT_CPU_BF16" : "no bf16 GEMM on this path");
+                 asked ? "MESHDIT_CPU_BF16" : "no bf16 GEMM on this path");
     }
     mdt_backend_set_bf16_operands(op, why);
     return MDT_OK;
