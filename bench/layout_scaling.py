@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""One rank against the 2-rank layouts on a Flux checkpoint, alternating rounds, with the step
+accounted per kernel class: a markdown table of step medians, the report's kernel seconds (linear
+and attention with their GFLOP/s), the time outside kernels (collectives not hidden, agreement
+reductions, CP gathers, dispatch) and each layout's speed-up over one rank in each round, plus the
+one-rank rate as a fraction of this core's FMA peak (bench_sgemm, same run). Benchmarks only
+(never in make test); the standard library only (no torch).
+
+usage: python3 bench/layout_scaling.py [--preset medium] [--rounds 2] [--repeat 3]
+           [--layouts "2,1,1 1,1,2 1,2,1"] [--img-tokens 1024] [--txt-tokens 256]
+Run with OPENBLAS_CORETYPE unset (the script unsets it) and one thread per rank; needs
+build/meshdit and build/bench/bench_sgemm (`make bench`) and MPICH's mpiexec (MPIEXEC overrides).
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_layout(a, env, tmp, t, r, u, tag):
+    n = t * r * u
+    report = os.path.join(tmp, f"report_{t}{r}{u}_{tag}.json")
+    cmd = [a.meshdit, "run", "--checkpoint", os.path.join(tmp, "ckpt"), "--inputs",
+           os.path.join(tmp, "in.safetensors"), "--out", os.path.join(tmp, f"out_{t}{r}{u}.st"),
+           "--repeat", str(a.repeat + 1), "--tp", str(t), "--ring", str(r), "--ulysses", str(u),
+           "--report", report, "--quiet"]
+    if n > 1:
+        cmd = [a.mpiexec, "-n", str(n)] + cmd
+    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    with open(report) as f:
+        d = json.load(f)
+    rk = d["ranks"][0]
+    return d["step_seconds_median"], rk["kernel_seconds_per_step"], rk["flops_per_step"]
+
+
+def fma_peak(a, env):
+    out = subprocess.run([a.sgemm, "3"], env=env, check=True, capture_output=True,
+                         text=True).stdout
+    num = lambda pat: (lambda m: float(m.group(1)) if m else None)(re.search(pat, out))
+    cpu = re.search(r"cpu: ([^\n]*)", out)
+    return (num(r"fma peak: ([0-9.]+) GFLOP/s"), num(r"sgemm median rate: ([0-9.]+) GFLOP/s"),
+            cpu.group(1) if cpu else "?")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="medium")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--layouts", default="2,1,1 1,1,2 1,2,1", help="tp,ring,ulysses ...")
+    p.add_argument("--img-tokens", type=int, default=1024)
+    p.add_argument("--txt-tokens", type=int, default=256)
+    p.add_argument("--meshdit", default=os.path.join(ROOT, "build", "meshdit"))
+    p.add_argument("--sgemm", default=os.path.join(ROOT, "build", "bench", "bench_sgemm"))
+    p.add_argument("--mpiexec", default=os.environ.get("MPIEXEC") or
+                   shutil.which("mpiexec.mpich") or "mpiexec")
+    a = p.parse_args()
+    layouts = [(1, 1, 1)]
+    for s in a.layouts.split():
+        t, r, u = (int(x) for x in s.split(","))
+        layouts.append((t, r, u))
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    env.pop("OPENBLAS_CORETYPE", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([a.meshdit, "gen", "--model", "flux", "--preset", a.preset, "--out",
+                        os.path.join(tmp, "ckpt")], env=env, check=True, capture_output=True)
+        subprocess.run([a.meshdit, "inputs", "--checkpoint", os.path.join(tmp, "ckpt"), "--out",
+                        os.path.join(tmp, "in.safetensors"), "--img-tokens", str(a.img_tokens),
+                        "--txt-tokens", str(a.txt_tokens)], env=env, check=True,
+                       capture_output=True)
+        peak, sgemm, cpu = fma_peak(a, env)
+        res = {lay: [] for lay in layouts}
+        for rnd in range(a.rounds):  # alternating: every layout once per round
+            for lay in layouts:
+                res[lay].append(run_layout(a, env, tmp, *lay, rnd))
+    print(f"Flux preset {a.preset}, {a.img_tokens} + {a.txt_tokens} tokens; cpu: {cpu}; "
+          f"fma peak {peak} GFLOP/s, sgemm {sgemm} GFLOP/s; {a.rounds} rounds x {a.repeat} "
+          f"forwards; rank 0's kernel seconds, last round")
+    one = [s for s, _, _ in res[(1, 1, 1)]]
+    gflop = sum(res[(1, 1, 1)][0][2].values()) / 1e9
+    print(f"one rank: {gflop:.2f} GFLOP per forward, best {gflop / min(one):.1f} GFLOP/s"
+          + (f" = {100 * gflop / min(one) / peak:.1f}% of the FMA peak" if peak else ""))
+    print("| layout | step s | linear s (GFLOP/s) | attention s (GFLOP/s) | other s "
+          "| outside kernels s | speed-up per round |")
+    print("|---|---|---|---|---|---|---|")
+    for lay in layouts:
+        step, k, f = res[lay][-1]
+        rate = lambda c: f[c] / k[c] / 1e9 if k[c] > 0 else 0.0
+        ups = " / ".join(f"{one[i] / s:.2f}x" for i, (s, _, _) in enumerate(res[lay]))
+        print(f"| tp{lay[0]} ring{lay[1]} ulysses{lay[2]} | {step:.3f} | {k['linear']:.3f} "
+              f"({rate('linear'):.1f}) | {k['attention']:.3f} ({rate('attention'):.1f}) | "
+              f"{k['other']:.3f} | {step - sum(k.values()):+.3f} | {ups} |")
+    print("medians of the step per layout:",
+          ", ".join(f"tp{t}r{r}u{u} {statistics.median(s for s, _, _ in res[(t, r, u)]):.3f}"
+                    for t, r, u in layouts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
