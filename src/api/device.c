@@ -9,7 +9,6 @@
 
 #include <mpi.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 void mdt_set_log_rank(int world_rank) { mdt_log_set_rank(world_rank); }
@@ -17,14 +16,14 @@ void mdt_set_log_rank(int world_rank) { mdt_log_set_rank(world_rank); }
 /* The CPU's bf16 path, by measurement (backend.h): every rank measures, rank 0's verdict holds
  * for all (one arithmetic on every rank of a layout), and the plan line says why. */
 static mdt_status choose_bf16(mdt_mesh *mesh) {
-    int op = 0;
+    int op = 0, asked = 0;
     double t[2] = {0, 0};
-    const mdt_status st = mdt_mesh_agree(mesh, mdt_backend_measure_bf16(&op, &t[0], &t[1]));
+    const mdt_status st = mdt_mesh_agree(mesh, mdt_backend_measure_bf16(&op, &t[0], &t[1], &asked));
     if (st != MDT_OK)
         return st;
-    double msg[3] = {(double)op, t[0], t[1]};
+    double msg[4] = {(double)op, t[0], t[1], (double)asked};
     if (mesh && mesh->world_size > 1 &&
-        MPI_Bcast(msg, 3, MPI_DOUBLE, 0, mesh->world) != MPI_SUCCESS)
+        MPI_Bcast(msg, 4, MPI_DOUBLE, 0, mesh->world) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "broadcasting the bf16 path failed");
     op = msg[0] != 0;
     char why[256];
@@ -34,14 +33,10 @@ static mdt_status choose_bf16(mdt_mesh *mesh) {
                  "operands %.2f ms, widened %.2f ms; MESHDIT_CPU_BF16 chooses)",
                  op ? "as bf16 GEMM operands" : "widened to f32 for the f32 GEMM", 1e3 * msg[1],
                  1e3 * msg[2]);
-    else {
-        /* no measurement: the variable chose (auto, or unset, means it did not) */
-        const char *env = getenv("MESHDIT_CPU_BF16");
-        const int asked = env && *env && strcmp(env, "auto") != 0;
+    else /* not measured: the variable chose, or the path has no bf16 GEMM (auto) */
         snprintf(why, sizeof why, "bf16 weights %s (%s)",
                  op ? "as bf16 GEMM operands" : "widened to f32 for the f32 GEMM",
-                 asked ? "MESHDIT_CPU_BF16" : "no bf16 GEMM on this path");
-    }
+                 msg[3] != 0 ? "MESHDIT_CPU_BF16" : "no bf16 GEMM on this path");
     mdt_backend_set_bf16_operands(op, why);
     return MDT_OK;
 }

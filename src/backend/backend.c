@@ -150,11 +150,11 @@ mdt_status mdt_cpu_kernels_select(const char *isa, const char *gemm) {
     return MDT_OK;
 }
 
-mdt_status mdt_backend_measure_bf16(int *operands, double *t_ops, double *t_widen) {
-    *operands = 0, *t_ops = *t_widen = 0;
+mdt_status mdt_backend_measure_bf16(int *operands, double *t_ops, double *t_widen, int *asked) {
+    *operands = 0, *t_ops = *t_widen = 0, *asked = 0;
     if (g_ops || !g_bf16)
         return MDT_OK;
-    return mdt_cpu_backend_measure_bf16(operands, t_ops, t_widen);
+    return mdt_cpu_backend_measure_bf16(operands, t_ops, t_widen, asked);
 }
 
 void mdt_backend_set_bf16_operands(int operands, const char *why) {

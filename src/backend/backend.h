@@ -102,7 +102,7 @@ void mdt_k_shared_end(void);
 /* The CPU's bf16 path (cpu_backend.h: mdt_cpu_backend_measure_bf16), measured here, and set:
  * operands (1) or widening (0), with `why` for the plan line. A no-op off the CPU backend or
  * without bf16 weights. */
-mdt_status mdt_backend_measure_bf16(int *operands, double *t_ops, double *t_widen);
+mdt_status mdt_backend_measure_bf16(int *operands, double *t_ops, double *t_widen, int *asked);
 void mdt_backend_set_bf16_operands(int operands, const char *why);
 
 #endif /* MDT_BACKEND_H */

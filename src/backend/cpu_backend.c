@@ -51,8 +51,8 @@ void mdt_cpu_backend_start(int bf16) {
 
 int64_t mdt_cpu_backend_scratch_bytes(void) { return g_lin_ws_n * 4; }
 
-mdt_status mdt_cpu_backend_measure_bf16(int *operands, double *t_ops, double *t_widen) {
-    *operands = 0, *t_ops = *t_widen = 0;
+mdt_status mdt_cpu_backend_measure_bf16(int *operands, double *t_ops, double *t_widen, int *asked) {
+    *operands = 0, *t_ops = *t_widen = 0, *asked = 0;
     const char *env = getenv("MESHDIT_CPU_BF16");
     const int possible = mdt_cpu_gemm_bf16_operands_possible();
     if (env && *env && strcmp(env, "auto") != 0) {
@@ -64,7 +64,7 @@ mdt_status mdt_cpu_backend_measure_bf16(int *operands, double *t_ops, double *t_
                             "MESHDIT_CPU_BF16=operands: this CPU GEMM path (%s) has no bf16 "
                             "GEMM; bf16 weights are widened to f32 here",
                             mdt_cpu_gemm());
-        *operands = strcmp(env, "operands") == 0;
+        *operands = strcmp(env, "operands") == 0, *asked = 1;
         return MDT_OK;
     }
     if (!possible)

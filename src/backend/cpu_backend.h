@@ -17,8 +17,9 @@ void mdt_cpu_backend_start(int bf16);
  * a DiT's shape ([256, 1024] x [1024, 1024], best of 3 alternating, about 0.1 s): bf16 dot
  * products run at half the FMA rate on some cores (AVX512-BF16 without AMX), where widening
  * is faster. *operands gets the choice, *t_ops / *t_widen the seconds measured (0: not
- * measured). Nothing is set: mdt_cpu_gemm_set_bf16_operands does that. Local. */
-mdt_status mdt_cpu_backend_measure_bf16(int *operands, double *t_ops, double *t_widen);
+ * measured), *asked 1 where the variable chose (operands or widen; 0 for auto). Nothing is set:
+ * mdt_cpu_gemm_set_bf16_operands does that. Local. */
+mdt_status mdt_cpu_backend_measure_bf16(int *operands, double *t_ops, double *t_widen, int *asked);
 /* The CPU backend's kernel table (the set in use, whose choice may change until work starts). */
 const mdt_kernel_ops *mdt_cpu_backend_kernels(void);
 /* As mdt_backend_reserve_linear / _release_scratch / _scratch_bytes (backend.h). */
