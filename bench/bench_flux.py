@@ -25,6 +25,9 @@ import torch
 from diffusers import FluxTransformer2DModel
 from safetensors.torch import load_file
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sgemm_rate import sgemm_rate  # noqa: E402
+
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -48,17 +51,6 @@ def time_torch(model, inputs, n):
         model(**inputs)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
-
-
-def sgemm_rate(path, env):
-    """(sgemm median rate, FMA peak, bf16 dot peak or None, the GEMM path's f32 and bf16 rates
-    (None where it has none), the cpu line) from bench/bench_sgemm."""
-    out = subprocess.run([path, "3"], env=env, check=True, capture_output=True, text=True).stdout
-    num = lambda pat: (lambda m: float(m.group(1)) if m else None)(re.search(pat, out))
-    return (num(r"sgemm median rate: ([0-9.]+) GFLOP/s"), num(r"fma peak: ([0-9.]+) GFLOP/s"),
-            num(r"bf16 dot peak: ([0-9.]+) GFLOP/s"), num(r"gemm f32 .* median rate: ([0-9.]+)"),
-            num(r"gemm bf16 .* median rate: ([0-9.]+)"),
-            re.search(r"^cpu: (.*)$", out, re.M).group(1))
 
 
 def rel(a, ref):

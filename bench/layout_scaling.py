@@ -14,12 +14,14 @@ build/meshdit and build/bench/bench_sgemm (`make bench`) and MPICH's mpiexec (MP
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sgemm_rate import sgemm_rate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,15 +40,6 @@ def run_layout(a, env, tmp, t, r, u, tag):
         d = json.load(f)
     rk = d["ranks"][0]
     return d["step_seconds_median"], rk["kernel_seconds_per_step"], rk["flops_per_step"]
-
-
-def fma_peak(a, env):
-    out = subprocess.run([a.sgemm, "3"], env=env, check=True, capture_output=True,
-                         text=True).stdout
-    num = lambda pat: (lambda m: float(m.group(1)) if m else None)(re.search(pat, out))
-    cpu = re.search(r"cpu: ([^\n]*)", out)
-    return (num(r"fma peak: ([0-9.]+) GFLOP/s"), num(r"sgemm median rate: ([0-9.]+) GFLOP/s"),
-            cpu.group(1) if cpu else "?")
 
 
 def main():
@@ -75,7 +68,7 @@ def main():
                         os.path.join(tmp, "in.safetensors"), "--img-tokens", str(a.img_tokens),
                         "--txt-tokens", str(a.txt_tokens)], env=env, check=True,
                        capture_output=True)
-        peak, sgemm, cpu = fma_peak(a, env)
+        sgemm, peak, _, _, _, cpu = sgemm_rate(a.sgemm, env)
         res = {lay: [] for lay in layouts}
         for rnd in range(a.rounds):  # alternating: every layout once per round
             for lay in layouts:
