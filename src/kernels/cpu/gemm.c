@@ -90,9 +90,9 @@ static int runs(const gemm_path *p) {
     return 1;
 }
 
-/* auto: bf16 dot products in hardware -> onednn, else openblas. */
+/* auto: onednn wherever oneDNN's AVX2 kernels run (gemm.h says why), else openblas. */
 static const gemm_path *auto_path(void) {
-    return find(has("avx512bf16") || has("amx-bf16") ? "onednn" : "openblas");
+    return find(has("avx2") && has("fma") ? "onednn" : "openblas");
 }
 
 static mdt_status apply(const gemm_path *p) {

@@ -2,15 +2,18 @@
  * gemm.h — the CPU backend's one GEMM seam. Two paths, chosen once per process:
  *
  *   openblas  cblas_sgemm (f32 operands); bf16 weights are widened to f32 into panels first
- *             (the kernel sets' linear_bf16). The path on CPUs without bf16 dot-product
- * instructions. onednn    oneDNN matmul primitives (the library PyTorch uses on x86): f32 operands,
+ *             (the kernel sets' linear_bf16). The path on CPUs without AVX2 + FMA.
+ *   onednn    oneDNN matmul primitives (the library PyTorch uses on x86): f32 operands,
  * or bf16 x bf16 operands with fp32 accumulation on AVX512-BF16 (vdpbf16ps) and AMX (tdpbf16ps) —
  * oneDNN picks its own kernel for the CPU, up to an instruction-set cap.
  *
  * Selection: MESHDIT_CPU_GEMM=auto|openblas|onednn|onednn-amx|onednn-avx512bf16|onednn-avx512|
  * onednn-avx2 (read at first use), or mdt_cpu_gemm_select before any GEMM runs. "auto" is onednn
- * when the CPU has AVX512-BF16 or AMX-BF16, else openblas (docs/perf.md has the measurements
- * behind it). A cap names the widest instruction set oneDNN may use; one the CPU lacks is refused.
+ * when the CPU has AVX2 + FMA (oneDNN's lowest kernels here), else openblas: on AVX512-BF16/AMX
+ * for the bf16 operands, and in f32 because on an AVX2-only core (Zen 1) oneDNN's step was as
+ * fast as OpenBLAS's or 1-3% faster on a medium Flux step (1280 rows; one rank and the 2-rank
+ * layouts) and 17-21% faster at the 96 rows of a 128-px image (docs/perf.md). A cap names the
+ * widest instruction set oneDNN may use; one the CPU lacks is refused.
  *
  * With bf16 weights (`--dtype bf16`) on the onednn path, activations are rounded to bf16 (nearest
  * even) only as GEMM operands — the linears and attention's QK^T and PV products; norms, softmax,
