@@ -49,6 +49,9 @@ typedef enum mdt_coll_kind {
 
 const char *mdt_coll_kind_name(mdt_coll_kind k);
 
+/* mdt_mesh.wait_s's buckets: one per collective kind, then the world's agreements. */
+enum { MDT_WAIT_WORLD = MDT_COLL_KIND_COUNT, MDT_WAIT_BUCKETS };
+
 enum { MDT_MESH_MEMBER_I64 = 9 };
 
 struct mdt_mesh {
@@ -66,8 +69,13 @@ struct mdt_mesh {
     int64_t bytes_sent[MDT_COLL_KIND_COUNT]; /* per kind, summed over groups */
     int64_t group_bytes[MDT_GROUP_COUNT];    /* per group, summed over kinds */
     int64_t world_collectives; /* calls over the whole world: agreements, barriers, min-reduces */
-    float *scratch;            /* collective scratch, grown on first use */
-    int peers_stuck;           /* a failure could not be agreed on: the job must be ended */
+    /* seconds blocked waiting for collectives to complete, per kind, and (MDT_WAIT_WORLD) in the
+     * world's agreements, barriers and min-reduces: the part of a collective the rank's compute
+     * did not hide, transfer and waiting for late peers together (host MPI paths; a device
+     * library's calls are asynchronous and not timed) */
+    double wait_s[MDT_WAIT_BUCKETS];
+    float *scratch;  /* collective scratch, grown on first use */
+    int peers_stuck; /* a failure could not be agreed on: the job must be ended */
     /* step watchdog (watchdog.c): a collective or agreement that waits longer than
      * `deadline_s` (0: wait as long as it takes) is a stall; `watch` carries the side-channel
      * questions that find which ranks did not arrive. */

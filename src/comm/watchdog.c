@@ -275,7 +275,10 @@ mdt_status mdt_mesh_barrier(mdt_mesh *m, const char *what) {
     m->world_collectives++;
     if (MPI_Ibarrier(m->world, &r) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "%s: MPI_Ibarrier failed", what);
-    return mdt_mesh_wait(m, m->world, 1, &r, what);
+    const double t0 = mdt_now();
+    const mdt_status st = mdt_mesh_wait(m, m->world, 1, &r, what);
+    m->wait_s[MDT_WAIT_WORLD] += mdt_now() - t0;
+    return st;
 }
 
 mdt_status mdt_mesh_min_i64(mdt_mesh *m, int64_t *v, const char *what) {
@@ -286,7 +289,10 @@ mdt_status mdt_mesh_min_i64(mdt_mesh *m, int64_t *v, const char *what) {
     m->world_collectives++;
     if (MPI_Iallreduce(&in, &out, 1, MPI_LONG_LONG, MPI_MIN, m->world, &r) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "%s: MPI_Iallreduce failed", what);
-    MDT_TRY(mdt_mesh_wait(m, m->world, 1, &r, what));
+    const double t0 = mdt_now();
+    const mdt_status st = mdt_mesh_wait(m, m->world, 1, &r, what);
+    m->wait_s[MDT_WAIT_WORLD] += mdt_now() - t0;
+    MDT_TRY(st);
     *v = (int64_t)out;
     return MDT_OK;
 }

@@ -67,6 +67,14 @@ static void add_rank(cJSON *ranks, const mdt_rank_facts *rf) {
     cJSON_AddNumberToObject(rg, "ring_compute_seconds", f->ring_compute_s);
     cJSON_AddNumberToObject(rg, "ring_wait_seconds", f->ring_wait_s);
     cJSON_AddNumberToObject(rk, "world_collectives_per_step", (double)f->world_collectives);
+    /* the last step, whose counters these all are: its wall time and the seconds it was blocked
+     * in each collective kind and in the world's agreements (what compute did not hide) */
+    cJSON_AddNumberToObject(rk, "last_step_seconds", rf->step_s);
+    cJSON *ws = cJSON_AddObjectToObject(rk, "wait_seconds_last_step");
+    for (int k = 0; k < MDT_WAIT_BUCKETS; k++)
+        cJSON_AddNumberToObject(
+            ws, k == MDT_WAIT_WORLD ? "agreement" : mdt_coll_kind_name((mdt_coll_kind)k),
+            rf->wait_s[k]);
 }
 
 /* The step cache's decisions: the spec, then per forward its branch, the statistic, the blocks

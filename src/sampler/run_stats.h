@@ -14,6 +14,8 @@ typedef struct mdt_rank_facts {
     mdt_rank_stats pub;
     char host[64];                     /* this rank's host */
     int64_t coll[MDT_COLL_KIND_COUNT]; /* bytes sent per collective kind */
+    double wait_s[MDT_WAIT_BUCKETS];   /* seconds blocked in them and the world's agreements */
+    double step_s;                     /* the wall time of the step these facts are of */
 } mdt_rank_facts;
 
 struct mdt_run_stats {

@@ -28,7 +28,8 @@ static long max_rss_kib(void) {
 
 /* This rank's facts of the last step, gathered to world rank 0. Collective over the world. */
 static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, const int64_t *coll,
-                               const int64_t *group, int64_t world_colls, mdt_run_stats *s) {
+                               const int64_t *group, int64_t world_colls, const double *wait,
+                               double step_s, mdt_run_stats *s) {
     mdt_mesh *mesh = m->mesh;
     mdt_rank_facts mine = {0};
     const int64_t heads = mdt_model_dims_of(m).heads;
@@ -66,6 +67,8 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     if (mesh)
         memcpy(mine.host, mesh->host, sizeof mine.host);
     memcpy(mine.coll, coll, sizeof mine.coll);
+    memcpy(mine.wait_s, wait, sizeof mine.wait_s);
+    mine.step_s = step_s;
     const int world = mesh ? mesh->world_size : 1;
     s->facts = calloc((size_t)world, sizeof *s->facts);
     /* every rank learns whether all could allocate before any enters the gather */
@@ -134,6 +137,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     double *times = calloc((size_t)nsteps, sizeof(double));
     mdt_counters per = {0};
     int64_t coll[MDT_COLL_KIND_COUNT] = {0}, group[MDT_GROUP_COUNT] = {0}, world_colls = 0;
+    double wait[MDT_WAIT_BUCKETS] = {0}, last_s = 0; /* the last step's waits and wall time */
     mdt_tensor *lat = NULL, *tst = NULL;
     mdt_tensor_set *res = NULL;
     mdt_branches br;
@@ -210,8 +214,10 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         if (!direct && (st = mdt_tensor_set_create(&res)) != MDT_OK)
             break;
         int64_t c0[MDT_COLL_KIND_COUNT] = {0}, gb0[MDT_GROUP_COUNT] = {0}, w0 = 0;
+        double ws0[MDT_WAIT_BUCKETS] = {0};
         if (mesh) {
             memcpy(c0, mesh->bytes_sent, sizeof c0);
+            memcpy(ws0, mesh->wait_s, sizeof ws0);
             memcpy(gb0, mesh->group_bytes, sizeof gb0);
             w0 = mesh->world_collectives;
         }
@@ -231,8 +237,10 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         } else {
             st = mdt_model_forward(m, in, direct ? outputs : res); /* guarded, watched, agreed */
         }
-        times[i] = mdt_now() - ts;
+        times[i] = last_s = mdt_now() - ts;
         per = *mdt_counters_get();
+        for (int k = 0; mesh && k < MDT_WAIT_BUCKETS; k++)
+            wait[k] = mesh->wait_s[k] - ws0[k];
         for (int k = 0; mesh && k < MDT_COLL_KIND_COUNT; k++)
             coll[k] = mesh->bytes_sent[k] - c0[k];
         for (int g = 0; mesh && g < MDT_GROUP_COUNT; g++)
@@ -299,7 +307,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         mdt_run_stats_free(s);
         return st;
     }
-    if ((st = gather_stats(m, &per, coll, group, world_colls, s)) != MDT_OK) {
+    if ((st = gather_stats(m, &per, coll, group, world_colls, wait, last_s, s)) != MDT_OK) {
         mdt_run_stats_free(s);
         return st;
     }

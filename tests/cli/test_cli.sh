@@ -308,11 +308,24 @@ for layout in "--ulysses 2" "--ring 2" "--tp 2 --ulysses 2" "--ring 2 --ulysses 
             --report "$T/cp.json" >"$T/cp.txt" 2>&1 &&
        "$BIN" compare "$T/cp.safetensors" "$DATA/flux_guidance/expected.safetensors" >/dev/null &&
        grep -q '"ring_wait_seconds"' "$T/cp.json" &&
+       # the last step's blocked seconds per collective kind and in the world's agreement: every
+       # rank waited in the agreement (the one world collective), and a Ulysses rank in its
+       # all-to-alls (1 rank: none, below)
+       [ "$(tr -d ' \t\n' <"$T/cp.json" | grep -o '"wait_seconds_last_step":{[^}]*}' |
+            grep -c '"agreement":[0-9.]*[1-9]')" = "$n" ] &&
+       { case "$layout" in *ulysses*)
+             [ "$(tr -d ' \t\n' <"$T/cp.json" | grep -o '"wait_seconds_last_step":{[^}]*}' |
+                  grep -c '"alltoall":[0-9.]*[1-9]')" = "$n" ];; esac; } &&
        # one world collective per forward (the agreement; each stage's NaN guard is local)
        [ "$(tr -d ' \t' <"$T/cp.json" | grep -o '"world_collectives_per_step":[0-9]*' | sort -u)" = \
          '"world_collectives_per_step":1' ]; then ok
     else bad "run $layout: $(tail -3 "$T/cp.txt"; grep world_collectives "$T/cp.json" | sort -u)"; fi
 done
+# negative control of the wait counters: one rank waits for nobody
+if "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$DATA/flux_guidance/inputs.safetensors" \
+       --out "$T/cp1.safetensors" --report "$T/cp1.json" >/dev/null 2>&1 &&
+   tr -d ' \t\n' <"$T/cp1.json" | grep -q '"last_step_seconds":[0-9.]*[1-9][^,]*,"wait_seconds_last_step":{"allreduce":0,"allgather":0,"alltoall":0,"sendrecv":0,"bcast":0,"agreement":0}'; then ok
+else bad "one rank's report: waits not all zero or missing: $(grep -A7 wait_seconds "$T/cp1.json")"; fi
 
 # --device cuda where no GPU can run it: one line saying why (no plugin in this build, or no
 # CUDA device), exit 1, nothing written. On a machine with a GPU scripts/gpu-check covers it.
