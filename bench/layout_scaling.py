@@ -3,7 +3,10 @@
 accounted per kernel class: a markdown table of step medians, the report's kernel seconds (linear
 and attention with their GFLOP/s), the time outside kernels (collectives not hidden, agreement
 reductions, CP gathers, dispatch) and each layout's speed-up over one rank in each round, plus the
-one-rank rate as a fraction of this core's FMA peak (bench_sgemm, same run). Benchmarks only
+one-rank rate as a fraction of this core's FMA peak (bench_sgemm, same run). The kernel seconds,
+the time outside them and the seconds blocked in each collective kind and in the world's agreement
+(`wait_seconds_last_step`) are all of the report's last step, so they add up to its wall time
+(`last_step_seconds`); the rest outside kernels is copies, staging and dispatch. Benchmarks only
 (never in make test); the standard library only (no torch).
 
 usage: python3 bench/layout_scaling.py [--preset medium] [--rounds 2] [--repeat 3]
@@ -39,7 +42,8 @@ def run_layout(a, env, tmp, t, r, u, tag):
     with open(report) as f:
         d = json.load(f)
     rk = d["ranks"][0]
-    return d["step_seconds_median"], rk["kernel_seconds_per_step"], rk["flops_per_step"]
+    return (d["step_seconds_median"], rk["kernel_seconds_per_step"], rk["flops_per_step"],
+            rk["last_step_seconds"], rk["wait_seconds_last_step"])
 
 
 def main():
@@ -76,22 +80,28 @@ def main():
     print(f"Flux preset {a.preset}, {a.img_tokens} + {a.txt_tokens} tokens; cpu: {cpu}; "
           f"fma peak {peak} GFLOP/s, sgemm {sgemm} GFLOP/s; {a.rounds} rounds x {a.repeat} "
           f"forwards; rank 0's kernel seconds, last round")
-    one = [s for s, _, _ in res[(1, 1, 1)]]
+    one = [x[0] for x in res[(1, 1, 1)]]
     gflop = sum(res[(1, 1, 1)][0][2].values()) / 1e9
     print(f"one rank: {gflop:.2f} GFLOP per forward, best {gflop / min(one):.1f} GFLOP/s"
           + (f" = {100 * gflop / min(one) / peak:.1f}% of the FMA peak" if peak else ""))
-    print("| layout | step s | linear s (GFLOP/s) | attention s (GFLOP/s) | other s "
-          "| outside kernels s | speed-up per round |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | step s (median) | last step s | linear s (GFLOP/s) | attention s (GFLOP/s) "
+          "| other s | outside kernels s | blocked: agreement / all-to-all / all-reduce / "
+          "send-recv / all-gather s | rest outside s | speed-up per round |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for lay in layouts:
-        step, k, f = res[lay][-1]
+        step, k, f, last, w = res[lay][-1]
         rate = lambda c: f[c] / k[c] / 1e9 if k[c] > 0 else 0.0
-        ups = " / ".join(f"{one[i] / s:.2f}x" for i, (s, _, _) in enumerate(res[lay]))
-        print(f"| tp{lay[0]} ring{lay[1]} ulysses{lay[2]} | {step:.3f} | {k['linear']:.3f} "
-              f"({rate('linear'):.1f}) | {k['attention']:.3f} ({rate('attention'):.1f}) | "
-              f"{k['other']:.3f} | {step - sum(k.values()):+.3f} | {ups} |")
+        ups = " / ".join(f"{one[i] / x[0]:.2f}x" for i, x in enumerate(res[lay]))
+        outside = last - sum(k.values())
+        blocked = sum(w.values())
+        parts = " / ".join(f"{w[c]:.3f}" for c in ("agreement", "alltoall", "allreduce",
+                                                     "sendrecv", "allgather"))
+        print(f"| tp{lay[0]} ring{lay[1]} ulysses{lay[2]} | {step:.3f} | {last:.3f} | "
+              f"{k['linear']:.3f} ({rate('linear'):.1f}) | {k['attention']:.3f} "
+              f"({rate('attention'):.1f}) | {k['other']:.3f} | {outside:.3f} | {parts} | "
+              f"{outside - blocked:.3f} | {ups} |")
     print("medians of the step per layout:",
-          ", ".join(f"tp{t}r{r}u{u} {statistics.median(s for s, _, _ in res[(t, r, u)]):.3f}"
+          ", ".join(f"tp{t}r{r}u{u} {statistics.median(x[0] for x in res[(t, r, u)]):.3f}"
                     for t, r, u in layouts))
     return 0
 
