@@ -2,7 +2,8 @@
  * bench_sgemm.c — this machine's single-thread GEMM rates at the GEMM shapes of the medium Flux
  * forward (M = 1280 tokens, K/N in {1024, 4096, 5120}), so a forward's achieved GFLOP/s can be
  * read as a fraction of the limit: OpenBLAS sgemm, then the GEMM path meshdit uses (gemm.h) in
- * f32 and, where it multiplies bf16 operands, in bf16. Prints one line per shape and the median
+ * f32 and, where it multiplies bf16 operands, in bf16, and in f32 at the shapes of a 2-rank
+ * layout's shards (CP: half the rows; TP: half of N or K). Prints one line per shape and the median
  * over shapes, then the CPU model and its vector flags, the core's fp32 FMA peak (12 independent
  * FMA chains, all in registers; 8-wide and, with AVX-512, 16-wide) and its bf16 dot-product peak
  * (vdpbf16ps, AVX512-BF16): ceilings no GEMM can pass except through AMX's tile unit.
@@ -185,6 +186,19 @@ int main(int argc, char **argv) {
         qsort(pr, NS, sizeof(double), cmp);
         printf("gemm %s %s median rate: %.1f GFLOP/s\n", bf16 ? "bf16" : "f32", gd, pr[NS / 2]);
     }
+    /* the same shapes as a 2-rank layout's shards: CP halves the rows, TP halves N of the
+     * column-split linears (the first, second and last shape) and K of the row-split ones */
+    double cp[NS], tp[NS];
+    for (int s = 0; s < NS; s++) {
+        const int M = shapes[s][0], N = shapes[s][1], K = shapes[s][2], row = s == 2 || s == 3;
+        cp[s] = path_rate(0, M / 2, N, K, reps);
+        tp[s] = path_rate(0, M, row ? N : N / 2, row ? K / 2 : K, reps);
+    }
+    qsort(cp, NS, sizeof(double), cmp);
+    qsort(tp, NS, sizeof(double), cmp);
+    printf("gemm f32 %s at the 2-rank shards' shapes: cp2 (rows / 2) %.1f, tp2 (N or K / 2) %.1f "
+           "GFLOP/s (medians over the shapes)\n",
+           gd, cp[NS / 2], tp[NS / 2]);
     print_cpu();
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
