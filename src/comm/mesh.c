@@ -415,15 +415,6 @@ static void count(mdt_mesh *m, mdt_group g, mdt_coll_kind k, int64_t bytes) {
     m->group_bytes[g] += bytes;
 }
 
-/* mdt_mesh_wait, its blocked seconds counted in bucket k (mdt_mesh.wait_s) */
-static mdt_status wait_as(mdt_mesh *m, int k, MPI_Comm comm, int n, MPI_Request *rq,
-                          const char *what) {
-    const double t0 = mdt_now();
-    const mdt_status st = mdt_mesh_wait(m, comm, n, rq, what);
-    m->wait_s[k] += mdt_now() - t0;
-    return st;
-}
-
 static mdt_status ensure_scratch(mdt_mesh *m, int64_t n) {
     if (m->scratch_floats >= n)
         return MDT_OK;
@@ -452,7 +443,7 @@ static mdt_status ring_step(mdt_mesh *m, MPI_Comm comm, int P, int me, const flo
         MPI_Request_free(&rq[0]);
         return MDT_FAIL(MDT_E_MPI, "all-reduce MPI_Isend failed");
     }
-    return wait_as(m, MDT_COLL_ALLREDUCE, comm, 2, rq, what);
+    return mdt_mesh_wait_in(m, MDT_COLL_ALLREDUCE, comm, 2, rq, what);
 }
 
 /* The bandwidth-optimal all-reduce (the ring NCCL uses) of full [P, chunk] in place, tmp [chunk]
@@ -513,11 +504,11 @@ mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n) {
         MDT_TRY(mpi_check(
             MPI_Ireduce_scatter_block(full, mine, (int)chunk, MPI_FLOAT, MPI_SUM, comm, &rq),
             "all-reduce (reduce-scatter)"));
-        MDT_TRY(wait_as(m, MDT_COLL_ALLREDUCE, comm, 1, &rq, what));
+        MDT_TRY(mdt_mesh_wait_in(m, MDT_COLL_ALLREDUCE, comm, 1, &rq, what));
         MDT_TRY(mpi_check(
             MPI_Iallgather(mine, (int)chunk, MPI_FLOAT, full, (int)chunk, MPI_FLOAT, comm, &rq),
             "all-reduce (all-gather)"));
-        MDT_TRY(wait_as(m, MDT_COLL_ALLREDUCE, comm, 1, &rq, what));
+        MDT_TRY(mdt_mesh_wait_in(m, MDT_COLL_ALLREDUCE, comm, 1, &rq, what));
     }
     if (dev)
         mdt_mem_device()->to_device(buf, full, sizeof(float) * (size_t)n);
@@ -536,7 +527,7 @@ mdt_status mdt_bcast_floats(mdt_mesh *m, mdt_group g, int root, float *buf, int6
         MPI_Request rq;
         MDT_TRY(mpi_check(MPI_Ibcast(buf + off, c, MPI_FLOAT, root, mdt_mesh_comm(m, g), &rq),
                           "MPI_Bcast"));
-        MDT_TRY(wait_as(m, MDT_COLL_BCAST, mdt_mesh_comm(m, g), 1, &rq, "broadcast"));
+        MDT_TRY(mdt_mesh_wait_in(m, MDT_COLL_BCAST, mdt_mesh_comm(m, g), 1, &rq, "broadcast"));
     }
     if (mdt_group_rank(m, g) == root)
         count(m, g, MDT_COLL_BCAST, n * 4);
@@ -556,7 +547,7 @@ mdt_status mdt_allgather_floats(mdt_mesh *m, mdt_group g, const float *send, flo
     MDT_TRY(mpi_check(
         MPI_Iallgather(hs, (int)n, MPI_FLOAT, hr, (int)n, MPI_FLOAT, mdt_mesh_comm(m, g), &rq),
         "MPI_Allgather"));
-    MDT_TRY(wait_as(m, MDT_COLL_ALLGATHER, mdt_mesh_comm(m, g), 1, &rq, "all-gather"));
+    MDT_TRY(mdt_mesh_wait_in(m, MDT_COLL_ALLGATHER, mdt_mesh_comm(m, g), 1, &rq, "all-gather"));
     stage_done(recv, hr, n * P);
     count(m, g, MDT_COLL_ALLGATHER, (int64_t)(P - 1) * n * 4);
     return MDT_OK;
@@ -586,7 +577,7 @@ mdt_status mdt_allgatherv_floats(mdt_mesh *m, mdt_group g, const float *send, fl
     MDT_TRY(mpi_check(
         MPI_Iallgatherv(hs, cnt[me], MPI_FLOAT, hr, cnt, dsp, MPI_FLOAT, mdt_mesh_comm(m, g), &rq),
         "MPI_Allgatherv"));
-    MDT_TRY(wait_as(m, MDT_COLL_ALLGATHER, mdt_mesh_comm(m, g), 1, &rq, "all-gather"));
+    MDT_TRY(mdt_mesh_wait_in(m, MDT_COLL_ALLGATHER, mdt_mesh_comm(m, g), 1, &rq, "all-gather"));
     stage_done(recv, hr, off);
     count(m, g, MDT_COLL_ALLGATHER, (int64_t)(P - 1) * counts[me] * 4);
     return MDT_OK;
@@ -598,7 +589,7 @@ mdt_status mdt_allgather_i64(mdt_mesh *m, mdt_group g, int64_t v, int64_t *all) 
     MDT_TRY(mpi_check(
         MPI_Iallgather(&x, 1, MPI_LONG_LONG, all, 1, MPI_LONG_LONG, mdt_mesh_comm(m, g), &rq),
         "length exchange (MPI_Allgather)"));
-    return wait_as(m, MDT_COLL_ALLGATHER, mdt_mesh_comm(m, g), 1, &rq, "length exchange");
+    return mdt_mesh_wait_in(m, MDT_COLL_ALLGATHER, mdt_mesh_comm(m, g), 1, &rq, "length exchange");
 }
 
 mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, const int64_t *scounts,
@@ -636,7 +627,8 @@ mdt_status mdt_alltoallv_floats(mdt_mesh *m, mdt_group g, const float *send, con
     MDT_TRY(mpi_check(
         MPI_Ialltoallv(hs, sc, sd, MPI_FLOAT, hr, rc, rd, MPI_FLOAT, mdt_mesh_comm(m, g), &rq),
         "MPI_Alltoallv"));
-    MDT_TRY(wait_as(m, MDT_COLL_ALLTOALL, mdt_mesh_comm(m, g), 1, &rq, "ulysses all-to-all"));
+    MDT_TRY(
+        mdt_mesh_wait_in(m, MDT_COLL_ALLTOALL, mdt_mesh_comm(m, g), 1, &rq, "ulysses all-to-all"));
     stage_done(recv, hr, recv_end);
     count(m, g, MDT_COLL_ALLTOALL, sent * 4);
     return MDT_OK;
@@ -680,8 +672,8 @@ mdt_status mdt_ring_wait(mdt_mesh *m, mdt_ring_req *rq) {
         return m->dev_ops->comm_wait(m->dev_comm[rq->group]) == 0
                    ? MDT_OK
                    : MDT_FAIL(MDT_E_MPI, "NCCL ring transfer failed");
-    MDT_TRY(wait_as(m, MDT_COLL_SENDRECV, mdt_mesh_comm(m, rq->group), 2, rq->req,
-                    "ring send/receive"));
+    MDT_TRY(mdt_mesh_wait_in(m, MDT_COLL_SENDRECV, mdt_mesh_comm(m, rq->group), 2, rq->req,
+                             "ring send/receive"));
     if (rq->host_recv)
         stage_done(rq->recv, rq->host_recv, rq->n);
     return MDT_OK;

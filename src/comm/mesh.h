@@ -196,6 +196,10 @@ void mdt_mesh_set_deadline(mdt_mesh *m, double seconds);
  * returns MDT_E_MPI naming the ranks that did not arrive, with m->peers_stuck set (the caller
  * ends the job); other waiting ranks keep waiting for that end, then report as well. */
 mdt_status mdt_mesh_wait(mdt_mesh *m, MPI_Comm comm, int n, MPI_Request *rq, const char *what);
+/* mdt_mesh_wait with the seconds it blocked added to m->wait_s[bucket] (a collective kind or
+ * MDT_WAIT_WORLD). */
+mdt_status mdt_mesh_wait_in(mdt_mesh *m, int bucket, MPI_Comm comm, int n, MPI_Request *rq,
+                            const char *what);
 /* Barrier over the whole mesh, watched. */
 mdt_status mdt_mesh_barrier(mdt_mesh *m, const char *what);
 /* *v <- the minimum of every rank's *v (world), watched. */

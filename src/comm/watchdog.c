@@ -268,6 +268,14 @@ mdt_status mdt_mesh_wait(mdt_mesh *m, MPI_Comm comm, int n, MPI_Request *rq, con
     return MDT_OK;
 }
 
+mdt_status mdt_mesh_wait_in(mdt_mesh *m, int bucket, MPI_Comm comm, int n, MPI_Request *rq,
+                            const char *what) {
+    const double t0 = mdt_now();
+    const mdt_status st = mdt_mesh_wait(m, comm, n, rq, what);
+    m->wait_s[bucket] += mdt_now() - t0;
+    return st;
+}
+
 mdt_status mdt_mesh_barrier(mdt_mesh *m, const char *what) {
     if (!m || m->world_size == 1)
         return MDT_OK;
@@ -275,10 +283,7 @@ mdt_status mdt_mesh_barrier(mdt_mesh *m, const char *what) {
     m->world_collectives++;
     if (MPI_Ibarrier(m->world, &r) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "%s: MPI_Ibarrier failed", what);
-    const double t0 = mdt_now();
-    const mdt_status st = mdt_mesh_wait(m, m->world, 1, &r, what);
-    m->wait_s[MDT_WAIT_WORLD] += mdt_now() - t0;
-    return st;
+    return mdt_mesh_wait_in(m, MDT_WAIT_WORLD, m->world, 1, &r, what);
 }
 
 mdt_status mdt_mesh_min_i64(mdt_mesh *m, int64_t *v, const char *what) {
@@ -289,10 +294,7 @@ mdt_status mdt_mesh_min_i64(mdt_mesh *m, int64_t *v, const char *what) {
     m->world_collectives++;
     if (MPI_Iallreduce(&in, &out, 1, MPI_LONG_LONG, MPI_MIN, m->world, &r) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "%s: MPI_Iallreduce failed", what);
-    const double t0 = mdt_now();
-    const mdt_status st = mdt_mesh_wait(m, m->world, 1, &r, what);
-    m->wait_s[MDT_WAIT_WORLD] += mdt_now() - t0;
-    MDT_TRY(st);
+    MDT_TRY(mdt_mesh_wait_in(m, MDT_WAIT_WORLD, m->world, 1, &r, what));
     *v = (int64_t)out;
     return MDT_OK;
 }

@@ -137,7 +137,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     double *times = calloc((size_t)nsteps, sizeof(double));
     mdt_counters per = {0};
     int64_t coll[MDT_COLL_KIND_COUNT] = {0}, group[MDT_GROUP_COUNT] = {0}, world_colls = 0;
-    double wait[MDT_WAIT_BUCKETS] = {0}, last_s = 0; /* the last step's waits and wall time */
+    double wait[MDT_WAIT_BUCKETS] = {0}; /* the last step's blocked seconds */
     mdt_tensor *lat = NULL, *tst = NULL;
     mdt_tensor_set *res = NULL;
     mdt_branches br;
@@ -237,7 +237,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         } else {
             st = mdt_model_forward(m, in, direct ? outputs : res); /* guarded, watched, agreed */
         }
-        times[i] = last_s = mdt_now() - ts;
+        times[i] = mdt_now() - ts;
         per = *mdt_counters_get();
         for (int k = 0; mesh && k < MDT_WAIT_BUCKETS; k++)
             wait[k] = mesh->wait_s[k] - ws0[k];
@@ -301,6 +301,8 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     }
     s->cache = cache; /* its decisions go to the report */
     s->steps = nsteps, s->sampled = steps > 0;
+    const double last_s = times[nsteps - 1]; /* the step the other counters are of (before
+                                                 mdt_median sorts times) */
     s->step_median_s = mdt_median(times, nsteps);
     free(times);
     if (cache && (st = merge_cache_logs(m, cache)) != MDT_OK) {
