@@ -142,15 +142,17 @@ def main():
         configs = []
         for kind in a.caches.split(","):
             if kind == "fbc":
-                configs += [(f"first_block {th}", lambda th=th: FirstBlockCacheConfig(threshold=th))
+                configs += [(f"first_block {th}", lambda th=th: FirstBlockCacheConfig(threshold=th),
+                             th)
                             for th in (float(x) for x in a.thresholds.split(","))]
             elif kind == "mag":
                 configs.append(("mag (defaults)", lambda: MagCacheConfig(
-                    num_inference_steps=a.steps, mag_ratios=FLUX_MAG_RATIOS)))
+                    num_inference_steps=a.steps, mag_ratios=FLUX_MAG_RATIOS), None))
             elif kind == "taylorseer":
-                configs.append(("taylorseer (defaults)", lambda: TaylorSeerCacheConfig()))
-        for label, make in configs:
-            th = float(label.split()[1]) if label.startswith("first_block") else None
+                configs.append(("taylorseer (defaults)", lambda: TaylorSeerCacheConfig(), None))
+            else:
+                sys.exit(f"cache_pipeline.py: unknown cache {kind!r} (fbc, mag or taylorseer)")
+        for label, make, th in configs:  # th: the First-Block threshold cache-dit runs at too
             kinds = ("dc", "mc", "du", "mu") + (("cc",) if cd_run and th is not None else ())
             times = {k: [] for k in kinds}
             for _ in range(a.rounds):  # alternating: each kind once per round
