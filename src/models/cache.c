@@ -241,9 +241,108 @@ static void branch_clear(mdt_cache_branch *b) {
     memcpy(b->name, name, sizeof name);
 }
 
+/* ---- tentative forwards ---- */
+
+/* Frees x's buffers that `keep` does not hold at the same place, and x's pointer arrays (a
+ * tentative branch's are its own copies): what one side of a tentative branch alone owns. */
+static void free_unshared(mdt_cache_branch *x, const mdt_cache_branch *keep) {
+    if (x->prev_res != keep->prev_res)
+        mdt_free(x->prev_res);
+    if (x->head != keep->head)
+        mdt_free(x->head);
+    if (x->tail != keep->tail)
+        mdt_free(x->tail);
+    if (x->kv_ctx != keep->kv_ctx)
+        mdt_free(x->kv_ctx);
+    for (int64_t i = 0; i < x->nkv; i++)
+        if (i >= keep->nkv || x->kv[i] != keep->kv[i])
+            mdt_free(x->kv[i]);
+    for (int64_t i = 0; i < x->nts; i++)
+        for (int k = 0; k <= MDT_TAYLOR_ORDERS; k++)
+            if (i >= keep->nts || x->ts[i].f[k] != keep->ts[i].f[k])
+                mdt_free(x->ts[i].f[k]);
+    free(x->kv), free(x->kv_n), free(x->ts);
+}
+
+/* A copy of n elements of `size` bytes at p (NULL for none). */
+static void *dup_array(const void *p, int64_t n, size_t size, int *ok) {
+    if (!p || n <= 0)
+        return NULL;
+    void *q = malloc(size * (size_t)n);
+    if (q)
+        memcpy(q, p, size * (size_t)n);
+    else
+        *ok = 0;
+    return q;
+}
+
+mdt_status mdt_cache_tentative(mdt_cache *c) {
+    if (c->tent)
+        return MDT_FAIL(MDT_E_INVALID, "cache: a tentative forward of branch '%s' is pending",
+                        c->br[c->tent_branch].name);
+    if (c->cur < 0)
+        return MDT_FAIL(MDT_E_INVALID, "cache: no branch selected for this forward");
+    mdt_cache_branch *b = &c->br[c->cur];
+    int ok = 1;
+    void *kv = dup_array(b->kv, b->nkv, sizeof *b->kv, &ok);
+    void *kv_n = dup_array(b->kv_n, b->nkv, sizeof *b->kv_n, &ok);
+    void *ts = dup_array(b->ts, b->nts, sizeof *b->ts, &ok);
+    if (!ok) {
+        free(kv), free(kv_n), free(ts);
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    }
+    c->saved = *b; /* the originals stay with the saved state, the copies go on */
+    b->kv = kv, b->kv_n = kv_n, b->ts = ts;
+    c->saved_last = c->last, c->saved_nlog = c->nlog;
+    c->tent = 1, c->tent_branch = c->cur;
+    return MDT_OK;
+}
+
+void mdt_cache_commit(mdt_cache *c) {
+    if (!c || !c->tent)
+        return;
+    free_unshared(&c->saved, &c->br[c->tent_branch]);
+    memset(&c->saved, 0, sizeof c->saved);
+    c->tent = 0;
+}
+
+void mdt_cache_rollback(mdt_cache *c) {
+    if (!c || !c->tent)
+        return;
+    mdt_cache_branch *b = &c->br[c->tent_branch];
+    free_unshared(b, &c->saved);
+    *b = c->saved;
+    memset(&c->saved, 0, sizeof c->saved);
+    c->last = c->saved_last, c->nlog = c->saved_nlog;
+    c->tent = 0;
+}
+
+/* The buffer *p of n floats is about to be written: in a tentative forward, one the saved state
+ * still holds (`was`) is replaced by a fresh one first (with its values when `copy`: a write of
+ * part of it). */
+static mdt_status own_buf(mdt_cache *c, float **p, const float *was, int64_t n, int copy) {
+    if (!c->tent || !*p || *p != was)
+        return MDT_OK;
+    float *q = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!q)
+        return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for a tentative forward's state");
+    if (copy)
+        memcpy(q, *p, sizeof(float) * (size_t)n);
+    *p = q;
+    return MDT_OK;
+}
+
+/* *p is let go: freed unless the saved state of a tentative forward holds it (`was`). */
+static void let_go(const mdt_cache *c, float **p, const float *was) {
+    if (!(c->tent && *p == was))
+        mdt_free(*p);
+    *p = NULL;
+}
+
 void mdt_cache_free(mdt_cache *c) {
     if (!c)
         return;
+    mdt_cache_rollback(c);
     for (int i = 0; i < c->nbranches; i++)
         branch_clear(&c->br[i]);
     free(c->log);
@@ -315,6 +414,11 @@ mdt_status mdt_cache_begin(const mdt_dit *d, int supported, int64_t blocks, mdt_
         return MDT_FAIL(MDT_E_UNSUPPORTED, "cache: step caches run on the CPU backend only");
     if (c->cur < 0)
         return MDT_FAIL(MDT_E_INVALID, "cache: no branch selected for this forward");
+    if (c->tent && c->cur != c->tent_branch)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "cache: branch '%s' runs while a tentative forward of branch '%s' is "
+                        "pending",
+                        c->br[c->cur].name, c->br[c->tent_branch].name);
     c->in_forward = 1;
     c->last = (mdt_cache_step){.branch = c->cur, .diff = NAN};
     if (c->spec.kind == MDT_CACHE_TAYLOR) { /* the hook's _measure_should_compute */
@@ -395,6 +499,8 @@ mdt_status mdt_cache_taylor(mdt_cache *c, const mdt_dit *d, int64_t slot, int64_
             if (!(t->f[k] = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1))))
                 return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for TaylorSeer's factors");
         }
+    for (int k = 0; k < nn; k++) /* written in part (batch element b): kept values copied */
+        MDT_TRY(own_buf(c, &t->f[k], slot < c->saved.nts ? c->saved.ts[slot].f[k] : NULL, n, 1));
     t->n = n;
     const float delta = (float)(br->ts_step - br->ts_last);
     for (int64_t r = 0; r < rows; r++)
@@ -481,6 +587,7 @@ static mdt_status fbc_decide(mdt_cache *c, const mdt_dit *d, const float *in, co
     c->last.skipped = *skip;
     if (!*skip) {
         MDT_TRY(keep_buf(c, &b->prev_res, &b->n_res, n, "the first block's residual"));
+        MDT_TRY(own_buf(c, &b->prev_res, c->saved.prev_res, n, 0));
         memcpy(b->prev_res, r, sizeof(float) * (size_t)n);
         b->have_tail = 0; /* until this forward's last block */
         c->flops_at_head = flops_now();
@@ -544,8 +651,8 @@ static void mag_advance(mdt_cache *c, mdt_cache_branch *b) {
         return;
     b->step_index = 0, b->acc_ratio = 1.0f, b->acc_steps = 0, b->acc_err = 0.0f;
     if (b->prev_res) {
-        mdt_free(b->prev_res);
-        b->prev_res = NULL, b->n_res = 0;
+        let_go(c, &b->prev_res, c->saved.prev_res);
+        b->n_res = 0;
     }
 }
 
@@ -575,6 +682,7 @@ static mdt_status mag_keep(mdt_cache *c, const mdt_dit *d, const float *in,
     mdt_cache_branch *b = &c->br[c->cur];
     const int64_t n = rows_n(d, out), w = out->rows * out->width;
     MDT_TRY(keep_buf(c, &b->prev_res, &b->n_res, n, "the residual"));
+    MDT_TRY(own_buf(c, &b->prev_res, c->saved.prev_res, n, 0));
     for (int64_t bb = 0; bb < d->B; bb++) {
         const float *x = out->x + bb * out->ld, *x0 = in + bb * w;
         float *r = b->prev_res + bb * w;
@@ -616,12 +724,13 @@ mdt_status mdt_cache_kv_context(mdt_cache *c, const mdt_dit *d, const float *txt
     if (same)
         return MDT_OK;
     if (b->kv_nctx != n) {
-        mdt_free(b->kv_ctx);
+        let_go(c, &b->kv_ctx, c->saved.kv_ctx);
         b->kv_nctx = 0;
         if (!(b->kv_ctx = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1))))
             return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for the context");
         b->kv_nctx = n;
     }
+    MDT_TRY(own_buf(c, &b->kv_ctx, c->saved.kv_ctx, n, 0));
     memcpy(b->kv_ctx, txt, sizeof(float) * (size_t)nt); /* [text | image] */
     if (ni)
         memcpy(b->kv_ctx + nt, img, sizeof(float) * (size_t)ni);
@@ -642,9 +751,9 @@ mdt_status mdt_cache_kv_slot(mdt_cache *c, int64_t slot, int64_t n, float **buf,
             b->kv[i] = NULL, b->kv_n[i] = 0;
         b->nkv = slot + 1;
     }
+    const float *was = slot < c->saved.nkv ? c->saved.kv[slot] : NULL;
     if (b->kv[slot] && b->kv_n[slot] != n) { /* a new context of another length */
-        mdt_free(b->kv[slot]);
-        b->kv[slot] = NULL;
+        let_go(c, &b->kv[slot], was);
         if (b->kv_valid)
             return MDT_FAIL(MDT_E_INVALID, "cache: text_kv slot %lld changed size",
                             (long long)slot);
@@ -654,6 +763,8 @@ mdt_status mdt_cache_kv_slot(mdt_cache *c, int64_t slot, int64_t n, float **buf,
             return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for the kept K/V");
         b->kv_n[slot] = n;
     }
+    if (!b->kv_valid) /* the caller computes into it */
+        MDT_TRY(own_buf(c, &b->kv[slot], was, n, 0));
     *buf = b->kv[slot];
     *valid = b->kv_valid;
     return MDT_OK;
@@ -690,6 +801,7 @@ mdt_status mdt_cache_after_first(mdt_cache *c, const mdt_dit *d, const float *x0
     MDT_TRY(fbc_decide(c, d, x0, hidden->x, n, skip));
     if (!*skip) { /* computing: the first block's output, for this forward's tail */
         MDT_TRY(keep_buf(c, &b->head, &b->n_out, n, "the first block's output"));
+        MDT_TRY(own_buf(c, &b->head, c->saved.head, n, 0));
         each_row_block(d, hidden, b->head, ROWS_KEEP);
         return MDT_OK;
     }
@@ -712,6 +824,7 @@ mdt_status mdt_cache_post(mdt_cache *c, const mdt_dit *d, const float *x0,
         if (rows_n(d, out) != b->n_out)
             return MDT_FAIL(MDT_E_INVALID, "cache: the hidden stream changed size in a forward");
         MDT_TRY(keep_buf(c, &b->tail, &have, b->n_out, "the tail residual"));
+        MDT_TRY(own_buf(c, &b->tail, c->saved.tail, b->n_out, 0));
         memcpy(b->tail, b->head, sizeof(float) * (size_t)b->n_out);
         each_row_block(d, out, b->tail, ROWS_TAIL);
         b->have_tail = 1;

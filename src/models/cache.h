@@ -129,6 +129,12 @@ typedef struct mdt_cache {
     mdt_cache_step last; /* the last forward's decision */
     mdt_cache_step *log; /* every forward of the generation */
     int64_t nlog, caplog;
+    /* a tentative forward (mdt_cache_tentative): branch `tent_branch` as it was before it,
+     * sharing every buffer the forward has not written (a written one is a fresh buffer) */
+    int tent, tent_branch;
+    mdt_cache_branch saved;
+    mdt_cache_step saved_last;
+    int64_t saved_nlog;
 } mdt_cache;
 
 /* A cache for one generation (no branch yet). */
@@ -139,6 +145,17 @@ void mdt_cache_free(mdt_cache *c);
 mdt_status mdt_cache_select(mdt_cache *c, const char *branch);
 /* The skips of the generation so far, and its forwards. */
 int64_t mdt_cache_skipped(const mdt_cache *c);
+
+/* ---- a forward that may be undone (serve --cfg 2: a branch computed before it is asked for,
+ * kept only if the request that comes is that forward's) ---- */
+/* The selected branch's next forwards are tentative: until mdt_cache_commit, everything they
+ * change (the branch's kept state, the generation's log) can be undone by mdt_cache_rollback.
+ * A buffer such a forward writes is a fresh one (the old kept for the undo), so what it costs
+ * is what it writes. MDT_E_INVALID when a tentative forward is already pending. */
+mdt_status mdt_cache_tentative(mdt_cache *c);
+/* Keeps (commit) or undoes (rollback) the tentative forwards; a no-op when none is pending. */
+void mdt_cache_commit(mdt_cache *c);
+void mdt_cache_rollback(mdt_cache *c);
 
 /* ---- what a family's forward calls (the model's cache: mdt_dit's m->cache) ---- */
 
