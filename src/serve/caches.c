@@ -52,6 +52,13 @@ void mdt_serve_caches_end(mdt_serve_caches *cs, const char *gen) {
         }
 }
 
+struct mdt_cache *mdt_serve_caches_find(const mdt_serve_caches *cs, const char *gen) {
+    for (int i = 0; i < cs->n; i++)
+        if (strcmp(cs->e[i].gen, gen) == 0)
+            return cs->e[i].cache;
+    return NULL;
+}
+
 mdt_status mdt_serve_caches_use(mdt_serve_caches *cs, const mdt_serve_request *r,
                                 struct mdt_cache **out) {
     *out = NULL;

@@ -97,6 +97,11 @@ typedef struct serve_ctx {
     mdt_tensor_set *spec_in, *spec_out;
     double spec_s;                      /* the speculative forward's seconds */
     char spec_lora[MDT_SERVE_LORA_KEY]; /* the adapters it ran with (lora_key) */
+    /* with a step cache: the generation and branch it ran as ("": none; group 1's ranks hold
+     * that branch's state tentatively until the request it answers comes), and (rank 0) its
+     * decision */
+    char spec_gen[MDT_SERVE_NAME_MAX + 1], spec_ctx[MDT_SERVE_CACHE_NAME_MAX + 1];
+    mdt_cache_step spec_step;
     int64_t cfg_hits, cfg_speculated;
 } serve_ctx;
 
@@ -472,18 +477,38 @@ static void lora_key(const mdt_serve_request *r, char *out, size_t cap) {
         n += (size_t)snprintf(out + n, cap - n, "%s=%.17g,", r->lora_names[i], r->lora_weights[i]);
 }
 
-static void spec_drop(serve_ctx *c) {
+/* The speculation ends: answered (`keep`: its cache state stays) or stale (undone). */
+static void spec_end(serve_ctx *c, int keep) {
+    if (c->spec_gen[0]) {
+        mdt_cache *g = mdt_serve_caches_find(&c->cs, c->spec_gen);
+        if (keep)
+            mdt_cache_commit(g);
+        else
+            mdt_cache_rollback(g);
+        c->spec_gen[0] = c->spec_ctx[0] = '\0';
+    }
     mdt_tensor_set_free(c->spec_in), mdt_tensor_set_free(c->spec_out);
     c->spec_in = c->spec_out = NULL;
 }
 
+static void spec_drop(serve_ctx *c) { spec_end(c, 0); }
+
+/* --cfg 2 with a step cache: a generation's branches live on the groups in turn (the first it
+ * names on group 0, the second on group 1, ...), and a cached forward runs on its branch's
+ * group, which alone holds that branch's state (every rank numbers the branches alike) */
+static int branch_group(const serve_ctx *c, const mdt_cache *cache) {
+    return c->C == 2 && cache ? cache->cur % 2 : 0;
+}
+
 /* The other branch's inputs: this forward's, with the tensors kept under r->cfg_next in place
  * of (or besides) those of the same name. NULL in *out when there is nothing to compute: no
- * cfg 2, no cfg_next, a step cache (its state is per branch), or no such session. */
-static mdt_status spec_inputs(serve_ctx *c, const mdt_serve_request *r, mdt_tensor_set **out) {
+ * cfg 2, no cfg_next, no such session, or (with a step cache) no branch known for it. */
+static mdt_status spec_inputs(serve_ctx *c, const mdt_serve_request *r, const mdt_cache *cache,
+                              mdt_tensor_set **out) {
     *out = NULL;
     const mdt_tensor_set *kept = mdt_serve_sessions_set_of(&c->ss, r->cfg_next);
-    if (c->C != 2 || !r->cfg_next[0] || (r->cache[0] && strcmp(r->cache, "none") != 0) || !kept)
+    if (c->C != 2 || !r->cfg_next[0] || !kept ||
+        (cache && !mdt_serve_sessions_context_of(&c->ss, r->cfg_next)[0]))
         return MDT_OK;
     mdt_tensor_set *in = NULL;
     MDT_TRY(mdt_tensor_set_create(&in));
@@ -536,8 +561,10 @@ static mdt_status spec_move(serve_ctx *c, void *buf, int64_t n, int from, int to
     return MDT_OK;
 }
 
-/* Group 1's leader hands its outputs (a blob) to rank 0, which reads them into *dst. */
-static mdt_status spec_send(serve_ctx *c, const mdt_tensor_set *sout, mdt_tensor_set **dst) {
+/* Group 1's leader hands its outputs (a blob) to rank 0, which reads them into *dst; with a
+ * step cache (`step`, every rank alike), its decision too, into *step_dst. */
+static mdt_status spec_send(serve_ctx *c, const mdt_tensor_set *sout, mdt_tensor_set **dst,
+                            const mdt_cache_step *step, mdt_cache_step *step_dst) {
     if (!c->spec_leader && c->rank != 0)
         return MDT_OK;
     unsigned char *blob = NULL;
@@ -562,6 +589,13 @@ static mdt_status spec_send(serve_ctx *c, const mdt_tensor_set *sout, mdt_tensor
     }
     if (st == MDT_OK)
         st = mv;
+    if (mv == MDT_OK && step) { /* the same bytes on both ends: one binary, one struct */
+        mdt_cache_step e = *step;
+        mv = spec_move(c, &e, (int64_t)sizeof e, c->leader1, 0);
+        if (c->rank == 0)
+            *step_dst = e;
+        st = st == MDT_OK ? mv : st;
+    }
     if (st == MDT_OK && c->rank == 0 && size < 0)
         st = MDT_FAIL(MDT_E_NOMEM, "the other cfg group could not serialize its outputs");
     if (st == MDT_OK && c->rank == 0) {
@@ -630,16 +664,37 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     st = mdt_mesh_agree(c->mesh, st);
     double secs = 0, fuse_s = -1;
     /* --cfg 2: the other branch of the last request, computed with it, if these are its inputs
-     * byte for byte (and its adapters); every rank holds the same and decides alike */
+     * byte for byte (and its adapters, and its cache generation and branch); every rank holds
+     * the same and decides alike */
     char lk[MDT_SERVE_LORA_KEY];
     lora_key(r, lk, sizeof lk);
-    const int hit = st == MDT_OK && c->spec_in && !cache && strcmp(lk, c->spec_lora) == 0 &&
+    const int same_cache = cache ? c->spec_gen[0] && strcmp(r->cache_gen, c->spec_gen) == 0 &&
+                                       strcmp(r->cache_context, c->spec_ctx) == 0
+                                 : !c->spec_gen[0];
+    const int hit = st == MDT_OK && c->spec_in && same_cache && strcmp(lk, c->spec_lora) == 0 &&
                     sets_equal(r->tensors, c->spec_in);
     mdt_tensor_set *sin = NULL, *sout = NULL;
     if (st == MDT_OK && !hit && c->C == 2) /* a new request: any earlier one is stale */
         spec_drop(c);
-    if (st == MDT_OK && !hit && c->C == 2 && r->cfg_next[0]) {
-        mdt_status sp = spec_inputs(c, r, &sin);
+    /* with a step cache: the group that holds the request's branch runs it */
+    const int rgrp = st == MDT_OK ? branch_group(c, cache) : 0;
+    const int rb = cache ? cache->cur : -1;
+    if (st == MDT_OK && !hit && c->C == 2 && r->cfg_next[0] && rgrp == 0) {
+        mdt_status sp = spec_inputs(c, r, cache, &sin);
+        if (sp == MDT_OK && sin && cache) {
+            /* its branch, on group 1; each group's forward tentative until both succeed */
+            sp = mdt_cache_select(cache, mdt_serve_sessions_context_of(&c->ss, r->cfg_next));
+            const int sb = cache->cur;
+            cache->cur = c->grp == 1 ? sb : rb;
+            if (sp == MDT_OK && sb % 2 == 1) {
+                sp = mdt_cache_tentative(cache);
+                snprintf(c->spec_gen, sizeof c->spec_gen, "%s", r->cache_gen);
+                snprintf(c->spec_ctx, sizeof c->spec_ctx, "%s", cache->br[sb].name);
+            } else if (sp == MDT_OK) { /* both branches on group 0: one after the other */
+                mdt_tensor_set_free(sin);
+                sin = NULL, cache->cur = rb;
+            }
+        }
         if (sp == MDT_OK && sin)
             sp = mdt_serve_budget_check(&c->budget, c->m, sin, d.gpu);
         if (sp == MDT_OK && sin)
@@ -649,8 +704,14 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
                 st = *fatal = MDT_E_MPI;
             mdt_tensor_set_free(sin), mdt_tensor_set_free(sout);
             sin = sout = NULL;
+            if (cache) {
+                mdt_cache_rollback(cache);
+                cache->cur = rb, c->spec_gen[0] = c->spec_ctx[0] = '\0';
+            }
         }
     }
+    if (st == MDT_OK && !hit && rgrp == 1) /* group 1 computes the request, group 0 waits */
+        st = mdt_mesh_agree(c->mesh, c->grp == 1 ? mdt_tensor_set_create(&sout) : MDT_OK);
     /* --cfg 2 and nothing to compute for the other branch: a batch of B >= 2 is cut between
      * the groups (rows [0, B/2) on group 0, the rest on group 1), joined on rank 0 */
     mdt_tensor_set *part = NULL, *other = NULL;
@@ -675,8 +736,8 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
         c->m->cache = cache;
         if (part) /* a split batch: this group's rows */
             st = mdt_model_forward(c->m, part, c->grp == 0 ? out : sout);
-        else if (c->grp == 0) /* group 0: the request (the only group without cfg) */
-            st = mdt_model_forward(c->m, r->tensors, out); /* guarded, watched, agreed */
+        else if (c->grp == rgrp) /* the request (group 0 without cfg) */
+            st = mdt_model_forward(c->m, r->tensors, rgrp == 0 ? out : sout); /* guarded, agreed */
         else if (sin)
             st = mdt_model_forward(c->m, sin, sout);
         else
@@ -685,15 +746,26 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
         secs = now_s() - t0;
         if (st != MDT_OK && mdt_mesh_peers_stuck(c->mesh))
             *fatal = st;
+        if (sin && cache && st == MDT_OK && c->grp == 0)
+            mdt_cache_commit(cache); /* the request's own step stays; group 1's waits */
         if (st == MDT_OK || *fatal != MDT_OK || !sin)
             break;
-        /* it may be the other branch's inputs that failed: the request alone once more */
+        /* it may be the other branch's inputs that failed: the request alone once more, from
+         * the cache state before this attempt */
+        if (cache) {
+            mdt_cache_rollback(cache);
+            cache->cur = rb, c->spec_gen[0] = c->spec_ctx[0] = '\0';
+        }
         mdt_tensor_set_free(sin), mdt_tensor_set_free(sout), mdt_tensor_set_free(out);
         sin = sout = out = NULL;
         st = mdt_mesh_agree(c->mesh, mdt_tensor_set_create(&out));
     }
-    if (st == MDT_OK && sin) { /* group 1's outputs to rank 0, kept for the next request */
-        const mdt_status sp = mdt_mesh_agree(c->mesh, spec_send(c, sout, &c->spec_out));
+    if (cache)
+        cache->cur = rb;
+    mdt_cache_step remote = {0}; /* rank 0: the decision of a forward group 1 ran */
+    if (st == MDT_OK && sin) {   /* group 1's outputs to rank 0, kept for the next request */
+        const mdt_status sp = mdt_mesh_agree(
+            c->mesh, spec_send(c, sout, &c->spec_out, cache ? &cache->last : NULL, &c->spec_step));
         if (sp == MDT_OK) {
             c->spec_in = sin, sin = NULL;
             snprintf(c->spec_lora, sizeof c->spec_lora, "%s", lk);
@@ -704,8 +776,19 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
             spec_drop(c);
         }
     }
+    if (st == MDT_OK && !hit && rgrp == 1) { /* the request's outputs, from group 1 */
+        mdt_tensor_set *got = NULL;
+        st = mdt_mesh_agree(c->mesh, spec_send(c, sout, &got, &cache->last, &remote));
+        if (st == MDT_OK && c->rank == 0) {
+            mdt_tensor_set_free(out);
+            out = got, got = NULL;
+        } else if (st != MDT_OK && mdt_mesh_peers_stuck(c->mesh)) {
+            *fatal = st;
+        }
+        mdt_tensor_set_free(got);
+    }
     if (st == MDT_OK && part) { /* group 1's rows to rank 0, after group 0's */
-        st = mdt_mesh_agree(c->mesh, spec_send(c, sout, &other));
+        st = mdt_mesh_agree(c->mesh, spec_send(c, sout, &other, NULL, NULL));
         mdt_tensor_set *whole = NULL;
         if (st == MDT_OK && c->rank == 0)
             st = cat_rows(out, other, &whole);
@@ -730,6 +813,13 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
             before != mdt_serve_sessions_bytes_of(&c->ss, r->session))
             mdt_serve_sessions_end(&c->ss, r->session); /* some ranks stored it: none keeps it */
     }
+    const int answered = st == MDT_OK; /* agreed: every rank alike */
+    /* the decision this forward's reply gives: of the concurrent forward, of group 1's, or
+     * of this rank's own */
+    const mdt_cache_step *rec = !cache      ? NULL
+                                : hit       ? &c->spec_step
+                                : rgrp == 1 ? &remote
+                                            : &cache->last;
     if (c->rank == 0) {
         if (st != MDT_OK)
             st = mdt_serve_reply_error("forward", r->id, mdt_last_error(), reply, rn);
@@ -738,8 +828,8 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
                                              csaved[40] = "", fuse[32] = "";
             if (fuse_s >= 0)
                 snprintf(fuse, sizeof fuse, "%.6f", fuse_s);
-            if (cache) {
-                const mdt_cache_step *e = &cache->last;
+            if (rec) {
+                const mdt_cache_step *e = rec;
                 snprintf(cdiff, sizeof cdiff, "%.17g", e->diff);
                 snprintf(cran, sizeof cran, "%lld", (long long)e->blocks_run);
                 snprintf(cskip, sizeof cskip, "%lld", (long long)e->blocks_skip);
@@ -770,8 +860,8 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
                                   cfgv,
                                   "cfg_speculated",
                                   specv,
-                                  cache ? "cache_skipped" : NULL,
-                                  cache && cache->last.skipped ? "1" : "0",
+                                  rec ? "cache_skipped" : NULL,
+                                  rec && rec->skipped ? "1" : "0",
                                   "cache_diff",
                                   cdiff,
                                   "cache_blocks_computed",
@@ -786,8 +876,8 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     } else {
         st = MDT_OK;
     }
-    if (hit)
-        spec_drop(c); /* answered: the speculation is spent */
+    if (hit) /* answered: the speculation is spent (its cache step kept if the reply is ok) */
+        spec_end(c, answered);
     mdt_tensor_set_free(out);
     return st;
 }
@@ -1017,8 +1107,8 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
     if (c.comm != MPI_COMM_NULL)
         MPI_Comm_free(&c.comm);
     mdt_serve_sessions_free(&c.ss);
+    spec_drop(&c); /* first: it undoes a tentative cache step of a generation held there */
     mdt_serve_caches_free(&c.cs);
-    spec_drop(&c);
     mdt_free(c.notes_recv);
     return st;
 }

@@ -95,6 +95,7 @@ typedef struct mdt_serve_session {
     mdt_tensor_set *set;
     int64_t bytes;
     int64_t last_ms; /* rank 0's clock when a forward last named it */
+    char cache_context[MDT_SERVE_CACHE_NAME_MAX + 1]; /* its last forward's cache branch ("") */
 } mdt_serve_session;
 
 typedef struct mdt_serve_sessions {
@@ -129,6 +130,9 @@ void mdt_serve_sessions_end(mdt_serve_sessions *ss, const char *name);
 const mdt_tensor_set *mdt_serve_sessions_set_of(const mdt_serve_sessions *ss, const char *name);
 /* Bytes kept under `name` (0 if none). */
 int64_t mdt_serve_sessions_bytes_of(const mdt_serve_sessions *ss, const char *name);
+/* The cache branch ("cache_context") of the last forward that named `name` and kept it ("" if
+ * none or no cache): the branch a forward of its tensors would run as. */
+const char *mdt_serve_sessions_context_of(const mdt_serve_sessions *ss, const char *name);
 
 /* ---- caches.c: the step caches of generations, kept between forwards ---- */
 
@@ -157,6 +161,8 @@ int mdt_serve_caches_expire(mdt_serve_caches *cs, int64_t now_ms);
  * MDT_E_INVALID when the generation runs another spec than r->cache. */
 mdt_status mdt_serve_caches_use(mdt_serve_caches *cs, const mdt_serve_request *r,
                                 struct mdt_cache **out);
+/* The state of generation `gen` (NULL if none is held). */
+struct mdt_cache *mdt_serve_caches_find(const mdt_serve_caches *cs, const char *gen);
 /* Drops a generation its client ended (a no-op for an unknown name). */
 void mdt_serve_caches_end(mdt_serve_caches *cs, const char *gen);
 

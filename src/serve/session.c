@@ -97,6 +97,11 @@ int64_t mdt_serve_sessions_bytes_of(const mdt_serve_sessions *ss, const char *na
     return s ? s->bytes : 0;
 }
 
+const char *mdt_serve_sessions_context_of(const mdt_serve_sessions *ss, const char *name) {
+    const mdt_serve_session *s = find(ss, name);
+    return s ? s->cache_context : "";
+}
+
 void mdt_serve_sessions_end(mdt_serve_sessions *ss, const char *name) {
     mdt_serve_session *s = find(ss, name);
     if (!s)
@@ -208,6 +213,8 @@ mdt_status mdt_serve_sessions_commit(mdt_serve_sessions *ss, const mdt_serve_req
         s->set = set, s->bytes = bytes;
         ss->bytes += bytes;
     }
+    if ((s = find(ss, r->session)) != NULL)
+        snprintf(s->cache_context, sizeof s->cache_context, "%s", r->cache_context);
     if (r->end_session)
         mdt_serve_sessions_end(ss, r->session);
     return MDT_OK;

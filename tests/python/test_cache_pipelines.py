@@ -4,6 +4,7 @@ same call, on several layouts: the same forwards skip (the pattern is asserted, 
 make some skip and some compute), the statistic agrees, and the decoded outputs agree within 1e-4.
 A threshold that flips decisions changes the output (the negative control)."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -72,25 +73,30 @@ def _ref(name, threshold, tmp_path_factory):
     return (_refs[name]["root"], *_refs[name][threshold])
 
 
-def _meshdit(name, root, threshold, layout):
+def _meshdit(name, root, threshold, layout, stats=None):
     mod, kw, steps, _, _ = CASES[name]
     with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
         pipe = mod.load(root, transformer=t)
         t.enable_cache(FirstBlockCacheConfig(threshold=threshold))
         assert t.is_cache_enabled
         out = mod.generate(pipe, seed=3, steps=steps, **kw)
+        if stats is not None:
+            stats.update(t.stats)
         return out, list(t.stats["cache"])
 
 
-# cfg=2 too: a cached forward runs on the first group alone (its state is per branch), the same
-# decisions and outputs as diffusers' hook
+# cfg=2 too: each branch's state on its own group, the unconditional forward computed with the
+# conditional one from the second step on (Wan: CFG), the same decisions and outputs as diffusers'
 @pytest.mark.parametrize("layout", LAYOUTS + [dict(cfg=2)],
                          ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
 @pytest.mark.parametrize("name", CASES)
 def test_first_block_cache_equals_diffusers(name, layout, tmp_path_factory):
     threshold = CASES[name][3]
     root, ref, rec = _ref(name, threshold, tmp_path_factory)
-    got, log = _meshdit(name, root, threshold, layout)
+    stats = {}
+    got, log = _meshdit(name, root, threshold, layout, stats)
+    if layout.get("cfg") == 2:  # both branches at once where the pipeline guides
+        assert stats["cfg_hits"] == (CASES[name][2] - 1 if name == "wan" else 0), stats["cfg_hits"]
     want = [(b, c) for b, _, c in rec]
     have = [(e["branch"], not e["skipped"]) for e in log]
     assert have == want, (have, want)  # the same forwards skip, branch by branch
@@ -192,8 +198,8 @@ class MagSpy:
 _mag_refs = {}
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(tp=2, ulysses=2), dict(ring=2)],
-                         ids=["1rank", "tp2xulysses2", "ring2"])
+@pytest.mark.parametrize("layout", [dict(), dict(tp=2, ulysses=2), dict(ring=2), dict(cfg=2)],
+                         ids=["1rank", "tp2xulysses2", "ring2", "cfg2"])
 @pytest.mark.parametrize("name,threshold", [("flux", 0.06), ("wan", 0.3)])
 def test_mag_cache_equals_diffusers(name, threshold, layout, tmp_path_factory):
     mod, kw, steps, _, _ = CASES[name]
@@ -211,6 +217,8 @@ def test_mag_cache_equals_diffusers(name, threshold, layout, tmp_path_factory):
         t.enable_cache(_mag_config(steps, threshold))
         got = mod.generate(pipe, seed=3, steps=steps, **kw)
         log = list(t.stats["cache"])
+        if layout.get("cfg") == 2:
+            assert t.stats["cfg_hits"] == (steps - 1 if name == "wan" else 0)
     want = [(b, c) for b, c in rec]
     have = [(e["branch"], not e["skipped"]) for e in log]
     assert have == want, (have, want)
@@ -321,3 +329,91 @@ def test_text_kv_is_exact(layout, tmp_path_factory):
     assert all(e["skipped"] for e in log[2:]) and len(log) == 2 * steps
     assert np.array_equal(got, plain)  # exact: the uncached bits
     assert rel(got, ref) <= TOL
+
+
+# ---- caches under cfg=2: each branch's state on its own group, its forward computed with the
+# other branch's; a branch computed ahead and not asked for is undone ----
+TRUE_CFG = dict(true_cfg_scale=2.0, negative_prompt="a blue ball")  # FLUX.1's true CFG
+
+
+def _cfg_cache(cache):
+    if cache == "fbc":
+        return FirstBlockCacheConfig(threshold=0.5)
+    if cache == "mag":
+        return _mag_config(CASES["flux"][2])
+    return _taylor(taylor_factors_dtype=torch.float32)
+
+
+_cfg_refs = {}
+
+
+@pytest.mark.parametrize("layout", [dict(cfg=2), dict(cfg=2, ulysses=2)], ids=["cfg2", "cfg2xulysses2"])
+@pytest.mark.parametrize("cache", ["fbc", "mag", "taylorseer"])
+def test_caches_under_cfg2_equal_diffusers(cache, layout, tmp_path_factory):
+    """FLUX.1 with true CFG: diffusers' pipeline + its hook against meshdit's cfg=2 + the same
+    hook: the outputs within 1e-4, the decisions those of one rank, and the unconditional forward
+    of every step but the first computed with the conditional one (cfg_hits = steps - 1)."""
+    mod, kw, steps, _, _ = CASES["flux"]
+    root = _ref("flux", CASES["flux"][3], tmp_path_factory)[0]
+    if cache not in _cfg_refs:
+        pipe = mod.load(root)
+        pipe.transformer.enable_cache(_cfg_cache(cache))
+        ref = mod.generate(pipe, seed=3, steps=steps, **kw, **TRUE_CFG)
+        with meshdit.Transformer.from_pretrained(f"{root}/transformer") as t:
+            t.enable_cache(_cfg_cache(cache))
+            one = mod.generate(mod.load(root, transformer=t), seed=3, steps=steps, **kw, **TRUE_CFG)
+            _cfg_refs[cache] = (ref, one, list(t.stats["cache"]))
+    ref, one, log1 = _cfg_refs[cache]
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
+        t.enable_cache(_cfg_cache(cache))
+        got = mod.generate(mod.load(root, transformer=t), seed=3, steps=steps, **kw, **TRUE_CFG)
+        log, hits = list(t.stats["cache"]), t.stats["cfg_hits"]
+    dec = [(e["branch"], e["skipped"]) for e in log]
+    assert dec == [(e["branch"], e["skipped"]) for e in log1]
+    assert {b for b, _ in dec} == {"cond", "uncond"}
+    assert any(s for _, s in dec) and not all(s for _, s in dec[2:])  # some of each
+    print(f"{cache} {layout}: {sum(s for _, s in dec)} of {len(dec)} skipped, {hits} hits, "
+          f"rel {rel(got, ref):.2e} (one rank {rel(one, ref):.2e})")
+    assert hits == steps - 1
+    assert rel(got, ref) <= TOL and rel(got, one) <= 1e-5
+
+
+@pytest.mark.parametrize("cache", ["fbc", "taylorseer"])
+def test_cfg2_undoes_a_branch_computed_ahead(cache):
+    """Negative control: after the branches are paired, an unconditional call whose latents
+    differ from the conditional call's is computed for its own inputs from the state before
+    the concurrent forward (which is undone); every call's output and decision equals the same
+    calls on one rank, and the steps after it pair again."""
+    from safetensors.torch import load_file
+    case = os.path.join(os.path.dirname(__file__), "..", "data", "flux_tiny")
+    x = load_file(f"{case}/inputs.safetensors")
+    neg = dict(x, encoder_hidden_states=x["encoder_hidden_states"].flip(1),
+               pooled_projections=-x["pooled_projections"])
+    config = (FirstBlockCacheConfig(threshold=0.03) if cache == "fbc"
+              else TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1,
+                                         taylor_factors_dtype=torch.float32))
+
+    def run(**layout):
+        outs = []
+        with meshdit.Transformer.from_pretrained(case, **layout) as t, torch.no_grad():
+            t.enable_cache(config)
+            for step in range(6):
+                hs = x["hidden_states"] * (1 - 0.03 * step)
+                uh = hs + 0.5 if step == 3 else hs  # step 3: other latents for the other branch
+                for name, inp in (("cond", dict(x, hidden_states=hs)),
+                                  ("uncond", dict(neg, hidden_states=uh))):
+                    with t.cache_context(name):
+                        outs.append(t(**inp, return_dict=False)[0].numpy())
+            return outs, list(t.stats["cache"]), t.stats["cfg_hits"]
+
+    one, log1, _ = run()
+    two, log2, hits = run(cfg=2)
+    assert hits == 4  # steps 1, 2, 4, 5: the first has no pair, the third other latents
+    dec = [(e["branch"], e["skipped"]) for e in log1]
+    assert any(s for _, s in dec) and not all(s for _, s in dec[2:])
+    assert [(e["branch"], e["skipped"]) for e in log2] == dec
+    for a, b in zip(log2, log1):  # the statistic too: a kept stray forward would move it
+        assert math.isnan(a["diff"]) == math.isnan(b["diff"])
+        assert math.isnan(a["diff"]) or a["diff"] == b["diff"]
+    for a, b in zip(two, one):
+        assert np.array_equal(a, b)

@@ -235,6 +235,19 @@ static void test_sessions(void) {
     EXPECT_OK(mdt_serve_sessions_commit(&ss, &r));
     EXPECT(ss.bytes == 24 && mdt_serve_sessions_bytes_of(&ss, "s1") == 24, "%lld",
            (long long)ss.bytes);
+    EXPECT(strcmp(mdt_serve_sessions_context_of(&ss, "s1"), "") == 0, "no cache branch yet");
+    mdt_serve_request_free(&r);
+    /* a cached forward: the session remembers its branch (the branch a --cfg 2 server computes
+     * its tensors as), until a later forward names another */
+    const char *cached[] = {
+        "op",     "forward",          "session", "s1", "cache", "fbc", "cache_context",
+        "uncond", "cache_generation", "g",       NULL};
+    parse_as(cached, 1, names + 2, k + 2, NULL, 600, &r);
+    EXPECT_OK(mdt_serve_sessions_prepare(&ss, &r));
+    EXPECT_OK(mdt_serve_sessions_commit(&ss, &r));
+    EXPECT(strcmp(mdt_serve_sessions_context_of(&ss, "s1"), "uncond") == 0 &&
+               strcmp(mdt_serve_sessions_context_of(&ss, "nobody"), "") == 0,
+           "branch kept");
     mdt_serve_request_free(&r);
     /* the session count: s2 and s3 would make three */
     const char *opn[] = {"op", "forward", "session", "new", "keep", "x", NULL};
