@@ -574,19 +574,17 @@ static mdt_status spec_send(serve_ctx *c, const mdt_tensor_set *sout, mdt_tensor
     if (c->spec_leader && (st = mdt_tensor_set_serialize(sout, NULL, &blob, &n)) == MDT_OK)
         size = (int64_t)n;
     mdt_status mv = spec_move(c, &size, (int64_t)sizeof size, c->leader1, 0);
+    /* rank 0 says whether it can take them: the leader sends only then, so no piece is left
+     * pending for a later receive to match */
+    int ok = 1;
     if (mv == MDT_OK && size > 0 && c->rank == 0 && !(blob = mdt_alloc((size_t)size))) {
         st = MDT_FAIL(MDT_E_NOMEM, "out of memory for the other branch's outputs");
-        /* the leader sends anyway: take its pieces into one scratch piece, so none is left
-         * pending for a later receive to match */
-        static unsigned char scratch[1 << 16];
-        for (int64_t off = 0; mv == MDT_OK && off < size; off += (int64_t)sizeof scratch) {
-            const int64_t n_piece =
-                size - off < (int64_t)sizeof scratch ? size - off : (int64_t)sizeof scratch;
-            mv = spec_move(c, scratch, n_piece, c->leader1, 0);
-        }
-    } else if (mv == MDT_OK && size > 0) {
-        mv = spec_move(c, blob, size, c->leader1, 0);
+        ok = 0;
     }
+    if (mv == MDT_OK && size > 0)
+        mv = spec_move(c, &ok, (int64_t)sizeof ok, 0, c->leader1);
+    if (mv == MDT_OK && size > 0 && ok)
+        mv = spec_move(c, blob, size, c->leader1, 0);
     if (st == MDT_OK)
         st = mv;
     if (mv == MDT_OK && step) { /* the same bytes on both ends: one binary, one struct */
