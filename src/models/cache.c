@@ -317,17 +317,24 @@ void mdt_cache_rollback(mdt_cache *c) {
     c->tent = 0;
 }
 
-/* The buffer *p of n floats is about to be written: in a tentative forward, one the saved state
- * still holds (`was`) is replaced by a fresh one first (with its values when `copy`: a write of
+/* The buffer *p of `bytes` is about to be written: in a tentative forward, one the saved state
+ * still holds (`was`) is replaced by a fresh one first (with its bytes when `copy`: a write of
  * part of it). */
-static mdt_status own_buf(mdt_cache *c, float **p, const float *was, int64_t n, int copy) {
+static mdt_status own_bytes(const mdt_cache *c, void **p, const void *was, size_t bytes, int copy) {
     if (!c->tent || !*p || *p != was)
         return MDT_OK;
-    float *q = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    void *q = mdt_alloc(bytes > 0 ? bytes : 1);
     if (!q)
         return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for a tentative forward's state");
     if (copy)
-        memcpy(q, *p, sizeof(float) * (size_t)n);
+        memcpy(q, *p, bytes);
+    *p = q;
+    return MDT_OK;
+}
+
+static mdt_status own_buf(const mdt_cache *c, float **p, const float *was, int64_t n, int copy) {
+    void *q = *p;
+    MDT_TRY(own_bytes(c, &q, was, sizeof(float) * (size_t)n, copy));
     *p = q;
     return MDT_OK;
 }
@@ -370,6 +377,24 @@ mdt_status mdt_cache_select(mdt_cache *c, const char *branch) {
     b->acc_ratio = 1.0f, b->ts_step = -1, b->ts_last = -1;
     c->cur = c->nbranches++;
     return MDT_OK;
+}
+
+int64_t mdt_cache_bytes(const mdt_cache *c) {
+    int64_t n = 0;
+    const int64_t fsz = (int64_t)sizeof(float);
+    const int64_t esz = c->spec.factors_bf16 ? (int64_t)sizeof(uint16_t) : fsz;
+    for (int i = 0; i < c->nbranches; i++) {
+        const mdt_cache_branch *b = &c->br[i];
+        n += (b->prev_res ? b->n_res : 0) * fsz;
+        n += ((b->head != NULL) + (b->tail != NULL)) * b->n_out * fsz;
+        n += (b->kv_ctx ? b->kv_nctx : 0) * fsz;
+        for (int64_t k = 0; k < b->nkv; k++)
+            n += b->kv[k] ? b->kv_n[k] * fsz : 0;
+        for (int64_t k = 0; k < b->nts; k++)
+            for (int o = 0; o <= MDT_TAYLOR_ORDERS; o++)
+                n += b->ts[k].f[o] ? b->ts[k].n * esz : 0;
+    }
+    return n;
 }
 
 int64_t mdt_cache_skipped(const mdt_cache *c) {
@@ -453,6 +478,11 @@ mdt_cache *mdt_cache_taylor_of(const mdt_dit *d) {
     return c && c->in_forward && c->spec.kind == MDT_CACHE_TAYLOR ? c : NULL;
 }
 
+/* Element e of factor k: float32, or bf16 bits widened. */
+static float factor(const mdt_taylor_slot *t, int bf, int k, int64_t e) {
+    return bf ? mdt_bf16_to_f32(((const uint16_t *)t->f[k])[e]) : ((const float *)t->f[k])[e];
+}
+
 mdt_status mdt_cache_taylor(mdt_cache *c, const mdt_dit *d, int64_t slot, int64_t b, float *x,
                             int64_t rows, int64_t width, int64_t ld) {
     mdt_cache_branch *br = &c->br[c->cur];
@@ -471,6 +501,8 @@ mdt_status mdt_cache_taylor(mdt_cache *c, const mdt_dit *d, int64_t slot, int64_
                         "cache: branch '%s' held %lld values of an attention output on this rank "
                         "and now has %lld: the shapes of a generation stay fixed",
                         br->name, (long long)t->n, (long long)n);
+    const int bf = sp->factors_bf16;
+    const size_t esz = bf ? sizeof(uint16_t) : sizeof(float);
     if (!c->ts_compute) { /* predict: sum over orders of f_k offset^k / k!, in float32 */
         if (t->norders == 0)
             return MDT_FAIL(MDT_E_INVALID, "cache: TaylorSeer has no factors to predict from");
@@ -486,7 +518,7 @@ mdt_status mdt_cache_taylor(mdt_cache *c, const mdt_dit *d, int64_t slot, int64_
                 const int64_t e = b * w + r * width + i;
                 float o = 0.0f;
                 for (int k = 0; k < t->norders; k++)
-                    o = o + t->f[k][e] * coeff[k];
+                    o = o + factor(t, bf, k, e) * coeff[k];
                 x[r * ld + i] = o;
             }
         return MDT_OK;
@@ -496,11 +528,12 @@ mdt_status mdt_cache_taylor(mdt_cache *c, const mdt_dit *d, int64_t slot, int64_
     const int nn = have + 1 < sp->max_order + 1 ? have + 1 : sp->max_order + 1;
     for (int k = 0; k < nn; k++)
         if (!t->f[k]) {
-            if (!(t->f[k] = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1))))
+            if (!(t->f[k] = mdt_alloc(esz * (size_t)(n > 0 ? n : 1))))
                 return MDT_FAIL(MDT_E_NOMEM, "cache: out of memory for TaylorSeer's factors");
         }
     for (int k = 0; k < nn; k++) /* written in part (batch element b): kept values copied */
-        MDT_TRY(own_buf(c, &t->f[k], slot < c->saved.nts ? c->saved.ts[slot].f[k] : NULL, n, 1));
+        MDT_TRY(own_bytes(c, &t->f[k], slot < c->saved.nts ? c->saved.ts[slot].f[k] : NULL,
+                          esz * (size_t)n, 1));
     t->n = n;
     const float delta = (float)(br->ts_step - br->ts_last);
     for (int64_t r = 0; r < rows; r++)
@@ -508,8 +541,11 @@ mdt_status mdt_cache_taylor(mdt_cache *c, const mdt_dit *d, int64_t slot, int64_
             const int64_t e = b * w + r * width + i;
             float nf = x[r * ld + i]; /* new_factors[j], float32 */
             for (int k = 0; k < nn; k++) {
-                const float next = k + 1 < nn ? (nf - t->f[k][e]) / delta : 0.0f;
-                t->f[k][e] = sp->factors_bf16 ? mdt_bf16_to_f32(mdt_f32_to_bf16(nf)) : nf;
+                const float next = k + 1 < nn ? (nf - factor(t, bf, k, e)) / delta : 0.0f;
+                if (bf) /* kept as bf16, as diffusers keeps them (taylor_factors_dtype) */
+                    ((uint16_t *)t->f[k])[e] = mdt_f32_to_bf16(nf);
+                else
+                    ((float *)t->f[k])[e] = nf;
                 nf = next;
             }
         }

@@ -55,8 +55,8 @@ typedef struct mdt_cache_spec {
     float ratios[MDT_CACHE_RATIOS_MAX];
     /* taylorseer (diffusers' TaylorSeerCacheConfig): a full step every cache_interval steps from
      * disable_cache_before_step on, every step before it and from disable_cache_after_step
-     * (-1: never); the expansion's order; factors kept rounded to bf16 (taylor_factors_dtype
-     * bfloat16, diffusers' default) or in f32 */
+     * (-1: never); the expansion's order; factors kept in bf16 (taylor_factors_dtype
+     * bfloat16, diffusers' default: half the bytes) or in f32 */
     int cache_interval, disable_before, disable_after, max_order, factors_bf16;
 } mdt_cache_spec;
 
@@ -103,7 +103,8 @@ typedef struct mdt_cache_branch {
 } mdt_cache_branch;
 
 typedef struct mdt_taylor_slot {
-    float *f[MDT_TAYLOR_ORDERS + 1]; /* [n] factor of each order (bf16 values when rounded) */
+    void *f[MDT_TAYLOR_ORDERS + 1]; /* [n] factor of each order: float32, or bf16 (uint16_t)
+                                       with taylor_factors_dtype bfloat16 */
     int64_t n;
     int norders; /* orders held (0: none yet) */
     int updated; /* this forward wrote it (its order count is committed at the end) */
@@ -145,6 +146,9 @@ void mdt_cache_free(mdt_cache *c);
 mdt_status mdt_cache_select(mdt_cache *c, const char *branch);
 /* The skips of the generation so far, and its forwards. */
 int64_t mdt_cache_skipped(const mdt_cache *c);
+/* Bytes of the state this rank keeps for the generation (every branch; a pending tentative
+ * forward's saved side not counted). */
+int64_t mdt_cache_bytes(const mdt_cache *c);
 
 /* ---- a forward that may be undone (serve --cfg 2: a branch computed before it is asked for,
  * kept only if the request that comes is that forward's) ---- */

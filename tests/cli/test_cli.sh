@@ -816,6 +816,16 @@ if [ "$tpat" = "(CC-C--C--C;" ] &&
        --ulysses 2 --cache "$TS" >"$T/tl.txt" 2>&1 &&
    "$BIN" compare "$T/tl.safetensors" "$T/t1.safetensors" --tol 1e-5 >/dev/null; then ok
 else bad "--cache taylorseer: $(head -c 300 "$T/t1.txt" "$T/tl.txt")"; fi
+# the report's state bytes: the factors are TaylorSeer's whole state, in half the bytes in bf16
+# (diffusers' default) than in f32, and the bf16 run's result is its own (the rounding shows)
+"$BIN" "${CRUN[@]}" --out "$T/t2.safetensors" --cache "${TS%float32}bfloat16" \
+    --report "$T/t2.json" >/dev/null 2>&1
+"$BIN" "${CRUN[@]}" --out "$T/t3.safetensors" --cache "$TS" --report "$T/t3.json" >/dev/null 2>&1
+sb() { tr -d ' \t\n' <"$1" | grep -o '"state_bytes":[0-9]*' | cut -d: -f2; }
+b2=$(sb "$T/t2.json") b3=$(sb "$T/t3.json")
+if [ -n "$b2" ] && [ "$b2" -gt 0 ] && [ $((2 * b2)) = "$b3" ] &&
+   ! "$BIN" compare "$T/t2.safetensors" "$T/t3.safetensors" --tol 1e-7 >/dev/null; then ok
+else bad "taylorseer state bytes: bf16 $b2, f32 $b3"; fi
 "$BIN" gen --model qwenimage --preset tiny --seed 0 --out "$T/cq" >/dev/null
 "$BIN" inputs --checkpoint "$T/cq" --seed 1 --out "$T/cqin.safetensors" >/dev/null
 QRUN=(run --checkpoint "$T/cq" --inputs "$T/cqin.safetensors" --steps 8 --cache "$TS")

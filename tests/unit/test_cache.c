@@ -3,8 +3,10 @@
  * rolled back leaves the branch as if it never ran (the later forwards' outputs and decisions
  * are the bits of the run without it), one committed is the plain forward; the negative
  * control keeps the stray forward and must differ. Every cache kind, on the families that run
- * it (Flux: First-Block Cache, MagCache, TaylorSeer; Wan: text_kv). A generation freed while
- * a forward is tentative frees both states (the sanitizer build checks).
+ * it (Flux: First-Block Cache, MagCache, TaylorSeer with f32 and bf16 factors; Wan: text_kv). A
+ * generation freed while a forward is tentative frees both states (the sanitizer build checks).
+ * The state's bytes: those of the plain run after an undone forward; TaylorSeer's bf16 factors
+ * take half of f32's.
  */
 #include "harness.h"
 #include "meshdit.h"
@@ -29,7 +31,7 @@ static void scale(mdt_tensor_set *in, const char *name, float s) {
 /* STEPS cached forwards of one branch; out [STEPS][n] their samples, skipped [STEPS] their
  * decisions. `stray`: the input a stray forward changes (a speculated other request). */
 static void run(const char *dir, const char *spec, const char *stray, mode md, float **out,
-                int64_t *n, int *skipped) {
+                int64_t *n, int *skipped, int64_t *bytes) {
     mdt_load_params lp = mdt_load_params_default();
     lp.checkpoint_dir = dir;
     mdt_model *m = NULL;
@@ -82,6 +84,7 @@ static void run(const char *dir, const char *spec, const char *stray, mode md, f
     }
     EXPECT(c->nlog == (md == KEEP_STRAY ? 2 * STEPS : STEPS), "%lld forwards logged",
            (long long)c->nlog);
+    *bytes = mdt_cache_bytes(c);
     /* a generation dropped while a forward is tentative */
     EXPECT_OK(mdt_cache_tentative(c));
     m->cache = NULL;
@@ -90,11 +93,12 @@ static void run(const char *dir, const char *spec, const char *stray, mode md, f
     mdt_model_free(m);
 }
 
-static void check(const char *dir, const char *spec, const char *stray, int want_mixed) {
+/* The state's bytes after the plain run. */
+static int64_t check(const char *dir, const char *spec, const char *stray, int want_mixed) {
     float *ref[STEPS] = {0}, *got[STEPS] = {0};
-    int64_t n = 0;
+    int64_t n = 0, bytes = 0, b2 = 0;
     int sk_ref[STEPS], sk[STEPS];
-    run(dir, spec, stray, PLAIN, ref, &n, sk_ref);
+    run(dir, spec, stray, PLAIN, ref, &n, sk_ref, &bytes);
     int nskip = 0;
     for (int k = 0; k < STEPS; k++)
         nskip += sk_ref[k];
@@ -102,7 +106,10 @@ static void check(const char *dir, const char *spec, const char *stray, int want
         EXPECT(nskip > 0 && nskip < STEPS - 1, "%s: %d of %d skipped (wanted some of each)", spec,
                nskip, STEPS);
     for (int md = UNDO_STRAY; md <= KEEP_STRAY; md++) {
-        run(dir, spec, stray, (mode)md, got, &n, sk);
+        run(dir, spec, stray, (mode)md, got, &n, sk, &b2);
+        if (md != KEEP_STRAY)
+            EXPECT(b2 == bytes, "%s: %lld state bytes, %lld in the plain run", spec, (long long)b2,
+                   (long long)bytes);
         int same = 1;
         for (int k = 0; k < STEPS; k++) {
             same = same && got[k] && ref[k] && sk[k] == sk_ref[k] &&
@@ -118,6 +125,7 @@ static void check(const char *dir, const char *spec, const char *stray, int want
     }
     for (int k = 0; k < STEPS; k++)
         free(ref[k]);
+    return bytes;
 }
 
 int main(void) {
@@ -126,9 +134,17 @@ int main(void) {
           "mag:threshold=0.1,num_inference_steps=6,retention_ratio=0.2,max_skip_steps=2,"
           "mag_ratios=1.0/1.2/1.1/1.05/1.04/1.03",
           "hidden_states", 1);
-    check("tests/data/flux_tiny",
-          "taylorseer:cache_interval=2,disable_cache_before_step=1,taylor_factors_dtype=float32",
-          "hidden_states", 1);
+    const int64_t f32 = check(
+        "tests/data/flux_tiny",
+        "taylorseer:cache_interval=2,disable_cache_before_step=1,taylor_factors_dtype=float32",
+        "hidden_states", 1);
+    const int64_t bf16 = check(
+        "tests/data/flux_tiny",
+        "taylorseer:cache_interval=2,disable_cache_before_step=1,taylor_factors_dtype=bfloat16",
+        "hidden_states", 1);
+    /* the factors are TaylorSeer's whole state: bf16 keeps them in half the bytes */
+    EXPECT(f32 > 0 && 2 * bf16 == f32, "TaylorSeer state %lld bytes in f32, %lld in bf16",
+           (long long)f32, (long long)bf16);
     check("tests/data/wan_tiny", "text_kv", "encoder_hidden_states", 0);
     TEST_END();
 }
