@@ -379,6 +379,13 @@ mdt_status mdt_cache_select(mdt_cache *c, const char *branch) {
     return MDT_OK;
 }
 
+int mdt_cache_find(const mdt_cache *c, const char *branch) {
+    for (int i = 0; i < c->nbranches; i++)
+        if (strcmp(c->br[i].name, branch) == 0)
+            return i;
+    return -1;
+}
+
 int64_t mdt_cache_bytes(const mdt_cache *c) {
     int64_t n = 0;
     const int64_t fsz = (int64_t)sizeof(float);

@@ -144,6 +144,8 @@ void mdt_cache_free(mdt_cache *c);
 /* The branch the next forward runs as (created on first use; at most MDT_CACHE_BRANCHES names,
  * each at most MDT_CACHE_NAME_MAX bytes). MDT_E_INVALID otherwise. */
 mdt_status mdt_cache_select(mdt_cache *c, const char *branch);
+/* The index of branch `branch` (-1 if the generation has none of that name). */
+int mdt_cache_find(const mdt_cache *c, const char *branch);
 /* The skips of the generation so far, and its forwards. */
 int64_t mdt_cache_skipped(const mdt_cache *c);
 /* Bytes of the state this rank keeps for the generation (every branch; a pending tentative

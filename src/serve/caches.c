@@ -52,11 +52,21 @@ void mdt_serve_caches_end(mdt_serve_caches *cs, const char *gen) {
         }
 }
 
-struct mdt_cache *mdt_serve_caches_find(const mdt_serve_caches *cs, const char *gen) {
+static const mdt_serve_cache *entry(const mdt_serve_caches *cs, const char *gen) {
     for (int i = 0; i < cs->n; i++)
         if (strcmp(cs->e[i].gen, gen) == 0)
-            return cs->e[i].cache;
+            return &cs->e[i];
     return NULL;
+}
+
+struct mdt_cache *mdt_serve_caches_find(const mdt_serve_caches *cs, const char *gen) {
+    const mdt_serve_cache *e = entry(cs, gen);
+    return e ? e->cache : NULL;
+}
+
+int64_t mdt_serve_caches_serial_of(const mdt_serve_caches *cs, const char *gen) {
+    const mdt_serve_cache *e = entry(cs, gen);
+    return e ? e->serial : 0;
 }
 
 mdt_status mdt_serve_caches_use(mdt_serve_caches *cs, const mdt_serve_request *r,
@@ -96,6 +106,7 @@ mdt_status mdt_serve_caches_use(mdt_serve_caches *cs, const mdt_serve_request *r
         e = &cs->e[cs->n];
         MDT_TRY(mdt_cache_create(&sp, &e->cache));
         strcpy(e->gen, r->cache_gen);
+        e->serial = ++cs->made;
         cs->n++;
     }
     e->last_ms = r->now_ms;

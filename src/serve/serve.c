@@ -101,6 +101,7 @@ typedef struct serve_ctx {
      * that branch's state tentatively until the request it answers comes), and (rank 0) its
      * decision */
     char spec_gen[MDT_SERVE_NAME_MAX + 1], spec_ctx[MDT_SERVE_CACHE_NAME_MAX + 1];
+    int64_t spec_serial; /* that generation's serial: not a later one of the same name */
     mdt_cache_step spec_step;
     int64_t cfg_hits, cfg_speculated;
 } serve_ctx;
@@ -480,7 +481,9 @@ static void lora_key(const mdt_serve_request *r, char *out, size_t cap) {
 /* The speculation ends: answered (`keep`: its cache state stays) or stale (undone). */
 static void spec_end(serve_ctx *c, int keep) {
     if (c->spec_gen[0]) {
-        mdt_cache *g = mdt_serve_caches_find(&c->cs, c->spec_gen);
+        mdt_cache *g = mdt_serve_caches_serial_of(&c->cs, c->spec_gen) == c->spec_serial
+                           ? mdt_serve_caches_find(&c->cs, c->spec_gen)
+                           : NULL; /* dropped since (its free undid the step) */
         if (keep)
             mdt_cache_commit(g);
         else
@@ -666,9 +669,11 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
      * the same and decides alike */
     char lk[MDT_SERVE_LORA_KEY];
     lora_key(r, lk, sizeof lk);
-    const int same_cache = cache ? c->spec_gen[0] && strcmp(r->cache_gen, c->spec_gen) == 0 &&
-                                       strcmp(r->cache_context, c->spec_ctx) == 0
-                                 : !c->spec_gen[0];
+    const int same_cache =
+        cache ? c->spec_gen[0] && strcmp(r->cache_gen, c->spec_gen) == 0 &&
+                    strcmp(r->cache_context, c->spec_ctx) == 0 &&
+                    mdt_serve_caches_serial_of(&c->cs, r->cache_gen) == c->spec_serial
+              : !c->spec_gen[0];
     const int hit = st == MDT_OK && c->spec_in && same_cache && strcmp(lk, c->spec_lora) == 0 &&
                     sets_equal(r->tensors, c->spec_in);
     mdt_tensor_set *sin = NULL, *sout = NULL;
@@ -680,17 +685,20 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     if (st == MDT_OK && !hit && c->C == 2 && r->cfg_next[0] && rgrp == 0) {
         mdt_status sp = spec_inputs(c, r, cache, &sin);
         if (sp == MDT_OK && sin && cache) {
-            /* its branch, on group 1; each group's forward tentative until both succeed */
-            sp = mdt_cache_select(cache, mdt_serve_sessions_context_of(&c->ss, r->cfg_next));
-            const int sb = cache->cur;
-            cache->cur = c->grp == 1 ? sb : rb;
-            if (sp == MDT_OK && sb % 2 == 1) {
+            /* its branch, if the generation has it on group 1 (never made here: a client's
+             * guess must not use up the generation's branches); each group's forward
+             * tentative until both succeed */
+            const int sb =
+                mdt_cache_find(cache, mdt_serve_sessions_context_of(&c->ss, r->cfg_next));
+            if (sb >= 0 && sb % 2 == 1) {
+                cache->cur = c->grp == 1 ? sb : rb;
                 sp = mdt_cache_tentative(cache);
                 snprintf(c->spec_gen, sizeof c->spec_gen, "%s", r->cache_gen);
                 snprintf(c->spec_ctx, sizeof c->spec_ctx, "%s", cache->br[sb].name);
-            } else if (sp == MDT_OK) { /* both branches on group 0: one after the other */
+                c->spec_serial = mdt_serve_caches_serial_of(&c->cs, r->cache_gen);
+            } else { /* not yet, or on group 0 too: one after the other */
                 mdt_tensor_set_free(sin);
-                sin = NULL, cache->cur = rb;
+                sin = NULL;
             }
         }
         if (sp == MDT_OK && sin)
@@ -757,6 +765,10 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
         mdt_tensor_set_free(sin), mdt_tensor_set_free(sout), mdt_tensor_set_free(out);
         sin = sout = out = NULL;
         st = mdt_mesh_agree(c->mesh, mdt_tensor_set_create(&out));
+    }
+    if (cache && st != MDT_OK) { /* nothing of a failed request's cache step is kept */
+        mdt_cache_rollback(cache);
+        c->spec_gen[0] = c->spec_ctx[0] = '\0';
     }
     if (cache)
         cache->cur = rb;
@@ -891,6 +903,8 @@ static mdt_status run_request(serve_ctx *c, mdt_serve_request *r, unsigned char 
     case MDT_SERVE_OP_END_SESSION:
         if (r->session[0])
             mdt_serve_sessions_end(&c->ss, r->session);
+        if (r->cache_gen[0] && strcmp(r->cache_gen, c->spec_gen) == 0)
+            spec_drop(c); /* computed in that generation: it must not answer a later one */
         if (r->cache_gen[0])
             mdt_serve_caches_end(&c->cs, r->cache_gen);
         return c->rank == 0 ? mdt_serve_reply_ok(meta, NULL, reply, rn) : MDT_OK;

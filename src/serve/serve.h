@@ -142,6 +142,7 @@ typedef struct mdt_serve_cache {
     char gen[MDT_SERVE_NAME_MAX + 1]; /* the client's "cache_generation" */
     struct mdt_cache *cache;
     int64_t last_ms; /* rank 0's clock when a forward last used it */
+    int64_t serial;  /* tells it from an earlier generation of the same name (from 1) */
 } mdt_serve_cache;
 
 typedef struct mdt_serve_caches {
@@ -150,6 +151,7 @@ typedef struct mdt_serve_caches {
     mdt_serve_cache *e;
     char (*gone)[MDT_SERVE_NAME_MAX + 1]; /* the last MDT_SERVE_CACHES_GONE dropped names */
     int64_t ngone;
+    int64_t made; /* generations made so far (the last one's serial) */
 } mdt_serve_caches;
 
 mdt_status mdt_serve_caches_init(mdt_serve_caches *cs, int max, int64_t idle_ms);
@@ -161,8 +163,9 @@ int mdt_serve_caches_expire(mdt_serve_caches *cs, int64_t now_ms);
  * MDT_E_INVALID when the generation runs another spec than r->cache. */
 mdt_status mdt_serve_caches_use(mdt_serve_caches *cs, const mdt_serve_request *r,
                                 struct mdt_cache **out);
-/* The state of generation `gen` (NULL if none is held). */
+/* The state of generation `gen` (NULL if none is held), and its serial (0 if none). */
 struct mdt_cache *mdt_serve_caches_find(const mdt_serve_caches *cs, const char *gen);
+int64_t mdt_serve_caches_serial_of(const mdt_serve_caches *cs, const char *gen);
 /* Drops a generation its client ended (a no-op for an unknown name). */
 void mdt_serve_caches_end(mdt_serve_caches *cs, const char *gen);
 

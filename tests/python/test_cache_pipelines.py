@@ -417,3 +417,42 @@ def test_cfg2_undoes_a_branch_computed_ahead(cache):
         assert math.isnan(a["diff"]) or a["diff"] == b["diff"]
     for a, b in zip(two, one):
         assert np.array_equal(a, b)
+
+
+def test_cfg2_a_restarted_generation_is_not_answered_from_the_old_one():
+    """A generation ended while the other branch was computed ahead, then started again under
+    the same name: the unconditional call with the speculated inputs is a fresh generation's
+    first forward (computed, no statistic), as on one rank, not the old generation's answer."""
+    from safetensors.torch import load_file
+    case = os.path.join(os.path.dirname(__file__), "..", "data", "flux_tiny")
+    x = load_file(f"{case}/inputs.safetensors")
+    neg = dict(x, encoder_hidden_states=x["encoder_hidden_states"].flip(1),
+               pooled_projections=-x["pooled_projections"])
+
+    def run(**layout):
+        outs = []
+        with meshdit.Transformer.from_pretrained(case, **layout) as t, torch.no_grad():
+            t.enable_cache(FirstBlockCacheConfig(threshold=0.03))
+            for step in range(3):
+                hs = x["hidden_states"] * (1 - 0.03 * step)
+                if step == 2:  # the server computed uncond with this cond: end, reuse the name
+                    with t.cache_context("cond"):
+                        outs.append(t(**dict(x, hidden_states=hs), return_dict=False)[0].numpy())
+                    t._client.end_cache_generation(t._cache_gen)
+                    with t.cache_context("uncond"):
+                        outs.append(t(**dict(neg, hidden_states=hs), return_dict=False)[0].numpy())
+                    break
+                for name, inp in (("cond", dict(x, hidden_states=hs)),
+                                  ("uncond", dict(neg, hidden_states=hs))):
+                    with t.cache_context(name):
+                        outs.append(t(**inp, return_dict=False)[0].numpy())
+            return outs, list(t.stats["cache"]), t.stats["cfg_hits"]
+
+    one, log1, _ = run()
+    two, log2, hits = run(cfg=2)
+    assert math.isnan(log1[-1]["diff"]) and not log1[-1]["skipped"]  # a fresh state's first
+    assert hits == 1  # step 1 only: step 2's uncond belongs to the new generation
+    assert [(e["branch"], e["skipped"]) for e in log2] == [(e["branch"], e["skipped"]) for e in log1]
+    assert math.isnan(log2[-1]["diff"])
+    for a, b in zip(two, one):
+        assert np.array_equal(a, b)
