@@ -301,17 +301,18 @@ static mdt_status agree(mdt_mesh *m, mdt_status local) {
     const double t0 = mdt_now();
     const char *tenv = getenv("MESHDIT_AGREE_TIMEOUT");
     const double timeout = tenv ? atof(tenv) : 20.0;
+    const double bound = m->agree_wait_s > timeout ? m->agree_wait_s : timeout;
     while (!done) {
         if (MPI_Test(&rq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS)
             return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Test failed");
         if (done)
             break;
-        if (local != MDT_OK && mdt_now() - t0 > timeout) {
+        if (local != MDT_OK && mdt_now() - t0 > bound) {
             m->peers_stuck = 1;
             return mdt_fail_prefix(local,
                                    "rank %d (the other ranks did not reach the failure "
                                    "agreement within %.0f s)",
-                                   m->world_rank, timeout);
+                                   m->world_rank, bound);
         }
         m->waiting = 1;
         mdt_mesh_watch_serve(m);

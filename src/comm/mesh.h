@@ -76,6 +76,10 @@ struct mdt_mesh {
     double wait_s[MDT_WAIT_BUCKETS];
     float *scratch;  /* collective scratch, grown on first use */
     int peers_stuck; /* a failure could not be agreed on: the job must be ended */
+    /* a failed rank's wait for its peers in the failure agreement, when longer than
+     * MESHDIT_AGREE_TIMEOUT's (0: that alone): set while the world's parts run different work
+     * (two cfg groups' forwards), where a peer that is late is busy, not stuck */
+    double agree_wait_s;
     /* step watchdog (watchdog.c): a collective or agreement that waits longer than
      * `deadline_s` (0: wait as long as it takes) is a stall; `watch` carries the side-channel
      * questions that find which ranks did not arrive. */
@@ -135,8 +139,8 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, const mdt_layout *l, mdt_mesh **
  * any rank failed, every rank returns that failure with the lowest failing rank's message ("rank
  * k: ..."). Collective over the world communicator. A failed rank whose peers do not arrive
  * within MESHDIT_AGREE_TIMEOUT seconds (default 20: they are blocked in a collective of a step it
- * left) returns its own failure with m->peers_stuck set; the caller must then end the job
- * (MPI_Abort). Never MDT_OK when `local` is not. */
+ * left; m->agree_wait_s when longer) returns its own failure with m->peers_stuck set; the caller
+ * must then end the job (MPI_Abort). Never MDT_OK when `local` is not. */
 mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local);
 
 /* The communicator of a group. */

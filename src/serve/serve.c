@@ -737,6 +737,10 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
         if (st != MDT_OK && mdt_mesh_peers_stuck(c->mesh))
             *fatal = st;
     }
+    /* the groups run different forwards: a rank whose forward fails at once (its inputs'
+     * checks) waits in the failure agreement for the other group's, which is busy, not stuck */
+    if ((sin || part) && c->mesh)
+        c->mesh->agree_wait_s = mdt_model_step_bound(c->m);
     for (int attempt = 0; st == MDT_OK && !hit && attempt < 2; attempt++) {
         const double t0 = now_s();
         c->m->cache = cache;
@@ -766,6 +770,8 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
         sin = sout = out = NULL;
         st = mdt_mesh_agree(c->mesh, mdt_tensor_set_create(&out));
     }
+    if (c->mesh)
+        c->mesh->agree_wait_s = 0;
     if (cache && st != MDT_OK) { /* nothing of a failed request's cache step is kept */
         mdt_cache_rollback(cache);
         c->spec_gen[0] = c->spec_ctx[0] = '\0';

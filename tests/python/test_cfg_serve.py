@@ -10,7 +10,8 @@ Checked: every family whose pipeline guides (Wan, Qwen-Image, Flux.2 [klein], FL
 true_cfg_scale) against diffusers' own pipeline within 1e-4, with cfg_hits = steps - 1 (the first
 step has no pair yet), on cfg=2 and cfg=2 x tp=2 (and x ulysses=2 for one); a client whose
 unconditional latents differ from the conditional ones gets its own forward's answer (negative
-control); cfg_next on a one-group server is refused.
+control); cfg_next on a one-group server is refused; a concurrent forward whose inputs fail at
+once waits for the busy group instead of ending the job.
 """
 import os
 
@@ -122,6 +123,37 @@ def test_cfg_next_needs_two_groups():
         x = {k: _blob.raw(v.numpy()) for k, v in load_file(f"{case}/inputs.safetensors").items()}
         with pytest.raises(ServerError, match="needs a server started with --cfg 2"):
             t._client.forward(x, cfg_next="0" * 32)
+
+
+def test_an_other_branch_that_fails_at_once_does_not_end_the_server(monkeypatch):
+    """A client names as cfg_next a session whose kept img_ids (8 positions) do not fit the
+    request's 16 image tokens: group 1's forward fails at its input check while group 0's runs.
+    With a failure-agreement wait shorter than any forward (MESHDIT_AGREE_TIMEOUT=0.001), the
+    failed group still waits for the busy one: the request is answered (run again alone) and the
+    server lives. Control: the same server answers a well-formed pair with a hit after it."""
+    from diffusers import FluxTransformer2DModel
+    from meshdit import _blob
+
+    monkeypatch.setenv("MESHDIT_AGREE_TIMEOUT", "0.001")  # the server inherits it
+    case = f"{DATA}/flux_tiny"
+    x = load_file(f"{case}/inputs.safetensors")
+    raw = {k: _blob.raw(v.numpy()) for k, v in x.items()}
+    ref = FluxTransformer2DModel.from_pretrained(case).eval()
+    with meshdit.Transformer.from_pretrained(case, cfg=2) as t, torch.no_grad():
+        c = t._client
+        half = dict(raw, hidden_states=_blob.raw(x["hidden_states"][:, :8].numpy()),
+                    img_ids=_blob.raw(x["img_ids"][:8].numpy()))
+        c.forward(half, session="bad", keep=["img_ids"])  # valid: 8 tokens, 8 positions
+        c.forward(raw, session="good", keep=["encoder_hidden_states"])
+        meta, out = c.forward(raw, cfg_next=c._tokens["bad"])  # 16 tokens + bad's 8 positions
+        want = ref(**x, return_dict=False)[0].numpy()
+        assert rel(out["sample"], want) <= TOL
+        assert meta.get("cfg_speculated") != "1"  # the other branch failed: nothing kept
+        meta, out = c.forward(raw, cfg_next=c._tokens["good"])  # the control: a pair that fits
+        assert meta.get("cfg_speculated") == "1"
+        meta, out2 = c.forward({k: v for k, v in raw.items() if k != "encoder_hidden_states"},
+                               session="good")
+        assert meta["cfg"] == "hit" and rel(out2["sample"], want) <= TOL
 
 
 @pytest.mark.parametrize("layout", [dict(cfg=2), dict(cfg=2, tp=2)], ids=["cfg2", "cfg2xtp2"])
