@@ -685,11 +685,15 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     if (st == MDT_OK && !hit && c->C == 2 && r->cfg_next[0] && rgrp == 0) {
         mdt_status sp = spec_inputs(c, r, cache, &sin);
         if (sp == MDT_OK && sin && cache) {
-            /* its branch, if the generation has it on group 1 (never made here: a client's
-             * guess must not use up the generation's branches); each group's forward
+            /* its branch, if the generation has it on group 1, or makes it there as its
+             * second (a generation's first step: at most one branch made so, so a client's
+             * wrong guess cannot use up the generation's branches); each group's forward
              * tentative until both succeed */
-            const int sb =
-                mdt_cache_find(cache, mdt_serve_sessions_context_of(&c->ss, r->cfg_next));
+            const char *ctx = mdt_serve_sessions_context_of(&c->ss, r->cfg_next);
+            int sb = mdt_cache_find(cache, ctx);
+            if (sb < 0 && cache->nbranches == 1 && rb == 0 &&
+                mdt_cache_select(cache, ctx) == MDT_OK)
+                sb = cache->cur;
             if (sb >= 0 && sb % 2 == 1) {
                 cache->cur = c->grp == 1 ? sb : rb;
                 sp = mdt_cache_tentative(cache);

@@ -352,7 +352,8 @@ _cfg_refs = {}
 def test_caches_under_cfg2_equal_diffusers(cache, layout, tmp_path_factory):
     """FLUX.1 with true CFG: diffusers' pipeline + its hook against meshdit's cfg=2 + the same
     hook: the outputs within 1e-4, the decisions those of one rank, and the unconditional forward
-    of every step but the first computed with the conditional one (cfg_hits = steps - 1)."""
+    of every step but the first computed with the conditional one (cfg_hits = steps - 1); in a
+    second generation every step's (the pair is known), with the same result."""
     mod, kw, steps, _, _ = CASES["flux"]
     root = _ref("flux", CASES["flux"][3], tmp_path_factory)[0]
     if cache not in _cfg_refs:
@@ -366,8 +367,16 @@ def test_caches_under_cfg2_equal_diffusers(cache, layout, tmp_path_factory):
     ref, one, log1 = _cfg_refs[cache]
     with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
         t.enable_cache(_cfg_cache(cache))
-        got = mod.generate(mod.load(root, transformer=t), seed=3, steps=steps, **kw, **TRUE_CFG)
+        pipe = mod.load(root, transformer=t)
+        got = mod.generate(pipe, seed=3, steps=steps, **kw, **TRUE_CFG)
         log, hits = list(t.stats["cache"]), t.stats["cfg_hits"]
+        # a second generation: the pair is known from the first, so its first step hits too
+        # (the new generation's uncond branch made with the concurrent forward), same result
+        again = mod.generate(pipe, seed=3, steps=steps, **kw, **TRUE_CFG)
+        assert t.stats["cfg_hits"] - hits == steps
+        assert np.array_equal(again, got)
+        assert [(e["branch"], e["skipped"]) for e in t.stats["cache"][len(log):]] == [
+            (e["branch"], e["skipped"]) for e in log]
     dec = [(e["branch"], e["skipped"]) for e in log]
     assert dec == [(e["branch"], e["skipped"]) for e in log1]
     assert {b for b, _ in dec} == {"cond", "uncond"}
