@@ -347,7 +347,8 @@ def _cfg_cache(cache):
 _cfg_refs = {}
 
 
-@pytest.mark.parametrize("layout", [dict(cfg=2), dict(cfg=2, ulysses=2)], ids=["cfg2", "cfg2xulysses2"])
+@pytest.mark.parametrize("layout", [dict(cfg=2), dict(cfg=2, ulysses=2)],
+                         ids=["cfg2", "cfg2xulysses2"])
 @pytest.mark.parametrize("cache", ["fbc", "mag", "taylorseer"])
 def test_caches_under_cfg2_equal_diffusers(cache, layout, tmp_path_factory):
     """FLUX.1 with true CFG: diffusers' pipeline + its hook against meshdit's cfg=2 + the same
@@ -387,17 +388,29 @@ def test_caches_under_cfg2_equal_diffusers(cache, layout, tmp_path_factory):
     assert rel(got, ref) <= TOL and rel(got, one) <= 1e-5
 
 
+def _tiny_branches():
+    """flux_tiny's checkpoint, its inputs and an unconditional set (other text, pooled negated)."""
+    from safetensors.torch import load_file
+    case = os.path.join(os.path.dirname(__file__), "..", "data", "flux_tiny")
+    x = load_file(f"{case}/inputs.safetensors")
+    neg = dict(x, encoder_hidden_states=x["encoder_hidden_states"].flip(1),
+               pooled_projections=-x["pooled_projections"])
+    return case, x, neg
+
+
+def _call(t, branch, inp, outs):
+    """One forward of the drop-in in cache context `branch`, its sample appended to outs."""
+    with t.cache_context(branch):
+        outs.append(t(**inp, return_dict=False)[0].numpy())
+
+
 @pytest.mark.parametrize("cache", ["fbc", "taylorseer"])
 def test_cfg2_undoes_a_branch_computed_ahead(cache):
     """Negative control: after the branches are paired, an unconditional call whose latents
     differ from the conditional call's is computed for its own inputs from the state before
     the concurrent forward (which is undone); every call's output and decision equals the same
     calls on one rank, and the steps after it pair again."""
-    from safetensors.torch import load_file
-    case = os.path.join(os.path.dirname(__file__), "..", "data", "flux_tiny")
-    x = load_file(f"{case}/inputs.safetensors")
-    neg = dict(x, encoder_hidden_states=x["encoder_hidden_states"].flip(1),
-               pooled_projections=-x["pooled_projections"])
+    case, x, neg = _tiny_branches()
     config = (FirstBlockCacheConfig(threshold=0.03) if cache == "fbc"
               else TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1,
                                          taylor_factors_dtype=torch.float32))
@@ -409,10 +422,8 @@ def test_cfg2_undoes_a_branch_computed_ahead(cache):
             for step in range(6):
                 hs = x["hidden_states"] * (1 - 0.03 * step)
                 uh = hs + 0.5 if step == 3 else hs  # step 3: other latents for the other branch
-                for name, inp in (("cond", dict(x, hidden_states=hs)),
-                                  ("uncond", dict(neg, hidden_states=uh))):
-                    with t.cache_context(name):
-                        outs.append(t(**inp, return_dict=False)[0].numpy())
+                _call(t, "cond", dict(x, hidden_states=hs), outs)
+                _call(t, "uncond", dict(neg, hidden_states=uh), outs)
             return outs, list(t.stats["cache"]), t.stats["cfg_hits"]
 
     one, log1, _ = run()
@@ -432,11 +443,7 @@ def test_cfg2_a_restarted_generation_is_not_answered_from_the_old_one():
     """A generation ended while the other branch was computed ahead, then started again under
     the same name: the unconditional call with the speculated inputs is a fresh generation's
     first forward (computed, no statistic), as on one rank, not the old generation's answer."""
-    from safetensors.torch import load_file
-    case = os.path.join(os.path.dirname(__file__), "..", "data", "flux_tiny")
-    x = load_file(f"{case}/inputs.safetensors")
-    neg = dict(x, encoder_hidden_states=x["encoder_hidden_states"].flip(1),
-               pooled_projections=-x["pooled_projections"])
+    case, x, neg = _tiny_branches()
 
     def run(**layout):
         outs = []
@@ -444,24 +451,18 @@ def test_cfg2_a_restarted_generation_is_not_answered_from_the_old_one():
             t.enable_cache(FirstBlockCacheConfig(threshold=0.03))
             for step in range(3):
                 hs = x["hidden_states"] * (1 - 0.03 * step)
+                _call(t, "cond", dict(x, hidden_states=hs), outs)
                 if step == 2:  # the server computed uncond with this cond: end, reuse the name
-                    with t.cache_context("cond"):
-                        outs.append(t(**dict(x, hidden_states=hs), return_dict=False)[0].numpy())
                     t._client.end_cache_generation(t._cache_gen)
-                    with t.cache_context("uncond"):
-                        outs.append(t(**dict(neg, hidden_states=hs), return_dict=False)[0].numpy())
-                    break
-                for name, inp in (("cond", dict(x, hidden_states=hs)),
-                                  ("uncond", dict(neg, hidden_states=hs))):
-                    with t.cache_context(name):
-                        outs.append(t(**inp, return_dict=False)[0].numpy())
+                _call(t, "uncond", dict(neg, hidden_states=hs), outs)
             return outs, list(t.stats["cache"]), t.stats["cfg_hits"]
 
     one, log1, _ = run()
     two, log2, hits = run(cfg=2)
     assert math.isnan(log1[-1]["diff"]) and not log1[-1]["skipped"]  # a fresh state's first
     assert hits == 1  # step 1 only: step 2's uncond belongs to the new generation
-    assert [(e["branch"], e["skipped"]) for e in log2] == [(e["branch"], e["skipped"]) for e in log1]
+    dec = [(e["branch"], e["skipped"]) for e in log1]
+    assert [(e["branch"], e["skipped"]) for e in log2] == dec
     assert math.isnan(log2[-1]["diff"])
     for a, b in zip(two, one):
         assert np.array_equal(a, b)
