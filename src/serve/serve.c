@@ -720,8 +720,13 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
             }
         }
     }
-    if (st == MDT_OK && !hit && rgrp == 1) /* group 1 computes the request, group 0 waits */
-        st = mdt_mesh_agree(c->mesh, c->grp == 1 ? mdt_tensor_set_create(&sout) : MDT_OK);
+    if (st == MDT_OK && !hit && rgrp == 1) { /* group 1 computes the request, group 0 waits;
+                                              * its step kept once rank 0 has the outputs */
+        mdt_status sp = c->grp == 1 ? mdt_tensor_set_create(&sout) : MDT_OK;
+        if (sp == MDT_OK)
+            sp = mdt_cache_tentative(cache);
+        st = mdt_mesh_agree(c->mesh, sp);
+    }
     /* --cfg 2 and nothing to compute for the other branch: a batch of B >= 2 is cut between
      * the groups (rows [0, B/2) on group 0, the rest on group 1), joined on rank 0 */
     mdt_tensor_set *part = NULL, *other = NULL;
@@ -799,6 +804,10 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
     if (st == MDT_OK && !hit && rgrp == 1) { /* the request's outputs, from group 1 */
         mdt_tensor_set *got = NULL;
         st = mdt_mesh_agree(c->mesh, spec_send(c, sout, &got, &cache->last, &remote));
+        if (st == MDT_OK)
+            mdt_cache_commit(cache);
+        else
+            mdt_cache_rollback(cache);
         if (st == MDT_OK && c->rank == 0) {
             mdt_tensor_set_free(out);
             out = got, got = NULL;
