@@ -241,6 +241,8 @@ static gemm_prim g_cache[CACHE];
 static int g_ncache, g_next_evict;
 static dnnl_engine_t g_engine;
 static dnnl_stream_t g_stream;
+/* the signals held while a primitive runs (file comment), set before g_engine is made */
+static sigset_t g_held;
 static void *g_scratch;
 static size_t g_scratch_bytes;
 
@@ -276,6 +278,10 @@ static gemm_prim *prim_get(const gemm_key *k) {
             return &g_cache[i];
     dnnl_status_t s;
     if (!g_engine) {
+        sigfillset(&g_held);
+        static const int k_faults[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP};
+        for (size_t i = 0; i < sizeof k_faults / sizeof k_faults[0]; i++)
+            sigdelset(&g_held, k_faults[i]);
         if ((s = dnnl_engine_create(&g_engine, dnnl_cpu, 0)) != dnnl_success)
             return fail("engine creation", s, k), NULL;
         if ((s = dnnl_stream_create(&g_stream, g_engine, dnnl_stream_default_flags)) !=
@@ -373,12 +379,8 @@ static void onednn_run(const gemm_key *k, const void *A, const void *B, const fl
                                     {DNNL_ARG_DST, g->c},
                                     {DNNL_ARG_SCRATCHPAD, g->scratch},
                                     {DNNL_ARG_BIAS, g->bias}};
-    sigset_t all, old;
-    sigfillset(&all);
-    static const int k_faults[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP};
-    for (size_t i = 0; i < sizeof k_faults / sizeof k_faults[0]; i++)
-        sigdelset(&all, k_faults[i]);
-    const int masked = pthread_sigmask(SIG_BLOCK, &all, &old) == 0; /* see the file comment */
+    sigset_t old;
+    const int masked = pthread_sigmask(SIG_BLOCK, &g_held, &old) == 0; /* see the file comment */
     dnnl_status_t s = dnnl_primitive_execute(g->prim, g_stream, k->bias ? 5 : 4, args);
     if (s == dnnl_success)
         s = dnnl_stream_wait(g_stream);
