@@ -22,6 +22,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sgemm_rate import cpu_model  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE_BENCH_MODEL = {
     "_class_name": "FluxTransformer2DModel", "attention_head_dim": 128,
@@ -63,9 +66,12 @@ def main():
         inputs = os.path.join(tmp, "in.safetensors")
         run([a.meshdit, "inputs", "--checkpoint", ck, "--out", inputs, "--img-tokens",
              str(a.img_tokens), "--txt-tokens", str(a.txt_tokens)], env)
+        report = os.path.join(tmp, "report.json")
         out = run([a.meshdit, "run", "--checkpoint", ck, "--inputs", inputs, "--out",
-                   os.path.join(tmp, "out.safetensors"), "--repeat", str(a.repeat), "--quiet"],
-                  dict(env, DNNL_VERBOSE="1"))
+                   os.path.join(tmp, "out.safetensors"), "--repeat", str(a.repeat), "--report",
+                   report, "--quiet"], dict(env, DNNL_VERBOSE="1"))
+        with open(report) as f:
+            rep = json.load(f)
     lines = [ln.split(",") for ln in out.splitlines() if ln.startswith("onednn_verbose,exec,")]
     if not lines or len(lines) % a.repeat:
         sys.exit(f"gemm_shapes: {len(lines)} oneDNN calls for {a.repeat} forwards: is the GEMM "
@@ -76,6 +82,7 @@ def main():
         tot[f[-2]][0] += 1
         tot[f[-2]][1] += float(f[-1])
     ms_all = sum(t for _, t in tot.values()) / kept
+    print(f"cpu: {cpu_model()}; meshdit kernels {rep['cpu_kernels']}, gemm {rep['cpu_gemm']}")
     print(f"{per} GEMM calls per forward, {a.img_tokens} + {a.txt_tokens} tokens, "
           f"{ms_all:.1f} ms per forward in GEMMs (mean of the last {kept} of {a.repeat})")
     print("| M x K . K x N | calls per forward | ms per forward | GFLOP/s | share |")

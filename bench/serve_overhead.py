@@ -13,7 +13,6 @@ medians over all rounds and the overhead as a fraction of the in-process step.
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,13 +23,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import meshdit  # noqa: E402
-
-
-def cpu_model():
-    for ln in open("/proc/cpuinfo"):
-        if ln.startswith("model name"):
-            return ln.split(":", 1)[1].strip()
-    return platform.processor()
+from sgemm_rate import cpu_model  # noqa: E402
 
 
 def main():

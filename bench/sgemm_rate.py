@@ -1,7 +1,16 @@
 """The rates bench/bench_sgemm prints, parsed: shared by the benchmarks that report a fraction of
 this machine's FMA peak or sgemm rate. The standard library only."""
+import platform
 import re
 import subprocess
+
+
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), for a benchmark's header."""
+    for ln in open("/proc/cpuinfo"):
+        if ln.startswith("model name"):
+            return ln.split(":", 1)[1].strip()
+    return platform.processor()
 
 
 def sgemm_rate(path, env):
