@@ -45,6 +45,10 @@ int cli_parse_opts(int argc, char **argv, cli_opts *o, const char *const *flags)
             for (int f = 0; flags && flags[f]; f++)
                 is_flag |= strcmp(argv[i] + 2, flags[f]) == 0;
             o->keys[o->n] = argv[i] + 2;
+            const char *eq = strchr(argv[i], '=');
+            if (eq)
+                return cli_usage_exit("option %s: write the value after a space (%.*s %s)", argv[i],
+                                      (int)(eq - argv[i]), argv[i], eq + 1);
             if (is_flag) {
                 o->vals[o->n++] = "1";
                 continue;
@@ -115,9 +119,14 @@ int cli_opt_all(cli_opts *o, const char *key, const char **vals, int cap) {
 }
 
 int cli_opts_check_unused(cli_opts *o) {
-    for (int i = 0; i < o->n; i++)
-        if (!o->used[i])
-            return cli_usage_exit("unknown option --%s", o->keys[i]);
+    for (int i = 0; i < o->n; i++) {
+        if (o->used[i])
+            continue;
+        for (int j = 0; j < i; j++) /* the command read the first one: a second is not taken */
+            if (strcmp(o->keys[j], o->keys[i]) == 0)
+                return cli_usage_exit("option --%s is given more than once", o->keys[i]);
+        return cli_usage_exit("unknown option --%s", o->keys[i]);
+    }
     return 0;
 }
 

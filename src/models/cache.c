@@ -17,10 +17,32 @@
 
 /* ---- the spec ---- */
 
+/* 1 if v is a plain decimal number: [-]digits[.digits][e[+-]digits] (no space, sign '+', hex,
+ * inf or nan, which strtod would also take); ints: digits only. */
+static int decimal(const char *v, int ints) {
+    const char *p = v + (*v == '-');
+    int digits = 0;
+    for (; *p >= '0' && *p <= '9'; p++)
+        digits++;
+    if (!ints && *p == '.')
+        for (p++; *p >= '0' && *p <= '9'; p++)
+            digits++;
+    if (!digits)
+        return 0;
+    if (!ints && (*p == 'e' || *p == 'E')) {
+        p += p[1] == '-' || p[1] == '+' ? 2 : 1;
+        if (!(*p >= '0' && *p <= '9'))
+            return 0;
+        while (*p >= '0' && *p <= '9')
+            p++;
+    }
+    return *p == '\0';
+}
+
 static mdt_status parse_double(const char *v, const char *key, double lo, double *out) {
     char *end = NULL;
-    const double x = strtod(v, &end);
-    if (!*v || *end || !isfinite(x) || x < lo)
+    const double x = decimal(v, 0) ? strtod(v, &end) : NAN;
+    if (!*v || (end && *end) || !isfinite(x) || x < lo)
         return MDT_FAIL(MDT_E_INVALID, "cache spec: %s=%.64s is not a number >= %g", key, v, lo);
     *out = x;
     return MDT_OK;
@@ -28,8 +50,9 @@ static mdt_status parse_double(const char *v, const char *key, double lo, double
 
 static mdt_status parse_int(const char *v, const char *key, int lo, int hi, int *out) {
     char *end = NULL;
-    const long x = strtol(v, &end, 10);
-    if (!*v || *end || x < lo || x > hi)
+    const int ok = decimal(v, 1) && strlen(v) < 12;
+    const long x = ok ? strtol(v, &end, 10) : 0;
+    if (!ok || *end || x < lo || x > hi)
         return MDT_FAIL(MDT_E_INVALID, "cache spec: %s=%.64s is not an integer in [%d, %d]", key, v,
                         lo, hi);
     *out = (int)x;
@@ -109,16 +132,33 @@ mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out) {
                       "TaylorSeerCacheConfig, and the exact K/V of Wan's cross-attention)",
                       buf);
     const int mag = out->kind == MDT_CACHE_MAG, ts = out->kind == MDT_CACHE_TAYLOR;
-    char *save = NULL;
-    for (char *kv = st == MDT_OK && args ? strtok_r(args, ",", &save) : NULL; kv && st == MDT_OK;
-         kv = strtok_r(NULL, ",", &save)) {
+    const char *seen[16];
+    int nseen = 0;
+    if (st == MDT_OK && args && !*args)
+        st = MDT_FAIL(MDT_E_INVALID, "cache spec: '%.64s:' has nothing after the colon", buf);
+    for (char *kv = st == MDT_OK ? args : NULL, *next; kv && st == MDT_OK; kv = next) {
+        if ((next = strchr(kv, ',')))
+            *next++ = '\0';
         char *v = strchr(kv, '=');
+        if (!*kv) {
+            st = MDT_FAIL(MDT_E_INVALID, "cache spec: an empty item between commas");
+            break;
+        }
         if (!v) {
             st = MDT_FAIL(MDT_E_INVALID, "cache spec: '%.64s' is not key=value", kv);
             break;
         }
         *v++ = '\0';
-        if (ts && strcmp(kv, "cache_interval") == 0)
+        for (int i = 0; i < nseen && st == MDT_OK; i++)
+            if (strcmp(seen[i], kv) == 0)
+                st = MDT_FAIL(MDT_E_INVALID, "cache spec: key '%.64s' is given twice", kv);
+        if (st != MDT_OK)
+            break;
+        if (nseen < (int)(sizeof seen / sizeof seen[0]))
+            seen[nseen++] = kv;
+        if (out->kind == MDT_CACHE_TEXT_KV)
+            st = MDT_FAIL(MDT_E_INVALID, "cache spec: text_kv takes no keys (got '%.64s')", kv);
+        else if (ts && strcmp(kv, "cache_interval") == 0)
             st = parse_int(v, kv, 1, 1 << 20, &out->cache_interval);
         else if (ts && strcmp(kv, "disable_cache_before_step") == 0)
             st = parse_int(v, kv, 0, 1 << 20, &out->disable_before);
@@ -168,6 +208,8 @@ mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out) {
 mdt_status mdt_cache_spec_check(const char *spec, int *enabled) {
     mdt_cache_spec sp;
     *enabled = 0;
+    if (spec && !*spec) /* a user's empty value: "none" says no cache */
+        return MDT_FAIL(MDT_E_INVALID, "cache spec: empty (give a cache, or none for no cache)");
     MDT_TRY(mdt_cache_spec_parse(spec, &sp));
     *enabled = sp.kind != MDT_CACHE_OFF;
     return MDT_OK;
@@ -187,13 +229,14 @@ void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap) {
         snprintf(buf, cap, "first_block:threshold=%s", t);
     else if (sp->kind == MDT_CACHE_TEXT_KV)
         snprintf(buf, cap, "text_kv");
-    else if (sp->kind == MDT_CACHE_TAYLOR)
+    else if (sp->kind == MDT_CACHE_TAYLOR) {
+        snprintf(r, sizeof r, "%d", sp->disable_after); /* < 0: none, as the spec reads it */
         snprintf(buf, cap,
                  "taylorseer:cache_interval=%d,disable_cache_before_step=%d,"
-                 "disable_cache_after_step=%d,max_order=%d,taylor_factors_dtype=%s",
-                 sp->cache_interval, sp->disable_before, sp->disable_after, sp->max_order,
-                 sp->factors_bf16 ? "bfloat16" : "float32");
-    else if (sp->kind == MDT_CACHE_MAG) {
+                 "disable_cache_after_step=%s,max_order=%d,taylor_factors_dtype=%s",
+                 sp->cache_interval, sp->disable_before, sp->disable_after < 0 ? "none" : r,
+                 sp->max_order, sp->factors_bf16 ? "bfloat16" : "float32");
+    } else if (sp->kind == MDT_CACHE_MAG) {
         num_str(sp->retention_ratio, r, sizeof r);
         snprintf(buf, cap,
                  "mag:threshold=%s,max_skip_steps=%d,retention_ratio=%s,num_inference_steps=%d "
@@ -404,6 +447,11 @@ int64_t mdt_cache_bytes(const mdt_cache *c) {
     return n;
 }
 
+void mdt_cache_note_bytes(mdt_cache *c) {
+    const int64_t n = mdt_cache_bytes(c);
+    c->peak_bytes = n > c->peak_bytes ? n : c->peak_bytes;
+}
+
 int64_t mdt_cache_skipped(const mdt_cache *c) {
     int64_t n = 0;
     for (int64_t i = 0; i < c->nlog; i++)
@@ -462,12 +510,14 @@ mdt_status mdt_cache_begin(const mdt_dit *d, int supported, int64_t blocks, mdt_
             ((k % sp->cache_interval) + sp->cache_interval) % sp->cache_interval == 0;
         const int cooldown = sp->disable_after >= 0 && step >= sp->disable_after;
         c->ts_compute = warmup || interval || cooldown;
-        if (!c->ts_compute && b->ts_last < 0)
+        if (!c->ts_compute && b->ts_last < 0) { /* refused: the branch stays at its step */
+            b->ts_step--, c->in_forward = 0;
             return MDT_FAIL(MDT_E_INVALID,
                             "cache: TaylorSeer would predict step %d of branch '%s' before any "
                             "computed one (diffusers: \"Cannot predict without prior "
                             "initialization\"): disable_cache_before_step must be >= 1",
                             step, b->name);
+        }
         c->last.skipped = !c->ts_compute;
         c->last.diff = c->ts_compute ? NAN : (double)(step - b->ts_last);
         c->flops_at_head = flops_now();
@@ -666,10 +716,12 @@ static mdt_status mag_decide(mdt_cache *c, int *skip) {
     const mdt_cache_spec *sp = &c->spec;
     const int cur = b->step_index;
     const float scale = cur >= sp->nratios ? 1.0f : sp->ratios[cur];
-    const int retention = (int)(sp->retention_ratio * sp->num_inference_steps + 0.5);
+    /* the hook's int(retention_ratio * steps + 0.5), in double: a ratio past the schedule (or
+     * one too large for an int) means no step is ever skipped */
+    const double retention = floor(sp->retention_ratio * sp->num_inference_steps + 0.5);
     int compute = 1;
     c->last.diff = NAN;
-    if (cur >= retention) { /* float32, as the hook's tensors compute it */
+    if ((double)cur >= retention) { /* float32, as the hook's tensors compute it */
         b->acc_ratio *= scale;
         b->acc_steps++;
         b->acc_err += fabsf(1.0f - b->acc_ratio);
@@ -692,6 +744,7 @@ static mdt_status mag_decide(mdt_cache *c, int *skip) {
 static void mag_advance(mdt_cache *c, mdt_cache_branch *b) {
     if (++b->step_index < c->spec.num_inference_steps)
         return;
+    mdt_cache_note_bytes(c); /* what the schedule held, before it lets go */
     b->step_index = 0, b->acc_ratio = 1.0f, b->acc_steps = 0, b->acc_err = 0.0f;
     if (b->prev_res) {
         let_go(c, &b->prev_res, c->saved.prev_res);
@@ -894,6 +947,7 @@ static mdt_status cache_end(mdt_cache *c, int64_t blocks_run, int64_t blocks_ski
         }
     }
     c->in_forward = 0;
+    mdt_cache_note_bytes(c);
     if (c->nlog == c->caplog) {
         const int64_t cap = c->caplog ? 2 * c->caplog : 64;
         mdt_cache_step *p = realloc(c->log, sizeof *p * (size_t)cap);

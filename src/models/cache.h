@@ -130,6 +130,7 @@ typedef struct mdt_cache {
     mdt_cache_step last; /* the last forward's decision */
     mdt_cache_step *log; /* every forward of the generation */
     int64_t nlog, caplog;
+    int64_t peak_bytes; /* the most state this rank kept at once (mdt_cache_note_bytes) */
     /* a tentative forward (mdt_cache_tentative): branch `tent_branch` as it was before it,
      * sharing every buffer the forward has not written (a written one is a fresh buffer) */
     int tent, tent_branch;
@@ -151,6 +152,9 @@ int64_t mdt_cache_skipped(const mdt_cache *c);
 /* Bytes of the state this rank keeps for the generation (every branch; a pending tentative
  * forward's saved side not counted). */
 int64_t mdt_cache_bytes(const mdt_cache *c);
+/* Raises peak_bytes to mdt_cache_bytes if that is more: called at each forward's end and before
+ * a schedule lets its state go, so the report says what the generation held, not what is left. */
+void mdt_cache_note_bytes(mdt_cache *c);
 
 /* ---- a forward that may be undone (serve --cfg 2: a branch computed before it is asked for,
  * kept only if the request that comes is that forward's) ---- */

@@ -92,7 +92,8 @@ static void add_cache(cJSON *r, const mdt_cache *c) {
     cJSON_AddNumberToObject(o, "skipped", (double)skipped);
     cJSON_AddNumberToObject(o, "computed", (double)(c->nlog - skipped));
     cJSON_AddNumberToObject(o, "flops_saved", saved);
-    cJSON_AddNumberToObject(o, "state_bytes", (double)mdt_cache_bytes(c)); /* this rank's */
+    /* this rank's, the most it kept at once (a schedule's end frees MagCache's residual) */
+    cJSON_AddNumberToObject(o, "state_bytes", (double)c->peak_bytes);
     cJSON *steps = cJSON_AddArrayToObject(o, "forwards_log");
     const int per = c->nbranches > 0 ? c->nbranches : 1; /* forwards per sampler step */
     for (int64_t i = 0; i < c->nlog; i++) {

@@ -246,7 +246,8 @@ static mdt_status check_request(const mdt_serve_request *r, int ntensors) {
         return MDT_FAIL(MDT_E_INVALID,
                         "request: a cached forward needs \"cache_context\" (the branch: \"cond\", "
                         "\"uncond\", ...) and \"cache_generation\" (the generation's name)");
-    if (!r->cache[0] && (r->cache_context[0] || (r->cache_gen[0] && r->op == MDT_SERVE_OP_FORWARD)))
+    const int uncached = !r->cache[0] || strcmp(r->cache, "none") == 0;
+    if (uncached && (r->cache_context[0] || (r->cache_gen[0] && r->op == MDT_SERVE_OP_FORWARD)))
         return MDT_FAIL(MDT_E_INVALID,
                         "request: \"cache_context\" and \"cache_generation\" go with \"cache\"");
     if ((r->n_keep || r->end_session) && !r->session[0])

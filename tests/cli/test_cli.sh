@@ -792,6 +792,7 @@ if "$BIN" "${GRUN[@]}" --out "$T/cg1.safetensors" --report "$T/cg1.json" >"$T/cg
    tr -d ' \t\n' <"$T/cg1.json" | grep -q '"branch":"uncond","skipped":true' &&
    tr -d ' \t\n' <"$T/cg1.json" | grep -q '"branch":"cond","skipped":false'; then ok
 else bad "--cache with guidance: cfg 2 not the bits of cfg 1: $(head -c 300 "$T/cg1.txt" "$T/stderr")"; fi
+sb() { tr -d ' \t\n' <"$1" | grep -o '"state_bytes":[0-9]*' | cut -d: -f2; }
 # MagCache: the decisions come from the ratio schedule (FLUX_MAG_RATIOS' first values here), the
 # same on every layout; a skip skips every block
 MAG="mag:threshold=0.1,num_inference_steps=10,retention_ratio=0.2,max_skip_steps=3,mag_ratios=1.0/1.21094/1.11719/1.07812/1.0625/1.03906/1.03125/1.03906/1.02344/1.03125"
@@ -804,6 +805,14 @@ if [[ $mpat == *-* ]] && [[ ${mpat#(CC} == *C* ]] &&
        --cache "$MAG" >"$T/ml.txt" 2>&1 && [ "$(grep -o '(C[-C]*;' "$T/ml.txt")" = "$mpat" ] &&
    "$BIN" compare "$T/ml.safetensors" "$T/m1.safetensors" --tol 1e-5 >/dev/null; then ok
 else bad "--cache mag: $(head -c 300 "$T/m1.txt" "$T/ml.txt")"; fi
+# a retention ratio past the schedule, however large, skips nothing (diffusers: int(ratio * steps
+# + 0.5) is past the last step); the report's state bytes are what the run held (the residual,
+# let go at the schedule's end)
+"$BIN" "${CRUN[@]}" --out "$T/m2.safetensors" --cache "${MAG/retention_ratio=0.2/retention_ratio=1e300}" \
+    >"$T/m2.txt" 2>&1
+if [ "$(grep -o '(C[-C]*;' "$T/m2.txt")" = "(CCCCCCCCCC;" ] &&
+   [ "$(sb "$T/m1.json")" -gt 0 ]; then ok
+else bad "--cache mag, retention 1e300 or state bytes: $(head -c 300 "$T/m2.txt") $(sb "$T/m1.json")"; fi
 # TaylorSeer: attention outputs predicted between full steps, on Flux and Qwen-Image; every
 # layout gives one rank's result; Wan is refused by name (diffusers' default patterns hook none of
 # its attention modules)
@@ -821,8 +830,13 @@ else bad "--cache taylorseer: $(head -c 300 "$T/t1.txt" "$T/tl.txt")"; fi
 "$BIN" "${CRUN[@]}" --out "$T/t2.safetensors" --cache "${TS%float32}bfloat16" \
     --report "$T/t2.json" >/dev/null 2>&1
 "$BIN" "${CRUN[@]}" --out "$T/t3.safetensors" --cache "$TS" --report "$T/t3.json" >/dev/null 2>&1
-sb() { tr -d ' \t\n' <"$1" | grep -o '"state_bytes":[0-9]*' | cut -d: -f2; }
 b2=$(sb "$T/t2.json") b3=$(sb "$T/t3.json")
+# the report's spec is a spec: fed back, it runs the same generation (no cooldown reads "none")
+rspec=$(tr -d '\n' <"$T/t3.json" | grep -o '"spec":[[:space:]]*"taylorseer:[^"]*"' | sed 's/.*"\(taylorseer:[^"]*\)"/\1/')
+if [[ $rspec == *disable_cache_after_step=none* ]] &&
+   "$BIN" "${CRUN[@]}" --out "$T/t4.safetensors" --cache "$rspec" >/dev/null 2>&1 &&
+   cmp -s "$T/t4.safetensors" "$T/t3.safetensors"; then ok
+else bad "taylorseer: the report's spec '$rspec' does not read back"; fi
 if [ -n "$b2" ] && [ "$b2" -gt 0 ] && [ $((2 * b2)) = "$b3" ] &&
    ! "$BIN" compare "$T/t2.safetensors" "$T/t3.safetensors" --tol 1e-7 >/dev/null; then ok
 else bad "taylorseer state bytes: bf16 $b2, f32 $b3"; fi
@@ -869,6 +883,26 @@ expect_error cache-key 2 "first_block has no key 'tresh'" -- "$BIN" "${CRUN[@]}"
     --out "$T/out.safetensors" --cache first_block:tresh=0.1
 expect_error cache-value 2 "threshold=-1 is not a number >= 0" -- "$BIN" "${CRUN[@]}" \
     --out "$T/out.safetensors" --cache first_block:threshold=-1
+# a spec reads one way only: no key twice, no empty item, plain decimal numbers, no keys where
+# the cache takes none, no empty spec; a flag given twice or glued to its value is named
+expect_error cache-twice 2 "key 'threshold' is given twice" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache first_block:threshold=0.05,threshold=0.1
+expect_error cache-empty-item 2 "an empty item" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache first_block:threshold=0.5,,
+for v in 0x10 " 0.05" +1 inf 1e; do
+    expect_error "cache-number-$v" 2 "is not a number" -- "$BIN" "${CRUN[@]}" \
+        --out "$T/out.safetensors" --cache "first_block:threshold=$v"
+done
+expect_error cache-int 2 "max_order= 1 is not an integer" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache "taylorseer:max_order= 1"
+expect_error cache-kv-keys 2 "text_kv takes no keys (got 'threshold')" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache text_kv:threshold=0.5
+expect_error cache-empty 2 "cache spec: empty" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache ""
+expect_error cache-flag-twice 2 "option --cache is given more than once" -- "$BIN" "${CRUN[@]}" \
+    --out "$T/out.safetensors" --cache first_block --cache first_block:threshold=1
+expect_error cache-flag-eq 2 "write the value after a space (--cache first_block)" -- \
+    "$BIN" "${CRUN[@]}" --out "$T/out.safetensors" --cache=first_block
 "$BIN" gen --model flux2 --preset tiny --seed 0 --out "$T/c2tiny" >/dev/null
 "$BIN" inputs --checkpoint "$T/c2tiny" --seed 1 --out "$T/c2in.safetensors" >/dev/null
 expect_error cache-family 1 "first_block is not implemented for Flux2Transformer2DModel" -- \

@@ -128,7 +128,40 @@ static int64_t check(const char *dir, const char *spec, const char *stray, int w
     return bytes;
 }
 
+/* A forward the cache refuses (TaylorSeer asked to predict before any computed step) changes
+ * nothing: the same forward is refused again, at the same step, and nothing is logged (before,
+ * the refused forward used up the step, so a retry ran a schedule shifted by one). */
+static void refused_forward_keeps_the_step(void) {
+    mdt_load_params lp = mdt_load_params_default();
+    lp.checkpoint_dir = "tests/data/flux_tiny";
+    mdt_model *m = NULL;
+    EXPECT_OK(mdt_model_load(&lp, &m));
+    if (!m)
+        return;
+    mdt_inputs_params ip = {.seed = 7, .batch = 1, .timestep = 0.6, .guidance = 3.5};
+    mdt_tensor_set *in = NULL, *o = NULL;
+    mdt_tensor_set_create(&in);
+    mdt_tensor_set_create(&o);
+    EXPECT_OK(mdt_model_random_inputs(m, &ip, in));
+    mdt_cache_spec sp;
+    mdt_cache *c = NULL;
+    EXPECT_OK(mdt_cache_spec_parse("taylorseer:cache_interval=2,disable_cache_before_step=0", &sp));
+    EXPECT_OK(mdt_cache_create(&sp, &c));
+    EXPECT_OK(mdt_cache_select(c, "cond"));
+    m->cache = c;
+    for (int k = 0; k < 2; k++)
+        EXPECT_ERR(mdt_model_forward(m, in, o), MDT_E_INVALID, "would predict step 0");
+    EXPECT(c->nlog == 0 && !c->in_forward, "%lld forwards logged after two refusals",
+           (long long)c->nlog);
+    m->cache = NULL;
+    mdt_cache_free(c);
+    mdt_tensor_set_free(in);
+    mdt_tensor_set_free(o);
+    mdt_model_free(m);
+}
+
 int main(void) {
+    refused_forward_keeps_the_step();
     check("tests/data/flux_tiny", "first_block:threshold=0.03", "hidden_states", 1);
     check("tests/data/flux_tiny",
           "mag:threshold=0.1,num_inference_steps=6,retention_ratio=0.2,max_skip_steps=2,"
