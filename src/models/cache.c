@@ -124,7 +124,7 @@ mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out) {
         out->kind = MDT_CACHE_TEXT_KV;
     else if (strcmp(buf, "taylorseer") == 0)
         out->kind = MDT_CACHE_TAYLOR, out->cache_interval = 5, out->disable_before = 3,
-        out->disable_after = -1, out->max_order = 1, out->factors_bf16 = 1;
+        out->disable_after = MDT_CACHE_NEVER, out->max_order = 1, out->factors_bf16 = 1;
     else
         st = MDT_FAIL(MDT_E_INVALID,
                       "cache spec: unknown cache '%.64s' (meshdit has first_block, mag, "
@@ -161,10 +161,11 @@ mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out) {
         else if (ts && strcmp(kv, "cache_interval") == 0)
             st = parse_int(v, kv, 1, 1 << 20, &out->cache_interval);
         else if (ts && strcmp(kv, "disable_cache_before_step") == 0)
-            st = parse_int(v, kv, 0, 1 << 20, &out->disable_before);
+            st = parse_int(v, kv, -(1 << 20), 1 << 20, &out->disable_before);
         else if (ts && strcmp(kv, "disable_cache_after_step") == 0)
-            st = strcmp(v, "none") == 0 ? (out->disable_after = -1, MDT_OK)
-                                        : parse_int(v, kv, 0, 1 << 20, &out->disable_after);
+            st = strcmp(v, "none") == 0
+                     ? (out->disable_after = MDT_CACHE_NEVER, MDT_OK)
+                     : parse_int(v, kv, -(1 << 20), 1 << 20, &out->disable_after);
         else if (ts && strcmp(kv, "max_order") == 0)
             st = parse_int(v, kv, 0, MDT_TAYLOR_ORDERS, &out->max_order);
         else if (ts && strcmp(kv, "taylor_factors_dtype") == 0) {
@@ -230,12 +231,13 @@ void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap) {
     else if (sp->kind == MDT_CACHE_TEXT_KV)
         snprintf(buf, cap, "text_kv");
     else if (sp->kind == MDT_CACHE_TAYLOR) {
-        snprintf(r, sizeof r, "%d", sp->disable_after); /* < 0: none, as the spec reads it */
+        snprintf(r, sizeof r, "%d", sp->disable_after);
         snprintf(buf, cap,
                  "taylorseer:cache_interval=%d,disable_cache_before_step=%d,"
                  "disable_cache_after_step=%s,max_order=%d,taylor_factors_dtype=%s",
-                 sp->cache_interval, sp->disable_before, sp->disable_after < 0 ? "none" : r,
-                 sp->max_order, sp->factors_bf16 ? "bfloat16" : "float32");
+                 sp->cache_interval, sp->disable_before,
+                 sp->disable_after == MDT_CACHE_NEVER ? "none" : r, sp->max_order,
+                 sp->factors_bf16 ? "bfloat16" : "float32");
     } else if (sp->kind == MDT_CACHE_MAG) {
         num_str(sp->retention_ratio, r, sizeof r);
         snprintf(buf, cap,
@@ -508,7 +510,7 @@ mdt_status mdt_cache_begin(const mdt_dit *d, int supported, int64_t blocks, mdt_
         const int warmup = step < sp->disable_before;
         const int interval =
             ((k % sp->cache_interval) + sp->cache_interval) % sp->cache_interval == 0;
-        const int cooldown = sp->disable_after >= 0 && step >= sp->disable_after;
+        const int cooldown = sp->disable_after != MDT_CACHE_NEVER && step >= sp->disable_after;
         c->ts_compute = warmup || interval || cooldown;
         if (!c->ts_compute && b->ts_last < 0) { /* refused: the branch stays at its step */
             b->ts_step--, c->in_forward = 0;

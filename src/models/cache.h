@@ -55,10 +55,12 @@ typedef struct mdt_cache_spec {
     float ratios[MDT_CACHE_RATIOS_MAX];
     /* taylorseer (diffusers' TaylorSeerCacheConfig): a full step every cache_interval steps from
      * disable_cache_before_step on, every step before it and from disable_cache_after_step
-     * (-1: never); the expansion's order; factors kept in bf16 (taylor_factors_dtype
+     * (MDT_CACHE_NEVER: None, never; any other value as diffusers compares it, negative
+     * included); the expansion's order; factors kept in bf16 (taylor_factors_dtype
      * bfloat16, diffusers' default: half the bytes) or in f32 */
     int cache_interval, disable_before, disable_after, max_order, factors_bf16;
 } mdt_cache_spec;
+#define MDT_CACHE_NEVER (-(1 << 30)) /* disable_after: None */
 
 /* Parses "first_block[:threshold=X]" (also "fbc") or "mag:mag_ratios=A/B/...[,threshold=X,
  * max_skip_steps=K,retention_ratio=R,num_inference_steps=N]" (also "magcache"; the ratios

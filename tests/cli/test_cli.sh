@@ -869,6 +869,13 @@ expect_error cache-kv-flux 1 "text_kv is not implemented for FluxTransformer2DMo
 expect_error cache-taylor-wan 1 "taylorseer is not implemented for WanTransformer3DModel" -- \
     "$BIN" run --checkpoint "$T/cw" --inputs "$T/cwin.safetensors" --steps 4 \
     --out "$T/out.safetensors" --cache "$TS"
+# diffusers compares disable_cache_after_step as given: -1 is a cooldown from the first step
+# (every step computed: the uncached bits), not "never"
+"$BIN" "${CRUN[@]}" --out "$T/t5.safetensors" --cache taylorseer:disable_cache_after_step=-1 \
+    >"$T/t5.txt" 2>&1
+if [ "$(grep -o '(C[-C]*;' "$T/t5.txt")" = "(CCCCCCCCCC;" ] &&
+   cmp -s "$T/t5.safetensors" "$T/c0.safetensors"; then ok
+else bad "taylorseer disable_cache_after_step=-1: $(head -c 300 "$T/t5.txt")"; fi
 expect_error cache-taylor-step0 1 "would predict step 0" -- "$BIN" "${CRUN[@]}" \
     --out "$T/out.safetensors" --cache taylorseer:disable_cache_before_step=0
 expect_error cache-mag-ratios 2 "mag needs mag_ratios" -- "$BIN" "${CRUN[@]}" \
