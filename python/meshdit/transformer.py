@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
+import numbers
 import os
 import re
 import secrets
@@ -397,13 +399,14 @@ class Transformer(ModelMixin, PeftAdapterMixin):
 
     def enable_cache(self, config) -> None:
         """diffusers' `enable_cache`: FirstBlockCacheConfig runs on the mesh with diffusers'
-        arithmetic; another diffusers cache config raises NotImplementedError naming it."""
-        self._cache_spec = _cache_spec(config)
+        arithmetic; another diffusers cache config raises NotImplementedError naming it. The
+        config is read now: one changed later is refused at the next forward (`_cache_meta`)."""
+        spec = _cache_spec(config)  # a refused call below must leave the active spec as it is
         if self.is_cache_enabled:
             raise ValueError(f"Caching has already been enabled with {type(self._cache_config)}. "
                              "To apply a new caching technique, please disable the existing one "
                              "first.")
-        self._cache_config = config
+        self._cache_config, self._cache_spec = config, spec
         self._new_cache_generation()
 
     def disable_cache(self) -> None:
@@ -432,8 +435,20 @@ class Transformer(ModelMixin, PeftAdapterMixin):
                 self._client.end_cache_generation(gen, timeout=5.0)
 
     def _cache_meta(self) -> dict | None:
+        """The forward's cache keys (None: no cache). diffusers' hooks read their config object
+        at every forward, so a field changed after enable_cache would change diffusers' run but
+        not the spec taken then: a config that no longer gives that spec is refused here."""
         if self._cache_config is None:
             return None
+        changed = ValueError(f"meshdit: the {type(self._cache_config).__name__} given to "
+                             f"enable_cache was changed after enable_cache; call disable_cache() "
+                             f"and enable_cache() again to run the changed config")
+        try:
+            now = _cache_spec(self._cache_config)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise changed from e
+        if now != self._cache_spec:
+            raise changed
         name = self._cache_name
         if name is None and isinstance(self._cache_config, _hooks().MagCacheConfig):
             name = "inference"  # diffusers' MagCache hooks take this context when none is set
@@ -663,11 +678,11 @@ class Transformer(ModelMixin, PeftAdapterMixin):
         """One forward through the planner. A session whose server-side state is not known for
         sure (an error reply, a timeout, an interrupt) is forgotten here and ended on the server
         before the next request, so a later forward never builds on stale tensors."""
+        cache = self._cache_meta()  # a refused cache config: before anything is sent
         for s in self._stale:
             with contextlib.suppress(MeshditError):
                 self._client.end_session(s, timeout=5.0)
         self._stale.clear()
-        cache = self._cache_meta()
         lora = _lora.lora_value(self)  # the adapters this forward runs with, as peft has them
         session, send, keep, ended, fps = self._planner.plan(raws, self.per_step)
         for s in ended:
@@ -683,8 +698,8 @@ class Transformer(ModelMixin, PeftAdapterMixin):
             self._stale.append(session)
             if "limit" in e.error and f"session '{session}'" in e.error:
                 self._planner.capacity = 0  # over a server limit: no sessions from now on
-            elif len(send) == len(raws):
-                raise  # everything was sent: the error is the inputs', not the session's
+            elif not _session_lost(e.error, session, raws, send):
+                raise  # the inputs' error, or the cache's: sending it all again changes nothing
             # the session lost tensors it should hold (ended by the server, say): resend all
             return self._client.forward(raws, cache=cache, lora=lora)
         except BaseException:
@@ -778,10 +793,34 @@ _NO_MODULES = "the transformer's modules run on the mesh; one added here would n
 _NO_GRAD = "no gradient flows through the mesh (inference only)"
 
 
+def _session_lost(error: str, session: str, raws, send) -> bool:
+    """Whether a forward's error reply says its session lost tensors the forward did not send:
+    the session is not open (src/serve/session.c: ended, dropped when idle, or a client that
+    holds no token for it), or the model lacks an input the session should have held
+    (src/models/inputs.c). Any other error is the forward's own."""
+    if f"session '{session}' is not open" in error:
+        return True
+    missing = re.search(r"inputs: tensor '([^']*)' is missing", error)
+    return missing is not None and missing[1] in raws and missing[1] not in send
+
+
 def _hooks():
     """diffusers.hooks, imported when a cache is first asked for."""
     from diffusers import hooks
     return hooks
+
+
+def _whole(config, field: str) -> int:
+    """config.field as an int: a whole number (2 or 2.0). diffusers computes with the value as
+    given (a step count of 2.5 is compared as 2.5), so a value int() would truncate is refused."""
+    v = getattr(config, field)
+    if not isinstance(v, bool):  # True is an int to Python, not a step count to a user
+        if isinstance(v, numbers.Integral):
+            return int(v)
+        if isinstance(v, numbers.Real) and math.isfinite(v) and float(v).is_integer():
+            return int(v)
+    raise NotImplementedError(f"meshdit: {type(config).__name__}.{field}={v!r} is not "
+                              f"implemented (meshdit takes whole numbers)")
 
 
 def _cache_spec(config) -> str:
@@ -815,9 +854,9 @@ def _cache_spec(config) -> str:
                                       "then pass its mag_ratios")
         ratios = torch.as_tensor(config.mag_ratios, dtype=torch.float32).reshape(-1).tolist()
         return (f"mag:threshold={float(config.threshold)!r},"
-                f"max_skip_steps={int(config.max_skip_steps)},"
+                f"max_skip_steps={_whole(config, 'max_skip_steps')},"
                 f"retention_ratio={float(config.retention_ratio)!r},"
-                f"num_inference_steps={int(config.num_inference_steps)},"
+                f"num_inference_steps={_whole(config, 'num_inference_steps')},"
                 f"mag_ratios={'/'.join(repr(float(r)) for r in ratios)}")
     if isinstance(config, hooks.TaylorSeerCacheConfig):
         fields = {f.name for f in dataclasses.fields(config)}
@@ -837,10 +876,11 @@ def _cache_spec(config) -> str:
             raise NotImplementedError(f"meshdit: TaylorSeerCacheConfig.taylor_factors_dtype={dt} "
                                       f"is not implemented (bfloat16 or float32)")
         after = config.disable_cache_after_step
-        return (f"taylorseer:cache_interval={int(config.cache_interval)},"
-                f"disable_cache_before_step={int(config.disable_cache_before_step)},"
-                f"disable_cache_after_step={'none' if after is None else int(after)},"
-                f"max_order={int(config.max_order)},"
+        return (f"taylorseer:cache_interval={_whole(config, 'cache_interval')},"
+                f"disable_cache_before_step={_whole(config, 'disable_cache_before_step')},"
+                f"disable_cache_after_step="
+                f"{'none' if after is None else _whole(config, 'disable_cache_after_step')},"
+                f"max_order={_whole(config, 'max_order')},"
                 f"taylor_factors_dtype={'bfloat16' if dt == torch.bfloat16 else 'float32'}")
     if isinstance(config, hooks.TextKVCacheConfig):
         return "text_kv"  # exact: Wan's cross-attention K/V kept across the steps
