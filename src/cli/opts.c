@@ -5,6 +5,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "cli/cli.h"
 
+#include <ctype.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -191,20 +192,29 @@ mdt_status cli_load_model(const cli_layout *l, const char *checkpoint, mdt_mesh 
 
 enum { MDT_LORA_NAME = 64 };
 
-/* FILE[:SCALE]: the part after the last ':' is the scale when it reads as a number. */
-static void lora_spec(const char *spec, char *path, size_t cap, double *scale) {
+/* FILE[:SCALE]: the part after the last ':' is the scale unless it holds a '/' or ends with
+ * ".safetensors" (then the whole spec is the file: its name may hold a ':'); a scale is a plain
+ * finite decimal number (no space, hex, inf or nan: "f.safetensors:nan" is a bad scale, not a
+ * missing file). The same on every rank: it reads the text only. */
+static mdt_status lora_spec(const char *spec, char *path, size_t cap, double *scale) {
     const char *colon = strrchr(spec, ':');
-    char *end = NULL;
     *scale = 1.0;
-    if (colon && colon[1]) {
-        const double v = strtod(colon + 1, &end);
-        if (*end == 0 && isfinite(v)) {
-            *scale = v;
-            snprintf(path, cap, "%.*s", (int)(colon - spec), spec);
-            return;
-        }
-    }
     snprintf(path, cap, "%s", spec);
+    const size_t tail = colon ? strlen(colon + 1) : 0;
+    if (!colon || strchr(colon, '/') ||
+        (tail >= 12 && strcmp(colon + 1 + tail - 12, ".safetensors") == 0))
+        return MDT_OK;
+    const char *num = colon + 1;
+    char *end = NULL;
+    const double v = *num ? strtod(num, &end) : NAN;
+    if (!*num || isspace((unsigned char)*num) || *end || !isfinite(v) || strpbrk(num, "xXpP"))
+        return mdt_error_set(MDT_E_INVALID,
+                             "--lora %s: the scale '%s' after the last ':' is not a finite "
+                             "decimal number",
+                             spec, num);
+    *scale = v;
+    snprintf(path, cap, "%.*s", (int)(colon - spec), spec);
+    return MDT_OK;
 }
 
 mdt_status cli_load_loras(mdt_model *m, const char *const *specs, int n, double *lora_s) {
@@ -218,7 +228,8 @@ mdt_status cli_load_loras(mdt_model *m, const char *const *specs, int n, double 
         return mdt_error_set(MDT_E_INVALID, "at most 16 --lora adapters, got %d", n);
     for (int i = 0; i < n && st == MDT_OK; i++) {
         char path[4096];
-        lora_spec(specs[i], path, sizeof path, &scales[i]);
+        if ((st = lora_spec(specs[i], path, sizeof path, &scales[i])) != MDT_OK)
+            break;
         const char *base = strrchr(path, '/');
         base = base ? base + 1 : path;
         size_t len = strlen(base);

@@ -115,7 +115,8 @@ static const char *list_more(const name_list *l, char *buf, size_t cap) {
 typedef struct {
     const cJSON *meta;    /* lora_adapter_metadata, or NULL */
     const char *pfx;      /* "transformer." when its keys carry the component, else "" */
-    double lora_alpha;    /* the default alpha; < 0: none given (alpha = r) */
+    double lora_alpha;    /* the default alpha (any sign: peft scales by it as given) */
+    int alpha_given;      /* 0: none given (alpha = r) */
     double r;             /* the metadata's default rank; < 0: none */
     const cJSON *alpha_p; /* {pattern: alpha} */
     const cJSON *rank_p;  /* {pattern: rank} */
@@ -194,13 +195,30 @@ static mdt_status cfg_from_meta(const cJSON *meta, const char *src, lora_cfg *c)
                  ? "transformer."
                  : "";
     const cJSON *v;
+    /* a field of the wrong type is refused, never read as absent (peft would fail on it) */
+    static const struct {
+        const char *field;
+        int type; /* 0 number, 1 bool, 2 object */
+    } typed[] = {{"lora_alpha", 0},    {"r", 0},           {"use_dora", 1}, {"use_rslora", 1},
+                 {"alpha_pattern", 2}, {"rank_pattern", 2}};
+    static const char *const tname[] = {"a number", "true or false", "an object"};
+    for (size_t i = 0; i < sizeof typed / sizeof typed[0]; i++) {
+        if (!(v = meta_get(c, typed[i].field)))
+            continue;
+        const int ok = typed[i].type == 0   ? cJSON_IsNumber(v)
+                       : typed[i].type == 1 ? cJSON_IsBool(v)
+                                            : cJSON_IsObject(v);
+        if (!ok)
+            return MDT_FAIL(MDT_E_FORMAT, "%s: lora_adapter_metadata: %s%s is not %s", src, c->pfx,
+                            typed[i].field, tname[typed[i].type]);
+    }
     if ((v = meta_get(c, "use_dora")) && cJSON_IsTrue(v))
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "%s: the adapter is DoRA (weight-decomposed LoRA, use_dora in its "
                         "lora_adapter_metadata): meshdit fuses plain LoRA only",
                         src);
     if ((v = meta_get(c, "lora_alpha")) && cJSON_IsNumber(v))
-        c->lora_alpha = v->valuedouble;
+        c->lora_alpha = v->valuedouble, c->alpha_given = 1;
     if ((v = meta_get(c, "r")) && cJSON_IsNumber(v))
         c->r = v->valuedouble;
     if ((v = meta_get(c, "use_rslora")) && cJSON_IsTrue(v))
@@ -340,7 +358,7 @@ static mdt_status resolve_scales(const mdt_st_file *f, const char *src, const cJ
                 best = i, best_n = cnt;
         }
         if (st == MDT_OK && best >= 0) {
-            c.lora_alpha = av[best];
+            c.lora_alpha = av[best], c.alpha_given = 1;
             for (int i = 0; i < n; i++)
                 if (rec[i].alpha && av[i] != av[best])
                     cJSON_AddNumberToObject(alphas, rec[i].mod, av[i]);
@@ -349,7 +367,7 @@ static mdt_status resolve_scales(const mdt_st_file *f, const char *src, const cJ
     }
     for (int i = 0; st == MDT_OK && i < n; i++) {
         const double r = (double)t[i].rank;
-        double alpha = c.lora_alpha >= 0 ? c.lora_alpha : r, rk = c.r >= 0 ? c.r : r, v;
+        double alpha = c.alpha_given ? c.lora_alpha : r, rk = c.r >= 0 ? c.r : r, v;
         int found;
         st = pattern_value(c.alpha_p, rec[i].mod, src, "alpha_pattern", &v, &found);
         if (st == MDT_OK && found)

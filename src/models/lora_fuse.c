@@ -267,7 +267,8 @@ mdt_status mdt_lora_restore_all(mdt_model *m) {
 /* ---- fusing one tensor ---- */
 typedef struct {
     const mdt_lora_target *t;
-    double coef; /* adapter weight x module scale */
+    double coef;      /* adapter weight x module scale */
+    const char *name; /* the adapter's */
 } term;
 
 /* Tensor i (a weight, or the bias of adapted linears) := base + the terms' sum. */
@@ -335,6 +336,29 @@ static mdt_status fuse_tensor(mdt_model *m, base_io *io, int i, const term *tt, 
         }
         mdt_free(bs), mdt_free(at), mdt_free(d);
     }
+    if (in_place) /* the resident weight is changed: a failure from here on restores the base */
+        s->done[i] = 1;
+    for (int64_t e = 0; e < n; e++) /* factors and weights are finite; their sum may not be */
+        if (!isfinite(w[e])) {
+            char names[256] = "";
+            size_t len = 0;
+            for (int j = 0; j < nt; j++) { /* 'a', 'b': the adapters in this sum, each once */
+                const size_t k = strlen(tt[j].name);
+                if (strstr(names, tt[j].name) || len + k + 5 >= sizeof names)
+                    continue;
+                if (len)
+                    memcpy(names + len, ", ", 2), len += 2;
+                names[len++] = '\'';
+                memcpy(names + len, tt[j].name, k), len += k;
+                names[len++] = '\'', names[len] = '\0';
+            }
+            return MDT_FAIL(
+                MDT_E_INVALID,
+                "LoRA: fusing adapter %s into '%s' gives a non-finite value at "
+                "[%lld, %lld] (the factors times the weight and scale overflow float32)",
+                names, m->table.specs[i].name, (long long)(e / (cols ? cols : 1)),
+                (long long)(e % (cols ? cols : 1)));
+        }
     mdt_status st = f32_to_resident(m, i, w);
     s->fuse_s += mdt_now() - t1;
     if (st == MDT_OK)
@@ -363,7 +387,7 @@ static mdt_status apply(mdt_model *m) {
             for (int j = 0; j < l->n; j++)
                 if (l->t[j].wi == i || l->t[j].bi == i) {
                     bias = l->t[j].bi == i;
-                    tt[nt].t = &l->t[j];
+                    tt[nt].t = &l->t[j], tt[nt].name = l->name;
                     tt[nt++].coef = l->weight * l->t[j].scale;
                 }
         }

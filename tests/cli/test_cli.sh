@@ -750,6 +750,11 @@ if "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp 2 --lora "$L/b.safetensors
     ok; else bad "inspect --lora: $(cat "$T/linsp" | tail -9)"; fi
 expect_error lora-missing 1 "/nonexistent.safetensors" -- "$BIN" "${LRUN[@]}" --out "$T/out.safetensors" \
     --lora /nonexistent.safetensors
+# a scale that is not a plain finite number is named as the scale, not as a missing file
+for v in nan abc 1,5 " 1" 0x1; do
+    expect_error "lora-scale-$v" 1 "the scale '$v' after the last ':' is not a finite decimal" -- \
+        "$BIN" "${LRUN[@]}" --out "$T/out.safetensors" --lora "$L/a.safetensors:$v"
+done
 write_st "$T/lbad.safetensors" '{"transformer.nope.lora_A.weight":{"dtype":"F32","shape":[1,1],"data_offsets":[0,4]},"lora_unet_x.lora_down.weight":{"dtype":"F32","shape":[1,1],"data_offsets":[4,8]}}' 8
 expect_error lora-unmapped 1 "2 keys map to no weight" "'lora_unet_x.lora_down.weight'" "'transformer.nope.lora_A.weight'" "kohya" -- \
     "$BIN" "${LRUN[@]}" --out "$T/out.safetensors" --lora "$T/lbad.safetensors:0.5"

@@ -288,6 +288,37 @@ static void check_case(const char *data, const char *name, mdt_mesh *mesh) {
                rel(on, o0));
         EXPECT_OK(mdt_model_lora_unload(m, NULL));
         mdt_tensor_set_free(on);
+        /* a negative alpha scales by it, as peft does (alpha / r = -1, where it used to be read
+         * as "no alpha": +1): the output of alpha = r at weight -1, and not the base's */
+        char p2[300], p3[300];
+        tmp_path(p2, sizeof p2, "neg.safetensors");
+        tmp_path(p3, sizeof p3, "pos.safetensors");
+        write_keys(p2, k, 2, "{\"lora_alpha\": -2, \"r\": 2}");
+        write_keys(p3, k, 2, "{\"lora_alpha\": 2, \"r\": 2}");
+        const char *neg_n[] = {"neg"}, *pos_n[] = {"pos"};
+        const double wm1[] = {-1.0};
+        EXPECT_OK(mdt_model_lora_load(m, "neg", p2));
+        EXPECT_OK(mdt_model_lora_load(m, "pos", p3));
+        EXPECT_OK(mdt_model_set_adapters(m, 1, neg_n, w1));
+        mdt_tensor_set *oneg = fwd(m, in);
+        EXPECT_OK(mdt_model_set_adapters(m, 1, pos_n, wm1));
+        mdt_tensor_set *opos = fwd(m, in);
+        EXPECT(same(oneg, opos) && rel(oneg, o0) > 1e-3,
+               "%s: alpha -2 at weight 1 is not alpha 2 at weight -1 (%.3e from the base)", name,
+               rel(oneg, o0));
+        EXPECT_OK(mdt_model_lora_unload(m, NULL));
+        mdt_tensor_set_free(oneg), mdt_tensor_set_free(opos);
+        /* factors and scale finite, their sum with the weight not: refused at the fuse, naming
+         * the adapter and the weight, on every rank, with the base weights kept */
+        char p4[300];
+        tmp_path(p4, sizeof p4, "huge.safetensors");
+        write_keys(p4, k, 2, "{\"lora_alpha\": 1e300, \"r\": 2}");
+        const char *huge_n[] = {"huge"};
+        EXPECT_OK(mdt_model_lora_load(m, "huge", p4));
+        EXPECT_ERR(mdt_model_set_adapters(m, 1, huge_n, w1), MDT_E_INVALID, "adapter 'huge'",
+                   w->name, "non-finite");
+        EXPECT(snap_equal(m, s0, n0), "%s: a refused fuse left other than the base weights", name);
+        EXPECT_OK(mdt_model_lora_unload(m, NULL));
     }
     mdt_tensor_set_free(o0), mdt_tensor_set_free(oa), mdt_tensor_set_free(oab);
     mdt_tensor_set_free(o1), mdt_tensor_set_free(ou), mdt_tensor_set_free(oz);
@@ -362,6 +393,16 @@ static void check_errors(const char *data, mdt_mesh *mesh) {
         "both as '.alpha' keys and in its lora_adapter_metadata");
     BAD(m, "rank.safetensors", ok2, "{\"lora_alpha\": 8, \"r\": 8}", MDT_E_INVALID, "rank 4",
         "says 8");
+    /* a metadata field of the wrong type is refused, never read as absent */
+    BAD(m, "alpha_str.safetensors", ok2, "{\"lora_alpha\": \"8\", \"r\": 4}", MDT_E_FORMAT,
+        "lora_alpha is not a number");
+    BAD(m, "alpha_null.safetensors", ok2, "{\"lora_alpha\": null}", MDT_E_FORMAT,
+        "lora_alpha is not a number");
+    BAD(m, "r_str.safetensors", ok2, "{\"r\": \"4\"}", MDT_E_FORMAT, "r is not a number");
+    BAD(m, "rslora_str.safetensors", ok2, "{\"use_rslora\": \"yes\"}", MDT_E_FORMAT,
+        "use_rslora is not true or false");
+    BAD(m, "pattern_list.safetensors", ok2, "{\"alpha_pattern\": [1]}", MDT_E_FORMAT,
+        "alpha_pattern is not an object");
     const key int_f[] = {{Q ".lora_A.weight", 2, {4, 32}, MDT_I64},
                          {Q ".lora_B.weight", 2, {32, 4}, MDT_F32}};
     BAD(m, "int.safetensors", int_f, NULL, MDT_E_FORMAT, "not a float type");
