@@ -25,6 +25,7 @@ import dataclasses
 import hmac
 import ipaddress
 import json
+import math
 import os
 import signal
 import socket
@@ -36,9 +37,10 @@ import uuid
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from .generate import (Cancelled, Request, RequestError, _Parser, add_engine_options,
-                       engine_from_args, image_bytes, plan_line, video_bytes)
+from .generate import (MAX_SCALE, SIZE_RE, Cancelled, Request, RequestError, _Parser,
+                       add_engine_options, engine_from_args, image_bytes, plan_line, video_bytes)
 
 MAX_BODY = 1 << 20  # bytes of a request body
 
@@ -347,10 +349,21 @@ def _field(body: dict, key: str, kind, form: bool = False, default=None):
             raise ApiError(400, f"'{key}' must be {_KIND[kind]}, got '{v}'", param=key,
                            code="invalid_type") from None
     if kind is float and isinstance(v, int) and not isinstance(v, bool):
-        v = float(v)
+        v = float(v) if abs(v) <= MAX_SCALE else math.inf  # (float() of a huge int overflows)
     if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
         raise ApiError(400, f"'{key}' must be {_KIND[kind]}, got {json.dumps(v)[:40]}",
                        param=key, code="invalid_type")
+    if kind is float and not (math.isfinite(v) and abs(v) <= MAX_SCALE):
+        # NaN, Infinity (JSON extensions Python reads) and absurd magnitudes: never a job
+        raise ApiError(400, f"'{key}' must be a finite number of magnitude at most "
+                            f"{MAX_SCALE:g}, got {str(body[key])[:40]}", param=key,
+                       code="invalid_value")
+    if kind is str:
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError(400, f"'{key}' must be valid Unicode text (a lone surrogate at "
+                                f"character {e.start})", param=key, code="invalid_value") from None
     return v
 
 
@@ -371,11 +384,11 @@ def _check_keys(body: dict, allowed: set, where: str) -> None:
 def _parse_size(text: str | None) -> tuple[int | None, int | None]:
     if text is None or text == "auto":
         return None, None
-    try:
-        w, h = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise ApiError(400, f"size '{text}' is not WIDTHxHEIGHT (e.g. 1024x1024) or 'auto'",
-                       param="size", code="invalid_size") from None
+    m = SIZE_RE.fullmatch(text.lower())  # ASCII digits only: no "+64", " 64", "1_6", "６４"
+    if m is None:
+        raise ApiError(400, f"size '{text[:40]}' is not WIDTHxHEIGHT (e.g. 1024x1024) or 'auto'",
+                       param="size", code="invalid_size")
+    w, h = int(m[1]), int(m[2])
     if w < 1 or h < 1:
         raise ApiError(400, f"size '{text}': width and height must be positive", param="size",
                        code="invalid_size")
@@ -462,7 +475,7 @@ def video_job(svc: Service, body: dict, form: bool) -> Job:
                            code="invalid_value")
         try:
             secs = float(seconds)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ApiError(400, f"'seconds' must be a number, got {json.dumps(seconds)[:40]}",
                            param="seconds", code="invalid_type") from None
         if not 0 < secs <= 3600 or not 1 <= fps <= 240:
@@ -475,14 +488,42 @@ def video_job(svc: Service, body: dict, form: bool) -> Job:
     return Job("video", req, "mp4", f"{req.width}x{req.height}")
 
 
+async def _disconnected(request) -> bool:
+    """True once the client has closed its connection. The body is read, so what the server
+    sends next is http.disconnect; this waits for it (polling is_disconnected() never sees it:
+    it does not wait, and uvicorn reads the socket again only while a receive() waits). False
+    for anything unexpected: never a reason to cancel."""
+    try:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return True
+    except Exception:  # noqa: BLE001 - see above
+        return False
+
+
+def _gone() -> ApiError:
+    """A client that closed its connection mid-body: an answer nobody reads, no traceback."""
+    return ApiError(499, "the client closed the connection before the body was complete",
+                    code="client_disconnected")
+
+
 async def _read_json(request) -> dict:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
         raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {MAX_BODY:,}",
                        code="body_too_large")
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise ApiError(413, f"the body is over the limit of {MAX_BODY:,} bytes", code="body_too_large")
+    chunks, got = [], 0
+    try:
+        async for chunk in request.stream():  # a chunked body: stopped once past the limit
+            got += len(chunk)
+            if got > MAX_BODY:
+                raise ApiError(413, f"the body is over the limit of {MAX_BODY:,} bytes",
+                               code="body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _gone() from None
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -500,7 +541,10 @@ async def _read_body(request) -> tuple[dict, bool]:
         if size is not None and size.isdigit() and int(size) > MAX_BODY:
             raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {MAX_BODY:,}",
                            code="body_too_large")
-        form = await request.form(max_files=0, max_fields=64)
+        try:
+            form = await request.form(max_files=0, max_fields=64)
+        except ClientDisconnect:
+            raise _gone() from None
         body = {}
         for k, v in form.multi_items():
             if not isinstance(v, str):
@@ -541,8 +585,10 @@ def create_app(svc: Service, api_key: str | None = None):
     @app.middleware("http")
     async def _auth(request, call_next):
         if api_key is not None and request.url.path != "/health":
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+            scheme, _, got = request.headers.get("authorization", "").partition(" ")
+            # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    got.strip().encode("utf-8", "surrogateescape"), api_key.encode()):
                 return JSONResponse(ApiError(401, "missing or wrong API key: send "
                                                   "'Authorization: Bearer KEY'",
                                              code="invalid_api_key").body(), status_code=401)
@@ -590,12 +636,16 @@ def create_app(svc: Service, api_key: str | None = None):
             return StreamingResponse(_image_stream(job), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", "x-meshdit-job": job.id})
         seen = 0
-        while not job.done:  # a client that goes away cancels its job
-            await job.wait_events(seen, 0.5)
-            seen = len(job.events)
-            if not job.done and await request.is_disconnected():
-                svc.cancel(job)
-                return Response(status_code=499)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while not job.done:  # a client that goes away cancels its job
+                await job.wait_events(seen, 0.5)
+                seen = len(job.events)
+                if not job.done and gone.done() and not gone.cancelled() and gone.result():
+                    svc.cancel(job)
+                    return Response(status_code=499)
+        finally:
+            gone.cancel()
         return _image_response(job)
 
     def _image_response(job: Job):

@@ -15,7 +15,9 @@ import argparse
 import dataclasses
 import inspect
 import json
+import math
 import os
+import re
 import secrets
 import sys
 import tempfile
@@ -37,12 +39,51 @@ PIPELINES = {
 }
 
 
+# the largest |guidance| or |true_cfg| taken: far above any useful scale, and the bound the mesh
+# puts on a LoRA weight (a non-finite one is refused as well)
+MAX_SCALE = 1e6
+# text tokens a pipeline accepts: diffusers' FluxPipeline refuses more than 512 and
+# QwenImagePipeline more than 1024; the others (Flux.2, Wan, MiniMax-H3) enforce none, so only a
+# bound against a prompt padded to an absurd length (memory), far above their 512 default
+MAX_SEQUENCE_LENGTH = {"FluxPipeline": 512, "QwenImagePipeline": 1024}
+MAX_SEQUENCE_LENGTH_OTHERS = 8192
+SIZE_RE = re.compile(r"([0-9]+)x([0-9]+)")  # WIDTHxHEIGHT, ASCII digits only
+
+
+def max_sequence_length(class_name: str) -> int:
+    return MAX_SEQUENCE_LENGTH.get(class_name, MAX_SEQUENCE_LENGTH_OTHERS)
+
+
 class RequestError(ValueError):
     """A request the engine refuses: `param` names the field, the message the constraint."""
 
     def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
+
+
+def check_values(r: "Request", class_name: str) -> None:
+    """The checks that need no pipeline (run before one is loaded): text that is valid Unicode,
+    finite scales of at most MAX_SCALE, max_sequence_length within what `class_name` accepts.
+    RequestError naming the field."""
+    for name in ("prompt", "negative_prompt"):
+        v = getattr(r, name)
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(name, f"{name} must be valid Unicode text (a lone surrogate "
+                                         f"at character {e.start})") from None
+    for name in ("guidance", "true_cfg"):
+        v = getattr(r, name)
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)
+                                  and abs(v) <= MAX_SCALE):
+            raise RequestError(name, f"{name} {v!r}: must be a finite number of magnitude at "
+                                     f"most {MAX_SCALE:g}")
+    limit = max_sequence_length(class_name)
+    if r.max_sequence_length is not None and not 1 <= r.max_sequence_length <= limit:
+        raise RequestError("max_sequence_length", f"max_sequence_length {r.max_sequence_length}: "
+                                                  f"{class_name} takes 1 to {limit}")
 
 
 class Cancelled(Exception):
@@ -236,6 +277,7 @@ class Engine:
             raise RequestError("prompt", "prompt must be a non-empty string")
         if r.negative_prompt is not None and not isinstance(r.negative_prompt, str):
             raise RequestError("negative_prompt", "negative_prompt must be a string")
+        check_values(r, self.class_name)
         r.steps = d["steps"] if r.steps is None else r.steps
         r.width = d["width"] if r.width is None else r.width
         r.height = d["height"] if r.height is None else r.height
@@ -524,11 +566,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> tuple[int, int]:
-    try:
-        w, h = text.lower().split("x")
-        w, h = int(w), int(h)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not WIDTHxHEIGHT (e.g. 1024x768)") from None
+    m = SIZE_RE.fullmatch(text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"'{text}' is not WIDTHxHEIGHT (e.g. 1024x768)")
+    w, h = int(m[1]), int(m[2])
     if w < 1 or h < 1:
         raise argparse.ArgumentTypeError(f"'{text}': width and height must be positive")
     return w, h
@@ -618,8 +659,21 @@ def main_generate(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if a.out is not None and not a.out.lower().endswith((".png", ".mp4")):
         ap.error(f"--out '{a.out}': must end in .png or .mp4")
+    w, h = a.size if a.size else (None, None)
+    req = Request(prompt=a.prompt, negative_prompt=a.negative_prompt, steps=a.steps,
+                  guidance=a.guidance, true_cfg=a.true_cfg, width=w, height=h,
+                  frames=a.frames, fps=a.fps, seed=a.seed,
+                  max_sequence_length=a.max_sequence_length)
+
+    def refused(e: RequestError) -> int:
+        print(f"meshdit: error: --{(e.param or 'request').replace('_', '-')}: {e}", file=sys.stderr)
+        return 2
     try:
         a.model = resolve_model(a.model)  # before torch is imported: a missing model fails fast
+        try:  # what needs no pipeline is refused before one is loaded
+            check_values(req, read_model_index(a.model)["_class_name"])
+        except RequestError as e:
+            return refused(e)
         engine = engine_from_args(a)
     except MeshditError as e:
         print(str(e) if str(e).startswith("meshdit") else f"meshdit: error: {e}", file=sys.stderr)
@@ -630,17 +684,10 @@ def main_generate(argv: list[str]) -> int:
             print(f"meshdit: error: --out '{a.out}': {engine.class_name} makes "
                   f"{'videos' if want == '.mp4' else 'images'}: use a {want} file", file=sys.stderr)
             return 2
-        w, h = a.size if a.size else (None, None)
-        req = Request(prompt=a.prompt, negative_prompt=a.negative_prompt, steps=a.steps,
-                      guidance=a.guidance, true_cfg=a.true_cfg, width=w, height=h,
-                      frames=a.frames, fps=a.fps, seed=a.seed,
-                      max_sequence_length=a.max_sequence_length)
         try:
             req = engine.check(req)
         except RequestError as e:
-            print(f"meshdit: error: --{(e.param or 'request').replace('_', '-')}: {e}",
-                  file=sys.stderr)
-            return 2
+            return refused(e)
         kw = engine.pipeline_kwargs(req)
         shown = {k: v for k, v in kw.items() if k not in ("prompt", "output_type")}
         print(f"{req.width}x{req.height}" + (f", {req.frames} frames" if req.frames else "") +

@@ -238,6 +238,82 @@ def test_cancel_a_queued_and_a_running_job(service):
     assert r.status_code == 200  # the service goes on
 
 
+HOSTILE = [  # what a probe sent: each one a 400 naming its field, never a job
+    ({"true_cfg": float("nan")}, "true_cfg", "finite number"),
+    ({"true_cfg": float("inf")}, "true_cfg", "finite number"),
+    ({"true_cfg": 1e308}, "true_cfg", "at most 1e+06"),
+    ({"guidance": float("nan")}, "guidance", "finite number"),
+    ({"guidance": 1e38}, "guidance", "at most 1e+06"),
+    ({"guidance": 10 ** 400}, "guidance", "finite number"),
+    ({"max_sequence_length": 1000}, "max_sequence_length", "FluxPipeline takes 1 to 512"),
+    ({"prompt": "a \ud800 cube"}, "prompt", "valid Unicode"),
+    ({"negative_prompt": "\udfff", "true_cfg": 2.0}, "negative_prompt", "valid Unicode"),
+    ({"size": "1_6x64"}, "size", "not WIDTHxHEIGHT"),
+    ({"size": "+64x64"}, "size", "not WIDTHxHEIGHT"),
+    ({"size": " 64x64"}, "size", "not WIDTHxHEIGHT"),
+    ({"size": "\uff16\uff14x64"}, "size", "not WIDTHxHEIGHT"),  # full-width digits
+]
+
+
+def test_hostile_values_are_400_naming_the_field(service):
+    for extra, param, msg in HOSTILE:
+        body = {"prompt": "a red cube", "size": "64x64", "seed": 1, **GEN, **extra}
+        r = post(service, "/v1/images/generations", body)
+        assert r.status_code == 400, (extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and msg in err["message"], (extra, err)
+    r = get(service, "/v1/jobs")  # no job was stored: the list is still JSON
+    assert r.status_code == 200 and all(j["status"] != "failed" for j in r.json()["data"])
+    r = httpx.get(f"{service.url}/v1/models", headers={"authorization": f"bearer {KEY}"})
+    assert r.status_code == 200, r.text  # the scheme is case-insensitive
+    assert httpx.get(f"{service.url}/v1/models",
+                     headers={"authorization": f"Basic {KEY}"}).status_code == 401
+
+
+def _raw(service, data: bytes):
+    import socket
+    host, port = service.url.removeprefix("http://").rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(data)
+    return s
+
+
+def test_body_limit_while_chunked_and_a_client_that_leaves(service):
+    head = (f"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+            f"\r\nContent-Type: application/json\r\n").encode()
+    # a chunked body past 1 MiB, never finished: answered 413 as it passes the limit
+    chunk = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
+    s = _raw(service, head + b"Transfer-Encoding: chunked\r\n\r\n" + chunk * 17)
+    try:
+        assert s.recv(200).startswith(b"HTTP/1.1 413"), "no 413 before the body's end"
+    finally:
+        s.close()
+    # a client that leaves mid-body: no traceback in the log
+    before = service.log().count("Traceback")
+    s = _raw(service, head + b"Content-Length: 1000\r\n\r\n{\"prompt\"")
+    time.sleep(0.3)
+    s.close()
+    time.sleep(0.5)
+    assert service.log().count("Traceback") == before, service.log()[-3000:]
+    # a client that leaves while its (non-streaming) job runs: the job is cancelled
+    body = json.dumps({"prompt": "a red cube", "size": "64x64", "seed": 5, "steps": 400,
+                       "max_sequence_length": TXT}).encode()
+    s = _raw(service, head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    deadline = time.monotonic() + 60
+    job = None
+    while job is None or job["step"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+        job = next((j for j in get(service, "/v1/jobs").json()["data"]
+                    if j["status"] == "in_progress" and j["seeds"] == [5]), job)
+    s.close()
+    while get(service, f"/v1/jobs/{job['id']}").json()["status"] == "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    j = get(service, f"/v1/jobs/{job['id']}").json()
+    assert j["status"] == "cancelled" and j["step"] < 400, j
+
+
 # ---- the queue, in this process, on a stand-in engine whose steps the test releases -----------
 class GatedEngine:
     """Just what the service reads from an Engine; each step waits for `gate`."""

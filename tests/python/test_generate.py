@@ -72,6 +72,11 @@ def test_generate_refuses_in_one_line(flux_root, tmp_path):
     cases = [(["--model", flux_root, "--prompt", "x", "--size", "64"], 2, "'64' is not WIDTHxHEIGHT"),
              (["--model", flux_root, "--prompt", "x", "--out", "a.jpg"], 2, "must end in .png or .mp4"),
              (["--model", flux_root], 2, "--prompt"),
+             (["--model", flux_root, "--prompt", "x", "--size", "+64x64"], 2, "is not WIDTHxHEIGHT"),
+             (["--model", flux_root, "--prompt", "x", "--max-sequence-length", "1000"], 2,
+              "--max-sequence-length: max_sequence_length 1000: FluxPipeline takes 1 to 512"),
+             (["--model", flux_root, "--prompt", "x", "--guidance", "nan"], 2,
+              "--guidance: guidance nan: must be a finite number"),
              (["--model", "someorg/not-cached", "--prompt", "x"], 1,
               "not in the local Hugging Face cache: download it first"),
              (["--model", str(tmp_path), "--prompt", "x"], 1, "has no model_index.json")]
@@ -115,6 +120,11 @@ def req(**kw):
     (dict(prompt=" "), "prompt", "non-empty"), (dict(guidance=-1.0), "guidance", ">= 0"),
     (dict(negative_prompt="blue"), "negative_prompt", "needs true CFG"),
     (dict(true_cfg=1.0), "true_cfg", "must be > 1"), (dict(width=4096, height=4096), "size", "pixels"),
+    (dict(true_cfg=float("nan")), "true_cfg", "finite"), (dict(guidance=1e38), "guidance", "at most"),
+    (dict(guidance=float("inf")), "guidance", "finite"),
+    (dict(max_sequence_length=513), "max_sequence_length", "1 to 512"),
+    (dict(prompt="a \ud800"), "prompt", "valid Unicode"),
+    (dict(negative_prompt="\udc80", true_cfg=2.0), "negative_prompt", "valid Unicode"),
 ])
 def test_engine_refuses_naming_the_field(engine, kw, param, msg):
     with pytest.raises(mg.RequestError, match=msg) as e:
