@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from . import _blob
+from .client import ServerError
 
 # the family's diffusers LoRA loader mixin, by meshdit's family name
 _MIXINS = {
@@ -124,6 +126,23 @@ PROBE = "meshdit_probe"  # no "lora" in it: diffusers' unload_lora skips modules
 SLOTS = 16  # adapters one drop-in holds at once (loaded, or merged and still in the weights)
 
 
+MAX_WEIGHT = 1e6  # |weight x scale| the server takes for an adapter (src/serve/proto.c)
+
+
+def check_weight(value, what: str) -> float:
+    """`value` as a float, or ValueError naming `what` (the argument and the adapter): a LoRA
+    weight or scale must be a finite number of magnitude at most MAX_WEIGHT. (A NaN scale would
+    otherwise stay in peft's scaling, x * nan / nan, and fail every later forward.)"""
+    try:
+        w = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"meshdit: {what} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(w) or abs(w) > MAX_WEIGHT:
+        raise ValueError(f"meshdit: {what} is {value!r}: it must be a finite number of "
+                         f"magnitude at most {MAX_WEIGHT:g}")
+    return w
+
+
 def _state(t) -> dict:
     st = t.__dict__.get("_meshdit_lora")
     if st is None:
@@ -205,7 +224,11 @@ def load_adapter(t, pretrained_model_name_or_path_or_dict, prefix="transformer",
                          f"weights): delete_adapters() or unload_lora_weights() first")
     server_name = f"{st['prefix']}{st['next']}"
     st["next"] += 1
-    t._client.lora_load(server_name, meta, tensors)  # the server's checks: every key, every shape
+    try:  # the server's checks: every key, every shape
+        t._client.lora_load(server_name, meta, tensors)
+    except ServerError as e:  # named as the user named it, not by the server-side name
+        raise ServerError(e.op, e.error.replace(server_name, str(adapter_name)),
+                          e.metadata) from None
     try:
         probe = t._modules.get(PROBE)
         if probe is None:
@@ -277,6 +300,9 @@ def lora_value(t) -> str | None:
     collect(t, c)
     if t._modules.get(PROBE) is None:  # the last adapter gone: the server's start-up set again
         return None
+    for slot, a in st["slots"].items():  # weight x scale within the server's bound
+        check_weight(c[slot], f"the coefficient of adapter '{a['name']}' (its set_adapters "
+                              f"weight times the forward's scale, and what fuse_lora merged)")
     mine = [f"{a['server']}={c[slot]!r}" for slot, a in sorted(st["slots"].items()) if c[slot] != 0]
     return ",".join(st["startup"] + mine)
 

@@ -61,6 +61,11 @@ def _locked(forward):
     see it (several threads may share one object)."""
     @functools.wraps(forward)
     def wrapper(self, *args, **kwargs):
+        for key, v in kwargs.items():  # the scale apply_lora_scale takes, refused before peft
+            if key.endswith("attention_kwargs") and isinstance(v, dict) and "scale" in v:
+                names = list(getattr(self, "peft_config", None) or {})
+                _lora.check_weight(v["scale"], f"{key}['scale'] (the LoRA scale of the forward, "
+                                               f"adapters {names})")
         with self._lock:
             return forward(self, *args, **kwargs)
     return wrapper
@@ -478,8 +483,20 @@ class Transformer(ModelMixin, PeftAdapterMixin):
         if any(isinstance(w, dict) for w in ws):
             raise NotImplementedError("meshdit: set_adapters() with per-block weights (a dict) "
                                       "is not supported: one weight per adapter")
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        for name, w in zip(names, ws if isinstance(weights, list) else ws * len(names)):
+            if w is not None:
+                _lora.check_weight(w, f"set_adapters(): the weight of adapter '{name}'")
         with self._lock:
             return PeftAdapterMixin.set_adapters(self, adapter_names, weights)
+
+    def fuse_lora(self, lora_scale=1.0, safe_fusing=False, adapter_names=None):
+        """diffusers' fuse_lora; a lora_scale that is not a finite number of magnitude at most
+        1e6 (the server's bound on a weight) is refused before peft merges anything."""
+        names = adapter_names or list(getattr(self, "peft_config", None) or {})
+        _lora.check_weight(lora_scale, f"fuse_lora(lora_scale=...) for adapters {names}")
+        return PeftAdapterMixin.fuse_lora(self, lora_scale, safe_fusing=safe_fusing,
+                                          adapter_names=adapter_names)
 
     def set_attention_backend(self, backend: str) -> None:
         """meshdit computes exact softmax attention (its own tiled kernel, on the mesh). A backend

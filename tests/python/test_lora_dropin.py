@@ -257,13 +257,14 @@ def test_bad_adapters_are_refused_and_nothing_changes(adapters, inputs):
         bad = dict(sd)
         bad["transformer.transformer_blocks.0.attn.nope.lora_A.weight"] = torch.zeros(4, 32)
         bad["transformer.transformer_blocks.0.attn.nope.lora_B.weight"] = torch.zeros(32, 4)
-        with pytest.raises(ServerError, match=r"map to no weight.*transformer_blocks\.0\.attn\.nope"):
+        with pytest.raises(ServerError, match=r"map to no weight.*transformer_blocks\.0\.attn\.nope") as e:
             t.load_lora_adapter(bad, adapter_name="bad")
         shape = dict(sd)
         k = next(k for k in shape if k.endswith("lora_B.weight"))
         shape[k] = torch.zeros(shape[k].shape[0] + 1, shape[k].shape[1])
-        with pytest.raises(ServerError, match=k.removeprefix("transformer.").replace(".", r"\.")):
+        with pytest.raises(ServerError, match=k.removeprefix("transformer.").replace(".", r"\.")) as e:
             t.load_lora_adapter(shape, adapter_name="shape")
+        assert "adapter 'shape'" in str(e.value), str(e.value)  # the user's name, not the server's
         dora = {**dict(sd), "transformer.transformer_blocks.0.attn.to_q.lora_magnitude_vector":
                 torch.ones(32)}
         with pytest.raises(ServerError, match="DoRA"):
@@ -278,6 +279,27 @@ def test_bad_adapters_are_refused_and_nothing_changes(adapters, inputs):
         with pytest.raises(ValueError, match="could not be found"):
             t.set_adapter("nope")
         assert t.active_adapters() == ["k"]
+
+
+def test_non_finite_and_huge_weights_are_refused_at_the_call(adapters, inputs):
+    """set_adapters' weights, fuse_lora's lora_scale and the forward's scale: a non-finite one
+    or one past the server's bound (1e6) is a ValueError naming the argument and the user's
+    adapter, at the call; the drop-in works on afterwards (a NaN scale left no NaN in peft)."""
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny") as t:
+        load(t, adapters, "k", "mine")
+        full = out(t, inputs)
+        for w in (1e30, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=r"set_adapters\(\): the weight of adapter 'mine'"):
+                t.set_adapters(["mine"], [w])
+        with pytest.raises(ValueError, match=r"lora_scale.*\['mine'\].*finite"):
+            t.fuse_lora(lora_scale=float("nan"))
+        with pytest.raises(ValueError, match=r"joint_attention_kwargs\['scale'\].*'mine'"):
+            out(t, inputs, float("nan"))
+        t.set_adapters(["mine"], [1e5])
+        with pytest.raises(ValueError, match=r"coefficient of adapter 'mine'"):
+            out(t, inputs, 1e5)  # 1e10: past the bound only together
+        t.set_adapters(["mine"], [1.0])
+        assert np.array_equal(out(t, inputs), full)
 
 
 def test_a_second_client_runs_without_the_first_ones_adapters(adapters, inputs):
