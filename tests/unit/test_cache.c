@@ -28,26 +28,38 @@ static void scale(mdt_tensor_set *in, const char *name, float s) {
         x[i] *= s;
 }
 
-/* STEPS cached forwards of one branch; out [STEPS][n] their samples, skipped [STEPS] their
- * decisions. `stray`: the input a stray forward changes (a speculated other request). */
-static void run(const char *dir, const char *spec, const char *stray, mode md, float **out,
-                int64_t *n, int *skipped, int64_t *bytes) {
+/* The model in `dir` with random inputs and a fresh cache of `spec` on branch `branch` (NULL
+ * model: the load failed, already reported). */
+static mdt_model *cached_model(const char *dir, const char *spec, const char *branch,
+                               mdt_tensor_set **in) {
     mdt_load_params lp = mdt_load_params_default();
     lp.checkpoint_dir = dir;
     mdt_model *m = NULL;
+    *in = NULL;
     EXPECT_OK(mdt_model_load(&lp, &m));
     if (!m)
-        return;
+        return NULL;
     mdt_inputs_params ip = {.seed = 7, .batch = 1, .timestep = 0.6, .guidance = 3.5};
-    mdt_tensor_set *in = NULL, *o = NULL;
-    mdt_tensor_set_create(&in);
-    EXPECT_OK(mdt_model_random_inputs(m, &ip, in));
+    mdt_tensor_set_create(in);
+    EXPECT_OK(mdt_model_random_inputs(m, &ip, *in));
     mdt_cache_spec sp;
     mdt_cache *c = NULL;
     EXPECT_OK(mdt_cache_spec_parse(spec, &sp));
     EXPECT_OK(mdt_cache_create(&sp, &c));
-    EXPECT_OK(mdt_cache_select(c, "uncond"));
+    EXPECT_OK(mdt_cache_select(c, branch));
     m->cache = c;
+    return m;
+}
+
+/* STEPS cached forwards of one branch; out [STEPS][n] their samples, skipped [STEPS] their
+ * decisions. `stray`: the input a stray forward changes (a speculated other request). */
+static void run(const char *dir, const char *spec, const char *stray, mode md, float **out,
+                int64_t *n, int *skipped, int64_t *bytes) {
+    mdt_tensor_set *in = NULL, *o = NULL;
+    mdt_model *m = cached_model(dir, spec, "uncond", &in);
+    if (!m)
+        return;
+    mdt_cache *c = m->cache;
     for (int k = 0; k < STEPS; k++) {
         if (md == UNDO_STRAY || md == KEEP_STRAY) { /* a forward on other inputs first */
             mdt_tensor_set *x = NULL;
@@ -132,23 +144,14 @@ static int64_t check(const char *dir, const char *spec, const char *stray, int w
  * nothing: the same forward is refused again, at the same step, and nothing is logged (before,
  * the refused forward used up the step, so a retry ran a schedule shifted by one). */
 static void refused_forward_keeps_the_step(void) {
-    mdt_load_params lp = mdt_load_params_default();
-    lp.checkpoint_dir = "tests/data/flux_tiny";
-    mdt_model *m = NULL;
-    EXPECT_OK(mdt_model_load(&lp, &m));
+    mdt_tensor_set *in = NULL, *o = NULL;
+    mdt_model *m =
+        cached_model("tests/data/flux_tiny",
+                     "taylorseer:cache_interval=2,disable_cache_before_step=0", "cond", &in);
     if (!m)
         return;
-    mdt_inputs_params ip = {.seed = 7, .batch = 1, .timestep = 0.6, .guidance = 3.5};
-    mdt_tensor_set *in = NULL, *o = NULL;
-    mdt_tensor_set_create(&in);
+    mdt_cache *c = m->cache;
     mdt_tensor_set_create(&o);
-    EXPECT_OK(mdt_model_random_inputs(m, &ip, in));
-    mdt_cache_spec sp;
-    mdt_cache *c = NULL;
-    EXPECT_OK(mdt_cache_spec_parse("taylorseer:cache_interval=2,disable_cache_before_step=0", &sp));
-    EXPECT_OK(mdt_cache_create(&sp, &c));
-    EXPECT_OK(mdt_cache_select(c, "cond"));
-    m->cache = c;
     for (int k = 0; k < 2; k++)
         EXPECT_ERR(mdt_model_forward(m, in, o), MDT_E_INVALID, "would predict step 0");
     EXPECT(c->nlog == 0 && !c->in_forward, "%lld forwards logged after two refusals",
