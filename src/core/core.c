@@ -86,6 +86,32 @@ static int cp_is_control(uint32_t cp) {
            (cp >= 0x2028 && cp <= 0x202e) || (cp >= 0x2066 && cp <= 0x2069);
 }
 
+int mdt_decimal(const char *s, int ints, double *out) {
+    const char *p = s + (*s == '-');
+    int digits = 0;
+    for (; *p >= '0' && *p <= '9'; p++)
+        digits++;
+    if (!ints && *p == '.')
+        for (p++; *p >= '0' && *p <= '9'; p++)
+            digits++;
+    if (!digits)
+        return 0;
+    if (!ints && (*p == 'e' || *p == 'E')) {
+        p += p[1] == '-' || p[1] == '+' ? 2 : 1;
+        if (!(*p >= '0' && *p <= '9'))
+            return 0;
+        while (*p >= '0' && *p <= '9')
+            p++;
+    }
+    if (*p)
+        return 0;
+    const double v = strtod(s, NULL);
+    if (!isfinite(v))
+        return 0;
+    *out = v;
+    return 1;
+}
+
 const char *mdt_escape(const char *s, char *buf, size_t n) {
     static const char hex[] = "0123456789abcdef";
     const unsigned char *p = (const unsigned char *)(s ? s : "(null)");

@@ -53,6 +53,12 @@ const char *mdt_escape(const char *s, char *buf, size_t n);
 /* A buffer size for names in messages: 251 bytes of rendering, then "..." if cut. */
 #define MDT_ESC_NAME 256
 
+/* 1 if `s` is a plain decimal number, [-]digits[.digits][(e|E)[+-]digits] (ints: [-]digits),
+ * whose value is finite, with that value in *out; 0 otherwise (*out untouched). What a user
+ * writes as a number in a spec or a request: no space, '+', hex, inf or nan, which strtod also
+ * takes. */
+int mdt_decimal(const char *s, int ints, double *out);
+
 /* ---- logging (stderr; rank prefix set by the command) ---- */
 typedef enum { MDT_LOG_ERROR = 0, MDT_LOG_WARN, MDT_LOG_INFO, MDT_LOG_DEBUG } mdt_log_level;
 void mdt_log_set_level(mdt_log_level lvl);

@@ -17,42 +17,17 @@
 
 /* ---- the spec ---- */
 
-/* 1 if v is a plain decimal number: [-]digits[.digits][e[+-]digits] (no space, sign '+', hex,
- * inf or nan, which strtod would also take); ints: digits only. */
-static int decimal(const char *v, int ints) {
-    const char *p = v + (*v == '-');
-    int digits = 0;
-    for (; *p >= '0' && *p <= '9'; p++)
-        digits++;
-    if (!ints && *p == '.')
-        for (p++; *p >= '0' && *p <= '9'; p++)
-            digits++;
-    if (!digits)
-        return 0;
-    if (!ints && (*p == 'e' || *p == 'E')) {
-        p += p[1] == '-' || p[1] == '+' ? 2 : 1;
-        if (!(*p >= '0' && *p <= '9'))
-            return 0;
-        while (*p >= '0' && *p <= '9')
-            p++;
-    }
-    return *p == '\0';
-}
-
 static mdt_status parse_double(const char *v, const char *key, double lo, double *out) {
-    char *end = NULL;
-    const double x = decimal(v, 0) ? strtod(v, &end) : NAN;
-    if (!*v || (end && *end) || !isfinite(x) || x < lo)
+    double x;
+    if (!mdt_decimal(v, 0, &x) || x < lo)
         return MDT_FAIL(MDT_E_INVALID, "cache spec: %s=%.64s is not a number >= %g", key, v, lo);
     *out = x;
     return MDT_OK;
 }
 
 static mdt_status parse_int(const char *v, const char *key, int lo, int hi, int *out) {
-    char *end = NULL;
-    const int ok = decimal(v, 1) && strlen(v) < 12;
-    const long x = ok ? strtol(v, &end, 10) : 0;
-    if (!ok || *end || x < lo || x > hi)
+    double x;
+    if (!mdt_decimal(v, 1, &x) || x < lo || x > hi)
         return MDT_FAIL(MDT_E_INVALID, "cache spec: %s=%.64s is not an integer in [%d, %d]", key, v,
                         lo, hi);
     *out = (int)x;

@@ -81,17 +81,15 @@ static mdt_status parse_lora(const char *v, mdt_serve_request *r) {
     memcpy(r->lora_buf, v, n + 1);
     r->has_lora = 1;
     for (char *p = r->lora_buf; n > 0;) {
-        char *comma = strchr(p, ','), *eq, *end = NULL;
+        char *comma = strchr(p, ','), *eq;
         if (comma)
             *comma = 0;
         eq = strrchr(p, '=');
         if (eq)
             *eq = 0;
         /* a plain decimal (no spaces, hex, inf or nan) of magnitude at most 1e6 */
-        const char *num = eq ? eq + 1 : "";
-        const int plain = num[0] && strspn(num, "0123456789.eE+-") == strlen(num);
-        const double w = plain ? strtod(num, &end) : 0;
-        if (!eq || !good_name(p, MDT_SERVE_ADAPTER_NAME_MAX) || !plain || end == num || *end ||
+        double w = 0;
+        if (!eq || !good_name(p, MDT_SERVE_ADAPTER_NAME_MAX) || !mdt_decimal(eq + 1, 0, &w) ||
             !(fabs(w) <= 1e6))
             return MDT_FAIL(MDT_E_INVALID,
                             "request: \"lora\" must be NAME=WEIGHT entries separated by commas "
