@@ -39,11 +39,66 @@ static void check_linear(mdt_rng *r, long M, long K, long N, long ldx, long ldy)
 }
 
 /* f32 linear against the reference: a small shape, and a wide one (N = 2100: the onednn path
- * splits it into column blocks of 1024, 1024, 52) with strided x and y, K = 0 (bias only). */
+ * below AVX-512 splits it into column blocks of 1024, 1024, 52) with strided x and y, K = 0 (bias
+ * only). */
 static void test_linear(mdt_rng *r) {
     check_linear(r, 37, 53, 29, 60, 31);
     check_linear(r, 5, 40, 2100, 41, 2103);
     check_linear(r, 3, 0, 9, 1, 9);
+}
+
+/* The onednn path's two forms of an f32 GEMM on [N, K] weights (gemm.h: mdt_cpu_gemm_set_swap):
+ * forced, the weights-on-the-left form runs (counted) and equals the reference with bias, strided
+ * x and y, alpha and C accumulated (beta 1), at shapes on both sides of the shape rule; by the
+ * rule, AVX-512 kernels take it at 32-64 rows of K >= 1024 and at 24-128 rows of K >= 2048, not at
+ * 200 rows, a K of 512 or 20 rows, and narrower kernels and the openblas path never. */
+static void test_linear_forms(mdt_rng *r) {
+    const int onednn = strcmp(mdt_cpu_gemm(), "onednn") == 0;
+    const int wide = mdt_cpu_gemm_bf16_operands_possible(); /* oneDNN at AVX-512 or wider */
+    const long shapes[][3] = {
+        {32, 1024, 512}, {100, 2048, 520}, {200, 1024, 512}, {20, 2048, 512}, {48, 512, 600}};
+    const int by_rule[] = {1, 1, 0, 0, 0};
+    for (int i = 0; i < 5; i++) {
+        const long M = shapes[i][0], K = shapes[i][1], N = shapes[i][2], ldx = K + 3, ldy = N + 5;
+        float *x = rnd(r, M * ldx, 1), *w = rnd(r, N * K, 0.05), *b = rnd(r, N, 1);
+        float *xc = malloc(sizeof(float) * M * K), *y = malloc(sizeof(float) * M * ldy),
+              *yr = malloc(sizeof(float) * M * N), *yc = malloc(sizeof(float) * M * N);
+        for (long m = 0; m < M; m++)
+            memcpy(xc + m * K, x + m * ldx, sizeof(float) * K);
+        mdt_ref_linear(xc, w, b, yr, M, K, N);
+        for (int mode = -1; mode <= 1; mode++) {
+            mdt_cpu_gemm_set_swap(mode);
+            const int64_t before = mdt_cpu_gemm_swapped();
+            g_k->linear(x, ldx, w, NULL, b, y, ldy, M, K, N);
+            const int64_t ran = mdt_cpu_gemm_swapped() - before;
+            const int want = onednn && (mode == 1 || (mode == -1 && wide && by_rule[i]));
+            EXPECT(ran == want,
+                   "[%ld x %ld] . [%ld x %ld] (mode %d, %s): %lld swapped GEMMs, want %d", M, K, K,
+                   N, mode, mdt_cpu_gemm(), (long long)ran, want);
+            for (long m = 0; m < M; m++)
+                memcpy(yc + m * N, y + m * ldy, sizeof(float) * N);
+            EXPECT_CLOSE(yc, yr, M * N, 1e-5);
+        }
+        /* C = 0.5 x . w^T + C, the form attention's products use (mdt_cpu_gemm_run) */
+        for (long m = 0; m < M; m++)
+            for (long n = 0; n < ldy; n++)
+                y[m * ldy + n] = n < N ? yr[m * N + n] : -7.0f;
+        mdt_cpu_gemm_set_swap(1);
+        mdt_cpu_gemm_run(0, 1, M, N, K, 0.5f, x, ldx, w, K, 1.0f, y, ldy);
+        mdt_ref_linear(xc, w, NULL, yc, M, K, N);
+        long pad = 0;
+        for (long m = 0; m < M; m++) {
+            for (long n = 0; n < N; n++)
+                yc[m * N + n] = yr[m * N + n] + 0.5f * yc[m * N + n];
+            for (long n = N; n < ldy; n++)
+                pad += y[m * ldy + n] != -7.0f;
+            memmove(y + m * N, y + m * ldy, sizeof(float) * N);
+        }
+        EXPECT(pad == 0, "the swapped form wrote %ld elements past N", pad);
+        EXPECT_CLOSE(y, yc, M * N, 1e-5);
+        mdt_cpu_gemm_set_swap(-1);
+        free(x), free(w), free(b), free(xc), free(y), free(yr), free(yc);
+    }
 }
 
 /* bf16 weights. openblas path: both panel paths (few rows: N panels; many rows: whole matrix,
@@ -407,6 +462,7 @@ int main(void) {
             mdt_rng r;
             mdt_rng_seed(&r, 42);
             test_linear(&r);
+            test_linear_forms(&r);
             test_linear_bf16(&r);
             test_norms(&r);
             test_heads_prepare(&r);

@@ -51,7 +51,11 @@ static int g_onednn = -1; /* -1: not chosen yet */
 static int g_bf16ops;     /* bf16 weights mean bf16 operands (set with the path) */
 static int g_bf16able;    /* bf16 operands are possible on this path */
 static char g_bf16why[256];
-static int g_cap_set; /* oneDNN's cap is set (it can be set once per process) */
+static int g_wide;      /* oneDNN runs its AVX-512 kernels (or wider): the f32 shape rules below */
+static int g_swap = -1; /* small-row f32 GEMMs with the weights on the left: -1 by the shape
+                         * rule, 0 never, 1 every f32 GEMM on [N, K] weights (tests, benches) */
+static int64_t g_swapped; /* GEMMs run in that form since the process began */
+static int g_cap_set;     /* oneDNN's cap is set (it can be set once per process) */
 static dnnl_cpu_isa_t g_cap = dnnl_cpu_isa_all;
 static char g_err[200];
 
@@ -109,7 +113,7 @@ static const gemm_path *auto_path(void) {
 
 static mdt_status apply(const gemm_path *p) {
     if (p == &k_paths[0]) {
-        g_onednn = 0, g_bf16ops = g_bf16able = 0;
+        g_onednn = 0, g_bf16ops = g_bf16able = g_wide = 0;
         return MDT_OK;
     }
     if (g_cap_set && p->cap != dnnl_cpu_isa_all && p->cap != g_cap)
@@ -125,7 +129,7 @@ static mdt_status apply(const gemm_path *p) {
     g_onednn = 1;
     /* oneDNN 2.6 multiplies bf16 from AVX-512 on (natively from AVX512-BF16); below it refuses.
      * Asked once here (the cap is set by now), not on every GEMM. */
-    g_bf16ops = g_bf16able = dnnl_get_effective_cpu_isa() >= dnnl_cpu_isa_avx512_core;
+    g_bf16ops = g_bf16able = g_wide = dnnl_get_effective_cpu_isa() >= dnnl_cpu_isa_avx512_core;
     return MDT_OK;
 }
 
@@ -235,7 +239,10 @@ typedef struct {
 
 enum { CACHE = 64 };
 /* Output columns per oneDNN call when B is [N, K] (weights): oneDNN 2.6's AMX matmul runs
- * [1280, 1024] x [1024, 4096] at ~380 GFLOP/s but each [., 1024] block of it at ~600. */
+ * [1280, 1024] x [1024, 4096] at ~380 GFLOP/s but each [., 1024] block of it at ~600. Its AVX2
+ * f32 kernels gain a little from the blocks too at few rows (24-96 rows x 1024 . 1024 x 4096:
+ * 1.03-1.11x), its AVX-512 f32 kernels lose (0.82x at 96 rows; level at 1280): bf16 GEMMs and
+ * f32 below AVX-512 are split, f32 at AVX-512 is not (docs/perf.md, 2026-12-05). */
 enum { GEMM_NB = 1024 };
 static gemm_prim g_cache[CACHE];
 static int g_ncache, g_next_evict;
@@ -245,6 +252,8 @@ static dnnl_stream_t g_stream;
 static sigset_t g_held;
 static void *g_scratch;
 static size_t g_scratch_bytes;
+static float *g_ct; /* the swapped form's product, [N, M] */
+static int64_t g_ct_floats;
 
 static int fail(const char *what, dnnl_status_t s, const gemm_key *k) {
     if (!g_err[0])
@@ -394,8 +403,76 @@ static void onednn_run(const gemm_key *k, const void *A, const void *B, const fl
 
 void mdt_cpu_gemm_release(void) {
     mdt_free(g_scratch);
-    g_scratch = NULL, g_scratch_bytes = 0;
+    mdt_free(g_ct);
+    g_scratch = NULL, g_scratch_bytes = 0, g_ct = NULL, g_ct_floats = 0;
 }
+
+/* ---- few rows: the weights on the left ----
+ * y [M, N] = x [M, K] . W [N, K]^T as the product's transpose, Ct [N, M] = W . x^T, then Ct
+ * transposed into y with the bias (and C) added. oneDNN packs its right operand on every call:
+ * W (K N floats) in the usual form, x (K M floats) in this one, so where M is small against N the
+ * packing falls out of the call and W streams through as rows. Measured on oneDNN 2.6's AVX-512
+ * f32 kernels (AMD Zen 4, docs/perf.md 2026-12-05), weights cold, against the usual form: K >=
+ * 2048 gains at every M in 24..128 (1.03-1.38x, most at 32 rows), K = 1024 at 32..64 rows only
+ * (1.07-1.14x; 24 and 80 rows lose, 0.55x and 0.87x), the same products bit for bit (every
+ * shape measured: the k order of each sum is the same). The AVX2 kernels gain less and lose at 64
+ * rows and more, and round differently (~2e-6): their form is left as it was. The product is the
+ * same GEMM (alpha and the reduction unchanged); the bias and C are added in the transpose, one
+ * fp32 addition each as the primitive's. */
+static int swap_rule(const gemm_key *k) {
+    if (k->bf16 || !k->transb || g_swap == 0 || k->M < 2)
+        return 0;
+    if (g_swap == 1)
+        return 1;
+    return g_wide && k->N >= 512 &&
+           ((k->K >= 2048 && k->M >= 24 && k->M <= 128) ||
+            (k->K >= 1024 && k->M >= 32 && k->M <= 64));
+}
+
+/* The swapped form of k into C (see above); 0 if its scratch could not be had (the caller then
+ * runs the usual form). */
+static int run_swapped(const gemm_key *k, const void *A, const void *B, const float *bias,
+                       float *C) {
+    const int64_t M = k->M, N = k->N, ldc = k->ldc;
+    if (g_ct_floats < M * N) {
+        float *p = mdt_alloc(sizeof(float) * (size_t)(M * N));
+        if (!p)
+            return 0;
+        mdt_free(g_ct);
+        g_ct = p, g_ct_floats = M * N;
+    }
+    const gemm_key ks = {.transb = 1,
+                         .M = N,
+                         .N = M,
+                         .K = k->K,
+                         .lda = k->ldb,
+                         .ldb = k->lda,
+                         .ldc = M,
+                         .alpha = k->alpha};
+    char prev[sizeof g_err];
+    memcpy(prev, g_err, sizeof prev);
+    onednn_run(&ks, B, A, NULL, g_ct); // Ct [N, M] = W [N, K] . x [M, K]^T
+    if (!prev[0] && g_err[0])          /* name the caller's shape, not the transpose's */
+        snprintf(g_err, sizeof g_err, "oneDNN failed for an f32 GEMM [%lld x %lld] . [%lld x %lld]",
+                 (long long)M, (long long)k->K, (long long)k->K, (long long)N);
+    enum { NB = 16 };
+    for (int64_t n0 = 0; n0 < N; n0 += NB) { /* y [M, N] (+)= Ct^T (+ bias), 16 columns a pass */
+        const int64_t n1 = n0 + NB < N ? n0 + NB : N;
+        for (int64_t i = 0; i < M; i++) {
+            float *y = C + i * ldc;
+            for (int64_t n = n0; n < n1; n++) {
+                const float v = g_ct[n * M + i] + (bias ? bias[n] : 0.0f);
+                y[n] = k->beta1 ? y[n] + v : v;
+            }
+        }
+    }
+    g_swapped++;
+    return 1;
+}
+
+void mdt_cpu_gemm_set_swap(int mode) { g_swap = mode < 0 ? -1 : mode > 0; }
+
+int64_t mdt_cpu_gemm_swapped(void) { return g_swapped; }
 
 /* mdt_cpu_gemm_run with an optional bias row (the onednn path adds it inside the primitive; the
  * openblas path puts it in C first and accumulates onto it: the same single fp32 addition). */
@@ -437,7 +514,9 @@ static void gemm(int bf16, int transb, int64_t M, int64_t N, int64_t K, float al
             zero_c(C, ldc, M, N);
         return;
     }
-    if (N >= 2 * GEMM_NB && transb) { /* column blocks: one cached primitive, faster (perf.md) */
+    if (swap_rule(&k) && run_swapped(&k, A, B, bias, C))
+        return;
+    if (N >= 2 * GEMM_NB && transb && (bf16 || !g_wide)) { /* column blocks (GEMM_NB) */
         gemm_key kb = k;
         const size_t el = bf16 ? 2 : 4;
         for (int64_t n0 = 0; n0 < N; n0 += GEMM_NB) {

@@ -71,7 +71,15 @@ void mdt_cpu_gemm_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, c
 void mdt_cpu_gemm_linear_bf16h(const uint16_t *xh, const uint16_t *wh, const float *b, float *y,
                                int64_t ldy, int64_t M, int64_t K, int64_t N);
 
-/* Frees the oneDNN scratchpad buffer (primitives stay cached); the next GEMM takes it again. */
+/* The onednn path's form for few rows (gemm.c: the weights on the left, Ct = W . x^T, where
+ * oneDNN's AVX-512 f32 kernels were measured faster): mode -1 (the default) by that shape rule,
+ * 0 never, 1 for every f32 GEMM on [N, K] weights of two rows or more (tests and benchmarks
+ * compare the forms). mdt_cpu_gemm_swapped counts the GEMMs run that way. */
+void mdt_cpu_gemm_set_swap(int mode);
+int64_t mdt_cpu_gemm_swapped(void);
+
+/* Frees the oneDNN scratchpad buffer and the swapped form's product (primitives stay cached);
+ * the next GEMM takes them again. */
 void mdt_cpu_gemm_release(void);
 
 /* The first failure of a GEMM since the last call (oneDNN refused a shape, or its scratchpad
