@@ -40,11 +40,16 @@ static void check_linear(mdt_rng *r, long M, long K, long N, long ldx, long ldy)
 
 /* f32 linear against the reference: a small shape, and a wide one (N = 2100: the onednn path
  * below AVX-512 splits it into column blocks of 1024, 1024, 52) with strided x and y, K = 0 (bias
- * only). */
+ * only), and one-row products. */
 static void test_linear(mdt_rng *r) {
     check_linear(r, 37, 53, 29, 60, 31);
     check_linear(r, 5, 40, 2100, 41, 2103);
     check_linear(r, 3, 0, 9, 1, 9);
+    /* one row (the row product, AVX2 and wider): K tails of 11 and 5 lanes, N not a multiple of
+     * the 4 rows a pass, K below one vector */
+    check_linear(r, 1, 1003, 77, 1003, 77);
+    check_linear(r, 1, 5, 3, 5, 3);
+    check_linear(r, 1, 64, 4, 64, 4);
 }
 
 /* The onednn path's two forms of an f32 GEMM on [N, K] weights (gemm.h: mdt_cpu_gemm_set_swap):

@@ -152,6 +152,73 @@ static void k_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const
     }
 }
 
+#if MDT_CPU_ISA >= 2
+#if MDT_CPU_ISA == 2
+#include <immintrin.h>
+#endif
+/* One row: y [N] = w [N, K] . x [K] (+ b), four weight rows a pass (the last pass repeats row
+ * N - 1 for the missing ones and drops them), two accumulators a row, the K tail masked. A
+ * one-row product is bound by reading the weights (the adaLN and embedder projections of every
+ * forward: 1 x 1024 . 1024 x 6144 is 24 MiB for 12.6 MFLOP), and the GEMM libraries read them
+ * slower than four plain streams do: on a Zen 4 core 13.0 GB/s (oneDNN's AVX-512 f32 matmul),
+ * 19.5 (its AVX2 one), 5.3 (OpenBLAS) against 20.4 here (docs/perf.md, 2026-12-05). Each sum
+ * runs in k order per lane, then the lanes pairwise: a fixed order, the same on every rank. */
+static void gemv_f32(const float *x, const float *w, const float *b, float *y, int64_t K,
+                     int64_t N) {
+#if MDT_CPU_ISA == 3
+    enum { L = 16 };
+    typedef __m512 vec;
+#define V_ZERO() _mm512_setzero_ps()
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_TAIL(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1u), p)
+#else
+    enum { L = 8 };
+    typedef __m256 vec;
+    static const int32_t k_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+#define V_ZERO() _mm256_setzero_ps()
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
+#define V_TAIL(p, n) _mm256_maskload_ps(p, _mm256_loadu_si256((const __m256i *)(k_mask + 8 - (n))))
+#endif
+    for (int64_t n = 0; n < N; n += 4) {
+        const float *r[4];
+        vec a[4], c[4];
+        for (int j = 0; j < 4; j++)
+            r[j] = w + (n + j < N ? n + j : N - 1) * K, a[j] = c[j] = V_ZERO();
+        int64_t k = 0;
+        for (; k + 2 * L <= K; k += 2 * L) {
+            const vec x0 = V_LOAD(x + k), x1 = V_LOAD(x + k + L);
+            for (int j = 0; j < 4; j++)
+                a[j] = V_FMA(V_LOAD(r[j] + k), x0, a[j]),
+                c[j] = V_FMA(V_LOAD(r[j] + k + L), x1, c[j]);
+        }
+        for (; k < K; k += L) { /* at most two more: one whole, one masked */
+            const int64_t t = K - k < L ? K - k : L;
+            const vec x0 = t == L ? V_LOAD(x + k) : V_TAIL(x + k, t);
+            for (int j = 0; j < 4; j++)
+                a[j] = V_FMA(t == L ? V_LOAD(r[j] + k) : V_TAIL(r[j] + k, t), x0, a[j]);
+        }
+        for (int j = 0; j < 4 && n + j < N; j++) {
+            float lane[L];
+            const vec sum = V_ADD(a[j], c[j]);
+            memcpy(lane, &sum, sizeof lane);
+            for (int h = L / 2; h > 0; h /= 2) /* pairwise: lanes i and i + h */
+                for (int i = 0; i < h; i++)
+                    lane[i] += lane[i + h];
+            y[n + j] = b ? lane[0] + b[n + j] : lane[0];
+        }
+    }
+#undef V_ZERO
+#undef V_LOAD
+#undef V_FMA
+#undef V_ADD
+#undef V_TAIL
+}
+#endif
+
 /* fp32 weights only: bf16 weights take the CPU backend's linear (scratch, operand rounding). */
 static void k_linear(const float *x, int64_t ldx, const float *w, const uint16_t *wh,
                      const float *b, float *y, int64_t ldy, int64_t M, int64_t K, int64_t N) {
@@ -570,4 +637,7 @@ const mdt_cpu_kernel_set MDT_CPU_TABLE = {
     .linear_bf16_ws_floats = k_linear_bf16_ws_floats,
     .to_bf16_rows = k_to_bf16_rows,
     .bf16_widen = k_bf16_widen,
+#if MDT_CPU_ISA >= 2
+    .gemv_f32 = gemv_f32,
+#endif
 };

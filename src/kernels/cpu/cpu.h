@@ -45,6 +45,10 @@ typedef struct mdt_cpu_kernel_set {
                          int64_t n);
     /* dst[n] = the f32 value of bf16 src[n] (exact). */
     void (*bf16_widen)(float *dst, const uint16_t *src, int64_t n);
+    /* One row: y [N] = w [N, K] . x [K] (+ b), K > 0: the f32 linear's one-row form (gemm.c
+     * takes it for M = 1); NULL in the sets below AVX2, which leave it to the GEMM path. */
+    void (*gemv_f32)(const float *x, const float *w, const float *b, float *y, int64_t K,
+                     int64_t N);
 } mdt_cpu_kernel_set;
 #define MDT_CPU_BF16_FEW_ROWS 32
 

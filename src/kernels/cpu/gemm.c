@@ -539,6 +539,11 @@ void mdt_cpu_gemm_linear_f32(const float *x, int64_t ldx, const float *w, const 
                              int64_t ldy, int64_t M, int64_t K, int64_t N) {
     if (M <= 0 || N <= 0)
         return;
+    const mdt_cpu_kernel_set *set = mdt_cpu_kernel_set_get();
+    if (M == 1 && K > 0 && set->gemv_f32) { /* one row: the kernel set's row product (cpu.c) */
+        set->gemv_f32(x, w, b, y, K, N);    // [1, N]
+        return;
+    }
     gemm(0, 1, M, N, K, 1.0f, x, ldx, w, K, b, 0.0f, y, ldy);
 }
 
