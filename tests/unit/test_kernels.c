@@ -54,16 +54,19 @@ static void test_linear(mdt_rng *r) {
 
 /* The onednn path's two forms of an f32 GEMM on [N, K] weights (gemm.h: mdt_cpu_gemm_set_swap):
  * forced, the weights-on-the-left form runs (counted) and equals the reference with bias, strided
- * x and y, alpha and C accumulated (beta 1), at shapes on both sides of the shape rule; by the
- * rule, AVX-512 kernels take it at 32-64 rows of K >= 1024 and at 24-128 rows of K >= 2048, not at
- * 200 rows, a K of 512 or 20 rows, and narrower kernels and the openblas path never. */
+ * x and y, alpha and C accumulated (beta 1), at shapes on both sides of the shape rule; by the rule
+ * (gemm.c), each shape takes the form its kernels' table says (AVX-512 or AVX2), the openblas
+ * path never. */
 static void test_linear_forms(mdt_rng *r) {
     const int onednn = strcmp(mdt_cpu_gemm(), "onednn") == 0;
     const int wide = mdt_cpu_gemm_bf16_operands_possible(); /* oneDNN at AVX-512 or wider */
-    const long shapes[][3] = {
-        {32, 1024, 512}, {100, 2048, 520}, {200, 1024, 512}, {20, 2048, 512}, {48, 512, 600}};
-    const int by_rule[] = {1, 1, 0, 0, 0};
-    for (int i = 0; i < 5; i++) {
+    enum { NS = 7 };
+    const long shapes[NS][3] = {{32, 1024, 512}, {100, 2048, 520}, {200, 1024, 512},
+                                {20, 2048, 512}, {48, 512, 600},   {40, 1024, 3072},
+                                {12, 1024, 4096}};
+    const int by_rule[2][NS] = {{1, 0, 0, 1, 0, 0, 1},  /* AVX2 kernels */
+                                {1, 1, 0, 0, 0, 1, 0}}; /* AVX-512 kernels */
+    for (int i = 0; i < NS; i++) {
         const long M = shapes[i][0], K = shapes[i][1], N = shapes[i][2], ldx = K + 3, ldy = N + 5;
         float *x = rnd(r, M * ldx, 1), *w = rnd(r, N * K, 0.05), *b = rnd(r, N, 1);
         float *xc = malloc(sizeof(float) * M * K), *y = malloc(sizeof(float) * M * ldy),
@@ -76,7 +79,7 @@ static void test_linear_forms(mdt_rng *r) {
             const int64_t before = mdt_cpu_gemm_swapped();
             g_k->linear(x, ldx, w, NULL, b, y, ldy, M, K, N);
             const int64_t ran = mdt_cpu_gemm_swapped() - before;
-            const int want = onednn && (mode == 1 || (mode == -1 && wide && by_rule[i]));
+            const int want = onednn && (mode == 1 || (mode == -1 && by_rule[wide][i]));
             EXPECT(ran == want,
                    "[%ld x %ld] . [%ld x %ld] (mode %d, %s): %lld swapped GEMMs, want %d", M, K, K,
                    N, mode, mdt_cpu_gemm(), (long long)ran, want);

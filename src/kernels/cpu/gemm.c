@@ -411,22 +411,28 @@ void mdt_cpu_gemm_release(void) {
  * y [M, N] = x [M, K] . W [N, K]^T as the product's transpose, Ct [N, M] = W . x^T, then Ct
  * transposed into y with the bias (and C) added. oneDNN packs its right operand on every call:
  * W (K N floats) in the usual form, x (K M floats) in this one, so where M is small against N the
- * packing falls out of the call and W streams through as rows. Measured on oneDNN 2.6's AVX-512
- * f32 kernels (AMD Zen 4, docs/perf.md 2026-12-05), weights cold, against the usual form: K >=
- * 2048 gains at every M in 24..128 (1.03-1.38x, most at 32 rows), K = 1024 at 32..64 rows only
- * (1.07-1.14x; 24 and 80 rows lose, 0.55x and 0.87x), the same products bit for bit (every
- * shape measured: the k order of each sum is the same). The AVX2 kernels gain less and lose at 64
- * rows and more, and round differently (~2e-6): their form is left as it was. The product is the
- * same GEMM (alpha and the reduction unchanged); the bias and C are added in the transpose, one
- * fp32 addition each as the primitive's. */
+ * packing falls out of the call and W streams through as rows. Measured on a Zen 4 core
+ * (docs/perf.md 2026-12-05), weights cold, against the usual form:
+ *   oneDNN 2.6's AVX-512 f32 kernels: K >= 2048 gains at every M in 24..128 (1.03-1.38x, most
+ *   at 32 rows), K = 1024 at 32..64 rows only (1.07-1.14x; 24 and 80 rows lose, 0.55x and
+ *   0.87x); the same products bit for bit at every shape measured;
+ *   its AVX2 kernels (capped to them): K >= 2048 gains at 8..48 rows (1.08-1.45x), K = 1024 at
+ *   8..16 rows (1.15-1.37x) and at 24..32 rows where N <= 1024 (1.09-1.14x; level or losing at
+ *   N >= 3072 and from 40 rows); the products differ in rounding (~2e-6 of the largest output),
+ *   by a fixed rule, so every run of a shape rounds the same.
+ * The product is the same GEMM (alpha and the reduction unchanged); the bias and C are added in
+ * the transpose, one fp32 addition each as the primitive's. */
 static int swap_rule(const gemm_key *k) {
     if (k->bf16 || !k->transb || g_swap == 0 || k->M < 2)
         return 0;
     if (g_swap == 1)
         return 1;
-    return g_wide && k->N >= 512 &&
-           ((k->K >= 2048 && k->M >= 24 && k->M <= 128) ||
-            (k->K >= 1024 && k->M >= 32 && k->M <= 64));
+    const int64_t M = k->M, N = k->N, K = k->K;
+    if (N < 512 || K < 1024)
+        return 0;
+    if (g_wide)
+        return (K >= 2048 && M >= 24 && M <= 128) || (M >= 32 && M <= 64);
+    return M >= 8 && (M <= 16 || (K >= 2048 && M <= 48) || (M <= 32 && N <= 1024));
 }
 
 /* The swapped form of k into C (see above); 0 if its scratch could not be had (the caller then
