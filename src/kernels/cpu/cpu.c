@@ -155,6 +155,14 @@ static void k_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const
 #if MDT_CPU_ISA >= 2
 #if MDT_CPU_ISA == 2
 #include <immintrin.h>
+
+/* The sum of 8 lanes in registers: lanes i + (i + 4), then + 2, + 1 (_mm512_reduce_add_ps's
+ * order on half the lanes). */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 #endif
 /* One row: y [N] = w [N, K] . x [K] (+ b), four weight rows a pass (the last pass repeats row
  * N - 1 for the missing ones and drops them), two accumulators a row, the K tail masked. A
@@ -162,7 +170,8 @@ static void k_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const
  * forward: 1 x 1024 . 1024 x 6144 is 24 MiB for 12.6 MFLOP), and the GEMM libraries read them
  * slower than four plain streams do: on a Zen 4 core 13.0 GB/s (oneDNN's AVX-512 f32 matmul),
  * 19.5 (its AVX2 one), 5.3 (OpenBLAS) against 20.4 here (docs/perf.md, 2026-12-05). Each sum
- * runs in k order per lane, then the lanes pairwise: a fixed order, the same on every rank. */
+ * runs in k order per lane, then the lanes pairwise in registers: a fixed order, the same on every
+ * rank. */
 static void gemv_f32(const float *x, const float *w, const float *b, float *y, int64_t K,
                      int64_t N) {
 #if MDT_CPU_ISA == 3
@@ -173,6 +182,7 @@ static void gemv_f32(const float *x, const float *w, const float *b, float *y, i
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define V_ADD(a, b) _mm512_add_ps(a, b)
 #define V_TAIL(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1u), p)
+#define V_SUM(v) _mm512_reduce_add_ps(v) /* lanes i + (i + 8), then + 4, + 2, + 1 */
 #else
     enum { L = 8 };
     typedef __m256 vec;
@@ -182,6 +192,7 @@ static void gemv_f32(const float *x, const float *w, const float *b, float *y, i
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define V_ADD(a, b) _mm256_add_ps(a, b)
 #define V_TAIL(p, n) _mm256_maskload_ps(p, _mm256_loadu_si256((const __m256i *)(k_mask + 8 - (n))))
+#define V_SUM(v) hsum8(v)
 #endif
     for (int64_t n = 0; n < N; n += 4) {
         const float *r[4];
@@ -202,13 +213,8 @@ static void gemv_f32(const float *x, const float *w, const float *b, float *y, i
                 a[j] = V_FMA(t == L ? V_LOAD(r[j] + k) : V_TAIL(r[j] + k, t), x0, a[j]);
         }
         for (int j = 0; j < 4 && n + j < N; j++) {
-            float lane[L];
-            const vec sum = V_ADD(a[j], c[j]);
-            memcpy(lane, &sum, sizeof lane);
-            for (int h = L / 2; h > 0; h /= 2) /* pairwise: lanes i and i + h */
-                for (int i = 0; i < h; i++)
-                    lane[i] += lane[i + h];
-            y[n + j] = b ? lane[0] + b[n + j] : lane[0];
+            const float sum = V_SUM(V_ADD(a[j], c[j]));
+            y[n + j] = b ? sum + b[n + j] : sum;
         }
     }
 #undef V_ZERO
@@ -216,6 +222,7 @@ static void gemv_f32(const float *x, const float *w, const float *b, float *y, i
 #undef V_FMA
 #undef V_ADD
 #undef V_TAIL
+#undef V_SUM
 }
 #endif
 
