@@ -65,7 +65,7 @@ static void test_linear_forms(mdt_rng *r) {
                                 {20, 2048, 512}, {48, 512, 600},   {40, 1024, 3072},
                                 {12, 1024, 4096}};
     const int by_rule[2][NS] = {{1, 0, 0, 1, 0, 0, 1},  /* AVX2 kernels */
-                                {1, 1, 0, 0, 0, 1, 0}}; /* AVX-512 kernels */
+                                {1, 1, 0, 1, 0, 1, 0}}; /* AVX-512 kernels */
     for (int i = 0; i < NS; i++) {
         const long M = shapes[i][0], K = shapes[i][1], N = shapes[i][2], ldx = K + 3, ldy = N + 5;
         float *x = rnd(r, M * ldx, 1), *w = rnd(r, N * K, 0.05), *b = rnd(r, N, 1);

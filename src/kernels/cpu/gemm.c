@@ -413,9 +413,9 @@ void mdt_cpu_gemm_release(void) {
  * W (K N floats) in the usual form, x (K M floats) in this one, so where M is small against N the
  * packing falls out of the call and W streams through as rows. Measured on a Zen 4 core
  * (docs/perf.md 2026-12-05), weights cold, against the usual form:
- *   oneDNN 2.6's AVX-512 f32 kernels: K >= 2048 gains at every M in 24..128 (1.03-1.38x, most
- *   at 32 rows), K = 1024 at 32..64 rows only (1.07-1.14x; 24 and 80 rows lose, 0.55x and
- *   0.87x); the same products bit for bit at every shape measured;
+ *   oneDNN 2.6's AVX-512 f32 kernels: K >= 2048 gains at every M in 4..128 (1.02-1.66x, most
+ *   at 12-32 rows), K = 1024 at 32..64 rows only (1.07-1.20x; 16, 24 and 80 rows lose, 0.89x,
+ *   0.55-0.60x and 0.87-0.92x); the same products bit for bit at every shape measured;
  *   its AVX2 kernels (capped to them): K >= 2048 gains at 8..48 rows (1.08-1.45x), K = 1024 at
  *   8..16 rows (1.15-1.37x) and at 24..32 rows where N <= 1024 (1.09-1.14x; level or losing at
  *   N >= 3072 and from 40 rows); the products differ in rounding (~2e-6 of the largest output),
@@ -431,7 +431,7 @@ static int swap_rule(const gemm_key *k) {
     if (N < 512 || K < 1024)
         return 0;
     if (g_wide)
-        return (K >= 2048 && M >= 24 && M <= 128) || (M >= 32 && M <= 64);
+        return (K >= 2048 && M <= 128) || (M >= 32 && M <= 64);
     return M >= 8 && (M <= 16 || (K >= 2048 && M <= 48) || (M <= 32 && N <= 1024));
 }
 
