@@ -60,14 +60,16 @@ static void test_linear(mdt_rng *r) {
 static void test_linear_forms(mdt_rng *r) {
     const int onednn = strcmp(mdt_cpu_gemm(), "onednn") == 0;
     const int wide = mdt_cpu_gemm_bf16_operands_possible(); /* oneDNN at AVX-512 or wider */
-    enum { NS = 7 };
-    const long shapes[NS][3] = {{32, 1024, 512}, {100, 2048, 520}, {200, 1024, 512},
-                                {20, 2048, 512}, {48, 512, 600},   {40, 1024, 3072},
-                                {12, 1024, 4096}};
-    const int by_rule[2][NS] = {{1, 0, 0, 1, 0, 0, 1},  /* AVX2 kernels */
-                                {1, 1, 0, 1, 0, 1, 0}}; /* AVX-512 kernels */
+    enum { NS = 9 };
+    const long shapes[NS][4] = {/* M, K, N, y's columns past N */
+                                {32, 1024, 512, 5},  {100, 2048, 520, 5}, {200, 1024, 512, 5},
+                                {20, 2048, 512, 5},  {48, 512, 600, 5},   {40, 1024, 3072, 5},
+                                {12, 1024, 4096, 5}, {96, 1024, 1024, 0}, {96, 1024, 1024, 3}};
+    const int by_rule[2][NS] = {{1, 0, 0, 1, 0, 0, 1, 0, 0},  /* AVX2 kernels */
+                                {1, 1, 0, 1, 0, 1, 0, 0, 1}}; /* AVX-512 kernels */
     for (int i = 0; i < NS; i++) {
-        const long M = shapes[i][0], K = shapes[i][1], N = shapes[i][2], ldx = K + 3, ldy = N + 5;
+        const long M = shapes[i][0], K = shapes[i][1], N = shapes[i][2], ldx = K + 3,
+                   ldy = N + shapes[i][3];
         float *x = rnd(r, M * ldx, 1), *w = rnd(r, N * K, 0.05), *b = rnd(r, N, 1);
         float *xc = malloc(sizeof(float) * M * K), *y = malloc(sizeof(float) * M * ldy),
               *yr = malloc(sizeof(float) * M * N), *yc = malloc(sizeof(float) * M * N);

@@ -415,7 +415,11 @@ void mdt_cpu_gemm_release(void) {
  * (docs/perf.md 2026-12-05), weights cold, against the usual form:
  *   oneDNN 2.6's AVX-512 f32 kernels: K >= 2048 gains at every M in 4..128 (1.02-1.66x, most
  *   at 12-32 rows), K = 1024 at 32..64 rows only (1.07-1.20x; 16, 24 and 80 rows lose, 0.89x,
- *   0.55-0.60x and 0.87-0.92x); the same products bit for bit at every shape measured;
+ *   0.55-0.60x and 0.87-0.92x), and at 32..128 rows where y is strided (ldc > N, as a single
+ *   block's MLP columns of [attention | MLP]: the usual form slows by 12-30% there, this one
+ *   not at all; 96 x 1024 . 1024 x 4096 into 5120 columns: 81.6 against 100.3 GFLOP/s); the
+ *   same products bit for bit at every shape measured with a dense y (a strided y changes the
+ *   usual form's kernel, and the two then round apart by ~1e-6);
  *   its AVX2 kernels (capped to them): K >= 2048 gains at 8..48 rows (1.08-1.45x), K = 1024 at
  *   8..16 rows (1.15-1.37x) and at 24..32 rows where N <= 1024 (1.09-1.14x; level or losing at
  *   N >= 3072 and from 40 rows); the products differ in rounding (~2e-6 of the largest output),
@@ -430,8 +434,8 @@ static int swap_rule(const gemm_key *k) {
     const int64_t M = k->M, N = k->N, K = k->K;
     if (N < 512 || K < 1024)
         return 0;
-    if (g_wide)
-        return (K >= 2048 && M <= 128) || (M >= 32 && M <= 64);
+    if (g_wide) /* a strided output (ldc > N) costs the usual form, not this one */
+        return (K >= 2048 && M <= 128) || (M >= 32 && M <= (k->ldc != N ? 128 : 64));
     return M >= 8 && (M <= 16 || (K >= 2048 && M <= 48) || (M <= 32 && N <= 1024));
 }
 
