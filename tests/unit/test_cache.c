@@ -109,7 +109,7 @@ static void run(const char *dir, const char *spec, const char *stray, mode md, f
 static int64_t check(const char *dir, const char *spec, const char *stray, int want_mixed) {
     float *ref[STEPS] = {0}, *got[STEPS] = {0};
     int64_t n = 0, bytes = 0, b2 = 0;
-    int sk_ref[STEPS], sk[STEPS];
+    int sk_ref[STEPS] = {0}, sk[STEPS] = {0};
     run(dir, spec, stray, PLAIN, ref, &n, sk_ref, &bytes);
     int nskip = 0;
     for (int k = 0; k < STEPS; k++)
