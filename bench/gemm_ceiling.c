@@ -16,6 +16,7 @@
  * AVX2 + FMA only; benchmarks only (never in make test).
  * usage: build/bench/gemm_ceiling [repeats]
  */
+#include "bench_stats.h"
 #include "core/core.h"
 #include "kernels/cpu/gemm.h"
 
@@ -26,11 +27,6 @@
 #include <string.h>
 
 enum { MR = 6, NR = 16, KC = 256, MC = 192, NW = 12, MAXREP = 64 };
-
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 /* bp [kc, 16] = the 16 rows n0.. of W [N, ldw] over columns k0..k0+kc, transposed; rows past
  * nr are zeros. Full panels go through 8 x 8 register transposes. */
@@ -168,11 +164,6 @@ static double ukr_rate(void) {
     return ok ? best : 0.0;
 }
 
-static double median(double *t, int n) {
-    qsort(t, (size_t)n, sizeof(double), cmp);
-    return t[n / 2];
-}
-
 static void shape(int64_t M, int64_t N, int64_t K, int reps, float *ap, float *bp) {
     float *A = malloc(sizeof(float) * (size_t)(M * K));  // [M, K]
     float *C1 = malloc(sizeof(float) * (size_t)(M * N)); // [M, N]
@@ -206,8 +197,8 @@ static void shape(int64_t M, int64_t N, int64_t K, int reps, float *ap, float *b
             diff = fmax(diff, fabs((double)C1[i] - (double)C2[i]));
     }
     const double fl = 2.0 * (double)(M * N * K) * 1e-9;
-    const double path = fl / median(t[0], reps), own = fl / median(t[1], reps),
-                 pre = fl / median(t[2], reps);
+    const double path = fl / mdt_bench_median(t[0], reps), own = fl / mdt_bench_median(t[1], reps),
+                 pre = fl / mdt_bench_median(t[2], reps);
     printf("| %lld x %lld . %lld x %lld | %.1f | %.1f (%.2fx) | %.1f (%.2fx) | %.1e |\n",
            (long long)M, (long long)K, (long long)K, (long long)N, path, own, own / path, pre,
            pre / path, diff);

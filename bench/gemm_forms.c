@@ -13,6 +13,7 @@
  * kernels.
  * usage: build/bench/gemm_forms [repeats [MxNxK ...]]   (shapes given: those only, no rows)
  */
+#include "bench_stats.h"
 #include "core/core.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/gemm.h"
@@ -23,31 +24,14 @@
 
 enum { NW = 24, MAXREP = 64 };
 
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *t, int n) {
-    qsort(t, (size_t)n, sizeof *t, cmp);
-    return t[n / 2];
-}
-
-static float *filled(int64_t n, int64_t seed) {
-    float *p = malloc(sizeof(float) * (size_t)n);
-    for (int64_t i = 0; p && i < n; i++)
-        p[i] = (float)((i * 7 + seed) % 101) / 101.0f - 0.5f;
-    return p;
-}
-
 /* one [M, K] . [K, N] shape, both forms; prints a table row */
 static int shape(int64_t M, int64_t N, int64_t K, int reps) {
-    float *x = filled(M * K, 3), *b = filled(N, 5),
+    float *x = mdt_bench_filled(M * K, 3), *b = mdt_bench_filled(N, 5),
           *y[2] = {malloc(sizeof(float) * M * N), malloc(sizeof(float) * M * N)};
     float *w[NW];
     int ok = x && b && y[0] && y[1];
     for (int i = 0; i < NW; i++)
-        ok = (w[i] = filled(N * K, i)) != NULL && ok;
+        ok = (w[i] = mdt_bench_filled(N * K, i)) != NULL && ok;
     if (!ok) {
         printf("gemm_forms: out of memory at [%lld x %lld] . [%lld x %lld]\n", (long long)M,
                (long long)K, (long long)K, (long long)N);
@@ -71,7 +55,8 @@ static int shape(int64_t M, int64_t N, int64_t K, int reps) {
     mdt_cpu_gemm_linear_f32(x, K, w[0], b, y[1], N, M, K, N);
     const int rule = mdt_cpu_gemm_swapped() > before;
     const double fl = 2.0 * (double)(M * N * K) * NW * 1e-9;
-    const double plain = fl / median(t[0], reps), swapped = fl / median(t[1], reps);
+    const double plain = fl / mdt_bench_median(t[0], reps),
+                 swapped = fl / mdt_bench_median(t[1], reps);
     printf("| %lld x %lld . %lld x %lld | %.1f | %.1f (%.2fx) | %s | %.1e |\n", (long long)M,
            (long long)K, (long long)K, (long long)N, plain, swapped, swapped / plain,
            rule ? "swapped" : "plain", diff);
@@ -83,12 +68,12 @@ static int shape(int64_t M, int64_t N, int64_t K, int reps) {
 
 /* one row: the library's call against the row product, weight GB/s */
 static int row(int64_t N, int64_t K, int reps) {
-    float *x = filled(K, 3), *b = filled(N, 5),
+    float *x = mdt_bench_filled(K, 3), *b = mdt_bench_filled(N, 5),
           *y[2] = {malloc(sizeof(float) * N), malloc(sizeof(float) * N)};
     float *w[NW];
     int ok = x && b && y[0] && y[1];
     for (int i = 0; i < NW; i++)
-        ok = (w[i] = filled(N * K, i)) != NULL && ok;
+        ok = (w[i] = mdt_bench_filled(N * K, i)) != NULL && ok;
     if (!ok) {
         printf("gemm_forms: out of memory at one row of [%lld x %lld]\n", (long long)N,
                (long long)K);
@@ -114,7 +99,7 @@ static int row(int64_t N, int64_t K, int reps) {
     for (int64_t n = 0; n < N; n++)
         diff = fmax(diff, fabs((double)y[0][n] - (double)y[1][n]));
     const double gb = 4.0 * (double)(N * K) * NW * 1e-9;
-    const double lib = gb / median(t[0], reps), own = gb / median(t[1], reps);
+    const double lib = gb / mdt_bench_median(t[0], reps), own = gb / mdt_bench_median(t[1], reps);
     printf("| 1 x %lld . %lld x %lld | %.1f | %.1f (%.2fx) | %s | %.1e |\n", (long long)K,
            (long long)K, (long long)N, lib, own, own / lib,
            mdt_cpu_kernel_set_get()->gemv_f32 ? "row product" : "library", diff);
