@@ -124,17 +124,8 @@ int main(int argc, char **argv) {
         {96, 4096, 1024},  {16, 1024, 4096}, {32, 1024, 4096},  {64, 1024, 4096}, {96, 1024, 4096},
         {128, 1024, 4096}, {32, 1024, 2048}, {96, 1024, 2560},  {32, 512, 1024},  {96, 512, 2048}};
     int bad = 0;
-    if (argc > 2) { /* the shapes asked for */
-        for (int a = 2; a < argc; a++) {
-            long long M, N, K;
-            if (sscanf(argv[a], "%lldx%lldx%lld", &M, &N, &K) != 3 || M < 1 || N < 1 || K < 1) {
-                printf("gemm_forms: %s: expected MxNxK (three positive integers)\n", argv[a]);
-                return 2;
-            }
-            bad |= shape(M, N, K, reps);
-        }
-        return bad;
-    }
+    if (argc > 2) /* the shapes asked for */
+        return mdt_bench_shape_args("gemm_forms", argv + 2, argc - 2, shape, reps);
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) /* {M, N, K} */
         bad |= shape(shapes[s][0], shapes[s][1], shapes[s][2], reps);
     printf("\n| one row: 1 x K . K x N | library GB/s of weights | the row product | the seam "

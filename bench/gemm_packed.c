@@ -176,17 +176,8 @@ int main(int argc, char **argv) {
            "packed layout | same layout at M = 1..4096 | bit-identical |\n"
            "|---|---|---|---|---|---|---|\n");
     int bad = 0;
-    if (argc > 2) {
-        for (int a = 2; a < argc; a++) {
-            long long M, N, K;
-            if (sscanf(argv[a], "%lldx%lldx%lld", &M, &N, &K) != 3 || M < 1 || N < 1 || K < 1) {
-                printf("gemm_packed: %s: expected MxNxK (three positive integers)\n", argv[a]);
-                return 2;
-            }
-            bad |= shape(M, N, K, reps);
-        }
-        return bad;
-    }
+    if (argc > 2) /* the shapes asked for */
+        return mdt_bench_shape_args("gemm_packed", argv + 2, argc - 2, shape, reps);
     /* {M, N, K}: the medium step's linears on one rank (1280 rows), tp2 (N or K halved), a CP
      * rank (640 single-block rows; 512 image + 128 text rows in the double blocks), the cache
      * bench's 96 rows */
