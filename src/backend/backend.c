@@ -65,8 +65,31 @@ int64_t mdt_backend_scratch_bytes(void) { return mdt_cpu_backend_scratch_bytes()
 
 void mdt_backend_release_scratch(void) { mdt_cpu_backend_release(); }
 
+int64_t mdt_backend_packed_floats(int64_t N, int64_t K) {
+    return g_ops ? 0 : mdt_cpu_backend_packed_floats(N, K);
+}
+
+mdt_status mdt_backend_pack(const float *w, float *dst, int64_t N, int64_t K) {
+    return mdt_cpu_backend_pack(w, dst, N, K);
+}
+
+mdt_status mdt_backend_unpack(const float *src, float *w, int64_t N, int64_t K) {
+    return mdt_cpu_backend_unpack(src, w, N, K);
+}
+
+void mdt_backend_packed_forget(const float *p) { mdt_cpu_backend_packed_forget(p); }
+
+void mdt_backend_packed_forget_range(const void *lo, int64_t bytes) {
+    mdt_cpu_backend_packed_forget_range(lo, bytes);
+}
+
 mdt_status mdt_backend_select(mdt_backend_kind kind, int ordinal, int bf16) {
     if (kind == MDT_BACKEND_CPU) {
+        const char *pack = getenv("MESHDIT_CPU_PACK");
+        if (pack && *pack && strcmp(pack, "auto") != 0 && strcmp(pack, "off") != 0)
+            return MDT_FAIL(MDT_E_INVALID, "MESHDIT_CPU_PACK='%s': auto (the default) or off",
+                            pack);
+        mdt_cpu_gemm_set_pack(!(pack && strcmp(pack, "off") == 0));
         g_kind = MDT_BACKEND_CPU, g_ops = NULL, g_kern = NULL, g_dcomm = NULL, g_bf16 = bf16;
         mdt_cpu_backend_start(bf16);
         mdt_mem_set_device(NULL);

@@ -33,6 +33,18 @@ mdt_status mdt_backend_reserve_linear(int64_t K, int64_t N);
 void mdt_backend_release_scratch(void);
 /* Bytes of that scratch now held (0 unless CPU bf16). */
 int64_t mdt_backend_scratch_bytes(void);
+/* Prepacked linear weights on the CPU backend in f32 (kernels/cpu/gemm.h: oneDNN's blocked
+ * layout, kept from the load on instead of made on every GEMM; MESHDIT_CPU_PACK=off, read by
+ * mdt_backend_select, keeps them plain): the floats [N, K] weights take packed, 0 where they
+ * stay plain (a device, bf16, a GEMM path that does not pack). pack: w [N, K] into dst (no
+ * overlap), after which the linear slot multiplies dst on that layout; unpack: a packed copy back
+ * to plain w; forget: dst no longer holds packed weights (before it is freed or reused). */
+int64_t mdt_backend_packed_floats(int64_t N, int64_t K);
+mdt_status mdt_backend_pack(const float *w, float *dst, int64_t N, int64_t K);
+mdt_status mdt_backend_unpack(const float *src, float *w, int64_t N, int64_t K);
+void mdt_backend_packed_forget(const float *p);
+/* forget_range: every packed weights inside [lo, lo + bytes) (a host buffer just allocated). */
+void mdt_backend_packed_forget_range(const void *lo, int64_t bytes);
 mdt_backend_kind mdt_backend_kind_get(void);
 const char *mdt_backend_name(void);
 int mdt_backend_bf16(void);

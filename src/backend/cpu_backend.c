@@ -16,6 +16,7 @@ static int g_bf16;
 static float *g_lin_ws;
 static int64_t g_lin_ws_n;
 static char g_err[160];
+static mdt_status g_err_code; /* the code g_err is reported with */
 /* mdt_k_shared_begin's input, rounded to bf16 once (g_sh_h [M, K]) */
 static struct {
     const float *x;
@@ -24,6 +25,14 @@ static struct {
 static uint16_t *g_sh_h;
 static int64_t g_sh_n;
 static int g_sh_depth; /* nested begins on the same x */
+/* The weights held packed (gemm.h: prepacked weights), sorted by address: a linear whose w is
+ * one of them runs on the packed layout; a pointer inside one (a view of its rows) is refused. */
+typedef struct {
+    const float *p;
+    int64_t floats, N, K;
+} packed_w;
+static packed_w *g_pk;
+static int g_npk, g_pk_cap;
 
 static int lin_ws_grow(int64_t floats) {
     if (floats <= g_lin_ws_n)
@@ -135,7 +144,7 @@ mdt_status mdt_cpu_backend_reserve_linear(int64_t K, int64_t N) {
 
 mdt_status mdt_cpu_backend_check(void) {
     if (g_err[0]) { /* the message is formatted before the sticky error is cleared */
-        const mdt_status st = MDT_FAIL(MDT_E_NOMEM, "%s", g_err);
+        const mdt_status st = MDT_FAIL(g_err_code, "%s", g_err);
         g_err[0] = '\0';
         return st;
     }
@@ -170,12 +179,107 @@ void mdt_cpu_backend_shared_end(void) {
     g_sh.x = NULL, g_sh_depth = 0;
 }
 
-/* The `linear` slot: fp32 weights on the GEMM seam; bf16 weights on the shared rounded input,
- * else through the scratch. */
+int64_t mdt_cpu_backend_packed_floats(int64_t N, int64_t K) {
+    return g_bf16 ? 0 : mdt_cpu_gemm_packed_floats(N, K);
+}
+
+/* The entry at or before p (-1 if none). */
+static int pk_find(const float *p) {
+    int lo = 0, hi = g_npk - 1, at = -1;
+    while (lo <= hi) {
+        const int mid = (lo + hi) / 2;
+        if (g_pk[mid].p <= p)
+            at = mid, lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return at;
+}
+
+void mdt_cpu_backend_packed_forget(const float *p) {
+    const int i = pk_find(p);
+    if (i < 0 || g_pk[i].p != p)
+        return;
+    memmove(g_pk + i, g_pk + i + 1, sizeof *g_pk * (size_t)(g_npk - i - 1));
+    if (--g_npk == 0) {
+        mdt_free(g_pk);
+        g_pk = NULL, g_pk_cap = 0;
+    }
+}
+
+void mdt_cpu_backend_packed_forget_range(const void *lo, int64_t bytes) {
+    const char *a = lo, *b = a + bytes;
+    int j = 0;
+    for (int i = 0; i < g_npk; i++) /* entries are disjoint and sorted: keep those outside */
+        if ((const char *)(g_pk[i].p + g_pk[i].floats) <= a || (const char *)g_pk[i].p >= b)
+            g_pk[j++] = g_pk[i];
+    g_npk = j;
+    if (g_npk == 0) {
+        mdt_free(g_pk);
+        g_pk = NULL, g_pk_cap = 0;
+    }
+}
+
+mdt_status mdt_cpu_backend_pack(const float *w, float *dst, int64_t N, int64_t K) {
+    const int64_t floats = mdt_cpu_gemm_packed_floats(N, K);
+    if (floats <= 0)
+        return MDT_FAIL(MDT_E_UNSUPPORTED, "[%lld, %lld] weights: not packed on this GEMM path",
+                        (long long)N, (long long)K);
+    mdt_cpu_backend_packed_forget(dst);
+    if (g_npk == g_pk_cap) {
+        const int cap = g_pk_cap ? 2 * g_pk_cap : 64;
+        packed_w *q = mdt_alloc(sizeof *q * (size_t)cap);
+        if (!q)
+            return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        if (g_npk)
+            memcpy(q, g_pk, sizeof *q * (size_t)g_npk);
+        mdt_free(g_pk);
+        g_pk = q, g_pk_cap = cap;
+    }
+    if (mdt_cpu_gemm_pack(w, dst, N, K) != 0)
+        return MDT_FAIL(MDT_E_INVALID, "packing [%lld, %lld] weights: %s", (long long)N,
+                        (long long)K, mdt_cpu_gemm_error());
+    const int at = pk_find(dst) + 1;
+    memmove(g_pk + at + 1, g_pk + at, sizeof *g_pk * (size_t)(g_npk - at));
+    g_pk[at] = (packed_w){dst, floats, N, K};
+    g_npk++;
+    return MDT_OK;
+}
+
+mdt_status mdt_cpu_backend_unpack(const float *src, float *w, int64_t N, int64_t K) {
+    if (mdt_cpu_gemm_unpack(src, w, N, K) != 0)
+        return MDT_FAIL(MDT_E_INVALID, "unpacking [%lld, %lld] weights: %s", (long long)N,
+                        (long long)K, mdt_cpu_gemm_error());
+    return MDT_OK;
+}
+
+/* 1: w is packed weights of this shape; 0: plain; -1: inside packed weights but not them. */
+static int pk_state(const float *w, int64_t N, int64_t K) {
+    const int i = g_npk ? pk_find(w) : -1;
+    if (i < 0 || w >= g_pk[i].p + g_pk[i].floats)
+        return 0;
+    return w == g_pk[i].p && g_pk[i].N == N && g_pk[i].K == K ? 1 : -1;
+}
+
+/* The `linear` slot: fp32 weights on the GEMM seam (packed ones on their layout); bf16 weights on
+ * the shared rounded input, else through the scratch. */
 static void cpu_linear(const float *x, int64_t ldx, const float *w, const uint16_t *wh,
                        const float *b, float *y, int64_t ldy, int64_t M, int64_t K, int64_t N) {
     if (!wh) {
-        mdt_cpu_gemm_linear_f32(x, ldx, w, b, y, ldy, M, K, N);
+        const int packed = pk_state(w, N, K);
+        if (packed > 0) {
+            mdt_cpu_gemm_linear_packed(x, ldx, w, b, y, ldy, M, K, N);
+        } else if (packed < 0) { /* a caller's bug, reported: no result from a misread layout */
+            if (!g_err[0])
+                g_err_code = MDT_E_INVALID,
+                snprintf(g_err, sizeof g_err,
+                         "a [%lld, %lld] linear on part of packed weights (a row view)",
+                         (long long)N, (long long)K);
+            for (int64_t i = 0; i < M; i++)
+                memset(y + i * ldy, 0, sizeof(float) * (size_t)N);
+        } else {
+            mdt_cpu_gemm_linear_f32(x, ldx, w, b, y, ldy, M, K, N);
+        }
         return;
     }
     if (g_sh.x == x && g_sh.ldx == ldx && g_sh.M == M && g_sh.K == K) {
@@ -184,6 +288,7 @@ static void cpu_linear(const float *x, int64_t ldx, const float *w, const uint16
     }
     if (lin_ws_grow(mdt_cpu_backend_linear_bf16_ws_floats(M, K, N)) != 0) {
         if (!g_err[0])
+            g_err_code = MDT_E_NOMEM,
             snprintf(g_err, sizeof g_err,
                      "out of memory for the bf16 widening scratch of a [%lld, %lld] weight",
                      (long long)N, (long long)K);

@@ -37,6 +37,17 @@ void mdt_cpu_backend_shared_end(void);
  * fp32 accumulation (AVX512-BF16 / AMX); openblas path: the kernel set's linear_bf16 (weights
  * widened into ws, fp32 arithmetic). mdt_cpu_backend_linear_bf16_ws_floats is the size that
  * keeps either at full speed (M: the most rows a call will have; onednn needs M K / 2 floats). */
+/* Prepacked f32 weights (kernels/cpu/gemm.h): the floats [N, K] weights take packed (0: kept
+ * plain: bf16 weights, or a path that does not pack); pack w into dst and remember dst as packed
+ * (the linear slot then runs it on that layout); unpack a packed copy into w (src stays packed);
+ * forget dst (before its memory is freed or holds plain weights again). */
+int64_t mdt_cpu_backend_packed_floats(int64_t N, int64_t K);
+mdt_status mdt_cpu_backend_pack(const float *w, float *dst, int64_t N, int64_t K);
+mdt_status mdt_cpu_backend_unpack(const float *src, float *w, int64_t N, int64_t K);
+void mdt_cpu_backend_packed_forget(const float *p);
+/* Forgets every packed weights inside [lo, lo + bytes) (a buffer just allocated or freed). */
+void mdt_cpu_backend_packed_forget_range(const void *lo, int64_t bytes);
+
 void mdt_cpu_backend_linear_bf16(const float *x, int64_t ldx, const uint16_t *wh, const float *b,
                                  float *y, int64_t ldy, int64_t M, int64_t K, int64_t N, float *ws,
                                  int64_t ws_floats);

@@ -111,6 +111,73 @@ static void test_linear_forms(mdt_rng *r) {
     }
 }
 
+/* Prepacked f32 weights (gemm.h, cpu_backend.h): where the path packs (oneDNN's AVX-512 f32
+ * kernels), the CPU backend's linear on packed weights equals the reference at shapes with N and K
+ * off the blocks (and M = 1, strided x and y, with and without bias), unpacking gives the weights
+ * back bit for bit, and a linear on a pointer inside packed weights (a row view) is refused with
+ * zeros, not read as plain rows (negative control). Where the path does not pack, packing is
+ * refused with a clear error. */
+static void test_linear_packed(mdt_rng *r) {
+    const int wide = strcmp(mdt_cpu_gemm(), "onednn") == 0 && mdt_cpu_gemm_bf16_operands_possible();
+    const mdt_kernel_ops *k = mdt_cpu_backend_kernels();
+    const long shapes[][3] = {{96, 1024, 1024}, {37, 200, 130}, {1, 1003, 77}, {5, 40, 300}};
+    int packed = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const long M = shapes[s][0], K = shapes[s][1], N = shapes[s][2], ldx = K + 5, ldy = N + 3;
+        const int64_t pf = mdt_cpu_backend_packed_floats(N, K);
+        float *w = rnd(r, N * K, 0.1);
+        if (pf <= 0) {
+            float dst[16];
+            EXPECT(!wide || N * K < 4096, "[%ld, %ld] weights not packed on a packing path", N, K);
+            EXPECT_ERR(mdt_cpu_backend_pack(w, dst, N, K), MDT_E_UNSUPPORTED, "not packed");
+            free(w);
+            continue;
+        }
+        packed++;
+        EXPECT(pf >= N * K, "packed layout of %lld floats for [%ld, %ld]", (long long)pf, N, K);
+        float *wp = malloc(sizeof(float) * (size_t)pf), *wu = malloc(sizeof(float) * N * K);
+        float *x = rnd(r, M * ldx, 1), *b = rnd(r, N, 1), *xc = malloc(sizeof(float) * M * K);
+        float *y = malloc(sizeof(float) * M * ldy), *yr = malloc(sizeof(float) * M * N),
+              *yc = malloc(sizeof(float) * M * N);
+        EXPECT_OK(mdt_cpu_backend_pack(w, wp, N, K));
+        EXPECT_OK(mdt_cpu_backend_unpack(wp, wu, N, K));
+        EXPECT(memcmp(w, wu, sizeof(float) * N * K) == 0, "[%ld, %ld]: unpacked = the weights", N,
+               K);
+        for (long m = 0; m < M; m++)
+            memcpy(xc + m * K, x + m * ldx, sizeof(float) * K);
+        for (int with_bias = 0; with_bias < 2; with_bias++) {
+            k->linear(x, ldx, wp, NULL, with_bias ? b : NULL, y, ldy, M, K, N);
+            mdt_ref_linear(xc, w, with_bias ? b : NULL, yr, M, K, N);
+            for (long m = 0; m < M; m++)
+                memcpy(yc + m * N, y + m * ldy, sizeof(float) * N);
+            EXPECT_CLOSE(yc, yr, M * N, 1e-5);
+        }
+        EXPECT_OK(mdt_cpu_backend_check());
+        /* a view 64 floats in: refused, zeros */
+        k->linear(x, ldx, wp + 64, NULL, NULL, y, ldy, M, K, N - 1);
+        long nonzero = 0;
+        for (long m = 0; m < M; m++)
+            for (long n = 0; n < N - 1; n++)
+                nonzero += y[m * ldy + n] != 0.0f;
+        EXPECT(nonzero == 0, "a linear inside packed weights wrote %ld values", nonzero);
+        EXPECT_ERR(mdt_cpu_backend_check(), MDT_E_INVALID, "packed weights", "row view");
+        /* forgotten: the same memory is plain weights again */
+        mdt_cpu_backend_packed_forget(wp);
+        memcpy(wp, w, sizeof(float) * N * K);
+        k->linear(x, ldx, wp, NULL, b, y, ldy, M, K, N);
+        mdt_ref_linear(xc, w, b, yr, M, K, N);
+        for (long m = 0; m < M; m++)
+            memcpy(yc + m * N, y + m * ldy, sizeof(float) * N);
+        EXPECT_CLOSE(yc, yr, M * N, 1e-5);
+        free(w), free(wp), free(wu), free(x), free(b), free(xc), free(y), free(yr), free(yc);
+    }
+    EXPECT(packed == 0 || wide, "weights packed on a path that does not pack (%s)", mdt_cpu_gemm());
+    EXPECT(!wide || packed >= 2, "oneDNN AVX-512 f32 path: %d of 4 shapes packed", packed);
+    mdt_cpu_gemm_set_pack(0);
+    EXPECT(mdt_cpu_backend_packed_floats(1024, 1024) == 0, "packing off: nothing packs");
+    mdt_cpu_gemm_set_pack(1);
+}
+
 /* bf16 weights. openblas path: both panel paths (few rows: N panels; many rows: whole matrix,
  * then K blocks forced by a small scratch), strided x and y, with and without bias, against the
  * reference on the same bf16 values; the product is fp32 on exactly widened weights (= f32 linear
@@ -473,6 +540,7 @@ int main(void) {
             mdt_rng_seed(&r, 42);
             test_linear(&r);
             test_linear_forms(&r);
+            test_linear_packed(&r);
             test_linear_bf16(&r);
             test_norms(&r);
             test_heads_prepare(&r);

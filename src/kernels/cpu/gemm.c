@@ -226,6 +226,7 @@ const char *mdt_cpu_gemm_error(void) {
 
 typedef struct {
     int bf16, transb, beta1, bias; /* bias: a [N] f32 row added to every output row */
+    int packed;                    /* B is [N, K] weights in their packed layout (ldb unused) */
     int64_t M, N, K, lda, ldb, ldc;
     float alpha;
 } gemm_key;
@@ -276,9 +277,42 @@ static void prim_free(gemm_prim *g) {
 
 static int key_eq(const gemm_key *a, const gemm_key *b) {
     return a->bf16 == b->bf16 && a->transb == b->transb && a->beta1 == b->beta1 &&
-           a->bias == b->bias && a->M == b->M && a->N == b->N && a->K == b->K && a->lda == b->lda &&
-           a->ldb == b->ldb && a->ldc == b->ldc && a->alpha == b->alpha;
+           a->bias == b->bias && a->packed == b->packed && a->M == b->M && a->N == b->N &&
+           a->K == b->K && a->lda == b->lda && a->ldb == b->ldb && a->ldc == b->ldc &&
+           a->alpha == b->alpha;
 }
+
+/* oneDNN's engine and stream, made on first need (and the signals held, file comment). */
+static dnnl_status_t engine_up(void) {
+    dnnl_status_t s = dnnl_success;
+    if (g_engine)
+        return s;
+    sigfillset(&g_held);
+    static const int k_faults[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP};
+    for (size_t i = 0; i < sizeof k_faults / sizeof k_faults[0]; i++)
+        sigdelset(&g_held, k_faults[i]);
+    if ((s = dnnl_engine_create(&g_engine, dnnl_cpu, 0)) != dnnl_success)
+        return s;
+    if ((s = dnnl_stream_create(&g_stream, g_engine, dnnl_stream_default_flags)) != dnnl_success) {
+        dnnl_engine_destroy(g_engine);
+        g_engine = NULL;
+    }
+    return s;
+}
+
+/* Runs primitive p on the calling thread with the asynchronous signals held (file comment). */
+static dnnl_status_t execute(dnnl_primitive_t p, int nargs, const dnnl_exec_arg_t *args) {
+    sigset_t old;
+    const int masked = pthread_sigmask(SIG_BLOCK, &g_held, &old) == 0;
+    dnnl_status_t s = dnnl_primitive_execute(p, g_stream, nargs, args);
+    if (s == dnnl_success)
+        s = dnnl_stream_wait(g_stream);
+    if (masked)
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return s;
+}
+
+static int packed_md(int64_t N, int64_t K, dnnl_memory_desc_t *out);
 
 /* The primitive for key k: from the cache, else created (its memories bound to NULL handles). */
 static gemm_prim *prim_get(const gemm_key *k) {
@@ -286,24 +320,18 @@ static gemm_prim *prim_get(const gemm_key *k) {
         if (key_eq(&g_cache[i].key, k))
             return &g_cache[i];
     dnnl_status_t s;
-    if (!g_engine) {
-        sigfillset(&g_held);
-        static const int k_faults[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP};
-        for (size_t i = 0; i < sizeof k_faults / sizeof k_faults[0]; i++)
-            sigdelset(&g_held, k_faults[i]);
-        if ((s = dnnl_engine_create(&g_engine, dnnl_cpu, 0)) != dnnl_success)
-            return fail("engine creation", s, k), NULL;
-        if ((s = dnnl_stream_create(&g_stream, g_engine, dnnl_stream_default_flags)) !=
-            dnnl_success)
-            return fail("stream creation", s, k), NULL;
-    }
+    if ((s = engine_up()) != dnnl_success)
+        return fail("engine creation", s, k), NULL;
     const dnnl_data_type_t dt = k->bf16 ? dnnl_bf16 : dnnl_f32;
     dnnl_memory_desc_t amd, bmd, cmd, smd, biasmd;
     const dnnl_dims_t ad = {k->M, k->K}, bd = {k->K, k->N}, cd = {k->M, k->N};
     const dnnl_dims_t as = {k->lda, 1}, cs = {k->ldc, 1};
     const dnnl_dims_t bs_t = {1, k->ldb}, bs_n = {k->ldb, 1};
     dnnl_memory_desc_init_by_strides(&amd, 2, ad, dt, as);
-    dnnl_memory_desc_init_by_strides(&bmd, 2, bd, dt, k->transb ? bs_t : bs_n);
+    if (k->packed ? packed_md(k->N, k->K, &bmd) != 0
+                  : dnnl_memory_desc_init_by_strides(&bmd, 2, bd, dt, k->transb ? bs_t : bs_n) !=
+                        dnnl_success)
+        return fail("weights layout", dnnl_invalid_arguments, k), NULL;
     dnnl_memory_desc_init_by_strides(&cmd, 2, cd, dnnl_f32, cs);
     const dnnl_dims_t biasd = {1, k->N};
     dnnl_memory_desc_init_by_tag(&biasmd, 2, biasd, dnnl_f32, dnnl_ab);
@@ -336,6 +364,17 @@ static gemm_prim *prim_get(const gemm_key *k) {
         prim_free(&g_cache[slot]);
     }
     gemm_prim *g = &g_cache[slot];
+    const char *impl = NULL;
+    if (k->packed &&
+        dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl) == dnnl_success && impl &&
+        strncmp(impl, "brg", 3) != 0) {
+        static int warned; /* correct, but far slower than the layout was chosen for */
+        if (!warned++)
+            mdt_log(MDT_LOG_WARN,
+                    "oneDNN runs a packed-weights GEMM [%lld x %lld] . [%lld x %lld] "
+                    "with %s; MESHDIT_CPU_PACK=off keeps weights plain",
+                    (long long)k->M, (long long)k->K, (long long)k->K, (long long)k->N, impl);
+    }
     smd = *dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
     g->scratch_bytes = dnnl_memory_desc_get_size(&smd);
     s = dnnl_primitive_create(&g->prim, pd);
@@ -388,13 +427,7 @@ static void onednn_run(const gemm_key *k, const void *A, const void *B, const fl
                                     {DNNL_ARG_DST, g->c},
                                     {DNNL_ARG_SCRATCHPAD, g->scratch},
                                     {DNNL_ARG_BIAS, g->bias}};
-    sigset_t old;
-    const int masked = pthread_sigmask(SIG_BLOCK, &g_held, &old) == 0; /* see the file comment */
-    dnnl_status_t s = dnnl_primitive_execute(g->prim, g_stream, k->bias ? 5 : 4, args);
-    if (s == dnnl_success)
-        s = dnnl_stream_wait(g_stream);
-    if (masked)
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    const dnnl_status_t s = execute(g->prim, k->bias ? 5 : 4, args);
     if (s != dnnl_success) {
         fail("matmul execution", s, k);
         zero_c(C, k->ldc, k->M, k->N);
@@ -578,4 +611,147 @@ void mdt_cpu_gemm_linear_bf16h(const uint16_t *xh, const uint16_t *wh, const flo
     if (M <= 0 || N <= 0)
         return;
     gemm(1, 1, M, N, K, 1.0f, xh, K, wh, K, b, 0.0f, y, ldy);
+}
+
+/* ---- prepacked weights ----
+ * oneDNN's f32 matmul packs its weights into a blocked layout on every call: the whole [N, K]
+ * matrix read and written once more per GEMM. Weights kept in that layout since the load skip
+ * it: 1.08x at a CP rank's 640 rows, 1.04-1.06x at 1280, 1.10-1.13x at 96-128 on a Zen 4 core,
+ * the same products bit for bit (docs/perf.md, 2026-12-05: bench/gemm_packed). The layout is the
+ * one the f32 matmul asks for (format any) at PACK_ROWS rows; a GEMM of any row count is made on
+ * exactly that layout (oneDNN 2.6's brgemm kernels asked the same one from 1 to 4096 rows). Only
+ * where oneDNN runs its AVX-512 kernels (g_wide: where it was measured), and only where that
+ * layout is not the plain one. */
+enum { PACK_ROWS = 1024, PACK_CACHE = 32 };
+static struct {
+    int64_t N, K;
+    dnnl_memory_desc_t md;
+} g_pack[PACK_CACHE];
+static int g_npack, g_pack_next;
+static int g_pack_on = 1;
+
+/* The packed layout of [N, K] weights (a memory descriptor of the logical [K, N]); 0 if made. */
+static int packed_md(int64_t N, int64_t K, dnnl_memory_desc_t *out) {
+    for (int i = 0; i < g_npack; i++)
+        if (g_pack[i].N == N && g_pack[i].K == K) {
+            *out = g_pack[i].md;
+            return 0;
+        }
+    if (engine_up() != dnnl_success)
+        return -1;
+    dnnl_memory_desc_t src, w, dst, bias;
+    const dnnl_dims_t sd = {PACK_ROWS, K}, wd = {K, N}, dd = {PACK_ROWS, N}, bd = {1, N};
+    dnnl_matmul_desc_t md;
+    dnnl_primitive_desc_t pd;
+    if (dnnl_memory_desc_init_by_tag(&src, 2, sd, dnnl_f32, dnnl_ab) != dnnl_success ||
+        dnnl_memory_desc_init_by_tag(&w, 2, wd, dnnl_f32, dnnl_format_tag_any) != dnnl_success ||
+        dnnl_memory_desc_init_by_tag(&dst, 2, dd, dnnl_f32, dnnl_ab) != dnnl_success ||
+        dnnl_memory_desc_init_by_tag(&bias, 2, bd, dnnl_f32, dnnl_ab) != dnnl_success ||
+        dnnl_matmul_desc_init(&md, &src, &w, &bias, &dst) != dnnl_success ||
+        dnnl_primitive_desc_create(&pd, &md, NULL, g_engine, NULL) != dnnl_success)
+        return -1;
+    *out = *dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
+    dnnl_primitive_desc_destroy(pd);
+    const int slot = g_npack < PACK_CACHE ? g_npack++ : g_pack_next;
+    if (slot == g_pack_next && g_npack == PACK_CACHE)
+        g_pack_next = (g_pack_next + 1) % PACK_CACHE;
+    g_pack[slot].N = N, g_pack[slot].K = K, g_pack[slot].md = *out;
+    return 0;
+}
+
+void mdt_cpu_gemm_set_pack(int on) { g_pack_on = on != 0; }
+
+int64_t mdt_cpu_gemm_packed_floats(int64_t N, int64_t K) {
+    pick();
+    if (!g_pack_on || !g_onednn || !g_wide || N <= 0 || K <= 0)
+        return 0;
+    dnnl_memory_desc_t p, plain;
+    const dnnl_dims_t wd = {K, N};
+    if (packed_md(N, K, &p) != 0 ||
+        dnnl_memory_desc_init_by_tag(&plain, 2, wd, dnnl_f32, dnnl_ba) != dnnl_success ||
+        dnnl_memory_desc_equal(&p, &plain))
+        return 0;
+    return (int64_t)((dnnl_memory_desc_get_size(&p) + 3) / 4);
+}
+
+/* Reorders [N, K] weights between the plain row-major layout and the packed one. */
+static int reorder(const float *src, float *dst, int64_t N, int64_t K, int to_packed) {
+    dnnl_memory_desc_t p, plain;
+    const dnnl_dims_t wd = {K, N};
+    const gemm_key k = {.transb = 1, .packed = 1, .M = 0, .N = N, .K = K};
+    if (packed_md(N, K, &p) != 0 ||
+        dnnl_memory_desc_init_by_tag(&plain, 2, wd, dnnl_f32, dnnl_ba) != dnnl_success)
+        return fail("weights layout", dnnl_invalid_arguments, &k);
+    const dnnl_memory_desc_t *from = to_packed ? &plain : &p, *to = to_packed ? &p : &plain;
+    dnnl_primitive_desc_t pd;
+    dnnl_primitive_t prim;
+    dnnl_memory_t a = NULL, b = NULL;
+    dnnl_status_t s = dnnl_reorder_primitive_desc_create(&pd, from, g_engine, to, g_engine, NULL);
+    if (s != dnnl_success)
+        return fail("weights reorder", s, &k);
+    s = dnnl_primitive_create(&prim, pd);
+    dnnl_primitive_desc_destroy(pd);
+    if (s != dnnl_success)
+        return fail("weights reorder", s, &k);
+    if ((s = dnnl_memory_create(&a, from, g_engine, (void *)(uintptr_t)src)) == dnnl_success &&
+        (s = dnnl_memory_create(&b, to, g_engine, dst)) == dnnl_success) {
+        const dnnl_exec_arg_t args[] = {{DNNL_ARG_FROM, a}, {DNNL_ARG_TO, b}};
+        s = execute(prim, 2, args);
+    }
+    dnnl_memory_destroy(a);
+    dnnl_memory_destroy(b);
+    dnnl_primitive_destroy(prim);
+    return s == dnnl_success ? 0 : fail("weights reorder", s, &k);
+}
+
+int mdt_cpu_gemm_pack(const float *w, float *dst, int64_t N, int64_t K) {
+    return reorder(w, dst, N, K, 1);
+}
+
+int mdt_cpu_gemm_unpack(const float *src, float *w, int64_t N, int64_t K) {
+    return reorder(src, w, N, K, 0);
+}
+
+void mdt_cpu_gemm_linear_packed(const float *x, int64_t ldx, const float *wp, const float *b,
+                                float *y, int64_t ldy, int64_t M, int64_t K, int64_t N) {
+    if (M <= 0 || N <= 0)
+        return;
+    pick();
+    /* oneDNN 2.6 multiplies packed weights with its brgemm kernels only for dense operands (a
+     * strided output, as a single block's [attention | MLP] columns, falls to its reference
+     * matmul, ~170x slower): strided ones go through a dense copy (M K or M N floats, against
+     * the GEMM's M N K multiply-adds) */
+    const int64_t need = (ldx != K ? M * K : 0) + (ldy != N ? M * N : 0);
+    if (need && g_ct_floats < need) {
+        float *p = mdt_alloc(sizeof(float) * (size_t)need);
+        if (!p) {
+            const gemm_key kf = {.packed = 1, .M = M, .N = N, .K = K};
+            fail("dense operand allocation", dnnl_out_of_memory, &kf);
+            zero_c(y, ldy, M, N);
+            return;
+        }
+        mdt_free(g_ct);
+        g_ct = p, g_ct_floats = need;
+    }
+    const float *xd = x;
+    float *yd = ldy != N ? g_ct : y;
+    if (ldx != K) {
+        float *xc = g_ct + (ldy != N ? M * N : 0); // [M, K]
+        for (int64_t i = 0; i < M; i++)
+            memcpy(xc + i * K, x + i * ldx, sizeof(float) * (size_t)K);
+        xd = xc;
+    }
+    const gemm_key k = {.transb = 1,
+                        .packed = 1,
+                        .bias = b != NULL,
+                        .M = M,
+                        .N = N,
+                        .K = K,
+                        .lda = K,
+                        .ldc = N,
+                        .alpha = 1.0f};
+    onednn_run(&k, xd, wp, b, yd); // [M, N]
+    if (yd != y)
+        for (int64_t i = 0; i < M; i++)
+            memcpy(y + i * ldy, yd + i * N, sizeof(float) * (size_t)N);
 }
