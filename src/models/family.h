@@ -42,6 +42,8 @@ typedef struct mdt_lin {
     const uint16_t *wh;          /* the weight in bf16 under --dtype bf16 (w is then NULL) */
     int64_t in, out;             /* full dims */
     int64_t in_local, out_local; /* this rank's (set when the weights are bound) */
+    int views; /* 1: the forward multiplies ranges of its rows on their own (row views of w),
+                * so w stays row-major (never in the CPU GEMM's packed layout) */
 } mdt_lin;
 
 /* Appends `pfx name`.weight [out, in] with `style` and, if `bias`, `name`.bias [out] (sharded with

@@ -80,6 +80,7 @@ static mdt_status add_ff(mdt_wtable *t, mdt_lin *in, mdt_lin *out, const char *p
     snprintf(nm, sizeof nm, "%s.linear_in", ff);
     MDT_TRY(mdt_wtable_add_linear(t, in, pfx, nm, 2 * M, C, MDT_TP_PACKED_COLWISE, 0));
     set_blocks(t, 2, (int64_t[]){M, M});
+    in->views = 1; /* swiglu_proj: lin_rows */
     snprintf(nm, sizeof nm, "%s.linear_out", ff);
     MDT_TRY(mdt_wtable_add_linear(t, out, pfx, nm, C, M, MDT_TP_ROWWISE, 0));
     mdt_wtable_set_uneven(t, first);
@@ -127,6 +128,7 @@ static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
         MDT_TRY(mdt_wtable_add_linear(t, &b->qkv_mlp, p, "attn.to_qkv_mlp_proj", 3 * C + 2 * M, C,
                                       MDT_TP_PACKED_COLWISE, 0));
         set_blocks(t, 5, (int64_t[]){C, C, C, M, M});
+        b->qkv_mlp.views = 1; /* q, k, v and the MLP halves: lin_rows */
         MDT_TRY(mdt_wtable_add_linear(t, &b->out, p, "attn.to_out", C, C + M, MDT_TP_PACKED_ROWWISE,
                                       0));
         set_blocks(t, 2, (int64_t[]){C, M});

@@ -177,7 +177,7 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *m
                 ck->n - m->table.n);
     mdt_res_bind(m);
     MDT_TRY(mdt_res_reserve_linear(m));
-    return dev ? mdt_res_dev_finish(m) : MDT_OK;
+    return dev ? mdt_res_dev_finish(m) : mdt_res_pack(m);
 }
 
 mdt_status mdt_model_load_ckpt(mdt_model *m, const mdt_ckpt *ck, mdt_mesh *mesh) {
@@ -262,6 +262,7 @@ void mdt_model_free(mdt_model *m) {
     if (!m)
         return;
     mdt_lora_state_free(m);
+    mdt_res_forget_packed(m); /* (reads the table: before it is freed) */
     mdt_arena_release(&m->arena);
     mdt_arena_release(&m->harena);
     mdt_wtable_free(&m->table);

@@ -80,9 +80,16 @@ static void drop_copy(mdt_lora_state *s, int i, int64_t bytes) {
 }
 
 static int64_t numel(const mdt_model *m, int i) { return m->ws[i].local[0] * m->ws[i].local[1]; }
-/* bytes of tensor i as it is resident: bf16 for linear weights under bf16, else f32 */
+/* bytes of tensor i as it is resident: bf16 for linear weights under bf16, the CPU GEMM's packed
+ * layout for packed ones (residency.h), else f32 */
 static int64_t resident_bytes(const mdt_model *m, int i) {
+    if (m->ws[i].packed)
+        return 4 * m->ws[i].packed;
     return numel(m, i) * (m->ws[i].h || m->ws[i].devh ? 2 : 4);
+}
+/* 1: the host slot holds tensor i as plain f32, so it can be changed in place */
+static int host_plain(const mdt_model *m, int i) {
+    return !m->on_device && !m->ws[i].h && !m->ws[i].packed;
 }
 
 void mdt_lora_state_free(mdt_model *m) {
@@ -198,6 +205,8 @@ static mdt_status f32_to_resident(mdt_model *m, int i, const float *src) {
     }
     if (m->ws[i].h)
         return mdt_convert_from_f32(MDT_BF16, src, m->ws[i].h, n);
+    if (m->ws[i].packed) /* src is a scratch, never the slot itself */
+        return mdt_backend_pack(src, m->ws[i].data, m->ws[i].local[0], m->ws[i].local[1]);
     if (!m->ws[i].data || !src)
         return MDT_FAIL(MDT_E_INVALID, "'%s' has no host weights", m->table.specs[i].name);
     if (src != m->ws[i].data)
@@ -219,14 +228,19 @@ static mdt_status base_f32(mdt_model *m, base_io *io, int i, float *dst) {
         return MDT_OK;
     }
     if (!raw) { /* the resident shard is the base */
-        if (!m->on_device && !m->ws[i].h) {
+        if (host_plain(m, i)) {
             if (dst != m->ws[i].data)
                 memcpy(dst, m->ws[i].data, sizeof(float) * (size_t)n);
             return MDT_OK;
         }
-        resident_to_host(m, i, is_bf16(m, i) ? (void *)io->u16 : (void *)dst);
-        raw = is_bf16(m, i) ? (const void *)io->u16 : (const void *)dst;
+        if (m->ws[i].packed)
+            raw = m->ws[i].data;
+        else
+            resident_to_host(m, i, is_bf16(m, i) ? (void *)io->u16 : (void *)dst);
+        raw = raw ? raw : is_bf16(m, i) ? (const void *)io->u16 : (const void *)dst;
     }
+    if (m->ws[i].packed) /* raw: the packed layout (the slot, or a copy of its bytes) */
+        return mdt_backend_unpack((const float *)raw, dst, m->ws[i].local[0], m->ws[i].local[1]);
     if (is_bf16(m, i))
         return mdt_convert_to_f32(MDT_BF16, raw, dst, n);
     if (raw != dst)
@@ -242,7 +256,7 @@ static mdt_status restore(mdt_model *m, base_io *io, int i) {
     if (s->copy[i]) {
         MDT_TRY(host_to_resident(m, i, s->copy[i]));
     } else { /* the load's own read and rounding */
-        const int host_f32 = !m->on_device && !m->ws[i].h;
+        const int host_f32 = host_plain(m, i);
         MDT_TRY(io_scratch(io, numel(m, i)));
         float *dst = host_f32 ? m->ws[i].data : io->f32;
         MDT_TRY(reread(m, io, i, dst));
@@ -285,7 +299,7 @@ static mdt_status fuse_tensor(mdt_model *m, base_io *io, int i, const term *tt, 
         resident_to_host(m, i, s->copy[i]);
     }
     const double t0 = mdt_now();
-    const int in_place = !m->on_device && !m->ws[i].h;
+    const int in_place = host_plain(m, i);
     float *w = in_place ? m->ws[i].data : io->f32; /* [rows, cols] */
     if (!w)
         return MDT_FAIL(MDT_E_INVALID, "'%s' has no host weights", m->table.specs[i].name);

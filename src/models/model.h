@@ -20,6 +20,8 @@ typedef struct mdt_wstate {
     float *dev;         /* slice of the device buffer (f32 tensors) */
     uint16_t *devh;     /* slice of the device bf16 buffer (linear weights under bf16) */
     uint16_t *h;        /* slice of the host bf16 buffer (linear weights, CPU bf16) */
+    int64_t slot;       /* floats of its slot in the host f32 buffer (0: none) */
+    int64_t packed;     /* floats of data in the CPU GEMM's packed layout (0: data is plain) */
     mdt_dtype stored;   /* dtype in the checkpoint (gather writes it back in this dtype) */
     int64_t bytes_read; /* checkpoint bytes this rank read for it */
 } mdt_wstate;

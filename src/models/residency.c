@@ -1,9 +1,11 @@
 /*
  * residency.c — where a loaded model's weights live: one host buffer of 64-byte f32 slots, a
  * second one of bf16 slots for the linear weights under CPU bf16 (the packed form), or device
- * buffers (f32 and bf16 slots, bf16 converted on the device). Moves between the forms: repack
- * (f32 <-> packed bf16, exact one way and rounded to nearest even the other), upload tensor by
- * tensor during the load, and back to the host for parallelize and gather.
+ * buffers (f32 and bf16 slots, bf16 converted on the device). On the CPU in f32, token-row
+ * linears' slots hold oneDNN's blocked layout (mdt_res_pack: the GEMM skips packing them per
+ * call). Moves between the forms: repack (f32 <-> packed bf16, exact one way and rounded to
+ * nearest even the other), pack / unpack in place (exact both ways), upload tensor by tensor
+ * during the load, and back to the host for parallelize and gather.
  */
 #include "models/residency.h"
 
@@ -16,6 +18,18 @@ static int64_t slot_halves(int64_t n) { return (n + 31) & ~(int64_t)31; /* bf16,
 /* bf16 linear weights on the host: the CPU backend under --dtype bf16. */
 int mdt_res_host_bf16(void) { return mdt_backend_bf16() && !mdt_backend_mem(); }
 
+/* The floats tensor i takes in the CPU GEMM's packed layout at local shape loc [out, in], or 0
+ * if it stays plain: f32 linears on the CPU backend that multiply token rows (conditioning
+ * linears run on one row a sample, by the kernel sets' own row product over plain weights), and
+ * that the forward does not view by row ranges. */
+static int64_t pack_floats(const mdt_model *m, int i, const int64_t *loc) {
+    const mdt_lin *l = m->table.lin[i];
+    if (!l || l->views || m->table.specs[i].rows == MDT_ROWS_ONE || m->table.specs[i].ndim != 2 ||
+        mdt_backend_mem() || mdt_res_host_bf16())
+        return 0;
+    return mdt_backend_packed_floats(loc[0], loc[1]);
+}
+
 /* Allocates the weights buffer for coordinate k of degree T and points every tensor's state at its
  * slot. With `hbuf_out` (CPU bf16), linear weights get slots in a second, bf16 buffer instead
  * (ws[i].h, ws[i].data NULL): the packed form, half their bytes. */
@@ -27,10 +41,12 @@ mdt_status mdt_res_alloc(mdt_model *m, int T, int k, float **buf_out, uint16_t *
         MDT_TRY(mdt_shard_local_shape(&m->table.specs[i], T, k, loc));
         ws[i].local[0] = loc[0], ws[i].local[1] = m->table.specs[i].ndim > 1 ? loc[1] : 1;
         const int64_t n = ws[i].local[0] * ws[i].local[1];
+        const int64_t p = hbuf_out ? 0 : pack_floats(m, i, ws[i].local); /* room to pack */
+        ws[i].slot = slot_floats(p > n ? p : n);
         if (hbuf_out && m->table.lin[i])
-            htotal += slot_halves(n), bytes += n * 2;
+            htotal += slot_halves(n), bytes += n * 2, ws[i].slot = 0;
         else
-            total += slot_floats(n), bytes += n * 4;
+            total += ws[i].slot, bytes += n * 4;
     }
     const mdt_mem_source *dev = mdt_backend_mem();
     const size_t nbytes = sizeof(float) * (size_t)(total > 0 ? total : 1);
@@ -43,15 +59,16 @@ mdt_status mdt_res_alloc(mdt_model *m, int T, int k, float **buf_out, uint16_t *
         mdt_free(hbuf);
         return MDT_FAIL(MDT_E_NOMEM, "out of memory for %lld weight bytes", (long long)bytes);
     }
+    mdt_backend_packed_forget_range(buf, (int64_t)nbytes); /* new memory: nothing packed in it */
     float *slot = buf;
     uint16_t *hslot = hbuf;
     for (int i = 0; i < m->table.n; i++) {
         const int64_t n = ws[i].local[0] * ws[i].local[1];
-        ws[i].data = NULL, ws[i].h = NULL;
+        ws[i].data = NULL, ws[i].h = NULL, ws[i].packed = 0;
         if (hbuf && m->table.lin[i])
             ws[i].h = hslot, hslot += slot_halves(n);
         else
-            ws[i].data = slot, slot += slot_floats(n);
+            ws[i].data = slot, slot += ws[i].slot;
     }
     *buf_out = buf;
     if (hbuf_out)
@@ -80,9 +97,12 @@ void mdt_res_free_host(mdt_model *m, float *buf) {
 /* CPU bf16: from the plain f32 form (every tensor in `weights`) to the packed form (linear
  * weights rounded to bf16, to nearest even) and back (exact: a bf16 value widens to the same f32),
  * so parallelize and gather work on plain f32 and a packed model round-trips unchanged. */
+static mdt_status unpack(mdt_model *m);
+
 static mdt_status repack(mdt_model *m, int to_packed) {
     if (to_packed ? m->hbf16 != NULL || !mdt_res_host_bf16() : m->hbf16 == NULL)
         return MDT_OK;
+    MDT_TRY(unpack(m)); /* f32 weights in the GEMM's layout: plain first */
     mdt_wstate *ws = mdt_calloc(sizeof(mdt_wstate) * (size_t)(m->table.n ? m->table.n : 1));
     float *buf = NULL;
     uint16_t *hbuf = NULL;
@@ -108,6 +128,71 @@ static mdt_status repack(mdt_model *m, int to_packed) {
     m->weights = buf, m->hbf16 = hbuf, m->ws = ws;
     mdt_res_bind(m);
     return to_packed ? mdt_res_reserve_linear(m) : MDT_OK;
+}
+
+/* ---- CPU f32: the linears' weights in the GEMM's packed layout (backend.h) ----
+ * In place: each slot was made large enough for either layout (mdt_res_alloc), a scratch holds
+ * one tensor at a time. A failure leaves the tensor as it was (plain, or packed). */
+mdt_status mdt_res_pack(mdt_model *m) {
+    if (!m->weights || m->on_device || m->hbf16)
+        return MDT_OK;
+    int64_t big = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        const int64_t n = m->ws[i].local[0] * m->ws[i].local[1];
+        if (!m->ws[i].packed && n > big && pack_floats(m, i, m->ws[i].local) > 0)
+            big = n;
+    }
+    float *tmp = big ? mdt_alloc(sizeof(float) * (size_t)big) : NULL; // [largest packed tensor]
+    if (big && !tmp)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory for a %lld-value weight", (long long)big);
+    mdt_status st = MDT_OK;
+    for (int i = 0; st == MDT_OK && i < m->table.n; i++) {
+        mdt_wstate *w = &m->ws[i];
+        const int64_t n = w->local[0] * w->local[1], p = pack_floats(m, i, w->local);
+        if (w->packed || p <= 0 || p > w->slot || !w->data || !tmp)
+            continue;
+        memcpy(tmp, w->data, sizeof(float) * (size_t)n); // [out, in] plain
+        st = mdt_backend_pack(tmp, w->data, w->local[0], w->local[1]);
+        if (st == MDT_OK)
+            w->packed = p;
+        else
+            memcpy(w->data, tmp, sizeof(float) * (size_t)n);
+    }
+    mdt_free(tmp);
+    return st;
+}
+
+/* Every packed tensor back to plain row-major f32. */
+static mdt_status unpack(mdt_model *m) {
+    int64_t big = 0;
+    for (int i = 0; i < m->table.n; i++)
+        if (m->ws[i].packed && m->ws[i].local[0] * m->ws[i].local[1] > big)
+            big = m->ws[i].local[0] * m->ws[i].local[1];
+    if (!big)
+        return MDT_OK;
+    float *tmp = mdt_alloc(sizeof(float) * (size_t)big); // [largest packed tensor]
+    if (!tmp)
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory for a %lld-value weight", (long long)big);
+    mdt_status st = MDT_OK;
+    for (int i = 0; st == MDT_OK && i < m->table.n; i++) {
+        mdt_wstate *w = &m->ws[i];
+        if (!w->packed)
+            continue;
+        st = mdt_backend_unpack(w->data, tmp, w->local[0], w->local[1]); // [out, in]
+        if (st != MDT_OK)
+            break;
+        mdt_backend_packed_forget(w->data);
+        memcpy(w->data, tmp, sizeof(float) * (size_t)(w->local[0] * w->local[1]));
+        w->packed = 0;
+    }
+    mdt_free(tmp);
+    return st;
+}
+
+void mdt_res_forget_packed(mdt_model *m) {
+    for (int i = 0; m->ws && i < m->table.n; i++)
+        if (m->ws[i].packed)
+            mdt_backend_packed_forget(m->ws[i].data), m->ws[i].packed = 0;
 }
 
 /* ---- weights on the device: prepare (allocate), upload tensor by tensor, finish ---- */
@@ -198,7 +283,7 @@ void mdt_res_dev_release(mdt_model *m) {
 /* Brings device weights back to a host buffer (for parallelize and gather). */
 mdt_status mdt_res_to_host(mdt_model *m) {
     if (!m->on_device)
-        return repack(m, 0);
+        return m->hbf16 ? repack(m, 0) : unpack(m);
     if (m->dev_bf16)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "the weights are on the device in bf16: parallelize or gather a model "
@@ -212,10 +297,10 @@ mdt_status mdt_res_to_host(mdt_model *m) {
     return MDT_OK;
 }
 
-/* Puts host weights on the device backend, if there is one (CPU bf16: packs them). */
+/* Puts host weights on the device backend, if there is one (CPU: packs them, bf16 or f32). */
 mdt_status mdt_res_to_device(mdt_model *m) {
     if (!mdt_backend_mem())
-        return repack(m, 1);
+        return mdt_res_host_bf16() ? repack(m, 1) : mdt_res_pack(m);
     if (m->on_device)
         return MDT_OK;
     MDT_TRY(mdt_res_dev_prepare(m));

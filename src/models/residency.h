@@ -30,6 +30,11 @@ void mdt_res_dev_upload(mdt_model *m, int i);
 void mdt_res_dev_upload_from(mdt_model *m, int i, const float *src);
 mdt_status mdt_res_dev_finish(mdt_model *m);
 void mdt_res_dev_release(mdt_model *m);
+/* CPU f32: the linears that multiply token rows into the GEMM's packed layout (backend.h:
+ * mdt_backend_pack), in place; a no-op where weights stay plain. mdt_res_forget_packed: before
+ * the host buffer is freed. ws[i].packed says which tensors are packed. */
+mdt_status mdt_res_pack(mdt_model *m);
+void mdt_res_forget_packed(mdt_model *m);
 /* Weights back to a plain f32 host buffer (for parallelize and gather), and to where the backend
  * computes (device, or the packed bf16 form on the CPU). */
 mdt_status mdt_res_to_host(mdt_model *m);

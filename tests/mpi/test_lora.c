@@ -67,14 +67,21 @@ static int same(const mdt_tensor_set *a, const mdt_tensor_set *b) {
     return eq;
 }
 
+/* Tensor i's resident bytes: bf16, the GEMM's packed layout (residency.h), or plain f32. */
+static size_t resident(const mdt_model *m, int i) {
+    if (m->ws[i].packed)
+        return (size_t)m->ws[i].packed * 4;
+    return (size_t)(m->ws[i].local[0] * m->ws[i].local[1]) * (m->ws[i].h ? 2 : 4);
+}
+
 /* Every resident shard's bytes, one after the other (host weights). */
 static unsigned char *snap(const mdt_model *m, size_t *len) {
     size_t n = 0;
     for (int i = 0; i < m->table.n; i++)
-        n += (size_t)(m->ws[i].local[0] * m->ws[i].local[1]) * (m->ws[i].h ? 2 : 4);
+        n += resident(m, i);
     unsigned char *b = malloc(n + 1), *p = b;
     for (int i = 0; i < m->table.n; i++) {
-        const size_t k = (size_t)(m->ws[i].local[0] * m->ws[i].local[1]) * (m->ws[i].h ? 2 : 4);
+        const size_t k = resident(m, i);
         memcpy(p, m->ws[i].h ? (const void *)m->ws[i].h : (const void *)m->ws[i].data, k);
         p += k;
     }

@@ -99,6 +99,12 @@ static void check_loader(const char *dir, mdt_mesh *mesh) {
         float *full = malloc(sizeof(float) * (size_t)(rows * cols));
         mdt_st_read_f32(ref->file, ref->entry, 0, rows * cols, full);
         const float *loc = m->ws[i].data;
+        float *unpacked = NULL; /* packed f32 weights (residency.h), compared through an unpack */
+        if (m->ws[i].packed) {
+            unpacked = malloc(sizeof(float) * (size_t)(m->ws[i].local[0] * m->ws[i].local[1]));
+            EXPECT_OK(mdt_backend_unpack(loc, unpacked, m->ws[i].local[0], m->ws[i].local[1]));
+            loc = unpacked;
+        }
         const uint16_t *loch = m->ws[i].h; /* bf16 linear weights */
         EXPECT(!loch == !(g_bf16 && m->table.lin[i]), "%s: held in bf16 iff a bf16 linear",
                w->name);
@@ -126,7 +132,7 @@ static void check_loader(const char *dir, mdt_mesh *mesh) {
         expect_bytes += local_numel * (loch ? 2 : 4);
         if (m->ws[i].bytes_read != local_numel * (int64_t)mdt_dtype_size(ref->entry->dtype))
             bad_reads++; /* every style, rowwise pieces included, reads exactly its bytes */
-        free(full);
+        free(full), free(unpacked);
     }
     EXPECT(bad_slices == 0, "rank %d: %lld elements differ from their slice of the full tensor",
            g_rank, (long long)bad_slices);

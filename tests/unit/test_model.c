@@ -184,6 +184,59 @@ static void check_bf16_compute(const mdt_tensor_set *in, const float *a, const f
     EXPECT_OK(mdt_cpu_gemm_select(path));
 }
 
+/* Prepacked f32 weights (residency.h: mdt_res_pack): where the GEMM path packs, the loaded
+ * model holds exactly its token-row linears packed (conditioning linears, one row a sample, and
+ * row-viewed ones stay plain); its forward equals the plain-weights one (packing off) within
+ * fp32 rounding; gather unpacks exactly (the gathered checkpoint gives the same bits) and packs
+ * again (the same bits after). Where the path does not pack, nothing is packed. */
+static void check_packed(const mdt_tensor_set *in, const float *a, int64_t n) {
+    const int wide = strcmp(mdt_cpu_gemm(), "onednn") == 0 && mdt_cpu_gemm_bf16_operands_possible();
+    mdt_model *m = load_dir(sub("f32"));
+    if (!m)
+        return;
+    int packed = 0, wrong = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        const mdt_lin *l = m->table.lin[i];
+        const int want = l && !l->views && m->table.specs[i].rows != MDT_ROWS_ONE &&
+                         mdt_backend_packed_floats(m->ws[i].local[0], m->ws[i].local[1]) > 0;
+        packed += m->ws[i].packed > 0;
+        wrong += want != (m->ws[i].packed > 0);
+    }
+    EXPECT(wrong == 0, "%d tensors packed where they should not be, or not where they should",
+           wrong);
+    EXPECT(wide ? packed > 0 : packed == 0, "%d linears packed on %s", packed, mdt_cpu_gemm());
+    mdt_tensor_set *o1;
+    mdt_tensor_set_create(&o1);
+    EXPECT_OK(mdt_model_gather(m, sub("gathered_packed")));
+    EXPECT_OK(mdt_model_forward(m, in, o1));
+    int again = 0;
+    for (int i = 0; i < m->table.n; i++)
+        again += m->ws[i].packed > 0;
+    EXPECT(again == packed, "packed again after gather: %d of %d", again, packed);
+    const mdt_tensor *s1 = mdt_tensor_set_get(o1, "sample");
+    EXPECT(s1 && memcmp(s1->data, a, sizeof(float) * (size_t)n) == 0,
+           "forward after gather: same bits");
+    mdt_model_free(m);
+    int64_t ng = 0, np = 0;
+    float *g = forward_copy(sub("gathered_packed"), in, &ng);
+    EXPECT(g && ng == n && memcmp(g, a, sizeof(float) * (size_t)n) == 0,
+           "the gathered checkpoint gives the same bits (unpacked exactly)");
+    mdt_cpu_gemm_set_pack(0);
+    m = load_dir(sub("f32"));
+    int plain = 0;
+    for (int i = 0; m && i < m->table.n; i++)
+        plain += m->ws[i].packed == 0;
+    EXPECT(m && plain == m->table.n, "packing off: every tensor plain");
+    mdt_model_free(m);
+    float *p = forward_copy(sub("f32"), in, &np);
+    mdt_cpu_gemm_set_pack(1);
+    EXPECT(p && np == n && t_rel_err(p, a, n, 0) <= 1e-5,
+           "packed weights = plain weights within fp32 rounding (%.3e)",
+           p ? t_rel_err(p, a, n, 0) : -1.0);
+    free(g), free(p);
+    mdt_tensor_set_free(o1);
+}
+
 /* Every embedded preset describes a model of the family it is filed under; unknown names and
  * families give NULL. */
 static void check_presets(void) {
@@ -309,6 +362,7 @@ int main(void) {
     EXPECT(d && n4 == n1 && t_rel_err(d, a, n1, 0) < 5e-3, "f16 storage close to f32");
     EXPECT(n1 == 2 * 13 * 4, "output [2, 13, 4]");
     check_bf16_compute(in, a, c, n1);
+    check_packed(in, a, n1);
 
     /* repeated forwards: the arena is reused; per-call allocations are only the output's */
     mdt_tensor_set *o1, *o2, *o3;
