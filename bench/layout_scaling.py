@@ -9,8 +9,13 @@ the time outside them and the seconds blocked in each collective kind and in the
 (`last_step_seconds`); the rest outside kernels is copies, staging and dispatch. Benchmarks only
 (never in make test); the standard library only (no torch).
 
+With --pack-compare every layout also runs with the linears' weights kept plain
+(MESHDIT_CPU_PACK=off), alternating with the default (packed where the GEMM path packs), and a
+second table gives both steps, the packed speed-up and both scalings.
+
 usage: python3 bench/layout_scaling.py [--preset medium] [--rounds 2] [--repeat 3]
            [--layouts "2,1,1 1,1,2 1,2,1"] [--img-tokens 1024] [--txt-tokens 256]
+           [--pack-compare]
 Run with OPENBLAS_CORETYPE unset (the script unsets it) and one thread per rank; needs
 build/meshdit and build/bench/bench_sgemm (`make bench`) and MPICH's mpiexec (MPIEXEC overrides).
 """
@@ -29,7 +34,7 @@ from sgemm_rate import sgemm_rate  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_layout(a, env, tmp, t, r, u, tag):
+def run_layout(a, env, tmp, t, r, u, tag, pack=None):
     n = t * r * u
     report = os.path.join(tmp, f"report_{t}{r}{u}_{tag}.json")
     cmd = [a.meshdit, "run", "--checkpoint", os.path.join(tmp, "ckpt"), "--inputs",
@@ -38,6 +43,8 @@ def run_layout(a, env, tmp, t, r, u, tag):
            "--report", report, "--quiet"]
     if n > 1:
         cmd = [a.mpiexec, "-n", str(n)] + cmd
+    if pack:
+        env = dict(env, MESHDIT_CPU_PACK=pack)
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     with open(report) as f:
         d = json.load(f)
@@ -54,6 +61,8 @@ def main():
     p.add_argument("--layouts", default="2,1,1 1,1,2 1,2,1", help="tp,ring,ulysses ...")
     p.add_argument("--img-tokens", type=int, default=1024)
     p.add_argument("--txt-tokens", type=int, default=256)
+    p.add_argument("--pack-compare", action="store_true",
+                   help="also run every layout with plain weights (MESHDIT_CPU_PACK=off)")
     p.add_argument("--meshdit", default=os.path.join(ROOT, "build", "meshdit"))
     p.add_argument("--sgemm", default=os.path.join(ROOT, "build", "bench", "bench_sgemm"))
     p.add_argument("--mpiexec", default=os.environ.get("MPIEXEC") or
@@ -74,9 +83,16 @@ def main():
                        capture_output=True)
         sgemm, peak, _, _, _, cpu = sgemm_rate(a.sgemm, env)
         res = {lay: [] for lay in layouts}
+        plain = {lay: [] for lay in layouts}
         for rnd in range(a.rounds):  # alternating: every layout once per round
             for lay in layouts:
-                res[lay].append(run_layout(a, env, tmp, *lay, rnd))
+                if a.pack_compare:  # plain first in even rounds, packed first in odd ones
+                    order = ("off", "auto") if rnd % 2 == 0 else ("auto", "off")
+                    for v in order:
+                        x = run_layout(a, env, tmp, *lay, f"{rnd}{v}", v)
+                        (plain if v == "off" else res)[lay].append(x)
+                else:
+                    res[lay].append(run_layout(a, env, tmp, *lay, rnd))
     print(f"Flux preset {a.preset}, {a.img_tokens} + {a.txt_tokens} tokens; cpu: {cpu}; "
           f"fma peak {peak} GFLOP/s, sgemm {sgemm} GFLOP/s; {a.rounds} rounds x {a.repeat} "
           f"forwards; rank 0's kernel seconds, last round")
@@ -103,6 +119,18 @@ def main():
     print("medians of the step per layout:",
           ", ".join(f"tp{t}r{r}u{u} {statistics.median(x[0] for x in res[(t, r, u)]):.3f}"
                     for t, r, u in layouts))
+    if a.pack_compare:
+        p1 = [x[0] for x in plain[(1, 1, 1)]]
+        print("\n| layout | plain weights step s (median) | packed step s (median) | packed "
+              "speed-up per round | scaling plain per round | scaling packed per round |")
+        print("|---|---|---|---|---|---|")
+        for lay in layouts:
+            pl, pk = [x[0] for x in plain[lay]], [x[0] for x in res[lay]]
+            print(f"| tp{lay[0]} ring{lay[1]} ulysses{lay[2]} | {statistics.median(pl):.3f} | "
+                  f"{statistics.median(pk):.3f} | "
+                  + " / ".join(f"{x / y:.3f}x" for x, y in zip(pl, pk)) + " | "
+                  + " / ".join(f"{o / x:.2f}x" for o, x in zip(p1, pl)) + " | "
+                  + " / ".join(f"{o / x:.2f}x" for o, x in zip(one, pk)) + " |")
     return 0
 
 
