@@ -89,7 +89,7 @@ mdt_status mdt_backend_select(mdt_backend_kind kind, int ordinal, int bf16) {
         if (pack && *pack && strcmp(pack, "auto") != 0 && strcmp(pack, "off") != 0)
             return MDT_FAIL(MDT_E_INVALID, "MESHDIT_CPU_PACK='%s': auto (the default) or off",
                             pack);
-        mdt_cpu_gemm_set_pack(!(pack && strcmp(pack, "off") == 0));
+        mdt_cpu_backend_set_pack(!(pack && strcmp(pack, "off") == 0));
         g_kind = MDT_BACKEND_CPU, g_ops = NULL, g_kern = NULL, g_dcomm = NULL, g_bf16 = bf16;
         mdt_cpu_backend_start(bf16);
         mdt_mem_set_device(NULL);

@@ -33,6 +33,7 @@ typedef struct {
 } packed_w;
 static packed_w *g_pk;
 static int g_npk, g_pk_cap;
+static int g_pack_on = 1; /* new weights are packed (MESHDIT_CPU_PACK, backend.c) */
 
 static int lin_ws_grow(int64_t floats) {
     if (floats <= g_lin_ws_n)
@@ -179,8 +180,18 @@ void mdt_cpu_backend_shared_end(void) {
     g_sh.x = NULL, g_sh_depth = 0;
 }
 
+void mdt_cpu_backend_set_pack(int on) { g_pack_on = on != 0; }
+
 int64_t mdt_cpu_backend_packed_floats(int64_t N, int64_t K) {
-    return g_bf16 ? 0 : mdt_cpu_gemm_packed_floats(N, K);
+    return g_bf16 || !g_pack_on ? 0 : mdt_cpu_gemm_packed_floats(N, K);
+}
+
+/* The table's memory goes once it holds nothing. */
+static void pk_release_if_empty(void) {
+    if (g_npk == 0) {
+        mdt_free(g_pk);
+        g_pk = NULL, g_pk_cap = 0;
+    }
 }
 
 /* The entry at or before p (-1 if none). */
@@ -201,10 +212,8 @@ void mdt_cpu_backend_packed_forget(const float *p) {
     if (i < 0 || g_pk[i].p != p)
         return;
     memmove(g_pk + i, g_pk + i + 1, sizeof *g_pk * (size_t)(g_npk - i - 1));
-    if (--g_npk == 0) {
-        mdt_free(g_pk);
-        g_pk = NULL, g_pk_cap = 0;
-    }
+    g_npk--;
+    pk_release_if_empty();
 }
 
 void mdt_cpu_backend_packed_forget_range(const void *lo, int64_t bytes) {
@@ -214,10 +223,7 @@ void mdt_cpu_backend_packed_forget_range(const void *lo, int64_t bytes) {
         if ((const char *)(g_pk[i].p + g_pk[i].floats) <= a || (const char *)g_pk[i].p >= b)
             g_pk[j++] = g_pk[i];
     g_npk = j;
-    if (g_npk == 0) {
-        mdt_free(g_pk);
-        g_pk = NULL, g_pk_cap = 0;
-    }
+    pk_release_if_empty();
 }
 
 mdt_status mdt_cpu_backend_pack(const float *w, float *dst, int64_t N, int64_t K) {

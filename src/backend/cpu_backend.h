@@ -40,7 +40,10 @@ void mdt_cpu_backend_shared_end(void);
 /* Prepacked f32 weights (kernels/cpu/gemm.h): the floats [N, K] weights take packed (0: kept
  * plain: bf16 weights, or a path that does not pack); pack w into dst and remember dst as packed
  * (the linear slot then runs it on that layout); unpack a packed copy into w (src stays packed);
- * forget dst (before its memory is freed or holds plain weights again). */
+ * forget dst (before its memory is freed or holds plain weights again). set_pack(0): nothing new
+ * is packed from then on (packed_floats 0); weights already packed stay so, and pack still
+ * rewrites them (a LoRA fuse or restore of a packed tensor). */
+void mdt_cpu_backend_set_pack(int on);
 int64_t mdt_cpu_backend_packed_floats(int64_t N, int64_t K);
 mdt_status mdt_cpu_backend_pack(const float *w, float *dst, int64_t N, int64_t K);
 mdt_status mdt_cpu_backend_unpack(const float *src, float *w, int64_t N, int64_t K);

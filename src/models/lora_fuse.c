@@ -233,11 +233,12 @@ static mdt_status base_f32(mdt_model *m, base_io *io, int i, float *dst) {
                 memcpy(dst, m->ws[i].data, sizeof(float) * (size_t)n);
             return MDT_OK;
         }
-        if (m->ws[i].packed)
+        if (m->ws[i].packed) { /* unpacked below, from the slot */
             raw = m->ws[i].data;
-        else
+        } else {
             resident_to_host(m, i, is_bf16(m, i) ? (void *)io->u16 : (void *)dst);
-        raw = raw ? raw : is_bf16(m, i) ? (const void *)io->u16 : (const void *)dst;
+            raw = is_bf16(m, i) ? (const void *)io->u16 : (const void *)dst;
+        }
     }
     if (m->ws[i].packed) /* raw: the packed layout (the slot, or a copy of its bytes) */
         return mdt_backend_unpack((const float *)raw, dst, m->ws[i].local[0], m->ws[i].local[1]);

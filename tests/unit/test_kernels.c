@@ -22,20 +22,28 @@ static float *rnd(mdt_rng *r, long n, double scale) {
     return p;
 }
 
-static void check_linear(mdt_rng *r, long M, long K, long N, long ldx, long ldy) {
-    float *x = rnd(r, M * ldx, 1), *w = rnd(r, N * K, 0.2), *b = rnd(r, N, 1);
+/* k's linear on weights wk (w itself, or a form of it) against the reference on w [N, K], with
+ * and without bias, x [M, ldx] strided, y [M, ldy] strided. */
+static void expect_linear(const mdt_kernel_ops *k, const float *x, long ldx, const float *wk,
+                          const float *w, const float *b, long M, long K, long N, long ldy) {
     float *xc = malloc(sizeof(float) * M * K), *y = malloc(sizeof(float) * M * ldy),
           *yr = malloc(sizeof(float) * M * N), *yc = malloc(sizeof(float) * M * N);
     for (long i = 0; i < M; i++)
         memcpy(xc + i * K, x + i * ldx, sizeof(float) * K);
     for (int with_bias = 0; with_bias < 2; with_bias++) {
-        g_k->linear(x, ldx, w, NULL, with_bias ? b : NULL, y, ldy, M, K, N);
+        k->linear(x, ldx, wk, NULL, with_bias ? b : NULL, y, ldy, M, K, N);
         mdt_ref_linear(xc, w, with_bias ? b : NULL, yr, M, K, N);
         for (long i = 0; i < M; i++)
             memcpy(yc + i * N, y + i * ldy, sizeof(float) * N);
         EXPECT_CLOSE(yc, yr, M * N, 1e-5);
     }
-    free(x), free(w), free(b), free(xc), free(y), free(yr), free(yc);
+    free(xc), free(y), free(yr), free(yc);
+}
+
+static void check_linear(mdt_rng *r, long M, long K, long N, long ldx, long ldy) {
+    float *x = rnd(r, M * ldx, 1), *w = rnd(r, N * K, 0.2), *b = rnd(r, N, 1);
+    expect_linear(g_k, x, ldx, w, w, b, M, K, N, ldy);
+    free(x), free(w), free(b);
 }
 
 /* f32 linear against the reference: a small shape, and a wide one (N = 2100: the onednn path
@@ -136,22 +144,12 @@ static void test_linear_packed(mdt_rng *r) {
         packed++;
         EXPECT(pf >= N * K, "packed layout of %lld floats for [%ld, %ld]", (long long)pf, N, K);
         float *wp = malloc(sizeof(float) * (size_t)pf), *wu = malloc(sizeof(float) * N * K);
-        float *x = rnd(r, M * ldx, 1), *b = rnd(r, N, 1), *xc = malloc(sizeof(float) * M * K);
-        float *y = malloc(sizeof(float) * M * ldy), *yr = malloc(sizeof(float) * M * N),
-              *yc = malloc(sizeof(float) * M * N);
+        float *x = rnd(r, M * ldx, 1), *b = rnd(r, N, 1), *y = malloc(sizeof(float) * M * ldy);
         EXPECT_OK(mdt_cpu_backend_pack(w, wp, N, K));
         EXPECT_OK(mdt_cpu_backend_unpack(wp, wu, N, K));
         EXPECT(memcmp(w, wu, sizeof(float) * N * K) == 0, "[%ld, %ld]: unpacked = the weights", N,
                K);
-        for (long m = 0; m < M; m++)
-            memcpy(xc + m * K, x + m * ldx, sizeof(float) * K);
-        for (int with_bias = 0; with_bias < 2; with_bias++) {
-            k->linear(x, ldx, wp, NULL, with_bias ? b : NULL, y, ldy, M, K, N);
-            mdt_ref_linear(xc, w, with_bias ? b : NULL, yr, M, K, N);
-            for (long m = 0; m < M; m++)
-                memcpy(yc + m * N, y + m * ldy, sizeof(float) * N);
-            EXPECT_CLOSE(yc, yr, M * N, 1e-5);
-        }
+        expect_linear(k, x, ldx, wp, w, b, M, K, N, ldy);
         EXPECT_OK(mdt_cpu_backend_check());
         /* a view 64 floats in: refused, zeros */
         k->linear(x, ldx, wp + 64, NULL, NULL, y, ldy, M, K, N - 1);
@@ -164,18 +162,14 @@ static void test_linear_packed(mdt_rng *r) {
         /* forgotten: the same memory is plain weights again */
         mdt_cpu_backend_packed_forget(wp);
         memcpy(wp, w, sizeof(float) * N * K);
-        k->linear(x, ldx, wp, NULL, b, y, ldy, M, K, N);
-        mdt_ref_linear(xc, w, b, yr, M, K, N);
-        for (long m = 0; m < M; m++)
-            memcpy(yc + m * N, y + m * ldy, sizeof(float) * N);
-        EXPECT_CLOSE(yc, yr, M * N, 1e-5);
-        free(w), free(wp), free(wu), free(x), free(b), free(xc), free(y), free(yr), free(yc);
+        expect_linear(k, x, ldx, wp, w, b, M, K, N, ldy);
+        free(w), free(wp), free(wu), free(x), free(b), free(y);
     }
     EXPECT(packed == 0 || wide, "weights packed on a path that does not pack (%s)", mdt_cpu_gemm());
     EXPECT(!wide || packed >= 2, "oneDNN AVX-512 f32 path: %d of 4 shapes packed", packed);
-    mdt_cpu_gemm_set_pack(0);
+    mdt_cpu_backend_set_pack(0);
     EXPECT(mdt_cpu_backend_packed_floats(1024, 1024) == 0, "packing off: nothing packs");
-    mdt_cpu_gemm_set_pack(1);
+    mdt_cpu_backend_set_pack(1);
 }
 
 /* bf16 weights. openblas path: both panel paths (few rows: N panels; many rows: whole matrix,

@@ -5,6 +5,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "backend/backend.h"
+#include "backend/cpu_backend.h"
 #include "harness.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cpu/gemm.h"
@@ -221,7 +222,7 @@ static void check_packed(const mdt_tensor_set *in, const float *a, int64_t n) {
     float *g = forward_copy(sub("gathered_packed"), in, &ng);
     EXPECT(g && ng == n && memcmp(g, a, sizeof(float) * (size_t)n) == 0,
            "the gathered checkpoint gives the same bits (unpacked exactly)");
-    mdt_cpu_gemm_set_pack(0);
+    mdt_cpu_backend_set_pack(0);
     m = load_dir(sub("f32"));
     int plain = 0;
     for (int i = 0; m && i < m->table.n; i++)
@@ -229,7 +230,7 @@ static void check_packed(const mdt_tensor_set *in, const float *a, int64_t n) {
     EXPECT(m && plain == m->table.n, "packing off: every tensor plain");
     mdt_model_free(m);
     float *p = forward_copy(sub("f32"), in, &np);
-    mdt_cpu_gemm_set_pack(1);
+    mdt_cpu_backend_set_pack(1);
     EXPECT(p && np == n && t_rel_err(p, a, n, 0) <= 1e-5,
            "packed weights = plain weights within fp32 rounding (%.3e)",
            p ? t_rel_err(p, a, n, 0) : -1.0);

@@ -256,6 +256,19 @@ static size_t g_scratch_bytes;
 static float *g_ct; /* the swapped form's product, [N, M] */
 static int64_t g_ct_floats;
 
+/* g_ct with room for n floats (grown, never shrunk until mdt_cpu_gemm_release); NULL if it
+ * could not be had. */
+static float *ct_room(int64_t n) {
+    if (g_ct_floats < n) {
+        float *p = mdt_alloc(sizeof(float) * (size_t)n);
+        if (!p)
+            return NULL;
+        mdt_free(g_ct);
+        g_ct = p, g_ct_floats = n;
+    }
+    return g_ct;
+}
+
 static int fail(const char *what, dnnl_status_t s, const gemm_key *k) {
     if (!g_err[0])
         snprintf(g_err, sizeof g_err,
@@ -477,13 +490,8 @@ static int swap_rule(const gemm_key *k) {
 static int run_swapped(const gemm_key *k, const void *A, const void *B, const float *bias,
                        float *C) {
     const int64_t M = k->M, N = k->N, ldc = k->ldc;
-    if (g_ct_floats < M * N) {
-        float *p = mdt_alloc(sizeof(float) * (size_t)(M * N));
-        if (!p)
-            return 0;
-        mdt_free(g_ct);
-        g_ct = p, g_ct_floats = M * N;
-    }
+    if (!ct_room(M * N))
+        return 0;
     const gemm_key ks = {.transb = 1,
                          .M = N,
                          .N = M,
@@ -628,7 +636,6 @@ static struct {
     dnnl_memory_desc_t md;
 } g_pack[PACK_CACHE];
 static int g_npack, g_pack_next;
-static int g_pack_on = 1;
 
 /* The packed layout of [N, K] weights (a memory descriptor of the logical [K, N]); 0 if made. */
 static int packed_md(int64_t N, int64_t K, dnnl_memory_desc_t *out) {
@@ -659,16 +666,18 @@ static int packed_md(int64_t N, int64_t K, dnnl_memory_desc_t *out) {
     return 0;
 }
 
-void mdt_cpu_gemm_set_pack(int on) { g_pack_on = on != 0; }
+/* The plain layout of [N, K] weights, row-major (the logical [K, N] transposed); 0 if made. */
+static int plain_md(int64_t N, int64_t K, dnnl_memory_desc_t *out) {
+    const dnnl_dims_t wd = {K, N};
+    return dnnl_memory_desc_init_by_tag(out, 2, wd, dnnl_f32, dnnl_ba) == dnnl_success ? 0 : -1;
+}
 
 int64_t mdt_cpu_gemm_packed_floats(int64_t N, int64_t K) {
     pick();
-    if (!g_pack_on || !g_onednn || !g_wide || N <= 0 || K <= 0)
+    if (!g_onednn || !g_wide || N <= 0 || K <= 0)
         return 0;
     dnnl_memory_desc_t p, plain;
-    const dnnl_dims_t wd = {K, N};
-    if (packed_md(N, K, &p) != 0 ||
-        dnnl_memory_desc_init_by_tag(&plain, 2, wd, dnnl_f32, dnnl_ba) != dnnl_success ||
+    if (packed_md(N, K, &p) != 0 || plain_md(N, K, &plain) != 0 ||
         dnnl_memory_desc_equal(&p, &plain))
         return 0;
     return (int64_t)((dnnl_memory_desc_get_size(&p) + 3) / 4);
@@ -677,10 +686,8 @@ int64_t mdt_cpu_gemm_packed_floats(int64_t N, int64_t K) {
 /* Reorders [N, K] weights between the plain row-major layout and the packed one. */
 static int reorder(const float *src, float *dst, int64_t N, int64_t K, int to_packed) {
     dnnl_memory_desc_t p, plain;
-    const dnnl_dims_t wd = {K, N};
     const gemm_key k = {.transb = 1, .packed = 1, .M = 0, .N = N, .K = K};
-    if (packed_md(N, K, &p) != 0 ||
-        dnnl_memory_desc_init_by_tag(&plain, 2, wd, dnnl_f32, dnnl_ba) != dnnl_success)
+    if (packed_md(N, K, &p) != 0 || plain_md(N, K, &plain) != 0)
         return fail("weights layout", dnnl_invalid_arguments, &k);
     const dnnl_memory_desc_t *from = to_packed ? &plain : &p, *to = to_packed ? &p : &plain;
     dnnl_primitive_desc_t pd;
@@ -722,16 +729,11 @@ void mdt_cpu_gemm_linear_packed(const float *x, int64_t ldx, const float *wp, co
      * matmul, ~170x slower): strided ones go through a dense copy (M K or M N floats, against
      * the GEMM's M N K multiply-adds) */
     const int64_t need = (ldx != K ? M * K : 0) + (ldy != N ? M * N : 0);
-    if (need && g_ct_floats < need) {
-        float *p = mdt_alloc(sizeof(float) * (size_t)need);
-        if (!p) {
-            const gemm_key kf = {.packed = 1, .M = M, .N = N, .K = K};
-            fail("dense operand allocation", dnnl_out_of_memory, &kf);
-            zero_c(y, ldy, M, N);
-            return;
-        }
-        mdt_free(g_ct);
-        g_ct = p, g_ct_floats = need;
+    if (need && !ct_room(need)) {
+        const gemm_key kf = {.packed = 1, .M = M, .N = N, .K = K};
+        fail("dense operand allocation", dnnl_out_of_memory, &kf);
+        zero_c(y, ldy, M, N);
+        return;
     }
     const float *xd = x;
     float *yd = ldy != N ? g_ct : y;

@@ -81,16 +81,15 @@ int64_t mdt_cpu_gemm_swapped(void);
 /* Prepacked weights (gemm.c): [N, K] f32 weights kept in the blocked layout oneDNN's f32 matmul
  * would otherwise make of them on every call. mdt_cpu_gemm_packed_floats: the floats that layout
  * takes, or 0 where weights stay plain (the openblas path, oneDNN below AVX-512, a layout that is
- * the plain one, packing switched off). pack / unpack reorder between the plain row-major layout
+ * the plain one). pack / unpack reorder between the plain row-major layout
  * and it (src and dst must not overlap; 0, or -1 with mdt_cpu_gemm_error); linear_packed is
  * mdt_cpu_gemm_linear_f32 on packed weights (any row count, through oneDNN whatever the path).
- * set_pack(0) makes packed_floats 0 from then on (weights already packed stay so). */
+ * Whether to pack is the CPU backend's choice (cpu_backend.h: mdt_cpu_backend_set_pack). */
 int64_t mdt_cpu_gemm_packed_floats(int64_t N, int64_t K);
 int mdt_cpu_gemm_pack(const float *w, float *dst, int64_t N, int64_t K);
 int mdt_cpu_gemm_unpack(const float *src, float *w, int64_t N, int64_t K);
 void mdt_cpu_gemm_linear_packed(const float *x, int64_t ldx, const float *wp, const float *b,
                                 float *y, int64_t ldy, int64_t M, int64_t K, int64_t N);
-void mdt_cpu_gemm_set_pack(int on);
 
 /* Frees the oneDNN scratchpad buffer and the swapped form's product (primitives stay cached);
  * the next GEMM takes them again. */
