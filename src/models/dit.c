@@ -115,6 +115,17 @@ mdt_status mdt_dit_row_linear(const mdt_dit *d, const mdt_lin *l, const float *x
     return MDT_OK;
 }
 
+mdt_status mdt_dit_slice_linear(const mdt_dit *d, const mdt_lin *l, const float *x, int64_t ldx,
+                                float *y, int64_t M) {
+    if (d->T == 1) {
+        mdt_k()->linear(x, ldx, l->w, l->wh, l->b, y, l->out, M, l->in, l->out); // [M, out]
+        return MDT_OK;
+    }
+    int64_t start, len;
+    mdt_split_range(l->in, d->T, d->k, &start, &len); /* len == l->in_local (the loader's cut) */
+    return mdt_dit_row_linear(d, l, x + start, ldx, y, M); // [M, out] reduced, bias once
+}
+
 mdt_status mdt_dit_adaln(const mdt_dit *d, const mdt_lin *l, float *y) {
     return mdt_dit_row_linear(d, l, d->cond + (int64_t)d->k * l->in_local, d->cond_width, y,
                               d->cond_rows);

@@ -89,6 +89,12 @@ void mdt_dit_linear(const mdt_lin *l, const float *x, int64_t M, float *y, int64
  * x_local [M, l->in_local] (rows ldx apart) . W_local^T, then the full bias once. */
 mdt_status mdt_dit_row_linear(const mdt_dit *d, const mdt_lin *l, const float *x, int64_t ldx,
                               float *y, int64_t M);
+/* A replicated-input rowwise linear (an embedder of the replicated text, x [M, l->in] with rows
+ * ldx apart): this rank multiplies its slice of the input features (mdt_split_range: uneven where
+ * tp does not divide them) by its weight columns, y [M, out] after the all-reduce; so no TP rank
+ * repeats the whole product. At tp=1 the plain linear, bias fused, as before. */
+mdt_status mdt_dit_slice_linear(const mdt_dit *d, const mdt_lin *l, const float *x, int64_t ldx,
+                                float *y, int64_t M);
 /* AdaLN projection of the replicated conditioning: this rank multiplies its slice of input
  * features of d->cond by its weight columns; y [cond_rows, out] after the all-reduce. */
 mdt_status mdt_dit_adaln(const mdt_dit *d, const mdt_lin *l, float *y);

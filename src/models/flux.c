@@ -7,10 +7,10 @@
  * scale-then-shift, LayerNorm eps 1e-6 without affine, per-head RMSNorm eps 1e-6, GELU(tanh).
  *
  * TP: q/k/v and the MLP input colwise, to_out and the MLP output rowwise, the single blocks'
- * proj_out packed rowwise over [attention | MLP], the AdaLN projections replicated-input
- * rowwise, embedders and the final projection replicated. CP: image and text tokens (and their
- * ids) split into P chunks each; the joint sequence of a rank is its text chunk then its image
- * chunk; the output's image rows gathered.
+ * proj_out packed rowwise over [attention | MLP], the AdaLN projections and the context
+ * embedder replicated-input rowwise, the other embedders and the final projection replicated. CP:
+ * image and text tokens (and their ids) split into P chunks each; the joint sequence of a rank is
+ * its text chunk then its image chunk; the output's image rows gathered.
  */
 #include "models/cache.h"
 #include "models/joint.h"
@@ -70,7 +70,12 @@ static mdt_status flux_table(flux *f, mdt_wtable *t) {
     MDT_TRY(mdt_wtable_add_linear(t, &f->p_lin2, "time_text_embed.text_embedder.", "linear_2", C, C,
                                   rep, 1));
     mdt_wtable_rows(t, MDT_ROWS_TEXT);
-    MDT_TRY(mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->joint_dim, rep, 1));
+    /* the replicated text: each TP rank embeds it through its slice of the input features (any
+     * tp: the slices follow mdt_split_range) instead of every rank repeating the whole product */
+    const int ctx_first = t->n;
+    MDT_TRY(mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->joint_dim,
+                                  MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
+    mdt_wtable_set_uneven(t, ctx_first);
     mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->x_emb, "", "x_embedder", C, f->in_ch, rep, 1));
     for (int64_t i = 0; i < f->layers; i++) {
@@ -303,8 +308,9 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_k()->silu(cond, B * C);
     d.cond = cond, d.cond_rows = B, d.cond_width = C;
     mdt_guard_finite(d.m, "time_text_embed", cond, B * C);
-    mdt_dit_linear(&f->x_emb, x.s.hs, B * si, xs, C);   // [B, Si/P, C]
-    mdt_dit_linear(&f->ctx_emb, x.s.ehs, B * st, c, C); // [B, St/P, C]
+    mdt_dit_linear(&f->x_emb, x.s.hs, B * si, xs, C); // [B, Si/P, C]
+    MDT_TRY(mdt_dit_slice_linear(&d, &f->ctx_emb, x.s.ehs, f->joint_dim, c,
+                                 B * st)); // [B, St/P, C]: this rank's input features, reduced
     mdt_guard_finite(d.m, "x_embedder", xs, B * si * C);
     mdt_guard_finite(d.m, "context_embedder", c, B * st * C);
     const flux_run run = {f, &x, &hd};

@@ -106,10 +106,14 @@ static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
                                   C, 0));
     mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->x_emb, "", "x_embedder", C, f->in_ch, rep, 0));
-    /* the text rows are replicated into the embedder, each rank using its input slice */
-    mdt_wtable_rows(t, MDT_ROWS_ONE);
+    /* the text rows are replicated into the embedder, each rank using its input slice (any tp:
+     * the slices follow mdt_split_range) */
+    mdt_wtable_rows(t, MDT_ROWS_TEXT);
+    const int ctx_first = t->n;
     MDT_TRY(
         mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->joint_dim, adaln, 0));
+    mdt_wtable_set_uneven(t, ctx_first);
+    mdt_wtable_rows(t, MDT_ROWS_ONE);
     for (int64_t i = 0; i < f->layers; i++) {
         f2_double *b = &f->dbl[i];
         snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
@@ -215,10 +219,9 @@ static const mdt_input_decl *flux2_inputs(const void *impl) {
 static mdt_status flux2_check_layout(const void *impl, int T, int R, int U) {
     const flux2 *f = impl;
     (void)R, (void)U;
-    MDT_TRY(mdt_dit_check_heads(f->heads, T));
-    /* the MLP width int(inner x mlp_ratio) splits unevenly where tp does not divide it */
-    return mdt_dit_check_tp(T, f->joint_dim, "joint_attention_dim",
-                            "the input features context_embedder is sharded on");
+    /* the MLP width int(inner x mlp_ratio) and the context embedder's input features split
+     * unevenly where tp does not divide them */
+    return mdt_dit_check_heads(f->heads, T);
 }
 
 /* ---- forward ---- */
@@ -423,9 +426,8 @@ static mdt_status flux2_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tens
     MDT_TRY(mdt_dit_adaln(&d, &f->mod_single, ms));   // [B, 3C]
     MDT_TRY(mdt_dit_adaln(&d, &f->norm_out, mo));     // [B, 2C]
     mdt_dit_linear(&f->x_emb, x.s.hs, B * si, xs, C); // [B, Si/P, C]
-    MDT_TRY(mdt_dit_row_linear(&d, &f->ctx_emb, x.s.ehs + d.k * f->ctx_emb.in_local, f->joint_dim,
-                               c,
-                               B * st)); // [B, St/P, C]: replicated input, this rank's features
+    MDT_TRY(mdt_dit_slice_linear(&d, &f->ctx_emb, x.s.ehs, f->joint_dim, c,
+                                 B * st)); // [B, St/P, C]: replicated input, this rank's features
     mdt_guard_finite(d.m, "x_embedder", xs, B * si * C);
     mdt_guard_finite(d.m, "context_embedder", c, B * st * C);
     const f2_run run = {f, &x, mi, mt, ms, &hd};

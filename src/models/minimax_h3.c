@@ -13,7 +13,8 @@
  * timestep; video and audio heads over every row, then the rows of each modality selected.
  *
  * TP: q/k/v colwise, to_out.0 rowwise, ff.net.0.proj packed colwise [value | gate], ff.net.2
- * rowwise (blocks and refiner); adaln_proj.linear and norm_out.linear replicated-input rowwise.
+ * rowwise (blocks and refiner); adaln_proj.linear, norm_out.linear and context_embedder
+ * replicated-input rowwise.
  * CP: the packed sequence splits after it is built (with its rope rows, adaln and timestep
  * indices); the refiner runs on the full text on every rank with plain attention (the reference
  * routes it through CP attention over identical copies: same result up to rounding); the head
@@ -132,7 +133,11 @@ static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     MDT_TRY(
         mdt_wtable_add_linear(t, &f->audio_proj_in, "", "audio_proj_in", C, f->audio_in, rep, 1));
     mdt_wtable_rows(t, MDT_ROWS_TEXT);
-    MDT_TRY(mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->text_dim, rep, 1));
+    /* the whole text on every rank: each TP rank embeds it through its slice of the input */
+    const int ctx_first = t->n;
+    MDT_TRY(mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->text_dim,
+                                  MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
+    mdt_wtable_set_uneven(t, ctx_first);
     mdt_wtable_rows(t, MDT_ROWS_ONE); /* conditioning: one row per timestep */
     MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin1, "time_embedder.", "linear_1", f->time_hidden,
                                   f->freq_dim, rep, 1));
@@ -374,7 +379,8 @@ static mdt_status pack(const h3 *f, const mdt_dit *d, const h3_in *x, float *h) 
     if (!txt)
         return MDT_E_NOMEM;
     mdt_k()->fill(h, B * x->Sc * C, 0.0f);
-    mdt_dit_linear(&f->ctx_emb, x->ehs, B * x->Nt, txt, C); // [B, N_text, C]
+    MDT_TRY(mdt_dit_slice_linear(d, &f->ctx_emb, x->ehs, f->text_dim, txt,
+                                 B * x->Nt)); // [B, N_text, C] reduced
     MDT_TRY(refiner(f, d, txt, x->Nt));
     mdt_guard_finite(d->m, "token_refiner", txt, B * x->Nt * C);
     MDT_TRY(chunk_rows(d, x, x->xidx, x->Nt, &xsr, &xdr, &nx)); /* text rows of my chunk */

@@ -28,11 +28,11 @@
  *
  * TP: diffusers' _tp_plan (q/k/v and added q/k/v colwise, to_out.0 / to_add_out rowwise,
  * img_mlp / txt_mlp net.0.proj colwise, net.2 rowwise), plus img_mod.1, txt_mod.1 and
- * norm_out.linear as replicated-input rowwise (diffusers keeps them replicated); embedders,
- * txt_norm and proj_out replicated. CP: diffusers' _cp_plan: hidden_states and (the kept rows of)
- * encoder_hidden_states split on dim 1 into P chunks each, the rotary rows with them (each rank
- * builds its own), the joint sequence of a rank is its text chunk then its image chunk; `sample`
- * gathered on dim 1 after proj_out.
+ * norm_out.linear and txt_in as replicated-input rowwise (diffusers keeps them replicated);
+ * img_in, txt_norm and proj_out replicated. CP: diffusers' _cp_plan: hidden_states and (the kept
+ * rows of) encoder_hidden_states split on dim 1 into P chunks each, the rotary rows with them (each
+ * rank builds its own), the joint sequence of a rank is its text chunk then its image chunk;
+ * `sample` gathered on dim 1 after proj_out.
  */
 #include "models/cache.h"
 #include "models/joint.h"
@@ -80,7 +80,11 @@ static mdt_status qwen_table(qwen *f, mdt_wtable *t) {
     mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->img_in, "", "img_in", C, f->in_ch, rep, 1));
     mdt_wtable_rows(t, MDT_ROWS_TEXT);
-    MDT_TRY(mdt_wtable_add_linear(t, &f->txt_in, "", "txt_in", C, f->joint_dim, rep, 1));
+    /* the replicated text: each TP rank projects it through its slice of the input features */
+    const int txt_first = t->n;
+    MDT_TRY(mdt_wtable_add_linear(t, &f->txt_in, "", "txt_in", C, f->joint_dim,
+                                  MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
+    mdt_wtable_set_uneven(t, txt_first);
     for (int64_t i = 0; i < f->layers; i++) {
         qwen_block *b = &f->blk[i];
         snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
@@ -406,7 +410,7 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
         return MDT_E_NOMEM;
     mdt_dit_linear(&f->img_in, hs_d, n * si, xs, C); // [n, Si/P, C]
     mdt_k()->rmsnorm(ehs_d, f->txt_norm, tn, n * st, J, k_eps);
-    mdt_dit_linear(&f->txt_in, tn, n * st, c, C); // [n, St/P, C]
+    MDT_TRY(mdt_dit_slice_linear(d, &f->txt_in, tn, J, c, n * st)); // [n, St/P, C] reduced
     mdt_guard_finite(d->m, "img_in", xs, n * si * C);
     mdt_guard_finite(d->m, "txt_in", c, n * st * C);
     /* the step cache: the image stream's residual over block 0 decides (the text stream's

@@ -55,7 +55,8 @@ void mdt_estimate_layout(const mdt_model *m, int64_t S, int64_t L, double b, con
                                                     : p;
         e->flops_linear += 2.0 * rows * pl;
         elementwise += rows * (double)loc[0];
-        if (T > 1 && (w->style == MDT_TP_ROWWISE || w->style == MDT_TP_PACKED_ROWWISE)) {
+        if (T > 1 && (w->style == MDT_TP_ROWWISE || w->style == MDT_TP_PACKED_ROWWISE ||
+                      w->style == MDT_TP_REPLICATED_INPUT_ROWWISE)) {
             n_rowwise += 1; /* one all-reduce of its output rows (reduce-scatter + all-gather) */
             rows_ar += rows * (double)w->shape[0];
         }

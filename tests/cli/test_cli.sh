@@ -134,8 +134,17 @@ if timeout 300 "$MPIEXEC" -n 3 "$BIN" run --checkpoint "$DATA/wan_ffn41" --input
         "$DATA/wan_ffn41/inputs.safetensors" --out "$T/w3.safetensors" --tp 3 --quiet &&
    "$BIN" compare "$T/w3.safetensors" "$DATA/wan_ffn41/expected.safetensors" --tol 1e-4 >/dev/null; then ok
 else bad "wan_ffn41 at tp=3"; fi
-expect_error inspect-uneven-rowwise-input 1 "tp=3 does not divide" "joint_attention_dim 20" -- \
-    "$BIN" inspect --checkpoint "$DATA/flux2_heads3" --tp 3
+# the text embedder's input features split unevenly too: flux2_heads3's joint_attention_dim 20 at
+# tp=3 is 7 | 7 | 6 columns of context_embedder (replicated-input rowwise), equal to diffusers; a
+# width no flag lets split unevenly (the heads) still says which width and size
+if "$BIN" inspect --checkpoint "$DATA/flux2_heads3" --tp 3 >"$T/f2h3" &&
+   grep -q '^context_embedder.weight .*replicated-input-rowwise .*\[24, 7|6\]' "$T/f2h3" &&
+   timeout 300 "$MPIEXEC" -n 3 "$BIN" run --checkpoint "$DATA/flux2_heads3" --inputs \
+        "$DATA/flux2_heads3/inputs.safetensors" --out "$T/f3.safetensors" --tp 3 --quiet &&
+   "$BIN" compare "$T/f3.safetensors" "$DATA/flux2_heads3/expected.safetensors" --tol 1e-4 >/dev/null; then ok
+else bad "flux2_heads3 at tp=3 (context_embedder 7 | 7 | 6)"; fi
+expect_error inspect-heads-not-divided 1 "tp=2 does not divide" "3 attention heads" -- \
+    "$BIN" inspect --checkpoint "$DATA/flux2_heads3" --tp 2
 
 # ---- errors from the command line ----
 cp -r "$DATA/flux_tiny" "$T/trunc"
