@@ -14,11 +14,13 @@
 void mdt_cpu_backend_start(int bf16);
 /* bf16 weights on the CPU: bf16 GEMM operands, or the weights widened to f32 for the f32 GEMM.
  * MESHDIT_CPU_BF16 = operands | widen | auto (unset: auto). auto measures both on one linear of
- * a DiT's shape ([256, 1024] x [1024, 1024], best of 3 alternating, about 0.1 s): bf16 dot
- * products run at half the FMA rate on some cores (AVX512-BF16 without AMX), where widening
- * is faster. *operands gets the choice, *t_ops / *t_widen the seconds measured (0: not
- * measured), *asked 1 where the variable chose (operands or widen; 0 for auto). Nothing is set:
- * mdt_cpu_gemm_set_bf16_operands does that. Local. */
+ * a DiT's shape ([256, 1024] x [1024, 1024], best of 3 alternating in thread CPU time, about
+ * 0.1 s): bf16 dot products run at half the FMA rate on some cores (AVX512-BF16 without AMX),
+ * where widening is faster; operands only where at least 10% faster (near a tie the more exact
+ * widening, so the pick, and the run's bits, do not follow the load). *operands gets the choice,
+ * *t_ops / *t_widen the seconds measured (0: not measured), *asked 1 where the variable chose
+ * (operands or widen; 0 for auto). Nothing is set: mdt_cpu_gemm_set_bf16_operands does that. Local.
+ */
 mdt_status mdt_cpu_backend_measure_bf16(int *operands, double *t_ops, double *t_widen, int *asked);
 /* The CPU backend's kernel table (the set in use, whose choice may change until work starts). */
 const mdt_kernel_ops *mdt_cpu_backend_kernels(void);

@@ -116,6 +116,9 @@ void mdt_arena_release(mdt_arena *a);
 
 /* ---- timers ---- */
 double mdt_now(void); /* monotonic seconds */
+/* CPU seconds this thread has run (not the time it waited for a core: a measurement that picks
+ * between two code paths reads this, so another process's load cannot flip the pick). */
+double mdt_thread_cpu_seconds(void);
 /* Median of v[0:n] (n >= 1; the mean of the middle two for even n); sorts v in place. */
 double mdt_median(double *v, int n);
 
