@@ -11,11 +11,14 @@ the time outside them and the seconds blocked in each collective kind and in the
 
 With --pack-compare every layout also runs with the linears' weights kept plain
 (MESHDIT_CPU_PACK=off), alternating with the default (packed where the GEMM path packs), and a
-second table gives both steps, the packed speed-up and both scalings.
+second table gives both steps, the packed speed-up and both scalings. --baseline BIN does the same
+with another meshdit binary (an earlier build: `git worktree add /tmp/base REV && make -C
+/tmp/base build/meshdit`) in place of the plain weights: a change's speed-up and scalings, in one
+sitting.
 
 usage: python3 bench/layout_scaling.py [--preset medium] [--rounds 2] [--repeat 3]
            [--layouts "2,1,1 1,1,2 1,2,1"] [--img-tokens 1024] [--txt-tokens 256]
-           [--pack-compare]
+           [--pack-compare | --baseline /tmp/base/build/meshdit]
 Run with OPENBLAS_CORETYPE unset (the script unsets it) and one thread per rank; needs
 build/meshdit and build/bench/bench_sgemm (`make bench`) and MPICH's mpiexec (MPIEXEC overrides).
 """
@@ -34,10 +37,10 @@ from sgemm_rate import sgemm_rate  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_layout(a, env, tmp, t, r, u, tag, pack=None):
+def run_layout(a, env, tmp, t, r, u, tag, pack=None, binary=None):
     n = t * r * u
     report = os.path.join(tmp, f"report_{t}{r}{u}_{tag}.json")
-    cmd = [a.meshdit, "run", "--checkpoint", os.path.join(tmp, "ckpt"), "--inputs",
+    cmd = [binary or a.meshdit, "run", "--checkpoint", os.path.join(tmp, "ckpt"), "--inputs",
            os.path.join(tmp, "in.safetensors"), "--out", os.path.join(tmp, f"out_{t}{r}{u}.st"),
            "--repeat", str(a.repeat + 1), "--tp", str(t), "--ring", str(r), "--ulysses", str(u),
            "--report", report, "--quiet"]
@@ -63,11 +66,14 @@ def main():
     p.add_argument("--txt-tokens", type=int, default=256)
     p.add_argument("--pack-compare", action="store_true",
                    help="also run every layout with plain weights (MESHDIT_CPU_PACK=off)")
+    p.add_argument("--baseline", help="another meshdit binary, alternating with --meshdit")
     p.add_argument("--meshdit", default=os.path.join(ROOT, "build", "meshdit"))
     p.add_argument("--sgemm", default=os.path.join(ROOT, "build", "bench", "bench_sgemm"))
     p.add_argument("--mpiexec", default=os.environ.get("MPIEXEC") or
                    shutil.which("mpiexec.mpich") or "mpiexec")
     a = p.parse_args()
+    if a.pack_compare and a.baseline:
+        p.error("--pack-compare and --baseline: one comparison at a time")
     layouts = [(1, 1, 1)]
     for s in a.layouts.split():
         t, r, u = (int(x) for x in s.split(","))
@@ -86,10 +92,14 @@ def main():
         plain = {lay: [] for lay in layouts}
         for rnd in range(a.rounds):  # alternating: every layout once per round
             for lay in layouts:
-                if a.pack_compare:  # plain first in even rounds, packed first in odd ones
+                if a.pack_compare or a.baseline:  # the other first in even rounds
                     order = ("off", "auto") if rnd % 2 == 0 else ("auto", "off")
                     for v in order:
-                        x = run_layout(a, env, tmp, *lay, f"{rnd}{v}", v)
+                        if a.baseline:
+                            x = run_layout(a, env, tmp, *lay, f"{rnd}{v}",
+                                           binary=a.baseline if v == "off" else None)
+                        else:
+                            x = run_layout(a, env, tmp, *lay, f"{rnd}{v}", v)
                         (plain if v == "off" else res)[lay].append(x)
                 else:
                     res[lay].append(run_layout(a, env, tmp, *lay, rnd))
@@ -119,18 +129,24 @@ def main():
     print("medians of the step per layout:",
           ", ".join(f"tp{t}r{r}u{u} {statistics.median(x[0] for x in res[(t, r, u)]):.3f}"
                     for t, r, u in layouts))
-    if a.pack_compare:
+    if a.pack_compare or a.baseline:
         p1 = [x[0] for x in plain[(1, 1, 1)]]
-        print("\n| layout | plain weights step s (median) | packed step s (median) | packed "
-              "speed-up per round | scaling plain per round | scaling packed per round |")
-        print("|---|---|---|---|---|---|")
+        o, n = ("plain weights", "packed") if a.pack_compare else ("baseline", "this build")
+        if a.baseline:
+            print(f"baseline: {a.baseline}; this build: {a.meshdit}")
+        print(f"\n| layout | {o} step s (median) | {n} step s (median) | {n} "
+              f"speed-up per round | scaling {o} per round | scaling {n} per round | linear s, "
+              f"{o} / {n} (median over rounds) |")
+        print("|---|---|---|---|---|---|---|")
         for lay in layouts:
             pl, pk = [x[0] for x in plain[lay]], [x[0] for x in res[lay]]
+            lin = [statistics.median(x[1]["linear"] for x in v[lay]) for v in (plain, res)]
             print(f"| tp{lay[0]} ring{lay[1]} ulysses{lay[2]} | {statistics.median(pl):.3f} | "
                   f"{statistics.median(pk):.3f} | "
                   + " / ".join(f"{x / y:.3f}x" for x, y in zip(pl, pk)) + " | "
                   + " / ".join(f"{o / x:.2f}x" for o, x in zip(p1, pl)) + " | "
-                  + " / ".join(f"{o / x:.2f}x" for o, x in zip(one, pk)) + " |")
+                  + " / ".join(f"{o / x:.2f}x" for o, x in zip(one, pk))
+                  + f" | {lin[0]:.3f} / {lin[1]:.3f} |")
     return 0
 
 
