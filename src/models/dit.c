@@ -42,6 +42,17 @@ mdt_status mdt_dit_declare_adaln(mdt_wtable *t, mdt_lin *l, const char *pfx, con
     return st;
 }
 
+mdt_status mdt_dit_declare_text_embedder(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out,
+                                         int64_t in, int bias) {
+    const mdt_rows prev = mdt_wtable_rows(t, MDT_ROWS_TEXT);
+    const int first = t->n;
+    const mdt_status st =
+        mdt_wtable_add_linear(t, l, "", name, out, in, MDT_TP_REPLICATED_INPUT_ROWWISE, bias);
+    mdt_wtable_set_uneven(t, first); /* any tp: the slices follow mdt_split_range */
+    mdt_wtable_rows(t, prev);
+    return st;
+}
+
 mdt_status mdt_dit_declare_qk_norms(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,
                                     mdt_qkv *w, int64_t D, float eps) {
     char nm[MDT_NAME_MAX];

@@ -63,6 +63,11 @@ mdt_status mdt_dit_declare_attention(mdt_wtable *t, const char *pfx, const mdt_a
  * rowwise, one row per sample). */
 mdt_status mdt_dit_declare_adaln(mdt_wtable *t, mdt_lin *l, const char *pfx, const char *name,
                                  int64_t out, int64_t in, int bias);
+/* A text embedder `name` [out, in] of the text every TP rank holds whole (replicated-input
+ * rowwise on the text rows, its input features split unevenly where tp does not divide them);
+ * the forward runs it with mdt_dit_slice_linear. */
+mdt_status mdt_dit_declare_text_embedder(mdt_wtable *t, mdt_lin *l, const char *name, int64_t out,
+                                         int64_t in, int bias);
 /* The per-head RMSNorm weights [D] of q and k (eps for both). */
 mdt_status mdt_dit_declare_qk_norms(mdt_wtable *t, const char *pfx, const mdt_attn_names *n,
                                     mdt_qkv *w, int64_t D, float eps);

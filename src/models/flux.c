@@ -69,13 +69,7 @@ static mdt_status flux_table(flux *f, mdt_wtable *t) {
                                   f->pooled_dim, rep, 1));
     MDT_TRY(mdt_wtable_add_linear(t, &f->p_lin2, "time_text_embed.text_embedder.", "linear_2", C, C,
                                   rep, 1));
-    mdt_wtable_rows(t, MDT_ROWS_TEXT);
-    /* the replicated text: each TP rank embeds it through its slice of the input features (any
-     * tp: the slices follow mdt_split_range) instead of every rank repeating the whole product */
-    const int ctx_first = t->n;
-    MDT_TRY(mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->joint_dim,
-                                  MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
-    mdt_wtable_set_uneven(t, ctx_first);
+    MDT_TRY(mdt_dit_declare_text_embedder(t, &f->ctx_emb, "context_embedder", C, f->joint_dim, 1));
     mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->x_emb, "", "x_embedder", C, f->in_ch, rep, 1));
     for (int64_t i = 0; i < f->layers; i++) {

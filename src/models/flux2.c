@@ -89,7 +89,7 @@ static mdt_status add_ff(mdt_wtable *t, mdt_lin *in, mdt_lin *out, const char *p
 
 static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
     const int64_t C = f->inner, M = f->mlp_hidden, D = f->head_dim;
-    const mdt_tp_style rep = MDT_TP_REPLICATED, adaln = MDT_TP_REPLICATED_INPUT_ROWWISE;
+    const mdt_tp_style rep = MDT_TP_REPLICATED;
     const float eps = (float)f->eps;
     char p[MDT_NAME_MAX];
     mdt_wtable_rows(t, MDT_ROWS_ONE); /* conditioning: one row per sample */
@@ -106,13 +106,7 @@ static mdt_status flux2_table(flux2 *f, mdt_wtable *t) {
                                   C, 0));
     mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->x_emb, "", "x_embedder", C, f->in_ch, rep, 0));
-    /* the text rows are replicated into the embedder, each rank using its input slice (any tp:
-     * the slices follow mdt_split_range) */
-    mdt_wtable_rows(t, MDT_ROWS_TEXT);
-    const int ctx_first = t->n;
-    MDT_TRY(
-        mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->joint_dim, adaln, 0));
-    mdt_wtable_set_uneven(t, ctx_first);
+    MDT_TRY(mdt_dit_declare_text_embedder(t, &f->ctx_emb, "context_embedder", C, f->joint_dim, 0));
     mdt_wtable_rows(t, MDT_ROWS_ONE);
     for (int64_t i = 0; i < f->layers; i++) {
         f2_double *b = &f->dbl[i];

@@ -132,12 +132,7 @@ static mdt_status h3_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     MDT_TRY(mdt_wtable_add_linear(t, &f->proj_in, "", "proj_in", C, f->Pv, rep, 1));
     MDT_TRY(
         mdt_wtable_add_linear(t, &f->audio_proj_in, "", "audio_proj_in", C, f->audio_in, rep, 1));
-    mdt_wtable_rows(t, MDT_ROWS_TEXT);
-    /* the whole text on every rank: each TP rank embeds it through its slice of the input */
-    const int ctx_first = t->n;
-    MDT_TRY(mdt_wtable_add_linear(t, &f->ctx_emb, "", "context_embedder", C, f->text_dim,
-                                  MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
-    mdt_wtable_set_uneven(t, ctx_first);
+    MDT_TRY(mdt_dit_declare_text_embedder(t, &f->ctx_emb, "context_embedder", C, f->text_dim, 1));
     mdt_wtable_rows(t, MDT_ROWS_ONE); /* conditioning: one row per timestep */
     MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin1, "time_embedder.", "linear_1", f->time_hidden,
                                   f->freq_dim, rep, 1));

@@ -79,12 +79,7 @@ static mdt_status qwen_table(qwen *f, mdt_wtable *t) {
     MDT_TRY(mdt_wtable_add_vector(t, &f->txt_norm, "", "txt_norm.weight", f->joint_dim));
     mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->img_in, "", "img_in", C, f->in_ch, rep, 1));
-    mdt_wtable_rows(t, MDT_ROWS_TEXT);
-    /* the replicated text: each TP rank projects it through its slice of the input features */
-    const int txt_first = t->n;
-    MDT_TRY(mdt_wtable_add_linear(t, &f->txt_in, "", "txt_in", C, f->joint_dim,
-                                  MDT_TP_REPLICATED_INPUT_ROWWISE, 1));
-    mdt_wtable_set_uneven(t, txt_first);
+    MDT_TRY(mdt_dit_declare_text_embedder(t, &f->txt_in, "txt_in", C, f->joint_dim, 1));
     for (int64_t i = 0; i < f->layers; i++) {
         qwen_block *b = &f->blk[i];
         snprintf(p, sizeof p, "transformer_blocks.%lld.", (long long)i);
