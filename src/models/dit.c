@@ -117,13 +117,11 @@ void mdt_dit_linear(const mdt_lin *l, const float *x, int64_t M, float *y, int64
 
 mdt_status mdt_dit_row_linear(const mdt_dit *d, const mdt_lin *l, const float *x, int64_t ldx,
                               float *y, int64_t M) {
-    mdt_k()->linear(x, ldx, l->w, l->wh, NULL, y, l->out, M, l->in_local,
-                    l->out); // [M, out] partial
-    if (d->T > 1)
-        MDT_TRY(mdt_allreduce_sum(d->mesh, MDT_GROUP_TP, y, M * l->out));
-    if (l->b)
-        mdt_k()->add_bias(y, l->out, l->b, M, l->out); // [M, out] += b[out]
-    return MDT_OK;
+    /* the bias rides in TP rank 0's GEMM epilogue, so the sum holds it once and no rank makes
+     * a separate pass over y for it */
+    mdt_k()->linear(x, ldx, l->w, l->wh, d->k == 0 ? l->b : NULL, y, l->out, M, l->in_local,
+                    l->out); // [M, out] partial (+ b on rank 0)
+    return d->T > 1 ? mdt_allreduce_sum(d->mesh, MDT_GROUP_TP, y, M * l->out) : MDT_OK;
 }
 
 mdt_status mdt_dit_slice_linear(const mdt_dit *d, const mdt_lin *l, const float *x, int64_t ldx,

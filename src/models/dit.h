@@ -91,7 +91,8 @@ mdt_status mdt_dit_check_rope_axes(const int64_t *ax, int nax, int64_t head_dim)
  * colwise linears (packed colwise: this rank's piece of each block, side by side). */
 void mdt_dit_linear(const mdt_lin *l, const float *x, int64_t M, float *y, int64_t ldy);
 /* Rowwise (plain, packed or replicated-input): y [M, out] = the sum over the TP group of
- * x_local [M, l->in_local] (rows ldx apart) . W_local^T, then the full bias once. */
+ * x_local [M, l->in_local] (rows ldx apart) . W_local^T, the full bias once: added by TP rank
+ * 0's GEMM before the all-reduce (no pass of its own). */
 mdt_status mdt_dit_row_linear(const mdt_dit *d, const mdt_lin *l, const float *x, int64_t ldx,
                               float *y, int64_t M);
 /* A replicated-input rowwise linear (an embedder of the replicated text, x [M, l->in] with rows
