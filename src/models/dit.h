@@ -102,7 +102,9 @@ mdt_status mdt_dit_row_linear(const mdt_dit *d, const mdt_lin *l, const float *x
 mdt_status mdt_dit_slice_linear(const mdt_dit *d, const mdt_lin *l, const float *x, int64_t ldx,
                                 float *y, int64_t M);
 /* AdaLN projection of the replicated conditioning: this rank multiplies its slice of input
- * features of d->cond by its weight columns; y [cond_rows, out] after the all-reduce. */
+ * features of d->cond by its weight columns; y [cond_rows, out] after the all-reduce. Under CP
+ * (P > 1) each CP rank computes only its slice of the output features (mdt_split_range) and an
+ * all-gather over the CP group assembles y: the weights are read once per group, not per rank. */
 mdt_status mdt_dit_adaln(const mdt_dit *d, const mdt_lin *l, float *y);
 /* y [M, l2->out] = l2(SiLU(l1(x [M, l1->in]))) with scratch h [M, l1->out] (replicated). */
 void mdt_dit_mlp2(const mdt_lin *l1, const mdt_lin *l2, const float *x, int64_t M, float *h,
