@@ -34,14 +34,21 @@ void mdt_estimate_layout(const mdt_model *m, int64_t S, int64_t L, double b, con
     const int cross = mdt_model_cross_attention(m);
     const double Lt = L < 0 ? 0 : (double)(L > S && !cross ? S : L);
     const double txt = cross ? Lt : Lt / P;
-    double weights = 0, n_rowwise = 0, rows_ar = 0, elementwise = 0;
+    double weights = 0, n_rowwise = 0, rows_ar = 0, elementwise = 0, n_cond = 0, cond_out = 0;
     for (int i = 0; i < m->table.n; i++) {
         const mdt_weight_spec *w = &m->table.specs[i];
         int64_t loc[2];
         mdt_shard_local_shape(w, T, 0, loc); /* coordinate 0: the largest */
         weights += (double)loc[0] * (w->ndim > 1 ? (double)loc[1] : 1.0) * b;
-        /* the rows each linear runs on, as its family declared them: the conditioning (one row
-         * per sample, ~no FLOPs) and tensors that are no linear's weight count none */
+        /* the AdaLN projections of the conditioning (one row per sample, ~no FLOPs): under TP
+         * an all-reduce of this CP rank's slice of the outputs, under CP an all-gather of them */
+        if (w->ndim == 2 && w->rows == MDT_ROWS_ONE && w->style == MDT_TP_REPLICATED_INPUT_ROWWISE) {
+            n_cond += 1, cond_out += (double)w->shape[0];
+            if (T > 1)
+                n_rowwise += 1, rows_ar += (double)w->shape[0] / P;
+        }
+        /* the rows each linear runs on, as its family declared them: the conditioning and
+         * tensors that are no linear's weight count none */
         if (w->ndim != 2 || w->rows == MDT_ROWS_ONE || w->rows == MDT_ROWS_NONE)
             continue;
         const double rows = w->rows == MDT_ROWS_TEXT    ? txt
@@ -76,6 +83,7 @@ void mdt_estimate_layout(const mdt_model *m, int64_t S, int64_t L, double b, con
     e->bytes_ulysses = U > 1 ? n_attn * 4.0 * (U - 1) / U * s * (A / T) * b : 0;
     e->bytes_ring = R > 1 ? n_attn * 2.0 * (R - 1) * ((double)S / R) * (A / (T * U)) * b : 0;
     e->bytes_cp = P > 1 ? (P - 1) * s * D * b : 0;
+    const double bytes_cond = P > 1 ? (P - 1) / P * cond_out * b : 0;
     e->act_bytes = mdt_act_bytes(m, T, R, U, 1, S, b);
     /* placement: tp innermost on a node, then ulysses, then ring (only what exceeds a node
      * crosses it) */
@@ -96,7 +104,9 @@ void mdt_estimate_layout(const mdt_model *m, int64_t S, int64_t L, double b, con
         mdt_plan_coll_seconds(dev, MDT_COST_ALLTOALL, x_u, U > 1 ? n_attn * 4.0 : 0,
                               e->bytes_ulysses) +
         t_ring - hide * fmin(t_ring, t_attn) +
-        mdt_plan_coll_seconds(dev, MDT_COST_ALLGATHER, x_r || x_u, P > 1 ? 1 : 0, e->bytes_cp);
+        mdt_plan_coll_seconds(dev, MDT_COST_ALLGATHER, x_r || x_u, P > 1 ? 1 : 0, e->bytes_cp) +
+        mdt_plan_coll_seconds(dev, MDT_COST_ALLGATHER, x_r || x_u, P > 1 ? n_cond : 0, bytes_cond);
+    e->bytes_cp += bytes_cond;
     e->t_step = e->t_compute + e->t_comm;
     if (e->weight_bytes + e->act_bytes > dev->mem_bytes) {
         snprintf(e->why, sizeof e->why,
