@@ -489,11 +489,13 @@ mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n) {
         count(m, g, MDT_COLL_ALLREDUCE, 2 * (int64_t)(P - 1) * chunk * 4);
         return MDT_OK;
     }
-    MDT_TRY(ensure_scratch(m, padded + chunk));
-    float *full = m->scratch, *mine = m->scratch + padded;
+    /* a host buffer that P divides is reduced in place (the same steps, no copy in and out) */
+    const int inplace = !dev && padded == n;
+    MDT_TRY(ensure_scratch(m, inplace ? chunk : padded + chunk));
+    float *full = inplace ? buf : m->scratch, *mine = inplace ? m->scratch : m->scratch + padded;
     if (dev)
         mdt_mem_device()->to_host(full, buf, sizeof(float) * (size_t)n);
-    else
+    else if (!inplace)
         memcpy(full, buf, sizeof(float) * (size_t)n);
     memset(full + n, 0, sizeof(float) * (size_t)(padded - n));
     char what[48];
@@ -513,7 +515,7 @@ mdt_status mdt_allreduce_sum(mdt_mesh *m, mdt_group g, float *buf, int64_t n) {
     }
     if (dev)
         mdt_mem_device()->to_device(buf, full, sizeof(float) * (size_t)n);
-    else
+    else if (!inplace)
         memcpy(buf, full, sizeof(float) * (size_t)n);
     count(m, g, MDT_COLL_ALLREDUCE, 2 * (int64_t)(P - 1) * chunk * 4);
     return MDT_OK;

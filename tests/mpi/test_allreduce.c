@@ -3,7 +3,8 @@
  * (small messages, more than two members) and the ring of point-to-point steps (two members, or
  * chunks of 64 KiB and more). Values are small integers, so every sum is exact whatever the
  * order: each member must hold exactly the sum, bit for bit the same on every member, with the
- * byte counter at 2 (P - 1) chunks; sizes not divisible by P (the padded tail).
+ * byte counter at 2 (P - 1) chunks; sizes not divisible by P (the padded tail, through scratch)
+ * and sizes P divides (reduced in place), with the floats after the buffer untouched.
  *
  * usage: mpiexec -n P build/tests/mpi/test_allreduce   (P = 2, 3, 4: one TP group of P)
  */
@@ -29,11 +30,13 @@ int main(int argc, char **argv) {
         return 1;
     }
     /* small (MPI's path unless P = 2), one below and at the ring's chunk threshold, large */
-    const int64_t sizes[] = {1, 7, 1001, 16384 * (int64_t)P - 1, 16384 * (int64_t)P + 5, 300001};
+    const int64_t sizes[] = {1,   7, 12 * (int64_t)P, 1001, 16384 * (int64_t)P - 1, 16384 * (int64_t)P,
+                             16384 * (int64_t)P + 5, 300001, 75000 * (int64_t)P};
     for (size_t k = 0; k < sizeof sizes / sizeof *sizes; k++) {
         const int64_t n = sizes[k], chunk = (n + P - 1) / P;
-        float *x = malloc(sizeof(float) * (size_t)n), *first = malloc(sizeof(float) * (size_t)n);
-        for (int64_t i = 0; i < n; i++)
+        float *x = malloc(sizeof(float) * (size_t)(n + 16)); // [n] and 16 guard floats
+        float *first = malloc(sizeof(float) * (size_t)n);
+        for (int64_t i = 0; i < n + 16; i++)
             x[i] = val(g_rank, i);
         const int64_t b0 = mesh->bytes_sent[MDT_COLL_ALLREDUCE];
         EXPECT_OK(mdt_allreduce_sum(mesh, MDT_GROUP_TP, x, n)); // x [n] summed over P
@@ -45,6 +48,10 @@ int main(int argc, char **argv) {
             exact &= x[i] == (float)want;
         }
         EXPECT(exact, "rank %d, n %lld: the sum is not exact", g_rank, (long long)n);
+        int kept = 1;
+        for (int64_t i = n; i < n + 16; i++)
+            kept &= x[i] == val(g_rank, i);
+        EXPECT(kept, "rank %d, n %lld: floats after the buffer changed", g_rank, (long long)n);
         /* every member holds rank 0's bits */
         if (g_rank == 0)
             memcpy(first, x, sizeof(float) * (size_t)n);
