@@ -267,8 +267,8 @@ static void test_linear_bf16(mdt_rng *r) {
     free(w), free(wf), free(b), free(wh);
 }
 
-static void test_norms(mdt_rng *r) {
-    const long M = 19, C = 96;
+static void test_norms(mdt_rng *r, long C) { /* C: whole 32-lane blocks, a tail, or both */
+    const long M = 19;
     float *x = rnd(r, M * C, 3), *shift = rnd(r, C, 1), *scale = rnd(r, C, 1);
     float *y = malloc(sizeof(float) * M * C), *yr = malloc(sizeof(float) * M * C);
     for (long i = 0; i < M * C; i++)
@@ -536,7 +536,9 @@ int main(void) {
             test_linear_forms(&r);
             test_linear_packed(&r);
             test_linear_bf16(&r);
-            test_norms(&r);
+            test_norms(&r, 37);
+            test_norms(&r, 96);
+            test_norms(&r, 1000);
             test_heads_prepare(&r);
             test_activations(&r);
             test_rope_half(&r);
