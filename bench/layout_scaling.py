@@ -6,7 +6,9 @@ reductions, CP gathers, dispatch) and each layout's speed-up over one rank in ea
 one-rank rate as a fraction of this core's FMA peak (bench_sgemm, same run). The kernel seconds,
 the time outside them and the seconds blocked in each collective kind and in the world's agreement
 (`wait_seconds_last_step`) are all of the report's last step, so they add up to its wall time
-(`last_step_seconds`); the rest outside kernels is copies, staging and dispatch. Benchmarks only
+(`last_step_seconds`); the rest outside kernels is copies, staging and dispatch. The kernel
+seconds of every rank (fastest / slowest) show ranks doing the same work at different speeds: what
+the faster waits for in the collectives. Benchmarks only
 (never in make test); the standard library only (no torch).
 
 With --pack-compare every layout also runs with the linears' weights kept plain
@@ -52,8 +54,10 @@ def run_layout(a, env, tmp, t, r, u, tag, pack=None, binary=None):
     with open(report) as f:
         d = json.load(f)
     rk = d["ranks"][0]
+    # every rank's kernel seconds: ranks doing the same work at different speeds (the spread)
+    ks = [sum(x["kernel_seconds_per_step"].values()) for x in d["ranks"]]
     return (d["step_seconds_median"], rk["kernel_seconds_per_step"], rk["flops_per_step"],
-            rk["last_step_seconds"], rk["wait_seconds_last_step"])
+            rk["last_step_seconds"], rk["wait_seconds_last_step"], (min(ks), max(ks)))
 
 
 def main():
@@ -112,10 +116,11 @@ def main():
           + (f" = {100 * gflop / min(one) / peak:.1f}% of the FMA peak" if peak else ""))
     print("| layout | step s (median) | last step s | linear s (GFLOP/s) | attention s (GFLOP/s) "
           "| other s | outside kernels s | blocked: agreement / all-to-all / all-reduce / "
-          "send-recv / all-gather s | rest outside s | speed-up per round |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "send-recv / all-gather s | rest outside s | kernel s per rank, fastest / slowest "
+          "| speed-up per round |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for lay in layouts:
-        step, k, f, last, w = res[lay][-1]
+        step, k, f, last, w, spread = res[lay][-1]
         rate = lambda c: f[c] / k[c] / 1e9 if k[c] > 0 else 0.0
         ups = " / ".join(f"{one[i] / x[0]:.2f}x" for i, x in enumerate(res[lay]))
         outside = last - sum(k.values())
@@ -125,7 +130,7 @@ def main():
         print(f"| tp{lay[0]} ring{lay[1]} ulysses{lay[2]} | {step:.3f} | {last:.3f} | "
               f"{k['linear']:.3f} ({rate('linear'):.1f}) | {k['attention']:.3f} "
               f"({rate('attention'):.1f}) | {k['other']:.3f} | {outside:.3f} | {parts} | "
-              f"{outside - blocked:.3f} | {ups} |")
+              f"{outside - blocked:.3f} | {spread[0]:.3f} / {spread[1]:.3f} | {ups} |")
     print("medians of the step per layout:",
           ", ".join(f"tp{t}r{r}u{u} {statistics.median(x[0] for x in res[(t, r, u)]):.3f}"
                     for t, r, u in layouts))
