@@ -27,8 +27,9 @@ void mdt_attn_head_group(int64_t H, int U, int j, int64_t *h0, int64_t *hn) {
  * into s->out [L, ldO] and its log-sum-exp s->lse [hn, L]. With the next block in flight (rq) on
  * host memory, the work is cut into pieces of about MDT_RING_POLL_FLOPS (one head, a run of
  * query rows; each row's result does not depend on the cut) and the transfer is moved along
- * between pieces: the CPU transports move data only inside MPI calls. On a device the kernel runs
- * whole (its launches are asynchronous; cutting them would only shrink them). */
+ * between pieces: the CPU transports move data only inside MPI calls. Once it has landed, the
+ * rest of the work runs in whole calls (same bits, the kernel's full rate). On a device the
+ * kernel runs whole (its launches are asynchronous; cutting them would only shrink them). */
 static mdt_status step_attention(mdt_mesh *mesh, mdt_ring_req *rq, mdt_arena *ar,
                                  const mdt_attn_args *s) {
     const mdt_mem_source *dev = mdt_mem_device();
@@ -42,17 +43,27 @@ static mdt_status step_attention(mdt_mesh *mesh, mdt_ring_req *rq, mdt_arena *ar
     const int64_t least = mdt_backend_bf16() ? 256 : 64;
     int64_t rows = (MDT_RING_POLL_FLOPS / per_row + least - 1) / least * least;
     rows = rows < least ? least : rows;
-    int pending = 1;
     for (int64_t h = 0; h < s->H; h++)
-        for (int64_t i0 = 0; i0 < L; i0 += rows) {
+        for (int64_t i0 = 0; i0 < L;) {
+            /* once the block has landed, the rest runs in as few calls as the layout allows:
+             * this head's remaining rows, then every remaining head at once (small pieces cost
+             * the kernel ~7% of its rate: ring2's attention at 89.5 against 96.5 GFLOP/s) */
+            if (i0 == 0 && h > 0 && mdt_ring_progress(mesh, rq)) {
+                mdt_attn_args rest = *s; // heads [h, H) <- Q [H - h, L, D] . K|V [kv, D]
+                rest.q = s->q + h * L * D;
+                rest.k = s->k + h * Lmax * D, rest.v = s->v + h * Lmax * D;
+                rest.out = s->out + h * D, rest.lse = s->lse + h * L;
+                rest.H = s->H - h;
+                return mdt_k_attention(ar, &rest);
+            }
+            const int landed = i0 > 0 && mdt_ring_progress(mesh, rq);
             mdt_attn_args piece = *s; // [n, D] of head h <- Q [n, D] . K|V [kv, D]
             piece.q = s->q + (h * L + i0) * D;
             piece.k = s->k + h * Lmax * D, piece.v = s->v + h * Lmax * D;
             piece.out = s->out + i0 * s->ld_out + h * D, piece.lse = s->lse + h * L + i0;
-            piece.H = 1, piece.Sq = L - i0 < rows ? L - i0 : rows;
+            piece.H = 1, piece.Sq = landed || L - i0 < rows ? L - i0 : rows;
             MDT_TRY(mdt_k_attention(ar, &piece));
-            if (pending)
-                pending = !mdt_ring_progress(mesh, rq);
+            i0 += piece.Sq;
         }
     return MDT_OK;
 }
