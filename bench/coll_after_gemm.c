@@ -36,7 +36,7 @@ int main(int argc, char **argv) {
     }
     float *a = malloc(sizeof(float) * (size_t)(M * (K > 0 ? K : 1))); // [M, K]
     float *b = malloc(sizeof(float) * (size_t)(N * (K > 0 ? K : 1))); // [N, K]
-    float *c = calloc((size_t)(M * N), sizeof(float));                 // [M, N]
+    float *c = calloc((size_t)(M * N), sizeof(float));                // [M, N]
     double *tg = malloc(sizeof(double) * (size_t)reps), *ta = malloc(sizeof(double) * (size_t)reps);
     double *tb = malloc(sizeof(double) * (size_t)reps), *tc = malloc(sizeof(double) * (size_t)reps);
     for (int64_t i = 0; i < M * K; i++)
@@ -62,11 +62,12 @@ int main(int argc, char **argv) {
         qsort(ta, (size_t)reps, sizeof(double), cmp);
         tc[barrier] = ta[reps / 2];
         if (ok)
-            printf("rank %d of %d: [%lld x %lld] . [%lld x %lld]^T: GEMM %.3f ms, %s the all-reduce "
-                   "of %.1f MiB %.3f ms (medians of %d)\n",
-                   rank, size, (long long)M, (long long)K, (long long)N, (long long)K,
-                   tg[reps / 2] * 1e3, barrier ? "barrier" : "then", (double)(M * N) * 4 / 1048576.0,
-                   ta[reps / 2] * 1e3, reps);
+            printf(
+                "rank %d of %d: [%lld x %lld] . [%lld x %lld]^T: GEMM %.3f ms, %s the all-reduce "
+                "of %.1f MiB %.3f ms (medians of %d)\n",
+                rank, size, (long long)M, (long long)K, (long long)N, (long long)K,
+                tg[reps / 2] * 1e3, barrier ? "barrier" : "then", (double)(M * N) * 4 / 1048576.0,
+                ta[reps / 2] * 1e3, reps);
         if (ok && barrier)
             printf("rank %d of %d: the barrier (waiting for the peer) %.3f ms\n", rank, size,
                    tb[reps / 2] * 1e3);

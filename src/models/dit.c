@@ -153,8 +153,8 @@ mdt_status mdt_dit_adaln(const mdt_dit *d, const mdt_lin *l, float *y) {
         counts[r] = M * nl;
     }
     mdt_split_range(N, P, d->cp.chunk, &n0, &nl);
-    float *part = mdt_arena_floats(d->ar, M * nl);                // [M, N/P] this rank's columns
-    float *all = M > 1 ? mdt_arena_floats(d->ar, M * N) : y;      // [P][M, N/P] gathered
+    float *part = mdt_arena_floats(d->ar, M * nl);           // [M, N/P] this rank's columns
+    float *all = M > 1 ? mdt_arena_floats(d->ar, M * N) : y; // [P][M, N/P] gathered
     if (!part || !all)
         return MDT_E_NOMEM;
     mdt_k()->linear(x, d->cond_width, l->w ? l->w + n0 * K : NULL, l->wh ? l->wh + n0 * K : NULL,

@@ -42,7 +42,8 @@ void mdt_estimate_layout(const mdt_model *m, int64_t S, int64_t L, double b, con
         weights += (double)loc[0] * (w->ndim > 1 ? (double)loc[1] : 1.0) * b;
         /* the AdaLN projections of the conditioning (one row per sample, ~no FLOPs): under TP
          * an all-reduce of this CP rank's slice of the outputs, under CP an all-gather of them */
-        if (w->ndim == 2 && w->rows == MDT_ROWS_ONE && w->style == MDT_TP_REPLICATED_INPUT_ROWWISE) {
+        if (w->ndim == 2 && w->rows == MDT_ROWS_ONE &&
+            w->style == MDT_TP_REPLICATED_INPUT_ROWWISE) {
             n_cond += 1, cond_out += (double)w->shape[0];
             if (T > 1)
                 n_rowwise += 1, rows_ar += (double)w->shape[0] / P;

@@ -30,8 +30,15 @@ int main(int argc, char **argv) {
         return 1;
     }
     /* small (MPI's path unless P = 2), one below and at the ring's chunk threshold, large */
-    const int64_t sizes[] = {1,   7, 12 * (int64_t)P, 1001, 16384 * (int64_t)P - 1, 16384 * (int64_t)P,
-                             16384 * (int64_t)P + 5, 300001, 75000 * (int64_t)P};
+    const int64_t sizes[] = {1,
+                             7,
+                             12 * (int64_t)P,
+                             1001,
+                             16384 * (int64_t)P - 1,
+                             16384 * (int64_t)P,
+                             16384 * (int64_t)P + 5,
+                             300001,
+                             75000 * (int64_t)P};
     for (size_t k = 0; k < sizeof sizes / sizeof *sizes; k++) {
         const int64_t n = sizes[k], chunk = (n + P - 1) / P;
         float *x = malloc(sizeof(float) * (size_t)(n + 16)); // [n] and 16 guard floats
