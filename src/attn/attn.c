@@ -88,8 +88,9 @@ static mdt_status ring_attention(mdt_mesh *mesh, mdt_arena *ar, const mdt_attn_a
     float *to = mdt_arena_floats(ar, L * hn * D);
     if (!cur || !nxt || !lse || !tl || !to)
         return MDT_E_NOMEM;
-    mdt_k()->fill(cur, 2 * blk, 0.0f);                      /* own block, rows padded to Lmax */
-    mdt_k()->copy2d(cur, Lmax * D, a->k, L * D, hn, L * D); // [hn, Lmax, D] <- [hn, L, D]
+    for (int64_t h = 0; L < Lmax && h < 2 * hn; h++) /* own block, rows padded to Lmax (zeros) */
+        mdt_k()->fill(cur + (h * Lmax + L) * D, (Lmax - L) * D, 0.0f); // rows [L, Lmax) of head h
+    mdt_k()->copy2d(cur, Lmax * D, a->k, L * D, hn, L * D);       // [hn, Lmax, D] <- [hn, L, D]
     mdt_k()->copy2d(cur + blk, Lmax * D, a->v, L * D, hn, L * D); // [hn, Lmax, D] <- [hn, L, D]
     mdt_counters *cn = mdt_counters_get();
     for (int s = 0; s < R; s++) {
