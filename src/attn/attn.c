@@ -181,14 +181,17 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const mdt_attn_args *a) 
     if (!recv || !qkv[0] || !qkv[1] || !qkv[2] || !ob || !back)
         return MDT_E_NOMEM;
     const float *src[3] = {a->q, a->k, a->v};
+    /* my own rows of my head group go straight to their place (one copy, not MPI's and then the
+     * unpack's): the collective moves only the other members' blocks */
     for (int i = 0; i < U; i++) {
-        sc[i] = hc[i] * S_local * D, sd[i] = h0[i] * S_local * D;
-        rc[i] = hn * lens[i] * D, rd[i] = hn * offs[i] * D;
+        sc[i] = i == me ? 0 : hc[i] * S_local * D, sd[i] = h0[i] * S_local * D;
+        rc[i] = i == me ? 0 : hn * lens[i] * D, rd[i] = hn * offs[i] * D;
     }
     for (int x = 0; x < 3 && st == MDT_OK; x++) {
         st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, src[x], sc, sd, recv, rc, rd);
         for (int i = 0; st == MDT_OK && i < U; i++) /* member i's rows of every head */
-            mdt_k()->copy2d(qkv[x] + offs[i] * D, L * D, recv + rd[i], lens[i] * D, hn,
+            mdt_k()->copy2d(qkv[x] + offs[i] * D, L * D, i == me ? src[x] + sd[me] : recv + rd[i],
+                            lens[i] * D, hn,
                             lens[i] * D); // [hn, L, D] rows offs_i.. <- [hn, lens_i, D]
     }
     if (st == MDT_OK) { /* my head group over the gathered rows: ob [L, hn D] */
@@ -214,13 +217,14 @@ mdt_status mdt_attention(mdt_mesh *mesh, mdt_arena *ar, const mdt_attn_args *a) 
     }
     /* Ulysses inverse: rows of member i go back to it; head group j lands at columns h0_j D */
     for (int i = 0; i < U; i++) {
-        sc[i] = lens[i] * hn * D, sd[i] = offs[i] * hn * D;
-        rc[i] = S_local * hc[i] * D, rd[i] = S_local * h0[i] * D;
+        sc[i] = i == me ? 0 : lens[i] * hn * D, sd[i] = offs[i] * hn * D;
+        rc[i] = i == me ? 0 : S_local * hc[i] * D, rd[i] = S_local * h0[i] * D;
     }
     if (st == MDT_OK)
         st = mdt_alltoallv_floats(mesh, MDT_GROUP_ULYSSES, ob, sc, sd, back, rc, rd);
-    for (int j = 0; st == MDT_OK && j < U; j++) /* head group j at its columns */
-        mdt_k()->copy2d(a->out + h0[j] * D, a->ld_out, back + rd[j], hc[j] * D, S_local,
+    for (int j = 0; st == MDT_OK && j < U; j++) /* head group j at its columns (mine from ob) */
+        mdt_k()->copy2d(a->out + h0[j] * D, a->ld_out, j == me ? ob + sd[me] : back + rd[j],
+                        hc[j] * D, S_local,
                         hc[j] * D); // [S_local, H D] cols h0_j D.. <- [S_local, hc_j D]
     mdt_arena_rewind(ar, mk);
     return st;
