@@ -142,31 +142,19 @@ mdt_status mdt_dit_adaln(const mdt_dit *d, const mdt_lin *l, float *y) {
     if (P <= 1 || N < P) /* every CP rank shares the condition: the whole projection here */
         return mdt_dit_row_linear(d, l, x, d->cond_width, y, M);
     /* Under CP each rank multiplies its slice of the output features (mdt_split_range over the
-     * CP group) and an all-gather puts the rows together: the weights, read at a row product's
-     * memory rate, are read once per group instead of once per CP rank. Each output element is
-     * the same dot product as on one rank. */
-    int64_t counts[4096], n0, nl;
-    if (P > 4096)
-        return MDT_FAIL(MDT_E_UNSUPPORTED, "a context-parallel group of %d ranks is too large", P);
-    for (int r = 0; r < P; r++) {
-        mdt_split_range(N, P, r, &n0, &nl);
-        counts[r] = M * nl;
-    }
+     * CP group) and the CP gather puts the columns together (y as [M, N, 1] split along N): the
+     * weights, read at a row product's memory rate, are read once per group instead of once per
+     * CP rank. Each output element is the same dot product as on one rank. */
+    int64_t n0, nl;
     mdt_split_range(N, P, d->cp.chunk, &n0, &nl);
-    float *part = mdt_arena_floats(d->ar, M * nl);           // [M, N/P] this rank's columns
-    float *all = M > 1 ? mdt_arena_floats(d->ar, M * N) : y; // [P][M, N/P] gathered
-    if (!part || !all)
+    float *part = mdt_arena_floats(d->ar, M * nl); // [M, N/P] this rank's columns
+    if (!part)
         return MDT_E_NOMEM;
     mdt_k()->linear(x, d->cond_width, l->w ? l->w + n0 * K : NULL, l->wh ? l->wh + n0 * K : NULL,
                     l->b && d->k == 0 ? l->b + n0 : NULL, part, nl, M, K, nl); // [M, N/P]
     if (d->T > 1)
         MDT_TRY(mdt_allreduce_sum(d->mesh, MDT_GROUP_TP, part, M * nl));
-    MDT_TRY(mdt_allgatherv_floats(d->mesh, MDT_GROUP_CP, part, all, counts)); // [P][M, N/P]
-    for (int r = 0, off = 0; M > 1 && r < P; off += (int)counts[r], r++) {
-        mdt_split_range(N, P, r, &n0, &nl);
-        mdt_k()->copy2d(y + n0, N, all + off, nl, M, nl); // [M, N] columns [n0, n0 + nl)
-    }
-    return MDT_OK;
+    return mdt_cp_gather_rows(d->mesh, d->ar, P, M, N, 1, part, y); // [M, N]
 }
 
 void mdt_dit_mlp2(const mdt_lin *l1, const mdt_lin *l2, const float *x, int64_t M, float *h,
