@@ -48,7 +48,8 @@ static mdt_status step_attention(mdt_mesh *mesh, mdt_ring_req *rq, mdt_arena *ar
             /* once the block has landed, the rest runs in as few calls as the layout allows:
              * this head's remaining rows, then every remaining head at once (small pieces cost
              * the kernel ~7% of its rate: ring2's attention at 89.5 against 96.5 GFLOP/s) */
-            if (i0 == 0 && h > 0 && mdt_ring_progress(mesh, rq)) {
+            const int landed = (h > 0 || i0 > 0) && mdt_ring_progress(mesh, rq);
+            if (landed && i0 == 0) {
                 mdt_attn_args rest = *s; // heads [h, H) <- Q [H - h, L, D] . K|V [kv, D]
                 rest.q = s->q + h * L * D;
                 rest.k = s->k + h * Lmax * D, rest.v = s->v + h * Lmax * D;
@@ -56,7 +57,6 @@ static mdt_status step_attention(mdt_mesh *mesh, mdt_ring_req *rq, mdt_arena *ar
                 rest.H = s->H - h;
                 return mdt_k_attention(ar, &rest);
             }
-            const int landed = i0 > 0 && mdt_ring_progress(mesh, rq);
             mdt_attn_args piece = *s; // [n, D] of head h <- Q [n, D] . K|V [kv, D]
             piece.q = s->q + (h * L + i0) * D;
             piece.k = s->k + h * Lmax * D, piece.v = s->v + h * Lmax * D;
