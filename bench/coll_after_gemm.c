@@ -7,16 +7,9 @@
  * GEMM left them). With K = 0 there is no GEMM (the all-reduce alone). docs/perf.md, 2026-12-06.
  * usage: mpiexec -n 2 build/bench/coll_after_gemm [M=1024] [K=2048] [reps=30]
  */
+#include "bench_stats.h"
 #include "comm/mesh.h"
 #include "kernels/cpu/gemm.h"
-
-#include <stdio.h>
-#include <stdlib.h>
-
-static int cmp(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
@@ -34,16 +27,12 @@ int main(int argc, char **argv) {
         MPI_Finalize();
         return 2;
     }
-    float *a = malloc(sizeof(float) * (size_t)(M * (K > 0 ? K : 1))); // [M, K]
-    float *b = malloc(sizeof(float) * (size_t)(N * (K > 0 ? K : 1))); // [N, K]
-    float *c = calloc((size_t)(M * N), sizeof(float));                // [M, N]
+    float *a = mdt_bench_filled(M * (K > 0 ? K : 1), 1); // [M, K]
+    float *b = mdt_bench_filled(N * (K > 0 ? K : 1), 2); // [N, K]
+    float *c = calloc((size_t)(M * N), sizeof(float));   // [M, N]
     double *tg = malloc(sizeof(double) * (size_t)reps), *ta = malloc(sizeof(double) * (size_t)reps);
-    double *tb = malloc(sizeof(double) * (size_t)reps), *tc = malloc(sizeof(double) * (size_t)reps);
-    for (int64_t i = 0; i < M * K; i++)
-        a[i] = 1e-3f * (float)(i % 13);
-    for (int64_t i = 0; i < N * K; i++)
-        b[i] = 1e-3f * (float)(i % 7);
-    int ok = a && b && c && tg && ta && tb && tc;
+    double *tb = malloc(sizeof(double) * (size_t)reps);
+    int ok = a && b && c && tg && ta && tb;
     for (int barrier = 0; ok && barrier <= 1; barrier++) {
         for (int r = -2; ok && r < reps; r++) { /* two warm-up rounds */
             const double t0 = MPI_Wtime();
@@ -57,25 +46,21 @@ int main(int argc, char **argv) {
             if (r >= 0)
                 tg[r] = t1 - t0, tb[r] = t2 - t1, ta[r] = MPI_Wtime() - t2;
         }
-        qsort(tg, (size_t)reps, sizeof(double), cmp);
-        qsort(tb, (size_t)reps, sizeof(double), cmp);
-        qsort(ta, (size_t)reps, sizeof(double), cmp);
-        tc[barrier] = ta[reps / 2];
-        if (ok)
-            printf(
-                "rank %d of %d: [%lld x %lld] . [%lld x %lld]^T: GEMM %.3f ms, %s the all-reduce "
-                "of %.1f MiB %.3f ms (medians of %d)\n",
-                rank, size, (long long)M, (long long)K, (long long)N, (long long)K,
-                tg[reps / 2] * 1e3, barrier ? "barrier" : "then", (double)(M * N) * 4 / 1048576.0,
-                ta[reps / 2] * 1e3, reps);
-        if (ok && barrier)
+        if (!ok)
+            break;
+        printf("rank %d of %d: [%lld x %lld] . [%lld x %lld]^T: GEMM %.3f ms, %s the all-reduce "
+               "of %.1f MiB %.3f ms (medians of %d)\n",
+               rank, size, (long long)M, (long long)K, (long long)N, (long long)K,
+               mdt_bench_median(tg, reps) * 1e3, barrier ? "barrier" : "then",
+               (double)(M * N) * 4 / 1048576.0, mdt_bench_median(ta, reps) * 1e3, reps);
+        if (barrier)
             printf("rank %d of %d: the barrier (waiting for the peer) %.3f ms\n", rank, size,
-                   tb[reps / 2] * 1e3);
+                   mdt_bench_median(tb, reps) * 1e3);
     }
-    if (!ok) {
-        fprintf(stderr, "rank %d: %s\n", rank, mdt_last_error());
-    }
-    free(a), free(b), free(c), free(tg), free(ta), free(tb), free(tc);
+    if (!ok)
+        fprintf(stderr, "rank %d: %s\n", rank,
+                a && b && c && tg && ta && tb ? mdt_last_error() : "out of memory");
+    free(a), free(b), free(c), free(tg), free(ta), free(tb);
     mdt_mesh_free(tp);
     MPI_Finalize();
     return ok ? 0 : 1;
