@@ -58,7 +58,7 @@ const mdt_cpu_kernel_set *mdt_cpu_kernel_set_get(void);
 const mdt_kernel_ops *mdt_cpu_kernels(void);
 
 /* Tiles of the online-softmax attention: f32 operands, and bf16 operands (oneDNN calls). */
-#define MDT_ATTN_BQ 64
+#define MDT_ATTN_BQ 256
 #define MDT_ATTN_BK 256
 #ifndef MDT_ATTN_BQ16
 #define MDT_ATTN_BQ16 256
