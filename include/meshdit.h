@@ -490,6 +490,12 @@ mdt_status mdt_check_memory(const char *checkpoint_dir, mdt_mesh *mesh,
 mdt_status mdt_output_check(const char *path);
 /* The same for a run's --out and (optional) --report, named in the message, which must differ. */
 mdt_status mdt_outputs_check(const char *out, const char *report);
+/* The output `out` (shown with its flag) is none of the files the command reads: the config,
+ * weights, index or a shard of `checkpoint_dir` (NULL: none), nor any of `inputs` [n] (NULL
+ * entries skipped). The same file is found through links (device and inode); a path that does
+ * not exist yet passes. MDT_E_INVALID naming both. Local. */
+mdt_status mdt_output_not_input(const char *flag, const char *out, const char *checkpoint_dir,
+                                const char *const *inputs, int n);
 /* Writes `set` to `out` (safetensors) and, with `report`, `report_text` to it: both or neither
  * (each staged beside its target and renamed only once both are written). Local. */
 mdt_status mdt_outputs_write(const char *out, const mdt_tensor_set *set, const char *report,

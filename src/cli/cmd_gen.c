@@ -76,6 +76,8 @@ int cmd_inputs(int argc, char **argv) {
         st = mdt_tensor_set_create(&set);
     if (st == MDT_OK)
         st = mdt_output_check(out);
+    if (st == MDT_OK)
+        st = mdt_output_not_input("--out", out, ck, NULL, 0);
     if (st == MDT_OK) {
         const mdt_random_inputs p = {.seed = (uint64_t)seed,
                                      .batch = batch,

@@ -33,10 +33,15 @@ static void print_device(const mdt_device_spec *d) {
         }
 }
 
-static int calibrate(mdt_model_info *info, const char *path, long long tokens) {
+static int calibrate(mdt_model_info *info, const char *path, const char *ck, const char *cfgp,
+                     long long tokens) {
     mdt_device_spec dev;
-    /* a file that cannot be written is refused before anything is measured */
-    mdt_status st = mdt_world_agree(cli_rank == 0 ? mdt_output_check(path) : MDT_OK);
+    /* a file that cannot be written, or that the command reads, is refused before anything is
+     * measured */
+    mdt_status st = MDT_OK;
+    if (cli_rank == 0 && (st = mdt_output_check(path)) == MDT_OK)
+        st = mdt_output_not_input("--calibrate", path, ck, (const char *const[]){cfgp}, 1);
+    st = mdt_world_agree(st);
     if (st != MDT_OK) {
         mdt_model_info_free(info);
         return cli_fail_exit(st);
@@ -112,7 +117,7 @@ int cmd_plan(int argc, char **argv) {
             mdt_model_info_free(info);
             return cli_fail_exit(st);
         }
-        return calibrate(info, cal, tokens);
+        return calibrate(info, cal, ck, cfgp, tokens);
     }
     if (st != MDT_OK)
         return cli_fail_exit(st);

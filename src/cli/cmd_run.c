@@ -163,6 +163,18 @@ static int parse_run(int argc, char **argv, run_args *a) {
     return 0;
 }
 
+/* --out and --report replace none of the files the run reads (rank 0 checks: it writes them). */
+static mdt_status outputs_not_inputs(const run_args *a) {
+    static char paths[16][4096];
+    const char *in[17] = {a->inp};
+    int n = 1;
+    for (int i = 0; i < a->nlora; i++) /* a spec whose scale is malformed: the load says so */
+        if (cli_lora_file(a->lora[i], paths[i], sizeof paths[i]) == MDT_OK)
+            in[n++] = paths[i];
+    const mdt_status st = mdt_output_not_input("--out", a->out, a->ck, in, n);
+    return st != MDT_OK ? st : mdt_output_not_input("--report", a->report, a->ck, in, n);
+}
+
 int cmd_run(int argc, char **argv) {
     run_args a = {0};
     int rc = parse_run(argc, argv, &a);
@@ -177,7 +189,10 @@ int cmd_run(int argc, char **argv) {
     if (st != MDT_OK)
         return cli_fail_exit(st); /* same verdict on every rank: nothing to agree on */
     /* rank 0 writes the outputs: it finds out now, not after the compute, that it cannot */
-    st = mdt_mesh_agree(mesh, cli_rank == 0 ? mdt_outputs_check(a.out, a.report) : MDT_OK);
+    st = MDT_OK;
+    if (cli_rank == 0 && (st = mdt_outputs_check(a.out, a.report)) == MDT_OK)
+        st = outputs_not_inputs(&a);
+    st = mdt_mesh_agree(mesh, st);
     if (st == MDT_OK)
         st = mdt_device_select(mesh, a.l.device, a.l.dtype, a.l.comm);
     if (st != MDT_OK)

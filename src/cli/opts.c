@@ -217,6 +217,11 @@ static mdt_status lora_spec(const char *spec, char *path, size_t cap, double *sc
     return MDT_OK;
 }
 
+mdt_status cli_lora_file(const char *spec, char *path, size_t cap) {
+    double scale;
+    return lora_spec(spec, path, cap, &scale);
+}
+
 mdt_status cli_load_loras(mdt_model *m, const char *const *specs, int n, double *lora_s) {
     char names[16][MDT_LORA_NAME], bases[16][52];
     const char *np[16];

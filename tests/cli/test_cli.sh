@@ -517,6 +517,38 @@ expect_error report-is-symlink 1 "--report: $T/link.safetensors: is a symbolic l
     bad "out-is-symlink: the link or its target changed"
 expect_error out-is-report 1 "name the same file" -- "$BIN" "${ORUN[@]}" \
     --checkpoint "$DATA/flux_tiny" --out "$T/same.json" --report "$T/./same.json"
+# an output never replaces a file the command reads: the checkpoint's config, weights, index or
+# shards, the inputs, an adapter; each refused before any work, and each file left as it was
+mkdir -p "$T/ck" && cp "$DATA/flux_tiny/config.json" "$DATA/flux_tiny/diffusion_pytorch_model.safetensors" \
+    "$DATA/flux_tiny/inputs.safetensors" "$T/ck/" && cp "$DATA/lora/flux_tiny/a.safetensors" "$T/ck/a.safetensors"
+sum_ck() { cat "$T"/ck/* | cksum; }
+ck_before=$(sum_ck)
+CKRUN=(run --checkpoint "$T/ck" --inputs "$T/ck/inputs.safetensors" --quiet)
+expect_error out-is-weights 1 "--out $T/ck/diffusion_pytorch_model.safetensors is the checkpoint's diffusion_pytorch_model.safetensors" -- \
+    "$BIN" "${CKRUN[@]}" --out "$T/ck/diffusion_pytorch_model.safetensors"
+expect_error out-is-config 1 "is the checkpoint's config.json" -- \
+    "$BIN" "${CKRUN[@]}" --out "$T/ck/config.json"
+expect_error out-is-inputs 1 "--out $T/ck/./inputs.safetensors is the input file $T/ck/inputs.safetensors" -- \
+    "$BIN" "${CKRUN[@]}" --out "$T/ck/./inputs.safetensors"
+expect_error report-is-inputs 1 "--report $T/ck/inputs.safetensors is the input file" -- \
+    "$BIN" "${CKRUN[@]}" --out "$T/o.safetensors" --report "$T/ck/inputs.safetensors"
+expect_error out-is-lora 1 "is the input file $T/ck/a.safetensors" -- \
+    "$BIN" "${CKRUN[@]}" --out "$T/ck/a.safetensors" --lora "$T/ck/a.safetensors:0.5"
+ln "$T/ck/inputs.safetensors" "$T/hardlink.safetensors"
+expect_error out-is-hardlinked-inputs 1 "is the input file" -- \
+    "$BIN" "${CKRUN[@]}" --out "$T/hardlink.safetensors"
+rm -f "$T/hardlink.safetensors"
+expect_error inputs-out-is-weights 1 "is the checkpoint's diffusion_pytorch_model.safetensors" -- \
+    "$BIN" inputs --checkpoint "$T/ck" --out "$T/ck/diffusion_pytorch_model.safetensors"
+expect_error calibrate-is-config 1 "--calibrate $T/ck/config.json is the checkpoint's config.json" -- \
+    "$BIN" plan --checkpoint "$T/ck" --calibrate "$T/ck/config.json"
+[ "$(sum_ck)" = "$ck_before" ] && ok || bad "out-is-input: a file the command reads changed"
+"$BIN" gen --model flux --preset tiny --shards 2 --out "$T/cksh" >/dev/null
+shard1=diffusion_pytorch_model-00001-of-00002.safetensors
+sh_before=$(cksum <"$T/cksh/$shard1")
+expect_error out-is-shard 1 "is the checkpoint's $shard1" -- \
+    "$BIN" run --checkpoint "$T/cksh" --inputs "$DATA/flux_tiny/inputs.safetensors" --quiet --out "$T/cksh/$shard1"
+[ "$(cksum <"$T/cksh/$shard1")" = "$sh_before" ] && ok || bad "out-is-shard: the shard changed"
 # a 255-byte file name works (NAME_MAX); 256 bytes is refused before the weights are read
 n255=$(printf 'n%.0s' $(seq 243)).safetensors r255=$(printf 'r%.0s' $(seq 250)).json
 if "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/$n255" --report "$T/$r255" &&
