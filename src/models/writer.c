@@ -34,6 +34,21 @@ static mdt_status write_weights(const char *path, int n, const char *const *name
     return mdt_st_write(path, n, names, tensors, (const char *const[]){"format", "pt", NULL});
 }
 
+/* A one-file checkpoint written into `dir` must be what loaders read: an index already there
+ * would be read before it (here and in diffusers), so the new weights would be shadowed by old
+ * shards. Refused before anything is written; nothing is deleted for the caller. */
+static mdt_status no_index_in(const char *dir) {
+    char path[4096];
+    struct stat sb;
+    snprintf(path, sizeof path, "%s/%s", dir, MDT_CKPT_INDEX);
+    if (lstat(path, &sb) == 0)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "%s holds a sharded checkpoint's %s, which loaders read before the %s "
+                        "this writes: remove the old checkpoint or write to another directory",
+                        dir, MDT_CKPT_INDEX, MDT_CKPT_WEIGHTS);
+    return MDT_OK;
+}
+
 static int64_t spec_numel(const mdt_weight_spec *w) {
     return w->shape[0] * (w->ndim > 1 ? w->shape[1] : 1);
 }
@@ -97,7 +112,8 @@ static mdt_status gather_host(mdt_model *m, const char *dir) {
     if (st == MDT_OK && me == 0) {
         char path[4096];
         char *cfg = cJSON_Print(m->config);
-        if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+        st = no_index_in(dir);
+        if (st == MDT_OK && mkdir(dir, 0777) != 0 && errno != EEXIST)
             st = MDT_FAIL(MDT_E_IO, "%s: cannot create directory: %s", dir, strerror(errno));
         snprintf(path, sizeof path, "%s/config.json", dir);
         if (st == MDT_OK)
@@ -142,6 +158,8 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
     int n = m->table.n;
     if (shards < 1 || shards > n)
         MDT_CHECK(MDT_FAIL(MDT_E_INVALID, "gen: --shards must be between 1 and %d", n));
+    if (shards == 1)
+        MDT_CHECK(no_index_in(dir));
     if (mkdir(dir, 0777) != 0 && errno != EEXIST)
         MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: cannot create directory: %s", dir, strerror(errno)));
     snprintf(path, sizeof path, "%s/config.json", dir);

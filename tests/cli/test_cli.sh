@@ -549,6 +549,15 @@ sh_before=$(cksum <"$T/cksh/$shard1")
 expect_error out-is-shard 1 "is the checkpoint's $shard1" -- \
     "$BIN" run --checkpoint "$T/cksh" --inputs "$DATA/flux_tiny/inputs.safetensors" --quiet --out "$T/cksh/$shard1"
 [ "$(cksum <"$T/cksh/$shard1")" = "$sh_before" ] && ok || bad "out-is-shard: the shard changed"
+# a one-file checkpoint written over a sharded one would be shadowed by the old index: refused,
+# the old checkpoint left whole (gen and gather)
+cfg_before=$(cksum <"$T/cksh/config.json")
+expect_error gen-over-index 1 "$T/cksh holds a sharded checkpoint's diffusion_pytorch_model.safetensors.index.json" -- \
+    "$BIN" gen --model flux --preset tiny --seed 3 --out "$T/cksh"
+expect_error gather-over-index 1 "holds a sharded checkpoint's" -- \
+    "$BIN" gather --checkpoint "$T/cksh" --out "$T/cksh"
+[ "$(cksum <"$T/cksh/config.json")" = "$cfg_before" ] && [ ! -e "$T/cksh/diffusion_pytorch_model.safetensors" ] &&
+    [ "$(cksum <"$T/cksh/$shard1")" = "$sh_before" ] && ok || bad "gen-over-index: the old checkpoint changed"
 # a 255-byte file name works (NAME_MAX); 256 bytes is refused before the weights are read
 n255=$(printf 'n%.0s' $(seq 243)).safetensors r255=$(printf 'r%.0s' $(seq 250)).json
 if "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/$n255" --report "$T/$r255" &&
