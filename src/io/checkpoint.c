@@ -35,7 +35,14 @@ static int file_exists(const char *path) {
 }
 
 mdt_status mdt_config_load(const char *path, cJSON **out) {
-    return mdt_json_load_file(path, MDT_JSON_MAX_BYTES, out);
+    MDT_TRY(mdt_json_load_file(path, MDT_JSON_MAX_BYTES, out));
+    char shown[MDT_ESC_NAME];
+    const mdt_status st = mdt_json_unique_keys(*out, mdt_escape(path, shown, sizeof shown));
+    if (st != MDT_OK) {
+        cJSON_Delete(*out);
+        *out = NULL;
+    }
+    return st;
 }
 
 static int cmp_ref(const void *a, const void *b) {
@@ -231,7 +238,7 @@ mdt_status mdt_ckpt_open(const char *dir, mdt_ckpt **out) {
                            "%s: no config.json (not a diffusers checkpoint "
                            "directory?)",
                            c->dir_shown));
-    MDT_CHECK(mdt_json_load_file(p, MDT_JSON_MAX_BYTES, &c->config));
+    MDT_CHECK(mdt_config_load(p, &c->config));
     mdt_free(p);
 
     p = path_join(c->dir, MDT_CKPT_INDEX);

@@ -12,6 +12,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -189,6 +190,61 @@ static mdt_status read_text(const char *path, int64_t max_bytes, char **out, siz
     buf[n] = 0;
     *out = buf;
     *len = n;
+    return MDT_OK;
+}
+
+static int key_cmp(const void *a, const void *b) {
+    return strcmp((*(const cJSON *const *)a)->string, (*(const cJSON *const *)b)->string);
+}
+
+/* The first key of `obj` that appears twice, or NULL (small objects pairwise, large ones sorted). */
+static const char *repeated_key(const cJSON *obj, mdt_status *st) {
+    int n = 0;
+    for (const cJSON *e = obj->child; e; e = e->next)
+        n++;
+    if (n <= 32) {
+        for (const cJSON *e = obj->child; e; e = e->next)
+            for (const cJSON *f = e->next; f; f = f->next)
+                if (e->string && f->string && strcmp(e->string, f->string) == 0)
+                    return e->string;
+        return NULL;
+    }
+    const cJSON **keys = mdt_alloc(sizeof *keys * (size_t)n);
+    if (!keys) {
+        *st = MDT_FAIL(MDT_E_NOMEM, "out of memory checking a JSON object's keys");
+        return NULL;
+    }
+    int k = 0;
+    for (const cJSON *e = obj->child; e; e = e->next)
+        if (e->string)
+            keys[k++] = e;
+    qsort((void *)keys, (size_t)k, sizeof *keys, key_cmp);
+    const char *dup = NULL;
+    for (int i = 1; i < k && !dup; i++)
+        if (strcmp(keys[i - 1]->string, keys[i]->string) == 0)
+            dup = keys[i]->string;
+    mdt_free((void *)keys);
+    return dup;
+}
+
+mdt_status mdt_json_unique_keys(const cJSON *root, const char *shown) {
+    if (!root)
+        return MDT_OK;
+    mdt_status st = MDT_OK;
+    if (cJSON_IsObject(root)) {
+        const char *dup = repeated_key(root, &st);
+        MDT_TRY(st);
+        if (dup) {
+            char key[MDT_ESC_NAME];
+            mdt_escape(dup, key, sizeof key);
+            return MDT_FAIL(MDT_E_FORMAT,
+                            "%s: key '%s' appears twice in one object (this reader would take the "
+                            "first, Python's json and diffusers the last)",
+                            shown, key);
+        }
+    }
+    for (const cJSON *e = root->child; e; e = e->next)
+        MDT_TRY(mdt_json_unique_keys(e, shown));
     return MDT_OK;
 }
 

@@ -53,4 +53,10 @@ mdt_status mdt_json_build(const char *text, size_t len, const char *shown, const
  * large, not JSON, text after the value, not an object). */
 mdt_status mdt_json_load_file(const char *path, int64_t max_bytes, cJSON **out);
 
+/* Every object in `root` (nested ones too) names each key once. JSON allows a repeated key and
+ * readers disagree on it (cJSON returns the first, Python's json and so diffusers and peft the
+ * last), so a config or metadata object with one would mean one thing here and another upstream:
+ * MDT_E_FORMAT "SHOWN: key 'K' appears twice in one object (...)". */
+mdt_status mdt_json_unique_keys(const cJSON *root, const char *shown);
+
 #endif /* MDT_JSON_H */

@@ -219,8 +219,16 @@ static mdt_status cfg_from_meta(const cJSON *meta, const char *src, lora_cfg *c)
                         src);
     if ((v = meta_get(c, "lora_alpha")) && cJSON_IsNumber(v))
         c->lora_alpha = v->valuedouble, c->alpha_given = 1;
-    if ((v = meta_get(c, "r")) && cJSON_IsNumber(v))
-        c->r = v->valuedouble;
+    if (c->alpha_given && !isfinite(c->lora_alpha))
+        return MDT_FAIL(MDT_E_INVALID, "%s: lora_adapter_metadata: %slora_alpha is not finite",
+                        src, c->pfx);
+    if ((v = meta_get(c, "r")) && cJSON_IsNumber(v)) {
+        c->r = v->valuedouble; /* -1 stands for absent below: a given rank is checked here */
+        if (!(c->r >= 1 && c->r <= 1e9 && c->r == floor(c->r)))
+            return MDT_FAIL(MDT_E_INVALID,
+                            "%s: lora_adapter_metadata: %sr is %g: a rank is a positive integer",
+                            src, c->pfx, c->r);
+    }
     if ((v = meta_get(c, "use_rslora")) && cJSON_IsTrue(v))
         c->rslora = 1;
     if ((v = meta_get(c, "alpha_pattern")) && cJSON_IsObject(v))
@@ -395,6 +403,12 @@ static mdt_status parse_meta(const mdt_st_file *f, const char *src, cJSON **out)
     mdt_json_stats js;
     MDT_TRY(mdt_json_check(txt, strlen(txt), shown, &js));
     MDT_TRY(mdt_json_build(txt, strlen(txt), shown, "not JSON", 0, " \t\r\n", out));
+    const mdt_status st = mdt_json_unique_keys(*out, shown);
+    if (st != MDT_OK) {
+        cJSON_Delete(*out);
+        *out = NULL;
+        return st;
+    }
     if (!cJSON_IsObject(*out)) {
         cJSON_Delete(*out);
         *out = NULL;

@@ -558,6 +558,13 @@ expect_error gather-over-index 1 "holds a sharded checkpoint's" -- \
     "$BIN" gather --checkpoint "$T/cksh" --out "$T/cksh"
 [ "$(cksum <"$T/cksh/config.json")" = "$cfg_before" ] && [ ! -e "$T/cksh/diffusion_pytorch_model.safetensors" ] &&
     [ "$(cksum <"$T/cksh/$shard1")" = "$sh_before" ] && ok || bad "gen-over-index: the old checkpoint changed"
+# a key repeated in config.json: this reader would take the first, diffusers the last
+mkdir -p "$T/dupk" && cp "$DATA/flux_tiny/diffusion_pytorch_model.safetensors" "$T/dupk/" &&
+    sed 's/}[[:space:]]*$/, "num_attention_heads": 4}/' "$DATA/flux_tiny/config.json" >"$T/dupk/config.json"
+expect_error config-key-twice 1 "$T/dupk/config.json: key 'num_attention_heads' appears twice" -- \
+    "$BIN" run --checkpoint "$T/dupk" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+expect_error config-key-twice-inspect 1 "key 'num_attention_heads' appears twice" -- \
+    "$BIN" inspect --config "$T/dupk/config.json"
 # a 255-byte file name works (NAME_MAX); 256 bytes is refused before the weights are read
 n255=$(printf 'n%.0s' $(seq 243)).safetensors r255=$(printf 'r%.0s' $(seq 250)).json
 if "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/$n255" --report "$T/$r255" &&

@@ -406,6 +406,13 @@ static void check_errors(const char *data, mdt_mesh *mesh) {
     BAD(m, "alpha_null.safetensors", ok2, "{\"lora_alpha\": null}", MDT_E_FORMAT,
         "lora_alpha is not a number");
     BAD(m, "r_str.safetensors", ok2, "{\"r\": \"4\"}", MDT_E_FORMAT, "r is not a number");
+    /* a repeated key: cJSON would read the first, peft (Python's json) the last */
+    BAD(m, "alpha_twice.safetensors", ok2, "{\"lora_alpha\": 8, \"r\": 4, \"lora_alpha\": 2}",
+        MDT_E_FORMAT, "key 'lora_alpha' appears twice");
+    BAD(m, "r_negative.safetensors", ok2, "{\"r\": -4}", MDT_E_INVALID,
+        "r is -4: a rank is a positive integer");
+    BAD(m, "alpha_inf.safetensors", ok2, "{\"lora_alpha\": 1e999, \"r\": 4}", MDT_E_INVALID,
+        "lora_alpha is not finite");
     BAD(m, "rslora_str.safetensors", ok2, "{\"use_rslora\": \"yes\"}", MDT_E_FORMAT,
         "use_rslora is not true or false");
     BAD(m, "pattern_list.safetensors", ok2, "{\"alpha_pattern\": [1]}", MDT_E_FORMAT,
