@@ -30,10 +30,16 @@ typedef struct cli_opts {
     int used[32];
     const char *pos[4];
     int npos;
+    int pos_taken; /* positional words the command takes (the rest are refused as unexpected) */
 } cli_opts;
+/* What cli_parse_opts returns after printing the usage for --help or -h: the command ends with
+ * status 0 (main maps it), having run nothing. */
+#define CLI_HELP_SHOWN (-1)
 
 /* Parses argv; `flags` (NULL-terminated, optional) names the options that take no value.
- * Returns 0, or the usage exit code after printing why. */
+ * Returns 0, CLI_HELP_SHOWN, or the usage exit code after printing why (a single-dash word is
+ * refused; positional words are kept for cli_opts_check_unused, which refuses those beyond
+ * pos_taken). */
 int cli_parse_opts(int argc, char **argv, cli_opts *o, const char *const *flags);
 const char *cli_opt_str(cli_opts *o, const char *key, const char *def);
 int cli_opt_int(cli_opts *o, const char *key, long long def, long long lo, long long hi,

@@ -10,6 +10,7 @@ int cmd_compare(int argc, char **argv) {
     int rc = cli_parse_opts(argc, argv, &o, NULL);
     if (rc)
         return rc;
+    o.pos_taken = 2;
     if ((rc = cli_opt_double(&o, "tol", 1e-4, &tol)) || (rc = cli_opts_check_unused(&o)))
         return rc;
     if (o.npos != 2)

@@ -112,5 +112,5 @@ int main(int argc, char **argv) {
         mdt_cpu_kernels_select(getenv("MESHDIT_CPU_ISA"), getenv("MESHDIT_CPU_GEMM")));
     rc = st != MDT_OK ? cli_fail_exit(st) : dispatch(argc, argv);
     MPI_Finalize();
-    return rc;
+    return rc == CLI_HELP_SHOWN ? 0 : rc;
 }

@@ -38,7 +38,16 @@ int cli_usage_exit(const char *fmt, ...) {
 
 int cli_parse_opts(int argc, char **argv, cli_opts *o, const char *const *flags) {
     memset(o, 0, sizeof *o);
+    for (int i = 0; i < argc; i++) { /* help asked anywhere: the usage on stdout, nothing run */
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            if (cli_rank == 0)
+                cli_usage(stdout);
+            return CLI_HELP_SHOWN;
+        }
+    }
     for (int i = 0; i < argc; i++) {
+        if (argv[i][0] == '-' && argv[i][1] != '-' && argv[i][1] != '\0')
+            return cli_usage_exit("unknown option %s (options start with --)", argv[i]);
         if (strncmp(argv[i], "--", 2) == 0) {
             if (o->n == 32)
                 return cli_usage_exit("too many options");
@@ -120,6 +129,8 @@ int cli_opt_all(cli_opts *o, const char *key, const char **vals, int cap) {
 }
 
 int cli_opts_check_unused(cli_opts *o) {
+    if (o->npos > o->pos_taken) /* a word no option takes is never dropped silently */
+        return cli_usage_exit("unexpected argument '%s'", o->pos[o->pos_taken]);
     for (int i = 0; i < o->n; i++) {
         if (o->used[i])
             continue;

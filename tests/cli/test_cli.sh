@@ -565,6 +565,21 @@ expect_error config-key-twice 1 "$T/dupk/config.json: key 'num_attention_heads' 
     "$BIN" run --checkpoint "$T/dupk" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
 expect_error config-key-twice-inspect 1 "key 'num_attention_heads' appears twice" -- \
     "$BIN" inspect --config "$T/dupk/config.json"
+# a word no option takes, or a single-dash option, is refused, never dropped (run -steps 50 ran
+# one forward); --help after a command prints the usage and runs nothing
+expect_error stray-word 2 "unexpected argument 'junk'" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" junk
+expect_error flag-with-value 2 "unexpected argument '1'" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --quiet 1
+expect_error single-dash 2 "unknown option -steps (options start with --)" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" -steps 50
+expect_error inputs-stray-word 2 "unexpected argument 'junk'" -- \
+    "$BIN" inputs --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" junk
+expect_error compare-third-file 2 "unexpected argument" -- \
+    "$BIN" compare "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/inputs.safetensors"
+if "$BIN" gen --help >"$T/help" 2>"$T/stderr" && grep -q "usage: meshdit" "$T/help" && [ ! -s "$T/stderr" ] &&
+   "$BIN" run --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --help >/dev/null && [ ! -e "$T/out.safetensors" ]; then ok
+else bad "subcommand --help: not the usage with status 0"; fi
 # a 255-byte file name works (NAME_MAX); 256 bytes is refused before the weights are read
 n255=$(printf 'n%.0s' $(seq 243)).safetensors r255=$(printf 'r%.0s' $(seq 250)).json
 if "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/$n255" --report "$T/$r255" &&
