@@ -646,7 +646,8 @@ void mdt_family_names(char *buf, size_t cap);
 void mdt_preset_names(char *buf, size_t cap);
 /* Writes a random-weight checkpoint in diffusers layout into `dir` (created if absent) for
  * exactly one of `family`'s `preset` or the config.json at `config_path`: weights as one file or
- * `shards` files plus an index, stored in `dtype` (MDT_F32, MDT_BF16, MDT_F16), from `seed`. */
+ * `shards` files plus an index, stored in `dtype` (MDT_F32, MDT_BF16, MDT_F16), from `seed`.
+ * With a config, a non-NULL `family` must be the config's (its _class_name), else MDT_E_INVALID. */
 mdt_status mdt_checkpoint_gen(const char *family, const char *preset, const char *config_path,
                               uint64_t seed, mdt_dtype dtype, int shards, const char *dir);
 

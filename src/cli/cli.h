@@ -69,9 +69,9 @@ mdt_status cli_load_model(const cli_layout *l, const char *checkpoint, mdt_mesh 
 /* `--lora FILE[:SCALE]` (repeatable, scale 1 by default) on a loaded model: each file loaded
  * under its base name (without .safetensors; #2, #3 ... for repeats), then all fused at their
  * scales (mdt_model_set_adapters). Collective; *lora_s gets the seconds. */
-/* The file of a --lora FILE[:SCALE] spec into path [cap] (the scale's syntax checked as
- * cli_load_loras does). */
-mdt_status cli_lora_file(const char *spec, char *path, size_t cap);
+/* A --lora FILE[:SCALE] spec: the file into path [cap], the scale (1 when none), as
+ * cli_load_loras reads it. */
+mdt_status cli_lora_spec(const char *spec, char *path, size_t cap, double *scale);
 mdt_status cli_load_loras(mdt_model *m, const char *const *specs, int n, double *lora_s);
 /* Monotonic seconds. */
 double cli_now_s(void);

@@ -13,6 +13,8 @@ int cmd_compare(int argc, char **argv) {
     o.pos_taken = 2;
     if ((rc = cli_opt_double(&o, "tol", 1e-4, &tol)) || (rc = cli_opts_check_unused(&o)))
         return rc;
+    if (!(tol >= 0))
+        return cli_usage_exit("--tol must be a number >= 0, got %g", tol);
     if (o.npos != 2)
         return cli_usage_exit("compare needs two files: A.safetensors B.safetensors");
     mdt_tensor_set *a = NULL, *b = NULL;

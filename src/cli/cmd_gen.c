@@ -13,7 +13,8 @@ int cmd_gen(int argc, char **argv) {
     int rc = cli_parse_opts(argc, argv, &o, NULL);
     if (rc)
         return rc;
-    const char *model = cli_opt_str(&o, "model", "flux"), *preset = cli_opt_str(&o, "preset", NULL);
+    const char *model_given = cli_opt_str(&o, "model", NULL), *preset = cli_opt_str(&o, "preset", NULL);
+    const char *model = model_given ? model_given : "flux";
     const char *cfg = cli_opt_str(&o, "config", NULL), *out = cli_opt_str(&o, "out", NULL);
     const char *dts = cli_opt_str(&o, "dtype", "f32");
     if ((rc = cli_opt_int(&o, "seed", 0, 0, INT64_MAX, &seed)) ||
@@ -40,7 +41,8 @@ int cmd_gen(int argc, char **argv) {
         snprintf(msg, sizeof msg, "unknown --preset '%%s' (%s)", known);
         return cli_usage_exit(msg, preset);
     }
-    mdt_status st = mdt_checkpoint_gen(model, preset, preset ? NULL : cfg, (uint64_t)seed, dt,
+    mdt_status st = mdt_checkpoint_gen(preset ? model : model_given, preset, preset ? NULL : cfg,
+                                       (uint64_t)seed, dt,
                                        (int)shards, out);
     if (st != MDT_OK)
         return cli_fail_exit(st);

@@ -84,12 +84,18 @@ static void print_ranks(const mdt_model_info *info, long long cfg, long long tp,
 
 /* What an adapter adapts on each rank: per weight its style, rank, scale and the factor slices
  * every TP coordinate holds (the same shapes on every coordinate, other rows or columns). */
-static mdt_status print_lora(const mdt_model_info *info, const char *path, long long tp) {
+static mdt_status print_lora(const mdt_model_info *info, const char *spec, long long tp) {
     mdt_lora_target_info *t = NULL;
     int n = 0;
-    const mdt_status st = mdt_model_info_lora(info, path, (int)tp, &t, &n);
+    char path[4096];
+    double user = 1.0; /* FILE[:SCALE] as run reads it: the scale multiplies the adapter's own */
+    mdt_status st = cli_lora_spec(spec, path, sizeof path, &user);
+    if (st == MDT_OK)
+        st = mdt_model_info_lora(info, path, (int)tp, &t, &n);
     if (st != MDT_OK)
         return st;
+    for (int i = 0; i < n; i++)
+        t[i].scale *= user;
     double bytes = 0, full = 0;
     printf("adapter %s: %d linear weights\n", path, n);
     printf("  %-60s %-26s %5s %8s %-14s %-14s\n", "weight", "tp style", "rank", "scale", "A local",

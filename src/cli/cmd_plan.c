@@ -85,6 +85,9 @@ int cmd_plan(int argc, char **argv) {
         (rc = cli_opt_double(&o, "device-mem", 0, &mem_gib)) ||
         (rc = cli_opt_int(&o, "bytes", 2, 1, 8, &elem)))
         return rc;
+    if (elem != 2 && elem != 4)
+        return cli_usage_exit("--bytes is the weights' element size: 2 (bf16) or 4 (f32), got %lld",
+                              elem);
     const char *const planning[] = {"devices", "txt-tokens", "device-mem", "bytes", "guided"};
     for (size_t i = 0; cal && i < sizeof planning / sizeof *planning; i++)
         if (cli_opt_str(&o, planning[i], NULL))

@@ -154,6 +154,9 @@ static int parse_run(int argc, char **argv, run_args *a) {
                               a->guidance_scale);
     if (!a->ck || !a->inp || !a->out)
         return cli_usage_exit("run needs --checkpoint DIR --inputs FILE --out FILE");
+    if (a->steps > 0 && cli_opt_str(&o, "repeat", NULL))
+        return cli_usage_exit("--repeat N times one forward; --steps N runs the sampler: give one "
+                              "of them");
     int cached = 0;
     if (mdt_cache_spec_check(a->cache, &cached) != MDT_OK)
         return cli_usage_exit("%s", mdt_last_error());
@@ -168,8 +171,9 @@ static mdt_status outputs_not_inputs(const run_args *a) {
     static char paths[16][4096];
     const char *in[17] = {a->inp};
     int n = 1;
+    double scale;
     for (int i = 0; i < a->nlora; i++) /* a spec whose scale is malformed: the load says so */
-        if (cli_lora_file(a->lora[i], paths[i], sizeof paths[i]) == MDT_OK)
+        if (cli_lora_spec(a->lora[i], paths[i], sizeof paths[i], &scale) == MDT_OK)
             in[n++] = paths[i];
     const mdt_status st = mdt_output_not_input("--out", a->out, a->ck, in, n);
     return st != MDT_OK ? st : mdt_output_not_input("--report", a->report, a->ck, in, n);

@@ -44,7 +44,7 @@ void cli_usage(FILE *fp) {
         "                                            (with --steps; docs/cache.md)\n"
         "  compare A.safetensors B.safetensors [--tol X]   (B is the reference)\n"
         "  inspect (--checkpoint DIR | --config FILE) [--tp T --ring R --ulysses U]\n"
-        "          [--mesh-order ORDER] [--lora FILE]...\n"
+        "          [--mesh-order ORDER] [--lora FILE[:SCALE]]...\n"
         "  gather  --checkpoint DIR --out DIR [--tp T]   (under mpiexec -n T)\n"
         "  plan    (--checkpoint DIR | --config FILE) --devices N [--device cpu|h100|h200|trn2]\n"
         "          [--device-file FILE] [--device-mem GiB] [--tokens S] [--txt-tokens L]\n"

@@ -6,6 +6,7 @@
 #include "cli/cli.h"
 
 #include <ctype.h>
+#include <errno.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -92,8 +93,9 @@ int cli_opt_int(cli_opts *o, const char *key, long long def, long long lo, long 
         return 0;
     }
     char *end;
+    errno = 0;
     long long x = strtoll(v, &end, 10);
-    if (*v == 0 || *end != 0 || x < lo || x > hi) {
+    if (*v == 0 || *end != 0 || errno == ERANGE || x < lo || x > hi) {
         char msg[128];
         snprintf(msg, sizeof msg, "--%s must be an integer in [%lld, %lld], got '%%s'", key, lo,
                  hi);
@@ -161,6 +163,8 @@ int cli_parse_layout(cli_opts *o, cli_layout *l) {
         return cli_usage_exit("--dtype must be f32 or bf16, got '%s'", l->dtype);
     if (strcmp(l->comm, "auto") != 0 && strcmp(l->comm, "mpi") != 0 && strcmp(l->comm, "nccl") != 0)
         return cli_usage_exit("--comm must be auto, mpi or nccl, got '%s'", l->comm);
+    if (strcmp(l->comm, "nccl") == 0 && strcmp(l->device, "cuda") != 0)
+        return cli_usage_exit("--comm nccl runs the collectives on GPUs: it needs --device cuda");
     l->max_bytes = 0;
     if (maxmem && (l->max_bytes = mdt_size_parse(maxmem)) <= 0)
         return cli_usage_exit("--max-memory takes a size like 512M, 8G or 1048576, got '%s'",
@@ -210,6 +214,8 @@ enum { MDT_LORA_NAME = 64 };
 static mdt_status lora_spec(const char *spec, char *path, size_t cap, double *scale) {
     const char *colon = strrchr(spec, ':');
     *scale = 1.0;
+    if (!*spec || spec[0] == ':')
+        return mdt_error_set(MDT_E_INVALID, "--lora '%s': no file name before the scale", spec);
     snprintf(path, cap, "%s", spec);
     const size_t tail = colon ? strlen(colon + 1) : 0;
     if (!colon || strchr(colon, '/') ||
@@ -228,9 +234,8 @@ static mdt_status lora_spec(const char *spec, char *path, size_t cap, double *sc
     return MDT_OK;
 }
 
-mdt_status cli_lora_file(const char *spec, char *path, size_t cap) {
-    double scale;
-    return lora_spec(spec, path, cap, &scale);
+mdt_status cli_lora_spec(const char *spec, char *path, size_t cap, double *scale) {
+    return lora_spec(spec, path, cap, scale);
 }
 
 mdt_status cli_load_loras(mdt_model *m, const char *const *specs, int n, double *lora_s) {

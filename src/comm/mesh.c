@@ -43,6 +43,8 @@ mdt_status mdt_mesh_parse_order(const char *s, mdt_axis order[MDT_AXIS_COUNT]) {
                             k_axis_names[found]);
         got[n++] = (mdt_axis)found;
         p = e ? e + 1 : p + len;
+        if (e && !*p)
+            return MDT_FAIL(MDT_E_INVALID, "--mesh-order '%s': ends with a comma", s);
     }
     const int cfg_implied = n == MDT_AXIS_COUNT - 1 && !seen[MDT_AXIS_CFG];
     if (n != MDT_AXIS_COUNT && !cfg_implied)

@@ -580,6 +580,28 @@ expect_error compare-third-file 2 "unexpected argument" -- \
 if "$BIN" gen --help >"$T/help" 2>"$T/stderr" && grep -q "usage: meshdit" "$T/help" && [ ! -s "$T/stderr" ] &&
    "$BIN" run --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --help >/dev/null && [ ! -e "$T/out.safetensors" ]; then ok
 else bad "subcommand --help: not the usage with status 0"; fi
+# arguments that were accepted and then had no effect, or were silently clamped
+OUTO=(--checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors")
+expect_error repeat-with-steps 2 "give one of them" -- "$BIN" "${ORUN[@]}" "${OUTO[@]}" --steps 2 --repeat 3
+expect_error nccl-on-cpu 2 "--comm nccl runs the collectives on GPUs" -- "$BIN" "${ORUN[@]}" "${OUTO[@]}" --comm nccl
+expect_error seed-out-of-range 2 "--seed must be an integer" -- \
+    "$BIN" inputs "${OUTO[@]}" --seed 18446744073709551615
+expect_error mesh-order-comma 1 "ends with a comma" -- "$BIN" "${ORUN[@]}" "${OUTO[@]}" --mesh-order tp,ring,ulysses,
+expect_error lora-empty 1 "--lora '': no file name" -- "$BIN" "${ORUN[@]}" "${OUTO[@]}" --lora ""
+expect_error plan-bytes-3 2 "--bytes is the weights' element size" -- \
+    "$BIN" plan --config "$DATA/flux_tiny/config.json" --devices 2 --bytes 3
+expect_error compare-negative-tol 2 "--tol must be a number >= 0" -- \
+    "$BIN" compare --tol -1 "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/expected.safetensors"
+expect_error gen-model-not-config 1 "model 'wan' given, but" "is a FluxTransformer2DModel config" -- \
+    "$BIN" gen --model wan --config "$DATA/flux_tiny/config.json" --out "$T/gm"
+expect_error gen-model-unknown 1 "unknown model 'sd3'" -- \
+    "$BIN" gen --model sd3 --config "$DATA/flux_tiny/config.json" --out "$T/gm"
+[ ! -e "$T/gm" ] && ok || bad "gen-model-not-config: wrote $T/gm"
+# inspect reads --lora FILE:SCALE as run does: the scale multiplies the adapter's own
+s1=$("$BIN" inspect --checkpoint "$DATA/flux_tiny" --lora "$DATA/lora/flux_tiny/a.safetensors" | awk '/^adapter/ {a = 1} a && /linear_1.weight/ {print $4; exit}')
+s5=$("$BIN" inspect --checkpoint "$DATA/flux_tiny" --lora "$DATA/lora/flux_tiny/a.safetensors:0.5" | awk '/^adapter/ {a = 1} a && /linear_1.weight/ {print $4; exit}')
+[ -n "$s1" ] && awk -v a="$s1" -v b="$s5" 'BEGIN { exit !(b == a * 0.5) }' && ok ||
+    bad "inspect --lora FILE:0.5: scale '$s5' is not half of '$s1'"
 # a 255-byte file name works (NAME_MAX); 256 bytes is refused before the weights are read
 n255=$(printf 'n%.0s' $(seq 243)).safetensors r255=$(printf 'r%.0s' $(seq 250)).json
 if "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/$n255" --report "$T/$r255" &&
