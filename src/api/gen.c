@@ -33,8 +33,8 @@ mdt_status mdt_checkpoint_gen(const char *family, const char *preset, const char
     cJSON *j;
     MDT_TRY(mdt_config_load(config_path, &j));
     const mdt_family *named = family ? mdt_family_by_name(family) : NULL, *of = NULL;
-    mdt_status st = family && !named ? MDT_FAIL(MDT_E_INVALID, "unknown model '%s'", family)
-                                     : MDT_OK;
+    mdt_status st =
+        family && !named ? MDT_FAIL(MDT_E_INVALID, "unknown model '%s'", family) : MDT_OK;
     if (st == MDT_OK && named && (st = mdt_family_from_config(j, &of)) == MDT_OK && of != named)
         st = MDT_FAIL(MDT_E_INVALID, "model '%s' given, but %s is a %s config (its _class_name)",
                       family, config_path, of->class_name);

@@ -13,7 +13,8 @@ int cmd_gen(int argc, char **argv) {
     int rc = cli_parse_opts(argc, argv, &o, NULL);
     if (rc)
         return rc;
-    const char *model_given = cli_opt_str(&o, "model", NULL), *preset = cli_opt_str(&o, "preset", NULL);
+    const char *model_given = cli_opt_str(&o, "model", NULL),
+               *preset = cli_opt_str(&o, "preset", NULL);
     const char *model = model_given ? model_given : "flux";
     const char *cfg = cli_opt_str(&o, "config", NULL), *out = cli_opt_str(&o, "out", NULL);
     const char *dts = cli_opt_str(&o, "dtype", "f32");
@@ -42,8 +43,7 @@ int cmd_gen(int argc, char **argv) {
         return cli_usage_exit(msg, preset);
     }
     mdt_status st = mdt_checkpoint_gen(preset ? model : model_given, preset, preset ? NULL : cfg,
-                                       (uint64_t)seed, dt,
-                                       (int)shards, out);
+                                       (uint64_t)seed, dt, (int)shards, out);
     if (st != MDT_OK)
         return cli_fail_exit(st);
     printf("wrote %s (seed %lld, %s, %lld shard%s)\n", out, seed, dts, shards,

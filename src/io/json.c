@@ -197,7 +197,8 @@ static int key_cmp(const void *a, const void *b) {
     return strcmp((*(const cJSON *const *)a)->string, (*(const cJSON *const *)b)->string);
 }
 
-/* The first key of `obj` that appears twice, or NULL (small objects pairwise, large ones sorted). */
+/* The first key of `obj` that appears twice, or NULL (small objects pairwise, large ones sorted).
+ */
 static const char *repeated_key(const cJSON *obj, mdt_status *st) {
     int n = 0;
     for (const cJSON *e = obj->child; e; e = e->next)

@@ -220,8 +220,8 @@ static mdt_status cfg_from_meta(const cJSON *meta, const char *src, lora_cfg *c)
     if ((v = meta_get(c, "lora_alpha")) && cJSON_IsNumber(v))
         c->lora_alpha = v->valuedouble, c->alpha_given = 1;
     if (c->alpha_given && !isfinite(c->lora_alpha))
-        return MDT_FAIL(MDT_E_INVALID, "%s: lora_adapter_metadata: %slora_alpha is not finite",
-                        src, c->pfx);
+        return MDT_FAIL(MDT_E_INVALID, "%s: lora_adapter_metadata: %slora_alpha is not finite", src,
+                        c->pfx);
     if ((v = meta_get(c, "r")) && cJSON_IsNumber(v)) {
         c->r = v->valuedouble; /* -1 stands for absent below: a given rank is checked here */
         if (!(c->r >= 1 && c->r <= 1e9 && c->r == floor(c->r)))
