@@ -284,6 +284,21 @@ void mdt_mesh_free(mdt_mesh *m) {
 int mdt_mesh_rank(const mdt_mesh *m) { return m ? m->world_rank : 0; }
 int mdt_mesh_size(const mdt_mesh *m) { return m ? m->world_size : 1; }
 
+/* The message already names the failing rank: "rank N: ..." at its start or after an outer
+ * phase's prefix ("step 2 of 4: rank N: ..."). */
+static int names_rank(const char *msg) {
+    for (const char *p = msg; (p = strstr(p, "rank ")) != NULL; p += 5) {
+        if (p != msg && (p - msg < 2 || p[-2] != ':' || p[-1] != ' '))
+            continue;
+        const char *d = p + 5;
+        while (*d >= '0' && *d <= '9')
+            d++;
+        if (d > p + 5 && d[0] == ':' && d[1] == ' ')
+            return 1;
+    }
+    return 0;
+}
+
 /* The request is completed by MPI_Test, or deliberately abandoned when the job is being ended. */
 /* NOLINTBEGIN(clang-analyzer-optin.mpi.MPI-Checker) */
 static mdt_status agree(mdt_mesh *m, mdt_status local) {
@@ -346,7 +361,7 @@ static mdt_status agree(mdt_mesh *m, mdt_status local) {
     }
     if (MPI_Bcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, m->agree) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Bcast failed");
-    if (strncmp(pkt.msg, "rank ", 5) == 0) /* already agreed on at an inner phase boundary */
+    if (names_rank(pkt.msg)) /* already agreed on at an inner phase boundary */
         return MDT_FAIL((mdt_status)pkt.code, "%s", pkt.msg);
     return MDT_FAIL((mdt_status)pkt.code, "rank %d: %s", first, pkt.msg);
 }

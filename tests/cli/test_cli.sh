@@ -379,6 +379,11 @@ if grep -q "hidden_states" "$T/stderr"; then bad "a step's non-finite output bla
 else ok; fi
 expect_error extreme-weight-tp 1 "output of x_embedder went non-finite" -- "$MPIEXEC" -n 2 "$BIN" run --checkpoint \
     "$T/hot" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --ulysses 2
+# on two ranks with --steps the message names the step once and the rank once (an agreement
+# around the step's must not prefix the rank again: 'rank 0: step 1 of 2: rank 0: ...')
+expect_error extreme-weight-tp-steps 1 "^meshdit: error: step 1 of 2: rank 0: the output of x_embedder" -- \
+    "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$T/hot" --inputs "$DATA/flux_tiny/inputs.safetensors" \
+    --out "$T/out.safetensors" --tp 2 --steps 2
 # the step watchdog: SIGSTOP one rank of four mid-run; the job ends within the bound plus the
 # grace period with exactly one error line naming that rank, and the waiting ranks sleep (each
 # uses < 30% of a core while it waits) instead of spinning
