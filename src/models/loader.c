@@ -14,6 +14,7 @@
 
 #include <cjson/cJSON.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 mdt_status mdt_model_describe(const cJSON *config, mdt_model **out) {
@@ -108,6 +109,28 @@ mdt_status mdt_model_read_shard(const mdt_ckpt_ref *ref, const mdt_weight_spec *
     return s;
 }
 
+static int name_cmp(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* The checkpoint holds tensors the model does not read: how many, and the first by name. */
+static void warn_unused(const mdt_model *m, const mdt_ckpt *ck) {
+    const int n = m->table.n;
+    const char **names = mdt_alloc(sizeof *names * (size_t)(n ? n : 1)), *first = NULL;
+    for (int i = 0; names && i < n; i++)
+        names[i] = m->table.specs[i].name;
+    if (names)
+        qsort((void *)names, (size_t)n, sizeof *names, name_cmp);
+    for (int j = 0; names && j < ck->n && !first; j++)
+        if (!bsearch(&ck->refs[j].name, (void *)names, (size_t)n, sizeof *names, name_cmp))
+            first = ck->refs[j].name;
+    char shown[MDT_ESC_NAME];
+    mdt_log(MDT_LOG_WARN, "%s: %d tensors in the checkpoint are not used by the model%s%s%s",
+            ck->dir_shown, ck->n - n, first ? " (the first by name: '" : "",
+            first ? mdt_escape(first, shown, sizeof shown) : "", first ? "')" : "");
+    mdt_free((void *)names);
+}
+
 static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *mesh, int T, int k) {
     char sb1[96], sb2[96];
     m->ws = mdt_calloc(sizeof(mdt_wstate) * (size_t)(m->table.n ? m->table.n : 1));
@@ -173,8 +196,7 @@ static mdt_status load_local(mdt_model *m, const mdt_ckpt *ck, const mdt_mesh *m
     mdt_free(scratch);
     MDT_TRY(st);
     if (ck->n > m->table.n)
-        mdt_log(MDT_LOG_WARN, "%s: %d tensors in the checkpoint are not used by the model", ck->dir,
-                ck->n - m->table.n);
+        warn_unused(m, ck);
     mdt_res_bind(m);
     MDT_TRY(mdt_res_reserve_linear(m));
     return dev ? mdt_res_dev_finish(m) : mdt_res_pack(m);
