@@ -607,6 +607,14 @@ s1=$("$BIN" inspect --checkpoint "$DATA/flux_tiny" --lora "$DATA/lora/flux_tiny/
 s5=$("$BIN" inspect --checkpoint "$DATA/flux_tiny" --lora "$DATA/lora/flux_tiny/a.safetensors:0.5" | awk '/^adapter/ {a = 1} a && /linear_1.weight/ {print $4; exit}')
 [ -n "$s1" ] && awk -v a="$s1" -v b="$s5" 'BEGIN { exit !(b == a * 0.5) }' && ok ||
     bad "inspect --lora FILE:0.5: scale '$s5' is not half of '$s1'"
+# tensors the model does not read are a warning naming how many and the first by name (here
+# the config says no single blocks: single_transformer_blocks.0.* is left over)
+mkdir -p "$T/unused" && cp "$DATA/flux_tiny/diffusion_pytorch_model.safetensors" "$T/unused/" &&
+    sed 's/"num_single_layers": 1/"num_single_layers": 0/' "$DATA/flux_tiny/config.json" >"$T/unused/config.json"
+if "$BIN" run --checkpoint "$T/unused" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/unused.safetensors" \
+       --quiet 2>"$T/stderr" &&
+   grep -q "tensors in the checkpoint are not used by the model (the first by name: 'single_transformer_blocks.0." "$T/stderr"
+then ok; else bad "unused tensors: $(cat "$T/stderr")"; fi
 # a 255-byte file name works (NAME_MAX); 256 bytes is refused before the weights are read
 n255=$(printf 'n%.0s' $(seq 243)).safetensors r255=$(printf 'r%.0s' $(seq 250)).json
 if "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/$n255" --report "$T/$r255" &&
