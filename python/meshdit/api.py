@@ -508,7 +508,8 @@ def _gone() -> ApiError:
                     code="client_disconnected")
 
 
-async def _read_json(request) -> dict:
+async def _read_bounded(request) -> bytes:
+    """The whole body, refused (413) past MAX_BODY whether its length is announced or not."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
         raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {MAX_BODY:,}",
@@ -523,7 +524,11 @@ async def _read_json(request) -> dict:
             chunks.append(chunk)
     except ClientDisconnect:
         raise _gone() from None
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def _read_json(request) -> dict:
+    raw = await _read_bounded(request)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -537,14 +542,12 @@ async def _read_body(request) -> tuple[dict, bool]:
     """JSON, or a multipart / urlencoded form (what OpenAI's client sends to /v1/videos)."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY:
-            raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {MAX_BODY:,}",
-                           code="body_too_large")
-        try:
-            form = await request.form(max_files=0, max_fields=64)
-        except ClientDisconnect:
-            raise _gone() from None
+        raw = await _read_bounded(request)  # a chunked form too: never more than MAX_BODY read
+
+        async def replay():  # the bounded bytes, handed to Starlette's form parser
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        form = await HTTPRequest(request.scope, receive=replay).form(max_files=0, max_fields=64)
         body = {}
         for k, v in form.multi_items():
             if not isinstance(v, str):

@@ -288,6 +288,18 @@ def test_body_limit_while_chunked_and_a_client_that_leaves(service):
         assert s.recv(200).startswith(b"HTTP/1.1 413"), "no 413 before the body's end"
     finally:
         s.close()
+    # the same for the forms /v1/videos takes (what the openai client sends): a chunked form was
+    # read whole, with no limit, before the field count was checked
+    for ctype in (b"multipart/form-data; boundary=xyz", b"application/x-www-form-urlencoded"):
+        form_head = (f"POST /v1/videos HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     ).encode() + b"Content-Type: " + ctype + b"\r\n"
+        fill = b"a" * 65536
+        s = _raw(service, form_head + b"Transfer-Encoding: chunked\r\n\r\n" +
+                 (b"%x\r\n%s\r\n" % (len(fill), fill)) * 17)
+        try:
+            assert s.recv(200).startswith(b"HTTP/1.1 413"), (ctype, "no 413 before the end")
+        finally:
+            s.close()
     # a client that leaves mid-body: no traceback in the log
     before = service.log().count("Traceback")
     s = _raw(service, head + b"Content-Length: 1000\r\n\r\n{\"prompt\"")
