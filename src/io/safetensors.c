@@ -134,14 +134,20 @@ static mdt_status parse_entry(mdt_st_file *f, const cJSON *item, mdt_st_entry *e
                         "(%lld bytes; file truncated?)",
                         what, (long long)e->begin, (long long)e->end, (long long)data_size);
     char sbuf[160];
-    if (overflow || numel * (int64_t)mdt_dtype_size(e->dtype) != e->end - e->begin)
+    if (overflow)
+        return MDT_FAIL(MDT_E_FORMAT,
+                        "%s: shape %s of %s has more than 2^59 elements (no file holds "
+                        "that)",
+                        what, mdt_shape_str(e->ndim, e->shape, sbuf, sizeof sbuf),
+                        mdt_dtype_name(e->dtype));
+    if (numel * (int64_t)mdt_dtype_size(e->dtype) != e->end - e->begin)
         return MDT_FAIL(
             MDT_E_FORMAT,
             "%s: data_offsets [%lld, %lld] hold %lld bytes but shape %s of %s needs "
             "%lld",
             what, (long long)e->begin, (long long)e->end, (long long)(e->end - e->begin),
             mdt_shape_str(e->ndim, e->shape, sbuf, sizeof sbuf), mdt_dtype_name(e->dtype),
-            overflow ? -1LL : (long long)(numel * (int64_t)mdt_dtype_size(e->dtype)));
+            (long long)(numel * (int64_t)mdt_dtype_size(e->dtype)));
     return MDT_OK;
 }
 

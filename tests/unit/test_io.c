@@ -176,6 +176,11 @@ static void test_malformed(void) {
     expect_bad("size.safetensors",
                "{\"w\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,16]}}", -1, 16,
                MDT_E_FORMAT, "needs 24");
+    /* a shape whose element count overflows: said as such, not as needing "-1" bytes */
+    expect_bad("overflow.safetensors",
+               "{\"w\":{\"dtype\":\"F32\",\"shape\":[1099511627776,1099511627776],"
+               "\"data_offsets\":[0,16]}}",
+               -1, 16, MDT_E_FORMAT, "has more than 2^59 elements");
     expect_bad("overlap.safetensors",
                "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
                "\"b\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[8,24]}}",
