@@ -155,10 +155,7 @@ mdt_status mdt_device_spec_load(const char *path, mdt_device_spec *out) {
     cJSON *j = NULL;
     MDT_TRY(mdt_json_load_file(path, 65536, &j)); /* a device file is a few KiB */
     mdt_device_spec d = {0};
-    char shown[MDT_ESC_NAME];
-    mdt_status st = mdt_json_unique_keys(j, mdt_escape(path, shown, sizeof shown));
-    if (st == MDT_OK)
-        st = parse(path, j, &d);
+    const mdt_status st = parse(path, j, &d);
     cJSON_Delete(j);
     if (st == MDT_OK)
         *out = d;
