@@ -46,7 +46,7 @@ mdt_status mdt_checkpoint_gen(const char *family, const char *preset, const char
     cJSON_Delete(j);
     if (!text)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    st = mdt_model_gen(text, seed, dtype, shards, dir);
+    st = mdt_config_error_at(mdt_model_gen(text, seed, dtype, shards, dir), config_path);
     cJSON_free(text);
     return st;
 }

@@ -34,6 +34,16 @@ static int file_exists(const char *path) {
     return stat(path, &sb) == 0;
 }
 
+mdt_status mdt_config_error_at(mdt_status st, const char *path) {
+    static const char lead[] = "config.json: ";
+    const char *msg = mdt_last_error();
+    if (st == MDT_OK || strncmp(msg, lead, sizeof lead - 1) != 0)
+        return st;
+    char rest[1600], shown[MDT_ESC_NAME];
+    snprintf(rest, sizeof rest, "%s", msg + sizeof lead - 1);
+    return MDT_FAIL(st, "%s: %s", mdt_escape(path, shown, sizeof shown), rest);
+}
+
 mdt_status mdt_config_load(const char *path, cJSON **out) {
     MDT_TRY(mdt_json_load_file(path, MDT_JSON_MAX_BYTES, out));
     char shown[MDT_ESC_NAME];

@@ -49,6 +49,11 @@ mdt_status mdt_ckpt_find(const mdt_ckpt *c, const char *name, const mdt_ckpt_ref
 /* Reads config.json only (for `inspect` on a config without weights). */
 mdt_status mdt_config_load(const char *path, cJSON **out);
 
+/* A failure of the accessors below says "config.json: ..."; this names the file it came from
+ * instead ("PATH: ..."), for a config read from `path` (a --config FILE, or DIR/config.json).
+ * Returns st unchanged (MDT_OK passes through). */
+mdt_status mdt_config_error_at(mdt_status st, const char *path);
+
 /* Typed accessors: `def` is used when the key is absent or null (required = 0); with
  * required = 1 a missing key is an error. A present key of the wrong type is always an error. */
 mdt_status mdt_cfg_int(const cJSON *cfg, const char *key, int required, int64_t def, int64_t *out);

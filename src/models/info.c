@@ -20,17 +20,16 @@ mdt_status mdt_model_info_open(const char *checkpoint_dir, const char *config_pa
     if (!v)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     mdt_status st;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", checkpoint_dir ? checkpoint_dir : ".");
     if (checkpoint_dir && read_index) {
         st = mdt_ckpt_open(checkpoint_dir, &v->ck);
-    } else if (checkpoint_dir) {
-        char path[4096];
-        snprintf(path, sizeof path, "%s/config.json", checkpoint_dir);
-        st = mdt_config_load(path, &v->cfg);
     } else {
-        st = mdt_config_load(config_path, &v->cfg);
+        st = mdt_config_load(checkpoint_dir ? path : config_path, &v->cfg);
     }
     if (st == MDT_OK)
-        st = mdt_model_describe(v->ck ? v->ck->config : v->cfg, &v->m);
+        st = mdt_config_error_at(mdt_model_describe(v->ck ? v->ck->config : v->cfg, &v->m),
+                                 checkpoint_dir ? path : config_path);
     if (st != MDT_OK) {
         mdt_model_info_free(v);
         return st;
