@@ -570,6 +570,10 @@ expect_error config-key-twice 1 "$T/dupk/config.json: key 'num_attention_heads' 
     "$BIN" run --checkpoint "$T/dupk" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
 expect_error config-key-twice-inspect 1 "key 'num_attention_heads' appears twice" -- \
     "$BIN" inspect --config "$T/dupk/config.json"
+# a config key's error names the file it came from, not a generic config.json
+sed 's/"num_attention_heads": 2/"num_attention_heads": "two"/' "$DATA/flux_tiny/config.json" >"$T/other.json"
+expect_error config-named 1 "error: $T/other.json: 'num_attention_heads' must be an integer" -- \
+    "$BIN" inspect --config "$T/other.json"
 # a word no option takes, or a single-dash option, is refused, never dropped (run -steps 50 ran
 # one forward); --help after a command prints the usage and runs nothing
 expect_error stray-word 2 "unexpected argument 'junk'" -- \
