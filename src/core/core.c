@@ -170,21 +170,26 @@ void mdt_log(mdt_log_level lvl, const char *fmt, ...) {
         fprintf(stderr, "meshdit: %s: %s\n", names[lvl], buf);
 }
 
-/* ---- allocator: a 64-byte header before each block records its size ---- */
+/* ---- allocator: a 64-byte header before each block records its size, and how far the header
+ * sits past the C library's block: 0, except after an mdt_realloc that the library moved to a
+ * place of its own (16-byte) alignment ---- */
 static _Atomic int64_t g_live, g_peak, g_count;
 enum { HDR = 64 };
+
+static void count_alloc(int64_t nbytes) {
+    int64_t live = atomic_fetch_add_explicit(&g_live, nbytes, memory_order_relaxed) + nbytes;
+    int64_t peak = atomic_load_explicit(&g_peak, memory_order_relaxed);
+    while (live > peak && !atomic_compare_exchange_weak_explicit(
+                              &g_peak, &peak, live, memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
 
 void *mdt_alloc(size_t nbytes) {
     void *raw = NULL;
     if (nbytes > (size_t)INT64_MAX - HDR || posix_memalign(&raw, HDR, nbytes + HDR) != 0)
         return NULL;
-    *(int64_t *)raw = (int64_t)nbytes;
-    int64_t live =
-        atomic_fetch_add_explicit(&g_live, (int64_t)nbytes, memory_order_relaxed) + (int64_t)nbytes;
-    int64_t peak = atomic_load_explicit(&g_peak, memory_order_relaxed);
-    while (live > peak && !atomic_compare_exchange_weak_explicit(
-                              &g_peak, &peak, live, memory_order_relaxed, memory_order_relaxed)) {
-    }
+    ((int64_t *)raw)[0] = (int64_t)nbytes, ((int64_t *)raw)[1] = 0;
+    count_alloc((int64_t)nbytes);
     atomic_fetch_add_explicit(&g_count, 1, memory_order_relaxed);
     return (char *)raw + HDR;
 }
@@ -196,12 +201,36 @@ void *mdt_calloc(size_t nbytes) {
     return p;
 }
 
+/* realloc keeps large blocks where they are or remaps their pages (no copy: a 2 GiB request
+ * grown as it arrives never costs twice its size); the block asked for has HDR bytes to spare,
+ * so that a block the library moved to a less aligned place is realigned within it. */
+void *mdt_realloc(void *p, size_t nbytes) {
+    if (!p)
+        return mdt_alloc(nbytes);
+    if (nbytes > (size_t)INT64_MAX - 2 * HDR)
+        return NULL;
+    char *raw = (char *)p - HDR;
+    const int64_t old = ((int64_t *)raw)[0], shift = ((int64_t *)raw)[1];
+    char *base = realloc(raw - shift, nbytes + 2 * HDR);
+    if (!base)
+        return NULL;
+    const int64_t nshift = (int64_t)((HDR - (uintptr_t)base % HDR) % HDR);
+    const int64_t keep = old < (int64_t)nbytes ? old : (int64_t)nbytes;
+    if (nshift != shift)
+        memmove(base + nshift, base + shift, (size_t)(HDR + keep));
+    raw = base + nshift;
+    ((int64_t *)raw)[0] = (int64_t)nbytes, ((int64_t *)raw)[1] = nshift;
+    count_alloc((int64_t)nbytes - old);
+    atomic_fetch_add_explicit(&g_count, 1, memory_order_relaxed);
+    return raw + HDR;
+}
+
 void mdt_free(void *p) {
     if (!p)
         return;
     char *raw = (char *)p - HDR;
-    atomic_fetch_sub_explicit(&g_live, *(int64_t *)raw, memory_order_relaxed);
-    free(raw);
+    atomic_fetch_sub_explicit(&g_live, ((int64_t *)raw)[0], memory_order_relaxed);
+    free(raw - ((int64_t *)raw)[1]);
 }
 
 int64_t mdt_mem_live(void) { return atomic_load(&g_live); }

@@ -68,7 +68,10 @@ void mdt_log(mdt_log_level lvl, const char *fmt, ...) __attribute__((format(prin
 /* ---- accounting allocator: 64-byte aligned, counts live/peak bytes ---- */
 void *mdt_alloc(size_t nbytes);  /* uninitialised; NULL on failure (no message set) */
 void *mdt_calloc(size_t nbytes); /* zeroed */
-void mdt_free(void *p);          /* NULL ok */
+/* Resizes a block of mdt_alloc's (NULL: mdt_alloc), keeping its first min(old, new) bytes and
+ * its alignment; NULL on failure, with p untouched (still to be freed). */
+void *mdt_realloc(void *p, size_t nbytes);
+void mdt_free(void *p); /* NULL ok */
 int64_t mdt_mem_live(void);
 int64_t mdt_mem_peak(void);
 void mdt_mem_reset_peak(void);     /* peak := live */

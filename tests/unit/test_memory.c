@@ -1,7 +1,8 @@
 /*
  * test_memory.c — the memory check of `meshdit run` before any weight is read: what one rank
  * needs (weights + activations, by layout and dtype), the refusal naming the smallest TP degree
- * that fits, and the memory a process may use read from fake /proc and cgroup (v1, v2) trees.
+ * that fits, and the memory a process may use read from fake /proc and cgroup (v1, v2) trees;
+ * and the accounting allocator's mdt_realloc (bytes kept, alignment, the live count).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "harness.h"
@@ -151,7 +152,44 @@ static void estimate(void) {
     cJSON_Delete(cfg);
 }
 
+/* A block grown from 100 bytes through the sizes the server's request buffer takes (small
+ * blocks the C library moves, large ones it remaps) and shrunk: its bytes, its 64-byte
+ * alignment and the live count follow at every step. */
+static void reallocation(void) {
+    const int64_t live0 = mdt_mem_live();
+    const size_t sizes[] = {100, 1000, 70000, 1 << 20, 40 << 20, 48 << 20, 10, 0, 5000};
+    unsigned char *p = mdt_alloc(sizes[0]);
+    size_t have = sizes[0];
+    for (size_t i = 0; i < have; i++)
+        p[i] = (unsigned char)(i * 7 + 3);
+    for (size_t k = 1; p && k < sizeof sizes / sizeof sizes[0]; k++) {
+        unsigned char *q = mdt_realloc(p, sizes[k]);
+        EXPECT(q != NULL, "realloc to %zu bytes", sizes[k]);
+        if (!q)
+            break;
+        p = q;
+        const size_t kept = have < sizes[k] ? have : sizes[k];
+        size_t bad = 0;
+        for (size_t i = 0; i < kept; i++)
+            bad += p[i] != (unsigned char)(i * 7 + 3);
+        EXPECT(bad == 0 && (uintptr_t)p % 64 == 0, "%zu bytes: %zu differ, address %p", sizes[k],
+               bad, (void *)p);
+        EXPECT(mdt_mem_live() - live0 == (int64_t)sizes[k], "live %lld after %zu bytes",
+               (long long)(mdt_mem_live() - live0), sizes[k]);
+        for (size_t i = kept; i < sizes[k]; i++)
+            p[i] = (unsigned char)(i * 7 + 3);
+        have = sizes[k];
+    }
+    mdt_free(p);
+    EXPECT(mdt_mem_live() == live0, "live %lld after the free",
+           (long long)(mdt_mem_live() - live0));
+    void *fresh = mdt_realloc(NULL, 16);
+    EXPECT(fresh && mdt_mem_live() - live0 == 16, "a realloc of NULL allocates");
+    mdt_free(fresh);
+}
+
 int main(void) {
+    reallocation();
     available();
     estimate();
     char cmd[512];
