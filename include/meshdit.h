@@ -422,6 +422,8 @@ typedef struct mdt_serve_params {
                                   (MESHDIT_MEM_AVAILABLE), or NULL */
     int owner_stdin;           /* rank 0 stops the server when its standard input ends (the
                                   process that started it is gone: --owner-stdin) */
+    double handshake_timeout;  /* seconds a connection has for its ZMTP greeting and READY
+                                  before it is closed (default 5; 0: no bound) */
     /* world rank 0: the endpoint bound before the load (mdt_serve_listen; the caller frees it);
      * NULL: mdt_serve binds `endpoint` itself */
     mdt_serve_listener *listener;

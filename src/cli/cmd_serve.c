@@ -55,9 +55,22 @@ typedef struct serve_args {
     cli_layout l;
     long long max_sessions, step_timeout, load_timeout, session_idle;
     int64_t max_session_bytes, max_request_bytes, max_queue_bytes;
+    double handshake_timeout;
     const char *lora[16]; /* --lora FILE[:SCALE], repeatable */
     int nlora;
 } serve_args;
+
+/* A number of seconds (--handshake-timeout 0.5) in [0, 1 day] into *out, `def` when absent. */
+static int opt_seconds(cli_opts *o, const char *key, double def, double *out) {
+    const int rc = cli_opt_double(o, key, def, out);
+    if (rc == 0 && !(*out >= 0 && *out <= 86400)) {
+        char msg[96], v[32];
+        snprintf(msg, sizeof msg, "--%s takes seconds from 0 to 86400, got '%%s'", key);
+        snprintf(v, sizeof v, "%g", *out);
+        return cli_usage_exit(msg, v);
+    }
+    return rc;
+}
 
 /* A size option (--max-session-bytes 1G) into *out, `def` when absent. */
 static int opt_size(cli_opts *o, const char *key, int64_t def, int64_t *out) {
@@ -94,6 +107,7 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
         (rc = cli_opt_int(&o, "load-timeout", 600, 0, 86400 * 7, &a->load_timeout)) ||
         (rc = cli_opt_int(&o, "session-idle", (long long)def.session_idle, 0, 86400 * 7,
                           &a->session_idle)) ||
+        (rc = opt_seconds(&o, "handshake-timeout", def.handshake_timeout, &a->handshake_timeout)) ||
         (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!a->ck)
@@ -120,6 +134,7 @@ int cmd_serve(int argc, char **argv) {
     p.session_idle = (double)a.session_idle;
     p.max_request_bytes = a.max_request_bytes, p.max_queue_bytes = a.max_queue_bytes;
     p.step_timeout = (double)a.step_timeout;
+    p.handshake_timeout = a.handshake_timeout;
     p.max_memory = a.l.max_bytes; /* every forward checked: --max-memory, else run's default */
     p.mem_available = getenv("MESHDIT_MEM_AVAILABLE");
     p.on_stop_stuck = cli_rank == 0 ? on_stop_stuck : NULL;

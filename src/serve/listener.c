@@ -14,7 +14,10 @@
  *   - per connection: MDT_SERVE_CLIENT_QUEUE requests queued, running or with a reply not yet
  *     written (more are refused), so a client that never reads its replies holds at most that
  *     many; and at most 64 small error replies unwritten (then the connection is closed);
- *   - MDT_SERVE_MAX_CLIENTS connections (more are closed as they come).
+ *   - MDT_SERVE_MAX_CLIENTS connections. One that has not finished its greeting and READY within
+ *     the handshake timeout is closed; when the table is full, a newcomer takes the place of the
+ *     connection idle longest among those with nothing under way (no message partly read, no
+ *     request queued or running, nothing unwritten), else it is closed as it comes.
  * Requests of a connection that closes before they ran are dropped unrun.
  *
  * The thread does no MPI and blocks the stop signals (the main thread takes them). Shared with
@@ -53,6 +56,7 @@ typedef struct out_item {
 typedef struct peer {
     int fd;
     uint64_t id;
+    double born, last_io; /* monotonic seconds: accepted, last byte read or written */
     mdt_zmtp_reader rd;
     /* the message being read */
     int frames;   /* frames so far */
@@ -82,6 +86,7 @@ struct mdt_serve_listener {
     int listen_fd, wake[2], owner_fd;
     char endpoint[1024], ipc_path[128];
     int64_t max_request, max_queue;
+    double handshake_s; /* a connection's time for its greeting and READY (0: no bound) */
     void (*on_stop_stuck)(void *user, const char *msg);
     void *user;
     pthread_t thread;
@@ -103,6 +108,12 @@ struct mdt_serve_listener {
     uint64_t next_id;
     unsigned char *scratch;
 };
+
+static double mono_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 /* ---- outgoing ---- */
 
@@ -161,6 +172,8 @@ static int out_flush(peer *c) {
                 return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
         }
         o->off += (size_t)w;
+        if (w > 0)
+            c->last_io = mono_s();
         if (o->off < o->head_n + o->body_n)
             return 0;
         c->out = o->next;
@@ -230,17 +243,36 @@ static void close_conn(mdt_serve_listener *l, int i) {
     l->conns[i] = l->conns[--l->nconns];
 }
 
+/* A connection with nothing under way: no message partly read, no request queued or running,
+ * nothing of its own left to write. Closing it loses nothing (a libzmq client reconnects). */
+static int conn_idle(const peer *c) { return c->frames == 0 && c->in_flight == 0 && !c->out; }
+
+/* The table is full: closes the connection idle longest, if one is idle. 1 if one was closed. */
+static int evict_idle(mdt_serve_listener *l) {
+    int victim = -1;
+    for (int i = 0; i < l->nconns; i++)
+        if (conn_idle(l->conns[i]) &&
+            (victim < 0 || l->conns[i]->last_io < l->conns[victim]->last_io))
+            victim = i;
+    if (victim >= 0)
+        close_conn(l, victim);
+    return victim >= 0;
+}
+
 static void accept_conns(mdt_serve_listener *l) {
     for (;;) {
         const int fd = accept4(l->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0)
             return;
+        if (l->nconns == MDT_SERVE_MAX_CLIENTS)
+            evict_idle(l); /* 256 silent connections must not lock every client out */
         peer *c = l->nconns < MDT_SERVE_MAX_CLIENTS ? mdt_calloc(sizeof *c) : NULL;
-        if (!c) { /* over the limit (or out of memory): the client sees the connection close */
+        if (!c) { /* all busy (or out of memory): the client sees the connection close */
             close(fd);
             continue;
         }
         c->fd = fd, c->id = ++l->next_id;
+        c->born = c->last_io = mono_s();
         mdt_zmtp_reader_init(&c->rd);
         unsigned char g[MDT_ZMTP_GREETING_BYTES] = {0};
         out_small(c, g, mdt_zmtp_greeting(g));
@@ -401,12 +433,6 @@ static void take_replies(mdt_serve_listener *l) {
     }
 }
 
-static double mono_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 /* A stop asked while a request runs and not obeyed within the grace (one rank computing a long
  * stage, or a single rank, which has no collective to stop at): its client and every queued one
  * are answered, the replies written (at most 1 s), the socket file removed, and the caller's
@@ -454,6 +480,24 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn) {
         l->on_stop_stuck(l->user, msg);
 }
 
+/* Closes the connections past their deadline: no greeting and READY within the handshake
+ * timeout. Returns the seconds until the next deadline (-1: none). */
+static double enforce_deadlines(mdt_serve_listener *l) {
+    const double now = mono_s();
+    double next = -1;
+    for (int i = l->nconns - 1; i >= 0; i--) {
+        const peer *c = l->conns[i];
+        if (c->rd.handshaken || l->handshake_s <= 0)
+            continue;
+        const double left = c->born + l->handshake_s - now;
+        if (left <= 0)
+            close_conn(l, i); /* silent, or too slow to say what it is */
+        else if (next < 0 || left < next)
+            next = left;
+    }
+    return next;
+}
+
 static void *run(void *arg) {
     mdt_serve_listener *l = arg;
     struct pollfd pf[3 + MDT_SERVE_MAX_CLIENTS];
@@ -467,6 +511,7 @@ static void *run(void *arg) {
         for (int i = l->nconns - 1; i >= 0; i--)
             if (out_flush(l->conns[i]) != 0)
                 close_conn(l, i);
+        const double wait_s = enforce_deadlines(l);
         int empty = 1;
         for (int i = 0; i < l->nconns; i++)
             empty &= l->conns[i]->out == NULL;
@@ -496,7 +541,10 @@ static void *run(void *arg) {
                 l->stop_seen = -1;
             }
         }
-        if (poll(pf, (nfds_t)n, busy ? 200 : -1) < 0)
+        int timeout_ms = wait_s < 0 ? -1 : (int)(wait_s * 1000) + 1;
+        if (busy && (timeout_ms < 0 || timeout_ms > 200))
+            timeout_ms = 200;
+        if (poll(pf, (nfds_t)n, timeout_ms) < 0)
             continue;
         if (pf[1].revents) {
             char drain[64];
@@ -523,8 +571,10 @@ static void *run(void *arg) {
                 const ssize_t r = recv(c->fd, l->scratch, READ_CHUNK, MSG_DONTWAIT);
                 if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR))
                     bad = 1;
-                else if (r > 0)
+                else if (r > 0) {
+                    c->last_io = mono_s();
                     bad = feed(l, c, l->scratch, (size_t)r) != 0;
+                }
             }
             if (!bad && (ev & POLLOUT))
                 bad = out_flush(c) != 0;
@@ -559,6 +609,7 @@ mdt_status mdt_serve_listen(const mdt_serve_params *p, mdt_serve_listener **out)
     l->listen_fd = l->wake[0] = l->wake[1] = l->owner_fd = -1;
     l->max_request = p->max_request_bytes > 0 ? p->max_request_bytes : (int64_t)2 << 30;
     l->max_queue = p->max_queue_bytes > 0 ? p->max_queue_bytes : 2 * l->max_request;
+    l->handshake_s = p->handshake_timeout;
     l->on_stop_stuck = p->on_stop_stuck, l->user = p->user;
     pthread_mutex_init(&l->mu, NULL);
     pthread_condattr_t ca;

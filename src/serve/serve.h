@@ -198,8 +198,9 @@ mdt_status mdt_serve_endpoint_bind(const char *ep, int listen_any, int *fd, char
 
 /* ---- listener.c: rank 0's connections, on a thread of their own ---- */
 
-#define MDT_SERVE_CLIENT_QUEUE 8  /* requests of one connection waiting, running or unanswered */
-#define MDT_SERVE_MAX_CLIENTS 256 /* connections at once; more are closed at once */
+#define MDT_SERVE_CLIENT_QUEUE 8 /* requests of one connection waiting, running or unanswered */
+/* connections at once; a newcomer to a full table takes the place of the one idle longest */
+#define MDT_SERVE_MAX_CLIENTS 256
 
 /* A request as received: the blob (mdt_alloc'd, owned by the listener until ..._done) and the
  * connection its reply goes to. */

@@ -172,7 +172,7 @@ fi
 # the frames; rank 0's peak RSS grows by far less than the 512 MiB ZeroMQ buffered); a blob
 # over the limit gets an error reply; 60 forwards queued by one client: at most 8 are taken,
 # the others are refused at once; a good forward afterwards ----
-if start_server "$T/log5" --max-request-bytes 4M --max-queue-bytes 6M; then
+if start_server "$T/log5" --max-request-bytes 4M --max-queue-bytes 6M --handshake-timeout 0.5; then
     r0=$(rank_pid 0)
     h0=$(hwm_kib "$r0")
     client frames 128 $((4 * 1048576 - 64)) >"$T/m1"; rc=$?
@@ -190,6 +190,23 @@ if start_server "$T/log5" --max-request-bytes 4M --max-queue-bytes 6M; then
         ok || bad "60 queued forwards: rc $rc, $(cat "$T/m3")"
     client forward "$IN" "$T/m4.safetensors" >/dev/null && cmp -s "$T/m4.safetensors" "$T/o.safetensors" &&
         ok || bad "a good forward after the limits"
+    # a connection that never sends its greeting is closed after --handshake-timeout 0.5 (before,
+    # it kept one of the 256 places for as long as it stayed open)
+    python3 - "$T/s.sock" >"$T/m5" <<'PY'
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.settimeout(5)
+t0, closed = time.time(), False
+try:
+    while s.recv(4096):
+        pass
+    closed = True
+except OSError:
+    pass
+print("closed=%d after=%.1f" % (closed, time.time() - t0))
+PY
+    grep -Eq "^closed=1 after=[0-2]\." "$T/m5" && ok || bad "a silent connection: $(cat "$T/m5")"
     client close >/dev/null; stopped_within 10 || bad "close after the limits"
 fi
 

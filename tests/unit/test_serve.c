@@ -12,8 +12,12 @@
 #include "io/safetensors.h"
 #include "serve/zmtp.h"
 
+#include <errno.h>
+#include <poll.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -593,10 +597,133 @@ static void test_listener(void) {
     mdt_serve_listener_free(l);
 }
 
+/* ---- raw peers: bytes on a socket, no libzmq ---- */
+
+/* A connection to the listener's socket file (blocking). -1 on failure. */
+static int raw_connect(const char *path) {
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    snprintf(a.sun_path, sizeof a.sun_path, "%.100s", path);
+    const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd >= 0 && connect(fd, (const struct sockaddr *)&a, sizeof a) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static void raw_send(int fd, const void *b, size_t n) {
+    for (const char *p = b; n > 0;) {
+        const ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w <= 0)
+            return;
+        p += w, n -= (size_t)w;
+    }
+}
+
+/* What a DEALER says first: its greeting and its READY. */
+static void raw_handshake(int fd) {
+    unsigned char b[1024];
+    const size_t n = client_stream(b);
+    raw_send(fd, b, 64 + 43); /* the greeting and READY of client_stream */
+    (void)n;
+}
+
+/* The message [empty, blob of `n` bytes] (the blob's bytes are irrelevant to the listener). */
+static void raw_message(int fd, size_t n) {
+    unsigned char h[16];
+    size_t k = mdt_zmtp_frame_header(0, 1, h);
+    k += mdt_zmtp_frame_header(n, 0, h + k);
+    raw_send(fd, h, k);
+    unsigned char *b = calloc(1, n ? n : 1);
+    raw_send(fd, b, n);
+    free(b);
+}
+
+/* 1 when the server closed the connection within `ms` (reading and dropping what it sent). */
+static int raw_closed_within(int fd, long ms) {
+    unsigned char b[4096];
+    for (long waited = 0; waited <= ms; waited += 10) {
+        struct pollfd pf = {fd, POLLIN, 0};
+        if (poll(&pf, 1, 10) <= 0)
+            continue;
+        const ssize_t r = recv(fd, b, sizeof b, MSG_DONTWAIT);
+        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR))
+            return 1;
+    }
+    return 0;
+}
+
+/* Connections without deadlines and a full table (MDT_SERVE_MAX_CLIENTS): a peer that never
+ * finishes its handshake is closed after the handshake timeout, and a newcomer to a full table
+ * takes the place of the connection idle longest, unless every connection has something under
+ * way. Before, 256 silent connections locked every client out for as long as they stayed. */
+static void test_listener_connections(void) {
+    char ep[128], path[120];
+    snprintf(path, sizeof path, "/tmp/mdt_test_serve_conn_%ld.sock", (long)getpid());
+    snprintf(ep, sizeof ep, "ipc://%s", path);
+    mdt_serve_params p = mdt_serve_params_default();
+    p.endpoint = ep, p.handshake_timeout = 0.3;
+    mdt_serve_listener *l = NULL;
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (!l)
+        return;
+    /* silent, and half a greeting: both closed after 0.3 s; one that finished its handshake
+     * stays */
+    const int silent = raw_connect(path), half = raw_connect(path), good = raw_connect(path);
+    raw_send(half, "\xff\0\0\0", 4);
+    raw_handshake(good);
+    EXPECT(raw_closed_within(silent, 1500) && raw_closed_within(half, 100),
+           "a connection without its handshake stayed open past the handshake timeout");
+    EXPECT(!raw_closed_within(good, 200), "a connection that finished its handshake was closed");
+    close(silent), close(half), close(good);
+    /* a full table of idle connections: a newcomer's request is taken, the oldest idle
+     * connection made room */
+    int fds[MDT_SERVE_MAX_CLIENTS];
+    for (int i = 0; i < MDT_SERVE_MAX_CLIENTS; i++) {
+        fds[i] = raw_connect(path);
+        raw_handshake(fds[i]);
+        nap_ms(i == 0 ? 20 : 0); /* the first is the oldest by a margin */
+    }
+    nap_ms(200);
+    void *ctx = zmq_ctx_new();
+    void *z = zsock(ctx, ZMQ_DEALER, ep, 0);
+    zsend(z, 7);
+    mdt_serve_incoming in;
+    const int got = mdt_serve_listener_next(l, 3000, &in);
+    EXPECT(got && in.size == 7, "a newcomer to a table of %d idle connections was locked out",
+           MDT_SERVE_MAX_CLIENTS);
+    if (got)
+        mdt_serve_listener_done(l, &in); /* its connection has a request running: not idle */
+    EXPECT(raw_closed_within(fds[0], 500), "the connection idle longest was not the one closed");
+    int others = 0;
+    for (int i = 1; i < MDT_SERVE_MAX_CLIENTS; i++)
+        others += raw_closed_within(fds[i], 0);
+    EXPECT(others == 0, "%d other connections were closed", others);
+    /* every connection busy (a request queued on each): a newcomer is refused, none closed */
+    for (int i = 1; i < MDT_SERVE_MAX_CLIENTS; i++)
+        raw_message(fds[i], 3);
+    nap_ms(300);
+    const int late = raw_connect(path);
+    EXPECT(raw_closed_within(late, 1000), "a newcomer to a table of busy connections was kept");
+    others = 0;
+    for (int i = 1; i < MDT_SERVE_MAX_CLIENTS; i++)
+        others += raw_closed_within(fds[i], 0);
+    EXPECT(others == 0, "%d busy connections were closed for a newcomer", others);
+    close(late);
+    for (int i = 0; i < MDT_SERVE_MAX_CLIENTS; i++)
+        close(fds[i]);
+    zmq_close(z);
+    zmq_ctx_term(ctx);
+    mdt_serve_listener_free(l);
+}
+
 int main(void) {
     test_request_checks();
     test_zmtp_reader();
     test_listener();
+    test_listener_connections();
     test_tensor_cap();
     test_replies();
     test_sessions();
