@@ -55,7 +55,7 @@ typedef struct serve_args {
     cli_layout l;
     long long max_sessions, step_timeout, load_timeout, session_idle;
     int64_t max_session_bytes, max_request_bytes, max_queue_bytes;
-    double handshake_timeout;
+    double handshake_timeout, message_timeout;
     const char *lora[16]; /* --lora FILE[:SCALE], repeatable */
     int nlora;
 } serve_args;
@@ -108,6 +108,7 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
         (rc = cli_opt_int(&o, "session-idle", (long long)def.session_idle, 0, 86400 * 7,
                           &a->session_idle)) ||
         (rc = opt_seconds(&o, "handshake-timeout", def.handshake_timeout, &a->handshake_timeout)) ||
+        (rc = opt_seconds(&o, "message-timeout", def.message_timeout, &a->message_timeout)) ||
         (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!a->ck)
@@ -134,7 +135,7 @@ int cmd_serve(int argc, char **argv) {
     p.session_idle = (double)a.session_idle;
     p.max_request_bytes = a.max_request_bytes, p.max_queue_bytes = a.max_queue_bytes;
     p.step_timeout = (double)a.step_timeout;
-    p.handshake_timeout = a.handshake_timeout;
+    p.handshake_timeout = a.handshake_timeout, p.message_timeout = a.message_timeout;
     p.max_memory = a.l.max_bytes; /* every forward checked: --max-memory, else run's default */
     p.mem_available = getenv("MESHDIT_MEM_AVAILABLE");
     p.on_stop_stuck = cli_rank == 0 ? on_stop_stuck : NULL;

@@ -6,11 +6,14 @@
  * loop, it keeps doing so while a forward computes: a message is bounded as it arrives, not after.
  *
  * What rank 0 ever holds for clients, whatever they send:
- *   - per message: one blob of at most --max-request-bytes, allocated when its frame header
- *     announces it; a request of another shape (a frame past the second, a non-empty delimiter)
- *     or size is read on but not kept, and answered with an error reply once it has ended;
- *   - in all: the blobs being received, queued or run, at most --max-queue-bytes; a request that
- *     would pass it is refused as it starts (an error reply: retry later);
+ *   - per message: one blob of at most --max-request-bytes, grown as its bytes arrive (never to
+ *     the size a frame header merely announces); a request of another shape (a frame past the
+ *     second, a non-empty delimiter) or size is read on but not kept, and answered with an error
+ *     reply once it has ended; a message that gets no byte for the message timeout while partly
+ *     read closes its connection (what it held is released);
+ *   - in all: the blobs being received, queued or run, at most --max-queue-bytes, counted as
+ *     their buffers grow; a request whose bytes would pass it is refused then (an error reply:
+ *     retry later);
  *   - per connection: MDT_SERVE_CLIENT_QUEUE requests queued, running or with a reply not yet
  *     written (more are refused), so a client that never reads its replies holds at most that
  *     many; and at most 64 small error replies unwritten (then the connection is closed);
@@ -57,16 +60,17 @@ typedef struct peer {
     int fd;
     uint64_t id;
     double born, last_io; /* monotonic seconds: accepted, last byte read or written */
+    double last_rx;       /* monotonic seconds: last byte read */
     mdt_zmtp_reader rd;
     /* the message being read */
     int frames;   /* frames so far */
     int refusing; /* not kept: answered with `refusal` at its end */
     char refusal[320];
     unsigned char *blob;
-    size_t blob_size, blob_have;
-    int64_t reserved;
-    int in_flight; /* requests queued, running or with an unwritten reply */
-    int small_out; /* unwritten items that are not replies */
+    size_t blob_size, blob_have, blob_cap; /* announced, arrived, allocated */
+    int64_t reserved;                      /* of the queue budget: blob_cap */
+    int in_flight;                         /* requests queued, running or with an unwritten reply */
+    int small_out;                         /* unwritten items that are not replies */
     out_item *out, *out_tail;
 } peer;
 
@@ -87,6 +91,7 @@ struct mdt_serve_listener {
     char endpoint[1024], ipc_path[128];
     int64_t max_request, max_queue;
     double handshake_s; /* a connection's time for its greeting and READY (0: no bound) */
+    double message_s;   /* the longest pause inside a message (0: no bound) */
     void (*on_stop_stuck)(void *user, const char *msg);
     void *user;
     pthread_t thread;
@@ -206,7 +211,7 @@ static void release(mdt_serve_listener *l, int64_t bytes) {
 
 static void drop_message(mdt_serve_listener *l, peer *c) {
     mdt_free(c->blob);
-    c->blob = NULL, c->blob_size = c->blob_have = 0;
+    c->blob = NULL, c->blob_size = c->blob_have = c->blob_cap = 0;
     if (c->reserved)
         release(l, c->reserved);
     c->reserved = 0;
@@ -272,7 +277,7 @@ static void accept_conns(mdt_serve_listener *l) {
             continue;
         }
         c->fd = fd, c->id = ++l->next_id;
-        c->born = c->last_io = mono_s();
+        c->born = c->last_io = c->last_rx = mono_s();
         mdt_zmtp_reader_init(&c->rd);
         unsigned char g[MDT_ZMTP_GREETING_BYTES] = {0};
         out_small(c, g, mdt_zmtp_greeting(g));
@@ -309,26 +314,49 @@ static void frame_start(mdt_serve_listener *l, peer *c, uint64_t size) {
                  (unsigned long long)size, (long long)l->max_request);
         refuse(l, c, why);
     } else if (idx == 1) {
-        pthread_mutex_lock(&l->mu);
-        const int64_t after = l->held + (int64_t)size;
-        const int fits = after <= l->max_queue;
-        if (fits)
-            l->held = after;
-        pthread_mutex_unlock(&l->mu);
-        if (!fits) {
-            snprintf(why, sizeof why,
-                     "the server is busy: this request's %llu bytes would make the requests it "
-                     "holds %lld bytes, over its --max-queue-bytes %lld; retry later",
-                     (unsigned long long)size, (long long)after, (long long)l->max_queue);
-            refuse(l, c, why);
-            return;
-        }
-        c->reserved = (int64_t)size;
-        c->blob = mdt_alloc(size ? (size_t)size : 1); /* pages are touched as bytes arrive */
-        c->blob_size = (size_t)size, c->blob_have = 0;
-        if (!c->blob)
-            refuse(l, c, "the server is out of memory for this request; retry later");
+        /* nothing is reserved or allocated for what is only announced: a peer that announces
+         * 2 GiB and stalls holds the bytes it sent (blob_grow) */
+        c->blob_size = (size_t)size, c->blob_have = c->blob_cap = 0;
     }
+}
+
+/* `n` more bytes of the blob arrived: the buffer grows to hold them (doubling, up to the
+ * announced size), each growth reserved against --max-queue-bytes first. 0, or -1 when the
+ * message is refused (over the bound, or out of memory). */
+static int blob_grow(mdt_serve_listener *l, peer *c, size_t n) {
+    const size_t need = c->blob_have + n;
+    if (need <= c->blob_cap)
+        return 0;
+    size_t cap = c->blob_cap * 2 > need ? c->blob_cap * 2 : need;
+    if (cap < ((size_t)1 << 16))
+        cap = (size_t)1 << 16;
+    if (cap > c->blob_size)
+        cap = c->blob_size;
+    const int64_t more = (int64_t)(cap - c->blob_cap);
+    pthread_mutex_lock(&l->mu);
+    const int64_t others = l->held - c->reserved;
+    const int fits = l->held + more <= l->max_queue;
+    if (fits)
+        l->held += more;
+    pthread_mutex_unlock(&l->mu);
+    if (!fits) {
+        char why[320];
+        snprintf(why, sizeof why,
+                 "the server is busy: this request's %zu bytes would make the requests it holds "
+                 "%lld bytes, over its --max-queue-bytes %lld; retry later",
+                 c->blob_size, (long long)(others + (int64_t)c->blob_size),
+                 (long long)l->max_queue);
+        refuse(l, c, why);
+        return -1;
+    }
+    c->reserved += more;
+    unsigned char *b = mdt_realloc(c->blob, cap); /* large blocks are remapped, not copied */
+    if (!b) {
+        refuse(l, c, "the server is out of memory for this request; retry later");
+        return -1;
+    }
+    c->blob = b, c->blob_cap = cap;
+    return 0;
 }
 
 /* The last frame of a message arrived: queue it, or answer it with its refusal. */
@@ -352,6 +380,10 @@ static void message_end(mdt_serve_listener *l, peer *c) {
             out_reply(c, b, n, 0); /* a client that never reads them is closed (feed) */
     } else {
         req_item *r = mdt_calloc(sizeof *r);
+        if (r && !c->blob && !(c->blob = mdt_alloc(1))) { /* an empty blob (refused by parse) */
+            mdt_free(r);
+            r = NULL;
+        }
         if (!r) {
             drop_message(l, c);
         } else {
@@ -399,7 +431,7 @@ static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n
         }
         case MDT_ZMTP_EV_FRAME_START: frame_start(l, c, ev.size); break;
         case MDT_ZMTP_EV_BODY:
-            if (!c->refusing && c->frames == 2 && c->blob) {
+            if (!c->refusing && c->frames == 2 && blob_grow(l, c, ev.len) == 0) {
                 memcpy(c->blob + c->blob_have, ev.data, ev.len);
                 c->blob_have += ev.len;
             }
@@ -481,19 +513,25 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn) {
 }
 
 /* Closes the connections past their deadline: no greeting and READY within the handshake
- * timeout. Returns the seconds until the next deadline (-1: none). */
+ * timeout, or no byte for the message timeout while a message is partly read (a peer that
+ * announces a large blob and stalls would pin its connection and the bytes it sent). Returns
+ * the seconds until the next deadline (-1: none). */
 static double enforce_deadlines(mdt_serve_listener *l) {
     const double now = mono_s();
     double next = -1;
     for (int i = l->nconns - 1; i >= 0; i--) {
         const peer *c = l->conns[i];
-        if (c->rd.handshaken || l->handshake_s <= 0)
+        double due = -1;
+        if (!c->rd.handshaken && l->handshake_s > 0)
+            due = c->born + l->handshake_s;
+        else if (c->frames > 0 && l->message_s > 0)
+            due = c->last_rx + l->message_s;
+        if (due < 0)
             continue;
-        const double left = c->born + l->handshake_s - now;
-        if (left <= 0)
-            close_conn(l, i); /* silent, or too slow to say what it is */
-        else if (next < 0 || left < next)
-            next = left;
+        if (due <= now)
+            close_conn(l, i); /* silent, stalled, or too slow to say what it is */
+        else if (next < 0 || due - now < next)
+            next = due - now;
     }
     return next;
 }
@@ -572,7 +610,7 @@ static void *run(void *arg) {
                 if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR))
                     bad = 1;
                 else if (r > 0) {
-                    c->last_io = mono_s();
+                    c->last_io = c->last_rx = mono_s();
                     bad = feed(l, c, l->scratch, (size_t)r) != 0;
                 }
             }
@@ -610,6 +648,7 @@ mdt_status mdt_serve_listen(const mdt_serve_params *p, mdt_serve_listener **out)
     l->max_request = p->max_request_bytes > 0 ? p->max_request_bytes : (int64_t)2 << 30;
     l->max_queue = p->max_queue_bytes > 0 ? p->max_queue_bytes : 2 * l->max_request;
     l->handshake_s = p->handshake_timeout;
+    l->message_s = p->message_timeout;
     l->on_stop_stuck = p->on_stop_stuck, l->user = p->user;
     pthread_mutex_init(&l->mu, NULL);
     pthread_condattr_t ca;

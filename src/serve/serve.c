@@ -57,7 +57,8 @@ mdt_serve_params mdt_serve_params_default(void) {
                               .session_idle = 300.0,
                               .max_request_bytes = (int64_t)2 << 30,
                               .max_queue_bytes = 0,
-                              .handshake_timeout = 5.0};
+                              .handshake_timeout = 5.0,
+                              .message_timeout = 30.0};
 }
 
 static double now_s(void) {

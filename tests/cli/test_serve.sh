@@ -172,7 +172,8 @@ fi
 # the frames; rank 0's peak RSS grows by far less than the 512 MiB ZeroMQ buffered); a blob
 # over the limit gets an error reply; 60 forwards queued by one client: at most 8 are taken,
 # the others are refused at once; a good forward afterwards ----
-if start_server "$T/log5" --max-request-bytes 4M --max-queue-bytes 6M --handshake-timeout 0.5; then
+if start_server "$T/log5" --max-request-bytes 4M --max-queue-bytes 6M --handshake-timeout 0.5 \
+    --message-timeout 0.5; then
     r0=$(rank_pid 0)
     h0=$(hwm_kib "$r0")
     client frames 128 $((4 * 1048576 - 64)) >"$T/m1"; rc=$?
@@ -207,6 +208,36 @@ except OSError:
 print("closed=%d after=%.1f" % (closed, time.time() - t0))
 PY
     grep -Eq "^closed=1 after=[0-2]\." "$T/m5" && ok || bad "a silent connection: $(cat "$T/m5")"
+    # two clients announce 3 MiB blobs and stall after 100 bytes: a forward beside them is
+    # served (before, their 6 MiB reserved up front made it "busy"), and they are closed after
+    # --message-timeout 0.5
+    python3 - "$T/s.sock" >"$T/m6" <<'PY' &
+import socket, struct, sys, time
+greeting = bytes([0xff] + [0] * 8 + [0x7f, 3, 1]) + b"NULL" + bytes(48)
+ready = b"\x04\x1c\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER"
+socks = []
+for _ in range(2):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    s.settimeout(5)
+    s.sendall(greeting + ready + b"\x01\x00" + b"\x02" + struct.pack(">Q", 3 << 20) + bytes(100))
+    socks.append(s)
+t0, closed = time.time(), 0
+for s in socks:
+    try:
+        while s.recv(4096):
+            pass
+        closed += 1
+    except OSError:
+        pass
+print("closed=%d after=%.1f" % (closed, time.time() - t0))
+PY
+    SLOW=$!
+    sleep 0.2
+    client forward "$IN" "$T/m7.safetensors" >"$T/m7"; rc=$?
+    wait "$SLOW"
+    [ $rc = 0 ] && grep -Eq "^closed=2 after=[0-2]\." "$T/m6" && ok ||
+        bad "stalled 3 MiB announcements: forward rc $rc, $(cat "$T/m7" "$T/m6")"
     client close >/dev/null; stopped_within 10 || bad "close after the limits"
 fi
 

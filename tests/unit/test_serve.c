@@ -719,11 +719,82 @@ static void test_listener_connections(void) {
     mdt_serve_listener_free(l);
 }
 
+/* Peers that announce large blobs and stall (slowloris): nothing is reserved or allocated for
+ * what a frame header only announces, so two such peers leave the queue budget to the others,
+ * and a message that gets no byte for the message timeout closes its connection and releases
+ * what it held. Before, each stalled peer reserved (and allocated) its announced size, and two
+ * of them made every other request "busy" for as long as they stayed. */
+static void test_listener_stalled_messages(void) {
+    char ep[128], path[120];
+    snprintf(path, sizeof path, "/tmp/mdt_test_serve_slow_%ld.sock", (long)getpid());
+    snprintf(ep, sizeof ep, "ipc://%s", path);
+    mdt_serve_params p = mdt_serve_params_default();
+    p.endpoint = ep, p.max_request_bytes = 1 << 20, p.max_queue_bytes = 3 << 19; /* 1, 1.5 MiB */
+    p.message_timeout = 0.5;
+    mdt_serve_listener *l = NULL;
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (!l)
+        return;
+    const int64_t base = mdt_mem_live();
+    int slow[2];
+    for (int i = 0; i < 2; i++) { /* [empty, a 1 MiB blob announced], 100 of its bytes, silence */
+        slow[i] = raw_connect(path);
+        raw_handshake(slow[i]);
+        unsigned char h[16], body[100] = {0};
+        size_t k = mdt_zmtp_frame_header(0, 1, h);
+        k += mdt_zmtp_frame_header(1 << 20, 0, h + k);
+        raw_send(slow[i], h, k);
+        raw_send(slow[i], body, sizeof body);
+    }
+    nap_ms(150);
+    EXPECT(mdt_mem_live() - base < (256 << 10), "two stalled peers hold %lld bytes",
+           (long long)(mdt_mem_live() - base));
+    void *ctx = zmq_ctx_new();
+    void *z = zsock(ctx, ZMQ_DEALER, ep, 0);
+    zsend(z, 900000);
+    mdt_serve_incoming in;
+    int got = mdt_serve_listener_next(l, 1000, &in);
+    char why[512] = "";
+    if (!got)
+        zreply(z, why, sizeof why);
+    EXPECT(got && in.size == 900000, "a request beside two stalled peers: '%s'", why);
+    if (got)
+        mdt_serve_listener_done(l, &in);
+    /* the stalled peers are closed once 0.5 s pass without a byte; a peer that keeps sending
+     * slowly (a byte every 0.1 s) is not */
+    const int steady = raw_connect(path);
+    raw_handshake(steady);
+    unsigned char h[16];
+    size_t k = mdt_zmtp_frame_header(0, 1, h);
+    k += mdt_zmtp_frame_header(40, 0, h + k);
+    raw_send(steady, h, k);
+    int closed = 0;
+    for (int t = 0; t < 10; t++) {
+        raw_send(steady, "", 1);
+        nap_ms(100);
+    }
+    for (int i = 0; i < 2; i++)
+        closed += raw_closed_within(slow[i], 500);
+    EXPECT(closed == 2, "%d of 2 stalled peers closed 1 s after their last byte", closed);
+    EXPECT(!raw_closed_within(steady, 0), "a slow but steady peer was closed");
+    /* what they held is free again: the largest request fits beside the steady peer's bytes */
+    zsend(z, 1 << 20);
+    got = mdt_serve_listener_next(l, 1000, &in);
+    EXPECT(got && in.size == (1 << 20), "the stalled peers' bytes were not released");
+    if (got)
+        mdt_serve_listener_done(l, &in);
+    close(slow[0]), close(slow[1]), close(steady);
+    zmq_close(z);
+    zmq_ctx_term(ctx);
+    mdt_serve_listener_free(l);
+}
+
 int main(void) {
     test_request_checks();
     test_zmtp_reader();
     test_listener();
     test_listener_connections();
+    test_listener_stalled_messages();
     test_tensor_cap();
     test_replies();
     test_sessions();
