@@ -11,12 +11,16 @@
  *     second, a non-empty delimiter) or size is read on but not kept, and answered with an error
  *     reply once it has ended; a message that gets no byte for the message timeout while partly
  *     read closes its connection (what it held is released);
- *   - in all: the blobs being received, queued or run, at most --max-queue-bytes, counted as
- *     their buffers grow; a request whose bytes would pass it is refused then (an error reply:
- *     retry later);
+ *   - in all: the blobs being received, queued or run and the replies not yet written, at most
+ *     --max-queue-bytes, blobs counted as their buffers grow; a request whose bytes would pass
+ *     it is refused then (an error reply: retry later). A reply is counted from the moment the
+ *     loop hands it over until its last byte is written (it cannot be refused: it may take the
+ *     total past the bound, and requests are refused until it is written);
  *   - per connection: MDT_SERVE_CLIENT_QUEUE requests queued, running or with a reply not yet
  *     written (more are refused), so a client that never reads its replies holds at most that
- *     many; and at most 64 small error replies unwritten (then the connection is closed);
+ *     many; a connection whose unwritten replies hold more than a quarter of --max-queue-bytes
+ *     is not read (no new request of it is taken) until they are written; and at most 64 small
+ *     error replies unwritten (then the connection is closed);
  *   - MDT_SERVE_MAX_CLIENTS connections. One that has not finished its greeting and READY within
  *     the handshake timeout is closed; when the table is full, a newcomer takes the place of the
  *     connection idle longest among those with nothing under way (no message partly read, no
@@ -54,6 +58,7 @@ typedef struct out_item {
     unsigned char *body; /* a reply blob (owned) or NULL */
     size_t body_n, off;  /* off: bytes of head + body written */
     int is_reply;        /* writing it ends one request of the connection */
+    int64_t held;        /* bytes of the queue budget it holds until written or dropped */
 } out_item;
 
 typedef struct peer {
@@ -70,6 +75,7 @@ typedef struct peer {
     size_t blob_size, blob_have, blob_cap; /* announced, arrived, allocated */
     int64_t reserved;                      /* of the queue budget: blob_cap */
     int in_flight;                         /* requests queued, running or with an unwritten reply */
+    int64_t reply_bytes;                   /* bytes of its replies not yet written */
     int small_out;                         /* unwritten items that are not replies */
     out_item *out, *out_tail;
 } peer;
@@ -92,6 +98,7 @@ struct mdt_serve_listener {
     int64_t max_request, max_queue;
     double handshake_s; /* a connection's time for its greeting and READY (0: no bound) */
     double message_s;   /* the longest pause inside a message (0: no bound) */
+    int64_t reply_cap;  /* a connection with more unwritten reply bytes is not read */
     void (*on_stop_stuck)(void *user, const char *msg);
     void *user;
     pthread_t thread;
@@ -141,23 +148,47 @@ static void out_small(peer *c, const unsigned char *b, size_t n) {
         c->small_out++;
 }
 
-/* A reply: [empty delimiter, blob] (a REQ client strips the delimiter). Takes the blob. */
-static void out_reply(peer *c, unsigned char *blob, size_t n, int is_reply) {
+static void release(mdt_serve_listener *l, int64_t bytes) {
+    pthread_mutex_lock(&l->mu);
+    l->held -= bytes;
+    pthread_mutex_unlock(&l->mu);
+}
+
+/* An item is written or dropped: the connection's counts and the queue budget it held. */
+static void out_done(mdt_serve_listener *l, peer *c, out_item *o) {
+    if (o->is_reply)
+        c->in_flight--, c->reply_bytes -= (int64_t)o->body_n;
+    else
+        c->small_out--;
+    if (o->held)
+        release(l, o->held);
+    mdt_free(o->body);
+    mdt_free(o);
+}
+
+/* A reply: [empty delimiter, blob] (a REQ client strips the delimiter). Takes the blob and
+ * `held` bytes of the queue budget (released once it is written or dropped). */
+static void out_reply(mdt_serve_listener *l, peer *c, unsigned char *blob, size_t n, int is_reply,
+                      int64_t held) {
     unsigned char head[16];
     size_t k = mdt_zmtp_frame_header(0, 1, head);
     k += mdt_zmtp_frame_header(n, 0, head + k);
     out_item *o = out_new(c, head, k);
     if (!o) {
         mdt_free(blob);
+        if (held)
+            release(l, held);
         return;
     }
-    o->body = blob, o->body_n = n, o->is_reply = is_reply;
-    if (!is_reply)
+    o->body = blob, o->body_n = n, o->is_reply = is_reply, o->held = held;
+    if (is_reply)
+        c->reply_bytes += (int64_t)n;
+    else
         c->small_out++;
 }
 
 /* Writes what the socket takes. 0, or -1 when the connection broke. */
-static int out_flush(peer *c) {
+static int out_flush(mdt_serve_listener *l, peer *c) {
     while (c->out) {
         out_item *o = c->out;
         struct iovec iov[2];
@@ -184,12 +215,7 @@ static int out_flush(peer *c) {
         c->out = o->next;
         if (!c->out)
             c->out_tail = NULL;
-        if (o->is_reply)
-            c->in_flight--;
-        else
-            c->small_out--;
-        mdt_free(o->body);
-        mdt_free(o);
+        out_done(l, c, o);
     }
     return 0;
 }
@@ -201,12 +227,6 @@ static peer *find_conn(mdt_serve_listener *l, uint64_t id) {
         if (l->conns[i]->id == id)
             return l->conns[i];
     return NULL;
-}
-
-static void release(mdt_serve_listener *l, int64_t bytes) {
-    pthread_mutex_lock(&l->mu);
-    l->held -= bytes;
-    pthread_mutex_unlock(&l->mu);
 }
 
 static void drop_message(mdt_serve_listener *l, peer *c) {
@@ -224,8 +244,7 @@ static void close_conn(mdt_serve_listener *l, int i) {
     close(c->fd);
     for (out_item *o = c->out, *next; o; o = next) {
         next = o->next;
-        mdt_free(o->body);
-        mdt_free(o);
+        out_done(l, c, o);
     }
     drop_message(l, c);
     pthread_mutex_lock(&l->mu);
@@ -377,7 +396,7 @@ static void message_end(mdt_serve_listener *l, peer *c) {
         unsigned char *b = NULL;
         size_t n = 0;
         if (mdt_serve_reply_error(NULL, NULL, err, &b, &n) == MDT_OK)
-            out_reply(c, b, n, 0); /* a client that never reads them is closed (feed) */
+            out_reply(l, c, b, n, 0, 0); /* a client that never reads them is closed (feed) */
     } else {
         req_item *r = mdt_calloc(sizeof *r);
         if (r && !c->blob && !(c->blob = mdt_alloc(1))) { /* an empty blob (refused by parse) */
@@ -456,10 +475,12 @@ static void take_replies(mdt_serve_listener *l) {
     while (r) {
         pending_reply *next = r->next;
         peer *c = find_conn(l, r->conn);
-        if (c)
-            out_reply(c, r->blob, r->n, 1);
-        else
-            mdt_free(r->blob); /* the client left */
+        if (c) {
+            out_reply(l, c, r->blob, r->n, 1, (int64_t)r->n);
+        } else { /* the client left */
+            mdt_free(r->blob);
+            release(l, (int64_t)r->n);
+        }
         mdt_free(r);
         r = next;
     }
@@ -479,7 +500,7 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn) {
     unsigned char *b = NULL;
     size_t n = 0;
     if (c && mdt_serve_reply_error(NULL, NULL, msg, &b, &n) == MDT_OK)
-        out_reply(c, b, n, 1);
+        out_reply(l, c, b, n, 1, 0);
     pthread_mutex_lock(&l->mu);
     req_item *q = l->q;
     l->q = l->q_tail = NULL;
@@ -488,14 +509,14 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn) {
         next = r->next;
         if ((c = find_conn(l, r->in.conn)) &&
             mdt_serve_reply_error(NULL, NULL, msg, &b, &n) == MDT_OK)
-            out_reply(c, b, n, 1);
+            out_reply(l, c, b, n, 1, 0);
         mdt_free(r->in.blob);
         mdt_free(r);
     }
     for (const double t0 = mono_s(); mono_s() - t0 < 1.0;) {
         int left = 0;
         for (int i = l->nconns - 1; i >= 0; i--) {
-            if (out_flush(l->conns[i]) != 0)
+            if (out_flush(l, l->conns[i]) != 0)
                 close_conn(l, i);
             else
                 left += l->conns[i]->out != NULL;
@@ -547,7 +568,7 @@ static void *run(void *arg) {
             return NULL;
         take_replies(l);
         for (int i = l->nconns - 1; i >= 0; i--)
-            if (out_flush(l->conns[i]) != 0)
+            if (out_flush(l, l->conns[i]) != 0)
                 close_conn(l, i);
         const double wait_s = enforce_deadlines(l);
         int empty = 1;
@@ -564,9 +585,14 @@ static void *run(void *arg) {
         if (owner)
             pf[n++] = (struct pollfd){l->owner_fd, POLLIN, 0};
         const int first = n;
-        for (int i = 0; i < l->nconns; i++)
-            pf[n++] = (struct pollfd){l->conns[i]->fd,
-                                      (short)(POLLIN | (l->conns[i]->out ? POLLOUT : 0)), 0};
+        for (int i = 0; i < l->nconns; i++) {
+            const peer *c = l->conns[i];
+            /* a connection whose replies are not read gets no new request in: between messages
+             * it is not read until they are written (its heartbeats wait too) */
+            const int take = c->frames > 0 || c->reply_bytes <= l->reply_cap;
+            pf[n++] =
+                (struct pollfd){c->fd, (short)((take ? POLLIN : 0) | (c->out ? POLLOUT : 0)), 0};
+        }
         pthread_mutex_lock(&l->mu);
         const int busy = l->busy;
         const uint64_t busy_conn = l->busy_conn;
@@ -615,7 +641,7 @@ static void *run(void *arg) {
                 }
             }
             if (!bad && (ev & POLLOUT))
-                bad = out_flush(c) != 0;
+                bad = out_flush(l, c) != 0;
             if (bad)
                 close_conn(l, i);
         }
@@ -649,6 +675,7 @@ mdt_status mdt_serve_listen(const mdt_serve_params *p, mdt_serve_listener **out)
     l->max_queue = p->max_queue_bytes > 0 ? p->max_queue_bytes : 2 * l->max_request;
     l->handshake_s = p->handshake_timeout;
     l->message_s = p->message_timeout;
+    l->reply_cap = l->max_queue / 4;
     l->on_stop_stuck = p->on_stop_stuck, l->user = p->user;
     pthread_mutex_init(&l->mu, NULL);
     pthread_condattr_t ca;
@@ -724,6 +751,7 @@ void mdt_serve_listener_reply(mdt_serve_listener *l, uint64_t conn, unsigned cha
     }
     *r = (pending_reply){NULL, conn, blob, n};
     pthread_mutex_lock(&l->mu);
+    l->held += (int64_t)n; /* counted until written: a client that never reads holds it */
     if (l->replies_tail)
         l->replies_tail->next = r;
     else

@@ -214,7 +214,7 @@ typedef struct mdt_serve_incoming {
 /* Waits up to timeout_ms for the next request: 1 and *in filled, or 0. */
 int mdt_serve_listener_next(mdt_serve_listener *l, int timeout_ms, mdt_serve_incoming *in);
 /* Hands a reply blob (mdt_alloc'd; the listener frees it) to connection `conn`; dropped when the
- * connection is gone. */
+ * connection is gone. Its bytes count against --max-queue-bytes until they are written. */
 void mdt_serve_listener_reply(mdt_serve_listener *l, uint64_t conn, unsigned char *blob, size_t n);
 /* The request has been answered: its blob and its share of the queue budget are released. */
 void mdt_serve_listener_done(mdt_serve_listener *l, mdt_serve_incoming *in);

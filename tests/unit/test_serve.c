@@ -789,12 +789,78 @@ static void test_listener_stalled_messages(void) {
     mdt_serve_listener_free(l);
 }
 
+/* A client that never reads its replies: a reply not yet written counts against
+ * --max-queue-bytes until its last byte is written, and a connection whose unwritten replies
+ * pass a quarter of the bound is not read until they are. Before, the request's bytes were
+ * released as its reply was handed over, so unread replies were held outside every bound. */
+static void test_listener_unread_replies(void) {
+    char ep[128], path[120], got[512];
+    snprintf(path, sizeof path, "/tmp/mdt_test_serve_unread_%ld.sock", (long)getpid());
+    snprintf(ep, sizeof ep, "ipc://%s", path);
+    mdt_serve_params p = mdt_serve_params_default();
+    p.endpoint = ep, p.max_request_bytes = 1 << 20, p.max_queue_bytes = 3 << 19; /* 1, 1.5 MiB */
+    mdt_serve_listener *l = NULL;
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (!l)
+        return;
+    /* R sends a request and reads nothing: its 1.2 MiB reply stays mostly unwritten (the
+     * socket's buffers take a few hundred KiB) */
+    const int r = raw_connect(path);
+    raw_handshake(r);
+    raw_message(r, 10);
+    mdt_serve_incoming in;
+    EXPECT(mdt_serve_listener_next(l, 1000, &in) && in.size == 10, "R's request");
+    const size_t big = 1200 << 10;
+    unsigned char *reply = mdt_calloc(big);
+    mdt_serve_listener_reply(l, in.conn, reply, big);
+    mdt_serve_listener_done(l, &in);
+    nap_ms(200);
+    /* the unwritten reply counts: 500 KB more would pass the 1.5 MiB */
+    void *ctx = zmq_ctx_new();
+    void *z = zsock(ctx, ZMQ_DEALER, ep, 0);
+    zsend(z, 500000);
+    EXPECT(strstr(zreply(z, got, sizeof got), "the server is busy"),
+           "a request beside an unread 1.2 MiB reply: '%s'", got);
+    /* R's next request is not read while its reply waits */
+    raw_message(r, 11);
+    const int early = mdt_serve_listener_next(l, 300, &in);
+    EXPECT(!early, "a request of a connection with an unread reply was taken (%zu bytes)",
+           early ? in.size : 0);
+    if (early)
+        mdt_serve_listener_done(l, &in);
+    /* R reads: its reply is written, its request taken, the budget free for Z again */
+    size_t drained = 0;
+    for (int t = 0; t < 200 && drained < big; t++) {
+        unsigned char b[65536];
+        struct pollfd pf = {r, POLLIN, 0};
+        if (poll(&pf, 1, 10) > 0) {
+            const ssize_t k = recv(r, b, sizeof b, MSG_DONTWAIT);
+            drained += k > 0 ? (size_t)k : 0;
+        }
+    }
+    EXPECT(drained >= big, "R read %zu bytes of its reply", drained);
+    const int later = mdt_serve_listener_next(l, 1000, &in);
+    EXPECT(later && in.size == 11, "R's second request once its reply was read");
+    if (later)
+        mdt_serve_listener_done(l, &in);
+    zsend(z, 500000);
+    const int fits = mdt_serve_listener_next(l, 1000, &in);
+    EXPECT(fits && in.size == 500000, "Z's request once R's reply was written");
+    if (fits)
+        mdt_serve_listener_done(l, &in);
+    close(r);
+    zmq_close(z);
+    zmq_ctx_term(ctx);
+    mdt_serve_listener_free(l);
+}
+
 int main(void) {
     test_request_checks();
     test_zmtp_reader();
     test_listener();
     test_listener_connections();
     test_listener_stalled_messages();
+    test_listener_unread_replies();
     test_tensor_cap();
     test_replies();
     test_sessions();
