@@ -25,7 +25,10 @@
  *     the handshake timeout is closed; when the table is full, a newcomer takes the place of the
  *     connection idle longest among those with nothing under way (no message partly read, no
  *     request queued or running, nothing unwritten), else it is closed as it comes.
- * Requests of a connection that closes before they ran are dropped unrun.
+ * Requests of a connection that closes before they ran are dropped unrun. An error reply the
+ * listener writes itself (a refusal, a stop) names the request's op and id when its header lies
+ * within the first MDT_SERVE_PEEK_BYTES of its blob (a message that is not [empty, blob] has
+ * none).
  *
  * The thread does no MPI and blocks the stop signals (the main thread takes them). Shared with
  * the loop under one mutex: the request queue, the bytes held, the replies handed over, the quit
@@ -71,6 +74,8 @@ typedef struct peer {
     int frames;   /* frames so far */
     int refusing; /* not kept: answered with `refusal` at its end */
     char refusal[320];
+    unsigned char head[MDT_SERVE_PEEK_BYTES]; /* the blob's first bytes, kept or not */
+    size_t head_n;
     unsigned char *blob;
     size_t blob_size, blob_have, blob_cap; /* announced, arrived, allocated */
     int64_t reserved;                      /* of the queue budget: blob_cap */
@@ -112,6 +117,7 @@ struct mdt_serve_listener {
     int quit, out_empty;
     int busy; /* the loop runs a request of busy_conn */
     uint64_t busy_conn;
+    char busy_op[16], busy_id[MDT_SERVE_NAME_MAX + 1]; /* that request's */
     double stop_seen; /* the thread's: when it first saw a stop asked while busy (0: not) */
     volatile int owner_gone;
     /* the thread's own */
@@ -218,6 +224,16 @@ static int out_flush(mdt_serve_listener *l, peer *c) {
         out_done(l, c, o);
     }
     return 0;
+}
+
+/* An error reply `msg` to the request whose blob begins with `head` (n bytes), naming its op and
+ * id when its header lies within them; NULL on failure. */
+static unsigned char *refusal_blob(const unsigned char *head, size_t n, const char *msg,
+                                   size_t *size) {
+    char op[16], id[MDT_SERVE_NAME_MAX + 1];
+    mdt_serve_request_peek(head, n < MDT_SERVE_PEEK_BYTES ? n : MDT_SERVE_PEEK_BYTES, op, id);
+    unsigned char *b = NULL;
+    return mdt_serve_reply_error(op, id, msg, &b, size) == MDT_OK ? b : NULL;
 }
 
 /* ---- connections ---- */
@@ -393,9 +409,9 @@ static void message_end(mdt_serve_listener *l, peer *c) {
     }
     if (err) {
         drop_message(l, c);
-        unsigned char *b = NULL;
         size_t n = 0;
-        if (mdt_serve_reply_error(NULL, NULL, err, &b, &n) == MDT_OK)
+        unsigned char *b = refusal_blob(c->head, c->frames == 2 ? c->head_n : 0, err, &n);
+        if (b)
             out_reply(l, c, b, n, 0, 0); /* a client that never reads them is closed (feed) */
     } else {
         req_item *r = mdt_calloc(sizeof *r);
@@ -419,7 +435,7 @@ static void message_end(mdt_serve_listener *l, peer *c) {
             pthread_mutex_unlock(&l->mu);
         }
     }
-    c->frames = 0, c->refusing = 0, c->refusal[0] = 0;
+    c->frames = 0, c->refusing = 0, c->refusal[0] = 0, c->head_n = 0;
 }
 
 /* Feeds bytes through the connection's reader. 0, or -1 to close it. */
@@ -450,6 +466,12 @@ static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n
         }
         case MDT_ZMTP_EV_FRAME_START: frame_start(l, c, ev.size); break;
         case MDT_ZMTP_EV_BODY:
+            if (c->frames == 2 && c->head_n < sizeof c->head) { /* names a refused request */
+                const size_t k =
+                    sizeof c->head - c->head_n < ev.len ? sizeof c->head - c->head_n : ev.len;
+                memcpy(c->head + c->head_n, ev.data, k);
+                c->head_n += k;
+            }
             if (!c->refusing && c->frames == 2 && blob_grow(l, c, ev.len) == 0) {
                 memcpy(c->blob + c->blob_have, ev.data, ev.len);
                 c->blob_have += ev.len;
@@ -490,7 +512,7 @@ static void take_replies(mdt_serve_listener *l) {
  * stage, or a single rank, which has no collective to stop at): its client and every queued one
  * are answered, the replies written (at most 1 s), the socket file removed, and the caller's
  * callback ends the process. */
-static void stop_stuck(mdt_serve_listener *l, uint64_t conn) {
+static void stop_stuck(mdt_serve_listener *l, uint64_t conn, const char *op, const char *id) {
     char msg[256];
     snprintf(msg, sizeof msg,
              "stopped by a signal (SIGTERM or SIGINT) while this server ran a request, which did "
@@ -499,7 +521,7 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn) {
     peer *c = find_conn(l, conn);
     unsigned char *b = NULL;
     size_t n = 0;
-    if (c && mdt_serve_reply_error(NULL, NULL, msg, &b, &n) == MDT_OK)
+    if (c && mdt_serve_reply_error(op, id, msg, &b, &n) == MDT_OK)
         out_reply(l, c, b, n, 1, 0);
     pthread_mutex_lock(&l->mu);
     req_item *q = l->q;
@@ -507,8 +529,7 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn) {
     pthread_mutex_unlock(&l->mu);
     for (req_item *r = q, *next; r; r = next) {
         next = r->next;
-        if ((c = find_conn(l, r->in.conn)) &&
-            mdt_serve_reply_error(NULL, NULL, msg, &b, &n) == MDT_OK)
+        if ((c = find_conn(l, r->in.conn)) && (b = refusal_blob(r->in.blob, r->in.size, msg, &n)))
             out_reply(l, c, b, n, 1, 0);
         mdt_free(r->in.blob);
         mdt_free(r);
@@ -596,12 +617,14 @@ static void *run(void *arg) {
         pthread_mutex_lock(&l->mu);
         const int busy = l->busy;
         const uint64_t busy_conn = l->busy_conn;
+        char busy_op[sizeof l->busy_op], busy_id[sizeof l->busy_id];
+        memcpy(busy_op, l->busy_op, sizeof busy_op), memcpy(busy_id, l->busy_id, sizeof busy_id);
         pthread_mutex_unlock(&l->mu);
         if (busy && mdt_mesh_stop_requested()) {
             if (l->stop_seen == 0)
                 l->stop_seen = mono_s();
             else if (l->stop_seen > 0 && mono_s() - l->stop_seen > MDT_SERVE_STOP_GRACE_S) {
-                stop_stuck(l, busy_conn); /* returns only without a callback */
+                stop_stuck(l, busy_conn, busy_op, busy_id); /* returns only without a callback */
                 l->stop_seen = -1;
             }
         }
@@ -762,9 +785,12 @@ void mdt_serve_listener_reply(mdt_serve_listener *l, uint64_t conn, unsigned cha
     wake(l);
 }
 
-void mdt_serve_listener_busy(mdt_serve_listener *l, uint64_t conn, int busy) {
+void mdt_serve_listener_busy(mdt_serve_listener *l, uint64_t conn, const char *op, const char *id,
+                             int busy) {
     pthread_mutex_lock(&l->mu);
     l->busy = busy, l->busy_conn = conn;
+    snprintf(l->busy_op, sizeof l->busy_op, "%s", op ? op : "");
+    snprintf(l->busy_id, sizeof l->busy_id, "%s", id ? id : "");
     pthread_mutex_unlock(&l->mu);
     if (busy)
         wake(l); /* its poll watches the clock from now on */
@@ -797,9 +823,9 @@ void mdt_serve_listener_fail_all(mdt_serve_listener *l, const char *msg, double 
         return;
     mdt_serve_incoming in;
     while (mdt_serve_listener_next(l, 0, &in)) {
-        unsigned char *b = NULL;
         size_t n = 0;
-        if (mdt_serve_reply_error(NULL, NULL, msg, &b, &n) == MDT_OK)
+        unsigned char *b = refusal_blob(in.blob, in.size, msg, &n);
+        if (b)
             mdt_serve_listener_reply(l, in.conn, b, n);
         mdt_serve_listener_done(l, &in);
     }

@@ -11,6 +11,7 @@
 
 #include "io/safetensors.h"
 
+#include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -280,6 +281,38 @@ mdt_status mdt_serve_request_parse(const void *blob, size_t size, mdt_serve_requ
 fail:
     mdt_st_close(f);
     return st;
+}
+
+int mdt_serve_request_peek(const void *head, size_t n, char op[16],
+                           char id[MDT_SERVE_NAME_MAX + 1]) {
+    const unsigned char *b = head;
+    op[0] = id[0] = 0;
+    if (n < 8)
+        return 0;
+    uint64_t len = 0;
+    for (int i = 7; i >= 0; i--)
+        len = len << 8 | b[i];
+    if (len > n - 8)
+        return 0; /* the header goes on past what is here */
+    cJSON *j = cJSON_ParseWithLength((const char *)b + 8, (size_t)len);
+    const cJSON *md = cJSON_GetObjectItemCaseSensitive(j, "__metadata__");
+    int n_op = 0, n_id = 0;
+    const char *vop = NULL, *vid = NULL;
+    for (const cJSON *e = cJSON_IsObject(md) ? md->child : NULL; e; e = e->next) {
+        if (e->string && strcmp(e->string, "op") == 0)
+            n_op++, vop = cJSON_GetStringValue(e);
+        else if (e->string && strcmp(e->string, "id") == 0)
+            n_id++, vid = cJSON_GetStringValue(e);
+    }
+    /* as the request's parse would take them: once, an op it knows, an id it would echo */
+    for (size_t i = 0; n_op == 1 && vop && i < sizeof k_ops / sizeof k_ops[0]; i++)
+        if (strcmp(vop, k_ops[i].name) == 0)
+            strcpy(op, k_ops[i].name);
+    if (n_id == 1 && vid && good_name(vid, MDT_SERVE_NAME_MAX))
+        strcpy(id, vid);
+    const int parsed = cJSON_IsObject(j);
+    cJSON_Delete(j);
+    return parsed;
 }
 
 void mdt_serve_request_free(mdt_serve_request *r) {

@@ -1059,10 +1059,10 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
          * rank 0's listener ends the server if the request outlasts the stop's grace */
         mdt_mesh_set_interruptible(c->mesh, 1);
         if (c->rank == 0)
-            mdt_serve_listener_busy(c->l, in.conn, 1);
+            mdt_serve_listener_busy(c->l, in.conn, r.op_name, r.id, 1);
         st = run_request(c, &r, &reply, &rn, fatal);
         if (c->rank == 0)
-            mdt_serve_listener_busy(c->l, in.conn, 0);
+            mdt_serve_listener_busy(c->l, in.conn, NULL, NULL, 0);
         mdt_mesh_set_interruptible(c->mesh, 0);
         mdt_mesh_set_deadline(c->mesh, loop_bound(c)); /* the forward disarmed it */
     } else if (c->rank == 0)

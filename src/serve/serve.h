@@ -77,6 +77,12 @@ typedef struct mdt_serve_request {
  * naming the problem in one line. */
 mdt_status mdt_serve_request_parse(const void *blob, size_t size, mdt_serve_request *r);
 void mdt_serve_request_free(mdt_serve_request *r);
+/* The "op" and "id" of a request from the first `n` bytes of its blob (a request refused before
+ * it was read whole, or never parsed), for its error reply: each "" unless the header lies
+ * within those bytes and has it once, an op the server knows, an id as the parse takes it.
+ * 1 when the header was within the bytes and parsed as a JSON object. */
+int mdt_serve_request_peek(const void *head, size_t n, char op[16],
+                           char id[MDT_SERVE_NAME_MAX + 1]);
 
 /* A reply blob (*blob: mdt_free it): `meta` (NULL-terminated key, value pairs) after "status":
  * "ok", and `outputs` (optional) as tensors. */
@@ -201,6 +207,7 @@ mdt_status mdt_serve_endpoint_bind(const char *ep, int listen_any, int *fd, char
 #define MDT_SERVE_CLIENT_QUEUE 8 /* requests of one connection waiting, running or unanswered */
 /* connections at once; a newcomer to a full table takes the place of the one idle longest */
 #define MDT_SERVE_MAX_CLIENTS 256
+#define MDT_SERVE_PEEK_BYTES 8192 /* the bytes of a blob read for a refused request's op, id */
 
 /* A request as received: the blob (mdt_alloc'd, owned by the listener until ..._done) and the
  * connection its reply goes to. */
@@ -218,11 +225,15 @@ int mdt_serve_listener_next(mdt_serve_listener *l, int timeout_ms, mdt_serve_inc
 void mdt_serve_listener_reply(mdt_serve_listener *l, uint64_t conn, unsigned char *blob, size_t n);
 /* The request has been answered: its blob and its share of the queue budget are released. */
 void mdt_serve_listener_done(mdt_serve_listener *l, mdt_serve_incoming *in);
-/* Answers every request still queued with an error reply carrying `msg` (the server is ending),
- * then waits up to `seconds` for the replies already handed over to be written. */
+/* Answers every request still queued with an error reply carrying `msg` (the server is ending)
+ * and the request's op and id (mdt_serve_request_peek), then waits up to `seconds` for the
+ * replies already handed over to be written. */
 void mdt_serve_listener_fail_all(mdt_serve_listener *l, const char *msg, double seconds);
-/* The loop runs a request of `conn` (busy 1) or has finished it (0): while it runs, a stop that
- * is not obeyed within MDT_SERVE_STOP_GRACE_S ends the server from the listener's thread. */
-void mdt_serve_listener_busy(mdt_serve_listener *l, uint64_t conn, int busy);
+/* The loop runs a request of `conn` (busy 1; its `op` and `id`, "" or NULL when none, name it
+ * in a reply the listener writes) or has finished it (0): while it runs, a stop that is not
+ * obeyed within MDT_SERVE_STOP_GRACE_S ends the server from the listener's thread, its client
+ * and every queued one answered. */
+void mdt_serve_listener_busy(mdt_serve_listener *l, uint64_t conn, const char *op, const char *id,
+                             int busy);
 
 #endif /* MDT_API_SERVE_H */

@@ -3,9 +3,9 @@
  * tests/cli/test_serve.sh. One request per run over a REQ socket; prints the reply's metadata as
  * `key=value` lines (the config's text left out) and writes its tensors to OUT.
  *
- *   serve_client EP info|close|OP                 [--timeout MS]
+ *   serve_client EP info|close|OP                 [--id ID] [--timeout MS]
  *   serve_client EP forward IN OUT [--session S] [--keep a,b] [--omit a,b] [--end-session]
- *                                  [--truncate NAME] [--timeout MS]
+ *                                  [--truncate NAME] [--id ID] [--timeout MS]
  *   serve_client EP raw FILE                      the file's bytes as the request blob
  *   serve_client EP leave IN                      a forward, then gone before the reply
  *   serve_client EP frames N BYTES                a DEALER message: the delimiter, then N frames
@@ -179,7 +179,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     const char *ep = argv[1], *op = argv[2], *session = NULL, *keep = NULL, *omit = NULL;
-    const char *truncate = NULL, *pos[2] = {NULL, NULL};
+    const char *truncate = NULL, *pos[2] = {NULL, NULL}, *id = NULL;
     int end_session = 0, timeout_ms = 30000, npos = 0;
     for (int i = 3; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -195,6 +195,8 @@ int main(int argc, char **argv) {
             omit = v, i++;
         else if (strcmp(a, "--truncate") == 0)
             truncate = v, i++;
+        else if (strcmp(a, "--id") == 0)
+            id = v, i++;
         else if (strcmp(a, "--timeout") == 0)
             timeout_ms = v ? atoi(v) : timeout_ms, i++;
         else if (npos < 2)
@@ -218,14 +220,20 @@ int main(int argc, char **argv) {
             meta[k++] = "keep", meta[k++] = keep;
         if (end_session)
             meta[k++] = "end_session", meta[k++] = "1";
-        meta[k++] = "id", meta[k++] = "test";
+        meta[k++] = "id", meta[k++] = id ? id : "test";
         meta[k] = NULL;
         if (!pos[0])
             return fprintf(stderr, "serve_client: forward needs IN\n"), 2;
         if ((rc = build_forward(pos[0], omit, truncate, meta, &blob, &n)) != 0)
             return rc;
     } else {
-        const char *meta[] = {"op", op, session ? "session" : NULL, session, NULL};
+        const char *meta[7] = {"op", op};
+        int k = 2;
+        if (session)
+            meta[k++] = "session", meta[k++] = session;
+        if (id)
+            meta[k++] = "id", meta[k++] = id;
+        meta[k] = NULL;
         if (mdt_st_serialize(0, NULL, NULL, meta, &blob, &n) != MDT_OK)
             return 2;
     }

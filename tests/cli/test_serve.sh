@@ -408,34 +408,46 @@ fi
 # ---- SIGTERM while a forward runs (60k tokens: half a minute of compute): on mpiexec, every
 # rank's next wait ends the forward, the client's reply says so within seconds and the job ends;
 # one rank (no collective to stop at): the request gets 5 s, then the reply and the exit. Before,
-# the forward ran to its end and only SIGKILL ended it sooner ----
+# the forward ran to its end and only SIGKILL ended it sooner. A request queued behind the
+# forward gets the same line, and each reply names its request's id (before, on one rank
+# neither reply carried an id; on two, the queued one's did not) ----
 "$BIN" inputs --checkpoint "$CK" --img-tokens 60000 --txt-tokens 512 --out "$T/long.safetensors" >/dev/null ||
     bad "inputs for the long forward"
 if start_server "$T/log13"; then
-    client forward "$T/long.safetensors" "$T/x.safetensors" >"$T/st1" & CL=$!
-    sleep 2
+    client forward "$T/long.safetensors" "$T/x.safetensors" --id long1 >"$T/st1" & CL=$!
+    sleep 1
+    client info --id q1 >"$T/sq1" & CQ=$!
+    sleep 1
     start=$(date +%s)
     kill -TERM "$SPID"
     wait "$CL"; rc=$?
+    wait "$CQ"; rcq=$?
     took=$(( $(date +%s) - start ))
     stopped_within 10; st=$STOPPED
     [ $rc = 1 ] && [ "$took" -lt 8 ] && grep -q "^error=.*stopped by a signal (SIGTERM or SIGINT)" "$T/st1" &&
         [ "$st" != "still running after 10 s" ] && ok ||
         bad "SIGTERM during a forward: rc $rc after ${took}s, server $st, $(cat "$T/st1" "$T/log13")"
+    [ $rcq = 1 ] && grep -q "^id=q1$" "$T/sq1" && grep -q "^error=.*stopped by a signal" "$T/sq1" && ok ||
+        bad "a request queued behind a forward stopped by SIGTERM: rc $rcq, $(cat "$T/sq1")"
 fi
 "$BIN" serve --checkpoint "$CK" --listen "$EP" >"$T/log14" 2>&1 &
 SPID=$!
 for _ in $(seq 300); do grep -q "^serving on" "$T/log14" && break; sleep 0.1; done
-client forward "$T/long.safetensors" "$T/x.safetensors" >"$T/st2" & CL=$!
-sleep 2
+client forward "$T/long.safetensors" "$T/x.safetensors" --id long2 >"$T/st2" & CL=$!
+sleep 1
+client info --id q2 >"$T/sq2" & CQ=$!
+sleep 1
 start=$(date +%s)
 kill -TERM "$SPID"
 wait "$CL"; rc=$?
+wait "$CQ"; rcq=$?
 took=$(( $(date +%s) - start ))
 stopped_within 10; st=$STOPPED
 [ $rc = 1 ] && [ "$took" -lt 9 ] && grep -q "^error=stopped by a signal .* did not end within 5 s" "$T/st2" &&
-    [ "$st" = 1 ] && [ ! -e "$T/s.sock" ] && ok ||
+    grep -q "^id=long2$" "$T/st2" && [ "$st" = 1 ] && [ ! -e "$T/s.sock" ] && ok ||
     bad "SIGTERM during a one-rank forward: rc $rc after ${took}s, server $st, $(cat "$T/st2" "$T/log14")"
+[ $rcq = 1 ] && grep -q "^id=q2$" "$T/sq2" && grep -q "^error=stopped by a signal" "$T/sq2" && ok ||
+    bad "a request queued behind a one-rank forward stopped by SIGTERM: rc $rcq, $(cat "$T/sq2")"
 
 # ---- a rank that fails inside a forward (default bounds: step watchdog >= 60 s, agreement
 # 20 s): the failed rank's note reaches rank 0 in its collective at once, the waiting client

@@ -445,8 +445,9 @@ static void zsend(void *s, size_t n) {
     free(b);
 }
 
-/* The reply's "error" (or "ok"), received within the socket's timeout, into out. */
-static const char *zreply(void *s, char *out, size_t cap) {
+/* The reply's "error" (or "ok"), received within the socket's timeout, into out; its "id" ("" if
+ * none) into id when id is not NULL. */
+static const char *zreply_id(void *s, char *out, size_t cap, char *id, size_t id_cap) {
     zmq_msg_t m;
     zmq_msg_init(&m);
     snprintf(out, cap, "(no reply)");
@@ -456,13 +457,19 @@ static const char *zreply(void *s, char *out, size_t cap) {
         more = zmq_msg_more(&m);
         mdt_st_file *f = NULL;
         if (!more && mdt_st_open_mem(zmq_msg_data(&m), zmq_msg_size(&m), "reply", &f) == MDT_OK) {
-            const char *e = mdt_st_meta(f, "error");
+            const char *e = mdt_st_meta(f, "error"), *rid = mdt_st_meta(f, "id");
             snprintf(out, cap, "%s", e ? e : "ok");
+            if (id)
+                snprintf(id, id_cap, "%s", rid ? rid : "");
             mdt_st_close(f);
         }
     }
     zmq_msg_close(&m);
     return out;
+}
+
+static const char *zreply(void *s, char *out, size_t cap) {
+    return zreply_id(s, out, cap, NULL, 0);
 }
 
 static void nap_ms(long ms) {
@@ -854,6 +861,101 @@ static void test_listener_unread_replies(void) {
     mdt_serve_listener_free(l);
 }
 
+/* A DEALER request: the delimiter and the blob of an "info" request with id `id`, followed by
+ * `pad` bytes (its data section: a request that pad makes invalid or too large), its header
+ * padded with spaces to at least `header` bytes. */
+static void zsend_id(void *s, const char *id, size_t pad, size_t header) {
+    char h[16384];
+    int hn = snprintf(h, sizeof h, "{\"__metadata__\":{\"op\":\"info\",\"id\":\"%s\"}}", id);
+    while ((size_t)hn < header && hn < (int)sizeof h - 1)
+        h[hn++] = ' ';
+    const size_t n = 8 + (size_t)hn + pad;
+    unsigned char *b = calloc(1, n);
+    for (int i = 0; i < 8; i++)
+        b[i] = (unsigned char)((uint64_t)hn >> (8 * i));
+    memcpy(b + 8, h, (size_t)hn);
+    zmq_send(s, "", 0, ZMQ_SNDMORE);
+    zmq_send(s, b, n, 0);
+    free(b);
+}
+
+/* mdt_serve_request_peek: the op and id as the parse would take them, from a blob's first bytes */
+static void test_request_peek(void) {
+    static const struct {
+        const char *header, *op, *id;
+    } cases[] = {
+        {"{\"__metadata__\":{\"op\":\"forward\",\"id\":\"a1\"},\"x\":{}}", "forward", "a1"},
+        {"{\"__metadata__\":{\"op\":\"bogus\",\"id\":\"a1\"}}", "", "a1"},
+        {"{\"__metadata__\":{\"op\":\"info\",\"id\":\"a\\u0007b\"}}", "info", ""},
+        {"{\"__metadata__\":{\"op\":\"info\",\"id\":\"a\",\"id\":\"b\"}}", "info", ""},
+        {"{\"__metadata__\":{\"op\":\"info\",\"id\":7}}", "info", ""},
+        {"{\"__metadata__\":[\"op\",\"info\"]}", "", ""},
+        {"not json", "", ""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        unsigned char b[256] = {0};
+        const size_t hn = strlen(cases[i].header);
+        b[0] = (unsigned char)hn;
+        memcpy(b + 8, cases[i].header, hn);
+        char op[16], id[MDT_SERVE_NAME_MAX + 1];
+        mdt_serve_request_peek(b, 8 + hn, op, id);
+        EXPECT(strcmp(op, cases[i].op) == 0 && strcmp(id, cases[i].id) == 0,
+               "case %zu: op '%s' id '%s'", i, op, id);
+        /* a header that goes on past the bytes at hand names nothing */
+        mdt_serve_request_peek(b, 8 + hn - 1, op, id);
+        EXPECT(!op[0] && !id[0], "case %zu cut short: op '%s' id '%s'", i, op, id);
+    }
+}
+
+/* Error replies the listener writes itself name the request's op and id when its header lies
+ * within the blob's first MDT_SERVE_PEEK_BYTES: the ninth request queued by one client, a blob
+ * over --max-request-bytes, the requests still queued when the server ends (fail_all); one
+ * whose header is longer carries none. Before, none of them had an id, so a client matching
+ * replies by id could not tell which request was refused. */
+static void test_listener_refusal_ids(void) {
+    char ep[128], path[120], got[512], id[160];
+    snprintf(path, sizeof path, "/tmp/mdt_test_serve_ids_%ld.sock", (long)getpid());
+    snprintf(ep, sizeof ep, "ipc://%s", path);
+    mdt_serve_params p = mdt_serve_params_default();
+    p.endpoint = ep, p.max_request_bytes = 1 << 20;
+    mdt_serve_listener *l = NULL;
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (!l)
+        return;
+    void *ctx = zmq_ctx_new();
+    void *z = zsock(ctx, ZMQ_DEALER, ep, 0), *y = zsock(ctx, ZMQ_DEALER, ep, 0);
+    for (int i = 1; i <= 9; i++) {
+        char rid[16];
+        snprintf(rid, sizeof rid, "q%d", i);
+        zsend_id(z, rid, 0, 0);
+    }
+    zreply_id(z, got, sizeof got, id, sizeof id);
+    EXPECT(strstr(got, "has 8 requests waiting") && strcmp(id, "q9") == 0,
+           "the ninth request's refusal: '%s', id '%s'", got, id);
+    zsend_id(y, "big", (1 << 20) + 1, 0);
+    zreply_id(y, got, sizeof got, id, sizeof id);
+    EXPECT(strstr(got, "--max-request-bytes") && strcmp(id, "big") == 0,
+           "a blob over the limit: '%s', id '%s'", got, id);
+    zsend_id(y, "long", (1 << 20) + 1, MDT_SERVE_PEEK_BYTES);
+    zreply_id(y, got, sizeof got, id, sizeof id);
+    EXPECT(strstr(got, "--max-request-bytes") && id[0] == 0,
+           "a header past the first %d bytes: '%s', id '%s'", MDT_SERVE_PEEK_BYTES, got, id);
+    /* the server ends with z's eight requests queued: each answered with its own id */
+    nap_ms(200);
+    mdt_serve_listener_fail_all(l, "the server is ending", 1.0);
+    int named = 0;
+    for (int i = 1; i <= 8; i++) {
+        char rid[16];
+        snprintf(rid, sizeof rid, "q%d", i);
+        zreply_id(z, got, sizeof got, id, sizeof id);
+        named += strstr(got, "the server is ending") && strcmp(id, rid) == 0;
+    }
+    EXPECT(named == 8, "%d of 8 queued requests answered with their id at the end", named);
+    zmq_close(z), zmq_close(y);
+    zmq_ctx_term(ctx);
+    mdt_serve_listener_free(l);
+}
+
 int main(void) {
     test_request_checks();
     test_zmtp_reader();
@@ -861,6 +963,8 @@ int main(void) {
     test_listener_connections();
     test_listener_stalled_messages();
     test_listener_unread_replies();
+    test_request_peek();
+    test_listener_refusal_ids();
     test_tensor_cap();
     test_replies();
     test_sessions();
