@@ -71,8 +71,9 @@ typedef struct peer {
     double last_rx;       /* monotonic seconds: last byte read */
     mdt_zmtp_reader rd;
     /* the message being read */
-    int frames;   /* frames so far */
-    int refusing; /* not kept: answered with `refusal` at its end */
+    int frames;     /* frames so far */
+    uint64_t delim; /* the first frame's size (a request's is 0) */
+    int refusing;   /* not kept: answered with `refusal` at its end */
     char refusal[320];
     unsigned char head[MDT_SERVE_PEEK_BYTES]; /* the blob's first bytes, kept or not */
     size_t head_n;
@@ -334,6 +335,8 @@ static void frame_start(mdt_serve_listener *l, peer *c, uint64_t size) {
     const int idx = c->frames++;
     if (c->refusing)
         return;
+    if (idx == 0)
+        c->delim = size;
     if ((idx == 0 && size != 0) || idx == 2) {
         refuse(l, c, ""); /* not [empty, blob]: the frame count is reported at the end */
     } else if (idx == 0 && c->in_flight >= MDT_SERVE_CLIENT_QUEUE) {
@@ -398,7 +401,14 @@ static int blob_grow(mdt_serve_listener *l, peer *c, size_t n) {
 static void message_end(mdt_serve_listener *l, peer *c) {
     char why[400];
     const char *err = NULL;
-    if (c->frames != 2 || (c->refusing && !c->refusal[0])) {
+    if (c->frames == 2 && c->delim != 0) { /* two frames, but the first is not a delimiter */
+        snprintf(why, sizeof why,
+                 "request: the delimiter frame (the first of 2) has %llu bytes: it must be empty; "
+                 "a request is [empty delimiter, safetensors blob] (a REQ socket adds the "
+                 "delimiter, a DEALER must send it)",
+                 (unsigned long long)c->delim);
+        err = why;
+    } else if (c->frames != 2 || (c->refusing && !c->refusal[0])) {
         snprintf(why, sizeof why,
                  "request: %d frame%s; a request is [empty delimiter, safetensors blob] (a REQ "
                  "socket adds the delimiter, a DEALER must send it)",
@@ -435,7 +445,7 @@ static void message_end(mdt_serve_listener *l, peer *c) {
             pthread_mutex_unlock(&l->mu);
         }
     }
-    c->frames = 0, c->refusing = 0, c->refusal[0] = 0, c->head_n = 0;
+    c->frames = 0, c->refusing = 0, c->refusal[0] = 0, c->head_n = 0, c->delim = 0;
 }
 
 /* Feeds bytes through the connection's reader. 0, or -1 to close it. */

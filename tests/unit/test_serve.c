@@ -527,6 +527,13 @@ static void test_listener(void) {
            "'%s'", got);
     zmq_send(c, "x", 1, 0);
     EXPECT(strstr(zreply(c, got, sizeof got), "request: 1 frame;"), "'%s'", got);
+    /* two frames whose first is not empty: the reply says so (it said "2 frames", the number a
+     * request has) */
+    zmq_send(c, "xyz", 3, ZMQ_SNDMORE);
+    zmq_send(c, "blob", 4, 0);
+    EXPECT(strstr(zreply(c, got, sizeof got),
+                  "request: the delimiter frame (the first of 2) has 3 bytes: it must be empty"),
+           "'%s'", got);
     /* per client: 8 requests waiting, the 9th refused */
     for (int i = 0; i < 9; i++)
         zsend(c, 10);
