@@ -116,7 +116,8 @@ struct mdt_serve_listener {
     int64_t held; /* bytes of blobs received, being received, queued or running */
     pending_reply *replies, *replies_tail;
     int quit, out_empty;
-    int busy; /* the loop runs a request of busy_conn */
+    char ending[256]; /* the server is ending (fail_all): a request that ends now gets this */
+    int busy;         /* the loop runs a request of busy_conn */
     uint64_t busy_conn;
     char busy_op[16], busy_id[MDT_SERVE_NAME_MAX + 1]; /* that request's */
     double stop_seen; /* the thread's: when it first saw a stop asked while busy (0: not) */
@@ -416,6 +417,11 @@ static void message_end(mdt_serve_listener *l, peer *c) {
         err = why;
     } else if (c->refusing) {
         err = c->refusal;
+    } else {
+        pthread_mutex_lock(&l->mu); /* the server is ending: nothing will take it */
+        if (l->ending[0])
+            err = strcpy(why, l->ending);
+        pthread_mutex_unlock(&l->mu);
     }
     if (err) {
         drop_message(l, c);
@@ -831,6 +837,9 @@ static void wait_written(mdt_serve_listener *l, double seconds) {
 void mdt_serve_listener_fail_all(mdt_serve_listener *l, const char *msg, double seconds) {
     if (!l)
         return;
+    pthread_mutex_lock(&l->mu); /* from now on a request is answered as it arrives */
+    snprintf(l->ending, sizeof l->ending, "%s", msg && msg[0] ? msg : "the server is ending");
+    pthread_mutex_unlock(&l->mu);
     mdt_serve_incoming in;
     while (mdt_serve_listener_next(l, 0, &in)) {
         size_t n = 0;

@@ -10,8 +10,9 @@
  * sets a flag. Rank 0 checks it between waits for the next request (100 ms); the other ranks wait
  * for the next header in MPI_Ibcast polled with MPI_Test, and one that sees the flag sends rank 0 a
  * note (one int, tag k_tag_stop); rank 0, on its flag or a note, broadcasts the STOP header and
- * every rank leaves. At the end every rank says how many notes it sent and rank 0 receives the
- * ones still in flight, so nothing is pending at MPI_Finalize.
+ * every rank leaves; rank 0 answers the requests still queued (and those arriving until its
+ * listener closes) with why, as after a close. At the end every rank says how many notes it sent
+ * and rank 0 receives the ones still in flight, so nothing is pending at MPI_Finalize.
  *
  * Not here: option parsing and signal handlers (the caller), the messages (proto.c), the
  * sessions (session.c), the sockets (listener.c, endpoint.c).
@@ -45,6 +46,7 @@ void mdt_serve_stop(void) {
 }
 
 enum { k_tag_stop = 7717, k_tag_spec = 7718, k_poll_ms = 100 };
+enum { ENDED_STOP = 1, ENDED_CLOSE }; /* how the loop ended (serve_ctx.ended_by) */
 #define MDT_SERVE_LORA_KEY (MDT_SERVE_LORA_MAX * (MDT_SERVE_ADAPTER_NAME_MAX + 27) + 2)
 /* The header rank 0 broadcasts for each turn of the loop: the operation, the blob's size, rank
  * 0's clock (ms), and two words a turn may carry (a new session's token). */
@@ -81,6 +83,7 @@ typedef struct serve_ctx {
     mdt_serve_caches cs;     /* step caches of generations (caches.c) */
     mdt_serve_budget budget; /* this rank's memory per forward */
     int stop;                /* rank 0: a stop was asked here or by a note */
+    int ended_by;            /* the loop ended on a stop (ENDED_STOP) or a close (0: neither) */
     int note_sent;           /* ranks > 0: a stop note is in flight */
     int note_val;            /* its payload */
     MPI_Request note_rq;
@@ -1023,6 +1026,7 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
     if (hdr[H_OP] == MDT_SERVE_OP_STOP) {
         *done = 1;
         st = local;
+        c->ended_by = local == MDT_OK ? ENDED_STOP : 0;
         goto out;
     }
     mdt_serve_sessions_expire(&c->ss, hdr[H_NOW_MS]); /* the same clock on every rank */
@@ -1081,6 +1085,8 @@ reply:
     if (mdt_mesh_peers_stuck(c->mesh) && *fatal == MDT_OK)
         *fatal = st != MDT_OK ? st : MDT_E_MPI;
     *done = st != MDT_OK || *fatal != MDT_OK || hdr[H_OP] == MDT_SERVE_OP_CLOSE;
+    if (st == MDT_OK && *fatal == MDT_OK && hdr[H_OP] == MDT_SERVE_OP_CLOSE)
+        c->ended_by = ENDED_CLOSE;
 out:
     if (have_msg)
         mdt_serve_listener_done(c->l, &in); /* rank 0's blob lives in it */
@@ -1089,6 +1095,22 @@ out:
     mdt_free(reply);
     mdt_serve_request_free(&r);
     return st;
+}
+
+/* Rank 0, the loop ended on a stop or a close: the requests still queued (on one rank, those
+ * that came while a forward ran; on any, those that came while the stop spread) and those that
+ * arrive before the listener closes are answered with why, not dropped with their
+ * connection. */
+static void answer_queued(serve_ctx *c) {
+    const char *why =
+        c->ended_by == ENDED_CLOSE
+            ? "the server was closed (a close request) before this request ran"
+        : mdt_serve_listener_owner_gone(c->l)
+            ? "stopped: the server's standard input ended (--owner-stdin: the process that "
+              "started it is gone) before this request ran: the server is ending"
+            : "stopped by a signal (SIGTERM or SIGINT) before this request ran: the server is "
+              "ending";
+    mdt_serve_listener_fail_all(c->l, why, 1.0);
 }
 
 mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
@@ -1134,6 +1156,8 @@ mdt_status mdt_serve(mdt_model *m, const mdt_serve_params *p) {
     } else {
         const mdt_status dn = drain_notes(&c);
         st = mdt_mesh_agree(c.mesh, st != MDT_OK ? st : dn);
+        if (st == MDT_OK && c.rank == 0 && c.ended_by)
+            answer_queued(&c);
     }
     if (c.own_listener)
         mdt_serve_listener_free(c.l);

@@ -449,6 +449,41 @@ stopped_within 10; st=$STOPPED
 [ $rcq = 1 ] && grep -q "^id=q2$" "$T/sq2" && grep -q "^error=stopped by a signal" "$T/sq2" && ok ||
     bad "a request queued behind a one-rank forward stopped by SIGTERM: rc $rcq, $(cat "$T/sq2")"
 
+# ---- one rank, SIGTERM while a forward of about 2 s runs (within the 5 s grace) with a request
+# queued behind it: the forward answers, the queued request gets the stop's error with its id
+# and the server exits. Before, the queued request's connection was just closed (no reply) ----
+"$BIN" inputs --checkpoint "$CK" --img-tokens 20000 --txt-tokens 512 --out "$T/mid.safetensors" >/dev/null ||
+    bad "inputs for the 2 s forward"
+"$BIN" serve --checkpoint "$CK" --listen "$EP" >"$T/log15" 2>&1 &
+SPID=$!
+for _ in $(seq 300); do grep -q "^serving on" "$T/log15" && break; sleep 0.1; done
+client forward "$T/mid.safetensors" "$T/x.safetensors" --id mid >"$T/sm1" & CL=$!
+sleep 0.5
+timeout 60 "$CLIENT" "$EP" info --id q3 --timeout 10000 >"$T/sm2" & CQ=$!
+sleep 0.3
+kill -TERM "$SPID"
+wait "$CL"
+wait "$CQ"; rcq=$?
+stopped_within 10; st=$STOPPED
+[ $rcq = 1 ] && grep -q "^id=q3$" "$T/sm2" && grep -q "^error=stopped by a signal (SIGTERM or SIGINT)" "$T/sm2" &&
+    [ "$st" != "still running after 10 s" ] && ok ||
+    bad "a request queued behind a forward that ended within the grace: rc $rcq, server $st, $(cat "$T/sm2" "$T/log15")"
+# the same behind a close: the close is answered, the request queued after it gets why
+"$BIN" serve --checkpoint "$CK" --listen "$EP" >"$T/log16" 2>&1 &
+SPID=$!
+for _ in $(seq 300); do grep -q "^serving on" "$T/log16" && break; sleep 0.1; done
+client forward "$T/mid.safetensors" "$T/x.safetensors" >/dev/null & CL=$!
+sleep 0.5
+client close >"$T/sc1" & CC=$!
+sleep 0.2
+timeout 60 "$CLIENT" "$EP" info --id q4 --timeout 10000 >"$T/sc2" & CQ=$!
+wait "$CL"; wait "$CC"; rcc=$?
+wait "$CQ"; rcq=$?
+stopped_within 10; st=$STOPPED
+[ $rcc = 0 ] && [ $rcq = 1 ] && grep -q "^id=q4$" "$T/sc2" &&
+    grep -q "^error=the server was closed (a close request) before this request ran" "$T/sc2" && [ "$st" = 0 ] && ok ||
+    bad "a request queued behind a close: rc $rcc/$rcq, server $st, $(cat "$T/sc1" "$T/sc2" "$T/log16")"
+
 # ---- a rank that fails inside a forward (default bounds: step watchdog >= 60 s, agreement
 # 20 s): the failed rank's note reaches rank 0 in its collective at once, the waiting client
 # gets "rank 1: ..." as its reply, and the job ends with that one line and exit 1 ----
