@@ -424,8 +424,9 @@ typedef struct mdt_serve_params {
                                   process that started it is gone: --owner-stdin) */
     double handshake_timeout;  /* seconds a connection has for its ZMTP greeting and READY
                                   before it is closed (default 5; 0: no bound) */
-    double message_timeout;    /* seconds a partly received message may go without a byte
-                                  before its connection is closed (default 30; 0: no bound) */
+    double message_timeout;    /* seconds a partly received message may go without a byte,
+                                  or a connection's output without one taken, before the
+                                  connection is closed (default 30; 0: no bound) */
     /* world rank 0: the endpoint bound before the load (mdt_serve_listen; the caller frees it);
      * NULL: mdt_serve binds `endpoint` itself */
     mdt_serve_listener *listener;

@@ -46,6 +46,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -69,6 +70,7 @@ typedef struct peer {
     uint64_t id;
     double born, last_io; /* monotonic seconds: accepted, last byte read or written */
     double last_rx;       /* monotonic seconds: last byte read */
+    double last_tx;       /* monotonic seconds: last byte written, or when output began waiting */
     mdt_zmtp_reader rd;
     /* the message being read */
     int frames;     /* frames so far */
@@ -143,10 +145,12 @@ static out_item *out_new(peer *c, const unsigned char *head, size_t head_n) {
         return NULL;
     memcpy(o->head, head, head_n);
     o->head_n = head_n;
-    if (c->out_tail)
+    if (c->out_tail) {
         c->out_tail->next = o;
-    else
+    } else {
         c->out = o;
+        c->last_tx = mono_s(); /* the write deadline counts from now, not from the last write */
+    }
     c->out_tail = o;
     return o;
 }
@@ -217,7 +221,7 @@ static int out_flush(mdt_serve_listener *l, peer *c) {
         }
         o->off += (size_t)w;
         if (w > 0)
-            c->last_io = mono_s();
+            c->last_io = c->last_tx = mono_s();
         if (o->off < o->head_n + o->body_n)
             return 0;
         c->out = o->next;
@@ -289,11 +293,19 @@ static void close_conn(mdt_serve_listener *l, int i) {
  * nothing of its own left to write. Closing it loses nothing (a libzmq client reconnects). */
 static int conn_idle(const peer *c) { return c->frames == 0 && c->in_flight == 0 && !c->out; }
 
-/* The table is full: closes the connection idle longest, if one is idle. 1 if one was closed. */
+/* Bytes the peer sent that this side has not read yet (a request may have just landed). */
+static int unread(const peer *c) {
+    int n = 0;
+    return ioctl(c->fd, FIONREAD, &n) != 0 || n > 0;
+}
+
+/* The table is full: closes the connection idle longest, if one is idle: nothing under way and
+ * nothing sent but unread (closing it then would lose a request already on its way). 1 if one
+ * was closed. */
 static int evict_idle(mdt_serve_listener *l) {
     int victim = -1;
     for (int i = 0; i < l->nconns; i++)
-        if (conn_idle(l->conns[i]) &&
+        if (conn_idle(l->conns[i]) && !unread(l->conns[i]) &&
             (victim < 0 || l->conns[i]->last_io < l->conns[victim]->last_io))
             victim = i;
     if (victim >= 0)
@@ -417,11 +429,36 @@ static void message_end(mdt_serve_listener *l, peer *c) {
         err = why;
     } else if (c->refusing) {
         err = c->refusal;
-    } else {
-        pthread_mutex_lock(&l->mu); /* the server is ending: nothing will take it */
-        if (l->ending[0])
+    }
+    req_item *r = NULL;
+    if (!err) {
+        r = mdt_calloc(sizeof *r);
+        if (r && !c->blob && !(c->blob = mdt_alloc(1))) { /* an empty blob (refused by parse) */
+            mdt_free(r);
+            r = NULL;
+        }
+    }
+    if (r) { /* queued, unless the server is ending: checked and queued under one lock, so
+              * fail_all, which empties the queue, never misses it */
+        pthread_mutex_lock(&l->mu);
+        if (l->ending[0]) {
             err = strcpy(why, l->ending);
+        } else {
+            r->in = (mdt_serve_incoming){c->id, c->blob, c->blob_size, c->reserved};
+            c->blob = NULL, c->reserved = 0;
+            c->in_flight++;
+            if (l->q_tail)
+                l->q_tail->next = r;
+            else
+                l->q = r;
+            l->q_tail = r;
+            pthread_cond_signal(&l->cv);
+        }
         pthread_mutex_unlock(&l->mu);
+        if (err)
+            mdt_free(r);
+    } else if (!err) {
+        drop_message(l, c);
     }
     if (err) {
         drop_message(l, c);
@@ -429,27 +466,6 @@ static void message_end(mdt_serve_listener *l, peer *c) {
         unsigned char *b = refusal_blob(c->head, c->frames == 2 ? c->head_n : 0, err, &n);
         if (b)
             out_reply(l, c, b, n, 0, 0); /* a client that never reads them is closed (feed) */
-    } else {
-        req_item *r = mdt_calloc(sizeof *r);
-        if (r && !c->blob && !(c->blob = mdt_alloc(1))) { /* an empty blob (refused by parse) */
-            mdt_free(r);
-            r = NULL;
-        }
-        if (!r) {
-            drop_message(l, c);
-        } else {
-            r->in = (mdt_serve_incoming){c->id, c->blob, c->blob_size, c->reserved};
-            c->blob = NULL, c->reserved = 0;
-            c->in_flight++;
-            pthread_mutex_lock(&l->mu);
-            if (l->q_tail)
-                l->q_tail->next = r;
-            else
-                l->q = r;
-            l->q_tail = r;
-            pthread_cond_signal(&l->cv);
-            pthread_mutex_unlock(&l->mu);
-        }
     }
     c->frames = 0, c->refusing = 0, c->refusal[0] = 0, c->head_n = 0, c->delim = 0;
 }
@@ -572,18 +588,24 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn, const char *op, con
 
 /* Closes the connections past their deadline: no greeting and READY within the handshake
  * timeout, or no byte for the message timeout while a message is partly read (a peer that
- * announces a large blob and stalls would pin its connection and the bytes it sent). Returns
- * the seconds until the next deadline (-1: none). */
+ * announces a large blob and stalls would pin its connection and the bytes it sent), or none of
+ * its output taken for the message timeout (a peer that never reads would hold its replies'
+ * share of the queue budget, and with a few such peers refuse every other client as busy).
+ * Returns the seconds until the next deadline (-1: none). */
 static double enforce_deadlines(mdt_serve_listener *l) {
     const double now = mono_s();
     double next = -1;
     for (int i = l->nconns - 1; i >= 0; i--) {
         const peer *c = l->conns[i];
         double due = -1;
-        if (!c->rd.handshaken && l->handshake_s > 0)
+        if (!c->rd.handshaken && l->handshake_s > 0) {
             due = c->born + l->handshake_s;
-        else if (c->frames > 0 && l->message_s > 0)
-            due = c->last_rx + l->message_s;
+        } else if (l->message_s > 0) {
+            if (c->frames > 0)
+                due = c->last_rx + l->message_s;
+            if (c->out && (due < 0 || c->last_tx + l->message_s < due))
+                due = c->last_tx + l->message_s;
+        }
         if (due < 0)
             continue;
         if (due <= now)

@@ -228,7 +228,7 @@ void mdt_serve_listener_done(mdt_serve_listener *l, mdt_serve_incoming *in);
 /* Answers every request still queued with an error reply carrying `msg` (the server is ending)
  * and the request's op and id (mdt_serve_request_peek), and every request that arrives from
  * now on as it ends, then waits up to `seconds` for the replies already handed over to be
- * written. */
+ * written. The listener stays that way: it serves no other loop afterwards. */
 void mdt_serve_listener_fail_all(mdt_serve_listener *l, const char *msg, double seconds);
 /* The loop runs a request of `conn` (busy 1; its `op` and `id`, "" or NULL when none, name it
  * in a reply the listener writes) or has finished it (0): while it runs, a stop that is not

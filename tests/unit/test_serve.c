@@ -669,6 +669,17 @@ static int raw_closed_within(int fd, long ms) {
     return 0;
 }
 
+/* 1 when the server closed the connection within `ms`, reading nothing of what it sent (a
+ * Unix socket whose peer closed reports POLLHUP with its unread bytes still queued). */
+static int raw_hup_within(int fd, long ms) {
+    for (long waited = 0; waited <= ms; waited += 10) {
+        struct pollfd pf = {fd, 0, 0};
+        if (poll(&pf, 1, 10) > 0 && (pf.revents & (POLLHUP | POLLERR)))
+            return 1;
+    }
+    return 0;
+}
+
 /* Connections without deadlines and a full table (MDT_SERVE_MAX_CLIENTS): a peer that never
  * finishes its handshake is closed after the handshake timeout, and a newcomer to a full table
  * takes the place of the connection idle longest, unless every connection has something under
@@ -798,6 +809,44 @@ static void test_listener_stalled_messages(void) {
     if (got)
         mdt_serve_listener_done(l, &in);
     close(slow[0]), close(slow[1]), close(steady);
+    zmq_close(z);
+    zmq_ctx_term(ctx);
+    mdt_serve_listener_free(l);
+}
+
+/* A client that never reads its replies is closed once none of its output has been taken for
+ * the message timeout, and its replies' share of the queue budget is released: otherwise four
+ * such clients (each up to a quarter of the bound) would keep every other request "busy". */
+static void test_listener_reply_deadline(void) {
+    char ep[128], path[120], got[512];
+    snprintf(path, sizeof path, "/tmp/mdt_test_serve_wdl_%ld.sock", (long)getpid());
+    snprintf(ep, sizeof ep, "ipc://%s", path);
+    mdt_serve_params p = mdt_serve_params_default();
+    p.endpoint = ep, p.max_request_bytes = 1 << 20, p.max_queue_bytes = 3 << 19; /* 1, 1.5 MiB */
+    p.message_timeout = 0.5;
+    mdt_serve_listener *l = NULL;
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (!l)
+        return;
+    const int r = raw_connect(path);
+    raw_handshake(r);
+    raw_message(r, 10);
+    mdt_serve_incoming in;
+    EXPECT(mdt_serve_listener_next(l, 1000, &in) && in.size == 10, "R's request");
+    const size_t big = 1200 << 10;
+    mdt_serve_listener_reply(l, in.conn, mdt_calloc(big), big);
+    mdt_serve_listener_done(l, &in);
+    void *ctx = zmq_ctx_new();
+    void *z = zsock(ctx, ZMQ_DEALER, ep, 0);
+    zsend(z, 500000); /* refused while R's reply waits unread */
+    EXPECT(strstr(zreply(z, got, sizeof got), "the server is busy"), "beside R's reply: '%s'", got);
+    EXPECT(raw_hup_within(r, 1500), "a peer that read nothing for 0.5 s was kept");
+    zsend(z, 500000);
+    const int fits = mdt_serve_listener_next(l, 1000, &in);
+    EXPECT(fits && in.size == 500000, "the closed peer's reply still held the budget");
+    if (fits)
+        mdt_serve_listener_done(l, &in);
+    close(r);
     zmq_close(z);
     zmq_ctx_term(ctx);
     mdt_serve_listener_free(l);
@@ -976,6 +1025,7 @@ int main(void) {
     test_listener_connections();
     test_listener_stalled_messages();
     test_listener_unread_replies();
+    test_listener_reply_deadline();
     test_request_peek();
     test_listener_refusal_ids();
     test_tensor_cap();
