@@ -210,7 +210,7 @@ static const char *repeated_key(const cJSON *obj, mdt_status *st) {
                     return e->string;
         return NULL;
     }
-    const cJSON **keys = mdt_alloc(sizeof *keys * (size_t)n);
+    const cJSON **keys = mdt_alloc(sizeof(const cJSON *) * (size_t)n);
     if (!keys) {
         *st = MDT_FAIL(MDT_E_NOMEM, "out of memory checking a JSON object's keys");
         return NULL;
@@ -219,7 +219,7 @@ static const char *repeated_key(const cJSON *obj, mdt_status *st) {
     for (const cJSON *e = obj->child; e; e = e->next)
         if (e->string)
             keys[k++] = e;
-    qsort((void *)keys, (size_t)k, sizeof *keys, key_cmp);
+    qsort((void *)keys, (size_t)k, sizeof(const cJSON *), key_cmp);
     const char *dup = NULL;
     for (int i = 1; i < k && !dup; i++)
         if (strcmp(keys[i - 1]->string, keys[i]->string) == 0)

@@ -27,9 +27,8 @@ mdt_status mdt_model_info_open(const char *checkpoint_dir, const char *config_pa
     } else {
         st = mdt_config_load(checkpoint_dir ? path : config_path, &v->cfg);
     }
-    if (st == MDT_OK)
-        st = mdt_config_error_at(mdt_model_describe(v->ck ? v->ck->config : v->cfg, &v->m),
-                                 checkpoint_dir ? path : config_path);
+    if (st == MDT_OK && (st = mdt_model_describe(v->ck ? v->ck->config : v->cfg, &v->m)) != MDT_OK)
+        (void)mdt_config_error_at(st, checkpoint_dir ? path : config_path); /* names the file */
     if (st != MDT_OK) {
         mdt_model_info_free(v);
         return st;

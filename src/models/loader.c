@@ -264,8 +264,8 @@ mdt_status mdt_model_load(const mdt_load_params *p, mdt_model **out) {
     st = mdt_ckpt_open(p->checkpoint_dir, &ck);
     char cpath[4096];
     snprintf(cpath, sizeof cpath, "%s/config.json", p->checkpoint_dir);
-    if (st == MDT_OK)
-        st = mdt_config_error_at(mdt_model_describe(ck->config, &m), cpath);
+    if (st == MDT_OK && (st = mdt_model_describe(ck->config, &m)) != MDT_OK)
+        (void)mdt_config_error_at(st, cpath); /* the message names the file */
     if (st == MDT_OK && p->max_weight_bytes > 0)
         st = check_memory(m, mesh ? mesh->T : 1, p->max_weight_bytes);
     st = mdt_mesh_agree(mesh, st);

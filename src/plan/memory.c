@@ -160,8 +160,8 @@ static mdt_status check_local(const char *ck, const mdt_mesh *mesh, const mdt_te
     mdt_model *m = NULL;
     snprintf(path, sizeof path, "%s/config.json", ck);
     mdt_status st = mdt_config_load(path, &cfg);
-    if (st == MDT_OK)
-        st = mdt_config_error_at(mdt_model_describe(cfg, &m), path);
+    if (st == MDT_OK && (st = mdt_model_describe(cfg, &m)) != MDT_OK)
+        (void)mdt_config_error_at(st, path); /* the message names the file */
     if (st == MDT_OK)
         st = mdt_model_check_layout(m, T, R, U);
     if (st == MDT_OK) {

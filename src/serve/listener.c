@@ -395,7 +395,7 @@ static int blob_grow(mdt_serve_listener *l, peer *c, size_t n) {
         snprintf(why, sizeof why,
                  "the server is busy: this request's %zu bytes would make the requests it holds "
                  "%lld bytes, over its --max-queue-bytes %lld; retry later",
-                 c->blob_size, (long long)(others + (int64_t)c->blob_size),
+                 c->blob_size, (long long)others + (long long)c->blob_size,
                  (long long)l->max_queue);
         refuse(l, c, why);
         return -1;
