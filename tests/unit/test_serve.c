@@ -814,28 +814,43 @@ static void test_listener_stalled_messages(void) {
     mdt_serve_listener_free(l);
 }
 
-/* A client that never reads its replies is closed once none of its output has been taken for
- * the message timeout, and its replies' share of the queue budget is released: otherwise four
- * such clients (each up to a quarter of the bound) would keep every other request "busy". */
-static void test_listener_reply_deadline(void) {
-    char ep[128], path[120], got[512];
-    snprintf(path, sizeof path, "/tmp/mdt_test_serve_wdl_%ld.sock", (long)getpid());
-    snprintf(ep, sizeof ep, "ipc://%s", path);
+/* A listener on `path` (max request 1 MiB, queue 1.5 MiB, the message timeout `msg_s`) and a raw
+ * peer R that sent a request and got a 1.2 MiB reply it has not read; *r gets R's socket. */
+static mdt_serve_listener *listener_with_unread_reply(const char *tag, char *ep, size_t epn,
+                                                      char *path, size_t pathn, double msg_s,
+                                                      int *r) {
+    snprintf(path, pathn, "/tmp/mdt_test_serve_%s_%ld.sock", tag, (long)getpid());
+    snprintf(ep, epn, "ipc://%s", path);
     mdt_serve_params p = mdt_serve_params_default();
     p.endpoint = ep, p.max_request_bytes = 1 << 20, p.max_queue_bytes = 3 << 19; /* 1, 1.5 MiB */
-    p.message_timeout = 0.5;
+    if (msg_s > 0)
+        p.message_timeout = msg_s;
     mdt_serve_listener *l = NULL;
     EXPECT_OK(mdt_serve_listen(&p, &l));
     if (!l)
-        return;
-    const int r = raw_connect(path);
-    raw_handshake(r);
-    raw_message(r, 10);
+        return NULL;
+    *r = raw_connect(path);
+    raw_handshake(*r);
+    raw_message(*r, 10);
     mdt_serve_incoming in;
     EXPECT(mdt_serve_listener_next(l, 1000, &in) && in.size == 10, "R's request");
     const size_t big = 1200 << 10;
     mdt_serve_listener_reply(l, in.conn, mdt_calloc(big), big);
     mdt_serve_listener_done(l, &in);
+    return l;
+}
+
+/* A client that never reads its replies is closed once none of its output has been taken for
+ * the message timeout, and its replies' share of the queue budget is released: otherwise four
+ * such clients (each up to a quarter of the bound) would keep every other request "busy". */
+static void test_listener_reply_deadline(void) {
+    char ep[128], path[120], got[512];
+    int r = -1;
+    mdt_serve_listener *l =
+        listener_with_unread_reply("wdl", ep, sizeof ep, path, sizeof path, 0.5, &r);
+    if (!l)
+        return;
+    mdt_serve_incoming in;
     void *ctx = zmq_ctx_new();
     void *z = zsock(ctx, ZMQ_DEALER, ep, 0);
     zsend(z, 500000); /* refused while R's reply waits unread */
@@ -858,25 +873,15 @@ static void test_listener_reply_deadline(void) {
  * released as its reply was handed over, so unread replies were held outside every bound. */
 static void test_listener_unread_replies(void) {
     char ep[128], path[120], got[512];
-    snprintf(path, sizeof path, "/tmp/mdt_test_serve_unread_%ld.sock", (long)getpid());
-    snprintf(ep, sizeof ep, "ipc://%s", path);
-    mdt_serve_params p = mdt_serve_params_default();
-    p.endpoint = ep, p.max_request_bytes = 1 << 20, p.max_queue_bytes = 3 << 19; /* 1, 1.5 MiB */
-    mdt_serve_listener *l = NULL;
-    EXPECT_OK(mdt_serve_listen(&p, &l));
-    if (!l)
-        return;
     /* R sends a request and reads nothing: its 1.2 MiB reply stays mostly unwritten (the
      * socket's buffers take a few hundred KiB) */
-    const int r = raw_connect(path);
-    raw_handshake(r);
-    raw_message(r, 10);
-    mdt_serve_incoming in;
-    EXPECT(mdt_serve_listener_next(l, 1000, &in) && in.size == 10, "R's request");
+    int r = -1;
+    mdt_serve_listener *l =
+        listener_with_unread_reply("unread", ep, sizeof ep, path, sizeof path, 0, &r);
+    if (!l)
+        return;
     const size_t big = 1200 << 10;
-    unsigned char *reply = mdt_calloc(big);
-    mdt_serve_listener_reply(l, in.conn, reply, big);
-    mdt_serve_listener_done(l, &in);
+    mdt_serve_incoming in;
     nap_ms(200);
     /* the unwritten reply counts: 500 KB more would pass the 1.5 MiB */
     void *ctx = zmq_ctx_new();
