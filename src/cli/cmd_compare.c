@@ -27,6 +27,16 @@ int cmd_compare(int argc, char **argv) {
     }
     int bad = 0;
     char s1[96], s2[96];
+    if (mdt_tensor_set_count(b) == 0) { /* nothing compared is not a pass */
+        printf("%s holds no tensors: nothing to compare against\n", o.pos[1]);
+        bad = 1;
+    }
+    for (int i = 0; i < mdt_tensor_set_count(a); i++) { /* said, never silently dropped */
+        const char *name;
+        mdt_tensor_set_at(a, i, &name);
+        if (!mdt_tensor_set_get(b, name))
+            printf("%-24s EXTRA in %s (not in the reference; not compared)\n", name, o.pos[0]);
+    }
     for (int i = 0; i < mdt_tensor_set_count(b); i++) {
         const char *name;
         mdt_tensor *tb = mdt_tensor_set_at(b, i, &name), *ta = mdt_tensor_set_get(a, name);

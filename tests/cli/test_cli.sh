@@ -619,6 +619,15 @@ if "$BIN" run --checkpoint "$T/unused" --inputs "$DATA/flux_tiny/inputs.safetens
        --quiet 2>"$T/stderr" &&
    grep -q "tensors in the checkpoint are not used by the model (the first by name: 'single_transformer_blocks.0." "$T/stderr"
 then ok; else bad "unused tensors: $(cat "$T/stderr")"; fi
+# compare: an empty reference compares nothing and is no pass; a tensor only in A is said
+printf '\x08\x00\x00\x00\x00\x00\x00\x00{}      ' >"$T/empty.safetensors"
+"$BIN" compare "$T/empty.safetensors" "$T/empty.safetensors" >"$T/stdout" 2>&1
+rc_empty=$?
+"$BIN" compare "$DATA/flux_tiny/inputs.safetensors" "$T/empty.safetensors" >"$T/stdout2" 2>&1
+rc_extra=$?
+if [ "$rc_empty" = 1 ] && grep -q "holds no tensors" "$T/stdout" && [ "$rc_extra" = 1 ] &&
+   grep -q "EXTRA in $DATA/flux_tiny/inputs.safetensors" "$T/stdout2"; then ok
+else bad "compare with an empty reference ($rc_empty) or extra tensors ($rc_extra): $(cat "$T/stdout" "$T/stdout2")"; fi
 # a 255-byte file name works (NAME_MAX); 256 bytes is refused before the weights are read
 n255=$(printf 'n%.0s' $(seq 243)).safetensors r255=$(printf 'r%.0s' $(seq 250)).json
 if "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/$n255" --report "$T/$r255" &&
