@@ -554,7 +554,7 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn, const char *op, con
     unsigned char *b = NULL;
     size_t n = 0;
     if (c && mdt_serve_reply_error(op, id, msg, &b, &n) == MDT_OK)
-        out_reply(l, c, b, n, 1, 0);
+        out_reply(l, c, b, n, 0, 0); /* not its reply: the loop's own, if it comes, is that */
     pthread_mutex_lock(&l->mu);
     req_item *q = l->q;
     l->q = l->q_tail = NULL;
@@ -563,6 +563,7 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn, const char *op, con
         next = r->next;
         if ((c = find_conn(l, r->in.conn)) && (b = refusal_blob(r->in.blob, r->in.size, msg, &n)))
             out_reply(l, c, b, n, 1, 0);
+        release(l, r->in.reserved); /* what the queued request held of the budget */
         mdt_free(r->in.blob);
         mdt_free(r);
     }
