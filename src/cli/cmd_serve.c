@@ -54,7 +54,7 @@ typedef struct serve_args {
     int listen_any, owner_stdin;
     cli_layout l;
     long long max_sessions, step_timeout, load_timeout, session_idle;
-    int64_t max_session_bytes, max_request_bytes, max_queue_bytes;
+    int64_t max_session_bytes, max_request_bytes, max_queue_bytes, min_rate;
     double handshake_timeout, message_timeout;
     const char *lora[16]; /* --lora FILE[:SCALE], repeatable */
     int nlora;
@@ -72,13 +72,16 @@ static int opt_seconds(cli_opts *o, const char *key, double def, double *out) {
     return rc;
 }
 
-/* A size option (--max-session-bytes 1G) into *out, `def` when absent. */
-static int opt_size(cli_opts *o, const char *key, int64_t def, int64_t *out) {
+/* A size option (--max-session-bytes 1G) into *out, `def` when absent; `zero_ok`: "0" too. */
+static int opt_size(cli_opts *o, const char *key, int64_t def, int zero_ok, int64_t *out) {
     const char *v = cli_opt_str(o, key, NULL);
     *out = def;
-    if (v && (*out = mdt_size_parse(v)) <= 0) {
+    if (v && zero_ok && strcmp(v, "0") == 0)
+        *out = 0;
+    else if (v && (*out = mdt_size_parse(v)) <= 0) {
         char msg[96];
-        snprintf(msg, sizeof msg, "--%s takes a size like 512M, 8G or 1048576, got '%%s'", key);
+        snprintf(msg, sizeof msg, "--%s takes a size like 512M, 8G or 1048576%s, got '%%s'", key,
+                 zero_ok ? " (or 0)" : "");
         return cli_usage_exit(msg, v);
     }
     return 0;
@@ -100,15 +103,16 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
     a->owner_stdin = cli_opt_str(&o, "owner-stdin", NULL) != NULL;
     if ((rc = cli_parse_layout(&o, &a->l)) ||
         (rc = cli_opt_int(&o, "max-sessions", def.max_sessions, 0, 4096, &a->max_sessions)) ||
-        (rc = opt_size(&o, "max-session-bytes", def.max_session_bytes, &a->max_session_bytes)) ||
-        (rc = opt_size(&o, "max-request-bytes", def.max_request_bytes, &a->max_request_bytes)) ||
-        (rc = opt_size(&o, "max-queue-bytes", 2 * a->max_request_bytes, &a->max_queue_bytes)) ||
+        (rc = opt_size(&o, "max-session-bytes", def.max_session_bytes, 0, &a->max_session_bytes)) ||
+        (rc = opt_size(&o, "max-request-bytes", def.max_request_bytes, 0, &a->max_request_bytes)) ||
+        (rc = opt_size(&o, "max-queue-bytes", 2 * a->max_request_bytes, 0, &a->max_queue_bytes)) ||
         (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
         (rc = cli_opt_int(&o, "load-timeout", 600, 0, 86400 * 7, &a->load_timeout)) ||
         (rc = cli_opt_int(&o, "session-idle", (long long)def.session_idle, 0, 86400 * 7,
                           &a->session_idle)) ||
         (rc = opt_seconds(&o, "handshake-timeout", def.handshake_timeout, &a->handshake_timeout)) ||
         (rc = opt_seconds(&o, "message-timeout", def.message_timeout, &a->message_timeout)) ||
+        (rc = opt_size(&o, "min-rate", def.min_rate, 1, &a->min_rate)) ||
         (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!a->ck)
@@ -136,6 +140,7 @@ int cmd_serve(int argc, char **argv) {
     p.max_request_bytes = a.max_request_bytes, p.max_queue_bytes = a.max_queue_bytes;
     p.step_timeout = (double)a.step_timeout;
     p.handshake_timeout = a.handshake_timeout, p.message_timeout = a.message_timeout;
+    p.min_rate = a.min_rate;
     p.max_memory = a.l.max_bytes; /* every forward checked: --max-memory, else run's default */
     p.mem_available = getenv("MESHDIT_MEM_AVAILABLE");
     p.on_stop_stuck = cli_rank == 0 ? on_stop_stuck : NULL;

@@ -57,7 +57,7 @@ void cli_usage(FILE *fp) {
         "          [--max-sessions N] [--max-session-bytes SIZE] [--session-idle S]\n"
         "          [--max-request-bytes SIZE] [--max-queue-bytes SIZE]\n"
         "          [--step-timeout S] [--load-timeout S] [--owner-stdin]\n"
-        "          [--handshake-timeout S] [--message-timeout S]\n"
+        "          [--handshake-timeout S] [--message-timeout S] [--min-rate BYTES]\n"
         "          [--lora FILE[:SCALE]]...   (docs/serve.md)\n");
 }
 

@@ -10,7 +10,8 @@
  *     the size a frame header merely announces); a request of another shape (a frame past the
  *     second, a non-empty delimiter) or size is read on but not kept, and answered with an error
  *     reply once it has ended; a message that gets no byte for the message timeout while partly
- *     read closes its connection (what it held is released);
+ *     read, or that after its first message timeout averages less than the minimum rate
+ *     (--min-rate), closes its connection (what it held is released);
  *   - in all: the blobs being received, queued or run and the replies not yet written, at most
  *     --max-queue-bytes, blobs counted as their buffers grow; a request whose bytes would pass
  *     it is refused then (an error reply: retry later). A reply is counted from the moment the
@@ -24,7 +25,8 @@
  *   - MDT_SERVE_MAX_CLIENTS connections. One that has not finished its greeting and READY within
  *     the handshake timeout is closed; when the table is full, a newcomer takes the place of the
  *     connection idle longest among those with nothing under way (no message partly read, no
- *     request queued or running, nothing unwritten), else it is closed as it comes.
+ *     request queued or running, nothing unwritten), else of the one whose message being read
+ *     was already refused, else it is closed as it comes.
  * Requests of a connection that closes before they ran are dropped unrun. An error reply the
  * listener writes itself (a refusal, a stop) names the request's op and id when its header lies
  * within the first MDT_SERVE_PEEK_BYTES of its blob (a message that is not [empty, blob] has
@@ -73,9 +75,11 @@ typedef struct peer {
     double last_tx;       /* monotonic seconds: last byte written, or when output began waiting */
     mdt_zmtp_reader rd;
     /* the message being read */
-    int frames;     /* frames so far */
-    uint64_t delim; /* the first frame's size (a request's is 0) */
-    int refusing;   /* not kept: answered with `refusal` at its end */
+    int frames;         /* frames so far */
+    double msg_start;   /* monotonic seconds: its first frame began */
+    uint64_t msg_bytes; /* its frames' bytes so far */
+    uint64_t delim;     /* the first frame's size (a request's is 0) */
+    int refusing;       /* not kept: answered with `refusal` at its end */
     char refusal[320];
     unsigned char head[MDT_SERVE_PEEK_BYTES]; /* the blob's first bytes, kept or not */
     size_t head_n;
@@ -106,6 +110,7 @@ struct mdt_serve_listener {
     int64_t max_request, max_queue;
     double handshake_s; /* a connection's time for its greeting and READY (0: no bound) */
     double message_s;   /* the longest pause inside a message (0: no bound) */
+    double min_rate;    /* bytes per second a message averages after its grace (0: no bound) */
     int64_t reply_cap;  /* a connection with more unwritten reply bytes is not read */
     void (*on_stop_stuck)(void *user, const char *msg);
     void *user;
@@ -300,14 +305,23 @@ static int unread(const peer *c) {
 }
 
 /* The table is full: closes the connection idle longest, if one is idle: nothing under way and
- * nothing sent but unread (closing it then would lose a request already on its way). 1 if one
- * was closed. */
-static int evict_idle(mdt_serve_listener *l) {
+ * nothing sent but unread (closing it then would lose a request already on its way); else the
+ * one whose message, already refused (too large, malformed, the server busy), began earliest:
+ * closing it loses only that refusal, while a peer announcing blobs over the bound and feeding
+ * them at the minimum rate would otherwise hold its place for good. 1 if one was closed. */
+static int evict(mdt_serve_listener *l) {
     int victim = -1;
     for (int i = 0; i < l->nconns; i++)
         if (conn_idle(l->conns[i]) && !unread(l->conns[i]) &&
             (victim < 0 || l->conns[i]->last_io < l->conns[victim]->last_io))
             victim = i;
+    int refused = -1;
+    for (int i = 0; i < l->nconns; i++)
+        if (l->conns[i]->frames > 0 && l->conns[i]->refusing &&
+            (refused < 0 || l->conns[i]->msg_start < l->conns[refused]->msg_start))
+            refused = i;
+    if (victim < 0)
+        victim = refused;
     if (victim >= 0)
         close_conn(l, victim);
     return victim >= 0;
@@ -319,7 +333,7 @@ static void accept_conns(mdt_serve_listener *l) {
         if (fd < 0)
             return;
         if (l->nconns == MDT_SERVE_MAX_CLIENTS)
-            evict_idle(l); /* 256 silent connections must not lock every client out */
+            evict(l); /* 256 silent or refused connections must not lock every client out */
         peer *c = l->nconns < MDT_SERVE_MAX_CLIENTS ? mdt_calloc(sizeof *c) : NULL;
         if (!c) { /* all busy (or out of memory): the client sees the connection close */
             close(fd);
@@ -346,6 +360,8 @@ static void refuse(mdt_serve_listener *l, peer *c, const char *why) {
 static void frame_start(mdt_serve_listener *l, peer *c, uint64_t size) {
     char why[320];
     const int idx = c->frames++;
+    if (idx == 0)
+        c->msg_start = mono_s(), c->msg_bytes = 0;
     if (c->refusing)
         return;
     if (idx == 0)
@@ -498,6 +514,7 @@ static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n
         }
         case MDT_ZMTP_EV_FRAME_START: frame_start(l, c, ev.size); break;
         case MDT_ZMTP_EV_BODY:
+            c->msg_bytes += ev.len;
             if (c->frames == 2 && c->head_n < sizeof c->head) { /* names a refused request */
                 const size_t k =
                     sizeof c->head - c->head_n < ev.len ? sizeof c->head - c->head_n : ev.len;
@@ -589,7 +606,9 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn, const char *op, con
 
 /* Closes the connections past their deadline: no greeting and READY within the handshake
  * timeout, or no byte for the message timeout while a message is partly read (a peer that
- * announces a large blob and stalls would pin its connection and the bytes it sent), or none of
+ * announces a large blob and stalls would pin its connection and the bytes it sent), or a
+ * message that, past its first message timeout, averages less than the minimum rate (a peer
+ * that sends a byte or a heartbeat just inside each timeout would pin it as well), or none of
  * its output taken for the message timeout (a peer that never reads would hold its replies'
  * share of the queue budget, and with a few such peers refuse every other client as busy).
  * Returns the seconds until the next deadline (-1: none). */
@@ -601,10 +620,16 @@ static double enforce_deadlines(mdt_serve_listener *l) {
         double due = -1;
         if (!c->rd.handshaken && l->handshake_s > 0) {
             due = c->born + l->handshake_s;
-        } else if (l->message_s > 0) {
-            if (c->frames > 0)
+        } else {
+            if (c->frames > 0 && l->message_s > 0)
                 due = c->last_rx + l->message_s;
-            if (c->out && (due < 0 || c->last_tx + l->message_s < due))
+            if (c->frames > 0 && l->min_rate > 0) { /* behind the minimum rate after the grace */
+                const double by = c->msg_start + (l->message_s > 0 ? l->message_s : 30.0) +
+                                  (double)c->msg_bytes / l->min_rate;
+                if (due < 0 || by < due)
+                    due = by;
+            }
+            if (c->out && l->message_s > 0 && (due < 0 || c->last_tx + l->message_s < due))
                 due = c->last_tx + l->message_s;
         }
         if (due < 0)
@@ -737,6 +762,7 @@ mdt_status mdt_serve_listen(const mdt_serve_params *p, mdt_serve_listener **out)
     l->max_queue = p->max_queue_bytes > 0 ? p->max_queue_bytes : 2 * l->max_request;
     l->handshake_s = p->handshake_timeout;
     l->message_s = p->message_timeout;
+    l->min_rate = (double)(p->min_rate > 0 ? p->min_rate : 0);
     l->reply_cap = l->max_queue / 4;
     l->on_stop_stuck = p->on_stop_stuck, l->user = p->user;
     pthread_mutex_init(&l->mu, NULL);

@@ -60,7 +60,8 @@ mdt_serve_params mdt_serve_params_default(void) {
                               .max_request_bytes = (int64_t)2 << 30,
                               .max_queue_bytes = 0,
                               .handshake_timeout = 5.0,
-                              .message_timeout = 30.0};
+                              .message_timeout = 30.0,
+                              .min_rate = (int64_t)64 << 10};
 }
 
 static double now_s(void) {

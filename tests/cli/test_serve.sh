@@ -79,6 +79,10 @@ touch "$T/plain"
 refused "ipc path that is a regular file" "exists and is not a socket" -- --listen "ipc://$T/plain"
 refused "unknown scheme" "must be ipc://PATH or tcp://HOST:PORT" -- --listen inproc://x
 [ -f "$T/plain" ] && ok || bad "the regular file at the ipc path was touched"
+timeout 20 "$MPIEXEC" -n 1 "$BIN" serve --checkpoint "$CK" --min-rate fast >"$T/out" 2>"$T/err"
+rc=$?
+[ $rc = 2 ] && grep -q "^meshdit: usage error: --min-rate takes a size like .* (or 0), got 'fast'$" "$T/err" &&
+    ok || bad "--min-rate fast: exit $rc, $(head -1 "$T/err")"
 
 # ---- one server: info, forwards, sessions, faults, close (--max-memory 3M: the tiny inputs
 # fit, the 1536-token ones need 5.1 MiB per rank and are refused before the forward) ----

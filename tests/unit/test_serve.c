@@ -756,6 +756,7 @@ static void test_listener_stalled_messages(void) {
     mdt_serve_params p = mdt_serve_params_default();
     p.endpoint = ep, p.max_request_bytes = 1 << 20, p.max_queue_bytes = 3 << 19; /* 1, 1.5 MiB */
     p.message_timeout = 0.5;
+    p.min_rate = 0; /* the pauses alone (test_listener_min_rate has the rate) */
     mdt_serve_listener *l = NULL;
     EXPECT_OK(mdt_serve_listen(&p, &l));
     if (!l)
@@ -809,6 +810,88 @@ static void test_listener_stalled_messages(void) {
     if (got)
         mdt_serve_listener_done(l, &in);
     close(slow[0]), close(slow[1]), close(steady);
+    zmq_close(z);
+    zmq_ctx_term(ctx);
+    mdt_serve_listener_free(l);
+}
+
+/* The frame headers of [empty, blob of `n` bytes announced], sent without the blob. */
+static void raw_announce(int fd, uint64_t n) {
+    unsigned char h[16];
+    size_t k = mdt_zmtp_frame_header(0, 1, h);
+    k += mdt_zmtp_frame_header(n, 0, h + k);
+    raw_send(fd, h, k);
+}
+
+/* Peers that send a byte just inside each message timeout (a slowloris the pause rule alone
+ * never closes): a message that, past its first message timeout, averages less than the minimum
+ * rate closes its connection, while one above it arrives whole; and a table full of messages
+ * already refused (announced over the bound, fed at any rate) lets a newcomer in, in place of
+ * the one refused earliest. Before, 256 such peers locked every client out for as long as they
+ * kept sending. */
+static void test_listener_min_rate(void) {
+    char ep[128], path[120];
+    snprintf(path, sizeof path, "/tmp/mdt_test_serve_rate_%ld.sock", (long)getpid());
+    snprintf(ep, sizeof ep, "ipc://%s", path);
+    mdt_serve_params p = mdt_serve_params_default();
+    p.endpoint = ep, p.max_request_bytes = 1 << 20, p.message_timeout = 0.4;
+    p.min_rate = 2000; /* bytes per second */
+    mdt_serve_listener *l = NULL;
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (!l)
+        return;
+    /* a trickler (a byte each 0.1 s: never a pause of 0.4 s) and a peer at 5000 bytes a second
+     * (500 each 0.1 s) that sends 6000 bytes */
+    const int trickle = raw_connect(path), steady = raw_connect(path);
+    raw_handshake(trickle), raw_handshake(steady);
+    raw_announce(trickle, 6000), raw_announce(steady, 6000);
+    static const unsigned char zeros[500];
+    int trickle_closed = 0;
+    for (int t = 0; t < 12; t++) {
+        raw_send(trickle, zeros, 1);
+        raw_send(steady, zeros, 500);
+        nap_ms(100);
+        trickle_closed |= raw_closed_within(trickle, 0);
+    }
+    EXPECT(trickle_closed, "a peer at 10 bytes a second (minimum 2000) stayed 1.2 s");
+    mdt_serve_incoming in;
+    const int got = mdt_serve_listener_next(l, 1000, &in);
+    EXPECT(got && in.size == 6000, "a message at 5000 bytes a second (minimum 2000) was lost");
+    if (got)
+        mdt_serve_listener_done(l, &in);
+    EXPECT(!raw_closed_within(steady, 0), "the peer above the minimum rate was closed");
+    close(trickle), close(steady);
+    mdt_serve_listener_free(l);
+    /* no deadlines at all: a full table of peers whose blobs (announced over the bound) are
+     * refused; a newcomer's request is taken, the peer refused first made room */
+    p.message_timeout = 0, p.min_rate = 0;
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (!l)
+        return;
+    int fds[MDT_SERVE_MAX_CLIENTS];
+    for (int i = 0; i < MDT_SERVE_MAX_CLIENTS; i++) {
+        fds[i] = raw_connect(path);
+        raw_handshake(fds[i]);
+        raw_announce(fds[i], (uint64_t)1 << 30);
+        raw_send(fds[i], zeros, 1);
+        nap_ms(i == 0 ? 20 : 0); /* the first is refused earliest by a margin */
+    }
+    nap_ms(200);
+    void *ctx = zmq_ctx_new();
+    void *z = zsock(ctx, ZMQ_DEALER, ep, 0);
+    zsend(z, 7);
+    const int got2 = mdt_serve_listener_next(l, 3000, &in);
+    EXPECT(got2 && in.size == 7, "a newcomer to a table of %d refused messages was locked out",
+           MDT_SERVE_MAX_CLIENTS);
+    if (got2)
+        mdt_serve_listener_done(l, &in);
+    EXPECT(raw_closed_within(fds[0], 500), "the message refused earliest was not the one closed");
+    int others = 0;
+    for (int i = 1; i < MDT_SERVE_MAX_CLIENTS; i++)
+        others += raw_closed_within(fds[i], 0);
+    EXPECT(others == 0, "%d other connections were closed", others);
+    for (int i = 0; i < MDT_SERVE_MAX_CLIENTS; i++)
+        close(fds[i]);
     zmq_close(z);
     zmq_ctx_term(ctx);
     mdt_serve_listener_free(l);
@@ -1029,6 +1112,7 @@ int main(void) {
     test_listener();
     test_listener_connections();
     test_listener_stalled_messages();
+    test_listener_min_rate();
     test_listener_unread_replies();
     test_listener_reply_deadline();
     test_request_peek();
