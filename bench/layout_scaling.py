@@ -57,7 +57,8 @@ def run_layout(a, env, tmp, t, r, u, tag, pack=None, binary=None):
     # every rank's kernel seconds: ranks doing the same work at different speeds (the spread)
     ks = [sum(x["kernel_seconds_per_step"].values()) for x in d["ranks"]]
     return (d["step_seconds_median"], rk["kernel_seconds_per_step"], rk["flops_per_step"],
-            rk["last_step_seconds"], rk["wait_seconds_last_step"], (min(ks), max(ks)))
+            rk["last_step_seconds"], rk["wait_seconds_last_step"], (min(ks), max(ks)),
+            d.get("step_seconds", []))
 
 
 def main():
@@ -120,7 +121,7 @@ def main():
           "| speed-up per round |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for lay in layouts:
-        step, k, f, last, w, spread = res[lay][-1]
+        step, k, f, last, w, spread, _ = res[lay][-1]
         rate = lambda c: f[c] / k[c] / 1e9 if k[c] > 0 else 0.0
         ups = " / ".join(f"{one[i] / x[0]:.2f}x" for i, x in enumerate(res[lay]))
         outside = last - sum(k.values())
@@ -134,6 +135,18 @@ def main():
     print("medians of the step per layout:",
           ", ".join(f"tp{t}r{r}u{u} {statistics.median(x[0] for x in res[(t, r, u)]):.3f}"
                     for t, r, u in layouts))
+    # every forward of every run, in order (rank 0's; the first is the run's warm-up): a round
+    # whose median sits above its best forwards had one or two slow forwards, which the
+    # last-step accounting above does not see; the best forward's scaling shows the layout
+    # without them
+    print("\nforward seconds in order, per round (rank 0's), and the scaling of the best forward "
+          "of each run against one rank's best:")
+    best1 = [min(x[6]) if x[6] else x[0] for x in res[(1, 1, 1)]]
+    for lay in layouts:
+        runs = " \\| ".join(" ".join(f"{t:.3f}" for t in x[6]) for x in res[lay])
+        sc = "" if lay == (1, 1, 1) else "; best: " + " / ".join(
+            f"{b / (min(x[6]) if x[6] else x[0]):.2f}x" for b, x in zip(best1, res[lay]))
+        print(f"- tp{lay[0]} ring{lay[1]} ulysses{lay[2]}: {runs}{sc}")
     if a.pack_compare or a.baseline:
         p1 = [x[0] for x in plain[(1, 1, 1)]]
         o, n = ("plain weights", "packed") if a.pack_compare else ("baseline", "this build")

@@ -142,6 +142,9 @@ mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, doubl
     cJSON_AddNumberToObject(r, "load_seconds", load_seconds);
     cJSON_AddNumberToObject(r, "step_seconds_median", s->step_median_s);
     cJSON_AddNumberToObject(r, "steps", s->steps);
+    cJSON *each = cJSON_AddArrayToObject(r, "step_seconds"); /* rank 0's, in order: the spread */
+    for (int i = 0; each && s->step_s && i < s->steps; i++)
+        cJSON_AddItemToArray(each, cJSON_CreateNumber(s->step_s[i]));
     mdt_lora_report(m, r); /* the adapters fused into the weights */
     if (s->cache)
         add_cache(r, s->cache);

@@ -21,6 +21,7 @@ typedef struct mdt_rank_facts {
 struct mdt_run_stats {
     int steps, sampled;
     double step_median_s;
+    double *step_s;          /* [steps] this rank's wall seconds of each forward, in order */
     int nranks;              /* entries of facts: the world on rank 0, else 1 */
     mdt_rank_facts *facts;   /* [nranks] */
     struct mdt_cache *cache; /* the run's step cache and its decisions (NULL: none) */

@@ -301,10 +301,16 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     }
     s->cache = cache; /* its decisions go to the report */
     s->steps = nsteps, s->sampled = steps > 0;
-    const double last_s = times[nsteps - 1]; /* the step the other counters are of (before
-                                                 mdt_median sorts times) */
-    s->step_median_s = mdt_median(times, nsteps);
-    free(times);
+    const double last_s = times[nsteps - 1]; /* the step the other counters are of */
+    s->step_s = times;                       /* in order; the median sorts a copy */
+    double *sorted = malloc((size_t)nsteps * sizeof *sorted);
+    if (!sorted) {
+        mdt_run_stats_free(s);
+        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+    }
+    memcpy(sorted, times, (size_t)nsteps * sizeof *sorted);
+    s->step_median_s = mdt_median(sorted, nsteps);
+    free(sorted);
     if (cache && (st = merge_cache_logs(m, cache)) != MDT_OK) {
         mdt_run_stats_free(s);
         return st;
@@ -332,5 +338,6 @@ void mdt_run_stats_free(mdt_run_stats *s) {
         return;
     mdt_cache_free(s->cache);
     free(s->facts);
+    free(s->step_s);
     free(s);
 }

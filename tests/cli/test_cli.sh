@@ -335,6 +335,18 @@ if "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$DATA/flux_guidance/i
        --out "$T/cp1.safetensors" --report "$T/cp1.json" >/dev/null 2>&1 &&
    tr -d ' \t\n' <"$T/cp1.json" | grep -q '"last_step_seconds":[0-9.]*[1-9][^,]*,"wait_seconds_last_step":{"allreduce":0,"allgather":0,"alltoall":0,"sendrecv":0,"bcast":0,"agreement":0}'; then ok
 else bad "one rank's report: waits not all zero or missing: $(grep -A7 wait_seconds "$T/cp1.json")"; fi
+# every forward's seconds in order (rank 0's), three for --repeat 3, their middle the median
+if "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$DATA/flux_guidance/inputs.safetensors" \
+       --out "$T/cp3.safetensors" --report "$T/cp3.json" --repeat 3 >/dev/null 2>&1 &&
+   tr -d ' \t\n' <"$T/cp3.json" | awk '{
+       if (!match($0, /"step_seconds":\[[^]]*\]/)) exit 1
+       n = split(substr($0, RSTART + 16, RLENGTH - 17), v, ",")
+       if (!match($0, /"step_seconds_median":[0-9.e+-]*/)) exit 1
+       med = substr($0, RSTART + 22, RLENGTH - 22) + 0
+       if (n != 3) exit 1
+       for (i = 1; i <= 3; i++) { if (!(v[i] > 0)) exit 1; below += (v[i] + 0 < med); above += (v[i] + 0 > med) }
+       exit !(below == 1 && above == 1) }'; then ok
+else bad "--repeat 3 report: step_seconds: $(grep -A4 '"step_seconds' "$T/cp3.json")"; fi
 
 # --device cuda where no GPU can run it: one line saying why (no plugin in this build, or no
 # CUDA device), exit 1, nothing written. On a machine with a GPU scripts/gpu-check covers it.
