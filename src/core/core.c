@@ -315,8 +315,16 @@ void mdt_arena_rewind(mdt_arena *a, mdt_arena_mark mk) {
 }
 
 mdt_status mdt_arena_reset(mdt_arena *a) {
-    if (a->chunks && a->chunks->next) {
-        /* More than one chunk: replace them by one chunk of the high-water size. */
+    size_t held = 0;
+    for (const struct mdt_arena_chunk *c = a->chunks; c; c = c->next)
+        held += c->cap;
+    /* Several chunks (a first step grew the arena) are kept while they hold at most twice the
+     * high-water mark: their pages are already touched, and the same steps again allocate
+     * nothing. Merging them into one fresh chunk made the second step fault every page of it
+     * again (ulysses2 on the medium Flux: 12k faults, 1.43-1.46 s against 1.15; docs/perf.md).
+     * Past twice the mark (steps whose shapes vary, a server's requests, grew the chain) they
+     * are replaced by one chunk of the high-water size, so what an arena holds stays bounded. */
+    if (a->chunks && a->chunks->next && held > 2 * (size_t)a->high_water) {
         mdt_arena_release(a);
         struct mdt_arena_chunk *c = chunk_new(a, (size_t)a->high_water);
         if (!c)

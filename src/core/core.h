@@ -112,8 +112,9 @@ float *mdt_arena_floats(mdt_arena *a, int64_t n);
 /* A point to come back to: blocks handed out after it are reused once rewound (per layer). */
 mdt_arena_mark mdt_arena_mark_get(const mdt_arena *a);
 void mdt_arena_rewind(mdt_arena *a, mdt_arena_mark mk);
-/* Forgets every block handed out; merges chunks into one of the high-water size so that the
- * next step allocates nothing. */
+/* Forgets every block handed out. The chunks stay (the same step again allocates nothing and
+ * touches no fresh page) while they hold at most twice the high-water mark; past it they are
+ * merged into one chunk of the high-water size. */
 mdt_status mdt_arena_reset(mdt_arena *a);
 void mdt_arena_release(mdt_arena *a);
 

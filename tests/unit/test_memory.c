@@ -2,7 +2,8 @@
  * test_memory.c — the memory check of `meshdit run` before any weight is read: what one rank
  * needs (weights + activations, by layout and dtype), the refusal naming the smallest TP degree
  * that fits, and the memory a process may use read from fake /proc and cgroup (v1, v2) trees;
- * and the accounting allocator's mdt_realloc (bytes kept, alignment, the live count).
+ * and the accounting allocator's mdt_realloc (bytes kept, alignment, the live count); the
+ * activation arena across steps (the same step allocates nothing, growing ones stay bounded).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "harness.h"
@@ -152,6 +153,43 @@ static void estimate(void) {
     cJSON_Delete(cfg);
 }
 
+/* The activation arena across steps: the same step again gets the same blocks and allocates
+ * nothing (before, the second step's chunk was a fresh one, every page of it faulted again), and
+ * steps whose shapes keep growing are bounded: after each reset the arena holds at most twice
+ * its high-water mark. */
+static void arena_steps(void) {
+    enum { MIB = 1 << 20, F = MIB / 4 }; /* floats in a MiB */
+    const int64_t base = mdt_mem_live();
+    mdt_arena a;
+    mdt_arena_init(&a);
+    float *first[2] = {mdt_arena_floats(&a, 4 * F), mdt_arena_floats(&a, 4 * F)}; /* 2 chunks */
+    EXPECT_OK(mdt_arena_reset(&a));
+    const int64_t n0 = mdt_mem_alloc_count();
+    float *again[2] = {mdt_arena_floats(&a, 4 * F), mdt_arena_floats(&a, 4 * F)};
+    EXPECT(again[0] == first[0] && again[1] == first[1] && mdt_mem_alloc_count() == n0,
+           "the same step again: %lld allocations, blocks %s",
+           (long long)(mdt_mem_alloc_count() - n0),
+           again[0] == first[0] && again[1] == first[1] ? "the same" : "moved");
+    EXPECT_OK(mdt_arena_reset(&a));
+    int64_t most = 0, hw = 8 * MIB;
+    for (int k = 5; k <= 12; k++) { /* one block, larger each step */
+        EXPECT(mdt_arena_floats(&a, (int64_t)k * F) != NULL, "a block of %d MiB", k);
+        EXPECT_OK(mdt_arena_reset(&a));
+        hw = (int64_t)k * MIB > hw ? (int64_t)k * MIB : hw;
+        const int64_t held = mdt_mem_live() - base;
+        most = held > most ? held : most;
+        EXPECT(held <= 2 * hw + 4096,
+               "after a %d MiB step the arena holds %lld bytes, over twice "
+               "its high-water mark %lld",
+               k, (long long)held, (long long)hw);
+    }
+    EXPECT(most > 8 * MIB + 5 * MIB, "the chain never grew past its first step (%lld bytes)",
+           (long long)most);
+    mdt_arena_release(&a);
+    EXPECT(mdt_mem_live() == base, "the arena released %lld bytes too few",
+           (long long)(mdt_mem_live() - base));
+}
+
 /* A block grown from 100 bytes through the sizes the server's request buffer takes (small
  * blocks the C library moves, large ones it remaps) and shrunk: its bytes, its 64-byte
  * alignment and the live count follow at every step. */
@@ -190,6 +228,7 @@ static void reallocation(void) {
 
 int main(void) {
     reallocation();
+    arena_steps();
     available();
     estimate();
     char cmd[512];
