@@ -10,8 +10,9 @@
  *     the size a frame header merely announces); a request of another shape (a frame past the
  *     second, a non-empty delimiter) or size is read on but not kept, and answered with an error
  *     reply once it has ended; a message that gets no byte for the message timeout while partly
- *     read, or that after its first message timeout averages less than the minimum rate
- *     (--min-rate), closes its connection (what it held is released);
+ *     read closes its connection (what it held is released), and so does a connection that,
+ *     with messages partly read, falls behind the minimum rate (--min-rate) by more than the
+ *     message timeout (a leaky bucket over the connection: credit_update);
  *   - in all: the blobs being received, queued or run and the replies not yet written, at most
  *     --max-queue-bytes, blobs counted as their buffers grow; a request whose bytes would pass
  *     it is refused then (an error reply: retry later). A reply is counted from the moment the
@@ -75,11 +76,16 @@ typedef struct peer {
     double last_tx;       /* monotonic seconds: last byte written, or when output began waiting */
     mdt_zmtp_reader rd;
     /* the message being read */
-    int frames;         /* frames so far */
-    double msg_start;   /* monotonic seconds: its first frame began */
-    uint64_t msg_bytes; /* its frames' bytes so far */
-    uint64_t delim;     /* the first frame's size (a request's is 0) */
-    int refusing;       /* not kept: answered with `refusal` at its end */
+    uint64_t frames;  /* frames so far (64 bits: a peer cannot count it past the checks) */
+    double msg_start; /* monotonic seconds: its first frame began */
+    /* the minimum rate (enforce_deadlines), as a leaky bucket over the connection's life, not
+     * per message: seconds of credit as of credit_at; time with a message partly read spends
+     * it, its bytes earn it (1 s per min_rate bytes), time between messages earns it back
+     * second for second; never more than the grace. A new message starts with what is left,
+     * so messages sent back to back, or a burst banked before a trickle, buy no time. */
+    double credit, credit_at;
+    uint64_t delim; /* the first frame's size (a request's is 0) */
+    int refusing;   /* not kept: answered with `refusal` at its end */
     char refusal[320];
     unsigned char head[MDT_SERVE_PEEK_BYTES]; /* the blob's first bytes, kept or not */
     size_t head_n;
@@ -111,6 +117,7 @@ struct mdt_serve_listener {
     double handshake_s; /* a connection's time for its greeting and READY (0: no bound) */
     double message_s;   /* the longest pause inside a message (0: no bound) */
     double min_rate;    /* bytes per second a message averages after its grace (0: no bound) */
+    double rate_grace;  /* the most credit a connection holds: the message timeout, else 30 s */
     int64_t reply_cap;  /* a connection with more unwritten reply bytes is not read */
     void (*on_stop_stuck)(void *user, const char *msg);
     void *user;
@@ -340,7 +347,8 @@ static void accept_conns(mdt_serve_listener *l) {
             continue;
         }
         c->fd = fd, c->id = ++l->next_id;
-        c->born = c->last_io = c->last_rx = mono_s();
+        c->born = c->last_io = c->last_rx = c->credit_at = mono_s();
+        c->credit = l->rate_grace;
         mdt_zmtp_reader_init(&c->rd);
         unsigned char g[MDT_ZMTP_GREETING_BYTES] = {0};
         out_small(c, g, mdt_zmtp_greeting(g));
@@ -359,9 +367,9 @@ static void refuse(mdt_serve_listener *l, peer *c, const char *why) {
 
 static void frame_start(mdt_serve_listener *l, peer *c, uint64_t size) {
     char why[320];
-    const int idx = c->frames++;
+    const uint64_t idx = c->frames++;
     if (idx == 0)
-        c->msg_start = mono_s(), c->msg_bytes = 0;
+        c->msg_start = mono_s();
     if (c->refusing)
         return;
     if (idx == 0)
@@ -439,9 +447,9 @@ static void message_end(mdt_serve_listener *l, peer *c) {
         err = why;
     } else if (c->frames != 2 || (c->refusing && !c->refusal[0])) {
         snprintf(why, sizeof why,
-                 "request: %d frame%s; a request is [empty delimiter, safetensors blob] (a REQ "
+                 "request: %llu frame%s; a request is [empty delimiter, safetensors blob] (a REQ "
                  "socket adds the delimiter, a DEALER must send it)",
-                 c->frames, c->frames == 1 ? "" : "s");
+                 (unsigned long long)c->frames, c->frames == 1 ? "" : "s");
         err = why;
     } else if (c->refusing) {
         err = c->refusal;
@@ -486,12 +494,26 @@ static void message_end(mdt_serve_listener *l, peer *c) {
     c->frames = 0, c->refusing = 0, c->refusal[0] = 0, c->head_n = 0, c->delim = 0;
 }
 
+/* Brings the connection's rate credit to `now`: the time since credit_at is spent if a message
+ * was partly read through it, earned back (up to the grace) if not. */
+static void credit_update(const mdt_serve_listener *l, peer *c, double now) {
+    const double dt = now - c->credit_at;
+    if (dt <= 0)
+        return;
+    c->credit += c->frames > 0 ? -dt : dt;
+    if (c->credit > l->rate_grace)
+        c->credit = l->rate_grace;
+    c->credit_at = now;
+}
+
 /* Feeds bytes through the connection's reader. 0, or -1 to close it. */
 static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n) {
     for (;;) {
         mdt_zmtp_event ev;
         const size_t used = mdt_zmtp_step(&c->rd, p, n, &ev);
         p += used, n -= used;
+        if (ev.kind != MDT_ZMTP_EV_NONE && l->min_rate > 0) /* as of before the event */
+            credit_update(l, c, mono_s());
         switch (ev.kind) {
         case MDT_ZMTP_EV_NONE:
             if (used == 0)
@@ -514,7 +536,11 @@ static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n
         }
         case MDT_ZMTP_EV_FRAME_START: frame_start(l, c, ev.size); break;
         case MDT_ZMTP_EV_BODY:
-            c->msg_bytes += ev.len;
+            if (l->min_rate > 0) {
+                c->credit += (double)ev.len / l->min_rate;
+                if (c->credit > l->rate_grace)
+                    c->credit = l->rate_grace;
+            }
             if (c->frames == 2 && c->head_n < sizeof c->head) { /* names a refused request */
                 const size_t k =
                     sizeof c->head - c->head_n < ev.len ? sizeof c->head - c->head_n : ev.len;
@@ -606,9 +632,9 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn, const char *op, con
 
 /* Closes the connections past their deadline: no greeting and READY within the handshake
  * timeout, or no byte for the message timeout while a message is partly read (a peer that
- * announces a large blob and stalls would pin its connection and the bytes it sent), or a
- * message that, past its first message timeout, averages less than the minimum rate (a peer
- * that sends a byte or a heartbeat just inside each timeout would pin it as well), or none of
+ * announces a large blob and stalls would pin its connection and the bytes it sent), or its
+ * rate credit spent while a message is partly read (a peer that sends a byte or a heartbeat
+ * just inside each timeout, or opens a new message each time, would pin it as well), or none of
  * its output taken for the message timeout (a peer that never reads would hold its replies'
  * share of the queue budget, and with a few such peers refuse every other client as busy).
  * Returns the seconds until the next deadline (-1: none). */
@@ -623,9 +649,8 @@ static double enforce_deadlines(mdt_serve_listener *l) {
         } else {
             if (c->frames > 0 && l->message_s > 0)
                 due = c->last_rx + l->message_s;
-            if (c->frames > 0 && l->min_rate > 0) { /* behind the minimum rate after the grace */
-                const double by = c->msg_start + (l->message_s > 0 ? l->message_s : 30.0) +
-                                  (double)c->msg_bytes / l->min_rate;
+            if (c->frames > 0 && l->min_rate > 0) { /* its rate credit spent */
+                const double by = c->credit_at + c->credit;
                 if (due < 0 || by < due)
                     due = by;
             }
@@ -763,6 +788,7 @@ mdt_status mdt_serve_listen(const mdt_serve_params *p, mdt_serve_listener **out)
     l->handshake_s = p->handshake_timeout;
     l->message_s = p->message_timeout;
     l->min_rate = (double)(p->min_rate > 0 ? p->min_rate : 0);
+    l->rate_grace = l->message_s > 0 ? l->message_s : 30.0;
     l->reply_cap = l->max_queue / 4;
     l->on_stop_stuck = p->on_stop_stuck, l->user = p->user;
     pthread_mutex_init(&l->mu, NULL);

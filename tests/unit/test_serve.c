@@ -824,11 +824,13 @@ static void raw_announce(int fd, uint64_t n) {
 }
 
 /* Peers that send a byte just inside each message timeout (a slowloris the pause rule alone
- * never closes): a message that, past its first message timeout, averages less than the minimum
- * rate closes its connection, while one above it arrives whole; and a table full of messages
- * already refused (announced over the bound, fed at any rate) lets a newcomer in, in place of
- * the one refused earliest. Before, 256 such peers locked every client out for as long as they
- * kept sending. */
+ * never closes): a connection that falls behind the minimum rate by more than the grace is
+ * closed, while one above it gets its message through; the rate is the connection's, so
+ * neither opening a new message each time nor banking a burst buys time; and a table full of
+ * messages already refused (announced over the bound, fed at any rate) lets a newcomer in, in
+ * place of the one refused earliest. Before, 256 such peers locked every client out for as
+ * long as they kept sending; then, with a grace per message, peers that re-opened a message
+ * each 25 s did. */
 static void test_listener_min_rate(void) {
     char ep[128], path[120];
     snprintf(path, sizeof path, "/tmp/mdt_test_serve_rate_%ld.sock", (long)getpid());
@@ -861,6 +863,46 @@ static void test_listener_min_rate(void) {
         mdt_serve_listener_done(l, &in);
     EXPECT(!raw_closed_within(steady, 0), "the peer above the minimum rate was closed");
     close(trickle), close(steady);
+    /* the rate is the connection's, not each message's: a peer that ends a message and starts
+     * the next each 0.3 s (never a message older than the grace, no body byte) is closed, and
+     * so is one that banks 10 s worth of bytes in a burst and then trickles; a peer sending
+     * 500-byte requests back to back (5000 bytes a second) stays */
+    const int pipe_fd = raw_connect(path), bank = raw_connect(path), busy = raw_connect(path);
+    raw_handshake(pipe_fd), raw_handshake(bank), raw_handshake(busy);
+    raw_announce(bank, 100000);
+    raw_send(bank, zeros, 500);
+    unsigned char h[32];
+    const size_t open_n = mdt_zmtp_frame_header(0, 1, h); /* [empty, MORE]: a message begins */
+    raw_send(pipe_fd, h, open_n), raw_send(busy, h, open_n);
+    for (int i = 0; i < 40; i++)
+        raw_send(bank, zeros, 500); /* 20500 bytes: 10 s at 2000 bytes a second */
+    int pipe_closed = 0, bank_closed = 0, served = 0;
+    for (int t = 0; t < 16; t++) {
+        if (t % 3 == 2) { /* an empty last frame ends the message, [empty, MORE] opens the next */
+            size_t k = mdt_zmtp_frame_header(0, 0, h);
+            k += mdt_zmtp_frame_header(0, 1, h + k);
+            raw_send(pipe_fd, h, k);
+        }
+        size_t k = mdt_zmtp_frame_header(500, 0, h); /* busy: its blob ends the message... */
+        raw_send(busy, h, k);
+        raw_send(busy, zeros, 500);
+        raw_send(busy, h, mdt_zmtp_frame_header(0, 1, h)); /* ...and the next begins */
+        raw_send(bank, zeros, 1);
+        nap_ms(100);
+        while (mdt_serve_listener_next(l, 0, &in)) {
+            served += in.size == 500;
+            mdt_serve_listener_reply(l, in.conn, NULL, 0); /* ends it: not one in flight */
+            mdt_serve_listener_done(l, &in);
+        }
+        pipe_closed |= raw_closed_within(pipe_fd, 0);
+        bank_closed |= raw_closed_within(bank, 0);
+    }
+    EXPECT(pipe_closed, "a peer opening a message each 0.3 s with no byte stayed 1.6 s");
+    EXPECT(bank_closed, "a peer that banked 20500 bytes and then sent 10 a second stayed 1.6 s");
+    EXPECT(served >= 12 && !raw_closed_within(busy, 0),
+           "a peer sending requests back to back at 5000 bytes a second was closed (%d served)",
+           served);
+    close(pipe_fd), close(bank), close(busy);
     mdt_serve_listener_free(l);
     /* no deadlines at all: a full table of peers whose blobs (announced over the bound) are
      * refused; a newcomer's request is taken, the peer refused first made room */
