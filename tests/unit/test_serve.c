@@ -828,9 +828,10 @@ static void raw_announce(int fd, uint64_t n) {
  * closed, while one above it gets its message through; the rate is the connection's, so
  * neither opening a new message each time nor banking a burst buys time; and a table full of
  * messages already refused (announced over the bound, fed at any rate) lets a newcomer in, in
- * place of the one refused earliest. Before, 256 such peers locked every client out for as
- * long as they kept sending; then, with a grace per message, peers that re-opened a message
- * each 25 s did. */
+ * place of the one refused earliest among those with nothing else under way. Before, 256 such
+ * peers locked every client out for as long as they kept sending; then, with a grace per
+ * message, peers that re-opened a message each 25 s did, and the eviction closed a connection
+ * with a request running. */
 static void test_listener_min_rate(void) {
     char ep[128], path[120];
     snprintf(path, sizeof path, "/tmp/mdt_test_serve_rate_%ld.sock", (long)getpid());
@@ -914,10 +915,15 @@ static void test_listener_min_rate(void) {
     for (int i = 0; i < MDT_SERVE_MAX_CLIENTS; i++) {
         fds[i] = raw_connect(path);
         raw_handshake(fds[i]);
+        if (i == 0) /* the first has a request running too: closing it would lose that */
+            raw_message(fds[i], 3);
         raw_announce(fds[i], (uint64_t)1 << 30);
         raw_send(fds[i], zeros, 1);
-        nap_ms(i == 0 ? 20 : 0); /* the first is refused earliest by a margin */
+        nap_ms(i < 2 ? 20 : 0); /* the first two are refused earliest by a margin */
     }
+    const int got1 = mdt_serve_listener_next(l, 1000, &in);
+    EXPECT(got1 && in.size == 3, "the first peer's request was not taken");
+    mdt_serve_incoming running = in; /* taken, no reply yet: in flight */
     nap_ms(200);
     void *ctx = zmq_ctx_new();
     void *z = zsock(ctx, ZMQ_DEALER, ep, 0);
@@ -927,9 +933,13 @@ static void test_listener_min_rate(void) {
            MDT_SERVE_MAX_CLIENTS);
     if (got2)
         mdt_serve_listener_done(l, &in);
-    EXPECT(raw_closed_within(fds[0], 500), "the message refused earliest was not the one closed");
+    if (got1)
+        mdt_serve_listener_done(l, &running);
+    EXPECT(raw_closed_within(fds[1], 500),
+           "the message refused earliest with nothing else under way was not the one closed");
+    EXPECT(!raw_closed_within(fds[0], 0), "a peer with a request running was closed for room");
     int others = 0;
-    for (int i = 1; i < MDT_SERVE_MAX_CLIENTS; i++)
+    for (int i = 2; i < MDT_SERVE_MAX_CLIENTS; i++)
         others += raw_closed_within(fds[i], 0);
     EXPECT(others == 0, "%d other connections were closed", others);
     for (int i = 0; i < MDT_SERVE_MAX_CLIENTS; i++)
