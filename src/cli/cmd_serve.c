@@ -73,10 +73,21 @@ static int opt_seconds(cli_opts *o, const char *key, double def, double *out) {
 }
 
 /* A size option (--max-session-bytes 1G) into *out, `def` when absent; `zero_ok`: "0" too. */
+/* 1 when `v` is a size of zero in any spelling mdt_size_parse takes for a positive one ("0",
+ * "00", "0K", "0.0MiB"): --min-rate 0K means none, as 0 does. */
+static int size_is_zero(const char *v) {
+    char *end, one[48];
+    const double x = strtod(v, &end);
+    if (end == v || x != 0 || strchr(v, '-') || strlen(end) > 16)
+        return 0;
+    snprintf(one, sizeof one, "1%s", end); /* the unit, on a positive number */
+    return mdt_size_parse(one) > 0;
+}
+
 static int opt_size(cli_opts *o, const char *key, int64_t def, int zero_ok, int64_t *out) {
     const char *v = cli_opt_str(o, key, NULL);
     *out = def;
-    if (v && zero_ok && strcmp(v, "0") == 0)
+    if (v && zero_ok && size_is_zero(v))
         *out = 0;
     else if (v && (*out = mdt_size_parse(v)) <= 0) {
         char msg[96];
