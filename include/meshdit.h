@@ -428,9 +428,10 @@ typedef struct mdt_serve_params {
                                   or a connection's output without one taken, before the
                                   connection is closed (default 30; 0: no bound) */
     int64_t min_rate;          /* bytes per second a connection must keep up while it has a
-                                  message partly received: one that falls behind by more than
-                                  message_timeout seconds (30 when that is 0) is closed
-                                  (default 64 KiB; 0: no bound) */
+                                  message partly received, and while output waits for it: one
+                                  that falls behind in either by more than message_timeout
+                                  seconds (30 when that is 0) is closed (default 64 KiB; 0: no
+                                  bound) */
     /* world rank 0: the endpoint bound before the load (mdt_serve_listen; the caller frees it);
      * NULL: mdt_serve binds `endpoint` itself */
     mdt_serve_listener *listener;

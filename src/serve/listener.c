@@ -20,9 +20,11 @@
  *     total past the bound, and requests are refused until it is written);
  *   - per connection: MDT_SERVE_CLIENT_QUEUE requests queued, running or with a reply not yet
  *     written (more are refused), so a client that never reads its replies holds at most that
- *     many; a connection whose unwritten replies hold more than a quarter of --max-queue-bytes
- *     is not read (no new request of it is taken) until they are written; and at most 64 small
- *     error replies unwritten (then the connection is closed);
+ *     many, and one that reads them below the minimum rate is closed after the grace (the
+ *     same bucket as for what it sends, kept apart); a connection whose unwritten replies hold
+ *     more than a quarter of --max-queue-bytes is not read (no new request of it is taken)
+ *     until they are written; and at most 64 small error replies unwritten (then the
+ *     connection is closed);
  *   - MDT_SERVE_MAX_CLIENTS connections. One that has not finished its greeting and READY within
  *     the handshake timeout is closed; when the table is full, a newcomer takes the place of the
  *     connection idle longest among those with nothing under way (no message partly read, no
@@ -59,6 +61,16 @@
 
 enum { READ_CHUNK = 1 << 18, MAX_SMALL_OUT = 64 };
 
+/* The minimum rate (--min-rate) of one direction of a connection, as a leaky bucket over its
+ * life, not per message: seconds of credit as of `at`. Time with a message partly read (in) or
+ * output waiting to be written (out) spends it, every min_rate bytes moved earn a second, and
+ * time with nothing under way in that direction earns it back second for second; it never
+ * exceeds the grace. So messages sent back to back, a burst banked before a trickle, or replies
+ * read a few bytes at a time buy no time. Closed when it runs out while under way. */
+typedef struct rate_bucket {
+    double credit, at;
+} rate_bucket;
+
 typedef struct out_item {
     struct out_item *next;
     unsigned char head[72]; /* greeting, READY, PONG, or the reply's two frame headers */
@@ -77,16 +89,11 @@ typedef struct peer {
     double last_tx;       /* monotonic seconds: last byte written, or when output began waiting */
     mdt_zmtp_reader rd;
     /* the message being read */
-    uint64_t frames;  /* frames so far (64 bits: a peer cannot count it past the checks) */
-    double msg_start; /* monotonic seconds: its first frame began */
-    /* the minimum rate (enforce_deadlines), as a leaky bucket over the connection's life, not
-     * per message: seconds of credit as of credit_at; time with a message partly read spends
-     * it, its bytes earn it (1 s per min_rate bytes), time between messages earns it back
-     * second for second; never more than the grace. A new message starts with what is left,
-     * so messages sent back to back, or a burst banked before a trickle, buy no time. */
-    double credit, credit_at;
-    uint64_t delim; /* the first frame's size (a request's is 0) */
-    int refusing;   /* not kept: answered with `refusal` at its end */
+    uint64_t frames;    /* frames so far (64 bits: a peer cannot count it past the checks) */
+    double msg_start;   /* monotonic seconds: its first frame began */
+    rate_bucket rx, tx; /* the minimum rate of what it sends and of what it reads */
+    uint64_t delim;     /* the first frame's size (a request's is 0) */
+    int refusing;       /* not kept: answered with `refusal` at its end */
     char refusal[320];
     unsigned char head[MDT_SERVE_PEEK_BYTES]; /* the blob's first bytes, kept or not */
     size_t head_n;
@@ -150,9 +157,31 @@ static double mono_s(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* ---- the minimum rate ---- */
+
+/* Brings the bucket to `now`: the time since it was last brought is spent if the direction was
+ * under way through it, earned back (up to the grace) if not. */
+static void bucket_at(const mdt_serve_listener *l, rate_bucket *b, int under_way, double now) {
+    const double dt = now - b->at;
+    if (dt <= 0)
+        return;
+    b->credit += under_way ? -dt : dt;
+    if (b->credit > l->rate_grace)
+        b->credit = l->rate_grace;
+    b->at = now;
+}
+
+/* `n` bytes moved: a second of credit for every min_rate of them, up to the grace. */
+static void bucket_earn(const mdt_serve_listener *l, rate_bucket *b, size_t n) {
+    b->credit += (double)n / l->min_rate;
+    if (b->credit > l->rate_grace)
+        b->credit = l->rate_grace;
+}
+
 /* ---- outgoing ---- */
 
-static out_item *out_new(peer *c, const unsigned char *head, size_t head_n) {
+static out_item *out_new(const mdt_serve_listener *l, peer *c, const unsigned char *head,
+                         size_t head_n) {
     out_item *o = mdt_calloc(sizeof *o);
     if (!o)
         return NULL;
@@ -161,15 +190,18 @@ static out_item *out_new(peer *c, const unsigned char *head, size_t head_n) {
     if (c->out_tail) {
         c->out_tail->next = o;
     } else {
+        const double now = mono_s();
+        if (l->min_rate > 0)
+            bucket_at(l, &c->tx, 0, now); /* nothing was waiting until now */
         c->out = o;
-        c->last_tx = mono_s(); /* the write deadline counts from now, not from the last write */
+        c->last_tx = now; /* the write deadline counts from now, not from the last write */
     }
     c->out_tail = o;
     return o;
 }
 
-static void out_small(peer *c, const unsigned char *b, size_t n) {
-    if (out_new(c, b, n))
+static void out_small(const mdt_serve_listener *l, peer *c, const unsigned char *b, size_t n) {
+    if (out_new(l, c, b, n))
         c->small_out++;
 }
 
@@ -198,7 +230,7 @@ static void out_reply(mdt_serve_listener *l, peer *c, unsigned char *blob, size_
     unsigned char head[16];
     size_t k = mdt_zmtp_frame_header(0, 1, head);
     k += mdt_zmtp_frame_header(n, 0, head + k);
-    out_item *o = out_new(c, head, k);
+    out_item *o = out_new(l, c, head, k);
     if (!o) {
         mdt_free(blob);
         if (held)
@@ -214,6 +246,8 @@ static void out_reply(mdt_serve_listener *l, peer *c, unsigned char *blob, size_
 
 /* Writes what the socket takes. 0, or -1 when the connection broke. */
 static int out_flush(mdt_serve_listener *l, peer *c) {
+    if (c->out && l->min_rate > 0)
+        bucket_at(l, &c->tx, 1, mono_s()); /* output waited until now */
     while (c->out) {
         out_item *o = c->out;
         struct iovec iov[2];
@@ -233,8 +267,11 @@ static int out_flush(mdt_serve_listener *l, peer *c) {
                 return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
         }
         o->off += (size_t)w;
-        if (w > 0)
+        if (w > 0) {
             c->last_io = c->last_tx = mono_s();
+            if (l->min_rate > 0)
+                bucket_earn(l, &c->tx, (size_t)w);
+        }
         if (o->off < o->head_n + o->body_n)
             return 0;
         c->out = o->next;
@@ -356,11 +393,11 @@ static void accept_conns(mdt_serve_listener *l) {
             continue;
         }
         c->fd = fd, c->id = ++l->next_id;
-        c->born = c->last_io = c->last_rx = c->credit_at = mono_s();
-        c->credit = l->rate_grace;
+        c->born = c->last_io = c->last_rx = c->rx.at = c->tx.at = mono_s();
+        c->rx.credit = c->tx.credit = l->rate_grace;
         mdt_zmtp_reader_init(&c->rd);
         unsigned char g[MDT_ZMTP_GREETING_BYTES] = {0};
-        out_small(c, g, mdt_zmtp_greeting(g));
+        out_small(l, c, g, mdt_zmtp_greeting(g));
         l->conns[l->nconns++] = c;
     }
 }
@@ -503,18 +540,6 @@ static void message_end(mdt_serve_listener *l, peer *c) {
     c->frames = 0, c->refusing = 0, c->refusal[0] = 0, c->head_n = 0, c->delim = 0;
 }
 
-/* Brings the connection's rate credit to `now`: the time since credit_at is spent if a message
- * was partly read through it, earned back (up to the grace) if not. */
-static void credit_update(const mdt_serve_listener *l, peer *c, double now) {
-    const double dt = now - c->credit_at;
-    if (dt <= 0)
-        return;
-    c->credit += c->frames > 0 ? -dt : dt;
-    if (c->credit > l->rate_grace)
-        c->credit = l->rate_grace;
-    c->credit_at = now;
-}
-
 /* Feeds bytes through the connection's reader. 0, or -1 to close it. */
 static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n) {
     for (;;) {
@@ -522,7 +547,7 @@ static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n
         const size_t used = mdt_zmtp_step(&c->rd, p, n, &ev);
         p += used, n -= used;
         if (ev.kind != MDT_ZMTP_EV_NONE && l->min_rate > 0) /* as of before the event */
-            credit_update(l, c, mono_s());
+            bucket_at(l, &c->rx, c->frames > 0, mono_s());
         switch (ev.kind) {
         case MDT_ZMTP_EV_NONE:
             if (used == 0)
@@ -533,23 +558,20 @@ static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n
             if (strcmp(c->rd.peer_type, "DEALER") != 0 && strcmp(c->rd.peer_type, "REQ") != 0)
                 return -1; /* a ROUTER, PUB, ...: not a client of this server */
             unsigned char b[64] = {0};
-            out_small(c, b, mdt_zmtp_ready(b, sizeof b));
+            out_small(l, c, b, mdt_zmtp_ready(b, sizeof b));
             break;
         }
         case MDT_ZMTP_EV_PING: {
             unsigned char b[32] = {0};
             if (c->small_out >= MAX_SMALL_OUT)
                 return -1; /* pings it never reads the answers of */
-            out_small(c, b, mdt_zmtp_pong(c->rd.ping_ctx, c->rd.ping_ctx_len, b, sizeof b));
+            out_small(l, c, b, mdt_zmtp_pong(c->rd.ping_ctx, c->rd.ping_ctx_len, b, sizeof b));
             break;
         }
         case MDT_ZMTP_EV_FRAME_START: frame_start(l, c, ev.size); break;
         case MDT_ZMTP_EV_BODY:
-            if (l->min_rate > 0) {
-                c->credit += (double)ev.len / l->min_rate;
-                if (c->credit > l->rate_grace)
-                    c->credit = l->rate_grace;
-            }
+            if (l->min_rate > 0)
+                bucket_earn(l, &c->rx, ev.len);
             if (c->frames == 2 && c->head_n < sizeof c->head) { /* names a refused request */
                 const size_t k =
                     sizeof c->head - c->head_n < ev.len ? sizeof c->head - c->head_n : ev.len;
@@ -645,7 +667,9 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn, const char *op, con
  * rate credit spent while a message is partly read (a peer that sends a byte or a heartbeat
  * just inside each timeout, or opens a new message each time, would pin it as well), or none of
  * its output taken for the message timeout (a peer that never reads would hold its replies'
- * share of the queue budget, and with a few such peers refuse every other client as busy).
+ * share of the queue budget, and with a few such peers refuse every other client as busy), or
+ * the rate credit of its output spent while some waits (one that reads a few bytes just inside
+ * each timeout would hold its place and that share for good).
  * Returns the seconds until the next deadline (-1: none). */
 static double enforce_deadlines(mdt_serve_listener *l) {
     const double now = mono_s();
@@ -658,13 +682,15 @@ static double enforce_deadlines(mdt_serve_listener *l) {
         } else {
             if (c->frames > 0 && l->message_s > 0)
                 due = c->last_rx + l->message_s;
-            if (c->frames > 0 && l->min_rate > 0) { /* its rate credit spent */
-                const double by = c->credit_at + c->credit;
+            if (c->frames > 0 && l->min_rate > 0) { /* its input's rate credit spent */
+                const double by = c->rx.at + c->rx.credit;
                 if (due < 0 || by < due)
                     due = by;
             }
             if (c->out && l->message_s > 0 && (due < 0 || c->last_tx + l->message_s < due))
                 due = c->last_tx + l->message_s;
+            if (c->out && l->min_rate > 0 && (due < 0 || c->tx.at + c->tx.credit < due))
+                due = c->tx.at + c->tx.credit; /* its output's rate credit spent */
         }
         if (due < 0)
             continue;

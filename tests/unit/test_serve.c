@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <stdlib.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -949,6 +950,69 @@ static void test_listener_min_rate(void) {
     mdt_serve_listener_free(l);
 }
 
+/* Bytes waiting to be read on `fd`. */
+static int raw_pending(int fd) {
+    int n = 0;
+    return ioctl(fd, FIONREAD, &n) == 0 ? n : -1;
+}
+
+/* A peer that reads its replies a few hundred bytes at a time, just often enough that a byte is
+ * written within every message timeout: its output waits behind a full socket, and the minimum
+ * rate applies to what it reads as to what it sends (a leaky bucket on each side), so it is
+ * closed; a peer with the same requests that reads what it is sent is not. Before, only "a byte
+ * written within the message timeout" bounded the output, and 256 such peers, each reading 300
+ * bytes a quarter second, kept every newcomer out (none is idle, none has a refused message). */
+static void test_listener_slow_reader(void) {
+    char ep[128], path[120];
+    snprintf(path, sizeof path, "/tmp/mdt_test_serve_slowrd_%ld.sock", (long)getpid());
+    snprintf(ep, sizeof ep, "ipc://%s", path);
+    mdt_serve_params p = mdt_serve_params_default();
+    p.endpoint = ep, p.message_timeout = 0.4;
+    p.min_rate = 2000; /* bytes per second */
+    mdt_serve_listener *l = NULL;
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (!l)
+        return;
+    const int slow = raw_connect(path), reader = raw_connect(path);
+    raw_handshake(slow), raw_handshake(reader);
+    static const unsigned char one_frame[2] = {0, 0}; /* [empty]: refused, a ~250-byte reply */
+    /* the slow peer fills its socket with refusals: until what waits for it stops growing, and
+     * ten more, which wait in the listener */
+    int still = 0, last = -1;
+    for (int i = 0; i < 4000 && still < 3; i++) {
+        raw_send(slow, one_frame, sizeof one_frame);
+        nap_ms(2);
+        const int now = raw_pending(slow);
+        still = now == last ? still + 1 : 0;
+        last = now;
+    }
+    EXPECT(still >= 3, "the slow peer's socket never filled (%d bytes waiting)", last);
+    for (int i = 0; i < 10; i++)
+        raw_send(slow, one_frame, sizeof one_frame);
+    int slow_closed = 0, reader_closed = 0;
+    unsigned char buf[1 << 16];
+    for (int t = 0; t < 12; t++) { /* 300 bytes each 0.25 s: 1200 a second, minimum 2000 */
+        nap_ms(250);
+        ssize_t r = recv(slow, buf, 300, MSG_DONTWAIT);
+        slow_closed |= r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR);
+        raw_send(slow, one_frame, sizeof one_frame); /* one more reply waits */
+        raw_send(reader, one_frame, sizeof one_frame);
+        while ((r = recv(reader, buf, sizeof buf, MSG_DONTWAIT)) > 0)
+            ;
+        reader_closed |= r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR);
+    }
+    ssize_t r; /* what waits for the slow peer is read at last: then its end, if closed */
+    while ((r = recv(slow, buf, sizeof buf, MSG_DONTWAIT)) > 0)
+        ;
+    slow_closed |= r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR);
+    EXPECT(slow_closed, "a peer reading 1200 bytes a second of its replies (minimum 2000) stayed "
+                        "3 s with its output waiting");
+    EXPECT(!reader_closed && !raw_closed_within(reader, 0),
+           "a peer that reads its replies was closed");
+    close(slow), close(reader);
+    mdt_serve_listener_free(l);
+}
+
 /* A listener on `path` (max request 1 MiB, queue 1.5 MiB, the message timeout `msg_s`) and a raw
  * peer R that sent a request and got a 1.2 MiB reply it has not read; *r gets R's socket. */
 static mdt_serve_listener *listener_with_unread_reply(const char *tag, char *ep, size_t epn,
@@ -1165,6 +1229,7 @@ int main(void) {
     test_listener_connections();
     test_listener_stalled_messages();
     test_listener_min_rate();
+    test_listener_slow_reader();
     test_listener_unread_replies();
     test_listener_reply_deadline();
     test_request_peek();
