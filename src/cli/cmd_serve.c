@@ -72,18 +72,23 @@ static int opt_seconds(cli_opts *o, const char *key, double def, double *out) {
     return rc;
 }
 
-/* A size option (--max-session-bytes 1G) into *out, `def` when absent; `zero_ok`: "0" too. */
 /* 1 when `v` is a size of zero in any spelling mdt_size_parse takes for a positive one ("0",
- * "00", "0K", "0.0MiB"): --min-rate 0K means none, as 0 does. */
+ * "00", "0K", "0.0MiB", "0e-1G"): --min-rate 0K means none, as 0 does. Not a negative zero, nor
+ * a positive number too small for a double ("0.000...1K" is not zero: it is refused). */
 static int size_is_zero(const char *v) {
     char *end, one[48];
     const double x = strtod(v, &end);
-    if (end == v || x != 0 || strchr(v, '-') || strlen(end) > 16)
+    const char *s = v + strspn(v, " \t\n\v\f\r");
+    if (end == v || x != 0 || *s == '-' || strlen(end) > 16)
         return 0;
+    for (const char *p = s; p < end && !strchr("eEpP", *p); p++) /* the mantissa's digits */
+        if (*p >= '1' && *p <= '9')
+            return 0;
     snprintf(one, sizeof one, "1%s", end); /* the unit, on a positive number */
     return mdt_size_parse(one) > 0;
 }
 
+/* A size option (--max-session-bytes 1G) into *out, `def` when absent; `zero_ok`: "0" too. */
 static int opt_size(cli_opts *o, const char *key, int64_t def, int zero_ok, int64_t *out) {
     const char *v = cli_opt_str(o, key, NULL);
     *out = def;

@@ -84,17 +84,19 @@ rc=$?
 [ $rc = 2 ] && grep -q "^meshdit: usage error: --min-rate takes a size like .* (or 0), got 'fast'$" "$T/err" &&
     ok || bad "--min-rate fast: exit $rc, $(head -1 "$T/err")"
 # a zero in any spelling of a size means no minimum (the usage error is then the next option's);
-# a negative zero is not a size
-for z in 0K 00 0.0MiB; do
+# a negative zero is not a size, nor a positive one too small for a double
+for z in 0K 00 0.0MiB 0e-1G; do
     timeout 20 "$MPIEXEC" -n 1 "$BIN" serve --checkpoint "$CK" --min-rate $z --bogus 1 >"$T/out" 2>"$T/err"
     rc=$?
     [ $rc = 2 ] && grep -q "^meshdit: usage error: unknown option --bogus$" "$T/err" &&
         ok || bad "--min-rate $z: exit $rc, $(head -1 "$T/err")"
 done
-timeout 20 "$MPIEXEC" -n 1 "$BIN" serve --checkpoint "$CK" --min-rate -0 >"$T/out" 2>"$T/err"
-rc=$?
-[ $rc = 2 ] && grep -q "^meshdit: usage error: --min-rate takes a size like .*, got '-0'$" "$T/err" &&
-    ok || bad "--min-rate -0: exit $rc, $(head -1 "$T/err")"
+for z in -0 0x1p-2000; do
+    timeout 20 "$MPIEXEC" -n 1 "$BIN" serve --checkpoint "$CK" --min-rate $z >"$T/out" 2>"$T/err"
+    rc=$?
+    [ $rc = 2 ] && grep -q "^meshdit: usage error: --min-rate takes a size like .*, got '$z'$" "$T/err" &&
+        ok || bad "--min-rate $z: exit $rc, $(head -1 "$T/err")"
+done
 
 # ---- one server: info, forwards, sessions, faults, close (--max-memory 3M: the tiny inputs
 # fit, the 1536-token ones need 5.1 MiB per rank and are refused before the forward) ----
