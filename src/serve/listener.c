@@ -12,7 +12,7 @@
  *     reply once it has ended; a message that gets no byte for the message timeout while partly
  *     read closes its connection (what it held is released), and so does a connection that,
  *     with messages partly read, falls behind the minimum rate (--min-rate) by more than the
- *     message timeout (a leaky bucket over the connection: credit_update);
+ *     message timeout (a leaky bucket over the connection: rate_bucket);
  *   - in all: the blobs being received, queued or run and the replies not yet written, at most
  *     --max-queue-bytes, blobs counted as their buffers grow; a request whose bytes would pass
  *     it is refused then (an error reply: retry later). A reply is counted from the moment the
@@ -124,7 +124,7 @@ struct mdt_serve_listener {
     int64_t max_request, max_queue;
     double handshake_s; /* a connection's time for its greeting and READY (0: no bound) */
     double message_s;   /* the longest pause inside a message (0: no bound) */
-    double min_rate;    /* bytes per second a message averages after its grace (0: no bound) */
+    double min_rate;    /* bytes per second each way while under way, after grace (0: none) */
     double rate_grace;  /* the most credit a connection holds: the message timeout, else 30 s */
     int64_t reply_cap;  /* a connection with more unwritten reply bytes is not read */
     void (*on_stop_stuck)(void *user, const char *msg);
