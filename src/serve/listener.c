@@ -29,8 +29,7 @@
  *     the handshake timeout is closed; when the table is full, a newcomer takes the place of the
  *     connection idle longest among those with nothing under way (no message partly read, no
  *     request queued or running, nothing unwritten), else of the one whose message being read
- *     was already refused (one with nothing else under way first), else it is closed as it
- *     comes.
+ *     was already refused and that has nothing else under way, else it is closed as it comes.
  * Requests of a connection that closes before they ran are dropped unrun. An error reply the
  * listener writes itself (a refusal, a stop) names the request's op and id when its header lies
  * within the first MDT_SERVE_PEEK_BYTES of its blob (a message that is not [empty, blob] has
@@ -352,29 +351,25 @@ static int unread(const peer *c) {
 /* The table is full: closes the connection idle longest, if one is idle: nothing under way and
  * nothing sent but unread (closing it then would lose a request already on its way); else the
  * one whose message, already refused (too large, malformed, the server busy), began earliest,
- * among those with nothing else under way (closing it loses only that refusal), else among all
- * (its queued requests and unwritten replies are lost too): a peer announcing blobs over the
- * bound and feeding them at the minimum rate would otherwise hold its place for good. 1 if one
+ * among those with nothing else under way (closing it loses only that refusal): a peer
+ * announcing blobs over the bound and feeding them at the minimum rate would otherwise hold its
+ * place for good. One with requests queued, running or unwritten is never closed for room (they
+ * would be lost); it holds its place only while it keeps up the minimum rate both ways. 1 if one
  * was closed. */
 static int evict(mdt_serve_listener *l) {
-    int victim = -1;
+    int victim = -1, refused = -1;
     for (int i = 0; i < l->nconns; i++)
         if (conn_idle(l->conns[i]) && !unread(l->conns[i]) &&
             (victim < 0 || l->conns[i]->last_io < l->conns[victim]->last_io))
             victim = i;
-    int refused = -1, refused_bare = -1; /* bare: nothing else of it queued, run or unwritten */
-    for (int i = 0; i < l->nconns; i++) {
+    for (int i = 0; i < l->nconns && victim < 0; i++) {
         const peer *c = l->conns[i];
-        if (c->frames == 0 || !c->refusing)
-            continue;
-        if (refused < 0 || c->msg_start < l->conns[refused]->msg_start)
+        if (c->frames > 0 && c->refusing && c->in_flight == 0 && !c->out &&
+            (refused < 0 || c->msg_start < l->conns[refused]->msg_start))
             refused = i;
-        if (c->in_flight == 0 && !c->out &&
-            (refused_bare < 0 || c->msg_start < l->conns[refused_bare]->msg_start))
-            refused_bare = i;
     }
     if (victim < 0)
-        victim = refused_bare >= 0 ? refused_bare : refused;
+        victim = refused;
     if (victim >= 0)
         close_conn(l, victim);
     return victim >= 0;

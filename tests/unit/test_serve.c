@@ -656,15 +656,18 @@ static void raw_message(int fd, size_t n) {
     free(b);
 }
 
-/* 1 when the server closed the connection within `ms` (reading and dropping what it sent). */
+/* 1 when the server closed the connection within `ms` (reading and dropping what it sent: all
+ * of it each time, so bytes it wrote before closing do not hide the close). */
 static int raw_closed_within(int fd, long ms) {
     unsigned char b[4096];
     for (long waited = 0; waited <= ms; waited += 10) {
         struct pollfd pf = {fd, POLLIN, 0};
         if (poll(&pf, 1, 10) <= 0)
             continue;
-        const ssize_t r = recv(fd, b, sizeof b, MSG_DONTWAIT);
-        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR))
+        ssize_t r;
+        while ((r = recv(fd, b, sizeof b, MSG_DONTWAIT)) > 0)
+            ;
+        if (r == 0 || (errno != EAGAIN && errno != EINTR))
             return 1;
     }
     return 0;
@@ -947,6 +950,36 @@ static void test_listener_min_rate(void) {
         close(fds[i]);
     zmq_close(z);
     zmq_ctx_term(ctx);
+    mdt_serve_listener_free(l);
+    /* every refused peer has a request running too: none is closed for a newcomer (it would
+     * lose that request's reply), the newcomer is */
+    EXPECT_OK(mdt_serve_listen(&p, &l));
+    if (!l)
+        return;
+    static mdt_serve_incoming run_all[MDT_SERVE_MAX_CLIENTS];
+    int taken = 0;
+    for (int i = 0; i < MDT_SERVE_MAX_CLIENTS; i++) {
+        fds[i] = raw_connect(path);
+        raw_handshake(fds[i]);
+        raw_message(fds[i], 3);
+        raw_announce(fds[i], (uint64_t)1 << 30);
+        raw_send(fds[i], zeros, 1);
+        taken += mdt_serve_listener_next(l, 1000, &run_all[taken]);
+    }
+    EXPECT(taken == MDT_SERVE_MAX_CLIENTS, "%d of %d requests taken", taken, MDT_SERVE_MAX_CLIENTS);
+    nap_ms(200);
+    const int late = raw_connect(path);
+    EXPECT(raw_closed_within(late, 1000), "a newcomer to a table of refusals with requests "
+                                          "running was kept");
+    others = 0;
+    for (int i = 0; i < MDT_SERVE_MAX_CLIENTS; i++)
+        others += raw_closed_within(fds[i], 0);
+    EXPECT(others == 0, "%d peers with a request running were closed for a newcomer", others);
+    close(late);
+    for (int i = 0; i < taken; i++)
+        mdt_serve_listener_done(l, &run_all[i]);
+    for (int i = 0; i < MDT_SERVE_MAX_CLIENTS; i++)
+        close(fds[i]);
     mdt_serve_listener_free(l);
 }
 
