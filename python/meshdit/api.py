@@ -53,6 +53,8 @@ class Limits:
     max_steps: int = 100
     max_queue: int = 16  # jobs waiting (the running one not counted)
     keep_jobs: int = 64  # finished jobs kept for GET (the oldest go first)
+    header_timeout: int = 20  # seconds a request's line and headers may take to arrive
+    body_timeout: int = 60  # seconds a request's body may take to arrive
 
 
 class ApiError(Exception):
@@ -508,15 +510,28 @@ def _gone() -> ApiError:
                     code="client_disconnected")
 
 
-async def _read_bounded(request) -> bytes:
-    """The whole body, refused (413) past MAX_BODY whether its length is announced or not."""
+async def _read_bounded(request, timeout: float) -> bytes:
+    """The whole body, refused (413) past MAX_BODY whether its length is announced or not, and
+    (408) when it has not all arrived `timeout` seconds after the headers: a client that sends
+    half a body, or a chunked one that never ends, does not hold its connection for good."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
         raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {MAX_BODY:,}",
                        code="body_too_large")
     chunks, got = [], 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    parts = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():  # a chunked body: stopped once past the limit
+        while True:  # a chunked body: stopped once past the limit
+            try:
+                chunk = await asyncio.wait_for(parts.__anext__(), max(0.0, deadline - loop.time()))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the body did not arrive within {timeout:g} s "
+                                    f"(--body-timeout; {got:,} bytes came)",
+                               code="body_timeout") from None
             got += len(chunk)
             if got > MAX_BODY:
                 raise ApiError(413, f"the body is over the limit of {MAX_BODY:,} bytes",
@@ -527,8 +542,8 @@ async def _read_bounded(request) -> bytes:
     return b"".join(chunks)
 
 
-async def _read_json(request) -> dict:
-    raw = await _read_bounded(request)
+async def _read_json(request, timeout: float) -> dict:
+    raw = await _read_bounded(request, timeout)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -538,11 +553,11 @@ async def _read_json(request) -> dict:
     return body
 
 
-async def _read_body(request) -> tuple[dict, bool]:
+async def _read_body(request, timeout: float) -> tuple[dict, bool]:
     """JSON, or a multipart / urlencoded form (what OpenAI's client sends to /v1/videos)."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        raw = await _read_bounded(request)  # a chunked form too: never more than MAX_BODY read
+        raw = await _read_bounded(request, timeout)  # a chunked form too: at most MAX_BODY
 
         async def replay():  # the bounded bytes, handed to Starlette's form parser
             return {"type": "http.request", "body": raw, "more_body": False}
@@ -557,7 +572,7 @@ async def _read_body(request) -> tuple[dict, bool]:
                 raise ApiError(400, f"'{k}' given twice", param=k, code="invalid_value")
             body[k] = v
         return body, True
-    return await _read_json(request), False
+    return await _read_json(request, timeout), False
 
 
 # ---- the app ---------------------------------------------------------------------------------------
@@ -632,7 +647,7 @@ def create_app(svc: Service, api_key: str | None = None):
     # -- images ----------------------------------------------------------------------------------
     @app.post("/v1/images/generations")
     async def images(request: HTTPRequest):
-        body = await _read_json(request)
+        body = await _read_json(request, svc.limits.body_timeout)
         job, stream = image_job(svc, body)
         svc.submit(job)
         if stream:
@@ -713,7 +728,7 @@ def create_app(svc: Service, api_key: str | None = None):
     # -- videos ----------------------------------------------------------------------------------
     @app.post("/v1/videos")
     async def create_video(request: HTTPRequest):
-        body, form = await _read_body(request)
+        body, form = await _read_body(request, svc.limits.body_timeout)
         job = svc.submit(video_job(svc, body, form))
         return job.video_object(svc.model_name)
 
@@ -790,6 +805,64 @@ def create_app(svc: Service, api_key: str | None = None):
 
 
 # ---- the command -----------------------------------------------------------------------------------
+def _head_deadline_protocol(seconds: float):
+    """uvicorn's h11 protocol with a deadline on each request's line and headers: counted from
+    the connection's start for its first request, and from the first byte of each later one
+    (between requests the keep-alive timeout applies). A client that sends half a header and
+    stalls is closed then; uvicorn alone waits for it for good, so a few hundred such sockets
+    held the service's file descriptors (nginx's client_header_timeout, Apache's
+    RequestReadTimeout header=)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadline(H11Protocol):
+        _head_timer = None
+        _head_of = None  # the request cycle under way when the deadline was armed
+
+        def _arm_head(self) -> None:
+            self._head_of = self.cycle
+            self._head_timer = self.loop.call_later(seconds, self._head_expired)
+
+        def _disarm_head(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_expired(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()  # no request yet: nobody to answer
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head()
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm_head()  # the first byte of a next request
+            super().data_received(data)
+            if self._head_timer is not None and self.cycle is not self._head_of:
+                self._disarm_head()  # its headers are in: the body has --body-timeout
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_head()
+            super().connection_lost(exc)
+
+    return HeadDeadline
+
+
+def _more_descriptors() -> None:
+    """The soft limit on open files raised to the hard one (at most 65536): 1024 sockets are
+    quickly held by clients, each until its deadline."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -877,8 +950,10 @@ def main_api(argv: list[str]) -> int:
             getattr(self, "_captured_signals", []).clear()
             threading.Thread(target=svc.begin_shutdown, daemon=True).start()
 
+    _more_descriptors()
     config = uvicorn.Config(create_app(svc, a.api_key), log_level=a.log_level,
-                            access_log=False, timeout_graceful_shutdown=30, lifespan="off")
+                            access_log=False, timeout_graceful_shutdown=30, lifespan="off",
+                            http=_head_deadline_protocol(limits.header_timeout))
     server = _Server(config)
     shown = f"[{host}]" if fam == socket.AF_INET6 else host
     print(f"meshdit api: {svc.engine.class_name} '{name}' ({plan_line(svc.engine.transformer.info)})",

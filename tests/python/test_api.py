@@ -44,7 +44,8 @@ def flux_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(flux_root):
     api = Api(flux_root, "--tp", "2", "--api-key", KEY, "--max-queue", "32", "--max-n", "2",
-              "--max-pixels", str(128 * 128), "--max-steps", "400")
+              "--max-pixels", str(128 * 128), "--max-steps", "400", "--header-timeout", "4",
+              "--body-timeout", "4")
     yield api
     api.stop()
 
@@ -401,6 +402,37 @@ def test_queue_positions_limit_and_cancel(monkeypatch):
             assert c.get(f"/v1/videos/{ids[2]}").status_code == 404
     finally:
         svc.shutdown(10)
+
+
+def test_slow_clients_are_closed_and_a_quick_one_is_not(service):
+    """A client that sends half its headers is closed after --header-timeout (4 s here), one that
+    sends half a body, or a chunked body that never ends, gets a 408 after --body-timeout (4 s);
+    before, uvicorn waited for each for good and 1,100 of them took every file descriptor. A
+    client that waits 4.5 s on a kept-alive connection between two requests is not cut."""
+    head = (f"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+            f"\r\nContent-Type: application/json\r\n").encode()
+    t0 = time.monotonic()
+    half_head = _raw(service, head[:40])
+    half_body = _raw(service, head + b"Content-Length: 1000\r\n\r\n{\"prompt\"")
+    endless = _raw(service, head + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n")
+    try:
+        for s in (half_head, half_body, endless):
+            s.settimeout(15)
+        assert half_head.recv(100) == b"" and 3.5 < time.monotonic() - t0 < 12
+        for s in (half_body, endless):
+            got = b""
+            while b"body_timeout" not in got and (part := s.recv(2000)):
+                got += part
+            assert got.startswith(b"HTTP/1.1 408") and b"body_timeout" in got, got
+        assert time.monotonic() - t0 < 12
+    finally:
+        for s in (half_head, half_body, endless):
+            s.close()
+    with httpx.Client(timeout=30, headers={"authorization": f"Bearer {KEY}"}) as c:
+        assert c.get(f"{service.url}/v1/models").status_code == 200
+        time.sleep(4.5)  # past the header timeout, inside the keep-alive one (5 s)
+        assert c.get(f"{service.url}/v1/models").status_code == 200
+    assert get(service, "/health").json()["status"] == "ok"
 
 
 # ---- video: a tiny Wan pipeline ------------------------------------------------------------------
