@@ -219,6 +219,10 @@ class Service:
         job.status, job.completed_at, job.queue_position = status, time.time(), None
         if status == "completed":
             self.completed += 1
+        with job._lock:  # a finished job's previews keep their event, not their image: up to
+            for i, ev in enumerate(job.events):  # keep_jobs jobs x every preview of each
+                if ev["type"] == "preview" and ev.get("b64_json") is not None:
+                    job.events[i] = {**ev, "b64_json": None}
         job.publish(status, **data)
         self._finished.append(job.id)
         while len(self._finished) > self.limits.keep_jobs:
@@ -693,6 +697,8 @@ def create_app(svc: Service, api_key: str | None = None):
                 for ev in job.events[seen:]:
                     seen += 1
                     t = ev["type"]
+                    if t == "preview" and ev["b64_json"] is None:
+                        continue  # the job had finished before this stream sent it
                     if t == "preview":
                         yield _sse({"type": "image_generation.partial_image", "id": job.id,
                                     "b64_json": ev["b64_json"], "created_at": ev["created_at"],

@@ -352,6 +352,9 @@ class GatedEngine:
                 if cancel.is_set():
                     raise mg.Cancelled()
             on_event("step", step=i + 1, steps=r.steps, seconds=0.0, s_per_step=0.001)
+            if r.preview_every and (i + 1) % r.preview_every == 0:
+                from PIL import Image
+                on_event("preview", step=i + 1, steps=r.steps, images=[Image.new("RGB", (16, 16))])
             if cancel.is_set():
                 raise mg.Cancelled()
         return mg.Result(kind="video", images=[], frames=np.zeros((1, 16, 16, 3), np.float32), fps=r.fps,
@@ -433,6 +436,39 @@ def test_slow_clients_are_closed_and_a_quick_one_is_not(service):
         time.sleep(4.5)  # past the header timeout, inside the keep-alive one (5 s)
         assert c.get(f"{service.url}/v1/models").status_code == 200
     assert get(service, "/health").json()["status"] == "ok"
+
+
+def test_finished_jobs_keep_their_previews_events_not_images(monkeypatch):
+    """A preview's image is in the events while its job runs; once the job has finished the
+    event stays with b64_json null. Before, every kept job (64) held every preview (a 1024² job
+    with 8 previews, 27 MB)."""
+    from starlette.testclient import TestClient
+    monkeypatch.setattr(mapi, "video_bytes", lambda frames, fps: b"mp4")
+    eng = GatedEngine()
+    svc = mapi.Service(lambda: eng, mapi.Limits(), "stub")
+    svc.start()
+    assert svc.ready.wait(10)
+    try:
+        with TestClient(mapi.create_app(svc)) as c:
+            r = c.post("/v1/videos", json={"prompt": "x", "steps": 2, "preview_every": 1})
+            job = svc.get(r.json()["id"])
+            eng.gate.release()
+            deadline = time.monotonic() + 10
+            while not any(e["type"] == "preview" for e in job.events):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert isinstance(next(e for e in job.events if e["type"] == "preview")["b64_json"], str)
+            eng.gate.release()
+            while not job.done:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            previews = [e for e in job.events if e["type"] == "preview"]
+            assert len(previews) == 2 and all(e["b64_json"] is None for e in previews), previews
+            with c.stream("GET", f"/v1/jobs/{job.id}/events") as r:
+                names = [n for n, _ in sse(r)]
+            assert names.count("job.preview") == 2 and names[-1] == "job.completed", names
+    finally:
+        svc.shutdown(10)
 
 
 # ---- video: a tiny Wan pipeline ------------------------------------------------------------------
