@@ -27,6 +27,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -340,6 +341,17 @@ _OPENAI_UNSUPPORTED = {"background", "moderation", "output_compression", "partia
                        "quality", "style", "user", "input_reference", "remix_video_id"}
 
 
+def _clip(text, n: int = 60) -> str:
+    """Client text quoted in an error: one line (control characters escaped), at most n
+    characters and an ellipsis."""
+    t = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text)[:n + 1])
+    return t[:n] + "..." if len(t) > n else t
+
+
+_FORM_NUMBER = {int: re.compile(r"-?[0-9]+"),  # ASCII digits only: no " 16", "1_6", "+2", "٣"
+                float: re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")}
+
+
 def _field(body: dict, key: str, kind, form: bool = False, default=None):
     """body[key] as `kind` (int, float, str, bool), or default; a wrong type is a 400."""
     if key not in body:
@@ -349,10 +361,12 @@ def _field(body: dict, key: str, kind, form: bool = False, default=None):
         return default
     if form and isinstance(v, str) and kind is not str:  # multipart fields are text
         try:
+            if kind in (int, float) and not _FORM_NUMBER[kind].fullmatch(v):
+                raise ValueError(v)
             v = {int: int, float: float}[kind](v) if kind in (int, float) else \
                 {"true": True, "false": False}[v.lower()]
         except (KeyError, ValueError):
-            raise ApiError(400, f"'{key}' must be {_KIND[kind]}, got '{v}'", param=key,
+            raise ApiError(400, f"'{key}' must be {_KIND[kind]}, got '{_clip(v, 40)}'", param=key,
                            code="invalid_type") from None
     if kind is float and isinstance(v, int) and not isinstance(v, bool):
         v = float(v) if abs(v) <= MAX_SCALE else math.inf  # (float() of a huge int overflows)
@@ -383,8 +397,8 @@ def _check_keys(body: dict, allowed: set, where: str) -> None:
         if k in _OPENAI_UNSUPPORTED:
             raise ApiError(400, f"'{k}' is an OpenAI field that meshdit does not implement",
                            param=k, code="unsupported_parameter")
-        raise ApiError(400, f"unknown field '{k}' for {where} (known: {', '.join(sorted(allowed))})",
-                       param=k, code="unknown_parameter")
+        raise ApiError(400, f"unknown field '{_clip(k)}' for {where} (known: "
+                            f"{', '.join(sorted(allowed))})", param=_clip(k), code="unknown_parameter")
 
 
 def _parse_size(text: str | None) -> tuple[int | None, int | None]:
@@ -392,12 +406,15 @@ def _parse_size(text: str | None) -> tuple[int | None, int | None]:
         return None, None
     m = SIZE_RE.fullmatch(text.lower())  # ASCII digits only: no "+64", " 64", "1_6", "６４"
     if m is None:
-        raise ApiError(400, f"size '{text[:40]}' is not WIDTHxHEIGHT (e.g. 1024x1024) or 'auto'",
+        raise ApiError(400, f"size '{_clip(text, 40)}' is not WIDTHxHEIGHT (e.g. 1024x1024) or "
+                            f"'auto'", param="size", code="invalid_size")
+    if len(m[1]) > 9 or len(m[2]) > 9:  # (int() refuses past 4300 digits: never a 500)
+        raise ApiError(400, f"size '{_clip(text, 40)}': a side of more than 9 digits",
                        param="size", code="invalid_size")
     w, h = int(m[1]), int(m[2])
     if w < 1 or h < 1:
-        raise ApiError(400, f"size '{text}': width and height must be positive", param="size",
-                       code="invalid_size")
+        raise ApiError(400, f"size '{_clip(text, 40)}': width and height must be positive",
+                       param="size", code="invalid_size")
     return w, h
 
 
@@ -420,7 +437,7 @@ def _common(body: dict, form: bool) -> dict:
 def _check_model(svc: Service, body: dict, form: bool) -> None:
     m = _field(body, "model", str, form)
     if m is not None and m != svc.model_name:
-        raise ApiError(404, f"model '{m}' is not served here; this service runs "
+        raise ApiError(404, f"model '{_clip(m)}' is not served here; this service runs "
                             f"'{svc.model_name}'", param="model", code="model_not_found")
 
 
@@ -479,10 +496,13 @@ def video_job(svc: Service, body: dict, form: bool) -> Job:
         if frames is not None:
             raise ApiError(400, "give 'seconds' or 'frames', not both", param="seconds",
                            code="invalid_value")
-        try:
+        try:  # a number, or its text in ASCII digits (OpenAI's client sends "4")
+            if isinstance(seconds, bool) or (isinstance(seconds, str) and
+                                             not _FORM_NUMBER[float].fullmatch(seconds)):
+                raise ValueError(seconds)
             secs = float(seconds)
         except (TypeError, ValueError, OverflowError):
-            raise ApiError(400, f"'seconds' must be a number, got {json.dumps(seconds)[:40]}",
+            raise ApiError(400, f"'seconds' must be a number, got {_clip(json.dumps(seconds), 40)}",
                            param="seconds", code="invalid_type") from None
         if not 0 < secs <= 3600 or not 1 <= fps <= 240:
             raise ApiError(400, f"seconds {secs:g} at fps {fps}: out of range", param="seconds",
@@ -546,12 +566,27 @@ async def _read_bounded(request, timeout: float) -> bytes:
     return b"".join(chunks)
 
 
+def _no_twice(pairs: list) -> dict:
+    """A JSON object whose keys are all different (json.loads keeps the last of a repeated one,
+    silently: a form that repeats a field is refused, so is this)."""
+    body = {}
+    for k, v in pairs:
+        if k in body:
+            raise ApiError(400, f"'{_clip(k)}' given twice", param=_clip(k), code="invalid_value")
+        body[k] = v
+    return body
+
+
 async def _read_json(request, timeout: float) -> dict:
     raw = await _read_bounded(request, timeout)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, object_pairs_hook=_no_twice)
     except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON ({e})", code="invalid_json") from None
+        raise ApiError(400, f"the body is not valid JSON ({_clip(e, 120)})",
+                       code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON for this service: nested too deeply",
+                       code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     return body
@@ -566,7 +601,8 @@ async def _read_body(request, timeout: float) -> tuple[dict, bool]:
         async def replay():  # the bounded bytes, handed to Starlette's form parser
             return {"type": "http.request", "body": raw, "more_body": False}
 
-        form = await HTTPRequest(request.scope, receive=replay).form(max_files=0, max_fields=64)
+        # one file parsed (at most MAX_BODY), so that an upload is answered as such below
+        form = await HTTPRequest(request.scope, receive=replay).form(max_files=1, max_fields=64)
         body = {}
         for k, v in form.multi_items():
             if not isinstance(v, str):
@@ -595,14 +631,31 @@ def create_app(svc: Service, api_key: str | None = None):
     async def _http_error(request, e: HTTPException):  # unknown path, wrong method
         msg = {404: f"no endpoint {request.method} {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
-        return JSONResponse(ApiError(e.status_code, msg, code="not_found" if e.status_code == 404
-                                     else "method_not_allowed").body(), status_code=e.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(
+            e.status_code, "invalid_request" if e.status_code == 400 else "http_error")
+        return JSONResponse(ApiError(e.status_code, _clip(msg, 200), code=code).body(),
+                            status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
         line = " ".join(str(e).split()) or type(e).__name__
         return JSONResponse(ApiError(500, line, type="server_error", code="internal_error").body(),
                             status_code=500)
+
+    @app.middleware("http")
+    async def _query(request, call_next):  # no query parameter is skipped unread
+        path = request.url.path
+        allowed = {"variant"} if path.startswith("/v1/videos/") and path.endswith("/content") \
+            else set()
+        for k in request.query_params.keys():
+            why, code = (("unknown query parameter", "unknown_parameter") if k not in allowed else
+                         ("query parameter given twice", "invalid_value")
+                         if len(request.query_params.getlist(k)) > 1 else (None, None))
+            if why:
+                return JSONResponse(ApiError(400, f"{why} '{_clip(k)}' for {request.method} "
+                                                  f"{_clip(path)}", param=_clip(k),
+                                             code=code).body(), status_code=400)
+        return await call_next(request)
 
     @app.middleware("http")
     async def _auth(request, call_next):

@@ -471,6 +471,52 @@ def test_finished_jobs_keep_their_previews_events_not_images(monkeypatch):
         svc.shutdown(10)
 
 
+def test_hostile_bodies_queries_and_forms(monkeypatch):
+    """What a probe sent that was answered 500, read loosely or skipped: each now a 400 naming
+    it in one short line."""
+    from starlette.testclient import TestClient
+    monkeypatch.setattr(mapi, "video_bytes", lambda frames, fps: b"mp4")
+    eng = GatedEngine()
+    svc = mapi.Service(lambda: eng, mapi.Limits(), "stub")
+    svc.start()
+    assert svc.ready.wait(10)
+    try:
+        with TestClient(mapi.create_app(svc)) as c:
+            def refused(r, code, text):
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["code"] == code and text in err["message"], err
+                assert "\n" not in err["message"] and len(err["message"]) < 400, err
+            hdr = {"content-type": "application/json"}
+            refused(c.post("/v1/videos", content=b"[" * 100000 + b"]" * 100000, headers=hdr),
+                    "invalid_json", "nested too deeply")
+            refused(c.post("/v1/videos", json={"prompt": "x", "size": "1" * 5000 + "x16"}),
+                    "invalid_size", "more than 9 digits")
+            refused(c.post("/v1/videos", content=b'{"prompt": "x", "steps": 2, "steps": 3}',
+                           headers=hdr), "invalid_value", "'steps' given twice")
+            refused(c.post("/v1/videos?n=2", json={"prompt": "x"}), "unknown_parameter",
+                    "unknown query parameter 'n' for POST /v1/videos")
+            refused(c.get("/v1/videos?limit=abc"), "unknown_parameter", "'limit'")
+            refused(c.get("/v1/videos/v/content?variant=video&variant=x"), "invalid_value",
+                    "given twice")
+            for seconds in (True, "4_0", " 4 ", "\u0664"):
+                refused(c.post("/v1/videos", json={"prompt": "x", "seconds": seconds}),
+                        "invalid_type", "'seconds' must be a number")
+            for v in (" 16", "1_6", "+2", "\u0663"):
+                refused(c.post("/v1/videos", data={"prompt": "x", "steps": v}), "invalid_type",
+                        "'steps' must be an integer")
+            refused(c.post("/v1/videos", data={"prompt": "x"}, files={"input": ("a", b"x")}),
+                    "unsupported_parameter", "file uploads are not supported")
+            refused(c.post("/v1/videos", data={f"f{i}": "1" for i in range(70)}),
+                    "invalid_request", "")
+            refused(c.post("/v1/videos", json={"prompt": "x", "k" * 500000 + "\nz": 1}),
+                    "unknown_parameter", "unknown field 'kkk")
+            refused(c.post("/v1/videos", json={"prompt": "x", "size": "16x16\nInjected: 1"}),
+                    "invalid_size", "16x16\\nInjected")
+    finally:
+        svc.shutdown(10)
+
+
 # ---- video: a tiny Wan pipeline ------------------------------------------------------------------
 def test_video_job_to_mp4(tmp_path_factory):
     import imageio.v3 as iio
