@@ -645,8 +645,9 @@ def create_app(svc: Service, api_key: str | None = None):
     @app.middleware("http")
     async def _query(request, call_next):  # no query parameter is skipped unread
         path = request.url.path
-        allowed = {"variant"} if path.startswith("/v1/videos/") and path.endswith("/content") \
-            else set()
+        allowed = ({"variant"} if path.startswith("/v1/videos/") and path.endswith("/content")
+                   else {"after", "limit", "order"} if path == "/v1/videos" and
+                   request.method == "GET" else set())
         for k in request.query_params.keys():
             why, code = (("unknown query parameter", "unknown_parameter") if k not in allowed else
                          ("query parameter given twice", "invalid_value")
@@ -792,9 +793,33 @@ def create_app(svc: Service, api_key: str | None = None):
         return job.video_object(svc.model_name)
 
     @app.get("/v1/videos")
-    async def list_videos():
-        data = [j.video_object(svc.model_name) for j in list(svc.jobs.values()) if j.kind == "video"]
-        return {"object": "list", "data": data, "has_more": False}
+    async def list_videos(request: HTTPRequest):
+        """OpenAI's list: newest first (order=desc) or oldest first (asc), `limit` (1 to 100,
+        default 20) videos after the one `after` names; `has_more` and `last_id` page on (what
+        the openai client does when it iterates)."""
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order '{_clip(order, 20)}': asc or desc", param="order",
+                           code="invalid_value")
+        limit = q.get("limit", "20")
+        if not (_FORM_NUMBER[int].fullmatch(limit) and len(limit) <= 4 and 1 <= int(limit) <= 100):
+            raise ApiError(400, f"limit '{_clip(limit, 20)}': an integer from 1 to 100",
+                           param="limit", code="invalid_value")
+        jobs = [j for j in list(svc.jobs.values()) if j.kind == "video"]  # oldest first
+        if order == "desc":
+            jobs.reverse()
+        if "after" in q:
+            at = next((i for i, j in enumerate(jobs) if j.id == q["after"]), None)
+            if at is None:
+                raise ApiError(404, f"no video '{_clip(q['after'])}' to list after (finished jobs "
+                                    f"are kept for the last {svc.limits.keep_jobs})",
+                               param="after", code="not_found")
+            jobs = jobs[at + 1:]
+        page = jobs[:int(limit)]
+        return {"object": "list", "data": [j.video_object(svc.model_name) for j in page],
+                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+                "has_more": len(jobs) > len(page)}
 
     @app.get("/v1/videos/{job_id}")
     async def get_video(job_id: str):

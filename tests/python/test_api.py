@@ -401,6 +401,14 @@ def test_queue_positions_limit_and_cancel(monkeypatch):
                 ev = [(n, d) for n, d in sse(r)]
             assert [d["queue_position"] for n, d in ev if n == "job.queued"] == [2, 1]
             assert [n for n, _ in ev][-3:] == ["job.progress", "job.progress", "job.completed"]
+            page = c.get("/v1/videos?limit=2").json()  # OpenAI's list: newest first, paged
+            assert [v["id"] for v in page["data"]] == [ids[2], ids[1]] and page["has_more"], page
+            rest = c.get(f"/v1/videos?limit=2&after={page['last_id']}").json()
+            assert [v["id"] for v in rest["data"]] == [ids[0]] and not rest["has_more"], rest
+            assert [v["id"] for v in c.get("/v1/videos?order=asc").json()["data"]] == ids
+            assert c.get("/v1/videos?after=video_nope").status_code == 404
+            oc = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=c)
+            assert [v.id for v in oc.videos.list(limit=1)] == ids[::-1]  # the client pages on
             assert c.delete(f"/v1/videos/{ids[2]}").json()["deleted"] is True
             assert c.get(f"/v1/videos/{ids[2]}").status_code == 404
     finally:
@@ -496,7 +504,10 @@ def test_hostile_bodies_queries_and_forms(monkeypatch):
                            headers=hdr), "invalid_value", "'steps' given twice")
             refused(c.post("/v1/videos?n=2", json={"prompt": "x"}), "unknown_parameter",
                     "unknown query parameter 'n' for POST /v1/videos")
-            refused(c.get("/v1/videos?limit=abc"), "unknown_parameter", "'limit'")
+            refused(c.get("/v1/videos?limit=abc"), "invalid_value", "limit 'abc'")
+            refused(c.get("/v1/videos?limit=%20%31"), "invalid_value", "an integer from 1 to 100")
+            refused(c.get("/v1/videos?order=up"), "invalid_value", "asc or desc")
+            refused(c.get("/v1/videos?before=x"), "unknown_parameter", "'before'")
             refused(c.get("/v1/videos/v/content?variant=video&variant=x"), "invalid_value",
                     "given twice")
             for seconds in (True, "4_0", " 4 ", "\u0664"):
