@@ -55,7 +55,8 @@ class Limits:
     max_queue: int = 16  # jobs waiting (the running one not counted)
     keep_jobs: int = 64  # finished jobs kept for GET (the oldest go first)
     header_timeout: int = 20  # seconds a request's line and headers may take to arrive
-    body_timeout: int = 60  # seconds a request's body may take to arrive
+    body_timeout: int = 60  # seconds a body may take, plus one per body_min_rate bytes come
+    body_min_rate: int = 16384  # bytes a second that extend a body's deadline (mod_reqtimeout)
 
 
 class ApiError(Exception):
@@ -534,10 +535,12 @@ def _gone() -> ApiError:
                     code="client_disconnected")
 
 
-async def _read_bounded(request, timeout: float) -> bytes:
+async def _read_bounded(request, timeout: float, min_rate: float = 16384) -> bytes:
     """The whole body, refused (413) past MAX_BODY whether its length is announced or not, and
-    (408) when it has not all arrived `timeout` seconds after the headers: a client that sends
-    half a body, or a chunked one that never ends, does not hold its connection for good."""
+    (408) when it has not all arrived `timeout` seconds after the headers plus a second for every
+    `min_rate` bytes that came (Apache mod_reqtimeout's body=T,MinRate=R): a client that sends
+    half a body, or a chunked one that never ends, does not hold its connection for good, and a
+    slow link at `min_rate` or more gets a body of any allowed size through."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
         raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {MAX_BODY:,}",
@@ -549,13 +552,14 @@ async def _read_bounded(request, timeout: float) -> bytes:
     try:
         while True:  # a chunked body: stopped once past the limit
             try:
-                chunk = await asyncio.wait_for(parts.__anext__(), max(0.0, deadline - loop.time()))
+                chunk = await asyncio.wait_for(parts.__anext__(),
+                                               max(0.0, deadline + got / min_rate - loop.time()))
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
-                raise ApiError(408, f"the body did not arrive within {timeout:g} s "
-                                    f"(--body-timeout; {got:,} bytes came)",
-                               code="body_timeout") from None
+                raise ApiError(408, f"the body did not arrive within {timeout:g} s and a second "
+                                    f"per {min_rate:g} bytes (--body-timeout, --body-min-rate; "
+                                    f"{got:,} bytes came)", code="body_timeout") from None
             got += len(chunk)
             if got > MAX_BODY:
                 raise ApiError(413, f"the body is over the limit of {MAX_BODY:,} bytes",
@@ -577,8 +581,8 @@ def _no_twice(pairs: list) -> dict:
     return body
 
 
-async def _read_json(request, timeout: float) -> dict:
-    raw = await _read_bounded(request, timeout)
+async def _read_json(request, limits: Limits) -> dict:
+    raw = await _read_bounded(request, limits.body_timeout, limits.body_min_rate)
     try:
         body = json.loads(raw, object_pairs_hook=_no_twice)
     except (ValueError, UnicodeDecodeError) as e:
@@ -592,11 +596,12 @@ async def _read_json(request, timeout: float) -> dict:
     return body
 
 
-async def _read_body(request, timeout: float) -> tuple[dict, bool]:
+async def _read_body(request, limits: Limits) -> tuple[dict, bool]:
     """JSON, or a multipart / urlencoded form (what OpenAI's client sends to /v1/videos)."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        raw = await _read_bounded(request, timeout)  # a chunked form too: at most MAX_BODY
+        # a chunked form too: at most MAX_BODY
+        raw = await _read_bounded(request, limits.body_timeout, limits.body_min_rate)
 
         async def replay():  # the bounded bytes, handed to Starlette's form parser
             return {"type": "http.request", "body": raw, "more_body": False}
@@ -612,7 +617,7 @@ async def _read_body(request, timeout: float) -> tuple[dict, bool]:
                 raise ApiError(400, f"'{k}' given twice", param=k, code="invalid_value")
             body[k] = v
         return body, True
-    return await _read_json(request, timeout), False
+    return await _read_json(request, limits), False
 
 
 # ---- the app ---------------------------------------------------------------------------------------
@@ -624,8 +629,9 @@ def create_app(svc: Service, api_key: str | None = None):
     app = FastAPI(title="meshdit api", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
-    async def _api_error(request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+    async def _api_error(request, e: ApiError):  # a body not read to its end: the connection ends
+        return JSONResponse(e.body(), status_code=e.status,
+                            headers={"connection": "close"} if e.status in (408, 413) else None)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):  # unknown path, wrong method
@@ -705,7 +711,7 @@ def create_app(svc: Service, api_key: str | None = None):
     # -- images ----------------------------------------------------------------------------------
     @app.post("/v1/images/generations")
     async def images(request: HTTPRequest):
-        body = await _read_json(request, svc.limits.body_timeout)
+        body = await _read_json(request, svc.limits)
         job, stream = image_job(svc, body)
         svc.submit(job)
         if stream:
@@ -788,7 +794,7 @@ def create_app(svc: Service, api_key: str | None = None):
     # -- videos ----------------------------------------------------------------------------------
     @app.post("/v1/videos")
     async def create_video(request: HTTPRequest):
-        body, form = await _read_body(request, svc.limits.body_timeout)
+        body, form = await _read_body(request, svc.limits)
         job = svc.submit(video_job(svc, body, form))
         return job.video_object(svc.model_name)
 
@@ -889,13 +895,16 @@ def create_app(svc: Service, api_key: str | None = None):
 
 
 # ---- the command -----------------------------------------------------------------------------------
-def _head_deadline_protocol(seconds: float):
+def _head_deadline_protocol(seconds: float, send_seconds: float):
     """uvicorn's h11 protocol with a deadline on each request's line and headers: counted from
     the connection's start for its first request, and from the first byte of each later one
     (between requests the keep-alive timeout applies). A client that sends half a header and
     stalls is closed then; uvicorn alone waits for it for good, so a few hundred such sockets
     held the service's file descriptors (nginx's client_header_timeout, Apache's
-    RequestReadTimeout header=)."""
+    RequestReadTimeout header=). And one on the client's reading: a connection whose responses
+    wait unread (the transport's buffer over its high-water mark) for `send_seconds` without
+    draining is dropped (nginx's send_timeout): a client that sends requests and never reads
+    the answers would hold it for good too."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeadDeadline(H11Protocol):
@@ -927,8 +936,29 @@ def _head_deadline_protocol(seconds: float):
             if self._head_timer is not None and self.cycle is not self._head_of:
                 self._disarm_head()  # its headers are in: the body has --body-timeout
 
+        _send_timer = None
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._send_timer is None:
+                self._send_timer = self.loop.call_later(send_seconds, self._send_expired)
+
+        def resume_writing(self) -> None:
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
+            super().resume_writing()
+
+        def _send_expired(self) -> None:
+            self._send_timer = None
+            if not self.transport.is_closing() or self.transport.get_write_buffer_size():
+                self.transport.abort()  # close() would wait for the unread bytes to go
+
         def connection_lost(self, exc) -> None:
             self._disarm_head()
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
             super().connection_lost(exc)
 
     return HeadDeadline
@@ -1037,7 +1067,8 @@ def main_api(argv: list[str]) -> int:
     _more_descriptors()
     config = uvicorn.Config(create_app(svc, a.api_key), log_level=a.log_level,
                             access_log=False, timeout_graceful_shutdown=30, lifespan="off",
-                            http=_head_deadline_protocol(limits.header_timeout))
+                            http=_head_deadline_protocol(limits.header_timeout,
+                                                         limits.body_timeout))
     server = _Server(config)
     shown = f"[{host}]" if fam == socket.AF_INET6 else host
     print(f"meshdit api: {svc.engine.class_name} '{name}' ({plan_line(svc.engine.transformer.info)})",

@@ -443,6 +443,37 @@ def test_slow_clients_are_closed_and_a_quick_one_is_not(service):
         assert c.get(f"{service.url}/v1/models").status_code == 200
         time.sleep(4.5)  # past the header timeout, inside the keep-alive one (5 s)
         assert c.get(f"{service.url}/v1/models").status_code == 200
+    # a slow link above the minimum rate (16 KiB/s): 250 KB in 5 s, past the body timeout's 4 s,
+    # is read whole (and refused for its field, not timed out)
+    body = json.dumps({"colour": "x" * 250000}).encode()
+    s = _raw(service, head + b"Content-Length: %d\r\n\r\n" % len(body))
+    try:
+        for k in range(0, len(body), 10000):
+            s.sendall(body[k:k + 10000])
+            time.sleep(0.2)
+        got = b""
+        while b"unknown_parameter" not in got and (part := s.recv(4000)):
+            got += part
+        assert got.startswith(b"HTTP/1.1 400") and b"unknown_parameter" in got, got[:300]
+    finally:
+        s.close()
+    # a client that sends requests and never reads the answers: dropped once its answers have
+    # waited unread for the body timeout (4 s); before, it held its connection for good
+    import socket
+    import struct
+    s = _raw(service, b"")
+    s.setblocking(False)
+    req = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 1000
+    t0, state = time.monotonic(), 1
+    while time.monotonic() - t0 < 20 and state == 1:  # 1: TCP_ESTABLISHED
+        try:
+            s.send(req)
+        except (BlockingIOError, ConnectionError):
+            pass
+        time.sleep(0.1)
+        state = struct.unpack("B", s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[:1])[0]
+    s.close()
+    assert state != 1 and 3.5 < time.monotonic() - t0 < 15, (state, time.monotonic() - t0)
     assert get(service, "/health").json()["status"] == "ok"
 
 
