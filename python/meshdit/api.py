@@ -93,6 +93,7 @@ class Job:
         self.result_info: dict = {}
         self.cancel = threading.Event()
         self.events: list[dict] = []
+        self.seq: int | None = None  # its place in submission order (Service.submit)
         self._lock = threading.Lock()
         self._waiters: list = []
 
@@ -170,6 +171,8 @@ class Service:
         self.load_error: BaseException | None = None
         self.ready = threading.Event()
         self.jobs: dict[str, Job] = {}
+        self._seq = 0  # each job's place in submission order (a list's cursor)
+        self._gone: collections.OrderedDict[str, int] = collections.OrderedDict()  # removed: place
         self._queue: collections.deque[Job] = collections.deque()
         self._finished: collections.deque[str] = collections.deque()
         self._cv = threading.Condition()
@@ -192,6 +195,8 @@ class Service:
                 raise ApiError(429, f"the queue is full ({self.limits.max_queue} jobs waiting, "
                                     f"--max-queue): try again later", code="queue_full",
                                type="rate_limit_error")
+            self._seq += 1
+            job.seq = self._seq
             self.jobs[job.id] = job
             self._queue.append(job)
             job.queue_position = len(self._queue)
@@ -228,12 +233,25 @@ class Service:
         job.publish(status, **data)
         self._finished.append(job.id)
         while len(self._finished) > self.limits.keep_jobs:
-            self.jobs.pop(self._finished.popleft(), None)
+            self._forget(self.jobs.pop(self._finished.popleft(), None))
 
     def delete(self, job: Job) -> None:
         self.cancel(job)
         with self._cv:
-            self.jobs.pop(job.id, None)
+            self._forget(self.jobs.pop(job.id, None))
+
+    def _forget(self, job: Job | None) -> None:
+        """A removed job's place is kept a while (4 x --keep-jobs of them), so that a list paged
+        `after` it goes on from there."""
+        if job is not None and getattr(job, "seq", None) is not None:
+            self._gone[job.id] = job.seq
+            while len(self._gone) > 4 * self.limits.keep_jobs:
+                self._gone.popitem(last=False)
+
+    def place(self, job_id: str) -> int | None:
+        """The submission place of a job kept or lately removed, else None."""
+        job = self.jobs.get(job_id)
+        return getattr(job, "seq", None) if job is not None else self._gone.get(job_id)
 
     def begin_shutdown(self) -> None:
         """Refuses new jobs, cancels the waiting ones and the running one (between two steps)."""
@@ -815,13 +833,13 @@ def create_app(svc: Service, api_key: str | None = None):
         jobs = [j for j in list(svc.jobs.values()) if j.kind == "video"]  # oldest first
         if order == "desc":
             jobs.reverse()
-        if "after" in q:
-            at = next((i for i, j in enumerate(jobs) if j.id == q["after"]), None)
+        if "after" in q:  # by its place: a video deleted or expired since still names one
+            at = svc.place(q["after"])
             if at is None:
                 raise ApiError(404, f"no video '{_clip(q['after'])}' to list after (finished jobs "
                                     f"are kept for the last {svc.limits.keep_jobs})",
                                param="after", code="not_found")
-            jobs = jobs[at + 1:]
+            jobs = [j for j in jobs if (j.seq > at if order == "asc" else j.seq < at)]
         page = jobs[:int(limit)]
         return {"object": "list", "data": [j.video_object(svc.model_name) for j in page],
                 "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,

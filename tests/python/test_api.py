@@ -411,6 +411,8 @@ def test_queue_positions_limit_and_cancel(monkeypatch):
             assert [v.id for v in oc.videos.list(limit=1)] == ids[::-1]  # the client pages on
             assert c.delete(f"/v1/videos/{ids[2]}").json()["deleted"] is True
             assert c.get(f"/v1/videos/{ids[2]}").status_code == 404
+            rest = c.get(f"/v1/videos?after={ids[2]}").json()  # a cursor deleted meanwhile
+            assert [v["id"] for v in rest["data"]] == [ids[1], ids[0]], rest
     finally:
         svc.shutdown(10)
 
