@@ -669,6 +669,8 @@ def create_app(svc: Service, api_key: str | None = None):
     @app.middleware("http")
     async def _query(request, call_next):  # no query parameter is skipped unread
         path = request.url.path
+        if path == "/health":  # a health checker's cache-busting query: nothing to read there
+            return await call_next(request)
         allowed = ({"variant"} if path.startswith("/v1/videos/") and path.endswith("/content")
                    else {"after", "limit", "order"} if path == "/v1/videos" and
                    request.method == "GET" else set())
@@ -704,7 +706,7 @@ def create_app(svc: Service, api_key: str | None = None):
                 "defaults": {k: v for k, v in e.defaults.items() if k != "max_sequence_length"},
                 "limits": dataclasses.asdict(svc.limits)}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         ok, why = svc.healthy()
         body = {"status": "ok" if ok else "error", "model": svc.model_name,

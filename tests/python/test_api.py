@@ -541,6 +541,8 @@ def test_hostile_bodies_queries_and_forms(monkeypatch):
             refused(c.get("/v1/videos?limit=%20%31"), "invalid_value", "an integer from 1 to 100")
             refused(c.get("/v1/videos?order=up"), "invalid_value", "asc or desc")
             refused(c.get("/v1/videos?before=x"), "unknown_parameter", "'before'")
+            assert c.get("/health?nocache=1").status_code == 200  # a checker's cache-buster
+            assert c.head("/health").status_code == 200
             refused(c.get("/v1/videos/v/content?variant=video&variant=x"), "invalid_value",
                     "given twice")
             for seconds in (True, "4_0", " 4 ", "\u0664"):
