@@ -6,6 +6,7 @@ running job; a video job to MP4 (Wan); a rank killed mid-job, after which the jo
 the same image; SIGTERM ends it with exit 0 and no rank left. The queue itself (positions,
 limit) is checked in this process on a stand-in engine whose steps the test releases."""
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -365,56 +366,63 @@ class GatedEngine:
         pass
 
 
-def test_queue_positions_limit_and_cancel(monkeypatch):
+@contextlib.contextmanager
+def gated_app(monkeypatch, **limits):
+    """The service in this process on a GatedEngine, and a test client of its app."""
     from starlette.testclient import TestClient
     monkeypatch.setattr(mapi, "video_bytes", lambda frames, fps: b"mp4")
     eng = GatedEngine()
-    svc = mapi.Service(lambda: eng, mapi.Limits(max_queue=2), "stub")
+    svc = mapi.Service(lambda: eng, mapi.Limits(**limits), "stub")
     svc.start()
     assert svc.ready.wait(10)
     try:
         with TestClient(mapi.create_app(svc)) as c:
-            ids = []
-            for seed in range(3):  # one runs, two wait
-                r = c.post("/v1/videos", json={"prompt": "x", "seed": seed})
-                assert r.status_code == 200 and r.json()["object"] == "video"
-                ids.append(r.json()["id"])
-                deadline = time.monotonic() + 10
-                while c.get(f"/v1/videos/{ids[0]}").json()["status"] != "in_progress":
-                    assert time.monotonic() < deadline
-                    time.sleep(0.01)
-            assert [c.get(f"/v1/videos/{i}").json()["queue_position"] for i in ids] == [0, 1, 2]
-            r = c.post("/v1/videos", json={"prompt": "x"})
-            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
-            assert c.post(f"/v1/videos/{ids[1]}/cancel").json()["status"] == "cancelled"
-            assert c.get(f"/v1/videos/{ids[2]}").json()["queue_position"] == 1  # moved up
-            r = c.get(f"/v1/videos/{ids[1]}/content")
-            assert r.status_code == 409 and "cancelled" in r.json()["error"]["message"]
-            for _ in range(4):
-                eng.gate.release()
-            deadline = time.monotonic() + 10
-            while c.get(f"/v1/videos/{ids[2]}").json()["status"] != "completed":
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            assert c.get(f"/v1/videos/{ids[2]}/content").content == b"mp4"
-            with c.stream("GET", f"/v1/jobs/{ids[2]}/events") as r:
-                ev = [(n, d) for n, d in sse(r)]
-            assert [d["queue_position"] for n, d in ev if n == "job.queued"] == [2, 1]
-            assert [n for n, _ in ev][-3:] == ["job.progress", "job.progress", "job.completed"]
-            page = c.get("/v1/videos?limit=2").json()  # OpenAI's list: newest first, paged
-            assert [v["id"] for v in page["data"]] == [ids[2], ids[1]] and page["has_more"], page
-            rest = c.get(f"/v1/videos?limit=2&after={page['last_id']}").json()
-            assert [v["id"] for v in rest["data"]] == [ids[0]] and not rest["has_more"], rest
-            assert [v["id"] for v in c.get("/v1/videos?order=asc").json()["data"]] == ids
-            assert c.get("/v1/videos?after=video_nope").status_code == 404
-            oc = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=c)
-            assert [v.id for v in oc.videos.list(limit=1)] == ids[::-1]  # the client pages on
-            assert c.delete(f"/v1/videos/{ids[2]}").json()["deleted"] is True
-            assert c.get(f"/v1/videos/{ids[2]}").status_code == 404
-            rest = c.get(f"/v1/videos?after={ids[2]}").json()  # a cursor deleted meanwhile
-            assert [v["id"] for v in rest["data"]] == [ids[1], ids[0]], rest
+            yield eng, svc, c
     finally:
         svc.shutdown(10)
+
+
+def test_queue_positions_limit_and_cancel(monkeypatch):
+    with gated_app(monkeypatch, max_queue=2) as (eng, svc, c):
+        ids = []
+        for seed in range(3):  # one runs, two wait
+            r = c.post("/v1/videos", json={"prompt": "x", "seed": seed})
+            assert r.status_code == 200 and r.json()["object"] == "video"
+            ids.append(r.json()["id"])
+            deadline = time.monotonic() + 10
+            while c.get(f"/v1/videos/{ids[0]}").json()["status"] != "in_progress":
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert [c.get(f"/v1/videos/{i}").json()["queue_position"] for i in ids] == [0, 1, 2]
+        r = c.post("/v1/videos", json={"prompt": "x"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert c.post(f"/v1/videos/{ids[1]}/cancel").json()["status"] == "cancelled"
+        assert c.get(f"/v1/videos/{ids[2]}").json()["queue_position"] == 1  # moved up
+        r = c.get(f"/v1/videos/{ids[1]}/content")
+        assert r.status_code == 409 and "cancelled" in r.json()["error"]["message"]
+        for _ in range(4):
+            eng.gate.release()
+        deadline = time.monotonic() + 10
+        while c.get(f"/v1/videos/{ids[2]}").json()["status"] != "completed":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert c.get(f"/v1/videos/{ids[2]}/content").content == b"mp4"
+        with c.stream("GET", f"/v1/jobs/{ids[2]}/events") as r:
+            ev = [(n, d) for n, d in sse(r)]
+        assert [d["queue_position"] for n, d in ev if n == "job.queued"] == [2, 1]
+        assert [n for n, _ in ev][-3:] == ["job.progress", "job.progress", "job.completed"]
+        page = c.get("/v1/videos?limit=2").json()  # OpenAI's list: newest first, paged
+        assert [v["id"] for v in page["data"]] == [ids[2], ids[1]] and page["has_more"], page
+        rest = c.get(f"/v1/videos?limit=2&after={page['last_id']}").json()
+        assert [v["id"] for v in rest["data"]] == [ids[0]] and not rest["has_more"], rest
+        assert [v["id"] for v in c.get("/v1/videos?order=asc").json()["data"]] == ids
+        assert c.get("/v1/videos?after=video_nope").status_code == 404
+        oc = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=c)
+        assert [v.id for v in oc.videos.list(limit=1)] == ids[::-1]  # the client pages on
+        assert c.delete(f"/v1/videos/{ids[2]}").json()["deleted"] is True
+        assert c.get(f"/v1/videos/{ids[2]}").status_code == 404
+        rest = c.get(f"/v1/videos?after={ids[2]}").json()  # a cursor deleted meanwhile
+        assert [v["id"] for v in rest["data"]] == [ids[1], ids[0]], rest
 
 
 def test_slow_clients_are_closed_and_a_quick_one_is_not(service):
@@ -483,84 +491,66 @@ def test_finished_jobs_keep_their_previews_events_not_images(monkeypatch):
     """A preview's image is in the events while its job runs; once the job has finished the
     event stays with b64_json null. Before, every kept job (64) held every preview (a 1024² job
     with 8 previews, 27 MB)."""
-    from starlette.testclient import TestClient
-    monkeypatch.setattr(mapi, "video_bytes", lambda frames, fps: b"mp4")
-    eng = GatedEngine()
-    svc = mapi.Service(lambda: eng, mapi.Limits(), "stub")
-    svc.start()
-    assert svc.ready.wait(10)
-    try:
-        with TestClient(mapi.create_app(svc)) as c:
-            r = c.post("/v1/videos", json={"prompt": "x", "steps": 2, "preview_every": 1})
-            job = svc.get(r.json()["id"])
-            eng.gate.release()
-            deadline = time.monotonic() + 10
-            while not any(e["type"] == "preview" for e in job.events):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            assert isinstance(next(e for e in job.events if e["type"] == "preview")["b64_json"], str)
-            eng.gate.release()
-            while not job.done:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            previews = [e for e in job.events if e["type"] == "preview"]
-            assert len(previews) == 2 and all(e["b64_json"] is None for e in previews), previews
-            with c.stream("GET", f"/v1/jobs/{job.id}/events") as r:
-                names = [n for n, _ in sse(r)]
-            assert names.count("job.preview") == 2 and names[-1] == "job.completed", names
-    finally:
-        svc.shutdown(10)
+    with gated_app(monkeypatch) as (eng, svc, c):
+        r = c.post("/v1/videos", json={"prompt": "x", "steps": 2, "preview_every": 1})
+        job = svc.get(r.json()["id"])
+        eng.gate.release()
+        deadline = time.monotonic() + 10
+        while not any(e["type"] == "preview" for e in job.events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert isinstance(next(e for e in job.events if e["type"] == "preview")["b64_json"], str)
+        eng.gate.release()
+        while not job.done:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        previews = [e for e in job.events if e["type"] == "preview"]
+        assert len(previews) == 2 and all(e["b64_json"] is None for e in previews), previews
+        with c.stream("GET", f"/v1/jobs/{job.id}/events") as r:
+            names = [n for n, _ in sse(r)]
+        assert names.count("job.preview") == 2 and names[-1] == "job.completed", names
 
 
 def test_hostile_bodies_queries_and_forms(monkeypatch):
     """What a probe sent that was answered 500, read loosely or skipped: each now a 400 naming
     it in one short line."""
-    from starlette.testclient import TestClient
-    monkeypatch.setattr(mapi, "video_bytes", lambda frames, fps: b"mp4")
-    eng = GatedEngine()
-    svc = mapi.Service(lambda: eng, mapi.Limits(), "stub")
-    svc.start()
-    assert svc.ready.wait(10)
-    try:
-        with TestClient(mapi.create_app(svc)) as c:
-            def refused(r, code, text):
-                assert r.status_code == 400, r.text
-                err = r.json()["error"]
-                assert err["code"] == code and text in err["message"], err
-                assert "\n" not in err["message"] and len(err["message"]) < 400, err
-            hdr = {"content-type": "application/json"}
-            refused(c.post("/v1/videos", content=b"[" * 100000 + b"]" * 100000, headers=hdr),
-                    "invalid_json", "nested too deeply")
-            refused(c.post("/v1/videos", json={"prompt": "x", "size": "1" * 5000 + "x16"}),
-                    "invalid_size", "more than 9 digits")
-            refused(c.post("/v1/videos", content=b'{"prompt": "x", "steps": 2, "steps": 3}',
-                           headers=hdr), "invalid_value", "'steps' given twice")
-            refused(c.post("/v1/videos?n=2", json={"prompt": "x"}), "unknown_parameter",
-                    "unknown query parameter 'n' for POST /v1/videos")
-            refused(c.get("/v1/videos?limit=abc"), "invalid_value", "limit 'abc'")
-            refused(c.get("/v1/videos?limit=%20%31"), "invalid_value", "an integer from 1 to 100")
-            refused(c.get("/v1/videos?order=up"), "invalid_value", "asc or desc")
-            refused(c.get("/v1/videos?before=x"), "unknown_parameter", "'before'")
-            assert c.get("/health?nocache=1").status_code == 200  # a checker's cache-buster
-            assert c.head("/health").status_code == 200
-            refused(c.get("/v1/videos/v/content?variant=video&variant=x"), "invalid_value",
-                    "given twice")
-            for seconds in (True, "4_0", " 4 ", "\u0664"):
-                refused(c.post("/v1/videos", json={"prompt": "x", "seconds": seconds}),
-                        "invalid_type", "'seconds' must be a number")
-            for v in (" 16", "1_6", "+2", "\u0663"):
-                refused(c.post("/v1/videos", data={"prompt": "x", "steps": v}), "invalid_type",
-                        "'steps' must be an integer")
-            refused(c.post("/v1/videos", data={"prompt": "x"}, files={"input": ("a", b"x")}),
-                    "unsupported_parameter", "file uploads are not supported")
-            refused(c.post("/v1/videos", data={f"f{i}": "1" for i in range(70)}),
-                    "invalid_request", "")
-            refused(c.post("/v1/videos", json={"prompt": "x", "k" * 500000 + "\nz": 1}),
-                    "unknown_parameter", "unknown field 'kkk")
-            refused(c.post("/v1/videos", json={"prompt": "x", "size": "16x16\nInjected: 1"}),
-                    "invalid_size", "16x16\\nInjected")
-    finally:
-        svc.shutdown(10)
+    with gated_app(monkeypatch) as (eng, svc, c):
+        def refused(r, code, text):
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == code and text in err["message"], err
+            assert "\n" not in err["message"] and len(err["message"]) < 400, err
+        hdr = {"content-type": "application/json"}
+        refused(c.post("/v1/videos", content=b"[" * 100000 + b"]" * 100000, headers=hdr),
+                "invalid_json", "nested too deeply")
+        refused(c.post("/v1/videos", json={"prompt": "x", "size": "1" * 5000 + "x16"}),
+                "invalid_size", "more than 9 digits")
+        refused(c.post("/v1/videos", content=b'{"prompt": "x", "steps": 2, "steps": 3}',
+                       headers=hdr), "invalid_value", "'steps' given twice")
+        refused(c.post("/v1/videos?n=2", json={"prompt": "x"}), "unknown_parameter",
+                "unknown query parameter 'n' for POST /v1/videos")
+        refused(c.get("/v1/videos?limit=abc"), "invalid_value", "limit 'abc'")
+        refused(c.get("/v1/videos?limit=%20%31"), "invalid_value", "an integer from 1 to 100")
+        refused(c.get("/v1/videos?order=up"), "invalid_value", "asc or desc")
+        refused(c.get("/v1/videos?before=x"), "unknown_parameter", "'before'")
+        assert c.get("/health?nocache=1").status_code == 200  # a checker's cache-buster
+        assert c.head("/health").status_code == 200
+        refused(c.get("/v1/videos/v/content?variant=video&variant=x"), "invalid_value",
+                "given twice")
+        for seconds in (True, "4_0", " 4 ", "\u0664"):
+            refused(c.post("/v1/videos", json={"prompt": "x", "seconds": seconds}),
+                    "invalid_type", "'seconds' must be a number")
+        for v in (" 16", "1_6", "+2", "\u0663"):
+            refused(c.post("/v1/videos", data={"prompt": "x", "steps": v}), "invalid_type",
+                    "'steps' must be an integer")
+        refused(c.post("/v1/videos", data={"prompt": "x"}, files={"input": ("a", b"x")}),
+                "unsupported_parameter", "file uploads are not supported")
+        refused(c.post("/v1/videos", data={f"f{i}": "1" for i in range(70)}),
+                "invalid_request", "")
+        refused(c.post("/v1/videos", json={"prompt": "x", "k" * 500000 + "\nz": 1}),
+                "unknown_parameter", "unknown field 'kkk")
+        refused(c.post("/v1/videos", json={"prompt": "x", "size": "16x16\nInjected: 1"}),
+                "invalid_size", "16x16\\nInjected")
 
 
 # ---- video: a tiny Wan pipeline ------------------------------------------------------------------
