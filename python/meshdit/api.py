@@ -620,6 +620,9 @@ async def _read_body(request, limits: Limits) -> tuple[dict, bool]:
     if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         # a chunked form too: at most MAX_BODY
         raw = await _read_bounded(request, limits.body_timeout, limits.body_min_rate)
+        if ctype.startswith("application/x-www-form-urlencoded") and not raw.isascii():
+            raise ApiError(400, "a urlencoded form must be ASCII (other bytes percent-encoded as "
+                                "UTF-8)", code="invalid_value")
 
         async def replay():  # the bounded bytes, handed to Starlette's form parser
             return {"type": "http.request", "body": raw, "more_body": False}
@@ -632,7 +635,15 @@ async def _read_body(request, limits: Limits) -> tuple[dict, bool]:
                 raise ApiError(400, f"'{k}': file uploads are not supported", param=k,
                                code="unsupported_parameter")
             if k in body:
-                raise ApiError(400, f"'{k}' given twice", param=k, code="invalid_value")
+                raise ApiError(400, f"'{_clip(k)}' given twice", param=_clip(k),
+                               code="invalid_value")
+            # bytes that are not UTF-8: the urlencoded parser replaces them (and the client sent
+            # no U+FFFD), the multipart one reads them as Latin-1 (the UTF-8 text is not there)
+            replaced = "\ufffd" in k + v and b"\xef\xbf\xbd" not in raw \
+                and b"%EF%BF%BD" not in raw.upper()
+            if replaced or (ctype.startswith("multipart/") and v.encode("utf-8", "replace") not in raw):
+                raise ApiError(400, f"'{_clip(k)}': not valid UTF-8", param=_clip(k),
+                               code="invalid_value")
             body[k] = v
         return body, True
     return await _read_json(request, limits), False

@@ -543,6 +543,14 @@ def test_hostile_bodies_queries_and_forms(monkeypatch):
         for v in (" 16", "1_6", "+2", "\u0663"):
             refused(c.post("/v1/videos", data={"prompt": "x", "steps": v}), "invalid_type",
                     "'steps' must be an integer")
+        for raw, ctype, text in (  # Latin-1, not UTF-8
+                (b"prompt=caf%E9", "application/x-www-form-urlencoded", "not valid UTF-8"),
+                (b"prompt=\xff\xfe", "application/x-www-form-urlencoded", "must be ASCII"),
+                (b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\ncaf\xe9\r\n'
+                 b"--b--\r\n", "multipart/form-data; boundary=b", "not valid UTF-8")):
+            refused(c.post("/v1/videos", content=raw, headers={"content-type": ctype}),
+                    "invalid_value", text)
+        assert c.post("/v1/videos", data={"prompt": "a \ufffd b", "steps": "1"}).status_code == 200
         refused(c.post("/v1/videos", data={"prompt": "x"}, files={"input": ("a", b"x")}),
                 "unsupported_parameter", "file uploads are not supported")
         refused(c.post("/v1/videos", data={f"f{i}": "1" for i in range(70)}),
