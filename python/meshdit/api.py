@@ -57,6 +57,7 @@ class Limits:
     header_timeout: int = 20  # seconds a request's line and headers may take to arrive
     body_timeout: int = 60  # seconds a body may take, plus one per body_min_rate bytes come
     body_min_rate: int = 16384  # bytes a second that extend a body's deadline (mod_reqtimeout)
+    max_prompt_chars: int = 16384  # a prompt's (and negative prompt's) characters
 
 
 class ApiError(Exception):
@@ -444,7 +445,13 @@ VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "negative_prompt", "steps"
                 "seed", "frames", "fps", "max_sequence_length", "preview_every"}
 
 
-def _common(body: dict, form: bool) -> dict:
+def _common(body: dict, form: bool, limits: Limits) -> dict:
+    for key in ("prompt", "negative_prompt"):  # the tokenizers read all of it before they cut it
+        v = body.get(key)
+        if isinstance(v, str) and len(v) > limits.max_prompt_chars:
+            raise ApiError(400, f"'{key}' has {len(v):,} characters, over the limit of "
+                                f"{limits.max_prompt_chars:,} (--max-prompt-chars)", param=key,
+                           code="invalid_value")
     return dict(prompt=_field(body, "prompt", str, form),
                 negative_prompt=_field(body, "negative_prompt", str, form),
                 steps=_field(body, "steps", int, form), guidance=_field(body, "guidance", float, form),
@@ -475,7 +482,7 @@ def image_job(svc: Service, body: dict) -> tuple[Job, bool]:
     if svc.engine.kind != "image":
         raise ApiError(400, f"this service runs {svc.engine.class_name}, which makes videos: "
                             f"use POST /v1/videos", code="wrong_endpoint")
-    c = _common(body, False)
+    c = _common(body, False, svc.limits)
     if c["prompt"] is None:
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
     rf = _field(body, "response_format", str, False, "b64_json")
@@ -505,7 +512,7 @@ def video_job(svc: Service, body: dict, form: bool) -> Job:
     if svc.engine.kind != "video":
         raise ApiError(400, f"this service runs {svc.engine.class_name}, which makes images: "
                             f"use POST /v1/images/generations", code="wrong_endpoint")
-    c = _common(body, form)
+    c = _common(body, form, svc.limits)
     if c["prompt"] is None:
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
     fps = _field(body, "fps", int, form, 16)

@@ -551,6 +551,11 @@ def test_hostile_bodies_queries_and_forms(monkeypatch):
             refused(c.post("/v1/videos", content=raw, headers={"content-type": ctype}),
                     "invalid_value", text)
         assert c.post("/v1/videos", data={"prompt": "a \ufffd b", "steps": "1"}).status_code == 200
+        refused(c.post("/v1/videos", json={"prompt": "x" * 16385}), "invalid_value",
+                "'prompt' has 16,385 characters, over the limit of 16,384")
+        refused(c.post("/v1/videos", data={"prompt": "x", "negative_prompt": "y" * 20000}),
+                "invalid_value", "'negative_prompt' has 20,000 characters")
+        assert c.post("/v1/videos", json={"prompt": "x" * 16384}).status_code == 200
         refused(c.post("/v1/videos", data={"prompt": "x"}, files={"input": ("a", b"x")}),
                 "unsupported_parameter", "file uploads are not supported")
         refused(c.post("/v1/videos", data={f"f{i}": "1" for i in range(70)}),
