@@ -159,10 +159,10 @@ static double mono_s(void) {
 /* ---- the minimum rate ---- */
 
 /* Brings the bucket to `now`: the time since it was last brought is spent if the direction was
- * under way through it, earned back (up to the grace) if not. */
+ * under way through it, earned back (up to the grace) if not. Nothing without a minimum rate. */
 static void bucket_at(const mdt_serve_listener *l, rate_bucket *b, int under_way, double now) {
     const double dt = now - b->at;
-    if (dt <= 0)
+    if (l->min_rate <= 0 || dt <= 0)
         return;
     b->credit += under_way ? -dt : dt;
     if (b->credit > l->rate_grace)
@@ -172,6 +172,8 @@ static void bucket_at(const mdt_serve_listener *l, rate_bucket *b, int under_way
 
 /* `n` bytes moved: a second of credit for every min_rate of them, up to the grace. */
 static void bucket_earn(const mdt_serve_listener *l, rate_bucket *b, size_t n) {
+    if (l->min_rate <= 0)
+        return;
     b->credit += (double)n / l->min_rate;
     if (b->credit > l->rate_grace)
         b->credit = l->rate_grace;
@@ -190,8 +192,7 @@ static out_item *out_new(const mdt_serve_listener *l, peer *c, const unsigned ch
         c->out_tail->next = o;
     } else {
         const double now = mono_s();
-        if (l->min_rate > 0)
-            bucket_at(l, &c->tx, 0, now); /* nothing was waiting until now */
+        bucket_at(l, &c->tx, 0, now); /* nothing was waiting until now */
         c->out = o;
         c->last_tx = now; /* the write deadline counts from now, not from the last write */
     }
@@ -245,7 +246,7 @@ static void out_reply(mdt_serve_listener *l, peer *c, unsigned char *blob, size_
 
 /* Writes what the socket takes. 0, or -1 when the connection broke. */
 static int out_flush(mdt_serve_listener *l, peer *c) {
-    if (c->out && l->min_rate > 0)
+    if (c->out)
         bucket_at(l, &c->tx, 1, mono_s()); /* output waited until now */
     while (c->out) {
         out_item *o = c->out;
@@ -268,8 +269,7 @@ static int out_flush(mdt_serve_listener *l, peer *c) {
         o->off += (size_t)w;
         if (w > 0) {
             c->last_io = c->last_tx = mono_s();
-            if (l->min_rate > 0)
-                bucket_earn(l, &c->tx, (size_t)w);
+            bucket_earn(l, &c->tx, (size_t)w);
         }
         if (o->off < o->head_n + o->body_n)
             return 0;
@@ -537,12 +537,13 @@ static void message_end(mdt_serve_listener *l, peer *c) {
 
 /* Feeds bytes through the connection's reader. 0, or -1 to close it. */
 static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n) {
+    const double now = mono_s(); /* the bytes of one read arrived at once */
     for (;;) {
         mdt_zmtp_event ev;
         const size_t used = mdt_zmtp_step(&c->rd, p, n, &ev);
         p += used, n -= used;
-        if (ev.kind != MDT_ZMTP_EV_NONE && l->min_rate > 0) /* as of before the event */
-            bucket_at(l, &c->rx, c->frames > 0, mono_s());
+        if (ev.kind != MDT_ZMTP_EV_NONE) /* as of before the event */
+            bucket_at(l, &c->rx, c->frames > 0, now);
         switch (ev.kind) {
         case MDT_ZMTP_EV_NONE:
             if (used == 0)
@@ -565,8 +566,7 @@ static int feed(mdt_serve_listener *l, peer *c, const unsigned char *p, size_t n
         }
         case MDT_ZMTP_EV_FRAME_START: frame_start(l, c, ev.size); break;
         case MDT_ZMTP_EV_BODY:
-            if (l->min_rate > 0)
-                bucket_earn(l, &c->rx, ev.len);
+            bucket_earn(l, &c->rx, ev.len);
             if (c->frames == 2 && c->head_n < sizeof c->head) { /* names a refused request */
                 const size_t k =
                     sizeof c->head - c->head_n < ev.len ? sizeof c->head - c->head_n : ev.len;
