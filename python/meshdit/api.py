@@ -244,7 +244,7 @@ class Service:
     def _forget(self, job: Job | None) -> None:
         """A removed job's place is kept a while (4 x --keep-jobs of them), so that a list paged
         `after` it goes on from there."""
-        if job is not None and getattr(job, "seq", None) is not None:
+        if job is not None:
             self._gone[job.id] = job.seq
             while len(self._gone) > 4 * self.limits.keep_jobs:
                 self._gone.popitem(last=False)
@@ -252,7 +252,7 @@ class Service:
     def place(self, job_id: str) -> int | None:
         """The submission place of a job kept or lately removed, else None."""
         job = self.jobs.get(job_id)
-        return getattr(job, "seq", None) if job is not None else self._gone.get(job_id)
+        return job.seq if job is not None else self._gone.get(job_id)
 
     def begin_shutdown(self) -> None:
         """Refuses new jobs, cancels the waiting ones and the running one (between two steps)."""
@@ -560,12 +560,13 @@ def _gone() -> ApiError:
                     code="client_disconnected")
 
 
-async def _read_bounded(request, timeout: float, min_rate: float = 16384) -> bytes:
+async def _read_bounded(request, limits: Limits) -> bytes:
     """The whole body, refused (413) past MAX_BODY whether its length is announced or not, and
-    (408) when it has not all arrived `timeout` seconds after the headers plus a second for every
-    `min_rate` bytes that came (Apache mod_reqtimeout's body=T,MinRate=R): a client that sends
-    half a body, or a chunked one that never ends, does not hold its connection for good, and a
-    slow link at `min_rate` or more gets a body of any allowed size through."""
+    (408) when it has not all arrived body_timeout seconds after the headers plus a second for
+    every body_min_rate bytes that came (Apache mod_reqtimeout's body=T,MinRate=R): a client
+    that sends half a body, or a chunked one that never ends, does not hold its connection for
+    good, and a slow link at the minimum rate or more gets a body of any allowed size through."""
+    timeout, min_rate = limits.body_timeout, limits.body_min_rate
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
         raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {MAX_BODY:,}",
@@ -607,7 +608,7 @@ def _no_twice(pairs: list) -> dict:
 
 
 async def _read_json(request, limits: Limits) -> dict:
-    raw = await _read_bounded(request, limits.body_timeout, limits.body_min_rate)
+    raw = await _read_bounded(request, limits)
     try:
         body = json.loads(raw, object_pairs_hook=_no_twice)
     except (ValueError, UnicodeDecodeError) as e:
@@ -625,8 +626,7 @@ async def _read_body(request, limits: Limits) -> tuple[dict, bool]:
     """JSON, or a multipart / urlencoded form (what OpenAI's client sends to /v1/videos)."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        # a chunked form too: at most MAX_BODY
-        raw = await _read_bounded(request, limits.body_timeout, limits.body_min_rate)
+        raw = await _read_bounded(request, limits)  # a chunked form too: at most MAX_BODY
         if ctype.startswith("application/x-www-form-urlencoded") and not raw.isascii():
             raise ApiError(400, "a urlencoded form must be ASCII (other bytes percent-encoded as "
                                 "UTF-8)", code="invalid_value")
@@ -945,6 +945,11 @@ def _head_deadline_protocol(seconds: float, send_seconds: float):
     the answers would hold it for good too."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    def _cancelled(timer):
+        if timer is not None:
+            timer.cancel()
+        return None
+
     class HeadDeadline(H11Protocol):
         _head_timer = None
         _head_of = None  # the request cycle under way when the deadline was armed
@@ -954,9 +959,7 @@ def _head_deadline_protocol(seconds: float, send_seconds: float):
             self._head_timer = self.loop.call_later(seconds, self._head_expired)
 
         def _disarm_head(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            self._head_timer = _cancelled(self._head_timer)
 
         def _head_expired(self) -> None:
             self._head_timer = None
@@ -982,9 +985,7 @@ def _head_deadline_protocol(seconds: float, send_seconds: float):
                 self._send_timer = self.loop.call_later(send_seconds, self._send_expired)
 
         def resume_writing(self) -> None:
-            if self._send_timer is not None:
-                self._send_timer.cancel()
-                self._send_timer = None
+            self._send_timer = _cancelled(self._send_timer)
             super().resume_writing()
 
         def _send_expired(self) -> None:
@@ -994,9 +995,7 @@ def _head_deadline_protocol(seconds: float, send_seconds: float):
 
         def connection_lost(self, exc) -> None:
             self._disarm_head()
-            if self._send_timer is not None:
-                self._send_timer.cancel()
-                self._send_timer = None
+            self._send_timer = _cancelled(self._send_timer)
             super().connection_lost(exc)
 
     return HeadDeadline
