@@ -263,13 +263,14 @@ mdt_status cli_load_loras(mdt_model *m, const char *const *specs, int n, double 
             if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') ||
                   (*c >= '0' && *c <= '9') || *c == '.' || *c == '_' || *c == '-'))
                 *c = '_';
-        int rep = 1; /* the same name again: NAME#2, NAME#3, ... */
-        for (int j = 0; j < i; j++)
-            rep += strcmp(bases[j], bases[i]) == 0;
-        if (rep > 1)
-            snprintf(names[i], sizeof names[i], "%.51s-%d", bases[i], rep);
-        else
-            snprintf(names[i], sizeof names[i], "%.51s", bases[i]);
+        /* a name taken by an earlier adapter: NAME-2, NAME-3, ..., the first one free (a file
+         * may itself be called NAME-2) */
+        snprintf(names[i], sizeof names[i], "%.51s", bases[i]);
+        for (int rep = 2, j = 0; j < i; j++)
+            if (strcmp(names[j], names[i]) == 0) {
+                snprintf(names[i], sizeof names[i], "%.51s-%d", bases[i], rep++);
+                j = -1; /* check the new name against every earlier one again */
+            }
         np[i] = names[i];
         st = mdt_model_lora_load(m, names[i], path);
     }

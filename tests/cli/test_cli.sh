@@ -880,6 +880,13 @@ if "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp 2 --lora "$L/b.safetensors
    grep -q "adapter .*b.safetensors: 6 linear weights" "$T/linsp" &&
    grep -Eq "transformer_blocks.0.attn.to_q.weight +colwise +2 +2.5 +\[2, 32\] +\[16, 2\] +\+bias" "$T/linsp"; then
     ok; else bad "inspect --lora: $(cat "$T/linsp" | tail -9)"; fi
+# names from the files' base names, each unique: a, a again (a-2), and a file called a-2 (a-2-2)
+mkdir -p "$T/ln/sub" && cp "$L/a.safetensors" "$T/ln/a.safetensors" &&
+    cp "$L/a.safetensors" "$T/ln/sub/a.safetensors" && cp "$L/b.safetensors" "$T/ln/a-2.safetensors"
+if "$BIN" "${LRUN[@]}" --out "$T/ln.safetensors" --report "$T/ln.json" --lora "$T/ln/a.safetensors:0" \
+    --lora "$T/ln/sub/a.safetensors:0" --lora "$T/ln/a-2.safetensors:0" &&
+   grep -q '"name":[[:space:]]*"a-2"' "$T/ln.json" && grep -q '"name":[[:space:]]*"a-2-2"' "$T/ln.json"; then
+    ok; else bad "--lora names: a, sub/a and a-2 not loaded as a, a-2, a-2-2"; fi
 expect_error lora-missing 1 "/nonexistent.safetensors" -- "$BIN" "${LRUN[@]}" --out "$T/out.safetensors" \
     --lora /nonexistent.safetensors
 # a scale that is not a plain finite number is named as the scale, not as a missing file
