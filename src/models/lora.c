@@ -116,8 +116,9 @@ typedef struct {
     const cJSON *meta;    /* lora_adapter_metadata, or NULL */
     const char *pfx;      /* "transformer." when its keys carry the component, else "" */
     double lora_alpha;    /* the default alpha (any sign: peft scales by it as given) */
-    int alpha_given;      /* 0: none given (alpha = r) */
-    double r;             /* the metadata's default rank; < 0: none */
+    int alpha_given;      /* 0: none given (alpha = r: no metadata and no .alpha keys) */
+    double r;             /* the metadata's default rank (peft's 8 if it gives none); < 0: none */
+    int r_given;          /* the metadata names r */
     const cJSON *alpha_p; /* {pattern: alpha} */
     const cJSON *rank_p;  /* {pattern: rank} */
     int rslora;
@@ -184,50 +185,100 @@ static mdt_status check_patterns(const cJSON *patterns, const char *src, const c
     return MDT_OK;
 }
 
+/* The LoraConfig fields read here; a file's metadata may hold any of peft's others. */
+static const struct {
+    const char *field;
+    int type; /* 0 number, 1 bool, 2 object */
+} k_fields[] = {{"lora_alpha", 0},    {"r", 0},           {"use_dora", 1}, {"use_rslora", 1},
+                {"alpha_pattern", 2}, {"rank_pattern", 2}};
+
+/* The metadata's view as diffusers takes it. A pipeline's file (save_lora_weights) prefixes
+ * every field with its component, "transformer.", and the pipeline's loader keeps only those
+ * (load_lora_adapter with prefix "transformer": the others are dropped); a transformer's own
+ * file (save_lora_adapter) has them bare. Any "transformer." key selects the prefixed view; a
+ * bare LoraConfig field beside it would be dropped by diffusers, so it is refused here. */
+static mdt_status meta_prefix(const cJSON *meta, const char *src, const char **pfx) {
+    const cJSON *v;
+    *pfx = "";
+    cJSON_ArrayForEach(v, meta) {
+        if (strncmp(v->string, "transformer.", 12) == 0) {
+            *pfx = "transformer.";
+            break;
+        }
+    }
+    for (size_t i = 0; **pfx && i < sizeof k_fields / sizeof k_fields[0]; i++)
+        if (cJSON_GetObjectItemCaseSensitive(meta, k_fields[i].field))
+            return MDT_FAIL(MDT_E_INVALID,
+                            "%s: lora_adapter_metadata has both 'transformer.'-prefixed fields and "
+                            "a bare '%s' (diffusers' pipeline loader reads the prefixed ones only "
+                            "and would drop it)",
+                            src, k_fields[i].field);
+    return MDT_OK;
+}
+
+/* Every value of a pattern table: a finite number (rank_pattern: a positive integer rank). */
+static mdt_status check_pattern_values(const cJSON *patterns, const char *src, const char *pfx,
+                                       const char *what) {
+    char shown[MDT_ESC_NAME];
+    const cJSON *p;
+    const int rank = strcmp(what, "rank_pattern") == 0;
+    cJSON_ArrayForEach(p, patterns) {
+        const double v = cJSON_IsNumber(p) ? p->valuedouble : NAN;
+        const int ok = rank ? v >= 1 && v <= 1e9 && v == floor(v) : isfinite(v);
+        if (!ok)
+            return MDT_FAIL(cJSON_IsNumber(p) ? MDT_E_INVALID : MDT_E_FORMAT,
+                            "%s: lora_adapter_metadata: %s%s['%s'] is %s", src, pfx, what,
+                            mdt_escape(p->string, shown, sizeof shown),
+                            !cJSON_IsNumber(p) ? "not a number"
+                            : rank             ? "not a rank (a positive integer)"
+                                               : "not finite");
+    }
+    return MDT_OK;
+}
+
+/* peft's LoraConfig defaults, which diffusers' loader takes for a field the metadata leaves out
+ * (LoraConfig(**metadata)). */
+static const double k_peft_r = 8, k_peft_alpha = 8;
+
 static mdt_status cfg_from_meta(const cJSON *meta, const char *src, lora_cfg *c) {
     memset(c, 0, sizeof *c);
     c->lora_alpha = -1, c->r = -1;
     if (!meta)
         return MDT_OK;
     c->meta = meta;
-    c->pfx = cJSON_GetObjectItemCaseSensitive(meta, "transformer.r") ||
-                     cJSON_GetObjectItemCaseSensitive(meta, "transformer.lora_alpha")
-                 ? "transformer."
-                 : "";
+    MDT_TRY(meta_prefix(meta, src, &c->pfx));
     const cJSON *v;
     /* a field of the wrong type is refused, never read as absent (peft would fail on it) */
-    static const struct {
-        const char *field;
-        int type; /* 0 number, 1 bool, 2 object */
-    } typed[] = {{"lora_alpha", 0},    {"r", 0},           {"use_dora", 1}, {"use_rslora", 1},
-                 {"alpha_pattern", 2}, {"rank_pattern", 2}};
     static const char *const tname[] = {"a number", "true or false", "an object"};
-    for (size_t i = 0; i < sizeof typed / sizeof typed[0]; i++) {
-        if (!(v = meta_get(c, typed[i].field)))
+    for (size_t i = 0; i < sizeof k_fields / sizeof k_fields[0]; i++) {
+        if (!(v = meta_get(c, k_fields[i].field)))
             continue;
-        const int ok = typed[i].type == 0   ? cJSON_IsNumber(v)
-                       : typed[i].type == 1 ? cJSON_IsBool(v)
-                                            : cJSON_IsObject(v);
+        const int ok = k_fields[i].type == 0   ? cJSON_IsNumber(v)
+                       : k_fields[i].type == 1 ? cJSON_IsBool(v)
+                                               : cJSON_IsObject(v);
         if (!ok)
             return MDT_FAIL(MDT_E_FORMAT, "%s: lora_adapter_metadata: %s%s is not %s", src, c->pfx,
-                            typed[i].field, tname[typed[i].type]);
+                            k_fields[i].field, tname[k_fields[i].type]);
     }
     if ((v = meta_get(c, "use_dora")) && cJSON_IsTrue(v))
         return MDT_FAIL(MDT_E_UNSUPPORTED,
-                        "%s: the adapter is DoRA (weight-decomposed LoRA, use_dora in its "
+                        "%s: the adapter is DoRA (weight-decomposed LoRA, %suse_dora in its "
                         "lora_adapter_metadata): meshdit fuses plain LoRA only",
-                        src);
+                        src, c->pfx);
+    /* absent: peft's defaults, as diffusers builds the LoraConfig from the metadata */
+    c->lora_alpha = k_peft_alpha, c->alpha_given = 1, c->r = k_peft_r;
     if ((v = meta_get(c, "lora_alpha")) && cJSON_IsNumber(v))
-        c->lora_alpha = v->valuedouble, c->alpha_given = 1;
-    if (c->alpha_given && !isfinite(c->lora_alpha))
+        c->lora_alpha = v->valuedouble;
+    if (!isfinite(c->lora_alpha))
         return MDT_FAIL(MDT_E_INVALID, "%s: lora_adapter_metadata: %slora_alpha is not finite", src,
                         c->pfx);
     if ((v = meta_get(c, "r")) && cJSON_IsNumber(v)) {
-        c->r = v->valuedouble; /* -1 stands for absent below: a given rank is checked here */
+        c->r = v->valuedouble;
         if (!(c->r >= 1 && c->r <= 1e9 && c->r == floor(c->r)))
             return MDT_FAIL(MDT_E_INVALID,
                             "%s: lora_adapter_metadata: %sr is %g: a rank is a positive integer",
                             src, c->pfx, c->r);
+        c->r_given = 1;
     }
     if ((v = meta_get(c, "use_rslora")) && cJSON_IsTrue(v))
         c->rslora = 1;
@@ -236,7 +287,9 @@ static mdt_status cfg_from_meta(const cJSON *meta, const char *src, lora_cfg *c)
     if ((v = meta_get(c, "rank_pattern")) && cJSON_IsObject(v))
         c->rank_p = v;
     MDT_TRY(check_patterns(c->alpha_p, src, "alpha_pattern"));
-    return check_patterns(c->rank_p, src, "rank_pattern");
+    MDT_TRY(check_patterns(c->rank_p, src, "rank_pattern"));
+    MDT_TRY(check_pattern_values(c->alpha_p, src, c->pfx, "alpha_pattern"));
+    return check_pattern_values(c->rank_p, src, c->pfx, "rank_pattern");
 }
 
 /* ---- mapping ---- */
@@ -288,12 +341,17 @@ static mdt_status check_shapes(const mdt_weight_spec *w, const mod_rec *x, const
         const int64_t *want = !oka ? wa : wb;
         char esc[MDT_ESC_NAME];
         mdt_escape(e->name, esc, sizeof esc);
-        if (r < 1)
+        if (r < 1) { /* A's shape with its rank r >= 1 open: [r, in] or [r, in, kt, kh, kw] */
+            char ra[96];
+            int len = snprintf(ra, sizeof ra, "[r");
+            for (int d = 1; d < nd && len < (int)sizeof ra; d++)
+                len += snprintf(ra + len, sizeof ra - (size_t)len, ", %lld", (long long)st[d]);
             return MDT_FAIL(MDT_E_INVALID,
                             "%s: '%s' has shape %s, which does not fit '%s' %s: lora_A must be "
-                            "[r, %lld]",
+                            "%s] with r >= 1",
                             src, esc, mdt_shape_str(e->ndim, e->shape, s1, 96), w->name,
-                            mdt_shape_str(nd, st, s2, 96), (long long)st[1]);
+                            mdt_shape_str(nd, st, s2, 96), ra);
+        }
         char s3[96];
         return MDT_FAIL(MDT_E_INVALID,
                         "%s: '%s' has shape %s, which does not fit '%s' %s (rank %lld from "
@@ -305,9 +363,10 @@ static mdt_status check_shapes(const mdt_weight_spec *w, const mod_rec *x, const
     if (x->bias && !(x->bias->ndim == 1 && x->bias->shape[0] == st[0])) {
         char esc[MDT_ESC_NAME];
         mdt_escape(x->bias->name, esc, sizeof esc);
-        return MDT_FAIL(MDT_E_INVALID, "%s: '%s' has shape %s, which does not fit '%s' [%lld]", src,
-                        esc, mdt_shape_str(x->bias->ndim, x->bias->shape, s1, 96), w->name,
-                        (long long)st[0]);
+        return MDT_FAIL(MDT_E_INVALID,
+                        "%s: '%s' has shape %s, which does not fit the bias of '%s' (%s: [%lld])",
+                        src, esc, mdt_shape_str(x->bias->ndim, x->bias->shape, s1, 96), x->mod,
+                        w->name, (long long)st[0]);
     }
     *rank = r;
     return MDT_OK;
@@ -323,7 +382,8 @@ static mdt_status scalar_of(const mdt_st_file *f, const mdt_st_entry *e, double 
     float v;
     MDT_TRY(mdt_st_read_f32(f, e, 0, 1, &v));
     if (!isfinite(v))
-        return MDT_FAIL(MDT_E_FORMAT, "%s: '%s' is not finite", f->path, esc);
+        return MDT_FAIL(MDT_E_FORMAT, "%s: '%s' is NaN, Inf or beyond float32's range", f->path,
+                        esc);
     *out = v;
     return MDT_OK;
 }
@@ -382,10 +442,13 @@ static mdt_status resolve_scales(const mdt_st_file *f, const char *src, const cJ
             alpha = v;
         if (st == MDT_OK && c.meta)
             st = pattern_value(c.rank_p, rec[i].mod, src, "rank_pattern", &rk, &found);
-        if (st == MDT_OK && c.meta && c.r >= 0 && rk != r)
+        if (st == MDT_OK && c.meta && rk != r)
             st = MDT_FAIL(MDT_E_INVALID,
-                          "%s: module '%s' has rank %lld but the lora_adapter_metadata says %g",
-                          src, rec[i].mod, (long long)t[i].rank, rk);
+                          "%s: module '%s' has rank %lld but the lora_adapter_metadata says %g%s",
+                          src, rec[i].mod, (long long)t[i].rank, rk,
+                          found || c.r_given ? ""
+                                             : " (peft's default r: the metadata gives no r, and "
+                                               "diffusers' LoraConfig takes 8)");
         t[i].scale = c.rslora ? alpha / sqrt(r) : alpha / r;
     }
     cJSON_Delete(alphas);
@@ -466,20 +529,20 @@ mdt_status mdt_lora_map(const mdt_wtable *t, const mdt_st_file *f, const char *s
         }
         mod_rec *x = rec_of(rec, &nrec, mod);
         x->wi = wi;
-        if (k == K_A || k == K_B) {
-            const mdt_st_entry **slot = k == K_A ? &x->a : &x->b;
-            if (*slot) { /* lora_A and lora_down of one module */
-                char esc[MDT_ESC_NAME];
-                mdt_escape(e->name, esc, sizeof esc);
-                MDT_CHECK(MDT_FAIL(MDT_E_INVALID, "%s: '%s' gives module '%s' a second lora_%s",
-                                   src, esc, mod, k == K_A ? "A" : "B"));
-            }
-            *slot = e;
-        } else if (k == K_BIAS) {
-            x->bias = e;
-        } else {
-            x->alpha = e;
+        /* one key of each kind a module: lora_A and lora_down, or an alpha under two prefixes,
+         * would leave one of them unread */
+        const mdt_st_entry **slot = k == K_A ? &x->a : k == K_B ? &x->b : k == K_BIAS ? &x->bias
+                                                                                      : &x->alpha;
+        if (*slot) {
+            static const char *const what[] = {"lora_A", "lora_B", "lora_B bias", "alpha"};
+            char esc[MDT_ESC_NAME], esc0[MDT_ESC_NAME];
+            mdt_escape(e->name, esc, sizeof esc);
+            mdt_escape((*slot)->name, esc0, sizeof esc0);
+            MDT_CHECK(MDT_FAIL(MDT_E_INVALID,
+                               "%s: '%s' gives module '%s' a second %s (the first: '%s')", src,
+                               esc, mod, what[k], esc0));
         }
+        *slot = e;
         if (k != K_ALPHA && !mdt_dtype_is_float(e->dtype)) {
             char esc[MDT_ESC_NAME];
             mdt_escape(e->name, esc, sizeof esc);
@@ -509,11 +572,12 @@ mdt_status mdt_lora_map(const mdt_wtable *t, const mdt_st_file *f, const char *s
                            src, notlin.n, notlin.n == 1 ? "" : "s", notlin.n == 1 ? "s" : "",
                            notlin.buf, list_more(&notlin, more, sizeof more)));
     for (int i = 0; i < nrec; i++)
-        if (!rec[i].a || !rec[i].b) {
-            char miss[MDT_NAME_MAX + 32];
-            snprintf(miss, sizeof miss, "%s.lora_%s.weight", rec[i].mod, rec[i].a ? "B" : "A");
-            list_add(&half, miss);
-        }
+        for (int b = 0; b < 2; b++)
+            if (!(b ? rec[i].b : rec[i].a)) {
+                char miss[MDT_NAME_MAX + 32];
+                snprintf(miss, sizeof miss, "%s.lora_%s.weight", rec[i].mod, b ? "B" : "A");
+                list_add(&half, miss);
+            }
     if (half.n)
         MDT_CHECK(MDT_FAIL(MDT_E_INVALID,
                            "%s: %d key%s missing: %s%s (each module needs both "
@@ -604,12 +668,28 @@ mdt_status mdt_lora_read(const mdt_wtable *t, const mdt_st_file *f, int T, int k
                          : MDT_FAIL(MDT_E_NOMEM, "out of memory");
             l->bytes += 4 * lbias[0];
         }
-        if (st == MDT_OK && (mdt_first_nonfinite(x->at, la[0] * la[1]) >= 0 ||
-                             mdt_first_nonfinite(x->b, lb[0] * lb[1]) >= 0))
-            st = MDT_FAIL(MDT_E_FORMAT,
-                          "%s: the factors of '%s' hold a non-finite value (NaN or Inf) in this "
-                          "rank's slice",
-                          l->source, w->name);
+        /* every tensor read, at any scale (a weight of 0 must not hide a NaN for later) */
+        const struct {
+            const float *v;
+            int64_t n;
+            const mdt_st_entry *e;
+        } got[3] = {{x->at, la[0] * la[1], x->ea}, {x->b, lb[0] * lb[1], x->eb},
+                    {x->bias, x->bias && x->bi >= 0 ? t->specs[x->bi].shape[0] : 0, x->ebias}};
+        for (int j = 0; st == MDT_OK && j < 3; j++) {
+            int64_t n = got[j].n;
+            if (j == 2 && n > 0) { /* the bias's local length */
+                int64_t lbias[2];
+                mdt_shard_local_shape(&t->specs[x->bi], T, k, lbias);
+                n = lbias[0];
+            }
+            if (n > 0 && mdt_first_nonfinite(got[j].v, n) >= 0) {
+                char esc[MDT_ESC_NAME];
+                st = MDT_FAIL(MDT_E_FORMAT,
+                              "%s: '%s' (for '%s') holds a value that is NaN, Inf or beyond "
+                              "float32's range",
+                              l->source, mdt_escape(got[j].e->name, esc, sizeof esc), w->name);
+            }
+        }
     }
     l->bytes_read += mdt_counters_get()->bytes_read - before;
     return st;

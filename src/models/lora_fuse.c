@@ -279,6 +279,15 @@ mdt_status mdt_lora_restore_all(mdt_model *m) {
     return st;
 }
 
+/* " of TP rank k's shard" where tensor i is cut over TP (an index in it is the shard's), else
+ * "". */
+static const char *shard_of(const mdt_model *m, int i, char *buf, size_t cap) {
+    buf[0] = 0;
+    if (m->T > 1 && m->table.specs[i].style != MDT_TP_REPLICATED)
+        snprintf(buf, cap, " of TP rank %d's shard", m->tp_index);
+    return buf;
+}
+
 /* ---- fusing one tensor ---- */
 typedef struct {
     const mdt_lora_target *t;
@@ -355,7 +364,7 @@ static mdt_status fuse_tensor(mdt_model *m, base_io *io, int i, const term *tt, 
         s->done[i] = 1;
     for (int64_t e = 0; e < n; e++) /* factors and weights are finite; their sum may not be */
         if (!isfinite(w[e])) {
-            char names[256] = "";
+            char names[256] = "", where[48];
             size_t len = 0;
             for (int j = 0; j < nt; j++) { /* 'a', 'b': the adapters in this sum, each once */
                 const size_t k = strlen(tt[j].name);
@@ -370,9 +379,9 @@ static mdt_status fuse_tensor(mdt_model *m, base_io *io, int i, const term *tt, 
             return MDT_FAIL(
                 MDT_E_INVALID,
                 "LoRA: fusing adapter %s into '%s' gives a non-finite value at "
-                "[%lld, %lld] (the factors times the weight and scale overflow float32)",
+                "[%lld, %lld]%s (the factors times the weight and scale overflow float32)",
                 names, m->table.specs[i].name, (long long)(e / (cols ? cols : 1)),
-                (long long)(e % (cols ? cols : 1)));
+                (long long)(e % (cols ? cols : 1)), shard_of(m, i, where, sizeof where));
         }
     mdt_status st = f32_to_resident(m, i, w);
     s->fuse_s += mdt_now() - t1;

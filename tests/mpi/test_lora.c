@@ -104,6 +104,10 @@ typedef struct {
     mdt_dtype dt;
 } key;
 
+/* The next write_keys puts a NaN at element g_nan_at of key g_nan_key (then clears them). */
+static int g_nan_key = -1;
+static int64_t g_nan_at;
+
 static void write_keys(const char *path, const key *k, int n, const char *meta) {
     if (g_rank == 0) {
         mdt_tensor ts[16];
@@ -118,6 +122,8 @@ static void write_keys(const char *path, const key *k, int n, const char *meta) 
             float *v = malloc(sizeof(float) * (size_t)(ne + 1));
             for (int64_t j = 0; j < ne; j++)
                 v[j] = (float)(0.3 * mdt_rng_normal(&rng));
+            if (i == g_nan_key && g_nan_at < ne)
+                v[g_nan_at] = NAN;
             ts[i].data = malloc((size_t)mdt_tensor_nbytes(&ts[i]) + 8);
             if (k[i].dt == MDT_I64)
                 memset(ts[i].data, 0, (size_t)mdt_tensor_nbytes(&ts[i]));
@@ -130,6 +136,7 @@ static void write_keys(const char *path, const key *k, int n, const char *meta) 
         if (!meta)
             md[2] = NULL;
         EXPECT_OK(mdt_st_write(path, n, names, tp, md));
+        g_nan_key = -1;
         for (int i = 0; i < n; i++)
             free(ts[i].data);
     }
@@ -417,6 +424,76 @@ static void check_errors(const char *data, mdt_mesh *mesh) {
         "use_rslora is not true or false");
     BAD(m, "pattern_list.safetensors", ok2, "{\"alpha_pattern\": [1]}", MDT_E_FORMAT,
         "alpha_pattern is not an object");
+    /* the metadata as a pipeline's file has it ("transformer." fields): read, never skipped */
+    BAD(m, "dora_pfx.safetensors", ok2, "{\"transformer.use_dora\": true}", MDT_E_UNSUPPORTED,
+        "DoRA", "transformer.use_dora");
+    BAD(m, "mixed_pfx.safetensors", ok2, "{\"transformer.r\": 4, \"lora_alpha\": 400}",
+        MDT_E_INVALID, "'transformer.'-prefixed", "bare 'lora_alpha'");
+    BAD(m, "rslora_pfx.safetensors", ok2, "{\"transformer.use_rslora\": \"yes\"}", MDT_E_FORMAT,
+        "transformer.use_rslora is not true or false");
+    /* no r: peft's LoraConfig default (8), and a rank_pattern is checked without an r too */
+    BAD(m, "no_r.safetensors", ok2, "{\"lora_alpha\": 4}", MDT_E_INVALID, "rank 4", "says 8",
+        "peft's default r");
+    BAD(m, "rank_pattern.safetensors", ok2, "{\"lora_alpha\": 4, \"rank_pattern\": {\"to_q\": 7}}",
+        MDT_E_INVALID, "rank 4", "says 7");
+    BAD(m, "alpha_pattern_inf.safetensors", ok2,
+        "{\"lora_alpha\": 4, \"r\": 4, \"alpha_pattern\": {\"to_q\": 1e400}}", MDT_E_INVALID,
+        "alpha_pattern['to_q'] is not finite");
+    BAD(m, "rank_pattern_frac.safetensors", ok2,
+        "{\"r\": 4, \"rank_pattern\": {\"to_k\": 2.5}}", MDT_E_INVALID,
+        "rank_pattern['to_k'] is not a rank");
+    /* a second alpha or bias for one module (another prefix or naming) is refused, not dropped */
+    const key alpha2[] = {{Q ".lora_A.weight", 2, {4, 32}, MDT_F32},
+                          {Q ".lora_B.weight", 2, {32, 4}, MDT_F32},
+                          {Q ".alpha", 0, {0}, MDT_F32},
+                          {"transformer_blocks.0.attn.to_q.alpha", 0, {0}, MDT_F32}};
+    BAD(m, "alpha2.safetensors", alpha2, NULL, MDT_E_INVALID, "a second alpha", Q ".alpha");
+    const key bias2[] = {{Q ".lora_A.weight", 2, {4, 32}, MDT_F32},
+                         {Q ".lora_B.weight", 2, {32, 4}, MDT_F32},
+                         {Q ".lora_B.bias", 1, {32}, MDT_F32},
+                         {Q ".lora_up.bias", 1, {32}, MDT_F32}};
+    BAD(m, "bias2.safetensors", bias2, NULL, MDT_E_INVALID, "a second lora_B bias");
+    const key only_alpha[] = {{Q ".alpha", 0, {0}, MDT_F32}};
+    BAD(m, "only_alpha.safetensors", only_alpha, NULL, MDT_E_INVALID, "2 keys are missing",
+        "to_q.lora_A.weight", "to_q.lora_B.weight");
+    /* a NaN in a lora_B bias (in TP rank 1's half of the rows: every rank fails with it) */
+    const key nan_bias[] = {{Q ".lora_A.weight", 2, {4, 32}, MDT_F32},
+                            {Q ".lora_B.weight", 2, {32, 4}, MDT_F32},
+                            {Q ".lora_B.bias", 1, {32}, MDT_F32}};
+    g_nan_key = 2, g_nan_at = 25;
+    BAD(m, "nan_bias.safetensors", nan_bias, NULL, MDT_E_FORMAT, Q ".lora_B.bias",
+        "NaN, Inf or beyond");
+    const key nan_b[] = {{Q ".lora_A.weight", 2, {4, 32}, MDT_F32},
+                         {Q ".lora_B.weight", 2, {32, 4}, MDT_F32}};
+    g_nan_key = 1, g_nan_at = 126;
+    BAD(m, "nan_b.safetensors", nan_b, NULL, MDT_E_FORMAT, Q ".lora_B.weight", "NaN, Inf or beyond");
+    /* the scales such metadata gives, as peft computes them (alpha / r) */
+    {
+        const struct {
+            const char *meta;
+            double scale;
+        } sc[] = {{"{\"transformer.r\": 4, \"transformer.alpha_pattern\": {\"to_q\": 2}}", 0.5},
+                  {"{\"r\": 4}", 2.0}, /* lora_alpha: peft's default 8 */
+                  {"{\"transformer.r\": 4, \"transformer.lora_alpha\": 12, "
+                   "\"text_encoder.lora_alpha\": 1}",
+                   3.0}};
+        mdt_model_info *info = NULL;
+        EXPECT_OK(mdt_model_info_open(dir, NULL, 1, &info));
+        for (size_t i = 0; info && i < sizeof sc / sizeof sc[0]; i++) {
+            char p_[300];
+            mdt_lora_target_info *ti = NULL;
+            int nt = 0;
+            char nm[32]; /* a file each: rank 0 writes the next while others read this one */
+            snprintf(nm, sizeof nm, "scale%zu.safetensors", i);
+            tmp_path(p_, sizeof p_, nm);
+            write_keys(p_, ok2, 2, sc[i].meta);
+            EXPECT_OK(mdt_model_info_lora(info, p_, 1, &ti, &nt));
+            EXPECT(nt == 1 && ti[0].scale == sc[i].scale, "%s: scale %g, expected %g", sc[i].meta,
+                   nt == 1 ? ti[0].scale : -1.0, sc[i].scale);
+            mdt_lora_targets_free(ti);
+        }
+        mdt_model_info_free(info);
+    }
     const key int_f[] = {{Q ".lora_A.weight", 2, {4, 32}, MDT_I64},
                          {Q ".lora_B.weight", 2, {32, 4}, MDT_F32}};
     BAD(m, "int.safetensors", int_f, NULL, MDT_E_FORMAT, "not a float type");
