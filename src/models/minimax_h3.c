@@ -208,6 +208,13 @@ static mdt_status h3_read(const h3 *f, mdt_dit *d, const mdt_tensor_set *in, h3_
                         "audio_hidden_states [B, N_audio, %lld], encoder_hidden_states [B, N_text, "
                         "%lld], timestep [T_n], position_ids [S, 3] and the index tensors",
                         (long long)f->Pv, (long long)f->audio_in, (long long)f->text_dim);
+    /* each packed row picks one timestep (timestep_indices), so more timesteps than rows are
+     * ones no row reads, and each would cost the per-block AdaLN table 3 rows of 18 C */
+    if (Tn > S)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: timestep has %lld entries but the packed sequence has %lld rows "
+                        "(position_ids [S, 3]); each row takes one timestep by timestep_indices",
+                        (long long)Tn, (long long)S);
     const float *ehs;
     float *ts, *pos;
     int64_t *tidx, *tags, *vidx, *aidx, *xidx;
@@ -535,5 +542,15 @@ static const mdt_cp_plan k_h3_cp_plan = {
     .gather = {{"sample", 1, "video_indices"}, {"audio_sample", 1, "audio_indices"}},
 };
 
-const mdt_family mdt_family_minimax_h3 =
-    MDT_FAMILY(h3, "minimax-h3", "MiniMaxH3Transformer3DModel", k_h3_cp_plan, "sample");
+/* The packed rows plus the rows of the per-block AdaLN table (3 per timestep, (timestep,
+ * modality), as wide as a row's activations): the rows the memory estimate counts, checked
+ * before the load. */
+static int64_t h3_token_rows(const void *impl, const mdt_tensor_set *in) {
+    (void)impl;
+    const int64_t S = mdt_input_dim(in, "position_ids", 0), Tn = mdt_input_dim(in, "timestep", 0);
+    return (S > 0 ? S : 0) + 3 * (Tn > 0 ? Tn : 0);
+}
+
+const mdt_family mdt_family_minimax_h3 = {
+    MDT_FAMILY_FIELDS(h3, "minimax-h3", "MiniMaxH3Transformer3DModel", k_h3_cp_plan, "sample"),
+    .token_rows = h3_token_rows};

@@ -248,6 +248,13 @@ done
 unset MESHDIT_AGREE_TIMEOUT
 expect_error max-memory 1 "tp=1 needs" "max-memory" -- "$BIN" run --checkpoint "$DATA/flux_tiny" \
     --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" --max-memory 100K
+# MiniMax-H3's timesteps size a table per block: more of them than packed rows is refused (no
+# row reads them), and the estimate before the load counts them (18 rows + 3 x 19)
+"$ST_EDIT" "$DATA/h3_tiny/inputs.safetensors" "$T/h3t.st" $(for i in $(seq 17); do printf 'timestep@grow '; done)
+expect_error h3-timesteps 1 "timestep has 19 entries but the packed sequence has 18 rows" -- \
+    "$BIN" run --checkpoint "$DATA/h3_tiny" --inputs "$T/h3t.st" --out "$T/out.safetensors"
+expect_error h3-timesteps-memory 1 "batch 2 x 75 tokens" -- "$BIN" run --checkpoint "$DATA/h3_tiny" \
+    --inputs "$T/h3t.st" --out "$T/out.safetensors" --max-memory 1K
 # the planner: every (tp, ring, ulysses) of 32 devices, ranked, invalid ones with their reason
 if "$BIN" plan --config configs/minimax_h3.json --devices 32 --device trn2 --tokens 37800 >"$T/plan" &&
    grep -q "<- best" "$T/plan" && grep -q "rejected: tp=16 does not divide 56 attention heads" "$T/plan" &&
