@@ -106,6 +106,25 @@ mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_ten
     }
     br->guided = nneg > 0;
     branch_list(m, list, sizeof list);
+    /* the unconditional branch brings every batched branch input of its own (the negative
+     * prompt's embeddings and mask): one left out would silently be the conditional's. Only
+     * position ids (not batched) may be shared by both branches. */
+    const int need = MDT_IN_BRANCH | MDT_IN_BATCH;
+    for (const mdt_input_decl *d = fam->inputs(m->impl); br->guided && d->name; d++) {
+        char nn[MDT_NAME_MAX + 16], own[256] = "";
+        snprintf(nn, sizeof nn, "%s%s", k_neg, d->name);
+        if ((d->flags & need) != need || !mdt_tensor_set_get(in, d->name) ||
+            mdt_tensor_set_get(in, nn))
+            continue;
+        for (const mdt_input_decl *e = fam->inputs(m->impl); e->name; e++)
+            if ((e->flags & need) == need)
+                snprintf(own + strlen(own), sizeof own - strlen(own), "%snegative_%s",
+                         own[0] ? ", " : "", e->name);
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: the unconditional branch has negative_ tensors but no '%s': it "
+                        "brings its own %s (only ids may be shared), or none",
+                        nn, own);
+    }
     if (br->guided && !(scale > 0))
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: the unconditional branch's negative_ tensors need a guidance "

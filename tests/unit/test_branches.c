@@ -206,6 +206,42 @@ static void check_negative_shapes(void) {
     mdt_model_free(m);
 }
 
+/* A half-present unconditional branch: each of its batched inputs (the negative prompt's
+ * embeddings and mask) left out is refused by name, never taken from the conditional branch;
+ * position ids may be shared (check_flux_short_negative gives its own, this leaves them out). */
+static void check_negative_complete(void) {
+    static const struct {
+        const char *dir, *drop, *want;
+    } cases[] = {{"tests/data/flux_tiny", "negative_pooled_projections", NULL},
+                 {"tests/data/flux_tiny", "negative_encoder_hidden_states", NULL},
+                 {"tests/data/qwenimage_tiny", "negative_encoder_hidden_states_mask", NULL},
+                 {"tests/data/flux_tiny", "negative_txt_ids", "shared"}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        mdt_model *m = load(cases[i].dir);
+        if (!m)
+            continue;
+        mdt_tensor_set *pos = random_inputs(m, 7, 8, 0), *neg = random_inputs(m, 8, 8, 1);
+        mdt_tensor_set *in = merged(pos, NULL, ""), *all = merged(pos, neg, "negative_");
+        for (int j = 0; in && all && j < mdt_tensor_set_count(all); j++) {
+            const char *name;
+            const mdt_tensor *t = mdt_tensor_set_at(all, j, &name);
+            if (strncmp(name, "negative_", 9) == 0 && strcmp(name, cases[i].drop) != 0)
+                EXPECT_OK(mdt_tensor_set_add_copy(in, name, t));
+        }
+        mdt_branches br;
+        if (cases[i].want) {
+            EXPECT_OK(mdt_branches_init(&br, m, in, 3.0, 1));
+            mdt_branches_free(&br);
+        } else {
+            EXPECT_ERR(mdt_branches_init(&br, m, in, 3.0, 1), MDT_E_INVALID,
+                       "the unconditional branch has negative_ tensors but no", cases[i].drop);
+        }
+        mdt_tensor_set_free(pos), mdt_tensor_set_free(neg);
+        mdt_tensor_set_free(in), mdt_tensor_set_free(all);
+        mdt_model_free(m);
+    }
+}
+
 /* Qwen-Image's rescaled combination: each token of v_u + S (v_c - v_u) rescaled to v_c's norm;
  * a token whose combined vector is 0 (v_u = 2 v_c at S = 2; or v_c = 0 at S = 1) has no direction
  * to rescale: an error naming the combination, never NaNs handed on. */
@@ -240,6 +276,7 @@ int main(void) {
     check_flux_short_negative();
     check_qwen_short_negative();
     check_negative_shapes();
+    check_negative_complete();
     check_rescale();
     EXPECT(mdt_mem_live() == 0, "everything freed: %lld bytes live", (long long)mdt_mem_live());
     TEST_END();
