@@ -649,6 +649,31 @@ static int64_t wan_token_rows(const void *impl, const mdt_tensor_set *in) {
     return rows;
 }
 
+/* The elements of latent [B, C, F, H, W] whose patch token has timestep 0 in timestep [B, S]
+ * (S = the patch grid, f-major): Wan 2.2 TI2V's conditioning frame. */
+static void wan_clean_elements(const void *impl, const mdt_tensor *latent,
+                               const mdt_tensor *timestep, unsigned char *keep) {
+    const wan *f = impl;
+    if (latent->ndim != 5 || timestep->ndim != 2 || timestep->dtype != MDT_F32 ||
+        timestep->shape[0] != latent->shape[0])
+        return;
+    const int64_t B = latent->shape[0], C = latent->shape[1], F = latent->shape[2],
+                  H = latent->shape[3], W = latent->shape[4];
+    const int64_t Hp = H / f->patch[1], Wp = W / f->patch[2], S = timestep->shape[1];
+    if (F % f->patch[0] || H % f->patch[1] || W % f->patch[2] || S != F / f->patch[0] * Hp * Wp)
+        return;
+    const float *t = timestep->data; // [B, S]
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t c = 0; c < C; c++)
+            for (int64_t z = 0; z < F; z++)
+                for (int64_t y = 0; y < H; y++)
+                    for (int64_t x = 0; x < W; x++) {
+                        const int64_t tok = (z / f->patch[0] * Hp + y / f->patch[1]) * Wp +
+                                            x / f->patch[2];
+                        keep[(((b * C + c) * F + z) * H + y) * W + x] = t[b * S + tok] == 0.0f;
+                    }
+}
+
 /* Wan takes the scheduler's timestep (0..1000), so the sampler's sigma is scaled by 1000. */
 const mdt_family mdt_family_wan = {
     .name = "wan",
@@ -664,6 +689,7 @@ const mdt_family mdt_family_wan = {
     .output = "sample",
     .timestep_scale = 1000.0,
     .token_rows = wan_token_rows,
+    .clean_elements = wan_clean_elements,
     .dims = wan_dims,
     .inputs = wan_inputs,
 };

@@ -167,11 +167,26 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             return cs;
         }
     }
+    /* a per-token timestep's clean tokens (timestep 0): their latent elements stay as given,
+     * as the pipeline puts the condition back before each forward and at the end */
+    unsigned char *keep = NULL;
+    float *x0 = NULL;
+    if (tst && tst->ndim >= 2 && fam->clean_elements) {
+        const int64_t n = mdt_tensor_numel(lat);
+        keep = calloc((size_t)n + 1, 1);
+        x0 = malloc(sizeof(float) * (size_t)n + 1);
+        if (!keep || !x0) {
+            free(keep), free(x0), free(times);
+            return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        }
+        fam->clean_elements(m->impl, lat, tst, keep);
+        memcpy(x0, lat->data, sizeof(float) * (size_t)n);
+    }
     /* guidance's two branches, or the cfg axis splitting the batch; every rank reads the same
      * inputs, so every rank reaches the same verdict */
     mdt_status st = mdt_branches_init(&br, m, in, p->guidance_scale, steps);
     if (st != MDT_OK) {
-        free(times);
+        free(keep), free(x0), free(times);
         return st;
     }
     /* the step cache of this run: a generation's state, one branch per guidance branch */
@@ -189,7 +204,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     if (st != MDT_OK) {
         mdt_cache_free(cache);
         mdt_branches_free(&br);
-        free(times);
+        free(keep), free(x0), free(times);
         return st;
     }
     m->cache = cache;
@@ -264,7 +279,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             float *x = lat->data;
             const float *vv = v->data;
             for (int64_t j = 0; j < mdt_tensor_numel(lat); j++)
-                x[j] += (float)(sig_next - sig) * vv[j];
+                x[j] = keep && keep[j] ? x0[j] : x[j] + (float)(sig_next - sig) * vv[j];
             const int64_t bad = mdt_first_nonfinite(x, mdt_tensor_numel(lat));
             if (bad >= 0) {
                 st = MDT_FAIL(MDT_E_NUMERIC,
@@ -279,6 +294,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     }
     m->step_timeout = saved_timeout;
     m->cache = NULL;
+    free(keep), free(x0);
     /* a plain forward split between the cfg groups: its gathered output is the result */
     if (st == MDT_OK && !lat && mdt_branches_active(&br))
         st = mdt_tensor_set_add_copy(outputs, fam->output, mdt_tensor_set_get(res, fam->output));

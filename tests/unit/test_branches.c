@@ -2,7 +2,8 @@
  * test_branches.c — the sampler's branches on one rank (sampler/branches.h): which negative_
  * inputs a guided step takes (a negative text of another length than the positive one runs, and
  * gives what its two forwards give), and the families' combinations of the two predictions (a
- * rescale that cannot be done is an error).
+ * rescale that cannot be done is an error), and the sampler's per-token timesteps (Wan 2.2 TI2V's
+ * clean conditioning frame).
  * The cfg axis on two groups is tested from the command line (tests/cli/test_cli.sh).
  */
 #include "harness.h"
@@ -10,8 +11,12 @@
 #include "sampler/branches.h"
 #include "tensor/tensor.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+static mdt_tensor_set *merged(const mdt_tensor_set *a, const mdt_tensor_set *b,
+                              const char *prefix);
 
 static mdt_model *load(const char *dir) {
     mdt_load_params lp = mdt_load_params_default();
@@ -242,6 +247,66 @@ static void check_negative_complete(void) {
     }
 }
 
+/* Wan 2.2 TI2V: a [B, S] timestep whose first frame's tokens are 0 marks that frame as the clean
+ * condition. Sampling keeps it as given (its pipeline puts it back before every forward and at
+ * the end): two steps equal two forwards by hand, each on the latent with frame 0 the input's,
+ * its tokens at timestep 0, the rest at sigma x 1000, and the result's frame 0 is the input's. */
+static void check_ti2v_clean_frame(void) {
+    mdt_model *m = load("tests/data/wan_ti2v");
+    mdt_tensor_set *in = NULL, *out = NULL;
+    if (!m || mdt_tensor_set_load("tests/data/wan_ti2v/inputs.safetensors", &in) != MDT_OK) {
+        EXPECT(0, "wan_ti2v: %s", mdt_last_error());
+        mdt_model_free(m);
+        return;
+    }
+    mdt_tensor_set *x = merged(in, NULL, "");
+    const mdt_tensor *lat0 = mdt_tensor_set_get(in, "hidden_states"); // [B, C, F, H, W]
+    mdt_tensor *lat = mdt_tensor_set_get(x, "hidden_states"), *ts = mdt_tensor_set_get(x, "timestep");
+    const int64_t n = mdt_tensor_numel(lat0), B = lat0->shape[0], per_b = n / B;
+    const int64_t frame = lat0->shape[3] * lat0->shape[4]; /* the elements of one frame */
+    float *want = malloc(sizeof(float) * (size_t)n);
+    memcpy(want, lat0->data, sizeof(float) * (size_t)n);
+    for (int i = 0; i < 2; i++) { /* sigma 1 then 0.5; Euler to 0.5 then 0 */
+        const double sig = 1.0 - i / 2.0;
+        memcpy(lat->data, want, sizeof(float) * (size_t)n);
+        for (int64_t j = 0; j < mdt_tensor_numel(ts); j++)
+            if (((const float *)mdt_tensor_set_get(in, "timestep")->data)[j] != 0.0f)
+                ((float *)ts->data)[j] = (float)(sig * 1000.0);
+        mdt_tensor_set *o = NULL;
+        EXPECT_OK(mdt_tensor_set_create(&o));
+        EXPECT_OK(mdt_model_forward(m, x, o));
+        const mdt_tensor *v = o ? mdt_tensor_set_get(o, "sample") : NULL;
+        for (int64_t j = 0; v && j < n; j++) {
+            const int64_t c_frame = (j % per_b) % (lat0->shape[2] * frame) < frame;
+            want[j] = c_frame ? ((const float *)lat0->data)[j]
+                              : want[j] + (float)(-0.5) * ((const float *)v->data)[j];
+        }
+        mdt_tensor_set_free(o);
+    }
+    mdt_tensor_set_free(x);
+    x = merged(in, NULL, "");
+    mdt_sample_params sp = mdt_sample_params_default();
+    sp.steps = 2;
+    EXPECT_OK(mdt_tensor_set_create(&out));
+    EXPECT_OK(mdt_sample(m, x, &sp, out, NULL));
+    const mdt_tensor *got = out ? mdt_tensor_set_get(out, "sample") : NULL;
+    int same = got && mdt_tensor_numel(got) == n, frame0 = same, moved = 0;
+    for (int64_t j = 0; same && j < n; j++) {
+        const float g = ((const float *)got->data)[j], w = want[j];
+        const int in0 = (j % per_b) % (lat0->shape[2] * frame) < frame;
+        same = fabsf(g - w) <= 1e-6f * (1.0f + fabsf(w));
+        frame0 = frame0 && (!in0 || g == ((const float *)lat0->data)[j]);
+        moved |= !in0 && g != ((const float *)lat0->data)[j];
+    }
+    EXPECT(same && frame0 && moved,
+           "wan_ti2v --steps 2: equal to the two forwards by hand %d, frame 0 the input's %d, "
+           "the other frames sampled %d",
+           same, frame0, moved);
+    free(want);
+    mdt_tensor_set_free(x), mdt_tensor_set_free(out), mdt_tensor_set_free(in);
+    mdt_model_free(m);
+}
+
 /* Qwen-Image's rescaled combination: each token of v_u + S (v_c - v_u) rescaled to v_c's norm;
  * a token whose combined vector is 0 (v_u = 2 v_c at S = 2; or v_c = 0 at S = 1) has no direction
  * to rescale: an error naming the combination, never NaNs handed on. */
@@ -277,6 +342,7 @@ int main(void) {
     check_qwen_short_negative();
     check_negative_shapes();
     check_negative_complete();
+    check_ti2v_clean_frame();
     check_rescale();
     EXPECT(mdt_mem_live() == 0, "everything freed: %lld bytes live", (long long)mdt_mem_live());
     TEST_END();
