@@ -664,12 +664,13 @@ mdt_status mdt_checkpoint_gen(const char *family, const char *preset, const char
 /* ---- tensor comparison ---- */
 
 typedef struct mdt_tensor_diff {
-    int comparable;      /* same shape and both float dtypes; the rest is set only then */
-    double max_abs_diff; /* max |a - b| over elements, in f32 */
+    int comparable;      /* same shape, and both float or both integer/bool dtypes; the rest
+                          * is set only then */
+    double max_abs_diff; /* max |a - b| over elements, in each side's own precision */
     double max_abs_b;    /* max |b| */
     int nonfinite;       /* a NaN or Inf in either */
 } mdt_tensor_diff;
-/* Compares `a` with the reference `b`, elementwise in f32. MDT_E_NOMEM only. */
+/* Compares `a` with the reference `b`, elementwise (F64 as F64, integers exactly). MDT_OK. */
 mdt_status mdt_tensor_compare(const mdt_tensor *a, const mdt_tensor *b, mdt_tensor_diff *d);
 const char *mdt_dtype_str(mdt_dtype dt); /* "F32" */
 /* "[2, 3]" into buf; returns buf. */

@@ -331,7 +331,34 @@ static void test_small(void) {
            "families");
 }
 
+/* mdt_tensor_compare: F64 in F64 (1e-300 against 2e-300 is a relative 0.5, and 1e300 is
+ * finite), integers exactly (equal I64 inputs compare equal; 2^53 + 1 against 2^53 differs),
+ * a float against an integer is not comparable. */
+static void test_compare_dtypes(void) {
+    double fa[2] = {1e-300, 1e300}, fb[2] = {2e-300, 1e300};
+    int64_t ia[2] = {((int64_t)1 << 53) + 1, 7}, ib[2] = {(int64_t)1 << 53, 7};
+    float ff[2] = {1, 2};
+    const mdt_tensor a = {.dtype = MDT_F64, .ndim = 1, .shape = {2}, .data = fa};
+    const mdt_tensor b = {.dtype = MDT_F64, .ndim = 1, .shape = {2}, .data = fb};
+    const mdt_tensor i1 = {.dtype = MDT_I64, .ndim = 1, .shape = {2}, .data = ia};
+    const mdt_tensor i2 = {.dtype = MDT_I64, .ndim = 1, .shape = {2}, .data = ib};
+    const mdt_tensor f1 = {.dtype = MDT_F32, .ndim = 1, .shape = {2}, .data = ff};
+    mdt_tensor_diff d;
+    EXPECT_OK(mdt_tensor_compare(&a, &b, &d));
+    EXPECT(d.comparable && !d.nonfinite && d.max_abs_diff == 1e-300 && d.max_abs_b == 1e300,
+           "F64: comparable %d nonfinite %d max|a-b| %g max|b| %g", d.comparable, d.nonfinite,
+           d.max_abs_diff, d.max_abs_b);
+    EXPECT_OK(mdt_tensor_compare(&i1, &i1, &d));
+    EXPECT(d.comparable && d.max_abs_diff == 0, "I64 with itself: %d %g", d.comparable,
+           d.max_abs_diff);
+    EXPECT_OK(mdt_tensor_compare(&i1, &i2, &d));
+    EXPECT(d.comparable && d.max_abs_diff == 1, "I64 2^53 + 1 against 2^53: %g", d.max_abs_diff);
+    EXPECT_OK(mdt_tensor_compare(&f1, &i1, &d));
+    EXPECT(!d.comparable, "F32 against I64 compared");
+}
+
 int main(void) {
+    test_compare_dtypes();
     test_sample();
     test_stats_and_errors();
     test_info_and_plan();
