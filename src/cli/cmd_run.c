@@ -143,9 +143,9 @@ static int parse_run(int argc, char **argv, run_args *a) {
     if (a->nlora > 16)
         return cli_usage_exit("at most 16 --lora adapters, got %d", a->nlora);
     if ((rc = cli_parse_layout(&o, &a->l)) ||
-        (rc = cli_opt_int(&o, "steps", 0, 0, 100000, &a->steps)) ||
+        (rc = cli_opt_int(&o, "steps", 0, 1, 100000, &a->steps)) || /* absent: 0, forwards */
         (rc = cli_opt_int(&o, "repeat", 1, 1, 100000, &a->repeat)) ||
-        (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
+        (rc = cli_opt_int(&o, "step-timeout", 0, 1, 86400 * 7, &a->step_timeout)) ||
         (rc = cli_opt_double(&o, "guidance-scale", 0, &a->guidance_scale)) ||
         (rc = cli_opts_check_unused(&o)))
         return rc;

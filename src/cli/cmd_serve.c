@@ -122,7 +122,7 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
         (rc = opt_size(&o, "max-session-bytes", def.max_session_bytes, 0, &a->max_session_bytes)) ||
         (rc = opt_size(&o, "max-request-bytes", def.max_request_bytes, 0, &a->max_request_bytes)) ||
         (rc = opt_size(&o, "max-queue-bytes", 2 * a->max_request_bytes, 0, &a->max_queue_bytes)) ||
-        (rc = cli_opt_int(&o, "step-timeout", 0, 0, 86400 * 7, &a->step_timeout)) ||
+        (rc = cli_opt_int(&o, "step-timeout", 0, 1, 86400 * 7, &a->step_timeout)) ||
         (rc = cli_opt_int(&o, "load-timeout", 600, 0, 86400 * 7, &a->load_timeout)) ||
         (rc = cli_opt_int(&o, "session-idle", (long long)def.session_idle, 0, 86400 * 7,
                           &a->session_idle)) ||

@@ -113,8 +113,11 @@ int cli_opt_double(cli_opts *o, const char *key, double def, double *out) {
     }
     char *end;
     *out = strtod(v, &end);
-    if (*v == 0 || *end != 0 || !isfinite(*out))
-        return cli_usage_exit("bad number '%s'", v);
+    /* a plain decimal number, as the integer options and --lora's scale take: no hex floats
+     * (0x1p3), no leading blanks, no inf or nan */
+    if (*v == 0 || isspace((unsigned char)*v) || *end != 0 || !isfinite(*out) ||
+        strpbrk(v, "xXpP"))
+        return cli_usage_exit("--%s must be a finite decimal number, got '%s'", key, v);
     return 0;
 }
 
@@ -131,8 +134,8 @@ int cli_opt_all(cli_opts *o, const char *key, const char **vals, int cap) {
 }
 
 int cli_opts_check_unused(cli_opts *o) {
-    if (o->npos > o->pos_taken) /* a word no option takes is never dropped silently */
-        return cli_usage_exit("unexpected argument '%s'", o->pos[o->pos_taken]);
+    /* an unknown option first: it took the next word as its value, so a stray word after it
+     * (run --bogus --checkpoint DIR: DIR) is its doing */
     for (int i = 0; i < o->n; i++) {
         if (o->used[i])
             continue;
@@ -141,6 +144,8 @@ int cli_opts_check_unused(cli_opts *o) {
                 return cli_usage_exit("option --%s is given more than once", o->keys[i]);
         return cli_usage_exit("unknown option --%s", o->keys[i]);
     }
+    if (o->npos > o->pos_taken) /* a word no option takes is never dropped silently */
+        return cli_usage_exit("unexpected argument '%s'", o->pos[o->pos_taken]);
     return 0;
 }
 

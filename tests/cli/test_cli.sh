@@ -597,12 +597,28 @@ expect_error config-named 1 "error: $T/other.json: 'num_attention_heads' must be
 # one forward); --help after a command prints the usage and runs nothing
 expect_error stray-word 2 "unexpected argument 'junk'" -- \
     "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" junk
-expect_error flag-with-value 2 "unexpected argument '1'" -- \
-    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --quiet 1
+expect_error flag-with-value 2 "unexpected argument '1'" -- "$BIN" run --inputs "$DATA/flux_tiny/inputs.safetensors" \
+    --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --quiet 1
 expect_error single-dash 2 "unknown option -steps (options start with --)" -- \
     "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" -steps 50
 expect_error inputs-stray-word 2 "unexpected argument 'junk'" -- \
     "$BIN" inputs --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" junk
+# an unknown option takes the next word as its value: it is named, not the word after it
+expect_error unknown-first 2 "unknown option --bogus" -- \
+    "$BIN" run --bogus --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
+# a count of 0 is no --steps and no watchdog bound: refused, not read as the option's absence;
+# numbers are plain decimals (no hex floats)
+expect_error steps-zero 2 "--steps must be an integer in .1, 100000., got .0." -- "$BIN" "${ORUN[@]}" \
+    --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --steps 0
+expect_error step-timeout-zero 2 "--step-timeout must be an integer in .1, " -- "$BIN" "${ORUN[@]}" \
+    --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --step-timeout 0
+expect_error hex-scale 2 "--guidance-scale must be a finite decimal number, got '0x10'" -- "$BIN" "${ORUN[@]}" \
+    --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --steps 2 --guidance-scale 0x10
+expect_error hex-tol 2 "--tol must be a finite decimal number, got '0x1p-3'" -- \
+    "$BIN" compare "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/expected.safetensors" --tol 0x1p-3
+# integer tensors compare exactly (they were a dtype mismatch): an inputs file with itself
+if "$BIN" compare "$DATA/qwenimage_tiny/inputs.safetensors" "$DATA/qwenimage_tiny/inputs.safetensors" >"$T/cmpi" &&
+   grep -q "img_shapes .*rel 0.000e+00  OK" "$T/cmpi"; then ok; else bad "compare of integer tensors: $(cat "$T/cmpi")"; fi
 expect_error compare-third-file 2 "unexpected argument" -- \
     "$BIN" compare "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/inputs.safetensors"
 if "$BIN" gen --help >"$T/help" 2>"$T/stderr" && grep -q "usage: meshdit" "$T/help" && [ ! -s "$T/stderr" ] &&
