@@ -590,7 +590,7 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["f32", "bf16"], help="the mesh's compute dtype")
     g.add_argument("--binary", help="the meshdit C binary (default $MESHDIT_BIN, or meshdit on PATH)")
     g.add_argument("--launcher", help="the command that starts the ranks (default mpiexec -n WORLD)")
-    g.add_argument("--step-timeout", type=float, help="the step watchdog, seconds")
+    g.add_argument("--step-timeout", type=int, help="the step watchdog, whole seconds (>= 1)")
     g.add_argument("--max-memory", help="per rank, e.g. 8G")
     g.add_argument("--no-resume", action="store_true",
                    help="fail instead of relaunching the mesh when a rank is lost")

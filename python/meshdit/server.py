@@ -156,6 +156,8 @@ class Server:
                "--step-timeout": step_timeout, "--load-timeout": load_timeout}
         for k, v in opt.items():
             if v is not None:
+                if isinstance(v, float) and v.is_integer():  # the C options take whole seconds
+                    v = int(v)
                 args += [k, _size_arg(v) if k.startswith("--max") else str(v)]
         args += extra
         self.command = launch + args
