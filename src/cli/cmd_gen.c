@@ -61,6 +61,9 @@ int cmd_inputs(int argc, char **argv) {
         return rc;
     const char *ck = cli_opt_str(&o, "checkpoint", NULL), *out = cli_opt_str(&o, "out", NULL);
     const int negative = cli_opt_str(&o, "negative", NULL) != NULL;
+    /* options a family may not take: given, they must show in the inputs made */
+    const int g_given = cli_opt_str(&o, "guidance", NULL) != NULL,
+              a_given = cli_opt_str(&o, "audio-tokens", NULL) != NULL;
     if ((rc = cli_opt_int(&o, "seed", 0, 0, INT64_MAX, &seed)) ||
         (rc = cli_opt_int(&o, "img-tokens", 16, 1, 1 << 24, &img)) ||
         (rc = cli_opt_int(&o, "txt-tokens", 8, 1, 1 << 24, &txt)) ||
@@ -90,6 +93,27 @@ int cmd_inputs(int argc, char **argv) {
                                      .audio_tokens = audio,
                                      .negative = negative};
         st = mdt_model_info_make_inputs(info, &p, set);
+    }
+    if (st == MDT_OK) { /* an option the model has no input for is refused, never dropped */
+        const char *cls = mdt_model_info_class_name(info);
+        int has_neg = 0;
+        for (int i = 0; i < mdt_tensor_set_count(set); i++) {
+            const char *name;
+            mdt_tensor_set_at(set, i, &name);
+            has_neg |= strncmp(name, "negative_", 9) == 0;
+        }
+        if (negative && !has_neg)
+            st = mdt_error_set(MDT_E_INVALID,
+                          "--negative: %s has no unconditional branch (its pipeline does not "
+                          "guide), so there are no negative_ inputs to draw",
+                          cls);
+        else if (g_given && !mdt_tensor_set_get(set, "guidance"))
+            st = mdt_error_set(MDT_E_INVALID,
+                          "--guidance: this %s takes no guidance input (its config has no "
+                          "guidance_embeds)",
+                          cls);
+        else if (a_given && !mdt_tensor_set_get(set, "audio_hidden_states"))
+            st = mdt_error_set(MDT_E_INVALID, "--audio-tokens: %s has no audio stream", cls);
     }
     if (st == MDT_OK)
         st = mdt_outputs_write(out, set, NULL, NULL);

@@ -601,6 +601,14 @@ expect_error flag-with-value 2 "unexpected argument '1'" -- "$BIN" run --inputs 
     --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --quiet 1
 expect_error single-dash 2 "unknown option -steps (options start with --)" -- \
     "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" -steps 50
+# inputs: an option the model has no input for is refused, not dropped from the file
+expect_error inputs-negative-h3 1 "--negative: MiniMaxH3Transformer3DModel has no unconditional branch" -- \
+    "$BIN" inputs --checkpoint "$DATA/h3_tiny" --negative --out "$T/out.safetensors"
+expect_error inputs-guidance 1 "--guidance: this FluxTransformer2DModel takes no guidance input" -- \
+    "$BIN" inputs --checkpoint "$DATA/flux_tiny" --guidance 2 --out "$T/out.safetensors"
+expect_error inputs-audio 1 "--audio-tokens: FluxTransformer2DModel has no audio stream" -- \
+    "$BIN" inputs --checkpoint "$DATA/flux_tiny" --audio-tokens 5 --out "$T/out.safetensors"
+[ ! -e "$T/out.safetensors" ] && ok || bad "a refused inputs command wrote its file"
 expect_error inputs-stray-word 2 "unexpected argument 'junk'" -- \
     "$BIN" inputs --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" junk
 # an unknown option takes the next word as its value: it is named, not the word after it
