@@ -5,6 +5,7 @@
 
 #include "io/safetensors.h"
 
+#include <stdint.h>
 #include <string.h>
 
 /* Whether t has shape `shape` (-1 = any). */
@@ -21,6 +22,9 @@ static mdt_status input_tensor(const mdt_tensor_set *in, const char *name, int n
     const mdt_tensor *t = mdt_tensor_set_get(in, name);
     if (!t)
         return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' is missing (the model needs it)", name);
+    if (t->ndim != ndim) /* the sizes the caller expects may come from this very tensor */
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has shape %s (%d dims), expected %d dims",
+                        name, mdt_shape_str(t->ndim, t->shape, s1, 96), t->ndim, ndim);
     if (!has_shape(t, ndim, shape))
         return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has shape %s, expected %s", name,
                         mdt_shape_str(t->ndim, t->shape, s1, 96),
@@ -48,10 +52,11 @@ mdt_status mdt_input_f32(const mdt_tensor_set *in, const char *name, int ndim, c
     *out = mdt_arena_floats(a, n);
     if (!*out)
         return MDT_E_NOMEM;
-    if (mdt_convert_to_f32(t->dtype, t->data, *out, n) != MDT_OK)
+    /* an input is any number dtype (a timestep, ids, a mask as torch hands them) */
+    if (mdt_convert_number_to_f32(t->dtype, t->data, *out, n) != MDT_OK)
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: tensor '%s' has dtype %s, which cannot be read as a number "
-                        "(expected F32, BF16, F16, F64, I64 or I32)",
+                        "(expected F32, BF16, F16, F64, I64, I32, I16, I8 or U8)",
                         name, mdt_dtype_name(t->dtype));
     return check_finite(name, *out, n);
 }

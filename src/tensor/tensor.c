@@ -296,6 +296,24 @@ mdt_status mdt_tensor_set_add(mdt_tensor_set *set, const char *name, mdt_dtype d
     return MDT_OK;
 }
 
+mdt_status mdt_convert_number_to_f32(mdt_dtype dt, const void *src, float *dst, int64_t n) {
+    switch (dt) {
+    case MDT_I16:
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = ((const int16_t *)src)[i];
+        return MDT_OK;
+    case MDT_I8:
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = ((const int8_t *)src)[i];
+        return MDT_OK;
+    case MDT_U8:
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = ((const uint8_t *)src)[i];
+        return MDT_OK;
+    default: return mdt_convert_to_f32(dt, src, dst, n);
+    }
+}
+
 mdt_status mdt_tensor_set_to_f32(mdt_tensor_set *set, mdt_tensor *t) {
     (void)set; /* the set owns t's data: it frees what it holds */
     if (t->dtype == MDT_F32)
@@ -304,7 +322,7 @@ mdt_status mdt_tensor_set_to_f32(mdt_tensor_set *set, mdt_tensor *t) {
     float *f = mdt_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!f)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    const mdt_status st = mdt_convert_to_f32(t->dtype, t->data, f, n);
+    const mdt_status st = mdt_convert_number_to_f32(t->dtype, t->data, f, n);
     if (st != MDT_OK) {
         mdt_free(f);
         return st;

@@ -34,8 +34,13 @@ const char *mdt_shape_str(int ndim, const int64_t *shape, char *buf, size_t cap)
 
 /* Adds a copy of `t` (any dtype) as `name`. */
 mdt_status mdt_tensor_set_add_copy(mdt_tensor_set *set, const char *name, const mdt_tensor *t);
+/* mdt_convert_to_f32 and the small integers (I16, I8, U8) too: a number given as an input (a
+ * timestep, ids, a mask), never a weight (an I8 or U8 weight is a quantized one, whose reader
+ * scales it). BOOL: MDT_E_UNSUPPORTED. */
+mdt_status mdt_convert_number_to_f32(mdt_dtype dt, const void *src, float *dst, int64_t n);
 /* Converts tensor `t` of `set` to F32 in place (its data replaced; nothing when already F32),
- * from any dtype mdt_convert_to_f32 reads. MDT_E_UNSUPPORTED (set untouched) or MDT_E_NOMEM. */
+ * from any dtype mdt_convert_number_to_f32 reads. MDT_E_UNSUPPORTED (set untouched) or
+ * MDT_E_NOMEM. */
 mdt_status mdt_tensor_set_to_f32(mdt_tensor_set *set, mdt_tensor *t);
 
 #endif /* MDT_TENSOR_H */

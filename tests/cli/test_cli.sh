@@ -819,8 +819,8 @@ expect_error class-name-type 1 "'_class_name' must be a string, not a number" --
 printf '{\n  "_class_name": "FluxTransformer2DModel",\n  "num_layers": 1,,\n}\n' >"$T/esc/config.json"
 expect_error json-position 1 "config.json: invalid JSON near line 3, column 20 (byte 64)" -- \
     "$BIN" inspect --config "$T/esc/config.json"
-write_st "$T/i16.safetensors" '{"encoder_hidden_states":{"dtype":"F32","shape":[1,48,32],"data_offsets":[0,6144]},"hidden_states":{"dtype":"F32","shape":[1,16,4],"data_offsets":[6144,6400]},"img_ids":{"dtype":"F32","shape":[16,3],"data_offsets":[6400,6592]},"pooled_projections":{"dtype":"F32","shape":[1,32],"data_offsets":[6592,6720]},"timestep":{"dtype":"I16","shape":[1],"data_offsets":[6720,6722]},"txt_ids":{"dtype":"F32","shape":[48,3],"data_offsets":[6722,7298]}}' 7298
-expect_error input-dtype 1 "inputs: tensor 'timestep' has dtype I16, which cannot be read as a number" -- \
+write_st "$T/i16.safetensors" '{"encoder_hidden_states":{"dtype":"F32","shape":[1,48,32],"data_offsets":[0,6144]},"hidden_states":{"dtype":"F32","shape":[1,16,4],"data_offsets":[6144,6400]},"img_ids":{"dtype":"F32","shape":[16,3],"data_offsets":[6400,6592]},"pooled_projections":{"dtype":"F32","shape":[1,32],"data_offsets":[6592,6720]},"timestep":{"dtype":"BOOL","shape":[1],"data_offsets":[6720,6721]},"txt_ids":{"dtype":"F32","shape":[48,3],"data_offsets":[6721,7297]}}' 7297
+expect_error input-dtype 1 "inputs: tensor 'timestep' has dtype BOOL, expected a number" -- \
     "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs "$T/i16.safetensors" --out "$T/out.safetensors"
 # the cfg axis: classifier-free guidance's two branches at once (negative_ inputs with
 # --guidance-scale) or, without guidance, the two halves of a batch. With the same inner layout

@@ -88,17 +88,34 @@ static void test_input_dtypes(void) {
     float *out;
     mdt_arena_init(&a);
     EXPECT_OK(mdt_tensor_set_create(&in));
-    const mdt_dtype bad[] = {MDT_I16, MDT_I8, MDT_U8};
-    const char *names[] = {"timestep", "hidden_states", "guidance"};
-    for (int i = 0; i < 3; i++) {
-        EXPECT_OK(mdt_tensor_set_add(in, names[i], bad[i], 1, (int64_t[]){2}, &t));
-        char want[128];
-        snprintf(want, sizeof want, "inputs: tensor '%s' has dtype %s, which cannot be read",
-                 names[i], mdt_dtype_name(bad[i]));
-        EXPECT_ERR(mdt_input_f32(in, names[i], 1, (int64_t[]){2}, &a, &out), MDT_E_INVALID, want);
+    /* every number dtype is read as its values (docs/models.md: a timestep, ids or a mask of
+     * any integer dtype); BOOL is not a number */
+    const mdt_dtype ints[] = {MDT_I16, MDT_I8, MDT_U8, MDT_I32};
+    const char *names[] = {"timestep", "hidden_states", "guidance", "ok"};
+    for (int i = 0; i < 4; i++) {
+        EXPECT_OK(mdt_tensor_set_add(in, names[i], ints[i], 1, (int64_t[]){2}, &t));
+        if (t && ints[i] == MDT_I16)
+            ((int16_t *)t->data)[0] = -300, ((int16_t *)t->data)[1] = 7;
+        if (t && ints[i] == MDT_I8)
+            ((int8_t *)t->data)[0] = -100, ((int8_t *)t->data)[1] = 7;
+        if (t && ints[i] == MDT_U8)
+            ((uint8_t *)t->data)[0] = 200, ((uint8_t *)t->data)[1] = 7;
+        if (t && ints[i] == MDT_I32)
+            ((int32_t *)t->data)[0] = -70000, ((int32_t *)t->data)[1] = 7;
+        const float want0[] = {-300, -100, 200, -70000};
+        out = NULL;
+        EXPECT_OK(mdt_input_f32(in, names[i], 1, (int64_t[]){2}, &a, &out));
+        EXPECT(out && out[0] == want0[i] && out[1] == 7.0f, "%s: read %g, %g",
+               mdt_dtype_name(ints[i]), out ? out[0] : 0.0, out ? out[1] : 0.0);
     }
-    EXPECT_OK(mdt_tensor_set_add(in, "ok", MDT_I32, 1, (int64_t[]){2}, &t));
-    EXPECT_OK(mdt_input_f32(in, "ok", 1, (int64_t[]){2}, &a, &out));
+    /* a tensor of another rank: the expected sizes may come from the tensor itself (B and S of
+     * a [B, S, C] read from it), so only the rank is named */
+    EXPECT_OK(mdt_tensor_set_add(in, "x2", MDT_F32, 2, (int64_t[]){16, 4}, &t));
+    EXPECT_ERR(mdt_input_f32(in, "x2", 3, (int64_t[]){16, 4, 4}, &a, &out), MDT_E_INVALID,
+               "inputs: tensor 'x2' has shape [16, 4] (2 dims), expected 3 dims");
+    EXPECT_OK(mdt_tensor_set_add(in, "flag", MDT_BOOL, 1, (int64_t[]){2}, &t));
+    EXPECT_ERR(mdt_input_f32(in, "flag", 1, (int64_t[]){2}, &a, &out), MDT_E_INVALID,
+               "inputs: tensor 'flag' has dtype BOOL, expected a number");
     mdt_arena_release(&a);
     mdt_tensor_set_free(in);
 }
