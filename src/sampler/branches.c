@@ -49,6 +49,12 @@ static mdt_status check_negative(const mdt_model *m, const mdt_tensor_set *in, c
     const mdt_tensor *c = mdt_tensor_set_get(in, x);
     if (!c)
         return MDT_FAIL(MDT_E_INVALID, "inputs: '%s' without the conditional '%s'", shown, x);
+    if (neg->dtype == MDT_F32) { /* named here: the forward knows it by the conditional name */
+        const int64_t bad = mdt_first_nonfinite(neg->data, mdt_tensor_numel(neg));
+        if (bad >= 0)
+            return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
+                            shown, (long long)bad);
+    }
     const int batched = (d->flags & MDT_IN_BATCH) && c->ndim > 0;
     if (neg->ndim != c->ndim || (batched && neg->shape[0] != c->shape[0]) ||
         (c->ndim >= 3 && neg->shape[c->ndim - 1] != c->shape[c->ndim - 1]))
@@ -222,6 +228,9 @@ static mdt_status run_one(mdt_branches *br, mdt_model *m, int k, float **buf, in
         MDT_TRY(mdt_cache_select(m->cache, br->guided && k == 1 ? "uncond" : "cond"));
     MDT_TRY(mdt_tensor_set_create(&res));
     mdt_status st = mdt_model_forward(m, br->set[k], res); /* guarded, watched, agreed */
+    if (st != MDT_OK && br->guided && k == 1) /* its tensors carry the conditional names */
+        st = mdt_fail_prefix(st, "the unconditional branch (the negative_ inputs in place of "
+                                 "theirs)");
     const mdt_tensor *o = st == MDT_OK ? mdt_tensor_set_get(res, m->fam->output) : NULL;
     if (st == MDT_OK && (!o || o->dtype != MDT_F32))
         st = MDT_FAIL(MDT_E_INVALID, "the model has no F32 output '%s'", m->fam->output);

@@ -245,6 +245,21 @@ static void check_negative_complete(void) {
         mdt_tensor_set_free(in), mdt_tensor_set_free(all);
         mdt_model_free(m);
     }
+    /* a NaN in a negative tensor is named as the negative one (the forward would see it under
+     * the conditional name) */
+    mdt_model *m = load("tests/data/flux_tiny");
+    if (!m)
+        return;
+    mdt_tensor_set *pos = random_inputs(m, 7, 8, 0), *neg = random_inputs(m, 8, 8, 1);
+    mdt_tensor_set *in = merged(pos, neg, "negative_");
+    mdt_tensor *e = in ? mdt_tensor_set_get(in, "negative_encoder_hidden_states") : NULL;
+    if (e)
+        ((float *)e->data)[3] = NAN;
+    mdt_branches br;
+    EXPECT_ERR(mdt_branches_init(&br, m, in, 3.0, 1), MDT_E_INVALID,
+               "tensor 'negative_encoder_hidden_states' holds a NaN or Inf at element 3");
+    mdt_tensor_set_free(pos), mdt_tensor_set_free(neg), mdt_tensor_set_free(in);
+    mdt_model_free(m);
 }
 
 /* Wan 2.2 TI2V: a [B, S] timestep whose first frame's tokens are 0 marks that frame as the clean
