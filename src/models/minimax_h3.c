@@ -194,6 +194,40 @@ typedef struct h3_in {
     mdt_rope rope;                     /* [Sc, 6F] */
 } h3_in;
 
+/* The index tensors against each other and token_tags [S]: idx[m] [n[m]] are the packed rows
+ * of modality m (tag m: video_indices, text_indices, audio_indices). */
+static mdt_status h3_check_rows(mdt_arena *ha, int64_t S, const int64_t *tags,
+                                const int64_t *const idx[H3_MOD], const int64_t n[H3_MOD]) {
+    static const char *const names[H3_MOD] = {"video_indices", "text_indices", "audio_indices"};
+    const mdt_arena_mark mk = mdt_arena_mark_get(ha);
+    int64_t *owner = (int64_t *)(void *)mdt_arena_floats(ha, 2 * S); // [S] host: m n + i, or -1
+    if (!owner)
+        return MDT_E_NOMEM;
+    for (int64_t r = 0; r < S; r++)
+        owner[r] = -1;
+    mdt_status st = MDT_OK;
+    for (int m = 0; m < H3_MOD && st == MDT_OK; m++)
+        for (int64_t i = 0; i < n[m] && st == MDT_OK; i++) {
+            const int64_t r = idx[m][i];
+            if (owner[r] >= 0) {
+                const int64_t om = owner[r] % H3_MOD, oi = owner[r] / H3_MOD;
+                st = MDT_FAIL(MDT_E_INVALID,
+                              "inputs: %s[%lld] = %lld, a packed row %s[%lld] already takes: "
+                              "each row holds one modality row",
+                              names[m], (long long)i, (long long)r, names[om], (long long)oi);
+            } else if (tags[r] != m) {
+                st = MDT_FAIL(MDT_E_INVALID,
+                              "inputs: %s[%lld] = %lld, but token_tags[%lld] is %lld, not %d (0 "
+                              "video, 1 text, 2 audio)",
+                              names[m], (long long)i, (long long)r, (long long)r,
+                              (long long)tags[r], m);
+            }
+            owner[r] = i * H3_MOD + m;
+        }
+    mdt_arena_rewind(ha, mk);
+    return st;
+}
+
 static mdt_status h3_read(const h3 *f, mdt_dit *d, const mdt_tensor_set *in, h3_in *x) {
     mdt_arena *ha = d->ha, *ar = d->ar;
     const int64_t B = mdt_input_dim(in, "hidden_states", 0), Fr = f->rope_freq, rot = 6 * Fr;
@@ -230,6 +264,10 @@ static mdt_status h3_read(const h3 *f, mdt_dit *d, const mdt_tensor_set *in, h3_
     MDT_TRY(mdt_input_i64(in, "video_indices", 1, (int64_t[]){Nv}, 0, S, ha, &vidx));
     MDT_TRY(mdt_input_i64(in, "audio_indices", 1, (int64_t[]){Na}, 0, S, ha, &aidx));
     MDT_TRY(mdt_input_i64(in, "text_indices", 1, (int64_t[]){Nt}, 0, S, ha, &xidx));
+    /* each packed row holds at most one modality row, and its tag is that modality's (0 video,
+     * 1 text, 2 audio): a row given twice (diffusers' index_copy keeps either, or the later) or
+     * tagged as another modality would take the wrong input or the wrong AdaLN row */
+    MDT_TRY(h3_check_rows(ha, S, tags, (const int64_t *[]){vidx, xidx, aidx}, (int64_t[]){Nv, Nt, Na}));
     /* the packed sequence splits: its rotary positions, timestep indices and modality tags */
     const void *pos_l, *tidx_l, *tags_l;
     int64_t s0, Sc;

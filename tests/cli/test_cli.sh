@@ -255,6 +255,14 @@ expect_error h3-timesteps 1 "timestep has 19 entries but the packed sequence has
     "$BIN" run --checkpoint "$DATA/h3_tiny" --inputs "$T/h3t.st" --out "$T/out.safetensors"
 expect_error h3-timesteps-memory 1 "batch 2 x 75 tokens" -- "$BIN" run --checkpoint "$DATA/h3_tiny" \
     --inputs "$T/h3t.st" --out "$T/out.safetensors" --max-memory 1K
+# each packed row holds one modality row, tagged as that modality (diffusers' index_copy would
+# keep either of two, and a wrong tag picks another modality's AdaLN row)
+"$ST_EDIT" "$DATA/h3_tiny/inputs.safetensors" "$T/h3d.st" video_indices@repeat
+expect_error h3-row-twice 1 "video_indices\[1\] = .*a packed row video_indices\[0\] already takes" -- \
+    "$BIN" run --checkpoint "$DATA/h3_tiny" --inputs "$T/h3d.st" --out "$T/out.safetensors"
+"$ST_EDIT" "$DATA/h3_tiny/inputs.safetensors" "$T/h3g.st" token_tags@repeat
+expect_error h3-row-tag 1 "but token_tags\[.*\] is 1, not 0 (0 video, 1 text, 2 audio)" -- \
+    "$BIN" run --checkpoint "$DATA/h3_tiny" --inputs "$T/h3g.st" --out "$T/out.safetensors"
 # the planner: every (tp, ring, ulysses) of 32 devices, ranked, invalid ones with their reason
 if "$BIN" plan --config configs/minimax_h3.json --devices 32 --device trn2 --tokens 37800 >"$T/plan" &&
    grep -q "<- best" "$T/plan" && grep -q "rejected: tp=16 does not divide 56 attention heads" "$T/plan" &&
