@@ -270,10 +270,15 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         if (lat) {
             mdt_tensor *v = mdt_tensor_set_get(res, fam->output);
             if (!v || mdt_tensor_numel(v) != mdt_tensor_numel(lat)) {
+                char s1[96] = "(none)", s2[96];
+                if (v)
+                    mdt_tensor_shape_str(v, s1, sizeof s1);
                 st = MDT_FAIL(MDT_E_INVALID,
-                              "the model output '%s' does not match the shape of "
-                              "'%s'; cannot sample",
-                              fam->output, fam->latent_input);
+                              "the model output '%s' %s does not match the latent '%s' %s, so "
+                              "it cannot be integrated (--steps needs a velocity of the latent's "
+                              "shape)",
+                              fam->output, s1, fam->latent_input,
+                              mdt_tensor_shape_str(lat, s2, sizeof s2));
                 break;
             }
             float *x = lat->data;

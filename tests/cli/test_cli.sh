@@ -255,6 +255,9 @@ expect_error h3-timesteps 1 "timestep has 19 entries but the packed sequence has
     "$BIN" run --checkpoint "$DATA/h3_tiny" --inputs "$T/h3t.st" --out "$T/out.safetensors"
 expect_error h3-timesteps-memory 1 "batch 2 x 75 tokens" -- "$BIN" run --checkpoint "$DATA/h3_tiny" \
     --inputs "$T/h3t.st" --out "$T/out.safetensors" --max-memory 1K
+# a model whose output is not the latent's shape cannot be sampled: both shapes are named
+expect_error steps-shape 1 "the model output 'sample' \[2, 3, 6, 3, 10\] does not match the latent 'hidden_states' \[2, 4, 7, 3, 10\]" -- \
+    "$BIN" run --checkpoint "$DATA/wan_odd" --inputs "$DATA/wan_odd/inputs.safetensors" --out "$T/out.safetensors" --steps 2
 # each packed row holds one modality row, tagged as that modality (diffusers' index_copy would
 # keep either of two, and a wrong tag picks another modality's AdaLN row)
 "$ST_EDIT" "$DATA/h3_tiny/inputs.safetensors" "$T/h3d.st" video_indices@repeat
