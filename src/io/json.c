@@ -88,6 +88,14 @@ mdt_status mdt_json_check(const char *text, size_t len, const char *shown, mdt_j
             depth++;
             if (1 + commas + containers > MDT_JSON_MAX_VALUES)
                 return too_many(shown, i, len);
+            if (depth > CJSON_NESTING_LIMIT) { /* valid JSON, but cJSON stops there */
+                int64_t l, co;
+                line_col(text, i, &l, &co);
+                return MDT_FAIL(MDT_E_FORMAT,
+                                "%s: JSON nested more than %d levels deep (at line %lld, column "
+                                "%lld), the most this reader takes",
+                                shown, CJSON_NESTING_LIMIT, (long long)l, (long long)co);
+            }
             break;
         case '}':
         case ']': depth--; break;

@@ -37,6 +37,17 @@ static void test_json_positions(void) {
     const char *trail = "{\"a\": 1}\n\n  x";
     EXPECT_ERR(mdt_config_load(write_file("trail.json", trail, strlen(trail)), &j), MDT_E_FORMAT,
                "bytes other than white space after the JSON, at line 3, column 3 (byte 12)");
+    /* valid JSON nested past cJSON's limit: named as the nesting, not as invalid JSON */
+    char deep[2100];
+    int k = 0;
+    k += snprintf(deep + k, sizeof deep - (size_t)k, "{\"a\": ");
+    for (int i = 0; i < 1001; i++)
+        deep[k++] = '[';
+    for (int i = 0; i < 1001; i++)
+        deep[k++] = ']';
+    k += snprintf(deep + k, sizeof deep - (size_t)k, "}");
+    EXPECT_ERR(mdt_config_load(write_file("deep.json", deep, (size_t)k), &j), MDT_E_FORMAT,
+               "deep.json: JSON nested more than 1000 levels deep (at line 1, column 1006)");
     const char *empty = "";
     EXPECT_ERR(mdt_config_load(write_file("empty.json", empty, 0), &j), MDT_E_FORMAT,
                "invalid JSON near line 1, column 1 (byte 0)");
