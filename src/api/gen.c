@@ -35,7 +35,9 @@ mdt_status mdt_checkpoint_gen(const char *family, const char *preset, const char
     const mdt_family *named = family ? mdt_family_by_name(family) : NULL, *of = NULL;
     mdt_status st =
         family && !named ? MDT_FAIL(MDT_E_INVALID, "unknown model '%s'", family) : MDT_OK;
-    if (st == MDT_OK && named && (st = mdt_family_from_config(j, &of)) == MDT_OK && of != named)
+    if (st == MDT_OK && named && (st = mdt_family_from_config(j, &of)) != MDT_OK)
+        st = mdt_config_error_at(st, config_path); /* the message names the file given */
+    else if (st == MDT_OK && named && of != named)
         st = MDT_FAIL(MDT_E_INVALID, "model '%s' given, but %s is a %s config (its _class_name)",
                       family, config_path, of->class_name);
     if (st != MDT_OK) {

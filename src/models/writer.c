@@ -7,14 +7,17 @@
 #include "models/residency.h"
 
 #include "core/outfile.h"
+#include "core/sysmem.h"
 #include "parallel/shard.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 /* Checkpoint files appear whole (staged beside the target, renamed), never in place of a
  * non-regular file, with the mode of a new file (0666 & ~umask): core/outfile.h. */
@@ -135,6 +138,22 @@ mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
     return mdt_mesh_agree(m->mesh, mdt_res_to_device(m));
 }
 
+/* The files gen writes into dir (shards of them), then dir itself: a failed gen's leftovers in
+ * a directory it created (each file appeared whole or not at all: outfile.h). */
+static void remove_written(const char *dir, int shards) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    remove(path);
+    snprintf(path, sizeof path, "%s/%s", dir, shards == 1 ? MDT_CKPT_WEIGHTS : MDT_CKPT_INDEX);
+    remove(path);
+    for (int s = 0; shards > 1 && s < shards; s++) {
+        snprintf(path, sizeof path, "%s/diffusion_pytorch_model-%05d-of-%05d.safetensors", dir,
+                 s + 1, shards);
+        remove(path);
+    }
+    rmdir(dir);
+}
+
 mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype, int shards,
                          const char *dir) {
     mdt_status st = MDT_OK;
@@ -145,6 +164,7 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
     cJSON *index = NULL;
     char *idx_txt = NULL;
     char path[4096];
+    int created = 0;
     if (dtype != MDT_F32 && dtype != MDT_BF16 && dtype != MDT_F16)
         return MDT_FAIL(MDT_E_INVALID, "gen: --dtype must be f32, bf16 or f16");
     cJSON *cfg = cJSON_Parse(config_text);
@@ -160,10 +180,26 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
         MDT_CHECK(MDT_FAIL(MDT_E_INVALID, "gen: --shards must be between 1 and %d", n));
     if (shards == 1)
         MDT_CHECK(no_index_in(dir));
-    if (mkdir(dir, 0777) != 0 && errno != EEXIST)
-        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: cannot create directory: %s", dir, strerror(errno)));
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    MDT_CHECK(write_text(path, config_text));
+    /* the whole checkpoint is made in memory before anything is written: it must fit what this
+     * process may use (MESHDIT_MEM_AVAILABLE, or MemAvailable and the cgroup's limit) */
+    double need = 0, widest = 0;
+    for (int i = 0; i < n; i++) {
+        const double e = (double)spec_numel(&m->table.specs[i]);
+        need += e * (double)mdt_dtype_size(dtype);
+        widest = e > widest ? e : widest;
+    }
+    need += 4.0 * widest; /* one tensor's f32 draws */
+    char src[64], b1[32], b2[32];
+    const char *env = getenv("MESHDIT_MEM_AVAILABLE");
+    const int64_t avail = env && *env ? mdt_size_parse(env) : mdt_mem_available("", src, sizeof src);
+    if (env && *env)
+        snprintf(src, sizeof src, "MESHDIT_MEM_AVAILABLE");
+    if (avail >= 0 && need > (double)avail)
+        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM,
+                           "gen: the checkpoint's %d tensors take %s in %s, more than the %s this "
+                           "process may use (%s); nothing written",
+                           n, mdt_fmt_size(need > 9e18 ? INT64_MAX : (int64_t)need, b1, sizeof b1),
+                           mdt_dtype_name(dtype), mdt_fmt_size(avail, b2, sizeof b2), src));
 
     ts = mdt_calloc(sizeof *ts * (size_t)n);
     tp = mdt_calloc(sizeof(const mdt_tensor *) * (size_t)n);
@@ -190,6 +226,12 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
         tp[i] = &ts[i];
         names[i] = w->name;
     }
+    /* written once made: the weights (shards and index), config.json last; a directory this
+     * call created is removed again if a write fails */
+    if (mkdir(dir, 0777) == 0)
+        created = 1;
+    else if (errno != EEXIST)
+        MDT_CHECK(MDT_FAIL(MDT_E_IO, "%s: cannot create directory: %s", dir, strerror(errno)));
     if (shards == 1) {
         snprintf(path, sizeof path, "%s/%s", dir, MDT_CKPT_WEIGHTS);
         MDT_CHECK(write_weights(path, n, names, tp));
@@ -217,7 +259,11 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
         snprintf(path, sizeof path, "%s/%s", dir, MDT_CKPT_INDEX);
         MDT_CHECK(write_text(path, idx_txt));
     }
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    MDT_CHECK(write_text(path, config_text));
 fail:
+    if (st != MDT_OK && created) /* nothing of a failed gen stays in a directory it made */
+        remove_written(dir, shards);
     if (ts)
         for (int i = 0; i < n; i++)
             mdt_free(ts[i].data);

@@ -115,6 +115,19 @@ if "$BIN" gen --model flux --preset tiny --seed 1 --out "$T/tiny" >/dev/null &&
    grep -q '"weight_bytes"' "$T/r.json" && grep -q 'per forward' "$T/run.txt" &&
    [ -f "$T/tiny_bf16/diffusion_pytorch_model.safetensors.index.json" ]; then ok
 else bad "gen/inputs/run/report pipeline"; fi
+# gen makes the whole checkpoint before it writes: one too large for this process's memory is
+# refused up front, an existing checkpoint keeps its files (config.json was written first) and a
+# directory it would have created is not left behind
+cp "$T/tiny/config.json" "$T/tiny_config_before.json"
+expect_error gen-too-large 1 "gen: the checkpoint's 62 tensors take" "nothing written" -- \
+    env MESHDIT_MEM_AVAILABLE=64K "$BIN" gen --model flux --preset tiny --seed 5 --out "$T/tiny"
+cmp -s "$T/tiny/config.json" "$T/tiny_config_before.json" && ok || bad "a refused gen changed the checkpoint's config.json"
+expect_error gen-too-large-new 1 "nothing written" -- \
+    env MESHDIT_MEM_AVAILABLE=64K "$BIN" gen --model flux --preset tiny --out "$T/gen_new"
+[ ! -e "$T/gen_new" ] && ok || bad "a refused gen left its new directory"
+printf '{"_class_name": 7}' >"$T/cls.json"
+expect_error gen-config-named 1 "$T/cls.json: '_class_name' must be a string" -- \
+    "$BIN" gen --model flux --config "$T/cls.json" --out "$T/gen_new"
 if "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp 2 >"$T/insp" &&
    grep -q 'single_transformer_blocks.0.proj_out.weight.*packed-rowwise.*\[32, 80\]' "$T/insp"; then ok
 else bad "inspect shows packed proj_out shard"; fi
