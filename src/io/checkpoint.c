@@ -316,6 +316,14 @@ mdt_status mdt_ckpt_find(const mdt_ckpt *c, const char *name, const mdt_ckpt_ref
 /* ---- config accessors ---- */
 mdt_status mdt_cfg_int(const cJSON *cfg, const char *key, int required, int64_t def, int64_t *out) {
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
+    /* null is the absent value of an Optional argument (default None in diffusers: here a
+     * default of 0 or less stands for it); for one with a number as its default diffusers takes
+     * None as given and fails (range(None), Linear(None, ...)), so null is refused there */
+    if (j && cJSON_IsNull(j) && (required || def > 0))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "config.json: '%s' is null, but it must be an integer (its default, %lld, "
+                        "applies only when the key is absent)",
+                        key, (long long)def);
     if (!j || cJSON_IsNull(j)) {
         if (required)
             return MDT_FAIL(MDT_E_INVALID, "config.json: required key '%s' is missing", key);

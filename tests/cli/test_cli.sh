@@ -613,6 +613,11 @@ expect_error config-key-twice 1 "$T/dupk/config.json: key 'num_attention_heads' 
     "$BIN" run --checkpoint "$T/dupk" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
 expect_error config-key-twice-inspect 1 "key 'num_attention_heads' appears twice" -- \
     "$BIN" inspect --config "$T/dupk/config.json"
+# null is an Optional argument's absent value (out_channels: null loads), never a number's
+# default: diffusers fails on num_layers=None
+sed 's/"num_layers": [0-9]*/"num_layers": null/' "$DATA/flux_tiny/config.json" >"$T/nulls.json"
+expect_error config-null 1 "'num_layers' is null, but it must be an integer" -- \
+    "$BIN" inspect --config "$T/nulls.json"
 # a config key's error names the file it came from, not a generic config.json
 sed 's/"num_attention_heads": 2/"num_attention_heads": "two"/' "$DATA/flux_tiny/config.json" >"$T/other.json"
 expect_error config-named 1 "error: $T/other.json: 'num_attention_heads' must be an integer" -- \
