@@ -223,6 +223,31 @@ void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap) {
         snprintf(buf, cap, "none");
 }
 
+void mdt_cache_spec_text(const mdt_cache_spec *sp, char *buf, size_t cap) {
+    if (sp->kind != MDT_CACHE_MAG) {
+        mdt_cache_spec_str(sp, buf, cap);
+        return;
+    }
+    /* MagCache's ratios, each the shortest decimal that reads back as the same float32 */
+    size_t k = (size_t)snprintf(buf, cap, "mag:mag_ratios=");
+    for (int i = 0; i < sp->nratios && k < cap; i++) {
+        char t[32];
+        for (int prec = 6; prec <= 9; prec++) {
+            snprintf(t, sizeof t, "%.*g", prec, (double)sp->ratios[i]);
+            if ((float)strtod(t, NULL) == sp->ratios[i])
+                break;
+        }
+        k += (size_t)snprintf(buf + k, cap - k, "%s%s", i ? "/" : "", t);
+    }
+    char th[32], rr[32];
+    num_str(sp->threshold, th, sizeof th);
+    num_str(sp->retention_ratio, rr, sizeof rr);
+    if (k < cap)
+        snprintf(buf + k, cap - k,
+                 ",threshold=%s,max_skip_steps=%d,retention_ratio=%s,num_inference_steps=%d", th,
+                 sp->max_skip_steps, rr, sp->num_inference_steps);
+}
+
 int mdt_cache_spec_equal(const mdt_cache_spec *a, const mdt_cache_spec *b) {
     return a->kind == b->kind && a->threshold == b->threshold &&
            a->max_skip_steps == b->max_skip_steps && a->retention_ratio == b->retention_ratio &&

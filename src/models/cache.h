@@ -67,8 +67,12 @@ typedef struct mdt_cache_spec {
  * interpolated to N as diffusers' nearest_interp does when their count differs); NULL, "" or
  * "none": off. MDT_E_INVALID naming the unknown cache or key, or the bad value. */
 mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out);
-/* The spec's text for messages and the report ("first_block:threshold=0.05"; "none"). */
+/* The spec's text for messages ("first_block:threshold=0.05"; "none"; MagCache's ratios
+ * counted, not listed). */
 void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap);
+/* The spec's whole text, which mdt_cache_spec_parse reads back as the same cache (MagCache's
+ * ratios listed): the report's. cap MDT_CACHE_SPEC_MAX + 1 holds any. */
+void mdt_cache_spec_text(const mdt_cache_spec *sp, char *buf, size_t cap);
 /* 1 when two specs ask for the same cache. */
 int mdt_cache_spec_equal(const mdt_cache_spec *a, const mdt_cache_spec *b);
 

@@ -80,10 +80,12 @@ static void add_rank(cJSON *ranks, const mdt_rank_facts *rf) {
 /* The step cache's decisions: the spec, then per forward its branch, the statistic, the blocks
  * run and skipped and the FLOPs the skip saved (this rank's; the decisions are every rank's). */
 static void add_cache(cJSON *r, const mdt_cache *c) {
-    char spec[256];
-    mdt_cache_spec_str(&c->spec, spec, sizeof spec);
+    char *spec = malloc(MDT_CACHE_SPEC_MAX + 1);
     cJSON *o = cJSON_AddObjectToObject(r, "cache");
-    cJSON_AddStringToObject(o, "spec", spec);
+    if (spec) /* read back by --cache as the same cache */
+        mdt_cache_spec_text(&c->spec, spec, MDT_CACHE_SPEC_MAX + 1);
+    cJSON_AddStringToObject(o, "spec", spec ? spec : "(out of memory)");
+    free(spec);
     const int64_t skipped = mdt_cache_skipped(c);
     double saved = 0;
     for (int64_t i = 0; i < c->nlog; i++)
