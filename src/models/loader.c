@@ -10,6 +10,7 @@
 #include "models/residency.h"
 
 #include "backend/backend.h"
+#include "core/sysmem.h"
 #include "core/testhooks.h"
 
 #include <cjson/cJSON.h>
@@ -327,11 +328,56 @@ static mdt_status add_negatives(const mdt_model *m, mdt_rng *rng, mdt_tensor_set
     return MDT_OK;
 }
 
+/* Inputs of batch B and token counts n[3] (image, text, audio) grow linearly in B times one of
+ * the counts: made at batch 1 and at most 64 of each, their bytes scaled by B times the largest
+ * ratio bound the whole set from above. Refused when that is more than this process may use. */
+static mdt_status check_inputs_size(const mdt_model *m, const mdt_inputs_params *q) {
+    const int64_t n[3] = {q->img_tokens, q->txt_tokens, q->audio_tokens};
+    int64_t k[3];
+    double ratio = 1;
+    for (int i = 0; i < 3; i++) {
+        k[i] = n[i] > 64 ? 64 : n[i];
+        if (k[i] > 0 && (double)n[i] / (double)k[i] > ratio)
+            ratio = (double)n[i] / (double)k[i];
+    }
+    if (q->batch <= 1 && ratio <= 1)
+        return MDT_OK;
+    mdt_inputs_params s = *q;
+    s.batch = 1, s.img_tokens = k[0], s.txt_tokens = k[1], s.audio_tokens = k[2];
+    mdt_tensor_set *t = NULL;
+    mdt_rng rng;
+    mdt_rng_seed(&rng, 0);
+    MDT_TRY(mdt_tensor_set_create(&t));
+    mdt_status st = m->fam->make_inputs(m->impl, &s, &rng, t);
+    double bytes = 0;
+    for (int i = 0; st == MDT_OK && i < mdt_tensor_set_count(t); i++)
+        bytes += (double)mdt_tensor_nbytes(mdt_tensor_set_at(t, i, &(const char *){NULL}));
+    mdt_tensor_set_free(t);
+    MDT_TRY(st);
+    const double need = bytes * (double)q->batch * ratio * (q->negative ? 2.0 : 1.0);
+    char src[64], b1[32], b2[32];
+    const char *env = getenv("MESHDIT_MEM_AVAILABLE");
+    const int64_t avail = env && *env ? mdt_size_parse(env) : mdt_mem_available("", src, sizeof src);
+    if (env && *env)
+        snprintf(src, sizeof src, "MESHDIT_MEM_AVAILABLE");
+    if (avail >= 0 && need > (double)avail)
+        return MDT_FAIL(MDT_E_NOMEM,
+                        "inputs of batch %lld and %lld tokens in their longest stream take up "
+                        "to %s, more than the %s this process may use (%s)",
+                        (long long)q->batch,
+                        (long long)(n[0] > n[1] ? (n[0] > n[2] ? n[0] : n[2])
+                                                : (n[1] > n[2] ? n[1] : n[2])),
+                        mdt_fmt_size(need > 9e18 ? INT64_MAX : (int64_t)need, b1, sizeof b1),
+                        mdt_fmt_size(avail, b2, sizeof b2), src);
+    return MDT_OK;
+}
+
 mdt_status mdt_model_random_inputs(const mdt_model *m, const mdt_inputs_params *p,
                                    mdt_tensor_set *out) {
     mdt_inputs_params q = *p;
     mdt_rng rng;
     q.batch = q.batch > 0 ? q.batch : 1;
+    MDT_TRY(check_inputs_size(m, &q));
     mdt_rng_seed(&rng, q.seed);
     MDT_TRY(m->fam->make_inputs(m->impl, &q, &rng, out));
     return q.negative ? add_negatives(m, &rng, out) : MDT_OK;

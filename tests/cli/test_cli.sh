@@ -630,6 +630,9 @@ expect_error flag-with-value 2 "unexpected argument '1'" -- "$BIN" run --inputs 
     --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --quiet 1
 expect_error single-dash 2 "unknown option -steps (options start with --)" -- \
     "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" -steps 50
+# inputs too large for this process's memory are refused before they are made
+expect_error inputs-too-large 1 "inputs of batch 64 and 4096 tokens in their longest stream take up to" -- \
+    env MESHDIT_MEM_AVAILABLE=1M "$BIN" inputs --checkpoint "$DATA/flux_tiny" --batch 64 --img-tokens 4096 --out "$T/out.safetensors"
 # inputs: an option the model has no input for is refused, not dropped from the file
 expect_error inputs-negative-h3 1 "--negative: MiniMaxH3Transformer3DModel has no unconditional branch" -- \
     "$BIN" inputs --checkpoint "$DATA/h3_tiny" --negative --out "$T/out.safetensors"
