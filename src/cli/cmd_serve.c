@@ -133,6 +133,10 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
         return rc;
     if (!a->ck)
         return cli_usage_exit("serve needs --checkpoint DIR");
+    if (a->max_queue_bytes < a->max_request_bytes) /* such a request could only hear "busy" */
+        return cli_usage_exit("--max-queue-bytes %lld is less than --max-request-bytes %lld: a "
+                              "request the server takes must fit the bytes it holds at once",
+                              (long long)a->max_queue_bytes, (long long)a->max_request_bytes);
     return 0;
 }
 

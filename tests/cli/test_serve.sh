@@ -83,6 +83,12 @@ timeout 20 "$MPIEXEC" -n 1 "$BIN" serve --checkpoint "$CK" --min-rate fast >"$T/
 rc=$?
 [ $rc = 2 ] && grep -q "^meshdit: usage error: --min-rate takes a size like .* (or 0), got 'fast'$" "$T/err" &&
     ok || bad "--min-rate fast: exit $rc, $(head -1 "$T/err")"
+# a queue smaller than the largest request: such a request could only ever hear "busy"
+timeout 20 "$MPIEXEC" -n 1 "$BIN" serve --checkpoint "$CK" --max-request-bytes 1G --max-queue-bytes 1K \
+    >"$T/out" 2>"$T/err"
+rc=$?
+[ $rc = 2 ] && grep -q "^meshdit: usage error: --max-queue-bytes 1024 is less than --max-request-bytes 1073741824" "$T/err" &&
+    ok || bad "--max-queue-bytes below --max-request-bytes: exit $rc, $(head -1 "$T/err")"
 # a zero in any spelling of a size means no minimum (the usage error is then the next option's);
 # a negative zero is not a size, nor a positive one too small for a double
 for z in 0K 00 0.0MiB 0e-1G; do
