@@ -120,6 +120,15 @@ static mdt_status parse(const char *path, const cJSON *j, mdt_device_spec *d) {
     MDT_TRY(num(path, fl, "flops.", "linear", 0, 0, 1e3, 1e18, &d->flops));
     MDT_TRY(num(path, fl, "flops.", "attention", 1, 0, 0, 1e18, &d->flops_attn));
     MDT_TRY(num(path, fl, "flops.", "other", 1, 0, 0, 1e18, &d->flops_other));
+    /* 0 (or absent): the linear rate; else a rate as plausible as the linear one's lower bound
+     * (1e-300 FLOP/s made every layout's step take inf seconds) */
+    const double rates[2] = {d->flops_attn, d->flops_other};
+    for (int r = 0; r < 2; r++)
+        if (rates[r] > 0 && rates[r] < 1e3)
+            return MDT_FAIL(MDT_E_FORMAT,
+                            "%s: device file: flops.%s must be 0 (the linear rate) or a number in "
+                            "[1000, 1e+18]",
+                            path, r ? "other" : "attention");
     MDT_TRY(num(path, j, "", "memory_bytes", 0, 0, 1e6, 1e16, &d->mem_bytes));
     MDT_TRY(num(path, j, "", "devices_per_node", 0, 0, 1, 1 << 20, &v));
     if (v != floor(v))

@@ -327,6 +327,10 @@ if timeout 120 "$MPIEXEC" -n 2 "$BIN" plan --checkpoint "$DATA/flux_tiny" --cali
         --tokens 256 --txt-tokens 48 --bytes 4 >"$T/plan" &&
    grep -q "(calibrated)" "$T/plan" && [ "$(grep -c '<- best' "$T/plan")" = 1 ]; then ok
 else bad "plan --calibrate: $(head -c 600 "$T/cal") $(head -c 300 "$T/plan")"; fi
+# a rate that makes every layout's step infinite is refused, naming it
+sed 's/"attention":[^,}]*/"attention": 1e-300/' "$T/dev.json" >"$T/slowattn.json"
+expect_error device-tiny-rate 1 "flops.attention must be 0 (the linear rate) or a number in" -- "$BIN" plan \
+    --checkpoint "$DATA/flux_tiny" --device-file "$T/slowattn.json" --devices 2
 echo '{"meshdit_device": 1, "name": "x", "flops": {"linear": 1e9}}' >"$T/baddev.json"
 expect_error device-file 1 "baddev.json" "memory_bytes is missing" -- "$BIN" plan \
     --checkpoint "$DATA/flux_tiny" --device-file "$T/baddev.json" --devices 2
