@@ -4,6 +4,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "cli/cli.h"
+#include "core/core.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -13,25 +14,35 @@
 #include <string.h>
 #include <time.h>
 
+/* An error line as printed: control bytes, malformed UTF-8 and the code points terminals act on
+ * (from an argument echoed in it) as \xNN, so it stays one line and inert. */
+static void put_line(const char *what, const char *msg) {
+    static char shown[4 * 4096 + 64];
+    fprintf(stderr, "meshdit: %s: %s\n", what, mdt_escape_line(msg, shown, sizeof shown));
+}
+
 int cli_fail_exit(mdt_status st) {
     if (cli_rank == 0) {
-        if (getenv("MESHDIT_DEBUG"))
-            fprintf(stderr, "meshdit: error: %s [%s, %s]\n", mdt_last_error(), mdt_status_str(st),
-                    mdt_last_error_where());
-        else
-            fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
+        char line[4096];
+        if (getenv("MESHDIT_DEBUG")) {
+            snprintf(line, sizeof line, "%s [%s, %s]", mdt_last_error(), mdt_status_str(st),
+                     mdt_last_error_where());
+            put_line("error", line);
+        } else {
+            put_line("error", mdt_last_error());
+        }
     }
     return 1;
 }
 
 int cli_usage_exit(const char *fmt, ...) {
     if (cli_rank == 0) {
+        char line[8192];
         va_list ap;
         va_start(ap, fmt);
-        fprintf(stderr, "meshdit: usage error: ");
-        vfprintf(stderr, fmt, ap);
-        fprintf(stderr, "\n");
+        vsnprintf(line, sizeof line, fmt, ap);
         va_end(ap);
+        put_line("usage error", line);
         cli_usage(stderr);
     }
     return 2;

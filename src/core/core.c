@@ -35,23 +35,45 @@ const char *mdt_last_error(void) { return tl_msg; }
 const char *mdt_last_error_where(void) { return tl_where; }
 void mdt_error_clear(void) { tl_msg[0] = 0, tl_where[0] = 0; }
 
+/* A message longer than the buffer keeps its start and its end, the middle cut to " ... ": a
+ * long path (a message's usual start) must not push out the cause (its usual end). Cuts fall
+ * on UTF-8 character boundaries. */
+static void set_msg(const char *full) {
+    const size_t n = strlen(full), cap = sizeof tl_msg;
+    if (n < cap) {
+        memcpy(tl_msg, full, n + 1);
+        return;
+    }
+    size_t head = cap / 3, tail = n - (cap - 1 - head - 5);
+    while (head > 0 && ((unsigned char)full[head] & 0xc0u) == 0x80u)
+        head--;
+    while (tail < n && ((unsigned char)full[tail] & 0xc0u) == 0x80u)
+        tail++;
+    memcpy(tl_msg, full, head);
+    memcpy(tl_msg + head, " ... ", 5);
+    memcpy(tl_msg + head + 5, full + tail, n - tail + 1);
+}
+
 void mdt_fail_at(const char *file, int line, const char *fmt, ...) {
     const char *base = strrchr(file, '/');
+    char full[4 * sizeof tl_msg + 8192]; /* room for two paths of PATH_MAX and the words */
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(tl_msg, sizeof tl_msg, fmt, ap);
+    vsnprintf(full, sizeof full, fmt, ap);
     va_end(ap);
+    set_msg(full);
     snprintf(tl_where, sizeof tl_where, "%s:%d", base ? base + 1 : file, line);
 }
 
 mdt_status mdt_fail_prefix(mdt_status code, const char *fmt, ...) {
-    char prefix[512], old[sizeof tl_msg];
+    char full[4 * sizeof tl_msg + 8192];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(prefix, sizeof prefix, fmt, ap);
+    int k = vsnprintf(full, sizeof full, fmt, ap);
     va_end(ap);
-    memcpy(old, tl_msg, sizeof old);
-    snprintf(tl_msg, sizeof tl_msg, "%.500s: %.1500s", prefix, old);
+    if (k >= 0 && (size_t)k < sizeof full)
+        snprintf(full + k, sizeof full - (size_t)k, ": %s", tl_msg);
+    set_msg(full);
     return code;
 }
 
@@ -112,7 +134,13 @@ int mdt_decimal(const char *s, int ints, double *out) {
     return 1;
 }
 
-const char *mdt_escape(const char *s, char *buf, size_t n) {
+static const char *escape(const char *s, char *buf, size_t n, int backslash);
+
+const char *mdt_escape(const char *s, char *buf, size_t n) { return escape(s, buf, n, 1); }
+
+const char *mdt_escape_line(const char *s, char *buf, size_t n) { return escape(s, buf, n, 0); }
+
+static const char *escape(const char *s, char *buf, size_t n, int backslash) {
     static const char hex[] = "0123456789abcdef";
     const unsigned char *p = (const unsigned char *)(s ? s : "(null)");
     size_t len = 0, safe = 0; /* safe: the longest prefix that still leaves room for "..." */
@@ -126,7 +154,7 @@ const char *mdt_escape(const char *s, char *buf, size_t n) {
         size_t k = 0;
         uint32_t cp = 0;
         int seq = *p >= 0x80 ? utf8_seq(p, &cp) : 0;
-        if (*p >= 0x20 && *p < 0x7f && *p != '\\') {
+        if (*p >= 0x20 && *p < 0x7f && (*p != '\\' || !backslash)) {
             piece[k++] = (char)*p++;
         } else if (seq && !cp_is_control(cp)) {
             for (int i = 0; i < seq; i++)
@@ -430,7 +458,7 @@ double mdt_rng_normal(mdt_rng *r) {
 }
 
 mdt_status mdt_error_set(mdt_status code, const char *fmt, ...) {
-    char buf[1024];
+    char buf[4 * 2048 + 8192]; /* as mdt_fail_at's: the message's end is kept */
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(buf, sizeof buf, fmt, ap);

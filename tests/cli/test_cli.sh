@@ -647,6 +647,10 @@ expect_error inputs-audio 1 "--audio-tokens: FluxTransformer2DModel has no audio
 [ ! -e "$T/out.safetensors" ] && ok || bad "a refused inputs command wrote its file"
 expect_error inputs-stray-word 2 "unexpected argument 'junk'" -- \
     "$BIN" inputs --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" junk
+# an argument echoed in an error is escaped: a newline or ESC cannot split the line or reach the
+# terminal
+"$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp "$(printf 'x\033[31m\ny')" 2>"$T/esc_err" >/dev/null
+if head -1 "$T/esc_err" | grep -qF "got 'x\x1b[31m\x0ay'"; then ok; else bad "an echoed argument is not escaped: $(head -2 "$T/esc_err")"; fi
 # an unknown option takes the next word as its value: it is named, not the word after it
 expect_error unknown-first 2 "unknown option --bogus" -- \
     "$BIN" run --bogus --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"

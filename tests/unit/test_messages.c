@@ -92,6 +92,27 @@ static void test_class_name_type(void) {
     }
 }
 
+/* A message longer than the buffer keeps its start and its cause (the end), cut in the middle;
+ * a prefix added later does not push the cause out either. A line to print escapes control
+ * bytes but keeps what was escaped already. */
+static void test_long_messages(void) {
+    char path[3100];
+    memset(path, 'a', sizeof path - 1);
+    path[sizeof path - 1] = 0;
+    EXPECT(MDT_FAIL(MDT_E_IO, "%s: no such file (the cause)", path) == MDT_E_IO, "status");
+    const char *m = mdt_last_error();
+    EXPECT(strncmp(m, "aaaa", 4) == 0 && strstr(m, " ... ") &&
+               strcmp(m + strlen(m) - 21, "no such file (the cause)" + 3) == 0 && strlen(m) < 2048,
+           "long message: %zu bytes, ends '%s'", strlen(m), m + (strlen(m) > 40 ? strlen(m) - 40 : 0));
+    mdt_fail_prefix(MDT_E_IO, "step 3 of 4");
+    m = mdt_last_error();
+    EXPECT(strncmp(m, "step 3 of 4: aaa", 16) == 0 && strstr(m, "(the cause)"),
+           "prefixed long message lost its cause");
+    char out[64];
+    EXPECT(strcmp(mdt_escape_line("a\\x0a\nb\x1b", out, sizeof out), "a\\x0a\\x0ab\\x1b") == 0,
+           "escape_line: '%s'", out);
+}
+
 static void test_input_dtypes(void) {
     mdt_tensor_set *in = NULL;
     mdt_tensor *t;
@@ -136,6 +157,7 @@ int main(void) {
     if (!mkdtemp(g_dir))
         return 1;
     test_json_positions();
+    test_long_messages();
     test_class_name_type();
     test_input_dtypes();
     char cmd[128];
