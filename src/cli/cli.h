@@ -59,6 +59,9 @@ typedef struct cli_layout {
 } cli_layout;
 /* Reads those options from `o`; returns 0 or the usage exit code after printing why. */
 int cli_parse_layout(cli_opts *o, cli_layout *l);
+/* --cfg (1 or 2), --tp, --ring, --ulysses (1..4096 each, 1 when absent), their product at most
+ * 65536 ranks; 0, or the usage error's exit code. */
+int cli_parse_degrees(cli_opts *o, long long *cfg, long long *tp, long long *ring, long long *uly);
 /* The mesh layout of those options. */
 mdt_layout cli_mesh_layout(const cli_layout *l);
 /* The checks before any weight is read, then the load: this rank's weights plus the activations

@@ -135,10 +135,7 @@ int cmd_inspect(int argc, char **argv) {
     const int nlora = cli_opt_all(&o, "lora", lora, 16);
     if (nlora > 16)
         return cli_usage_exit("at most 16 --lora adapters, got %d", nlora);
-    if ((rc = cli_opt_int(&o, "cfg", 1, 1, 2, &cfg)) ||
-        (rc = cli_opt_int(&o, "tp", 1, 1, 4096, &tp)) ||
-        (rc = cli_opt_int(&o, "ring", 1, 1, 4096, &ring)) ||
-        (rc = cli_opt_int(&o, "ulysses", 1, 1, 4096, &uly)) || (rc = cli_opts_check_unused(&o)))
+    if ((rc = cli_parse_degrees(&o, &cfg, &tp, &ring, &uly)) || (rc = cli_opts_check_unused(&o)))
         return rc;
     if (!!ck == !!cfgp)
         return cli_usage_exit("inspect needs exactly one of --checkpoint DIR or --config FILE%s",

@@ -185,12 +185,21 @@ int cli_parse_layout(cli_opts *o, cli_layout *l) {
     if (maxmem && (l->max_bytes = mdt_size_parse(maxmem)) <= 0)
         return cli_usage_exit("--max-memory takes a size like 512M, 8G or 1048576, got '%s'",
                               maxmem);
+    return cli_parse_degrees(o, &l->cfg, &l->tp, &l->ring, &l->uly);
+}
+
+int cli_parse_degrees(cli_opts *o, long long *cfg, long long *tp, long long *ring,
+                      long long *uly) {
     int rc;
-    if ((rc = cli_opt_int(o, "cfg", 1, 1, 2, &l->cfg)) ||
-        (rc = cli_opt_int(o, "tp", 1, 1, 4096, &l->tp)) ||
-        (rc = cli_opt_int(o, "ring", 1, 1, 4096, &l->ring)) ||
-        (rc = cli_opt_int(o, "ulysses", 1, 1, 4096, &l->uly)))
+    if ((rc = cli_opt_int(o, "cfg", 1, 1, 2, cfg)) || (rc = cli_opt_int(o, "tp", 1, 1, 4096, tp)) ||
+        (rc = cli_opt_int(o, "ring", 1, 1, 4096, ring)) ||
+        (rc = cli_opt_int(o, "ulysses", 1, 1, 4096, uly)))
         return rc;
+    const long long world = *cfg * *tp * *ring * *uly; /* each axis <= 4096: no overflow */
+    if (world > 65536) /* inspect lists every rank: 67 M of them wrote a gigabyte a minute */
+        return cli_usage_exit("the layout cfg %lld x tp %lld x ring %lld x ulysses %lld is %lld "
+                              "ranks; at most 65536",
+                              *cfg, *tp, *ring, *uly, world);
     return 0;
 }
 

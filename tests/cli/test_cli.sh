@@ -651,6 +651,8 @@ expect_error inputs-stray-word 2 "unexpected argument 'junk'" -- \
 # terminal
 "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp "$(printf 'x\033[31m\ny')" 2>"$T/esc_err" >/dev/null
 if head -1 "$T/esc_err" | grep -qF "got 'x\x1b[31m\x0ay'"; then ok; else bad "an echoed argument is not escaped: $(head -2 "$T/esc_err")"; fi
+expect_error layout-too-large 2 "is 33554432 ranks; at most 65536" -- \
+    "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp 2 --ring 4096 --ulysses 4096
 # an unknown option takes the next word as its value: it is named, not the word after it
 expect_error unknown-first 2 "unknown option --bogus" -- \
     "$BIN" run --bogus --checkpoint "$DATA/flux_tiny" --inputs "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors"
