@@ -96,8 +96,8 @@ int cmd_plan(int argc, char **argv) {
                                   planning[i]);
     if ((rc = cli_opts_check_unused(&o)))
         return rc;
-    if (cli_opt_str(&o, "device-mem", NULL) && !(mem_gib > 0 && mem_gib <= 1e6))
-        return cli_usage_exit("--device-mem must be a size in GiB in (0, 1e6], not '%s'",
+    if (cli_opt_str(&o, "device-mem", NULL) && !(mem_gib >= 0.001 && mem_gib <= 1e6))
+        return cli_usage_exit("--device-mem must be a size in GiB in [0.001, 1e6], not '%s'",
                               cli_opt_str(&o, "device-mem", NULL));
     if (!!ck == !!cfgp)
         return cli_usage_exit("plan needs exactly one of --checkpoint DIR or --config FILE");

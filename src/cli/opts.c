@@ -68,6 +68,10 @@ int cli_parse_opts(int argc, char **argv, cli_opts *o, const char *const *flags)
                 is_flag |= strcmp(argv[i] + 2, flags[f]) == 0;
             o->keys[o->n] = argv[i] + 2;
             const char *eq = strchr(argv[i], '=');
+            for (int f = 0; eq && flags && flags[f]; f++) /* --quiet=1: a flag takes no value */
+                if (strlen(flags[f]) == (size_t)(eq - argv[i] - 2) &&
+                    strncmp(argv[i] + 2, flags[f], (size_t)(eq - argv[i] - 2)) == 0)
+                    return cli_usage_exit("option %s: --%s takes no value", argv[i], flags[f]);
             if (eq)
                 return cli_usage_exit("option %s: write the value after a space (%.*s %s)", argv[i],
                                       (int)(eq - argv[i]), argv[i], eq + 1);
@@ -106,7 +110,8 @@ int cli_opt_int(cli_opts *o, const char *key, long long def, long long lo, long 
     char *end;
     errno = 0;
     long long x = strtoll(v, &end, 10);
-    if (*v == 0 || *end != 0 || errno == ERANGE || x < lo || x > hi) {
+    const char *d = v + (*v == '-'); /* digits only: no blanks, no '+' (' 2' was taken, '2 ' not) */
+    if (*d < '0' || *d > '9' || *end != 0 || errno == ERANGE || x < lo || x > hi) {
         char msg[128];
         snprintf(msg, sizeof msg, "--%s must be an integer in [%lld, %lld], got '%%s'", key, lo,
                  hi);

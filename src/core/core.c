@@ -130,6 +130,11 @@ int mdt_decimal(const char *s, int ints, double *out) {
     const double v = strtod(s, NULL);
     if (!isfinite(v))
         return 0;
+    int nonzero = 0; /* a mantissa digit other than 0: a number that must not read as 0 */
+    for (const char *q = s; *q && *q != 'e' && *q != 'E'; q++)
+        nonzero |= *q >= '1' && *q <= '9';
+    if (nonzero && v == 0) /* 1e-400: below the smallest double, not a number to use */
+        return 0;
     *out = v;
     return 1;
 }

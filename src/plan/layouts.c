@@ -41,10 +41,11 @@ mdt_status mdt_plan_layouts(const mdt_model_info *info, const mdt_device_spec *d
     *out = NULL, *n = 0;
     const int devices = rq->devices;
     const int64_t tokens = rq->tokens, txt_tokens = rq->txt_tokens;
-    if (txt_tokens > tokens && !mdt_model_cross_attention(info->m))
+    if (txt_tokens >= tokens && !mdt_model_cross_attention(info->m)) /* no image row left */
         return MDT_FAIL(MDT_E_INVALID,
-                        "%lld text tokens exceed the %lld-token sequence: the model's text is part "
-                        "of its joint sequence (tokens count text and image rows)",
+                        "%lld text tokens leave no image row of the %lld-token sequence: the "
+                        "model's text is part of its joint sequence (tokens count text and image "
+                        "rows)",
                         (long long)txt_tokens, (long long)tokens);
     mdt_layout_estimate *est = calloc(8192, sizeof *est); /* at most one per (C, T, R) */
     int k = 0;

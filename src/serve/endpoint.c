@@ -99,6 +99,11 @@ static mdt_status tcp_check(const char *ep, const char *hostport, int listen_any
     const long pn = strtol(port, &end, 10);
     if (strcmp(port, "*") != 0 && (!*port || *end || pn < 1 || pn > 65535))
         return MDT_FAIL(MDT_E_INVALID, "endpoint %s: the port must be 1 to 65535 or *", shown);
+    if (listen_any && host_is_loopback(host))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "endpoint %s: --listen-any allows a host beyond this machine; this one "
+                        "is loopback, where it has no effect (drop it)",
+                        shown);
     if (!listen_any && !host_is_loopback(host))
         return MDT_FAIL(MDT_E_INVALID,
                         "endpoint %s: '%s' is not a loopback address; the server has no "
@@ -111,6 +116,11 @@ mdt_status mdt_serve_endpoint_check(const char *ep, int listen_any) {
     char shown[MDT_ESC_NAME];
     if (!ep)
         return MDT_OK; /* the default ipc endpoint */
+    if (strncmp(ep, "ipc://", 6) == 0 && listen_any) /* an option with no effect is refused */
+        return MDT_FAIL(MDT_E_INVALID,
+                        "endpoint %s: --listen-any allows a tcp host beyond this machine; an ipc "
+                        "endpoint is a local socket file, where it has no effect (drop it)",
+                        mdt_escape(ep, shown, sizeof shown));
     if (strncmp(ep, "ipc://", 6) == 0)
         return ipc_check(ep + 6);
     if (strncmp(ep, "tcp://", 6) == 0)

@@ -306,7 +306,7 @@ else bad "plan of a config with defaults left out: $(diff "$T/plan_min" "$T/plan
 expect_error plan-bytes 2 "--bytes" -- "$BIN" plan --config "$T/flux_min.json" --bytes -2
 expect_error plan-device-mem 2 "--device-mem" -- "$BIN" plan --config "$T/flux_min.json" \
     --device-mem -5
-expect_error plan-txt 1 "99999 text tokens exceed the 10-token sequence" -- "$BIN" plan \
+expect_error plan-txt 1 "99999 text tokens leave no image row of the 10-token sequence" -- "$BIN" plan \
     --config "$T/flux_min.json" --tokens 10 --txt-tokens 99999
 # Wan's text is cross-attended (its own rows): more text than video tokens is a valid plan, with
 # or without blocks (a family property, not a guess from weight names)
@@ -651,6 +651,18 @@ expect_error inputs-stray-word 2 "unexpected argument 'junk'" -- \
 # terminal
 "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp "$(printf 'x\033[31m\ny')" 2>"$T/esc_err" >/dev/null
 if head -1 "$T/esc_err" | grep -qF "got 'x\x1b[31m\x0ay'"; then ok; else bad "an echoed argument is not escaped: $(head -2 "$T/esc_err")"; fi
+# numbers as written: no blanks or '+' in an integer, no value for a flag, no number that is not
+# 0 read as 0 (1e-400), a device of at least 1 MiB, an image row left in a plan's sequence
+expect_error int-blank 2 "--tp must be an integer in" -- "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp " 2"
+expect_error int-plus 2 "--tp must be an integer in" -- "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp +2
+expect_error flag-equals 2 "option --quiet=1: --quiet takes no value" -- "$BIN" "${ORUN[@]}" \
+    --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --quiet=1
+expect_error cache-underflow 2 "threshold=1e-400 is not a number" -- "$BIN" "${ORUN[@]}" \
+    --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --steps 2 --cache first_block:threshold=1e-400
+expect_error plan-device-mem-tiny 2 "--device-mem must be a size in GiB in \[0.001" -- "$BIN" plan \
+    --checkpoint "$DATA/flux_tiny" --devices 2 --device-mem 1e-300
+expect_error plan-txt-all 1 "10 text tokens leave no image row of the 10-token sequence" -- "$BIN" plan \
+    --checkpoint "$DATA/flux_tiny" --devices 2 --tokens 10 --txt-tokens 10
 expect_error layout-too-large 2 "is 33554432 ranks; at most 65536" -- \
     "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp 2 --ring 4096 --ulysses 4096
 # an unknown option takes the next word as its value: it is named, not the word after it
