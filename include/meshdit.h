@@ -51,6 +51,12 @@ const char *mdt_last_error_where(void);
  * that a client's callback hands back to the library (e.g. a test hook). */
 mdt_status mdt_error_set(mdt_status code, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
+/* A message line as it may be printed: control bytes, malformed UTF-8 and the code points
+ * terminals act on (C1, line separators, bidirectional overrides) as \xNN, so a value echoed
+ * in it (a command-line argument) cannot split the line or drive the terminal. Backslashes are
+ * kept, so a message whose names the library escaped already is unchanged. Fits `n` bytes (n >=
+ * 8; a longer rendering ends in "..."); returns buf. */
+const char *mdt_escape_line(const char *s, char *buf, size_t n);
 
 typedef enum mdt_dtype {
     MDT_F32 = 0,

@@ -4,7 +4,6 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "cli/cli.h"
-#include "core/core.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -131,8 +130,7 @@ int cli_opt_double(cli_opts *o, const char *key, double def, double *out) {
     *out = strtod(v, &end);
     /* a plain decimal number, as the integer options and --lora's scale take: no hex floats
      * (0x1p3), no leading blanks, no inf or nan */
-    if (*v == 0 || isspace((unsigned char)*v) || *end != 0 || !isfinite(*out) ||
-        strpbrk(v, "xXpP"))
+    if (*v == 0 || isspace((unsigned char)*v) || *end != 0 || !isfinite(*out) || strpbrk(v, "xXpP"))
         return cli_usage_exit("--%s must be a finite decimal number, got '%s'", key, v);
     return 0;
 }
@@ -193,8 +191,7 @@ int cli_parse_layout(cli_opts *o, cli_layout *l) {
     return cli_parse_degrees(o, &l->cfg, &l->tp, &l->ring, &l->uly);
 }
 
-int cli_parse_degrees(cli_opts *o, long long *cfg, long long *tp, long long *ring,
-                      long long *uly) {
+int cli_parse_degrees(cli_opts *o, long long *cfg, long long *tp, long long *ring, long long *uly) {
     int rc;
     if ((rc = cli_opt_int(o, "cfg", 1, 1, 2, cfg)) || (rc = cli_opt_int(o, "tp", 1, 1, 4096, tp)) ||
         (rc = cli_opt_int(o, "ring", 1, 1, 4096, ring)) ||

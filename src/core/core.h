@@ -50,10 +50,7 @@ void mdt_error_clear(void);
  * (NUL included, n >= 8); a longer rendering is cut at a character boundary and ends in "...".
  * Returns `buf`; NULL `s` renders as "(null)". Never fails, allocates nothing. */
 const char *mdt_escape(const char *s, char *buf, size_t n);
-/* mdt_escape with backslashes left as they are: for a whole message line about to be printed,
- * whose names were escaped already (applying it again changes nothing), so a value echoed raw
- * (a command-line argument) cannot split the line or reach the terminal as a control code. */
-const char *mdt_escape_line(const char *s, char *buf, size_t n);
+/* mdt_escape_line (meshdit.h) is mdt_escape with backslashes left as they are. */
 /* A buffer size for names in messages: 251 bytes of rendering, then "..." if cut. */
 #define MDT_ESC_NAME 256
 
