@@ -104,14 +104,14 @@ int cmd_inputs(int argc, char **argv) {
         }
         if (negative && !has_neg)
             st = mdt_error_set(MDT_E_INVALID,
-                          "--negative: %s has no unconditional branch (its pipeline does not "
-                          "guide), so there are no negative_ inputs to draw",
-                          cls);
+                               "--negative: %s has no unconditional branch (its pipeline does not "
+                               "guide), so there are no negative_ inputs to draw",
+                               cls);
         else if (g_given && !mdt_tensor_set_get(set, "guidance"))
             st = mdt_error_set(MDT_E_INVALID,
-                          "--guidance: this %s takes no guidance input (its config has no "
-                          "guidance_embeds)",
-                          cls);
+                               "--guidance: this %s takes no guidance input (its config has no "
+                               "guidance_embeds)",
+                               cls);
         else if (a_given && !mdt_tensor_set_get(set, "audio_hidden_states"))
             st = mdt_error_set(MDT_E_INVALID, "--audio-tokens: %s has no audio stream", cls);
     }

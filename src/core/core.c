@@ -49,9 +49,7 @@ static void set_msg(const char *full) {
         head--;
     while (tail < n && ((unsigned char)full[tail] & 0xc0u) == 0x80u)
         tail++;
-    memcpy(tl_msg, full, head);
-    memcpy(tl_msg + head, " ... ", 5);
-    memcpy(tl_msg + head + 5, full + tail, n - tail + 1);
+    snprintf(tl_msg, cap, "%.*s ... %s", (int)head, full, full + tail);
 }
 
 void mdt_fail_at(const char *file, int line, const char *fmt, ...) {

@@ -23,8 +23,9 @@ static mdt_status input_tensor(const mdt_tensor_set *in, const char *name, int n
     if (!t)
         return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' is missing (the model needs it)", name);
     if (t->ndim != ndim) /* the sizes the caller expects may come from this very tensor */
-        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has shape %s (%d dims), expected %d dims",
-                        name, mdt_shape_str(t->ndim, t->shape, s1, 96), t->ndim, ndim);
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: tensor '%s' has shape %s (%d dims), expected %d dims", name,
+                        mdt_shape_str(t->ndim, t->shape, s1, 96), t->ndim, ndim);
     if (!has_shape(t, ndim, shape))
         return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has shape %s, expected %s", name,
                         mdt_shape_str(t->ndim, t->shape, s1, 96),

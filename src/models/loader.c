@@ -357,18 +357,19 @@ static mdt_status check_inputs_size(const mdt_model *m, const mdt_inputs_params 
     const double need = bytes * (double)q->batch * ratio * (q->negative ? 2.0 : 1.0);
     char src[64], b1[32], b2[32];
     const char *env = getenv("MESHDIT_MEM_AVAILABLE");
-    const int64_t avail = env && *env ? mdt_size_parse(env) : mdt_mem_available("", src, sizeof src);
+    const int64_t avail =
+        env && *env ? mdt_size_parse(env) : mdt_mem_available("", src, sizeof src);
     if (env && *env)
         snprintf(src, sizeof src, "MESHDIT_MEM_AVAILABLE");
     if (avail >= 0 && need > (double)avail)
-        return MDT_FAIL(MDT_E_NOMEM,
-                        "inputs of batch %lld and %lld tokens in their longest stream take up "
-                        "to %s, more than the %s this process may use (%s)",
-                        (long long)q->batch,
-                        (long long)(n[0] > n[1] ? (n[0] > n[2] ? n[0] : n[2])
-                                                : (n[1] > n[2] ? n[1] : n[2])),
-                        mdt_fmt_size(need > 9e18 ? INT64_MAX : (int64_t)need, b1, sizeof b1),
-                        mdt_fmt_size(avail, b2, sizeof b2), src);
+        return MDT_FAIL(
+            MDT_E_NOMEM,
+            "inputs of batch %lld and %lld tokens in their longest stream take up "
+            "to %s, more than the %s this process may use (%s)",
+            (long long)q->batch,
+            (long long)(n[0] > n[1] ? (n[0] > n[2] ? n[0] : n[2]) : (n[1] > n[2] ? n[1] : n[2])),
+            mdt_fmt_size(need > 9e18 ? INT64_MAX : (int64_t)need, b1, sizeof b1),
+            mdt_fmt_size(avail, b2, sizeof b2), src);
     return MDT_OK;
 }
 

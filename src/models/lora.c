@@ -531,16 +531,18 @@ mdt_status mdt_lora_map(const mdt_wtable *t, const mdt_st_file *f, const char *s
         x->wi = wi;
         /* one key of each kind a module: lora_A and lora_down, or an alpha under two prefixes,
          * would leave one of them unread */
-        const mdt_st_entry **slot = k == K_A ? &x->a : k == K_B ? &x->b : k == K_BIAS ? &x->bias
-                                                                                      : &x->alpha;
+        const mdt_st_entry **slot = k == K_A      ? &x->a
+                                    : k == K_B    ? &x->b
+                                    : k == K_BIAS ? &x->bias
+                                                  : &x->alpha;
         if (*slot) {
             static const char *const what[] = {"lora_A", "lora_B", "lora_B bias", "alpha"};
             char esc[MDT_ESC_NAME], esc0[MDT_ESC_NAME];
             mdt_escape(e->name, esc, sizeof esc);
             mdt_escape((*slot)->name, esc0, sizeof esc0);
             MDT_CHECK(MDT_FAIL(MDT_E_INVALID,
-                               "%s: '%s' gives module '%s' a second %s (the first: '%s')", src,
-                               esc, mod, what[k], esc0));
+                               "%s: '%s' gives module '%s' a second %s (the first: '%s')", src, esc,
+                               mod, what[k], esc0));
         }
         *slot = e;
         if (k != K_ALPHA && !mdt_dtype_is_float(e->dtype)) {
@@ -673,7 +675,8 @@ mdt_status mdt_lora_read(const mdt_wtable *t, const mdt_st_file *f, int T, int k
             const float *v;
             int64_t n;
             const mdt_st_entry *e;
-        } got[3] = {{x->at, la[0] * la[1], x->ea}, {x->b, lb[0] * lb[1], x->eb},
+        } got[3] = {{x->at, la[0] * la[1], x->ea},
+                    {x->b, lb[0] * lb[1], x->eb},
                     {x->bias, x->bias && x->bi >= 0 ? t->specs[x->bi].shape[0] : 0, x->ebias}};
         for (int j = 0; st == MDT_OK && j < 3; j++) {
             int64_t n = got[j].n;

@@ -267,7 +267,8 @@ static mdt_status h3_read(const h3 *f, mdt_dit *d, const mdt_tensor_set *in, h3_
     /* each packed row holds at most one modality row, and its tag is that modality's (0 video,
      * 1 text, 2 audio): a row given twice (diffusers' index_copy keeps either, or the later) or
      * tagged as another modality would take the wrong input or the wrong AdaLN row */
-    MDT_TRY(h3_check_rows(ha, S, tags, (const int64_t *[]){vidx, xidx, aidx}, (int64_t[]){Nv, Nt, Na}));
+    MDT_TRY(
+        h3_check_rows(ha, S, tags, (const int64_t *[]){vidx, xidx, aidx}, (int64_t[]){Nv, Nt, Na}));
     /* the packed sequence splits: its rotary positions, timestep indices and modality tags */
     const void *pos_l, *tidx_l, *tags_l;
     int64_t s0, Sc;

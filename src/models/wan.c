@@ -668,8 +668,8 @@ static void wan_clean_elements(const void *impl, const mdt_tensor *latent,
             for (int64_t z = 0; z < F; z++)
                 for (int64_t y = 0; y < H; y++)
                     for (int64_t x = 0; x < W; x++) {
-                        const int64_t tok = (z / f->patch[0] * Hp + y / f->patch[1]) * Wp +
-                                            x / f->patch[2];
+                        const int64_t tok =
+                            (z / f->patch[0] * Hp + y / f->patch[1]) * Wp + x / f->patch[2];
                         keep[(((b * C + c) * F + z) * H + y) * W + x] = t[b * S + tok] == 0.0f;
                     }
 }

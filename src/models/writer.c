@@ -191,7 +191,8 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
     need += 4.0 * widest; /* one tensor's f32 draws */
     char src[64], b1[32], b2[32];
     const char *env = getenv("MESHDIT_MEM_AVAILABLE");
-    const int64_t avail = env && *env ? mdt_size_parse(env) : mdt_mem_available("", src, sizeof src);
+    const int64_t avail =
+        env && *env ? mdt_size_parse(env) : mdt_mem_available("", src, sizeof src);
     if (env && *env)
         snprintf(src, sizeof src, "MESHDIT_MEM_AVAILABLE");
     if (avail >= 0 && need > (double)avail)

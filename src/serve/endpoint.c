@@ -115,7 +115,7 @@ static mdt_status tcp_check(const char *ep, const char *hostport, int listen_any
 mdt_status mdt_serve_endpoint_check(const char *ep, int listen_any) {
     char shown[MDT_ESC_NAME];
     if (!ep)
-        return MDT_OK; /* the default ipc endpoint */
+        return MDT_OK;                               /* the default ipc endpoint */
     if (strncmp(ep, "ipc://", 6) == 0 && listen_any) /* an option with no effect is refused */
         return MDT_FAIL(MDT_E_INVALID,
                         "endpoint %s: --listen-any allows a tcp host beyond this machine; an ipc "

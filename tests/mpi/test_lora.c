@@ -439,9 +439,8 @@ static void check_errors(const char *data, mdt_mesh *mesh) {
     BAD(m, "alpha_pattern_inf.safetensors", ok2,
         "{\"lora_alpha\": 4, \"r\": 4, \"alpha_pattern\": {\"to_q\": 1e400}}", MDT_E_INVALID,
         "alpha_pattern['to_q'] is not finite");
-    BAD(m, "rank_pattern_frac.safetensors", ok2,
-        "{\"r\": 4, \"rank_pattern\": {\"to_k\": 2.5}}", MDT_E_INVALID,
-        "rank_pattern['to_k'] is not a rank");
+    BAD(m, "rank_pattern_frac.safetensors", ok2, "{\"r\": 4, \"rank_pattern\": {\"to_k\": 2.5}}",
+        MDT_E_INVALID, "rank_pattern['to_k'] is not a rank");
     /* a second alpha or bias for one module (another prefix or naming) is refused, not dropped */
     const key alpha2[] = {{Q ".lora_A.weight", 2, {4, 32}, MDT_F32},
                           {Q ".lora_B.weight", 2, {32, 4}, MDT_F32},
@@ -466,7 +465,8 @@ static void check_errors(const char *data, mdt_mesh *mesh) {
     const key nan_b[] = {{Q ".lora_A.weight", 2, {4, 32}, MDT_F32},
                          {Q ".lora_B.weight", 2, {32, 4}, MDT_F32}};
     g_nan_key = 1, g_nan_at = 126;
-    BAD(m, "nan_b.safetensors", nan_b, NULL, MDT_E_FORMAT, Q ".lora_B.weight", "NaN, Inf or beyond");
+    BAD(m, "nan_b.safetensors", nan_b, NULL, MDT_E_FORMAT, Q ".lora_B.weight",
+        "NaN, Inf or beyond");
     /* the scales such metadata gives, as peft computes them (alpha / r) */
     {
         const struct {

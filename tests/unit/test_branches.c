@@ -15,8 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static mdt_tensor_set *merged(const mdt_tensor_set *a, const mdt_tensor_set *b,
-                              const char *prefix);
+static mdt_tensor_set *merged(const mdt_tensor_set *a, const mdt_tensor_set *b, const char *prefix);
 
 static mdt_model *load(const char *dir) {
     mdt_load_params lp = mdt_load_params_default();
@@ -276,7 +275,8 @@ static void check_ti2v_clean_frame(void) {
     }
     mdt_tensor_set *x = merged(in, NULL, "");
     const mdt_tensor *lat0 = mdt_tensor_set_get(in, "hidden_states"); // [B, C, F, H, W]
-    mdt_tensor *lat = mdt_tensor_set_get(x, "hidden_states"), *ts = mdt_tensor_set_get(x, "timestep");
+    mdt_tensor *lat = mdt_tensor_set_get(x, "hidden_states"),
+               *ts = mdt_tensor_set_get(x, "timestep");
     const int64_t n = mdt_tensor_numel(lat0), B = lat0->shape[0], per_b = n / B;
     const int64_t frame = lat0->shape[3] * lat0->shape[4]; /* the elements of one frame */
     float *want = malloc(sizeof(float) * (size_t)n);

@@ -166,10 +166,9 @@ static void refused_forward_keeps_the_step(void) {
 /* The report's spec (mdt_cache_spec_text) reads back as the same cache, MagCache's ratios too:
  * they were counted ("(28 mag_ratios)"), so --cache could not take the report's text. */
 static void spec_text_reads_back(void) {
-    const char *specs[] = {"mag:mag_ratios=1/2/3",
-                           "mag:mag_ratios=1.0/1.2/1.1/1.05/0.3333333/1e-7,threshold=0.1,"
-                           "num_inference_steps=6,retention_ratio=0.25,max_skip_steps=2",
-                           "first_block:threshold=0.05",
+    const char *mag = "mag:mag_ratios=1.0/1.2/1.1/1.05/0.3333333/1e-7,threshold=0.1,"
+                      "num_inference_steps=6,retention_ratio=0.25,max_skip_steps=2";
+    const char *specs[] = {"mag:mag_ratios=1/2/3", mag, "first_block:threshold=0.05",
                            "taylorseer:cache_interval=3,disable_cache_after_step=9", "text_kv"};
     char *text = malloc(MDT_CACHE_SPEC_MAX + 1);
     for (size_t i = 0; text && i < sizeof specs / sizeof specs[0]; i++) {

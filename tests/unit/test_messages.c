@@ -103,7 +103,8 @@ static void test_long_messages(void) {
     const char *m = mdt_last_error();
     EXPECT(strncmp(m, "aaaa", 4) == 0 && strstr(m, " ... ") &&
                strcmp(m + strlen(m) - 21, "no such file (the cause)" + 3) == 0 && strlen(m) < 2048,
-           "long message: %zu bytes, ends '%s'", strlen(m), m + (strlen(m) > 40 ? strlen(m) - 40 : 0));
+           "long message: %zu bytes, ends '%s'", strlen(m),
+           m + (strlen(m) > 40 ? strlen(m) - 40 : 0));
     mdt_fail_prefix(MDT_E_IO, "step 3 of 4");
     m = mdt_last_error();
     EXPECT(strncmp(m, "step 3 of 4: aaa", 16) == 0 && strstr(m, "(the cause)"),
