@@ -4,6 +4,10 @@
  */
 #include "cli/cli.h"
 
+static int is_float(mdt_dtype dt) {
+    return dt == MDT_F32 || dt == MDT_F16 || dt == MDT_BF16 || dt == MDT_F64;
+}
+
 int cmd_compare(int argc, char **argv) {
     cli_opts o;
     double tol;
@@ -58,10 +62,12 @@ int cmd_compare(int argc, char **argv) {
             continue;
         }
         double rel = d.max_abs_b > 0 ? d.max_abs_diff / d.max_abs_b : d.max_abs_diff;
-        int ok = !d.nonfinite && rel <= tol;
+        /* integer and bool tensors (ids, indices, masks) must be equal: off by one is not close */
+        const int exact = !is_float(ta->dtype);
+        int ok = !d.nonfinite && (exact ? d.max_abs_diff == 0 : rel <= tol);
         printf("%-24s %s max|a-b| %.3e  max|b| %.3e  rel %.3e  %s (tol %.1e)\n", name,
                mdt_tensor_shape_str(tb, s1, 96), d.max_abs_diff, d.max_abs_b, rel,
-               ok ? "OK" : (d.nonfinite ? "NONFINITE" : "FAIL"), tol);
+               ok ? "OK" : (d.nonfinite ? "NONFINITE" : "FAIL"), exact ? 0.0 : tol);
         bad |= !ok;
     }
     mdt_tensor_set_free(a);

@@ -649,14 +649,14 @@ static int64_t wan_token_rows(const void *impl, const mdt_tensor_set *in) {
     return rows;
 }
 
-/* The elements of latent [B, C, F, H, W] whose patch token has timestep 0 in timestep [B, S]
- * (S = the patch grid, f-major): Wan 2.2 TI2V's conditioning frame. */
+/* The elements of latent [B, C, F, H, W] whose patch token has timestep 0 in timestep [B, S] or
+ * [1, S] (S = the patch grid, f-major): Wan 2.2 TI2V's conditioning frame. */
 static void wan_clean_elements(const void *impl, const mdt_tensor *latent,
                                const mdt_tensor *timestep, unsigned char *keep) {
     const wan *f = impl;
     if (latent->ndim != 5 || timestep->ndim != 2 || timestep->dtype != MDT_F32 ||
-        timestep->shape[0] != latent->shape[0])
-        return;
+        (timestep->shape[0] != latent->shape[0] && timestep->shape[0] != 1))
+        return; /* [B, S], or [1, S]: every sample's (docs/models.md) */
     const int64_t B = latent->shape[0], C = latent->shape[1], F = latent->shape[2],
                   H = latent->shape[3], W = latent->shape[4];
     const int64_t Hp = H / f->patch[1], Wp = W / f->patch[2], S = timestep->shape[1];
@@ -670,7 +670,8 @@ static void wan_clean_elements(const void *impl, const mdt_tensor *latent,
                     for (int64_t x = 0; x < W; x++) {
                         const int64_t tok =
                             (z / f->patch[0] * Hp + y / f->patch[1]) * Wp + x / f->patch[2];
-                        keep[(((b * C + c) * F + z) * H + y) * W + x] = t[b * S + tok] == 0.0f;
+                        keep[(((b * C + c) * F + z) * H + y) * W + x] =
+                            t[(timestep->shape[0] == 1 ? 0 : b) * S + tok] == 0.0f;
                     }
 }
 

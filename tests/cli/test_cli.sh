@@ -678,6 +678,12 @@ expect_error hex-scale 2 "--guidance-scale must be a finite decimal number, got 
     --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --steps 2 --guidance-scale 0x10
 expect_error hex-tol 2 "--tol must be a finite decimal number, got '0x1p-3'" -- \
     "$BIN" compare "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/expected.safetensors" --tol 0x1p-3
+# integer tensors compare exactly (they were a dtype mismatch): an inputs file with itself; an id
+# off by one fails whatever --tol
+"$ST_EDIT" "$DATA/flux_tiny/inputs.safetensors" "$T/ids_i64.st" img_ids=I64
+"$ST_EDIT" "$DATA/flux_tiny/inputs.safetensors" "$T/ids_i64b.st" img_ids@repeat img_ids=I64
+if ! "$BIN" compare "$T/ids_i64b.st" "$T/ids_i64.st" --tol 100 >"$T/cmpx" && grep -q "img_ids .*FAIL (tol 0.0e+00)" "$T/cmpx"; then ok
+else bad "integer tensors that differ passed compare: $(cat "$T/cmpx")"; fi
 # integer tensors compare exactly (they were a dtype mismatch): an inputs file with itself
 if "$BIN" compare "$DATA/qwenimage_tiny/inputs.safetensors" "$DATA/qwenimage_tiny/inputs.safetensors" >"$T/cmpi" &&
    grep -q "img_shapes .*rel 0.000e+00  OK" "$T/cmpi"; then ok; else bad "compare of integer tensors: $(cat "$T/cmpi")"; fi

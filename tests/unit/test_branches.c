@@ -265,13 +265,18 @@ static void check_negative_complete(void) {
  * condition. Sampling keeps it as given (its pipeline puts it back before every forward and at
  * the end): two steps equal two forwards by hand, each on the latent with frame 0 the input's,
  * its tokens at timestep 0, the rest at sigma x 1000, and the result's frame 0 is the input's. */
-static void check_ti2v_clean_frame(void) {
+static void check_ti2v_clean_frame(int one_row) {
     mdt_model *m = load("tests/data/wan_ti2v");
     mdt_tensor_set *in = NULL, *out = NULL;
     if (!m || mdt_tensor_set_load("tests/data/wan_ti2v/inputs.safetensors", &in) != MDT_OK) {
         EXPECT(0, "wan_ti2v: %s", mdt_last_error());
         mdt_model_free(m);
         return;
+    }
+    if (one_row) { /* timestep [1, S]: every sample's per-token timesteps */
+        mdt_tensor *t0 = mdt_tensor_set_get(in, "timestep");
+        if (t0 && t0->ndim == 2)
+            t0->shape[0] = 1; /* the first row's values, the rest of the buffer unread */
     }
     mdt_tensor_set *x = merged(in, NULL, "");
     const mdt_tensor *lat0 = mdt_tensor_set_get(in, "hidden_states"); // [B, C, F, H, W]
@@ -314,9 +319,9 @@ static void check_ti2v_clean_frame(void) {
         moved |= !in0 && g != ((const float *)lat0->data)[j];
     }
     EXPECT(same && frame0 && moved,
-           "wan_ti2v --steps 2: equal to the two forwards by hand %d, frame 0 the input's %d, "
-           "the other frames sampled %d",
-           same, frame0, moved);
+           "wan_ti2v --steps 2 (timestep [%s, S]): equal to the two forwards by hand %d, frame 0 "
+           "the input's %d, the other frames sampled %d",
+           one_row ? "1" : "B", same, frame0, moved);
     free(want);
     mdt_tensor_set_free(x), mdt_tensor_set_free(out), mdt_tensor_set_free(in);
     mdt_model_free(m);
@@ -357,7 +362,8 @@ int main(void) {
     check_qwen_short_negative();
     check_negative_shapes();
     check_negative_complete();
-    check_ti2v_clean_frame();
+    check_ti2v_clean_frame(0);
+    check_ti2v_clean_frame(1);
     check_rescale();
     EXPECT(mdt_mem_live() == 0, "everything freed: %lld bytes live", (long long)mdt_mem_live());
     TEST_END();
