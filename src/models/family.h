@@ -95,6 +95,10 @@ enum {
     /* with MDT_IN_BATCH: dim 0 may also be 1 for a larger batch, one value for every sample (the
      * forward broadcasts it: timestep, guidance); the cfg axis gives it whole to each part */
     MDT_IN_SHARED = 4,
+    /* the forward takes it or not (Qwen-Image's mask: absent, every text row attends); with
+     * MDT_IN_BRANCH, each branch has it or not on its own (diffusers' encode_prompt drops an
+     * all-ones mask, so a negative prompt may come without one beside a positive one with one) */
+    MDT_IN_OPTIONAL = 8,
 };
 typedef struct mdt_input_decl {
     const char *name;

@@ -47,7 +47,7 @@ static mdt_status check_negative(const mdt_model *m, const mdt_tensor_set *in, c
                         shown, m->fam->class_name, list);
     }
     const mdt_tensor *c = mdt_tensor_set_get(in, x);
-    if (!c)
+    if (!c && !(d->flags & MDT_IN_OPTIONAL))
         return MDT_FAIL(MDT_E_INVALID, "inputs: '%s' without the conditional '%s'", shown, x);
     if (neg->dtype == MDT_F32) { /* named here: the forward knows it by the conditional name */
         const int64_t bad = mdt_first_nonfinite(neg->data, mdt_tensor_numel(neg));
@@ -55,7 +55,9 @@ static mdt_status check_negative(const mdt_model *m, const mdt_tensor_set *in, c
             return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' holds a NaN or Inf at element %lld",
                             shown, (long long)bad);
     }
-    const int batched = (d->flags & MDT_IN_BATCH) && c->ndim > 0;
+    const int batched = c && (d->flags & MDT_IN_BATCH) && c->ndim > 0;
+    if (!c) /* an optional input the conditional branch goes without: the forward checks it */
+        return MDT_OK;
     if (neg->ndim != c->ndim || (batched && neg->shape[0] != c->shape[0]) ||
         (c->ndim >= 3 && neg->shape[c->ndim - 1] != c->shape[c->ndim - 1]))
         return MDT_FAIL(MDT_E_INVALID,
@@ -84,7 +86,17 @@ static mdt_status make_set(const mdt_model *m, const mdt_tensor_set *in, int unc
             continue;
         snprintf(nn, sizeof nn, "%s%s", k_neg, name);
         const mdt_tensor *neg = uncond ? mdt_tensor_set_get(in, nn) : NULL;
+        const mdt_input_decl *d = uncond && !neg ? mdt_model_input(m, name) : NULL;
+        if (d && (d->flags & MDT_IN_BRANCH) && (d->flags & MDT_IN_OPTIONAL))
+            continue; /* the unconditional branch goes without it (its negative_ is absent) */
         st = mdt_tensor_set_add_copy(s, name, neg ? neg : t);
+    }
+    for (int i = 0; uncond && i < mdt_tensor_set_count(in) && st == MDT_OK; i++) {
+        const char *name; /* an optional negative_X whose conditional X is absent */
+        const mdt_tensor *t = mdt_tensor_set_at(in, i, &name);
+        if (strncmp(name, k_neg, sizeof k_neg - 1) == 0 &&
+            !mdt_tensor_set_get(in, name + sizeof k_neg - 1))
+            st = mdt_tensor_set_add_copy(s, name + sizeof k_neg - 1, t);
     }
     if (st != MDT_OK) {
         mdt_tensor_set_free(s);
@@ -119,11 +131,11 @@ mdt_status mdt_branches_init(mdt_branches *br, const mdt_model *m, const mdt_ten
     for (const mdt_input_decl *d = fam->inputs(m->impl); br->guided && d->name; d++) {
         char nn[MDT_NAME_MAX + 16], own[256] = "";
         snprintf(nn, sizeof nn, "%s%s", k_neg, d->name);
-        if ((d->flags & need) != need || !mdt_tensor_set_get(in, d->name) ||
-            mdt_tensor_set_get(in, nn))
+        if ((d->flags & need) != need || (d->flags & MDT_IN_OPTIONAL) ||
+            !mdt_tensor_set_get(in, d->name) || mdt_tensor_set_get(in, nn))
             continue;
         for (const mdt_input_decl *e = fam->inputs(m->impl); e->name; e++)
-            if ((e->flags & need) == need)
+            if ((e->flags & need) == need && !(e->flags & MDT_IN_OPTIONAL))
                 snprintf(own + strlen(own), sizeof own - strlen(own), "%snegative_%s",
                          own[0] ? ", " : "", e->name);
         return MDT_FAIL(MDT_E_INVALID,

@@ -211,14 +211,16 @@ static void check_negative_shapes(void) {
 }
 
 /* A half-present unconditional branch: each of its batched inputs (the negative prompt's
- * embeddings and mask) left out is refused by name, never taken from the conditional branch;
- * position ids may be shared (check_flux_short_negative gives its own, this leaves them out). */
+ * embeddings and pooled projections) left out is refused by name, never taken from the
+ * conditional branch; position ids may be shared (check_flux_short_negative gives its own, this
+ * leaves them out), and Qwen-Image's mask is each branch's own or absent (diffusers drops an
+ * all-ones one): the unconditional branch then runs without one, not with the conditional's. */
 static void check_negative_complete(void) {
     static const struct {
         const char *dir, *drop, *want;
     } cases[] = {{"tests/data/flux_tiny", "negative_pooled_projections", NULL},
                  {"tests/data/flux_tiny", "negative_encoder_hidden_states", NULL},
-                 {"tests/data/qwenimage_tiny", "negative_encoder_hidden_states_mask", NULL},
+                 {"tests/data/qwenimage_tiny", "negative_encoder_hidden_states_mask", "own"},
                  {"tests/data/flux_tiny", "negative_txt_ids", "shared"}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         mdt_model *m = load(cases[i].dir);
@@ -327,6 +329,41 @@ static void check_ti2v_clean_frame(int one_row) {
     mdt_model_free(m);
 }
 
+/* Qwen-Image: a negative prompt without a mask (diffusers' encode_prompt drops an all-ones one)
+ * beside a positive one with padding masked: the unconditional branch attends all its text rows,
+ * as with an all-ones mask, not through the conditional branch's mask. */
+static void check_qwen_negative_without_mask(void) {
+    mdt_model *m = load("tests/data/qwenimage_tiny");
+    if (!m)
+        return;
+    mdt_tensor_set *pos = random_inputs(m, 7, 8, 0), *neg = random_inputs(m, 8, 8, 1);
+    mdt_tensor *mk = mdt_tensor_set_get(pos, "encoder_hidden_states_mask");
+    for (int64_t j = 5; mk && mk->dtype == MDT_I64 && j < mdt_tensor_numel(mk); j++)
+        ((int64_t *)mk->data)[j] = 0; /* the positive prompt padded: rows 5..7 masked */
+    mdt_tensor_set *bare = merged(pos, NULL, ""), *ones = merged(pos, NULL, "");
+    const mdt_tensor *ne = mdt_tensor_set_get(neg, "negative_encoder_hidden_states");
+    const mdt_tensor *nm = mdt_tensor_set_get(neg, "negative_encoder_hidden_states_mask");
+    if (ne && nm && bare && ones) {
+        EXPECT_OK(mdt_tensor_set_add_copy(bare, "negative_encoder_hidden_states", ne));
+        EXPECT_OK(mdt_tensor_set_add_copy(ones, "negative_encoder_hidden_states", ne));
+        mdt_tensor *o = NULL;
+        EXPECT_OK(mdt_tensor_set_add(ones, "negative_encoder_hidden_states_mask", MDT_I64, nm->ndim,
+                                     nm->shape, &o));
+        for (int64_t j = 0; o && j < mdt_tensor_numel(o); j++)
+            ((int64_t *)o->data)[j] = 1;
+    }
+    int64_t n = 0, n1 = 0;
+    float *got = guided_sample(m, bare, 4.0, &n);
+    float *want = got ? guided_sample(m, ones, 4.0, &n1) : NULL;
+    EXPECT(got && want && n == n1 && t_rel_err(got, want, (long)n, 1e-30) <= 1e-6,
+           "qwen: a negative prompt without a mask is not the one with an all-ones mask: %s",
+           got ? "differs" : mdt_last_error());
+    free(got), free(want);
+    mdt_tensor_set_free(pos), mdt_tensor_set_free(neg);
+    mdt_tensor_set_free(bare), mdt_tensor_set_free(ones);
+    mdt_model_free(m);
+}
+
 /* Qwen-Image's rescaled combination: each token of v_u + S (v_c - v_u) rescaled to v_c's norm;
  * a token whose combined vector is 0 (v_u = 2 v_c at S = 2; or v_c = 0 at S = 1) has no direction
  * to rescale: an error naming the combination, never NaNs handed on. */
@@ -362,6 +399,7 @@ int main(void) {
     check_qwen_short_negative();
     check_negative_shapes();
     check_negative_complete();
+    check_qwen_negative_without_mask();
     check_ti2v_clean_frame(0);
     check_ti2v_clean_frame(1);
     check_rescale();
