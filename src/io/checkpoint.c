@@ -339,8 +339,12 @@ mdt_status mdt_cfg_int(const cJSON *cfg, const char *key, int required, int64_t 
 
 mdt_status mdt_cfg_bool(const cJSON *cfg, const char *key, int def, int *out) {
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
-    if (!j || cJSON_IsNull(j)) {
+    if (!j) {
         *out = def;
+        return MDT_OK;
+    }
+    if (cJSON_IsNull(j)) { /* diffusers passes None, which its modules test as false */
+        *out = 0;
         return MDT_OK;
     }
     if (!cJSON_IsBool(j))
@@ -351,6 +355,11 @@ mdt_status mdt_cfg_bool(const cJSON *cfg, const char *key, int def, int *out) {
 
 mdt_status mdt_cfg_double(const cJSON *cfg, const char *key, double def, double *out) {
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
+    if (j && cJSON_IsNull(j) && def > 0) /* as mdt_cfg_int: None only where None is the default */
+        return MDT_FAIL(MDT_E_INVALID,
+                        "config.json: '%s' is null, but it must be a number (its default, %g, "
+                        "applies only when the key is absent)",
+                        key, def);
     if (!j || cJSON_IsNull(j)) {
         *out = def;
         return MDT_OK;
@@ -367,7 +376,12 @@ mdt_status mdt_cfg_int_array(const cJSON *cfg, const char *key, int64_t *vals, i
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(cfg, key);
     int cap = *n;
     *n = 0;
-    if (!j || cJSON_IsNull(j))
+    if (j && cJSON_IsNull(j)) /* every array read here has a tuple as diffusers' default */
+        return MDT_FAIL(MDT_E_INVALID,
+                        "config.json: '%s' is null, but it must be an array of integers (its "
+                        "default applies only when the key is absent)",
+                        key);
+    if (!j)
         return MDT_OK;
     if (!cJSON_IsArray(j) || cJSON_GetArraySize(j) > cap)
         return MDT_FAIL(MDT_E_INVALID, "config.json: '%s' must be an array of at most %d integers",

@@ -54,8 +54,11 @@ mdt_status mdt_config_load(const char *path, cJSON **out);
  * Returns st unchanged (MDT_OK passes through). */
 mdt_status mdt_config_error_at(mdt_status st, const char *path);
 
-/* Typed accessors: `def` is used when the key is absent or null (required = 0); with
- * required = 1 a missing key is an error. A present key of the wrong type is always an error. */
+/* Typed accessors: `def` is used when the key is absent (required = 0); with required = 1 a
+ * missing key is an error. A present key of the wrong type is always an error. null is read as
+ * diffusers reads None: the absent value of an Optional argument (an int or double whose default
+ * here is 0 or less), false for a bool, and refused for a number with a number as its default
+ * and for an array (diffusers would fail on it). */
 mdt_status mdt_cfg_int(const cJSON *cfg, const char *key, int required, int64_t def, int64_t *out);
 mdt_status mdt_cfg_bool(const cJSON *cfg, const char *key, int def, int *out);
 mdt_status mdt_cfg_double(const cJSON *cfg, const char *key, double def, double *out);
@@ -63,7 +66,7 @@ mdt_status mdt_cfg_double(const cJSON *cfg, const char *key, double def, double 
  * [n]; each is read as mdt_cfg_int(cfg, key, 0, default) (mdt_cfg_double) would. */
 mdt_status mdt_cfg_ints(const cJSON *cfg, const char *spec, int64_t *const *dst, int n);
 mdt_status mdt_cfg_doubles(const cJSON *cfg, const char *spec, double *const *dst, int n);
-/* Integer array; `*n` in: capacity, out: count. Missing key -> count 0. */
+/* Integer array; `*n` in: capacity, out: count. Missing key -> count 0; null refused. */
 mdt_status mdt_cfg_int_array(const cJSON *cfg, const char *key, int64_t *vals, int *n);
 /* String value into *out, NULL when absent or null; a present value of another type is an error
  * ("config.json: 'K' must be a string, not a number"), MDT_E_INVALID. */

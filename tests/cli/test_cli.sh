@@ -622,6 +622,14 @@ expect_error config-key-twice-inspect 1 "key 'num_attention_heads' appears twice
 sed 's/"num_layers": [0-9]*/"num_layers": null/' "$DATA/flux_tiny/config.json" >"$T/nulls.json"
 expect_error config-null 1 "'num_layers' is null, but it must be an integer" -- \
     "$BIN" inspect --config "$T/nulls.json"
+# a bool's null is diffusers' None, false: Flux.2's guidance_embeds (default true) off
+sed 's/"guidance_embeds": [a-z]*/"guidance_embeds": null/' "$DATA/flux2_guidance/config.json" >"$T/gnull.json"
+if "$BIN" inspect --config "$T/gnull.json" >"$T/gnull" && ! grep -q guidance_embedder "$T/gnull" &&
+   "$BIN" inspect --config "$DATA/flux2_guidance/config.json" | grep -q guidance_embedder; then ok
+else bad "guidance_embeds: null is not false"; fi
+perl -0pe 's/"axes_dims_rope": \[[^\]]*\]/"axes_dims_rope": null/s' "$DATA/flux_tiny/config.json" >"$T/anull.json"
+expect_error config-null-array 1 "'axes_dims_rope' is null, but it must be an array" -- \
+    "$BIN" inspect --config "$T/anull.json"
 # a config key's error names the file it came from, not a generic config.json
 sed 's/"num_attention_heads": 2/"num_attention_heads": "two"/' "$DATA/flux_tiny/config.json" >"$T/other.json"
 expect_error config-named 1 "error: $T/other.json: 'num_attention_heads' must be an integer" -- \
