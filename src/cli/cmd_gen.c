@@ -68,7 +68,7 @@ int cmd_inputs(int argc, char **argv) {
         (rc = cli_opt_int(&o, "img-tokens", 16, 1, 1 << 24, &img)) ||
         (rc = cli_opt_int(&o, "txt-tokens", 8, 1, 1 << 24, &txt)) ||
         (rc = cli_opt_int(&o, "batch", 1, 1, 4096, &batch)) ||
-        (rc = cli_opt_int(&o, "audio-tokens", 6, 0, 1 << 24, &audio)) ||
+        (rc = cli_opt_int(&o, "audio-tokens", 6, 1, 1 << 24, &audio)) ||
         (rc = cli_opt_double(&o, "timestep", 1.0, &t)) ||
         (rc = cli_opt_double(&o, "guidance", 3.5, &g)) || (rc = cli_opts_check_unused(&o)))
         return rc;

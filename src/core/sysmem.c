@@ -2,6 +2,8 @@
 #define _POSIX_C_SOURCE 200809L
 #include "core/sysmem.h"
 
+#include "core/core.h"
+
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -172,4 +174,18 @@ int64_t mdt_mem_available(const char *root, char *what, size_t cap) {
     if (fp)
         fclose(fp);
     return best;
+}
+
+mdt_status mdt_mem_budget(int64_t *avail, char *what, size_t cap) {
+    const char *env = getenv("MESHDIT_MEM_AVAILABLE");
+    if (env && *env) {
+        if ((*avail = mdt_size_parse(env)) <= 0)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "MESHDIT_MEM_AVAILABLE='%.64s' is not a size like 512M, 8G or 1048576",
+                            env);
+        snprintf(what, cap, "MESHDIT_MEM_AVAILABLE");
+        return MDT_OK;
+    }
+    *avail = mdt_mem_available("", what, cap);
+    return MDT_OK;
 }

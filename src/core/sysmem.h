@@ -6,6 +6,8 @@
 #ifndef MDT_CORE_SYSMEM_H
 #define MDT_CORE_SYSMEM_H
 
+#include "meshdit.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -23,5 +25,10 @@ int64_t mdt_size_parse(const char *s);
  * prefixes every path ("" for this system; a directory tree in tests). `what` receives the
  * source of the smallest ("MemAvailable", "cgroup memory.max", ...). */
 int64_t mdt_mem_available(const char *root, char *what, size_t cap);
+
+/* What this process may use for a check made before allocating: MESHDIT_MEM_AVAILABLE when set
+ * (a size; anything else is MDT_E_INVALID naming it), else mdt_mem_available("") (-1: nothing
+ * to go by). `what` receives the source's name. */
+mdt_status mdt_mem_budget(int64_t *avail, char *what, size_t cap);
 
 #endif /* MDT_CORE_SYSMEM_H */

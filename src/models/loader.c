@@ -356,11 +356,8 @@ static mdt_status check_inputs_size(const mdt_model *m, const mdt_inputs_params 
     MDT_TRY(st);
     const double need = bytes * (double)q->batch * ratio * (q->negative ? 2.0 : 1.0);
     char src[64], b1[32], b2[32];
-    const char *env = getenv("MESHDIT_MEM_AVAILABLE");
-    const int64_t avail =
-        env && *env ? mdt_size_parse(env) : mdt_mem_available("", src, sizeof src);
-    if (env && *env)
-        snprintf(src, sizeof src, "MESHDIT_MEM_AVAILABLE");
+    int64_t avail;
+    MDT_TRY(mdt_mem_budget(&avail, src, sizeof src));
     if (avail >= 0 && need > (double)avail)
         return MDT_FAIL(
             MDT_E_NOMEM,

@@ -66,6 +66,22 @@ static void fill_random(const mdt_weight_spec *w, mdt_rng *rng, float *dst) {
         dst[i] = (float)(mean + std * mdt_rng_normal(rng));
 }
 
+/* The files gen (or gather: shards 1) writes into dir, then dir itself: a failed write's
+ * leftovers in a directory it created (each file appeared whole or not at all: outfile.h). */
+static void remove_written(const char *dir, int shards) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    remove(path);
+    snprintf(path, sizeof path, "%s/%s", dir, shards == 1 ? MDT_CKPT_WEIGHTS : MDT_CKPT_INDEX);
+    remove(path);
+    for (int s = 0; shards > 1 && s < shards; s++) {
+        snprintf(path, sizeof path, "%s/diffusion_pytorch_model-%05d-of-%05d.safetensors", dir,
+                 s + 1, shards);
+        remove(path);
+    }
+    rmdir(dir);
+}
+
 static mdt_status gather_host(mdt_model *m, const char *dir) {
     mdt_status st = MDT_OK;
     mdt_mesh *mesh = m->mesh;
@@ -115,15 +131,23 @@ static mdt_status gather_host(mdt_model *m, const char *dir) {
     if (st == MDT_OK && me == 0) {
         char path[4096];
         char *cfg = cJSON_Print(m->config);
+        int created = 0;
         st = no_index_in(dir);
-        if (st == MDT_OK && mkdir(dir, 0777) != 0 && errno != EEXIST)
+        if (st == MDT_OK && !cfg)
+            st = MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        if (st == MDT_OK && mkdir(dir, 0777) == 0)
+            created = 1;
+        else if (st == MDT_OK && errno != EEXIST)
             st = MDT_FAIL(MDT_E_IO, "%s: cannot create directory: %s", dir, strerror(errno));
-        snprintf(path, sizeof path, "%s/config.json", dir);
-        if (st == MDT_OK)
-            st = cfg ? write_text(path, cfg) : MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        /* as gen: the weights first, config.json last, nothing left in a directory made here */
         snprintf(path, sizeof path, "%s/%s", dir, MDT_CKPT_WEIGHTS);
         if (st == MDT_OK)
             st = write_weights(path, n, names, tp);
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        if (st == MDT_OK)
+            st = write_text(path, cfg);
+        if (st != MDT_OK && created)
+            remove_written(dir, 1);
         cJSON_free(cfg);
     }
     for (int i = 0; ts && i < n; i++)
@@ -136,22 +160,6 @@ mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
     MDT_TRY(mdt_mesh_agree(m->mesh, mdt_res_to_host(m)));
     MDT_TRY(gather_host(m, dir));
     return mdt_mesh_agree(m->mesh, mdt_res_to_device(m));
-}
-
-/* The files gen writes into dir (shards of them), then dir itself: a failed gen's leftovers in
- * a directory it created (each file appeared whole or not at all: outfile.h). */
-static void remove_written(const char *dir, int shards) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    remove(path);
-    snprintf(path, sizeof path, "%s/%s", dir, shards == 1 ? MDT_CKPT_WEIGHTS : MDT_CKPT_INDEX);
-    remove(path);
-    for (int s = 0; shards > 1 && s < shards; s++) {
-        snprintf(path, sizeof path, "%s/diffusion_pytorch_model-%05d-of-%05d.safetensors", dir,
-                 s + 1, shards);
-        remove(path);
-    }
-    rmdir(dir);
 }
 
 mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype, int shards,
@@ -190,11 +198,8 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
     }
     need += 4.0 * widest; /* one tensor's f32 draws */
     char src[64], b1[32], b2[32];
-    const char *env = getenv("MESHDIT_MEM_AVAILABLE");
-    const int64_t avail =
-        env && *env ? mdt_size_parse(env) : mdt_mem_available("", src, sizeof src);
-    if (env && *env)
-        snprintf(src, sizeof src, "MESHDIT_MEM_AVAILABLE");
+    int64_t avail;
+    MDT_CHECK(mdt_mem_budget(&avail, src, sizeof src));
     if (avail >= 0 && need > (double)avail)
         MDT_CHECK(MDT_FAIL(MDT_E_NOMEM,
                            "gen: the checkpoint's %d tensors take %s in %s, more than the %s this "

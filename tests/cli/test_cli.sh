@@ -122,6 +122,10 @@ cp "$T/tiny/config.json" "$T/tiny_config_before.json"
 expect_error gen-too-large 1 "gen: the checkpoint's 62 tensors take" "nothing written" -- \
     env MESHDIT_MEM_AVAILABLE=64K "$BIN" gen --model flux --preset tiny --seed 5 --out "$T/tiny"
 cmp -s "$T/tiny/config.json" "$T/tiny_config_before.json" && ok || bad "a refused gen changed the checkpoint's config.json"
+expect_error gen-mem-env 1 "MESHDIT_MEM_AVAILABLE='abc' is not a size" -- \
+    env MESHDIT_MEM_AVAILABLE=abc "$BIN" gen --model flux --preset tiny --out "$T/gen_new"
+expect_error inputs-audio-zero 2 "--audio-tokens must be an integer in" -- \
+    "$BIN" inputs --checkpoint "$DATA/h3_tiny" --audio-tokens 0 --out "$T/out.safetensors"
 expect_error gen-too-large-new 1 "nothing written" -- \
     env MESHDIT_MEM_AVAILABLE=64K "$BIN" gen --model flux --preset tiny --out "$T/gen_new"
 [ ! -e "$T/gen_new" ] && ok || bad "a refused gen left its new directory"
