@@ -81,7 +81,7 @@ def adapter_parts(state_dict: Mapping[str, Any], network_alphas: Mapping[str, An
             continue
         tensors["transformer." + k[len(pfx):]] = _blob.raw(np.asarray(float(v), dtype="<f4"))
     meta = {"format": "pt"}
-    if metadata:
+    if metadata is not None:  # {} too: diffusers builds LoraConfig() from it (r 8, alpha 8)
         cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
         cfg = {(k if k.startswith("transformer.") else f"transformer.{k}"): v for k, v in cfg.items()}
         meta["lora_adapter_metadata"] = json.dumps(cfg, sort_keys=True)

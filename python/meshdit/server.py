@@ -153,7 +153,8 @@ class Server:
                "--max-memory": max_memory, "--max-sessions": max_sessions,
                "--max-session-bytes": max_session_bytes, "--session-idle": session_idle,
                "--max-request-bytes": max_request_bytes, "--max-queue-bytes": max_queue_bytes,
-               "--step-timeout": step_timeout, "--load-timeout": load_timeout}
+               "--step-timeout": step_timeout or None,  # 0: the default bound, as _resume reads it
+               "--load-timeout": load_timeout}
         for k, v in opt.items():
             if v is not None:
                 if isinstance(v, float) and v.is_integer():  # the C options take whole seconds

@@ -83,6 +83,9 @@ double cli_now_s(void);
  * returns the exit code 1. */
 int cli_fail_exit(mdt_status st);
 /* Prints "meshdit: usage error: " fmt (with `arg`) and the usage from rank 0; returns 2. */
+/* "meshdit: error: MSG" on stderr, escaped as every error line is (mdt_escape_line), flushed:
+ * for a rank that reports on its own before it ends the job. */
+void cli_print_error(const char *msg);
 int cli_usage_exit(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* `b` bytes in binary units with two decimals ("1.50 MiB"). */
 void cli_fmt_bytes(double b, char *buf, size_t cap);

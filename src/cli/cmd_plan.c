@@ -49,7 +49,7 @@ static int calibrate(mdt_model_info *info, const char *path, const char *ck, con
     int end_job = 0;
     st = mdt_calibrate(info, tokens, &dev, &end_job);
     if (end_job) { /* this rank failed while its peers wait in a collective: end the job */
-        fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
+        cli_print_error(mdt_last_error());
         mdt_model_info_free(info);
         cli_abort_job(1);
     }

@@ -246,8 +246,7 @@ done:
     if (st != MDT_OK && mdt_mesh_peers_stuck(mesh)) {
         /* this rank failed inside a step while its peers wait in a collective: no agreement is
          * possible, so report from here and end the whole job */
-        fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
-        fflush(stderr);
+        cli_print_error(mdt_last_error());
         cli_abort_job(1);
     }
     mdt_run_stats_free(stats);

@@ -38,8 +38,7 @@ static void say_why_stopped(const mdt_serve_listener *l) {
 /* The listener's thread: a request outlived a stop's grace; its client has the reason. */
 static void on_stop_stuck(void *user, const char *msg) {
     (void)user;
-    fprintf(stderr, "meshdit: error: %s\n", msg);
-    fflush(stderr);
+    cli_print_error(msg);
     _exit(1); /* the launcher ends the other ranks */
 }
 
@@ -199,8 +198,7 @@ int cmd_serve(int argc, char **argv) {
             const struct timespec t = {3, 0};       /* it the time (its note arrived) */
             nanosleep(&t, NULL);
         }
-        fprintf(stderr, "meshdit: error: %s\n", mdt_last_error());
-        fflush(stderr);
+        cli_print_error(mdt_last_error());
         mdt_serve_listener_free(listener); /* the replies are written; the socket file goes */
         cli_abort_job(1);
     }

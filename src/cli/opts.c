@@ -20,6 +20,11 @@ static void put_line(const char *what, const char *msg) {
     fprintf(stderr, "meshdit: %s: %s\n", what, mdt_escape_line(msg, shown, sizeof shown));
 }
 
+void cli_print_error(const char *msg) {
+    put_line("error", msg);
+    fflush(stderr);
+}
+
 int cli_fail_exit(mdt_status st) {
     if (cli_rank == 0) {
         char line[4096];

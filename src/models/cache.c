@@ -223,10 +223,10 @@ void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap) {
         snprintf(buf, cap, "none");
 }
 
-void mdt_cache_spec_text(const mdt_cache_spec *sp, char *buf, size_t cap) {
+int mdt_cache_spec_text(const mdt_cache_spec *sp, char *buf, size_t cap) {
     if (sp->kind != MDT_CACHE_MAG) {
         mdt_cache_spec_str(sp, buf, cap);
-        return;
+        return 1;
     }
     /* MagCache's ratios, each the shortest decimal that reads back as the same float32 */
     size_t k = (size_t)snprintf(buf, cap, "mag:mag_ratios=");
@@ -243,9 +243,14 @@ void mdt_cache_spec_text(const mdt_cache_spec *sp, char *buf, size_t cap) {
     num_str(sp->threshold, th, sizeof th);
     num_str(sp->retention_ratio, rr, sizeof rr);
     if (k < cap)
-        snprintf(buf + k, cap - k,
-                 ",threshold=%s,max_skip_steps=%d,retention_ratio=%s,num_inference_steps=%d", th,
-                 sp->max_skip_steps, rr, sp->num_inference_steps);
+        k += (size_t)snprintf(buf + k, cap - k,
+                              ",threshold=%s,max_skip_steps=%d,retention_ratio=%s,"
+                              "num_inference_steps=%d",
+                              th, sp->max_skip_steps, rr, sp->num_inference_steps);
+    if (k < cap && k <= MDT_CACHE_SPEC_MAX)
+        return 1;
+    mdt_cache_spec_str(sp, buf, cap); /* a text --cache would refuse as too long: the short form */
+    return 0;
 }
 
 int mdt_cache_spec_equal(const mdt_cache_spec *a, const mdt_cache_spec *b) {

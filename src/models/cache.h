@@ -71,8 +71,10 @@ mdt_status mdt_cache_spec_parse(const char *s, mdt_cache_spec *out);
  * counted, not listed). */
 void mdt_cache_spec_str(const mdt_cache_spec *sp, char *buf, size_t cap);
 /* The spec's whole text, which mdt_cache_spec_parse reads back as the same cache (MagCache's
- * ratios listed): the report's. cap MDT_CACHE_SPEC_MAX + 1 holds any. */
-void mdt_cache_spec_text(const mdt_cache_spec *sp, char *buf, size_t cap);
+ * ratios listed): the report's. 1 when it is that; 0 when it would not fit cap or the spec limit
+ * (MDT_CACHE_SPEC_MAX: 1024 ratios written with more digits than given), buf then holding
+ * mdt_cache_spec_str's short form. */
+int mdt_cache_spec_text(const mdt_cache_spec *sp, char *buf, size_t cap);
 /* 1 when two specs ask for the same cache. */
 int mdt_cache_spec_equal(const mdt_cache_spec *a, const mdt_cache_spec *b);
 

@@ -132,7 +132,8 @@ typedef struct mdt_family {
     const char *timestep_input; /* input the sampler sets to sigma (Flux: timestep) */
     double timestep_scale;      /* the sampler's timestep is sigma x this (0: 1; Wan: 1000) */
     /* Token rows per sequence of these inputs, for the memory estimate (NULL: what the CP plan
-     * splits, as for Flux and MiniMax-H3; Wan's latent is [B, C, F, H, W]). */
+     * splits, as for Flux; Wan's latent is [B, C, F, H, W]; MiniMax-H3 adds its AdaLN table's
+     * rows, 3 per timestep). */
     int64_t (*token_rows)(const void *impl, const mdt_tensor_set *in);
     /* With a per-token timestep (dim >= 2), the latent elements whose token's timestep is 0:
      * conditioning the sampler keeps as given (Wan 2.2 TI2V's clean first frame, which its

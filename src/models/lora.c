@@ -364,9 +364,10 @@ static mdt_status check_shapes(const mdt_weight_spec *w, const mod_rec *x, const
         char esc[MDT_ESC_NAME];
         mdt_escape(x->bias->name, esc, sizeof esc);
         return MDT_FAIL(MDT_E_INVALID,
-                        "%s: '%s' has shape %s, which does not fit the bias of '%s' (%s: [%lld])",
+                        "%s: '%s' has shape %s, which does not fit the bias of '%s': expected "
+                        "[%lld], its output features",
                         src, esc, mdt_shape_str(x->bias->ndim, x->bias->shape, s1, 96), x->mod,
-                        w->name, (long long)st[0]);
+                        (long long)st[0]);
     }
     *rank = r;
     return MDT_OK;

@@ -174,7 +174,8 @@ static void spec_text_reads_back(void) {
     for (size_t i = 0; text && i < sizeof specs / sizeof specs[0]; i++) {
         mdt_cache_spec a, b;
         EXPECT_OK(mdt_cache_spec_parse(specs[i], &a));
-        mdt_cache_spec_text(&a, text, MDT_CACHE_SPEC_MAX + 1);
+        EXPECT(mdt_cache_spec_text(&a, text, MDT_CACHE_SPEC_MAX + 1) == 1, "'%s' not whole",
+               specs[i]);
         EXPECT_OK(mdt_cache_spec_parse(text, &b));
         EXPECT(mdt_cache_spec_equal(&a, &b), "'%s' -> '%s' is another cache", specs[i], text);
     }
