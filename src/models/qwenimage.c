@@ -157,13 +157,13 @@ static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
 
 /* QwenImageTransformer2DModel.forward's tensors (img_shapes as int64 [B, n, 3] or [B, 3]) */
 static const mdt_input_decl *qwen_inputs(const void *impl) {
-    static const mdt_input_decl k[] = {{"hidden_states", MDT_IN_BATCH},
-                                       {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},
-                                       {"encoder_hidden_states_mask",
-                                        MDT_IN_BATCH | MDT_IN_BRANCH | MDT_IN_OPTIONAL},
-                                       {"timestep", MDT_IN_BATCH | MDT_IN_SHARED},
-                                       {"img_shapes", MDT_IN_BATCH},
-                                       {NULL, 0}};
+    static const mdt_input_decl k[] = {
+        {"hidden_states", MDT_IN_BATCH},
+        {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},
+        {"encoder_hidden_states_mask", MDT_IN_BATCH | MDT_IN_BRANCH | MDT_IN_OPTIONAL},
+        {"timestep", MDT_IN_BATCH | MDT_IN_SHARED},
+        {"img_shapes", MDT_IN_BATCH},
+        {NULL, 0}};
     (void)impl;
     return k;
 }

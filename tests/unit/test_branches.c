@@ -343,7 +343,14 @@ static void check_qwen_negative_without_mask(void) {
     mdt_tensor_set *bare = merged(pos, NULL, ""), *ones = merged(pos, NULL, "");
     const mdt_tensor *ne = mdt_tensor_set_get(neg, "negative_encoder_hidden_states");
     const mdt_tensor *nm = mdt_tensor_set_get(neg, "negative_encoder_hidden_states_mask");
-    if (ne && nm && bare && ones) {
+    if (!ne || !nm || !bare || !ones) {
+        EXPECT(0, "qwen: inputs not made: %s", mdt_last_error());
+        mdt_tensor_set_free(pos), mdt_tensor_set_free(neg);
+        mdt_tensor_set_free(bare), mdt_tensor_set_free(ones);
+        mdt_model_free(m);
+        return;
+    }
+    {
         EXPECT_OK(mdt_tensor_set_add_copy(bare, "negative_encoder_hidden_states", ne));
         EXPECT_OK(mdt_tensor_set_add_copy(ones, "negative_encoder_hidden_states", ne));
         mdt_tensor *o = NULL;
