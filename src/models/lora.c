@@ -130,6 +130,50 @@ static const cJSON *meta_get(const lora_cfg *c, const char *field) {
     return cJSON_GetObjectItemCaseSensitive(c->meta, k);
 }
 
+/* A pattern key, written for Python's re, as a POSIX extended expression with the same matches
+ * over module names, into out (cap bytes): \d and \D become [0-9] and [^0-9], and an escaped
+ * punctuation character the character itself in brackets ([.]); \w \W \s \S \b \B pass
+ * (glibc reads them as Python does on ASCII names). 0 when the key uses what has no such
+ * spelling: another escape, a backslash inside a bracket expression (POSIX reads it as itself,
+ * Python as an escape), or Python's (? groups. */
+static int python_to_ere(const char *key, char *out, size_t cap) {
+    size_t k = 0;
+    int in_bracket = 0;
+    for (const char *p = key; *p; p++) {
+        char piece[8] = {0};
+        if (in_bracket) {
+            if (*p == '\\')
+                return 0;
+            in_bracket = *p != ']' || p[-1] == '[' || (p[-1] == '^' && p[-2] == '[');
+            piece[0] = *p;
+        } else if (*p == '[') {
+            in_bracket = 1, piece[0] = '[';
+        } else if (*p == '(' && p[1] == '?') {
+            return 0;
+        } else if (*p == '\\') {
+            const char c = *++p;
+            if (c == 'd' || c == 'D')
+                snprintf(piece, sizeof piece, "%s", c == 'd' ? "[0-9]" : "[^0-9]");
+            else if (c && strchr("wWsSbB", c))
+                piece[0] = '\\', piece[1] = c;
+            else if (c == '\\' || c == '^')
+                piece[0] = '\\', piece[1] = c;
+            else if (c && strchr(".$|?*+()[]{}/-_:,=<>!@#%&~'\"", c))
+                piece[0] = '[', piece[1] = c, piece[2] = ']';
+            else
+                return 0;
+        } else {
+            piece[0] = *p;
+        }
+        const size_t n = strlen(piece);
+        if (k + n + 1 > cap)
+            return 0;
+        memcpy(out + k, piece, n + 1);
+        k += n;
+    }
+    return 1;
+}
+
 /* peft's get_pattern_key: the first key of `patterns` with re.match(rf"(.*\.)?({key})$", mod). */
 static mdt_status pattern_value(const cJSON *patterns, const char *mod, const char *src,
                                 const char *what, double *out, int *found) {
@@ -137,13 +181,16 @@ static mdt_status pattern_value(const cJSON *patterns, const char *mod, const ch
     const cJSON *p;
     char shown[MDT_ESC_NAME];
     cJSON_ArrayForEach(p, patterns) {
-        char re[2 * MDT_NAME_MAX + 32];
+        char re[6 * MDT_NAME_MAX + 32], ere[5 * MDT_NAME_MAX];
         regex_t rx;
-        snprintf(re, sizeof re, "^(.*\\.)?(%s)$", p->string);
-        if (regcomp(&rx, re, REG_EXTENDED | REG_NOSUB) != 0)
+        const int spelled = python_to_ere(p->string, ere, sizeof ere);
+        snprintf(re, sizeof re, "^(.*\\.)?(%s)$", ere);
+        if (!spelled || regcomp(&rx, re, REG_EXTENDED | REG_NOSUB) != 0)
             return MDT_FAIL(MDT_E_UNSUPPORTED,
-                            "%s: lora_adapter_metadata: %s key '%s' is not a POSIX extended "
-                            "regular expression",
+                            "%s: lora_adapter_metadata: %s key '%s' is not a regular expression "
+                            "meshdit reads as Python's re does (POSIX extended syntax, \\d \\w "
+                            "\\s \\b and escaped punctuation; no (?...) groups, no backslash "
+                            "inside [...])",
                             src, what, mdt_escape(p->string, shown, sizeof shown));
         const int hit = regexec(&rx, mod, 0, NULL, 0) == 0;
         regfree(&rx);
