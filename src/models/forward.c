@@ -129,6 +129,8 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
         const double el = 10.0 * (mdt_now() - t0), bound = mdt_model_step_bound(m);
         mdt_mesh_set_deadline(mesh, el > bound ? el : bound);
     }
+    if (st != MDT_OK && m->fail_label)
+        st = mdt_fail_prefix(st, "%s", m->fail_label);
     st = mdt_mesh_agree(mesh, st); /* agreed once, for the whole forward */
     const double secs = mdt_now() - t0;
     m->longest_s = secs > m->longest_s ? secs : m->longest_s;

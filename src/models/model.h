@@ -51,6 +51,10 @@ struct mdt_model {
     /* the guarded forward (forward.c): the watchdog's bound and the longest forward so far, and
      * the first stage of the current forward whose rows went non-finite on this rank */
     double step_timeout, longest_s;
+    /* set by a caller around a forward whose inputs are not the caller's own names (a guided
+     * step's unconditional branch: negative_X given as X): a failure of this rank's forward says
+     * it first, before the ranks agree, so every rank's message names it */
+    const char *fail_label;
     char nan_stage[48];
     int64_t nan_elem;            /* -1: none */
     struct mdt_lora_state *lora; /* LoRA adapters and what they did to the shards (lora.h) */

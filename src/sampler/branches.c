@@ -239,10 +239,13 @@ static mdt_status run_one(mdt_branches *br, mdt_model *m, int k, float **buf, in
     if (m->cache)
         MDT_TRY(mdt_cache_select(m->cache, br->guided && k == 1 ? "uncond" : "cond"));
     MDT_TRY(mdt_tensor_set_create(&res));
+    /* its tensors carry the conditional names: a failure says whose they are, on the rank that
+     * fails, before the agreement (under cfg 2 it is another group's message everywhere) */
+    m->fail_label = br->guided && k == 1
+                        ? "the unconditional branch (the negative_ inputs in place of theirs)"
+                        : NULL;
     mdt_status st = mdt_model_forward(m, br->set[k], res); /* guarded, watched, agreed */
-    if (st != MDT_OK && br->guided && k == 1) /* its tensors carry the conditional names */
-        st = mdt_fail_prefix(st, "the unconditional branch (the negative_ inputs in place of "
-                                 "theirs)");
+    m->fail_label = NULL;
     const mdt_tensor *o = st == MDT_OK ? mdt_tensor_set_get(res, m->fam->output) : NULL;
     if (st == MDT_OK && (!o || o->dtype != MDT_F32))
         st = MDT_FAIL(MDT_E_INVALID, "the model has no F32 output '%s'", m->fam->output);

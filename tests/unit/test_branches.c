@@ -246,6 +246,27 @@ static void check_negative_complete(void) {
         mdt_tensor_set_free(in), mdt_tensor_set_free(all);
         mdt_model_free(m);
     }
+    /* a negative text of 5 rows with the conditional's 8-row ids: the unconditional branch's
+     * forward fails, and says it was that branch's (its tensors carry the conditional names) */
+    {
+        mdt_model *mf = load("tests/data/flux_tiny");
+        mdt_tensor_set *p8 = mf ? random_inputs(mf, 7, 8, 0) : NULL;
+        mdt_tensor_set *n5 = mf ? random_inputs(mf, 8, 5, 1) : NULL, *out = NULL;
+        mdt_tensor_set *x = p8 ? merged(p8, NULL, "") : NULL;
+        const char *keep[] = {"negative_encoder_hidden_states", "negative_pooled_projections"};
+        for (int j = 0; x && n5 && j < 2; j++)
+            EXPECT_OK(mdt_tensor_set_add_copy(x, keep[j], mdt_tensor_set_get(n5, keep[j])));
+        mdt_sample_params sp = mdt_sample_params_default();
+        sp.steps = 1, sp.guidance_scale = 3.0;
+        EXPECT_OK(mdt_tensor_set_create(&out));
+        if (x && out)
+            EXPECT_ERR(mdt_sample(mf, x, &sp, out, NULL), MDT_E_INVALID,
+                       "the unconditional branch (the negative_ inputs in place of theirs): ",
+                       "'txt_ids'");
+        mdt_tensor_set_free(p8), mdt_tensor_set_free(n5), mdt_tensor_set_free(x);
+        mdt_tensor_set_free(out);
+        mdt_model_free(mf);
+    }
     /* a NaN in a negative tensor is named as the negative one (the forward would see it under
      * the conditional name) */
     mdt_model *m = load("tests/data/flux_tiny");
