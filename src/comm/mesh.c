@@ -357,7 +357,7 @@ static mdt_status agree(mdt_mesh *m, mdt_status local) {
     memset(&pkt, 0, sizeof pkt);
     if (m->world_rank == first) {
         pkt.code = (int)local;
-        snprintf(pkt.msg, sizeof pkt.msg, "%s", mdt_last_error());
+        mdt_fit_text(mdt_last_error(), pkt.msg, sizeof pkt.msg);
     }
     if (MPI_Bcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, m->agree) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Bcast failed");
@@ -393,7 +393,7 @@ mdt_status mdt_world_agree(mdt_status local) {
         char msg[1800];
     } pkt = {(int)local, ""};
     if (me == first)
-        snprintf(pkt.msg, sizeof pkt.msg, "%s", mdt_last_error());
+        mdt_fit_text(mdt_last_error(), pkt.msg, sizeof pkt.msg);
     if (MPI_Bcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, MPI_COMM_WORLD) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "agreement over the world: MPI_Bcast failed");
     if (strncmp(pkt.msg, "rank ", 5) == 0) /* already agreed on by the ranks that failed */

@@ -95,7 +95,7 @@ void mdt_mesh_note_failure(mdt_mesh *m, mdt_status local) {
     const int32_t code = (int32_t)local;
     memcpy(m->note_out, &m->agreements, 8);
     memcpy(m->note_out + 8, &code, 4);
-    snprintf(m->note_out + NOTE_HEAD, sizeof m->note_out - NOTE_HEAD, "%s", mdt_last_error());
+    mdt_fit_text(mdt_last_error(), m->note_out + NOTE_HEAD, sizeof m->note_out - NOTE_HEAD);
     const int n = NOTE_HEAD + (int)strlen(m->note_out + NOTE_HEAD) + 1;
     MPI_Request r; /* small: sent eagerly; rank 0 may be gone, so it is not waited for */
     if (MPI_Isend(m->note_out, n, MPI_BYTE, 0, TAG_FAILED, m->watch, &r) == MPI_SUCCESS)

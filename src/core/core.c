@@ -38,10 +38,10 @@ void mdt_error_clear(void) { tl_msg[0] = 0, tl_where[0] = 0; }
 /* A message longer than the buffer keeps its start and its end, the middle cut to " ... ": a
  * long path (a message's usual start) must not push out the cause (its usual end). Cuts fall
  * on UTF-8 character boundaries. */
-static void set_msg(const char *full) {
-    const size_t n = strlen(full), cap = sizeof tl_msg;
-    if (n < cap) {
-        memcpy(tl_msg, full, n + 1);
+void mdt_fit_text(const char *full, char *buf, size_t cap) {
+    const size_t n = strlen(full);
+    if (cap < 16 || n < cap) {
+        snprintf(buf, cap, "%s", full);
         return;
     }
     size_t head = cap / 3, tail = n - (cap - 1 - head - 5);
@@ -49,8 +49,10 @@ static void set_msg(const char *full) {
         head--;
     while (tail < n && ((unsigned char)full[tail] & 0xc0u) == 0x80u)
         tail++;
-    snprintf(tl_msg, cap, "%.*s ... %s", (int)head, full, full + tail);
+    snprintf(buf, cap, "%.*s ... %s", (int)head, full, full + tail);
 }
+
+static void set_msg(const char *full) { mdt_fit_text(full, tl_msg, sizeof tl_msg); }
 
 void mdt_fail_at(const char *file, int line, const char *fmt, ...) {
     const char *base = strrchr(file, '/');

@@ -51,6 +51,10 @@ void mdt_error_clear(void);
  * Returns `buf`; NULL `s` renders as "(null)". Never fails, allocates nothing. */
 const char *mdt_escape(const char *s, char *buf, size_t n);
 /* mdt_escape_line (meshdit.h) is mdt_escape with backslashes left as they are. */
+
+/* `s` into buf [cap]; a longer text keeps its start and its end with " ... " between (on UTF-8
+ * boundaries): a message's cause (its usual end) survives a long path (its usual start). */
+void mdt_fit_text(const char *s, char *buf, size_t cap);
 /* A buffer size for names in messages: 251 bytes of rendering, then "..." if cut. */
 #define MDT_ESC_NAME 256
 
