@@ -77,9 +77,9 @@ static int opt_seconds(cli_opts *o, const char *key, double def, double *out) {
 static int size_is_zero(const char *v) {
     char *end, one[48];
     const double x = strtod(v, &end);
-    const char *s = v + strspn(v, " \t\n\v\f\r");
-    if (end == v || x != 0 || *s == '-' || strlen(end) > 16)
-        return 0;
+    const char *s = v;
+    if (end == v || x != 0 || !(*s >= '0' && *s <= '9') || strpbrk(v, "xX") || strlen(end) > 16)
+        return 0; /* a plain decimal, as mdt_size_parse takes: no blanks, sign or hex */
     for (const char *p = s; p < end && !strchr("eEpP", *p); p++) /* the mantissa's digits */
         if (*p >= '1' && *p <= '9')
             return 0;
@@ -120,7 +120,9 @@ static int parse_serve(int argc, char **argv, serve_args *a) {
         (rc = cli_opt_int(&o, "max-sessions", def.max_sessions, 0, 4096, &a->max_sessions)) ||
         (rc = opt_size(&o, "max-session-bytes", def.max_session_bytes, 0, &a->max_session_bytes)) ||
         (rc = opt_size(&o, "max-request-bytes", def.max_request_bytes, 0, &a->max_request_bytes)) ||
-        (rc = opt_size(&o, "max-queue-bytes", 2 * a->max_request_bytes, 0, &a->max_queue_bytes)) ||
+        (rc = opt_size(&o, "max-queue-bytes",
+                       a->max_request_bytes > INT64_MAX / 2 ? INT64_MAX : 2 * a->max_request_bytes,
+                       0, &a->max_queue_bytes)) ||
         (rc = cli_opt_int(&o, "step-timeout", 0, 1, 86400 * 7, &a->step_timeout)) ||
         (rc = cli_opt_int(&o, "load-timeout", 600, 0, 86400 * 7, &a->load_timeout)) ||
         (rc = cli_opt_int(&o, "session-idle", (long long)def.session_idle, 0, 86400 * 7,

@@ -125,6 +125,15 @@ int cli_opt_int(cli_opts *o, const char *key, long long def, long long lo, long 
     return 0;
 }
 
+/* 1 when text v, a number whose mantissa has a digit other than 0, was read as 0 (1e-400: below
+ * the smallest double): not a number to use. */
+static int underflows(const char *v, double x) {
+    int nonzero = 0;
+    for (const char *q = v; *q && *q != 'e' && *q != 'E'; q++)
+        nonzero |= *q >= '1' && *q <= '9';
+    return nonzero && x == 0;
+}
+
 int cli_opt_double(cli_opts *o, const char *key, double def, double *out) {
     const char *v = cli_opt_str(o, key, NULL);
     if (!v) {
@@ -135,7 +144,8 @@ int cli_opt_double(cli_opts *o, const char *key, double def, double *out) {
     *out = strtod(v, &end);
     /* a plain decimal number, as the integer options and --lora's scale take: no hex floats
      * (0x1p3), no leading blanks, no inf or nan */
-    if (*v == 0 || isspace((unsigned char)*v) || *end != 0 || !isfinite(*out) || strpbrk(v, "xXpP"))
+    if (*v == 0 || isspace((unsigned char)*v) || *end != 0 || !isfinite(*out) ||
+        strpbrk(v, "xXpP") || underflows(v, *out))
         return cli_usage_exit("--%s must be a finite decimal number, got '%s'", key, v);
     return 0;
 }
@@ -256,7 +266,8 @@ static mdt_status lora_spec(const char *spec, char *path, size_t cap, double *sc
     const char *num = colon + 1;
     char *end = NULL;
     const double v = *num ? strtod(num, &end) : NAN;
-    if (!*num || isspace((unsigned char)*num) || *end || !isfinite(v) || strpbrk(num, "xXpP"))
+    if (!*num || isspace((unsigned char)*num) || *end || !isfinite(v) || strpbrk(num, "xXpP") ||
+        underflows(num, v))
         return mdt_error_set(MDT_E_INVALID,
                              "--lora %s: the scale '%s' after the last ':' is not a finite "
                              "decimal number",

@@ -5,6 +5,7 @@
 #include "core/core.h"
 
 #include <limits.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,9 +21,14 @@ const char *mdt_fmt_size(int64_t b, char *buf, size_t cap) {
 }
 
 int64_t mdt_size_parse(const char *s) {
-    char *end;
+    char *end, num[64];
     double v = strtod(s, &end);
-    if (end == s || !(v > 0))
+    /* the number a plain decimal, as every number option takes (no blanks, sign or hex) */
+    if (end == s || end - s >= (ptrdiff_t)sizeof num || *s == '-')
+        return -1;
+    memcpy(num, s, (size_t)(end - s));
+    num[end - s] = '\0';
+    if (!mdt_decimal(num, 0, &v) || !(v > 0))
         return -1;
     double mul = 1;
     switch (*end) {

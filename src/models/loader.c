@@ -340,6 +340,9 @@ static mdt_status check_inputs_size(const mdt_model *m, const mdt_inputs_params 
         if (k[i] > 0 && (double)n[i] / (double)k[i] > ratio)
             ratio = (double)n[i] / (double)k[i];
     }
+    char src[64], b1[32], b2[32];
+    int64_t avail; /* read first: a malformed MESHDIT_MEM_AVAILABLE is refused whatever the size */
+    MDT_TRY(mdt_mem_budget(&avail, src, sizeof src));
     if (q->batch <= 1 && ratio <= 1)
         return MDT_OK;
     mdt_inputs_params s = *q;
@@ -355,9 +358,6 @@ static mdt_status check_inputs_size(const mdt_model *m, const mdt_inputs_params 
     mdt_tensor_set_free(t);
     MDT_TRY(st);
     const double need = bytes * (double)q->batch * ratio * (q->negative ? 2.0 : 1.0);
-    char src[64], b1[32], b2[32];
-    int64_t avail;
-    MDT_TRY(mdt_mem_budget(&avail, src, sizeof src));
     if (avail >= 0 && need > (double)avail)
         return MDT_FAIL(
             MDT_E_NOMEM,

@@ -814,7 +814,9 @@ mdt_status mdt_serve_listen(const mdt_serve_params *p, mdt_serve_listener **out)
         return MDT_FAIL(MDT_E_NOMEM, "out of memory");
     l->listen_fd = l->wake[0] = l->wake[1] = l->owner_fd = -1;
     l->max_request = p->max_request_bytes > 0 ? p->max_request_bytes : (int64_t)2 << 30;
-    l->max_queue = p->max_queue_bytes > 0 ? p->max_queue_bytes : 2 * l->max_request;
+    l->max_queue = p->max_queue_bytes > 0           ? p->max_queue_bytes
+                   : l->max_request > INT64_MAX / 2 ? INT64_MAX
+                                                    : 2 * l->max_request;
     l->handshake_s = p->handshake_timeout;
     l->message_s = p->message_timeout;
     l->min_rate = (double)(p->min_rate > 0 ? p->min_rate : 0);

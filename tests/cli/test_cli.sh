@@ -675,6 +675,14 @@ expect_error plan-device-mem-tiny 2 "--device-mem must be a size in GiB in \[0.0
     --checkpoint "$DATA/flux_tiny" --devices 2 --device-mem 1e-300
 expect_error plan-txt-all 1 "10 text tokens leave no image row of the 10-token sequence" -- "$BIN" plan \
     --checkpoint "$DATA/flux_tiny" --devices 2 --tokens 10 --txt-tokens 10
+expect_error tol-underflow 2 "--tol must be a finite decimal number, got '1e-400'" -- \
+    "$BIN" compare "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/expected.safetensors" --tol 1e-400
+expect_error lora-scale-underflow 1 "the scale '1e-400' after the last ':' is not a finite decimal" -- \
+    "$BIN" "${ORUN[@]}" --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --lora "$DATA/lora/flux_tiny/a.safetensors:1e-400"
+expect_error size-hex 2 "--max-memory takes a size like 512M, 8G or 1048576, got '0x10'" -- "$BIN" "${ORUN[@]}" \
+    --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors" --max-memory 0x10
+expect_error inputs-mem-env 1 "MESHDIT_MEM_AVAILABLE='bogus' is not a size" -- \
+    env MESHDIT_MEM_AVAILABLE=bogus "$BIN" inputs --checkpoint "$DATA/flux_tiny" --out "$T/out.safetensors"
 expect_error layout-too-large 2 "is 33554432 ranks; at most 65536" -- \
     "$BIN" inspect --checkpoint "$DATA/flux_tiny" --tp 2 --ring 4096 --ulysses 4096
 # an unknown option takes the next word as its value: it is named, not the word after it

@@ -104,7 +104,7 @@ for z in 0K 00 0.0MiB 0e-1G; do
     [ $rc = 2 ] && grep -q "^meshdit: usage error: unknown option --bogus$" "$T/err" &&
         ok || bad "--min-rate $z: exit $rc, $(head -1 "$T/err")"
 done
-for z in -0 0x1p-2000; do
+for z in -0 0x1p-2000 0x0 +0 0x10; do
     timeout 20 "$MPIEXEC" -n 1 "$BIN" serve --checkpoint "$CK" --min-rate $z >"$T/out" 2>"$T/err"
     rc=$?
     [ $rc = 2 ] && grep -q "^meshdit: usage error: --min-rate takes a size like .*, got '$z'$" "$T/err" &&
