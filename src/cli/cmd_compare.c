@@ -4,6 +4,11 @@
  */
 #include "cli/cli.h"
 
+/* A name from a file (a tensor's) or the command line, as a report line may print it: escaped
+ * (a newline or ESC in it cannot split the line or forge another). */
+static char e1[1024], e2[1024];
+static const char *shown(const char *s, char *buf) { return mdt_escape_line(s, buf, 1024); }
+
 static int is_float(mdt_dtype dt) {
     return dt == MDT_F32 || dt == MDT_F16 || dt == MDT_BF16 || dt == MDT_F64;
 }
@@ -32,20 +37,21 @@ int cmd_compare(int argc, char **argv) {
     int bad = 0;
     char s1[96], s2[96];
     if (mdt_tensor_set_count(b) == 0) { /* nothing compared is not a pass */
-        printf("%s holds no tensors: nothing to compare against\n", o.pos[1]);
+        printf("%s holds no tensors: nothing to compare against\n", shown(o.pos[1], e1));
         bad = 1;
     }
     for (int i = 0; i < mdt_tensor_set_count(a); i++) { /* said, never silently dropped */
         const char *name;
         mdt_tensor_set_at(a, i, &name);
         if (!mdt_tensor_set_get(b, name))
-            printf("%-24s EXTRA in %s (not in the reference; not compared)\n", name, o.pos[0]);
+            printf("%-24s EXTRA in %s (not in the reference; not compared)\n", shown(name, e1),
+                   shown(o.pos[0], e2));
     }
     for (int i = 0; i < mdt_tensor_set_count(b); i++) {
         const char *name;
         mdt_tensor *tb = mdt_tensor_set_at(b, i, &name), *ta = mdt_tensor_set_get(a, name);
         if (!ta) {
-            printf("%-24s MISSING in %s\n", name, o.pos[0]);
+            printf("%-24s MISSING in %s\n", shown(name, e1), shown(o.pos[0], e2));
             bad = 1;
             continue;
         }
@@ -55,7 +61,7 @@ int cmd_compare(int argc, char **argv) {
             return cli_fail_exit(st);
         }
         if (!d.comparable) {
-            printf("%-24s SHAPE/DTYPE MISMATCH %s %s vs %s %s\n", name,
+            printf("%-24s SHAPE/DTYPE MISMATCH %s %s vs %s %s\n", shown(name, e1),
                    mdt_tensor_shape_str(ta, s1, 96), mdt_dtype_str(ta->dtype),
                    mdt_tensor_shape_str(tb, s2, 96), mdt_dtype_str(tb->dtype));
             bad = 1;
@@ -65,7 +71,7 @@ int cmd_compare(int argc, char **argv) {
         /* integer and bool tensors (ids, indices, masks) must be equal: off by one is not close */
         const int exact = !is_float(ta->dtype);
         int ok = !d.nonfinite && (exact ? d.max_abs_diff == 0 : rel <= tol);
-        printf("%-24s %s max|a-b| %.3e  max|b| %.3e  rel %.3e  %s (tol %.1e)\n", name,
+        printf("%-24s %s max|a-b| %.3e  max|b| %.3e  rel %.3e  %s (tol %.1e)\n", shown(name, e1),
                mdt_tensor_shape_str(tb, s1, 96), d.max_abs_diff, d.max_abs_b, rel,
                ok ? "OK" : (d.nonfinite ? "NONFINITE" : "FAIL"), exact ? 0.0 : tol);
         bad |= !ok;
