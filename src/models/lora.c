@@ -507,7 +507,7 @@ static mdt_status resolve_scales(const mdt_st_file *f, const char *src, const cJ
 static mdt_status parse_meta(const mdt_st_file *f, const char *src, cJSON **out) {
     *out = NULL;
     const char *txt = mdt_st_meta(f, "lora_adapter_metadata");
-    if (!txt)
+    if (!txt || !*txt) /* diffusers: json.loads(raw) if raw else None */
         return MDT_OK;
     char shown[MDT_ESC_NAME + 32];
     snprintf(shown, sizeof shown, "%s: lora_adapter_metadata", src);
@@ -519,6 +519,11 @@ static mdt_status parse_meta(const mdt_st_file *f, const char *src, cJSON **out)
         cJSON_Delete(*out);
         *out = NULL;
         return st;
+    }
+    if (cJSON_IsNull(*out)) { /* "null": json.loads gives None, no metadata */
+        cJSON_Delete(*out);
+        *out = NULL;
+        return MDT_OK;
     }
     if (!cJSON_IsObject(*out)) {
         cJSON_Delete(*out);
