@@ -12,6 +12,7 @@
  * (python/meshdit/client.py) — so the second server finds the first one listening.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* inet_aton */
 #include "serve/serve.h"
 
 #include <arpa/inet.h>
@@ -22,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -72,17 +74,18 @@ static int host_is_loopback(const char *host) {
     size_t n = strlen(host);
     if (n == 0 || n >= sizeof h)
         return 0;
-    if (strcmp(host, "localhost") == 0)
+    if (strcasecmp(host, "localhost") == 0) /* names are case-blind */
         return 1;
     memcpy(h, host, n + 1);
     if (h[0] == '[' && h[n - 1] == ']')
         h[n - 1] = 0, memmove(h, h + 1, n - 1);
     struct in_addr a4;
     struct in6_addr a6;
-    if (inet_pton(AF_INET, h, &a4) == 1)
+    /* inet_aton, as the resolver reads an IPv4 host: also 127.1 and 0x7f.1 */
+    if (inet_aton(h, &a4) == 1)
         return (ntohl(a4.s_addr) >> 24) == 127;
-    if (inet_pton(AF_INET6, h, &a6) == 1)
-        return IN6_IS_ADDR_LOOPBACK(&a6);
+    if (inet_pton(AF_INET6, h, &a6) == 1) /* ::1, or ::ffff:127.x.y.z */
+        return IN6_IS_ADDR_LOOPBACK(&a6) || (IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127);
     return 0;
 }
 

@@ -84,7 +84,7 @@ rc=$?
 [ $rc = 2 ] && grep -q "^meshdit: usage error: --min-rate takes a size like .* (or 0), got 'fast'$" "$T/err" &&
     ok || bad "--min-rate fast: exit $rc, $(head -1 "$T/err")"
 # --listen-any where it has no effect (an ipc socket, a loopback host) is refused, not ignored
-for ep in "ipc://$T/any.sock" "tcp://127.0.0.1:5999"; do
+for ep in "ipc://$T/any.sock" "tcp://127.0.0.1:5999" "tcp://127.1:5999" "tcp://LOCALHOST:5999"; do
     timeout 20 "$MPIEXEC" -n 1 "$BIN" serve --checkpoint "$CK" --listen "$ep" --listen-any >"$T/out" 2>"$T/err"
     rc=$?
     [ $rc != 0 ] && grep -q "listen-any .* where it has no effect" "$T/err" &&
