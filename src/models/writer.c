@@ -156,7 +156,33 @@ static mdt_status gather_host(mdt_model *m, const char *dir) {
     return mdt_mesh_agree(mesh, st);
 }
 
+/* World rank 0 holds the whole checkpoint in its stored dtypes before it writes, plus the
+ * widest tensor's f32 gathered twice: that must fit what it may use (mdt_mem_budget). Other
+ * ranks: MDT_OK. */
+static mdt_status gather_fits(const mdt_model *m) {
+    if (m->mesh && m->mesh->world_rank != 0)
+        return MDT_OK;
+    double need = 0, widest = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        const double e = (double)spec_numel(&m->table.specs[i]);
+        need += e * (double)mdt_dtype_size(m->ws ? m->ws[i].stored : MDT_F32);
+        widest = e > widest ? e : widest;
+    }
+    need += 8.0 * widest;
+    char src[64], b1[32], b2[32];
+    int64_t avail;
+    MDT_TRY(mdt_mem_budget(&avail, src, sizeof src));
+    if (avail >= 0 && need > (double)avail)
+        return MDT_FAIL(MDT_E_NOMEM,
+                        "gather: the whole checkpoint takes %s on rank 0, more than the %s it may "
+                        "use (%s); nothing written",
+                        mdt_fmt_size(need > 9e18 ? INT64_MAX : (int64_t)need, b1, sizeof b1),
+                        mdt_fmt_size(avail, b2, sizeof b2), src);
+    return MDT_OK;
+}
+
 mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
+    MDT_TRY(mdt_mesh_agree(m->mesh, gather_fits(m)));
     MDT_TRY(mdt_mesh_agree(m->mesh, mdt_res_to_host(m)));
     MDT_TRY(gather_host(m, dir));
     return mdt_mesh_agree(m->mesh, mdt_res_to_device(m));

@@ -209,6 +209,11 @@ for n in 2 4; do
     want=$(for ((k = 0; k < n; k++)); do printf '"node":{"host":"%s","rank":%d,"ranks":%d}\n' "$(hostname)" $k $n; done)
     [ "$nodes" = "$want" ] && ok || bad "report placement for -n $n: $(echo $nodes)"
 done
+# rank 0 holds the whole checkpoint to write it: one that does not fit its budget is refused by
+# every rank before anything is gathered or written
+expect_error gather-too-large 1 "gather: the whole checkpoint takes" "nothing written" -- env MESHDIT_MEM_AVAILABLE=100K \
+    timeout 120 "$MPIEXEC" -n 2 "$BIN" gather --checkpoint "$DATA/flux_bf16_sharded" --out "$T/gath_small"
+[ ! -e "$T/gath_small" ] && ok || bad "a refused gather left its directory"
 if timeout 300 "$MPIEXEC" -n 2 "$BIN" gather --checkpoint "$DATA/flux_bf16_sharded" --out "$T/gathered" >/dev/null &&
    "$BIN" run --checkpoint "$T/gathered" --inputs "$DATA/flux_bf16_sharded/inputs.safetensors" --out "$T/g.safetensors" --quiet &&
    "$BIN" compare "$T/g.safetensors" "$DATA/flux_bf16_sharded/expected.safetensors" >/dev/null; then ok
