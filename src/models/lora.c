@@ -154,9 +154,7 @@ static int python_to_ere(const char *key, char *out, size_t cap) {
             const char c = *++p;
             if (c == 'd' || c == 'D')
                 snprintf(piece, sizeof piece, "%s", c == 'd' ? "[0-9]" : "[^0-9]");
-            else if (c && strchr("wWsSbB", c))
-                piece[0] = '\\', piece[1] = c;
-            else if (c == '\\' || c == '^')
+            else if (c && strchr("wWsSbB\\^", c)) /* as they are: glibc's \w..., \\ and \^ */
                 piece[0] = '\\', piece[1] = c;
             else if (c && strchr(".$|?*+()[]{}/-_:,=<>!@#%&~'\"", c))
                 piece[0] = '[', piece[1] = c, piece[2] = ']';

@@ -474,7 +474,8 @@ static void check_errors(const char *data, mdt_mesh *mesh) {
             double scale;
         } sc[] = {{"{\"transformer.r\": 4, \"transformer.alpha_pattern\": {\"to_q\": 2}}", 0.5},
                   {"{\"r\": 4}", 2.0}, /* lora_alpha: peft's default 8 */
-                  {"", 1.0}, {"null", 1.0}, /* diffusers: no metadata (alpha = r) */
+                  {"", 1.0},
+                  {"null", 1.0}, /* diffusers: no metadata (alpha = r) */
                   /* a pattern in Python's re: \d (which POSIX lacks) and escaped dots */
                   {"{\"r\": 4, \"lora_alpha\": 4, \"alpha_pattern\": "
                    "{\"transformer_blocks\\\\.\\\\d\\\\.attn\\\\.to_q\": 16}}",
