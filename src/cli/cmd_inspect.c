@@ -147,6 +147,16 @@ int cmd_inspect(int argc, char **argv) {
         st = mdt_model_info_open(ck, ck ? NULL : cfgp, 1, &info);
     if (st == MDT_OK)
         st = mdt_model_info_check_layout(info, (int)tp, (int)ring, (int)uly);
+    for (int i = 0; i < nlora && st == MDT_OK; i++) { /* read before anything is printed */
+        char path[4096];
+        double user;
+        mdt_lora_target_info *t = NULL;
+        int n = 0;
+        st = cli_lora_spec(lora[i], path, sizeof path, &user);
+        if (st == MDT_OK)
+            st = mdt_model_info_lora(info, path, (int)tp, &t, &n);
+        mdt_lora_targets_free(t);
+    }
     if (st != MDT_OK)
         goto done;
     printf("model %s (%s), %d tensors; layout %stp %lld x ring %lld x ulysses %lld = %lld ranks "

@@ -1014,6 +1014,9 @@ write_st "$T/lbad.safetensors" '{"transformer.nope.lora_A.weight":{"dtype":"F32"
 expect_error lora-unmapped 1 "2 keys map to no weight" "'lora_unet_x.lora_down.weight'" "'transformer.nope.lora_A.weight'" "kohya" -- \
     "$BIN" "${LRUN[@]}" --out "$T/out.safetensors" --lora "$T/lbad.safetensors:0.5"
 expect_error lora-inspect 1 "2 keys map to no weight" -- "$BIN" inspect --checkpoint "$DATA/flux_tiny" --lora "$T/lbad.safetensors"
+# an adapter that cannot be read is refused before the report: nothing printed on stdout
+"$BIN" inspect --checkpoint "$DATA/flux_tiny" --lora /nonexistent.safetensors >"$T/linsp_bad" 2>/dev/null
+[ $? = 1 ] && [ ! -s "$T/linsp_bad" ] && ok || bad "inspect --lora of a missing file printed $(wc -l <"$T/linsp_bad") lines first"
 # step caching (--cache first_block): the decisions are every rank's, so every layout skips the
 # same forwards as one rank and gives its result (<= 1e-5); the threshold makes some forwards skip
 # and some compute; threshold 0 computes every block (the bits of no cache); the guided branches
