@@ -77,9 +77,11 @@ void cli_abort_job(int code) {
 static const struct {
     const char *name;
     int (*fn)(int argc, char **argv);
-} k_commands[] = {{"gen", cmd_gen},         {"inputs", cmd_inputs},   {"run", cmd_run},
-                  {"compare", cmd_compare}, {"inspect", cmd_inspect}, {"gather", cmd_gather},
-                  {"plan", cmd_plan},       {"serve", cmd_serve}};
+    int serial; /* one process's work: under mpiexec -n N rank 0 does it, the others nothing */
+} k_commands[] = {{"gen", cmd_gen, 1},         {"inputs", cmd_inputs, 1},
+                  {"run", cmd_run, 0},         {"compare", cmd_compare, 1},
+                  {"inspect", cmd_inspect, 1}, {"gather", cmd_gather, 0},
+                  {"plan", cmd_plan, 0},       {"serve", cmd_serve, 0}};
 
 static int dispatch(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0) {
@@ -87,8 +89,8 @@ static int dispatch(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
-        if (strcmp(argv[1], k_commands[i].name) == 0)
-            return k_commands[i].fn(argc - 2, argv + 2);
+        if (strcmp(argv[1], k_commands[i].name) == 0) /* not N copies writing the same files */
+            return k_commands[i].serial && cli_rank != 0 ? 0 : k_commands[i].fn(argc - 2, argv + 2);
     if (strcmp(argv[1], "--version") == 0) {
         printf("meshdit %d.%d.%d\n", MDT_VERSION_MAJOR, MDT_VERSION_MINOR, MDT_VERSION_PATCH);
         return 0;

@@ -214,6 +214,9 @@ done
 expect_error gather-too-large 1 "gather: the whole checkpoint takes" "nothing written" -- env MESHDIT_MEM_AVAILABLE=100K \
     timeout 120 "$MPIEXEC" -n 2 "$BIN" gather --checkpoint "$DATA/flux_bf16_sharded" --out "$T/gath_small"
 [ ! -e "$T/gath_small" ] && ok || bad "a refused gather left its directory"
+# a one-process command under mpiexec runs once (rank 0), not once per rank on the same files
+if timeout 60 "$MPIEXEC" -n 2 "$BIN" gen --model flux --preset tiny --out "$T/gen2" >"$T/gen2.txt" &&
+   [ "$(grep -c '^wrote' "$T/gen2.txt")" = 1 ]; then ok; else bad "gen under mpiexec -n 2: $(cat "$T/gen2.txt")"; fi
 if timeout 300 "$MPIEXEC" -n 2 "$BIN" gather --checkpoint "$DATA/flux_bf16_sharded" --out "$T/gathered" >/dev/null &&
    "$BIN" run --checkpoint "$T/gathered" --inputs "$DATA/flux_bf16_sharded/inputs.safetensors" --out "$T/g.safetensors" --quiet &&
    "$BIN" compare "$T/g.safetensors" "$DATA/flux_bf16_sharded/expected.safetensors" >/dev/null; then ok
