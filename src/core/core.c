@@ -54,15 +54,20 @@ void mdt_fit_text(const char *full, char *buf, size_t cap) {
 
 static void set_msg(const char *full) { mdt_fit_text(full, tl_msg, sizeof tl_msg); }
 
-void mdt_fail_at(const char *file, int line, const char *fmt, ...) {
+/* The message of fmt and ap as this thread's last error, made at file:line. */
+static void fail_v(const char *file, int line, const char *fmt, va_list ap) {
     const char *base = strrchr(file, '/');
     char full[4 * sizeof tl_msg + 8192]; /* room for two paths of PATH_MAX and the words */
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(full, sizeof full, fmt, ap);
-    va_end(ap);
     set_msg(full);
     snprintf(tl_where, sizeof tl_where, "%s:%d", base ? base + 1 : file, line);
+}
+
+void mdt_fail_at(const char *file, int line, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fail_v(file, line, fmt, ap);
+    va_end(ap);
 }
 
 mdt_status mdt_fail_prefix(mdt_status code, const char *fmt, ...) {
@@ -463,10 +468,9 @@ double mdt_rng_normal(mdt_rng *r) {
 }
 
 mdt_status mdt_error_set(mdt_status code, const char *fmt, ...) {
-    char buf[4 * 2048 + 8192]; /* as mdt_fail_at's: the message's end is kept */
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
+    fail_v(__FILE__, __LINE__, fmt, ap);
     va_end(ap);
-    return MDT_FAIL(code, "%s", buf);
+    return code;
 }
