@@ -195,3 +195,14 @@ mdt_status mdt_mem_budget(int64_t *avail, char *what, size_t cap) {
     *avail = mdt_mem_available("", what, cap);
     return MDT_OK;
 }
+
+mdt_status mdt_mem_fits(double need, const char *what, const char *mid, const char *tail) {
+    char src[64], b1[32], b2[32];
+    int64_t avail;
+    MDT_TRY(mdt_mem_budget(&avail, src, sizeof src));
+    if (avail < 0 || need <= (double)avail)
+        return MDT_OK;
+    return MDT_FAIL(MDT_E_NOMEM, "%s %s%s, more than the %s this process may use (%s)%s", what,
+                    mdt_fmt_size(need > 9e18 ? INT64_MAX : (int64_t)need, b1, sizeof b1), mid,
+                    mdt_fmt_size(avail, b2, sizeof b2), src, tail);
+}

@@ -31,4 +31,9 @@ int64_t mdt_mem_available(const char *root, char *what, size_t cap);
  * to go by). `what` receives the source's name. */
 mdt_status mdt_mem_budget(int64_t *avail, char *what, size_t cap);
 
+/* MDT_OK when `need` bytes fit that budget (or there is none to go by), else MDT_E_NOMEM:
+ * "WHAT SIZE MID, more than the AVAIL this process may use (SOURCE)TAIL". A malformed
+ * MESHDIT_MEM_AVAILABLE is refused whatever `need` (0 checks only that). */
+mdt_status mdt_mem_fits(double need, const char *what, const char *mid, const char *tail);
+
 #endif /* MDT_CORE_SYSMEM_H */

@@ -340,11 +340,8 @@ static mdt_status check_inputs_size(const mdt_model *m, const mdt_inputs_params 
         if (k[i] > 0 && (double)n[i] / (double)k[i] > ratio)
             ratio = (double)n[i] / (double)k[i];
     }
-    char src[64], b1[32], b2[32];
-    int64_t avail; /* read first: a malformed MESHDIT_MEM_AVAILABLE is refused whatever the size */
-    MDT_TRY(mdt_mem_budget(&avail, src, sizeof src));
-    if (q->batch <= 1 && ratio <= 1)
-        return MDT_OK;
+    if (q->batch <= 1 && ratio <= 1) /* a malformed MESHDIT_MEM_AVAILABLE is refused still */
+        return mdt_mem_fits(0, "", "", "");
     mdt_inputs_params s = *q;
     s.batch = 1, s.img_tokens = k[0], s.txt_tokens = k[1], s.audio_tokens = k[2];
     mdt_tensor_set *t = NULL;
@@ -358,16 +355,12 @@ static mdt_status check_inputs_size(const mdt_model *m, const mdt_inputs_params 
     mdt_tensor_set_free(t);
     MDT_TRY(st);
     const double need = bytes * (double)q->batch * ratio * (q->negative ? 2.0 : 1.0);
-    if (avail >= 0 && need > (double)avail)
-        return MDT_FAIL(
-            MDT_E_NOMEM,
-            "inputs of batch %lld and %lld tokens in their longest stream take up "
-            "to %s, more than the %s this process may use (%s)",
-            (long long)q->batch,
-            (long long)(n[0] > n[1] ? (n[0] > n[2] ? n[0] : n[2]) : (n[1] > n[2] ? n[1] : n[2])),
-            mdt_fmt_size(need > 9e18 ? INT64_MAX : (int64_t)need, b1, sizeof b1),
-            mdt_fmt_size(avail, b2, sizeof b2), src);
-    return MDT_OK;
+    char what[128];
+    snprintf(what, sizeof what,
+             "inputs of batch %lld and %lld tokens in their longest stream take up to",
+             (long long)q->batch,
+             (long long)(n[0] > n[1] ? (n[0] > n[2] ? n[0] : n[2]) : (n[1] > n[2] ? n[1] : n[2])));
+    return mdt_mem_fits(need, what, "", "");
 }
 
 mdt_status mdt_model_random_inputs(const mdt_model *m, const mdt_inputs_params *p,

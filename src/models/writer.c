@@ -56,6 +56,20 @@ static int64_t spec_numel(const mdt_weight_spec *w) {
     return w->shape[0] * (w->ndim > 1 ? w->shape[1] : 1);
 }
 
+/* The bytes of m's whole checkpoint in dtype (MDT_DTYPE_COUNT: each tensor's stored dtype), and
+ * in *widest the element count of its largest tensor. */
+static double checkpoint_bytes(const mdt_model *m, mdt_dtype dtype, double *widest) {
+    double bytes = 0;
+    *widest = 0;
+    for (int i = 0; i < m->table.n; i++) {
+        const double e = (double)spec_numel(&m->table.specs[i]);
+        const mdt_dtype dt = dtype != MDT_DTYPE_COUNT ? dtype : m->ws ? m->ws[i].stored : MDT_F32;
+        bytes += e * (double)mdt_dtype_size(dt);
+        *widest = e > *widest ? e : *widest;
+    }
+    return bytes;
+}
+
 static void fill_random(const mdt_weight_spec *w, mdt_rng *rng, float *dst) {
     int64_t n = spec_numel(w);
     size_t len = strlen(w->name);
@@ -162,23 +176,10 @@ static mdt_status gather_host(mdt_model *m, const char *dir) {
 static mdt_status gather_fits(const mdt_model *m) {
     if (m->mesh && m->mesh->world_rank != 0)
         return MDT_OK;
-    double need = 0, widest = 0;
-    for (int i = 0; i < m->table.n; i++) {
-        const double e = (double)spec_numel(&m->table.specs[i]);
-        need += e * (double)mdt_dtype_size(m->ws ? m->ws[i].stored : MDT_F32);
-        widest = e > widest ? e : widest;
-    }
-    need += 8.0 * widest;
-    char src[64], b1[32], b2[32];
-    int64_t avail;
-    MDT_TRY(mdt_mem_budget(&avail, src, sizeof src));
-    if (avail >= 0 && need > (double)avail)
-        return MDT_FAIL(MDT_E_NOMEM,
-                        "gather: the whole checkpoint takes %s on rank 0, more than the %s it may "
-                        "use (%s); nothing written",
-                        mdt_fmt_size(need > 9e18 ? INT64_MAX : (int64_t)need, b1, sizeof b1),
-                        mdt_fmt_size(avail, b2, sizeof b2), src);
-    return MDT_OK;
+    double widest;
+    const double need = checkpoint_bytes(m, MDT_DTYPE_COUNT, &widest) + 8.0 * widest;
+    return mdt_mem_fits(need, "gather: the whole checkpoint takes", " on rank 0",
+                        "; nothing written");
 }
 
 mdt_status mdt_model_gather(mdt_model *m, const char *dir) {
@@ -216,22 +217,12 @@ mdt_status mdt_model_gen(const char *config_text, uint64_t seed, mdt_dtype dtype
         MDT_CHECK(no_index_in(dir));
     /* the whole checkpoint is made in memory before anything is written: it must fit what this
      * process may use (MESHDIT_MEM_AVAILABLE, or MemAvailable and the cgroup's limit) */
-    double need = 0, widest = 0;
-    for (int i = 0; i < n; i++) {
-        const double e = (double)spec_numel(&m->table.specs[i]);
-        need += e * (double)mdt_dtype_size(dtype);
-        widest = e > widest ? e : widest;
-    }
-    need += 4.0 * widest; /* one tensor's f32 draws */
-    char src[64], b1[32], b2[32];
-    int64_t avail;
-    MDT_CHECK(mdt_mem_budget(&avail, src, sizeof src));
-    if (avail >= 0 && need > (double)avail)
-        MDT_CHECK(MDT_FAIL(MDT_E_NOMEM,
-                           "gen: the checkpoint's %d tensors take %s in %s, more than the %s this "
-                           "process may use (%s); nothing written",
-                           n, mdt_fmt_size(need > 9e18 ? INT64_MAX : (int64_t)need, b1, sizeof b1),
-                           mdt_dtype_name(dtype), mdt_fmt_size(avail, b2, sizeof b2), src));
+    double widest;
+    char what[64], in_dt[32];
+    snprintf(what, sizeof what, "gen: the checkpoint's %d tensors take", n);
+    snprintf(in_dt, sizeof in_dt, " in %s", mdt_dtype_name(dtype));
+    MDT_CHECK(mdt_mem_fits(checkpoint_bytes(m, dtype, &widest) + 4.0 * widest, /* + f32 draws */
+                           what, in_dt, "; nothing written"));
 
     ts = mdt_calloc(sizeof *ts * (size_t)n);
     tp = mdt_calloc(sizeof(const mdt_tensor *) * (size_t)n);
