@@ -288,7 +288,7 @@ static unsigned char *refusal_blob(const unsigned char *head, size_t n, const ch
     char op[16], id[MDT_SERVE_NAME_MAX + 1];
     mdt_serve_request_peek(head, n < MDT_SERVE_PEEK_BYTES ? n : MDT_SERVE_PEEK_BYTES, op, id);
     unsigned char *b = NULL;
-    return mdt_serve_reply_error(op, id, msg, &b, size) == MDT_OK ? b : NULL;
+    return mdt_serve_reply_error(op, id, msg, MDT_OK, &b, size) == MDT_OK ? b : NULL;
 }
 
 /* ---- connections ---- */
@@ -622,7 +622,7 @@ static void stop_stuck(mdt_serve_listener *l, uint64_t conn, const char *op, con
     peer *c = find_conn(l, conn);
     unsigned char *b = NULL;
     size_t n = 0;
-    if (c && mdt_serve_reply_error(op, id, msg, &b, &n) == MDT_OK)
+    if (c && mdt_serve_reply_error(op, id, msg, MDT_E_STOPPED, &b, &n) == MDT_OK)
         out_reply(l, c, b, n, 0, 0); /* not its reply: the loop's own, if it comes, is that */
     pthread_mutex_lock(&l->mu);
     req_item *q = l->q;

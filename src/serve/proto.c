@@ -336,15 +336,17 @@ mdt_status mdt_serve_reply_ok(const char *const *meta, const mdt_tensor_set *out
     return mdt_tensor_set_serialize(outputs, kv, blob, size);
 }
 
-mdt_status mdt_serve_reply_error(const char *op, const char *id, const char *msg,
+mdt_status mdt_serve_reply_error(const char *op, const char *id, const char *msg, mdt_status code,
                                  unsigned char **blob, size_t *size) {
     char line[1024];
     snprintf(line, sizeof line, "%s", msg && msg[0] ? msg : "unknown error");
     for (char *c = line; *c; c++) /* one line, whatever the message held */
         if (*c == '\n' || *c == '\r')
             *c = ' ';
-    const char *kv[9] = {"status", "error", "error", line};
+    const char *kv[11] = {"status", "error", "error", line};
     int n = 4;
+    if (code != MDT_OK)
+        kv[n++] = "code", kv[n++] = mdt_status_str(code);
     if (op && op[0])
         kv[n++] = "op", kv[n++] = op;
     if (id && id[0])

@@ -300,7 +300,7 @@ static mdt_status op_lora_load(serve_ctx *c, const mdt_serve_request *r, unsigne
     if (c->rank != 0)
         return MDT_OK;
     if (st != MDT_OK)
-        return mdt_serve_reply_error("lora_load", r->id, mdt_last_error(), reply, rn);
+        return mdt_serve_reply_error("lora_load", r->id, mdt_last_error(), st, reply, rn);
     mdt_lora_info li;
     mdt_model_lora_info(c->m, mdt_model_lora_count(c->m) - 1, &li);
     char targets[24], rmin[24], rmax[24], bytes[24];
@@ -329,7 +329,7 @@ static mdt_status op_lora_unload(serve_ctx *c, const mdt_serve_request *r, unsig
     if (c->rank != 0)
         return MDT_OK;
     if (st != MDT_OK)
-        return mdt_serve_reply_error("lora_unload", r->id, mdt_last_error(), reply, rn);
+        return mdt_serve_reply_error("lora_unload", r->id, mdt_last_error(), st, reply, rn);
     const char *meta[] = {"op", "lora_unload", "id", r->id, "adapter_name", r->adapter, NULL};
     return mdt_serve_reply_ok(meta, NULL, reply, rn);
 }
@@ -857,7 +857,7 @@ static mdt_status op_forward(serve_ctx *c, mdt_serve_request *r, unsigned char *
                                             : &cache->last;
     if (c->rank == 0) {
         if (st != MDT_OK)
-            st = mdt_serve_reply_error("forward", r->id, mdt_last_error(), reply, rn);
+            st = mdt_serve_reply_error("forward", r->id, mdt_last_error(), st, reply, rn);
         else {
             char sec[32], got[32], kept[32], cdiff[40] = "", cran[24] = "", cskip[24] = "",
                                              csaved[40] = "", fuse[32] = "";
@@ -947,10 +947,10 @@ static mdt_status run_request(serve_ctx *c, mdt_serve_request *r, unsigned char 
 
 /* Hands an error reply to the client `conn` (the listener writes it). */
 static void reply_error(serve_ctx *c, uint64_t conn, const char *op, const char *rid,
-                        const char *msg) {
+                        const char *msg, mdt_status code) {
     unsigned char *b = NULL;
     size_t n = 0;
-    if (mdt_serve_reply_error(op, rid, msg, &b, &n) == MDT_OK)
+    if (mdt_serve_reply_error(op, rid, msg, code, &b, &n) == MDT_OK)
         mdt_serve_listener_reply(c->l, conn, b, n);
 }
 
@@ -974,15 +974,17 @@ static mdt_status next_request(serve_ctx *c, mdt_serve_request *r, mdt_serve_inc
         const int wait_ms = left * 1000 < k_poll_ms && left > 0 ? (int)(left * 1000) : k_poll_ms;
         if (!mdt_serve_listener_next(c->l, wait_ms, in))
             continue;
-        if (mdt_serve_request_parse(in->blob, in->size, r) != MDT_OK) {
-            reply_error(c, in->conn, r->op_name, r->id, mdt_last_error());
+        const mdt_status pst = mdt_serve_request_parse(in->blob, in->size, r);
+        if (pst != MDT_OK) {
+            reply_error(c, in->conn, r->op_name, r->id, mdt_last_error(), pst);
             mdt_serve_request_free(r);
             mdt_serve_listener_done(c->l, in);
             continue;
         }
         uint64_t token[2] = {0, 0};
-        if (r->new_session && mdt_serve_token_new(token) != MDT_OK) {
-            reply_error(c, in->conn, r->op_name, r->id, mdt_last_error());
+        const mdt_status tst = r->new_session ? mdt_serve_token_new(token) : MDT_OK;
+        if (tst != MDT_OK) {
+            reply_error(c, in->conn, r->op_name, r->id, mdt_last_error(), tst);
             mdt_serve_request_free(r);
             mdt_serve_listener_done(c->l, in);
             continue;
@@ -1071,12 +1073,12 @@ static mdt_status serve_one(serve_ctx *c, int *done, mdt_status *fatal) {
         mdt_mesh_set_interruptible(c->mesh, 0);
         mdt_mesh_set_deadline(c->mesh, loop_bound(c)); /* the forward disarmed it */
     } else if (c->rank == 0)
-        st = mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), &reply, &rn);
+        st = mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), st, &reply, &rn);
 reply:
     if (mdt_mesh_peers_stuck(c->mesh) && *fatal == MDT_OK)
         *fatal = st != MDT_OK ? st : MDT_E_MPI; /* a rank stalled or failed: the message stands */
     if (c->rank == 0 && have_msg && *fatal != MDT_OK && !reply) /* the client gets the reason */
-        mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), &reply, &rn);
+        mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), *fatal, &reply, &rn);
     if (c->rank == 0 && reply) {
         mdt_serve_listener_reply(c->l, in.conn, reply, rn); /* the listener frees it */
         reply = NULL;

@@ -88,8 +88,10 @@ int mdt_serve_request_peek(const void *head, size_t n, char op[16],
  * "ok", and `outputs` (optional) as tensors. */
 mdt_status mdt_serve_reply_ok(const char *const *meta, const mdt_tensor_set *outputs,
                               unsigned char **blob, size_t *size);
-/* An error reply: "status": "error", "error": `msg` made one line, and `op`/`id` when known. */
-mdt_status mdt_serve_reply_error(const char *op, const char *id, const char *msg,
+/* An error reply: "status": "error", "error": `msg` made one line, `op`/`id` when known, and
+ * "code": the status's name (mdt_status_str) when `code` is not MDT_OK, so a client can tell a
+ * request the server cannot take (MDT_E_NOMEM: over --max-memory) from a fault. */
+mdt_status mdt_serve_reply_error(const char *op, const char *id, const char *msg, mdt_status code,
                                  unsigned char **blob, size_t *size);
 
 /* ---- session.c: tensors kept between forwards ---- */

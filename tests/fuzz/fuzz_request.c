@@ -31,7 +31,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         const char *meta[] = {"op", r.op_name, "id", r.id, NULL};
         if (mdt_serve_reply_ok(meta, r.tensors, &reply, &n) == MDT_OK)
             mdt_free(reply);
-    } else if (mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), &reply, &n) == MDT_OK) {
+    } else if (mdt_serve_reply_error(r.op_name, r.id, mdt_last_error(), MDT_E_INVALID, &reply,
+                                     &n) == MDT_OK) {
         mdt_free(reply);
     }
     char op[16], id[MDT_SERVE_NAME_MAX + 1], wanted[MDT_SERVE_NAME_MAX + 1];

@@ -175,13 +175,15 @@ static void test_replies(void) {
     unsigned char *b = NULL;
     size_t n = 0;
     mdt_st_file *f = NULL;
-    EXPECT_OK(mdt_serve_reply_error("forward", "7", "first\nsecond\r", &b, &n));
+    EXPECT_OK(mdt_serve_reply_error("forward", "7", "first\nsecond\r", MDT_E_NOMEM, &b, &n));
     EXPECT_OK(mdt_st_open_mem(b, n, "reply", &f));
     if (f) {
         EXPECT(strcmp(mdt_st_meta(f, "status"), "error") == 0, "status");
         EXPECT(strcmp(mdt_st_meta(f, "error"), "first second ") == 0, "'%s'",
                mdt_st_meta(f, "error"));
         EXPECT(strcmp(mdt_st_meta(f, "id"), "7") == 0 && f->n == 0, "id, no tensors");
+        EXPECT(mdt_st_meta(f, "code") && strcmp(mdt_st_meta(f, "code"), "MDT_E_NOMEM") == 0,
+               "code '%s'", mdt_st_meta(f, "code") ? mdt_st_meta(f, "code") : "(none)");
         mdt_st_close(f);
     }
     mdt_free(b);
