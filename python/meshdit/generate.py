@@ -12,6 +12,7 @@ Needs torch and diffusers (``pip install 'meshdit[serve]'``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -151,10 +152,16 @@ def resolve_model(model: str) -> str:
 
 
 def read_model_index(root: str) -> dict:
-    with open(os.path.join(root, "model_index.json")) as f:
-        index = json.load(f)
+    path = os.path.join(root, "model_index.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError) as e:  # missing, unreadable, not UTF-8, not JSON
+        raise MeshditError(f"meshdit: {path}: {' '.join(str(e).split())}") from None
+    if not isinstance(index, dict):
+        raise MeshditError(f"meshdit: {path}: not a JSON object")
     name = index.get("_class_name")
-    if name not in PIPELINES:
+    if not isinstance(name, str) or name not in PIPELINES:
         raise MeshditError(f"meshdit: {root}: pipeline class '{name}' is not one meshdit "
                            f"generates with ({', '.join(PIPELINES)})")
     for key, val in index.items():
@@ -284,7 +291,12 @@ class Engine:
         r.max_sequence_length = (d["max_sequence_length"] if r.max_sequence_length is None
                                  else r.max_sequence_length)
         if r.steps < 1 or (max_steps and r.steps > max_steps):
-            raise RequestError("steps", f"steps {r.steps}: must be 1 to {max_steps or 'any'}")
+            raise RequestError("steps", f"steps {r.steps}: must be "
+                                        + (f"1 to {max_steps}" if max_steps else "at least 1"))
+        if r.steps < 2 and getattr(self.pipe.scheduler.config, "shift_terminal", None):
+            # stretch_shift_to_terminal divides by 1 - the last sigma: one step is 0 / 0
+            raise RequestError("steps", f"steps {r.steps}: {self.class_name}'s scheduler "
+                                        f"(shift_terminal) needs at least 2")
         m = d["multiple"]
         for name, v in (("width", r.width), ("height", r.height)):
             if v < m or v % m:
@@ -294,7 +306,8 @@ class Engine:
             raise RequestError("size", f"size {r.width}x{r.height} is {r.width * r.height:,} "
                                        f"pixels, over the limit of {max_pixels:,}")
         if r.n < 1 or (max_n and r.n > max_n):
-            raise RequestError("n", f"n {r.n}: must be 1 to {max_n or 'any'}")
+            raise RequestError("n", f"n {r.n}: must be "
+                                    + (f"1 to {max_n}" if max_n else "at least 1"))
         if self.kind == "video":
             r.frames = d["frames"] if r.frames is None else r.frames
             tm = d["frame_multiple"]
@@ -316,9 +329,13 @@ class Engine:
         if r.seed is None:
             r.seed = secrets.randbelow(2 ** 31)
         if not 0 <= r.seed < 2 ** 63 - r.n:
-            raise RequestError("seed", f"seed {r.seed}: must be 0 to 2^63 - n")
+            raise RequestError("seed", f"seed {r.seed}: must be 0 to {2 ** 63 - 1 - r.n} "
+                                       f"(image k takes seed + k, below 2^63)")
         if r.preview_every < 0:
             raise RequestError("preview_every", "preview_every must be >= 0")
+        if r.preview_every > r.steps:
+            raise RequestError("preview_every", f"preview_every {r.preview_every}: over the "
+                                                f"{r.steps} steps, no preview would be made")
         if r.preview_every and not self._flow_matching():
             raise RequestError("preview_every", f"previews need a flow-matching scheduler; "
                                                 f"{type(self.pipe.scheduler).__name__} is not one")
@@ -559,7 +576,37 @@ def video_bytes(frames, fps: int) -> bytes:
 
 
 # ---- the command ---------------------------------------------------------------------------------
+class _Once:
+    """An option given twice is refused (argparse keeps the last one, silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_given", set())
+        if self.dest in seen:
+            parser.error(f"{option_string} given twice")
+        seen.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _StoreOnce(_Once, argparse._StoreAction):
+    pass
+
+
+class _StoreTrueOnce(_Once, argparse._StoreTrueAction):
+    pass
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+        self.register("action", "store_true", _StoreTrueOnce)
+
+    def parse_args(self, args=None, namespace=None):
+        a = super().parse_args(args, namespace)
+        a.__dict__.pop("_given", None)
+        return a
+
     def error(self, message):  # one line, exit 2
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
         sys.exit(2)
@@ -638,6 +685,12 @@ class StepBar:
             self.stream.flush()
 
 
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
 def main_generate(argv: list[str]) -> int:
     ap = _Parser(prog="meshdit generate", description="A prompt in, a PNG or MP4 out: a diffusers "
                  "pipeline with its transformer on a meshdit mesh.")
@@ -651,7 +704,7 @@ def main_generate(argv: list[str]) -> int:
                     help="guidance-distilled FluxPipeline only: true CFG scale with the negative prompt")
     ap.add_argument("--size", type=_size, help="WIDTHxHEIGHT (default: the pipeline's)")
     ap.add_argument("--frames", type=int, help="video pipelines: number of frames")
-    ap.add_argument("--fps", type=int, default=16, help="video pipelines: the MP4's frame rate")
+    ap.add_argument("--fps", type=int, help="video pipelines: the MP4's frame rate (default 16)")
     ap.add_argument("--seed", type=int, help="default: a random seed, printed")
     ap.add_argument("--max-sequence-length", type=int, help="text tokens (default: the pipeline's)")
     ap.add_argument("--out", help="FILE.png (image pipelines) or FILE.mp4 (video pipelines); "
@@ -659,10 +712,17 @@ def main_generate(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if a.out is not None and not a.out.lower().endswith((".png", ".mp4")):
         ap.error(f"--out '{a.out}': must end in .png or .mp4")
+    where = os.path.dirname(os.path.abspath(a.out or "x.png"))  # checked before any work
+    if a.out is not None and os.path.isdir(a.out):
+        ap.error(f"--out '{a.out}' is a directory")
+    if not os.path.isdir(where):
+        ap.error(f"--out: no directory {where}")
+    if not os.access(where, os.W_OK | os.X_OK):
+        ap.error(f"--out: cannot write in {where}")
     w, h = a.size if a.size else (None, None)
     req = Request(prompt=a.prompt, negative_prompt=a.negative_prompt, steps=a.steps,
                   guidance=a.guidance, true_cfg=a.true_cfg, width=w, height=h,
-                  frames=a.frames, fps=a.fps, seed=a.seed,
+                  frames=a.frames, fps=16 if a.fps is None else a.fps, seed=a.seed,
                   max_sequence_length=a.max_sequence_length)
 
     def refused(e: RequestError) -> int:
@@ -678,8 +738,19 @@ def main_generate(argv: list[str]) -> int:
     except MeshditError as e:
         print(str(e) if str(e).startswith("meshdit") else f"meshdit: error: {e}", file=sys.stderr)
         return 1
+    except (OSError, ValueError) as e:  # diffusers' own: a component's folder missing, ...
+        print(f"meshdit: error: cannot load the pipeline from {a.model}: "
+              f"{' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("meshdit: interrupted", file=sys.stderr)
+        return 130
     try:
         want = ".mp4" if engine.kind == "video" else ".png"
+        if a.fps is not None and engine.kind != "video":
+            print(f"meshdit: error: --fps: {engine.class_name} makes images, not videos",
+                  file=sys.stderr)
+            return 2
         if a.out is not None and not a.out.lower().endswith(want):
             print(f"meshdit: error: --out '{a.out}': {engine.class_name} makes "
                   f"{'videos' if want == '.mp4' else 'images'}: use a {want} file", file=sys.stderr)
@@ -697,8 +768,20 @@ def main_generate(argv: list[str]) -> int:
         out = a.out or f"meshdit-{req.seed}{want}"
         data = (video_bytes(res.frames, res.fps) if res.kind == "video"
                 else image_bytes(res.images[0], "png"))
-        with open(out, "wb") as f:
-            f.write(data)
+        tmp = None
+        try:  # whole or not at all: a temporary file in the same folder, then renamed
+            fd, tmp = tempfile.mkstemp(prefix=".meshdit-", suffix=want,
+                                       dir=os.path.dirname(os.path.abspath(out)))
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, out)
+        except OSError as e:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            print(f"meshdit: error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+            return 1
         sps = sum(res.step_seconds) / max(1, len(res.step_seconds))
         extra = (f", {len(res.resumes)} lost rank(s) recovered in "
                  f"{sum(x['seconds'] for x in res.resumes):.2f} s" if res.resumes else "")
@@ -710,5 +793,8 @@ def main_generate(argv: list[str]) -> int:
     except MeshditError as e:
         print(f"meshdit: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the mesh is closed below: every rank exits
+        print("meshdit: interrupted", file=sys.stderr)
+        return 130
     finally:
         engine.close()

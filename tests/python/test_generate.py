@@ -69,6 +69,11 @@ def test_generate_refuses_in_one_line(flux_root, tmp_path):
     """Usage errors (exit 2) and a model that is not there (exit 1): one line each, before any
     pipeline is loaded."""
     env = env_with_package({"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    broken_index, list_class = str(tmp_path / "broken"), str(tmp_path / "listclass")
+    for d, text in ((broken_index, "{oops"), (list_class, '{"_class_name": ["x"]}')):
+        os.makedirs(d)
+        with open(os.path.join(d, "model_index.json"), "w") as f:
+            f.write(text)
     cases = [(["--model", flux_root, "--prompt", "x", "--size", "64"], 2, "'64' is not WIDTHxHEIGHT"),
              (["--model", flux_root, "--prompt", "x", "--out", "a.jpg"], 2, "must end in .png or .mp4"),
              (["--model", flux_root], 2, "--prompt"),
@@ -79,12 +84,41 @@ def test_generate_refuses_in_one_line(flux_root, tmp_path):
               "--guidance: guidance nan: must be a finite number"),
              (["--model", "someorg/not-cached", "--prompt", "x"], 1,
               "not in the local Hugging Face cache: download it first"),
-             (["--model", str(tmp_path), "--prompt", "x"], 1, "has no model_index.json")]
+             (["--model", str(tmp_path), "--prompt", "x"], 1, "has no model_index.json"),
+             # where the picture goes is checked before any work, not after the generation
+             (["--model", flux_root, "--prompt", "x", "--out", str(tmp_path / "no" / "a.png")], 2,
+              "--out: no directory"),
+             (["--model", flux_root, "--prompt", "x", "--out", str(tmp_path / "d.png")], 2,
+              "is a directory"),
+             # an option given twice: argparse kept the last one, silently
+             (["--model", flux_root, "--prompt", "x", "--seed", "1", "--seed", "2"], 2,
+              "--seed given twice"),
+             (["--model", broken_index, "--prompt", "x"], 1, "model_index.json: Expecting"),
+             (["--model", list_class, "--prompt", "x"], 1, "is not one meshdit generates with")]
+    (tmp_path / "d.png").mkdir()
     for args, rc, msg in cases:
         r = subprocess.run(meshdit_cmd("generate", *args), capture_output=True, text=True, env=env,
                            timeout=60)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == rc and len(lines) == 1 and msg in lines[0], (args, r.stderr)
+
+
+def test_generate_refuses_after_the_load_in_one_line(flux_root, tmp_path):
+    """What needs the pipeline: --fps for an image pipeline (it was ignored), a component's folder
+    missing (diffusers' OSError was a traceback). One line, exit 2 / 1, no file written."""
+    env = env_with_package()
+    no_vae = str(tmp_path / "no_vae")
+    shutil.copytree(flux_root, no_vae)
+    shutil.rmtree(os.path.join(no_vae, "vae"))
+    out = str(tmp_path / "x.png")
+    for args, rc, msg in [(["--model", flux_root, "--fps", "8"], 2, "--fps: FluxPipeline makes images"),
+                          (["--model", no_vae], 1, f"cannot load the pipeline from {no_vae}")]:
+        r = subprocess.run(meshdit_cmd("generate", *args, "--prompt", "x", "--steps", "1",
+                                       "--size", "64x64", "--out", out),
+                           capture_output=True, text=True, env=env, timeout=300)
+        errs = [ln for ln in r.stderr.splitlines() if "error" in ln.lower() or "Traceback" in ln]
+        assert r.returncode == rc and len(errs) == 1 and msg in errs[0], (args, r.stderr)
+        assert not os.path.exists(out)
 
 
 def test_hub_id_from_the_local_cache(flux_root, tmp_path, monkeypatch):
@@ -125,6 +159,8 @@ def req(**kw):
     (dict(max_sequence_length=513), "max_sequence_length", "1 to 512"),
     (dict(prompt="a \ud800"), "prompt", "valid Unicode"),
     (dict(negative_prompt="\udc80", true_cfg=2.0), "negative_prompt", "valid Unicode"),
+    (dict(preview_every=3), "preview_every", "over the 2 steps, no preview"),
+    (dict(seed=2 ** 63 - 1), "seed", f"must be 0 to {2 ** 63 - 2} "),
 ])
 def test_engine_refuses_naming_the_field(engine, kw, param, msg):
     with pytest.raises(mg.RequestError, match=msg) as e:
