@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from .client import ServerError
 from .generate import (MAX_SCALE, SIZE_RE, Cancelled, Request, RequestError, _Parser,
                        add_engine_options, engine_from_args, image_bytes, plan_line, video_bytes)
 
@@ -62,9 +63,11 @@ class Limits:
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error"):
+                 code: str | None = None, type: str = "invalid_request_error",
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers  # HTTP headers the status calls for (Retry-After, Allow, ...)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -158,7 +161,9 @@ class Job:
                 "queue_position": self.queue_position, "step": self.step, "steps": self.steps,
                 "s_per_step": self.s_per_step, "frames": r.frames, "fps": r.fps,
                 "seed": r.seed, "cancel_requested": self.cancel.is_set() and not self.done,
-                "resumes": self.resumes, **self.result_info}
+                "resumes": self.resumes,
+                **{("generation_seconds" if k == "seconds" else k): v
+                   for k, v in self.result_info.items()}}
 
 
 class Service:
@@ -191,11 +196,15 @@ class Service:
             if self._stopping:
                 raise ApiError(503, "the service is shutting down", code="shutting_down",
                                type="server_error")
+            if self.engine is not None:  # a mesh lost for good takes no more jobs
+                ok, why = self.healthy()
+                if not ok:
+                    raise ApiError(503, why, code="mesh_lost", type="server_error")
             # max_queue jobs may wait behind a running one (0: only an idle service takes one)
             if len(self._queue) >= self.limits.max_queue + (self.running is None):
                 raise ApiError(429, f"the queue is full ({self.limits.max_queue} jobs waiting, "
                                     f"--max-queue): try again later", code="queue_full",
-                               type="rate_limit_error")
+                               type="rate_limit_error", headers={"retry-after": "1"})
             self._seq += 1
             job.seq = self._seq
             self.jobs[job.id] = job
@@ -328,7 +337,11 @@ class Service:
             return
         except Exception as e:  # noqa: BLE001 - the job's error, one line
             msg = " ".join(str(e).split()) or type(e).__name__
-            job.error = {"code": "generation_failed", "message": msg}
+            # a request the mesh cannot hold (over --max-memory or the node's memory) is the
+            # request's failure, not the server's: 400, which clients do not retry
+            code = ("over_memory_limit" if _server_code(e) == "MDT_E_NOMEM"
+                    else "generation_failed")
+            job.error = {"code": code, "message": msg}
             with self._cv:
                 self._finish(job, "failed", error=job.error)
             return
@@ -350,10 +363,26 @@ class Service:
         return job
 
     def healthy(self) -> tuple[bool, str]:
+        """(ok, why): not ok once the mesh is gone for good (no resume to start it again)."""
         t = self.engine.transformer if self.engine else None
         if t is None or t._client is None:
             return False, "the mesh is gone and could not be started again"
+        server = getattr(t, "_server", None)  # None: attached to a server this did not start
+        why = server._alive() if server is not None else None
+        if why and getattr(t, "resumes", None) is None:  # with resume, the next job relaunches it
+            return False, f"the mesh is gone ({why}) (--no-resume: it is not started again)"
         return True, "ok"
+
+
+def _server_code(e: BaseException) -> str | None:
+    """The status name (`MDT_E_NOMEM`, ...) of the server's error reply behind `e` (raised from
+    the transformer's forward through the pipeline, maybe wrapped), or None."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, ServerError):
+            return e.metadata.get("code")
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 # ---- reading requests ------------------------------------------------------------------------------
@@ -662,12 +691,17 @@ def _sse(ev: dict, name: str | None = None) -> str:
 
 
 def create_app(svc: Service, api_key: str | None = None):
-    app = FastAPI(title="meshdit api", docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes=False: '/v1/images/generations/' is an unknown path (404), not a 307 to a
+    # URL built from the client's Host header
+    app = FastAPI(title="meshdit api", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):  # a body not read to its end: the connection ends
-        return JSONResponse(e.body(), status_code=e.status,
-                            headers={"connection": "close"} if e.status in (408, 413) else None)
+        headers = dict(e.headers or {})
+        if e.status in (408, 413):
+            headers["connection"] = "close"
+        return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):  # unknown path, wrong method
@@ -676,7 +710,7 @@ def create_app(svc: Service, api_key: str | None = None):
         code = {404: "not_found", 405: "method_not_allowed"}.get(
             e.status_code, "invalid_request" if e.status_code == 400 else "http_error")
         return JSONResponse(ApiError(e.status_code, _clip(msg, 200), code=code).body(),
-                            status_code=e.status_code)
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
@@ -711,7 +745,8 @@ def create_app(svc: Service, api_key: str | None = None):
                     got.strip().encode("utf-8", "surrogateescape"), api_key.encode()):
                 return JSONResponse(ApiError(401, "missing or wrong API key: send "
                                                   "'Authorization: Bearer KEY'",
-                                             code="invalid_api_key").body(), status_code=401)
+                                             code="invalid_api_key").body(), status_code=401,
+                                    headers={"www-authenticate": "Bearer"})
         return await call_next(request)
 
     def model_object() -> dict:
@@ -768,14 +803,24 @@ def create_app(svc: Service, api_key: str | None = None):
             gone.cancel()
         return _image_response(job)
 
-    def _image_response(job: Job):
+    def _job_error(job: Job) -> ApiError | None:
+        """What a failed or cancelled job answers, streamed or not (None: it completed)."""
         if job.status == "cancelled":
             if svc._stopping:
-                raise ApiError(503, f"job {job.id} was cancelled: the service is shutting down",
-                               code="shutting_down", type="server_error")
-            raise ApiError(409, f"job {job.id} was cancelled", code="cancelled")
+                return ApiError(503, f"job {job.id} was cancelled: the service is shutting down",
+                                code="shutting_down", type="server_error")
+            return ApiError(409, f"job {job.id} was cancelled", code="cancelled")
         if job.status == "failed":
-            raise ApiError(500, job.error["message"], code="generation_failed", type="server_error")
+            if job.error["code"] == "over_memory_limit":
+                return ApiError(400, job.error["message"], code="over_memory_limit")
+            return ApiError(500, job.error["message"], code="generation_failed",
+                            type="server_error")
+        return None
+
+    def _image_response(job: Job):
+        err = _job_error(job)
+        if err is not None:
+            raise err
         data = [{"b64_json": base64.b64encode(b).decode(), "seed": s}
                 for b, s in zip(job.outputs, job.seeds)]
         job.outputs = None  # delivered: the bytes are not kept
@@ -786,6 +831,7 @@ def create_app(svc: Service, api_key: str | None = None):
         """OpenAI's image stream events (partial_image for previews, completed per image) and
         meshdit's own (queued, started, progress, resumed) in between."""
         seen, finished = 0, False
+        partials = collections.Counter()  # previews sent so far, per image of the batch
         try:
             while True:
                 await job.wait_events(seen, 15.0)
@@ -802,8 +848,10 @@ def create_app(svc: Service, api_key: str | None = None):
                                     "b64_json": ev["b64_json"], "created_at": ev["created_at"],
                                     "size": job.size_text, "output_format": "png",
                                     "background": "opaque", "quality": "auto",
-                                    "partial_image_index": ev["image_index"], "step": ev["step"],
+                                    "partial_image_index": partials[ev["image_index"]],
+                                    "image_index": ev["image_index"], "step": ev["step"],
                                     "steps": ev["steps"]})
+                        partials[ev["image_index"]] += 1
                     elif t == "completed":
                         for k, (b, s) in enumerate(zip(job.outputs, job.seeds)):
                             yield _sse({"type": "image_generation.completed", "id": job.id,
@@ -816,12 +864,9 @@ def create_app(svc: Service, api_key: str | None = None):
                         finished = True
                         return
                     elif t in ("failed", "cancelled"):
-                        err = (job.error or {}).get("message") or f"job {job.id} was cancelled"
                         finished = True
-                        yield _sse({"error": {"message": err, "type": "server_error" if t == "failed"
-                                              else "invalid_request_error", "param": None,
-                                              "code": "generation_failed" if t == "failed" else "cancelled"},
-                                    "type": f"image_generation.{t}", "id": job.id})
+                        yield _sse({**_job_error(job).body(), "type": f"image_generation.{t}",
+                                    "id": job.id})
                         return
                     else:
                         yield _sse({**ev, "type": f"image_generation.{t}"})
@@ -1039,7 +1084,9 @@ def main_api(argv: list[str]) -> int:
     for f in dataclasses.fields(Limits):
         s.add_argument("--" + f.name.replace("_", "-"), type=int, default=getattr(lim, f.name),
                        help=f"default {getattr(lim, f.name)}")
-    s.add_argument("--log-level", default="warning", help="uvicorn's (default warning)")
+    s.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's (default warning)")
     a = ap.parse_args(argv)
     limits = Limits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Limits)})
     for f in dataclasses.fields(Limits):
@@ -1049,6 +1096,9 @@ def main_api(argv: list[str]) -> int:
         ap.error(f"--port {a.port}: 0 to 65535")
     if a.api_key is not None and not a.api_key:
         ap.error("--api-key is empty")
+    if a.api_key is not None and not all(0x21 <= ord(c) <= 0x7E for c in a.api_key):
+        # an HTTP header carries it: a client cannot send other characters as they are
+        ap.error("--api-key: only visible ASCII characters (no spaces, no other letters)")
     # the model id: a folder's name, or the hub id as given
     name = a.model_name or (os.path.basename(os.path.abspath(a.model)) if os.path.isdir(a.model)
                             else a.model)
@@ -1062,6 +1112,17 @@ def main_api(argv: list[str]) -> int:
         e = engine_from_args(a, log=log)
         e.created = time.time()
         return e
+    # the address is taken before the pipeline loads, so a bad host or a busy port is told at
+    # once; it listens (takes connections) only once the model is ready
+    try:
+        host = a.host.strip("[]")
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(fam, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, a.port))
+    except OSError as e:
+        print(f"meshdit: error: cannot listen on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     svc = Service(make, limits, name)
     stop = threading.Event()
     prev = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -1071,19 +1132,17 @@ def main_api(argv: list[str]) -> int:
     if svc.load_error is not None:
         e = svc.load_error
         print(str(e) if str(e).startswith("meshdit") else f"meshdit: error: {e}", file=sys.stderr)
+        sock.close()
         return 1
     if stop.is_set():
+        sock.close()
         svc.shutdown()
         return 0
     try:
-        host = a.host.strip("[]")
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(fam, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, a.port))
         sock.listen(128)
     except OSError as e:
         print(f"meshdit: error: cannot listen on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
+        sock.close()
         svc.shutdown()
         return 1
     port = sock.getsockname()[1]

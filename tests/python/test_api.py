@@ -148,6 +148,17 @@ def test_bad_requests_are_4xx_and_the_service_goes_on(service):
     assert get(service, "/health", key=None).json()["status"] == "ok"  # no key needed
     r = get(service, "/v1/nothing")
     assert r.status_code == 404 and "no endpoint GET /v1/nothing" in r.json()["error"]["message"]
+    # a trailing slash is another path (no 307 to a URL made from the client's Host header)
+    r = httpx.post(f"{service.url}/v1/images/generations/", json={"prompt": "x"}, timeout=60,
+                   headers={"authorization": f"Bearer {KEY}", "host": "evil.example"})
+    assert r.status_code == 404 and "location" not in r.headers, r.headers
+    r = get(service, "/v1/images/generations")  # the statuses' own headers
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+    r = get(service, "/v1/models", key=None)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    r = post(service, "/v1/images/generations", {"prompt": "x", "size": "64x64", "steps": 2,
+                                                  "preview_every": 3})
+    assert r.status_code == 400 and "over the 2 steps" in r.json()["error"]["message"], r.text
     r = post(service, "/v1/videos", {"prompt": "x"})
     assert r.status_code == 400 and "makes images" in r.json()["error"]["message"]
     assert get(service, "/v1/jobs/img_nope").status_code == 404
@@ -190,7 +201,10 @@ def test_stream_reports_progress_and_previews(service):
         ["image_generation.completed"]
     prog = [d for n, d in events if n == "image_generation.progress"]
     assert [p["step"] for p in prog] == [1, 2, 3] and all(p["s_per_step"] > 0 for p in prog)
-    previews = [png_pixels(d["b64_json"]) for n, d in events if n == "image_generation.partial_image"]
+    partial = [d for n, d in events if n == "image_generation.partial_image"]
+    # OpenAI's running count of an image's partial images; meshdit's image_index: which image
+    assert [(d["partial_image_index"], d["image_index"]) for d in partial] == [(0, 0), (1, 0), (2, 0)]
+    previews = [png_pixels(d["b64_json"]) for d in partial]
     final = png_pixels(events[-1][1]["b64_json"])
     assert np.array_equal(previews[-1], final) and levels(previews[0], final) > 8
 
@@ -593,6 +607,8 @@ def test_video_job_to_mp4(tmp_path_factory):
             time.sleep(0.05)
             v = c.videos.retrieve(v.id)
         assert v.status == "completed" and v.progress == 100 and v.size == "48x32"
+        # the video's length (5 frames at 16 fps), not the job's run time
+        assert v.seconds == "0.3125" and v.model_extra["generation_seconds"] > 0, v
         data = c.videos.download_content(v.id).read()
         assert data[4:8] == b"ftyp"  # an MP4
         frames = iio.imread(data, extension=".mp4").astype(np.float32) / 255
@@ -635,6 +651,34 @@ def test_a_killed_rank_and_then_sigterm(flux_root, service, client, tmp_path):
         rc = api.stop(signal.SIGTERM)
     assert rc == 0, api.log()
     assert not [p for p in ranks if os.path.exists(f"/proc/{p}")], "a rank outlived the service"
+
+
+def test_over_memory_is_400_and_a_lost_mesh_is_503_without_resume(flux_root, tmp_path):
+    """A request the mesh cannot hold (--max-memory) is the request's failure: 400, which the
+    openai client does not retry (it retried the 500 three times). With --no-resume a lost rank
+    fails its job, and from then on /health and every new request say 503 (/health said ok)."""
+    root = str(tmp_path / "flux_lost")
+    shutil.copytree(flux_root, root)
+    api = Api(root, "--tp", "2", "--no-resume", "--max-memory", "12M",
+              env={"MESHDIT_TEST_FAIL": "step:1:kill"})
+    try:
+        c = openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=2, timeout=120)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.images.generate(prompt="x", size="512x512", extra_body={"steps": 1})
+        assert e.value.body["code"] == "over_memory_limit" and "--max-memory" in e.value.body["message"]
+        jobs = httpx.get(f"{api.url}/v1/jobs", timeout=60).json()["data"]
+        assert len(jobs) == 1, jobs  # not retried
+        assert httpx.get(f"{api.url}/health", timeout=60).status_code == 200
+        r = httpx.post(f"{api.url}/v1/images/generations", json={"prompt": "x", "size": "64x64", **GEN},
+                       timeout=120)
+        assert r.status_code == 500 and "killed" in r.json()["error"]["message"], r.text
+        h = httpx.get(f"{api.url}/health", timeout=60)
+        assert h.status_code == 503 and "--no-resume" in h.json()["error"], h.text
+        r = httpx.post(f"{api.url}/v1/images/generations", json={"prompt": "x", "size": "64x64", **GEN},
+                       timeout=120)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "mesh_lost", r.text
+    finally:
+        assert api.stop() == 0, api.log()
 
 
 def test_sigterm_while_busy_exits_0_and_takes_every_rank(service):
