@@ -808,6 +808,12 @@ class Transformer(ModelMixin, PeftAdapterMixin):
 _NO_WEIGHTS = "the weights are on the mesh; save_pretrained writes the checkpoint"
 _NO_MODULES = "the transformer's modules run on the mesh; one added here would never run"
 _NO_GRAD = "no gradient flows through the mesh (inference only)"
+_NO_OFFLOAD = ("accelerate's offload hooks (pipe.enable_model_cpu_offload, "
+               "enable_sequential_cpu_offload) do not apply to the meshdit transformer: its "
+               "weights are on the mesh, not in this process. Place the pipeline's other "
+               "components yourself (pipe.vae.to('cuda'), ...)")
+_NO_COPY = ("a meshdit Transformer is a connection to its mesh and cannot be copied or pickled: "
+            "share it (threads may), or open another with from_pretrained / connect")
 
 
 def _session_lost(error: str, session: str, raws, send) -> bool:
@@ -996,6 +1002,8 @@ METHODS: dict[str, tuple[str, str]] = {
                                        "then load the new adapter"),
     # pipe.load_ip_adapter() calls this on the transformer
     "_load_ip_adapter_weights": ("refused", "IP-adapters are not implemented"),
+    # copies: deepcopy and pickle took the connection's lock and failed on it
+    **{n: ("refused", _NO_COPY) for n in ("__deepcopy__", "__copy__", "__reduce_ex__")},
 }
 
 
@@ -1020,6 +1028,8 @@ def _state_dict(refused):
         caller = sys._getframe(1).f_code.co_name
         if caller == "_maybe_expand_lora_state_dict":
             return {}
+        if caller == "cpu_offload":  # accelerate's, under pipe.enable_sequential_cpu_offload()
+            raise NotImplementedError(f"meshdit: {_NO_OFFLOAD}")
         if caller == "_load_norm_into_transformer":
             raise NotImplementedError("meshdit: LoRAs that replace norm layers (Flux Control "
                                       "LoRAs) are not supported: meshdit fuses LoRA factors only")
@@ -1030,6 +1040,19 @@ def _state_dict(refused):
 
 
 Transformer.state_dict = _state_dict(Transformer.state_dict)
+
+
+def _offload_hook(self):  # no hook: hasattr(t, "_hf_hook") is False, as for a module without
+    raise AttributeError("_hf_hook")
+
+
+def _refuse_offload_hook(self, hook):  # accelerate's add_hook_to_module: module._hf_hook = hook
+    raise NotImplementedError(f"meshdit: {_NO_OFFLOAD}")
+
+
+# pipe.enable_model_cpu_offload() wrapped the forward in a hook that reads next(parameters())
+# and stopped every later forward with a bare StopIteration: refused where the hook is set
+Transformer._hf_hook = property(_offload_hook, _refuse_offload_hook)
 
 
 class FluxTransformer(Transformer):

@@ -385,6 +385,24 @@ def test_a_working_method_does_what_it_says(golden, name, tmp_path):
     assert WORKS[name](golden, tmp_path) is not False
 
 
+def test_copies_and_offload_hooks_are_refused_in_one_line(flux_root, flux_ref, mesh):
+    """deepcopy and pickle failed on the connection's lock (TypeError); accelerate's offload
+    hooks made every later forward stop with a bare StopIteration (model offload) or named
+    state_dict (sequential). Each now says what it is, and the pipeline goes on."""
+    import copy
+    import pickle
+    for call in (lambda: copy.deepcopy(mesh), lambda: copy.copy(mesh), lambda: pickle.dumps(mesh)):
+        with pytest.raises(NotImplementedError, match="cannot be copied or pickled"):
+            call()
+    for enable in ("enable_model_cpu_offload", "enable_sequential_cpu_offload"):
+        pipe = flux_pipeline.load(flux_root, transformer=mesh)
+        with pytest.raises(NotImplementedError, match="offload hooks .* do not apply"):
+            getattr(pipe, enable)(device="cpu")
+        assert not hasattr(mesh, "_hf_hook")
+    pipe = flux_pipeline.load(flux_root, transformer=mesh)
+    assert rel(flux_pipeline.generate(pipe, **GEN), flux_ref) <= TOL
+
+
 def test_attention_kwargs_that_change_nothing_pass(flux_root, flux_ref, mesh):
     """joint_attention_kwargs' LoRA scale is diffusers' (with no adapter loaded it changes
     nothing, as in diffusers; test_lora_dropin.py checks it with adapters); any other key is
