@@ -42,7 +42,8 @@ from starlette.requests import ClientDisconnect
 
 from .client import ServerError
 from .generate import (MAX_SCALE, SIZE_RE, Cancelled, Request, RequestError, _Parser,
-                       add_engine_options, engine_from_args, image_bytes, plan_line, video_bytes)
+                       add_engine_options, check_engine_args, engine_from_args, image_bytes,
+                       plan_line, video_bytes)
 
 MAX_BODY = 1 << 20  # bytes of a request body
 
@@ -754,7 +755,9 @@ def create_app(svc: Service, api_key: str | None = None):
         return {"id": svc.model_name, "object": "model", "created": int(e.created),
                 "owned_by": "meshdit", "pipeline": e.class_name, "kind": e.kind,
                 "family": e.transformer.info.get("family"),
-                "layout": {k: int(e.transformer.info.get(k, 1)) for k in ("tp", "ring", "ulysses")},
+                "layout": {k: int(e.transformer.info.get(k, 1))
+                           for k in ("cfg", "tp", "ring", "ulysses")},
+                "loras": getattr(e, "loras", []), "cache": getattr(e, "cache", None),
                 "device": e.transformer.info.get("device"), "dtype": e.transformer.info.get("dtype"),
                 "defaults": {k: v for k, v in e.defaults.items() if k != "max_sequence_length"},
                 "limits": dataclasses.asdict(svc.limits)}
@@ -1088,6 +1091,7 @@ def main_api(argv: list[str]) -> int:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's (default warning)")
     a = ap.parse_args(argv)
+    check_engine_args(ap, a)
     limits = Limits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Limits)})
     for f in dataclasses.fields(Limits):
         if getattr(limits, f.name) < (0 if f.name == "max_queue" else 1):

@@ -197,14 +197,18 @@ def _torch_dtype(name: str):
 class Engine:
     """One pipeline resident, its transformer on the mesh. `log(line)` gets the load's lines.
 
-    Mesh options are `meshdit.Transformer.from_pretrained`'s (tp, ring, ulysses, mesh_order,
-    device, dtype, binary, launcher, step_timeout, max_memory, resume, env); pipeline_device and
-    pipeline_dtype place the rest of the pipeline (text encoders, VAE) in this process.
+    Mesh options are `meshdit.Transformer.from_pretrained`'s (cfg, tp, ring, ulysses,
+    mesh_order, device, dtype, binary, launcher, step_timeout, max_memory, resume, env);
+    pipeline_device and pipeline_dtype place the rest of the pipeline (text encoders, VAE) in
+    this process. `loras`: (file, weight) pairs loaded as the pipeline's own
+    `load_lora_weights` + `set_adapters` would (text encoder parts included); `cache`: a
+    diffusers cache config (`cache_config`) enabled on the transformer.
     """
 
     def __init__(self, model: str, *, pipeline_device: str = "cpu",
                  pipeline_dtype: str = "float32", log: Callable[[str], None] = print,
-                 resume: bool | dict = True, **mesh):
+                 resume: bool | dict = True, loras: list[tuple[str, float]] = (),
+                 cache=None, **mesh):
         import diffusers
         import torch
         from diffusers.utils import logging as dlog
@@ -217,12 +221,13 @@ class Engine:
         self.kind = PIPELINES[self.class_name]
         self.log = log
         self._lock = threading.Lock()  # one generation at a time
-        layout = {k: int(mesh.get(k) or 1) for k in ("tp", "ring", "ulysses")}
-        world = layout["tp"] * layout["ring"] * layout["ulysses"]
+        layout = {k: int(mesh.get(k) or 1) for k in ("cfg", "tp", "ring", "ulysses")}
+        world = layout["cfg"] * layout["tp"] * layout["ring"] * layout["ulysses"]
         log(f"meshdit: {self.class_name} from {self.root}")
         t0 = time.perf_counter()
         log(f"loading the transformer on {world} rank{'s' if world > 1 else ''} "
-            f"(tp {layout['tp']} x ring {layout['ring']} x ulysses {layout['ulysses']}) ...")
+            + (f"(cfg {layout['cfg']} x " if layout["cfg"] > 1 else "(")
+            + f"tp {layout['tp']} x ring {layout['ring']} x ulysses {layout['ulysses']}) ...")
         self.transformer = meshdit.Transformer.from_pretrained(
             os.path.join(self.root, "transformer"), resume=resume,
             **{k: v for k, v in mesh.items() if v is not None})
@@ -248,11 +253,44 @@ class Engine:
             self.device = torch.device(pipeline_device)
             self.load_seconds["pipeline"] = time.perf_counter() - t1
             log(f"pipeline ready in {self.load_seconds['pipeline']:.2f} s")
+            self.loras = self._load_loras(loras)
+            self.cache = None
+            if cache is not None:
+                self.transformer.enable_cache(cache)
+                self.cache = self.transformer._cache_spec
+                log(f"step cache: {self.cache}")
         except BaseException:
             self.transformer.close()
             raise
         self._sig = inspect.signature(type(self.pipe).__call__).parameters
         self.defaults = self._defaults()
+
+    def _load_loras(self, loras) -> list[dict]:
+        """Each (file, weight) through the pipeline's own LoRA loader, under a name of its own
+        (the file's stem), then set_adapters with the weights: what a diffusers user's
+        `pipe.load_lora_weights(f, adapter_name=n); pipe.set_adapters(names, weights)` does."""
+        if not loras:
+            return []
+        if not hasattr(self.pipe, "load_lora_weights"):
+            raise MeshditError(f"meshdit: --lora: {self.class_name} has no LoRA loader")
+        names, out = [], []
+        for path, weight in loras:
+            stem = re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(
+                path.rstrip("/")))[0]) or "lora"
+            name, k = stem, 2
+            while name in names:
+                name, k = f"{stem}-{k}", k + 1
+            t0 = time.perf_counter()
+            try:
+                self.pipe.load_lora_weights(path, adapter_name=name)
+            except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
+                raise MeshditError(f"meshdit: --lora {path}: {' '.join(str(e).split())}") from None
+            names.append(name)
+            out.append({"name": name, "file": path, "weight": weight})
+            self.log(f"LoRA '{name}' from {path} (weight {weight:g}) loaded in "
+                     f"{time.perf_counter() - t0:.2f} s")
+        self.pipe.set_adapters(names, [w for _, w in loras])
+        return out
 
     # -- what the pipeline takes ------------------------------------------------------------------
     def _defaults(self) -> dict:
@@ -548,7 +586,8 @@ def plan_line(info: dict) -> str:
     """The mesh as `meshdit run` prints its plan, from the server's info."""
     wb = [int(x) for x in str(info.get("weight_bytes", "0")).split(",") if x.strip().isdigit()]
     mib = max(wb) / 1048576.0 if wb else 0.0
-    return (f"plan: model {info.get('family')}, world {info.get('world')} = tp {info.get('tp')} x "
+    cfg = f"cfg {info.get('cfg')} x " if str(info.get("cfg", "1")) not in ("1", "") else ""
+    return (f"plan: model {info.get('family')}, world {info.get('world')} = {cfg}tp {info.get('tp')} x "
             f"ring {info.get('ring')} x ulysses {info.get('ulysses')} (mesh order "
             f"{info.get('mesh_order')}), device {info.get('device')}, dtype {info.get('dtype')}, "
             f"weights {mib:.1f} MiB per rank")
@@ -623,12 +662,15 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def add_engine_options(ap: argparse.ArgumentParser) -> None:
-    """--model, the layout and the device options: shared by `generate` and `api`. (The CFG,
-    cache and LoRA options join this group when meshdit has them.)"""
+    """--model, the layout, the device, the LoRAs and the step cache: shared by `generate` and
+    `api`."""
     ap.add_argument("--model", required=True,
                     help="a diffusers pipeline folder (model_index.json, transformer/, ...), or a "
                          "hub id already in the local Hugging Face cache")
     g = ap.add_argument_group("the mesh (meshdit serve's options)")
+    g.add_argument("--cfg", type=int, default=1, choices=[1, 2],
+                   help="2: a second group of ranks computes each guided step's other branch at "
+                        "once (twice the ranks; docs/python.md)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     g.add_argument("--ring", type=int, default=1, help="ring-attention degree")
     g.add_argument("--ulysses", type=int, default=1, help="Ulysses degree")
@@ -641,20 +683,101 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-memory", help="per rank, e.g. 8G")
     g.add_argument("--no-resume", action="store_true",
                    help="fail instead of relaunching the mesh when a rank is lost")
+    g.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",
+                   help="a LoRA file (any format the pipeline's load_lora_weights reads) at a "
+                        "weight (default 1); repeatable (docs/lora.md)")
+    g.add_argument("--cache", metavar="SPEC",
+                   help="a step cache, as meshdit run's: first_block[:threshold=X], "
+                        "mag:mag_ratios=A/B/...[,...], taylorseer[:...], text_kv (docs/cache.md)")
     p = ap.add_argument_group("the rest of the pipeline (in this process)")
     p.add_argument("--pipeline-device", default="cpu", help="text encoders and VAE (default cpu)")
     p.add_argument("--pipeline-dtype", default="float32", help="float32 (default), bfloat16, float16")
+
+
+def lora_arg(text: str) -> tuple[str, float]:
+    """FILE[:WEIGHT] -> (file, weight): the part after the last ':' is the weight when it is a
+    number (a path may hold ':'); the file must exist. MeshditError naming the argument."""
+    path, sep, w = text.rpartition(":")
+    if sep and re.fullmatch(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", w):
+        weight = float(w)
+    else:
+        path, weight = text, 1.0
+    if not math.isfinite(weight) or abs(weight) > MAX_SCALE:
+        raise MeshditError(f"meshdit: --lora {text}: the weight must be a finite number of "
+                           f"magnitude at most {MAX_SCALE:g}")
+    if not os.path.exists(path):
+        raise MeshditError(f"meshdit: --lora {text}: no file {path}")
+    return path, weight
+
+
+def cache_config(spec: str):
+    """`meshdit run --cache`'s SPEC as the diffusers cache config the transformer enables:
+    first_block[:threshold=X], mag:mag_ratios=A/B/...[,threshold=..,max_skip_steps=..,
+    retention_ratio=..,num_inference_steps=..], taylorseer[:cache_interval=N,...,
+    taylor_factors_dtype=bfloat16|float32], text_kv. The drop-in then checks it as for any
+    enable_cache call. MeshditError naming the part it cannot read."""
+    import torch
+    from diffusers import hooks
+
+    kind, _, rest = spec.partition(":")
+    classes = {"first_block": hooks.FirstBlockCacheConfig, "mag": hooks.MagCacheConfig,
+               "taylorseer": hooks.TaylorSeerCacheConfig, "text_kv": hooks.TextKVCacheConfig}
+    if kind not in classes:
+        raise MeshditError(f"meshdit: --cache {spec}: unknown cache '{kind}' (first_block, mag, "
+                           f"taylorseer, text_kv)")
+    cls = classes[kind]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kw = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq or key not in fields or key in kw:
+            why = ("given twice" if key in kw else "not key=value" if not eq
+                   else f"no such field of {cls.__name__}")
+            raise MeshditError(f"meshdit: --cache {spec}: '{item}': {why}")
+        try:
+            if key == "mag_ratios":
+                kw[key] = [float(x) for x in val.split("/")]
+            elif key == "taylor_factors_dtype":
+                kw[key] = {"bfloat16": torch.bfloat16, "float32": torch.float32}[val]
+            elif key in ("max_skip_steps", "num_inference_steps", "cache_interval",
+                         "disable_cache_before_step", "disable_cache_after_step", "max_order"):
+                kw[key] = int(val)
+            else:
+                kw[key] = float(val)
+        except (ValueError, KeyError):
+            raise MeshditError(f"meshdit: --cache {spec}: '{item}': not a value of "
+                               f"{key}") from None
+    try:
+        config = cls(**kw)
+        from .transformer import _cache_spec
+        _cache_spec(config)  # what the drop-in will refuse, refused before anything loads
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise MeshditError(f"meshdit: --cache {spec}: {' '.join(str(e).split())}") from None
+    return config
+
+
+def check_engine_args(ap, a) -> None:
+    """The --lora and --cache values refused as usage errors (exit 2) before anything loads."""
+    try:
+        for x in a.lora:
+            lora_arg(x)
+        if a.cache is not None:
+            cache_config(a.cache)
+    except MeshditError as e:
+        ap.error(str(e).removeprefix("meshdit: "))
 
 
 def engine_from_args(a, log=print) -> Engine:
     for k in ("tp", "ring", "ulysses"):
         if getattr(a, k) < 1:
             raise MeshditError(f"meshdit: --{k} {getattr(a, k)}: must be >= 1")
-    mesh = dict(tp=a.tp, ring=a.ring, ulysses=a.ulysses, mesh_order=a.mesh_order,
-                device=a.device, dtype=a.dtype, binary=a.binary, launcher=a.launcher,
-                step_timeout=a.step_timeout, max_memory=a.max_memory)
+    loras = [lora_arg(x) for x in a.lora]
+    cache = cache_config(a.cache) if a.cache is not None else None
+    mesh = dict(cfg=a.cfg if a.cfg > 1 else None, tp=a.tp, ring=a.ring, ulysses=a.ulysses,
+                mesh_order=a.mesh_order, device=a.device, dtype=a.dtype, binary=a.binary,
+                launcher=a.launcher, step_timeout=a.step_timeout, max_memory=a.max_memory)
     return Engine(a.model, pipeline_device=a.pipeline_device, pipeline_dtype=a.pipeline_dtype,
-                  resume=not a.no_resume, log=log, **mesh)
+                  resume=not a.no_resume, log=log, loras=loras, cache=cache, **mesh)
 
 
 class StepBar:
@@ -712,6 +835,7 @@ def main_generate(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if a.out is not None and not a.out.lower().endswith((".png", ".mp4")):
         ap.error(f"--out '{a.out}': must end in .png or .mp4")
+    check_engine_args(ap, a)
     where = os.path.dirname(os.path.abspath(a.out or "x.png"))  # checked before any work
     if a.out is not None and os.path.isdir(a.out):
         ap.error(f"--out '{a.out}' is a directory")

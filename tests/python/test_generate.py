@@ -65,6 +65,44 @@ def test_generate_writes_the_png_diffusers_makes(flux_root, diffusers_flux, tmp_
     assert levels(diffusers_image(diffusers_flux, 3, **{**kw, "guidance_scale": 1.5}), ref) > 8
 
 
+def test_generate_with_a_lora_a_step_cache_and_cfg2_is_diffusers_doing_the_same(
+        flux_root, tmp_path):
+    """--lora FILE:WEIGHT, --cache first_block:threshold=X and --cfg 2 (true CFG) at once give
+    the image diffusers' own pipeline makes with load_lora_weights + set_adapters, the same
+    First-Block Cache hook and true CFG. Controls: without the cache the image differs (so the
+    cache skipped steps), without the LoRA too (so the adapter acts)."""
+    from diffusers.hooks import FirstBlockCacheConfig
+    from safetensors.torch import save_file
+    from test_lora import kohya_flux
+
+    lora = tmp_path / "style.safetensors"
+    save_file(kohya_flux(seed=1, h=flux_pipeline.HEADS * flux_pipeline.HEAD_DIM, double=2,
+                         single=2), str(lora))
+    out = tmp_path / "x.png"
+    r = subprocess.run(meshdit_cmd("generate", "--model", flux_root, "--prompt", "a red cube",
+                                   "--steps", "6", "--size", "64x64", "--seed", "3", "--cfg", "2",
+                                   "--true-cfg", "2", "--max-sequence-length", str(TXT),
+                                   "--lora", f"{lora}:0.7", "--cache", "first_block:threshold=0.3",
+                                   "--out", str(out)),
+                       capture_output=True, text=True, env=env_with_package(), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "world 2 = cfg 2 x tp 1" in r.stdout and "LoRA 'style' from" in r.stdout, r.stdout
+    assert "step cache: first_block:threshold=0.3" in r.stdout, r.stdout
+    got = png_pixels(out.read_bytes())
+    kw = dict(prompt="a red cube", height=64, width=64, num_inference_steps=6, guidance_scale=3.5,
+              true_cfg_scale=2.0, negative_prompt="", max_sequence_length=TXT)
+    pipe = flux_pipeline.load(flux_root)
+    plain = diffusers_image(pipe, 3, **kw)
+    pipe.load_lora_weights(str(lora), adapter_name="style")
+    pipe.set_adapters(["style"], [0.7])
+    uncached = diffusers_image(pipe, 3, **kw)
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.3))
+    ref = diffusers_image(pipe, 3, **kw)
+    assert levels(got, ref) <= 1, levels(got, ref)
+    assert levels(ref, uncached) > 1 and levels(uncached, plain) > 8, (levels(ref, uncached),
+                                                                        levels(uncached, plain))
+
+
 def test_generate_refuses_in_one_line(flux_root, tmp_path):
     """Usage errors (exit 2) and a model that is not there (exit 1): one line each, before any
     pipeline is loaded."""
@@ -94,7 +132,13 @@ def test_generate_refuses_in_one_line(flux_root, tmp_path):
              (["--model", flux_root, "--prompt", "x", "--seed", "1", "--seed", "2"], 2,
               "--seed given twice"),
              (["--model", broken_index, "--prompt", "x"], 1, "model_index.json: Expecting"),
-             (["--model", list_class, "--prompt", "x"], 1, "is not one meshdit generates with")]
+             (["--model", list_class, "--prompt", "x"], 1, "is not one meshdit generates with"),
+             (["--model", flux_root, "--prompt", "x", "--lora", "no.safetensors:0.5"], 2,
+              "--lora no.safetensors:0.5: no file no.safetensors"),
+             (["--model", flux_root, "--prompt", "x", "--cache", "first_block:thr=1"], 2,
+              "'thr=1': no such field of FirstBlockCacheConfig"),
+             (["--model", flux_root, "--prompt", "x", "--cache", "later"], 2, "unknown cache 'later'"),
+             (["--model", flux_root, "--prompt", "x", "--cfg", "3"], 2, "invalid choice: 3")]
     (tmp_path / "d.png").mkdir()
     for args, rc, msg in cases:
         r = subprocess.run(meshdit_cmd("generate", *args), capture_output=True, text=True, env=env,
