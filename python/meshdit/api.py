@@ -350,6 +350,7 @@ class Service:
         job.result_info = {"seconds": round(time.perf_counter() - t0, 6),
                            "pipeline_seconds": round(res.seconds, 6),
                            "queue_seconds": round(job.started_at - job.created_at, 6),
+                           "lora": res.loras,
                            "pipeline_kwargs": {k: v for k, v in res.pipeline_kwargs.items()
                                                if k not in ("prompt", "negative_prompt")}}
         with self._cv:
@@ -470,9 +471,9 @@ def _parse_size(text: str | None) -> tuple[int | None, int | None]:
 
 IMAGE_FIELDS = {"prompt", "model", "n", "size", "response_format", "output_format", "stream",
                 "negative_prompt", "steps", "guidance", "true_cfg", "seed",
-                "max_sequence_length", "preview_every"}
+                "max_sequence_length", "preview_every", "lora"}
 VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "negative_prompt", "steps", "guidance",
-                "seed", "frames", "fps", "max_sequence_length", "preview_every"}
+                "seed", "frames", "fps", "max_sequence_length", "preview_every", "lora"}
 
 
 def _common(body: dict, form: bool, limits: Limits) -> dict:
@@ -482,7 +483,11 @@ def _common(body: dict, form: bool, limits: Limits) -> dict:
             raise ApiError(400, f"'{key}' has {len(v):,} characters, over the limit of "
                                 f"{limits.max_prompt_chars:,} (--max-prompt-chars)", param=key,
                            code="invalid_value")
-    return dict(prompt=_field(body, "prompt", str, form),
+    lora = body.get("lora")
+    if lora is not None and not isinstance(lora, dict):  # a form's text included
+        raise ApiError(400, "'lora' must be an object of adapter name: weight (JSON)",
+                       param="lora", code="invalid_type")
+    return dict(loras=lora, prompt=_field(body, "prompt", str, form),
                 negative_prompt=_field(body, "negative_prompt", str, form),
                 steps=_field(body, "steps", int, form), guidance=_field(body, "guidance", float, form),
                 seed=_field(body, "seed", int, form),

@@ -108,6 +108,7 @@ class Request:
     n: int = 1  # images: one batch of n, image k from seed + k
     max_sequence_length: int | None = None
     preview_every: int = 0  # 0: no previews
+    loras: dict | None = None  # {adapter name: weight} of those loaded (--lora); None: theirs
 
 
 @dataclasses.dataclass
@@ -124,6 +125,7 @@ class Result:
     seconds: float  # the pipeline call
     step_seconds: list  # per denoising step
     resumes: list  # lost ranks recovered during this run (meshdit/_resume.py)
+    loras: dict = dataclasses.field(default_factory=dict)  # the adapters' weights it ran with
 
 
 # ---- finding the model ---------------------------------------------------------------------------
@@ -265,6 +267,31 @@ class Engine:
         self._sig = inspect.signature(type(self.pipe).__call__).parameters
         self.defaults = self._defaults()
 
+    def _check_loras(self, want) -> None:
+        """A request's adapter weights: names of the loaded adapters, finite numbers."""
+        if not isinstance(want, dict):
+            raise RequestError("lora", "lora must be an object of adapter name: weight")
+        names = [a["name"] for a in self.loras]
+        for name, w in want.items():
+            if name not in names:
+                raise RequestError("lora", f"lora: no adapter '{str(name)[:60]}' "
+                                           f"(loaded: {', '.join(names) or 'none, see --lora'})")
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) \
+                    or abs(w) > MAX_SCALE:
+                raise RequestError("lora", f"lora: the weight of '{name}' must be a finite "
+                                           f"number of magnitude at most {MAX_SCALE:g}")
+
+    def _set_loras(self, want: dict | None) -> dict:
+        """The adapters' weights for one generation: the request's (an adapter it does not name
+        is off), or the --lora weights. peft's state only: the mesh fuses when it changes."""
+        if not self.loras:
+            return {}
+        names = [a["name"] for a in self.loras]
+        weights = ([a["weight"] for a in self.loras] if want is None
+                   else [float(want.get(n, 0.0)) for n in names])
+        self.pipe.set_adapters(names, weights)
+        return dict(zip(names, weights))
+
     def _load_loras(self, loras) -> list[dict]:
         """Each (file, weight) through the pipeline's own LoRA loader, under a name of its own
         (the file's stem), then set_adapters with the weights: what a diffusers user's
@@ -371,6 +398,8 @@ class Engine:
                                        f"(image k takes seed + k, below 2^63)")
         if r.preview_every < 0:
             raise RequestError("preview_every", "preview_every must be >= 0")
+        if r.loras is not None:
+            self._check_loras(r.loras)
         if r.preview_every > r.steps:
             raise RequestError("preview_every", f"preview_every {r.preview_every}: over the "
                                                 f"{r.steps} steps, no preview would be made")
@@ -463,6 +492,7 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 raise Cancelled()
             pipe, t = self.pipe, self.transformer
+            lora_weights = self._set_loras(r.loras)
             gens = [torch.Generator("cpu").manual_seed(r.seed + k) for k in range(r.n)]
             call_kw = dict(kw)
             if self.class_name == "Flux2KleinPipeline" and "negative_prompt" in call_kw:
@@ -537,7 +567,7 @@ class Engine:
         return Result(kind=self.kind, images=images, frames=frames, fps=r.fps,
                       seeds=[r.seed + k for k in range(r.n)], width=r.width, height=r.height,
                       steps=r.steps, pipeline_kwargs=kw, seconds=seconds,
-                      step_seconds=step_seconds, resumes=resumes)
+                      step_seconds=step_seconds, resumes=resumes, loras=lora_weights)
 
     # -- previews: the predicted final image, decoded as the pipeline decodes its result --------
     def _decode_preview(self, x0, r: Request) -> list:

@@ -116,6 +116,8 @@ def test_openai_client_image_equals_generate_and_diffusers(service, client, flux
 
 
 BAD = [
+    ({"prompt": "x", "size": "64x64", "lora": {"style": 1}}, 400, "lora", "no adapter 'style' (loaded: none"),
+    ({"prompt": "x", "lora": ["style"]}, 400, "lora", "must be an object"),
     (b"{not json", 400, None, "not valid JSON"),
     (b"[1, 2]", 400, None, "JSON object"),
     ({"prompt": "x", "n": 3}, 400, "n", "n 3: must be 1 to 2"),

@@ -165,6 +165,42 @@ def test_generate_refuses_after_the_load_in_one_line(flux_root, tmp_path):
         assert not os.path.exists(out)
 
 
+def test_engine_lora_weights_per_request(flux_root, tmp_path):
+    """An engine with a --lora adapter: a request without `loras` runs the loaded weight, one
+    with {name: w} that weight, one with {} no adapter: each the image diffusers makes with
+    set_adapters at that weight (or none). Unknown names and bad weights are refused."""
+    from safetensors.torch import save_file
+    from test_lora import kohya_flux
+
+    lora = tmp_path / "style.safetensors"
+    save_file(kohya_flux(seed=2, h=flux_pipeline.HEADS * flux_pipeline.HEAD_DIM, double=2,
+                         single=2), str(lora))
+    kw = dict(prompt="a red cube", height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
+              max_sequence_length=TXT)
+    pipe = flux_pipeline.load(flux_root)
+    want = {"none": diffusers_image(pipe, 3, **kw)}
+    pipe.load_lora_weights(str(lora), adapter_name="style")
+    for w in (0.7, 0.3):
+        pipe.set_adapters(["style"], [w])
+        want[w] = diffusers_image(pipe, 3, **kw)
+    e = mg.Engine(flux_root, tp=1, log=lambda line: None, loras=[(str(lora), 0.7)])
+    try:
+        assert e.loras == [{"name": "style", "file": str(lora), "weight": 0.7}]
+        for loras, key in ((None, 0.7), ({"style": 0.3}, 0.3), ({}, "none"), (None, 0.7)):
+            res = e.run(req(loras=loras))
+            assert res.loras == {"style": 0.7 if key == 0.7 else 0.3 if key == 0.3 else 0.0}
+            assert levels(pil_pixels(res.images[0]), want[key]) <= 1, (loras, key)
+        assert levels(want[0.7], want["none"]) > 8 and levels(want[0.7], want[0.3]) > 8
+        for bad, msg in (({"other": 1.0}, "no adapter 'other' \\(loaded: style\\)"),
+                         ({"style": float("nan")}, "finite"), ({"style": True}, "finite"),
+                         (["style"], "must be an object")):
+            with pytest.raises(mg.RequestError, match=msg) as err:
+                e.check(req(loras=bad))
+            assert err.value.param == "lora"
+    finally:
+        e.close()
+
+
 def test_hub_id_from_the_local_cache(flux_root, tmp_path, monkeypatch):
     """A hub id resolves to its snapshot in the Hugging Face cache; never a download."""
     from huggingface_hub import constants
