@@ -16,8 +16,10 @@ Needs torch and diffusers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
+import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -113,16 +115,23 @@ def family_lora_state_dict(family: str, path_or_dict, **kwargs):
 # diffusers' LoRA calls (load_lora_adapter, set_adapters, fuse_lora / unfuse_lora, delete_adapters,
 # disable_lora / enable_lora, unload_lora, the `scale` of the attention kwargs, and the pipeline's
 # get_active_adapters / fused_loras that walk the model's peft layers) all act on peft's per-layer
-# state: the active adapters, each one's scaling, the merged ones, the disabled flag. meshdit runs
-# that state unchanged, on one real peft LoRA layer in this process, the probe: a linear of one
-# input and SLOTS outputs (zero weights), where each adapter is a rank-1 LoRA whose A is 1 and
-# whose B is its slot's unit vector, at lora_alpha = r = 1. The probe's output for the input 1 is
-# then, slot by slot, the coefficient peft applies to that adapter's B A in every layer it
-# adapts (its set_adapters weight, times the scale of the forward, for an active adapter; what
-# fuse_lora merged, kept through unfuse, disable and unload as peft keeps it). Each forward sends
-# those coefficients as its "lora" set and the server fuses W0 + sum c_i s_i B_i A_i (s_i the
-# adapter's own alpha / r per module) before it runs, unless that set is fused already.
-PROBE = "meshdit_probe"  # no "lora" in it: diffusers' unload_lora skips modules so named
+# state: the active adapters, each one's scaling, the merged ones, the disabled flag. That state
+# is per layer, and layers differ: a layer holds only the adapters that target it, and one with
+# any adapter merged skips its unmerged ones (peft's Linear.forward), so after fuse_lora of one
+# adapter another still acts where the first does not reach; deleting the only active adapter
+# makes each layer activate the first adapter it holds. meshdit runs that state unchanged, on
+# real peft LoRA layers in this process, the probes: the modules the adapters target are
+# partitioned into groups by the adapters that cover them, and each group has one probe, a linear
+# of one input and SLOTS outputs (zero weights) where each adapter of the group is a rank-1 LoRA
+# whose A is 1 and whose B is its slot's unit vector, at lora_alpha = r = 1. A probe's output for
+# the input 1 is then, slot by slot, the coefficient peft applies to that adapter's B A in every
+# layer of its group (its set_adapters weight, times the scale of the forward, for an active
+# adapter; what fuse_lora merged, kept through unfuse, disable and unload as peft keeps it). Each
+# forward sends those coefficients as its "lora" set and the server fuses W0 + sum c_i s_i B_i A_i
+# (s_i the adapter's own alpha / r per module) before it runs, unless that set is fused already;
+# an adapter whose groups have different coefficients goes as sub-adapters, one per coefficient,
+# each its factors on those groups' modules only.
+PROBE = "meshdit_probe"  # no "lora" in a probe's name: diffusers' unload_lora skips such modules
 SLOTS = 16  # adapters one drop-in holds at once (loaded, or merged and still in the weights)
 
 
@@ -151,8 +160,9 @@ def _state(t) -> dict:
                    for a in json.loads(t.info.get("adapters", "[]")) if a.get("fused")]
         # server-side names: unguessable (the server lists no client's adapters), so no other
         # client can name, fuse or unload them
+        # groups: {probe's name: {"modules": its modules, "slots": its adapters' slots}}
         st = {"prefix": f"py{secrets.token_hex(16)}-", "next": 0, "slots": {},
-              "startup": startup}
+              "startup": startup, "groups": {}, "probes": 0}
         t.__dict__["_meshdit_lora"] = st
         if t._server is None:  # a shared server (connect): its adapters go with this object
             import weakref
@@ -165,8 +175,8 @@ def load_adapter(t, pretrained_model_name_or_path_or_dict, prefix="transformer",
     """diffusers' ``PeftAdapterMixin.load_lora_adapter`` for a drop-in: the same state dict
     handling (prefix, kohya-style names turned into peft's, network alphas, metadata), the
     factors loaded on the server under a name of this drop-in's, and the adapter added to the
-    probe as peft adds one to every layer (so which adapters are active afterwards is peft's
-    answer)."""
+    probes of the modules it adapts as peft adds one to those layers (so which adapters are
+    active afterwards, in each group, is peft's answer)."""
     from diffusers.loaders.lora_base import _fetch_state_dict
     from diffusers.utils import convert_unet_state_dict_to_peft, get_adapter_name
     from peft import LoraConfig, inject_adapter_in_model
@@ -229,89 +239,239 @@ def load_adapter(t, pretrained_model_name_or_path_or_dict, prefix="transformer",
     except ServerError as e:  # named as the user named it, not by the server-side name
         raise ServerError(e.op, e.error.replace(server_name, str(adapter_name)),
                           e.metadata) from None
+    modules = _modules(tensors)
     try:
-        probe = t._modules.get(PROBE)
-        if probe is None:
-            probe = torch.nn.Linear(1, SLOTS, bias=False, dtype=torch.float64)
-            torch.nn.init.zeros_(probe.weight)
-            probe.requires_grad_(False)
-            t._modules[PROBE] = probe  # (add_module is refused to users: see METHODS)
-        cfg = LoraConfig(r=1, lora_alpha=1, target_modules=[PROBE], lora_dropout=0.0,
+        targets = _refine(t, st, modules)
+        cfg = LoraConfig(r=1, lora_alpha=1, target_modules=targets, lora_dropout=0.0,
                          init_lora_weights=False)
         with torch.no_grad():
+            # one injection into all of them, as diffusers injects into all the adapter's layers
+            # at once: peft then sets the new adapter active in every LoRA layer of the model
             inject_adapter_in_model(cfg, t, adapter_name=adapter_name)
-            layer = t._modules[PROBE]
-            layer.lora_A[adapter_name].to(torch.float64).weight.fill_(1.0)
-            layer.lora_B[adapter_name].to(torch.float64).weight.zero_()
-            layer.lora_B[adapter_name].weight[slot, 0] = 1.0
+            for name in targets:
+                layer = t._modules[name]
+                layer.lora_A[adapter_name].to(torch.float64).weight.fill_(1.0)
+                layer.lora_B[adapter_name].to(torch.float64).weight.zero_()
+                layer.lora_B[adapter_name].weight[slot, 0] = 1.0
         t._hf_peft_config_loaded = True
     except BaseException:
         with contextlib.suppress(Exception):
             t._client.lora_unload(server_name)
         cfgs = getattr(t, "peft_config", None)
         if cfgs is not None and adapter_name in cfgs:  # as diffusers drops a failed adapter's
-            layer = t._modules.get(PROBE)
-            with contextlib.suppress(Exception):
-                layer.delete_adapter(adapter_name)
+            for name in st["groups"]:
+                with contextlib.suppress(Exception):
+                    t._modules[name].delete_adapter(adapter_name)
             cfgs.pop(adapter_name)
+        collect(t)  # (a split leaves two groups in one state; a new group holds nothing)
         raise
+    for name in targets:
+        st["groups"][name]["slots"].add(slot)
+    # subs: {modules: the server's name of this adapter on those modules only} (lora_value)
     st["slots"][slot] = {"name": adapter_name, "server": server_name, "meta": meta,
-                         "tensors": tensors}
+                         "tensors": tensors, "modules": modules, "subs": {}}
 
 
-def _coefficients(t) -> list[float] | None:
-    """What peft applies to each slot's adapter now (the probe's output for 1), or None. A
-    coefficient within 1e-12 of 0 is 0: what x * s / s leaves of a merge unmerged after a scale
-    (peft's own arithmetic; in real weights it is far below their rounding)."""
-    probe = t._modules.get(PROBE)
-    if probe is None:
-        return None
+def _modules(tensors) -> frozenset:
+    """The modules an adapter's factors adapt: each key's part before ``.lora_``, the layers
+    diffusers injects it into (load_lora_adapter passes the state dict to peft's inject)."""
+    return frozenset(k.rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k)
+
+
+def _refine(t, st, modules) -> list[str]:
+    """The probes of the groups that make up `modules`, the partition refined to hold it: a group
+    partly in `modules` is split, its probe copied for the part inside (the copy carries peft's
+    state, merged weights, active adapters, disabled flag: the state of those layers); modules
+    no group holds form a new group whose probe is a plain linear, so that peft makes it a fresh
+    LoRA layer as it does a layer of the model that no adapter holds."""
+    targets, fresh = [], set(modules)
+    for name, g in list(st["groups"].items()):
+        inside = g["modules"] & modules
+        fresh -= g["modules"]
+        if not inside:
+            continue
+        if inside != g["modules"]:
+            g["modules"] -= inside
+            name = _add_probe(t, st, copy.deepcopy(t._modules[name]), inside, g["slots"])
+        targets.append(name)
+    if fresh:
+        probe = torch.nn.Linear(1, SLOTS, bias=False, dtype=torch.float64)
+        torch.nn.init.zeros_(probe.weight)
+        probe.requires_grad_(False)
+        targets.append(_add_probe(t, st, probe, fresh, ()))
+    order = _layer_order(t, st)  # the probes in the order of their groups' first layers
+    first = {n: min(order.get(m, len(order)) for m in g["modules"])
+             for n, g in st["groups"].items()}
+    st["groups"] = {n: st["groups"][n] for n in sorted(st["groups"], key=first.get)}
+    for name in st["groups"]:
+        t._modules[name] = t._modules.pop(name)
+    return targets
+
+
+def _layer_order(t, st) -> dict[str, int]:
+    """Each module's place in diffusers' own model of this family and config (built on the meta
+    device: no memory, a tenth of a second for Flux's 12B): peft answers active_adapters and
+    diffusers' get_adapter_name from the model's first LoRA layer, so the probes keep the order
+    of the layers they stand for. {} (the probes in the order they were made) for a model that
+    diffusers does not build."""
+    if "order" not in st:
+        import diffusers
+        try:
+            with torch.device("meta"):
+                model = getattr(diffusers, t.class_name).from_config(dict(t.config))
+            st["order"] = {f"transformer.{n}": i for i, (n, _) in enumerate(model.named_modules())}
+        except Exception:  # noqa: BLE001 - no such class in this diffusers, a config it refuses
+            st["order"] = {}
+    return st["order"]
+
+
+def _add_probe(t, st, probe, modules, slots) -> str:
+    # a name no other probe's ends with after a ".": peft's target_modules match by suffix
+    name = f"{PROBE}_{st['probes']}"
+    st["probes"] += 1
+    t._modules[name] = probe  # (add_module is refused to users: see METHODS)
+    st["groups"][name] = {"modules": frozenset(modules), "slots": set(slots)}
+    return name
+
+
+def _coefficients(t) -> dict[str, list[float]]:
+    """What peft applies to each slot's adapter now, group by group: {probe: its output for 1}.
+    A coefficient within 1e-12 of 0 is 0: what x * s / s leaves of a merge unmerged after a
+    scale (peft's own arithmetic; in real weights it is far below their rounding)."""
+    st = t.__dict__.get("_meshdit_lora")
+    one = torch.ones(1, dtype=torch.float64)
     with torch.no_grad():
-        c = probe(torch.ones(1, dtype=torch.float64)).tolist()
-    return [0.0 if abs(v) < 1e-12 else v for v in c]
+        return {name: [0.0 if abs(v) < 1e-12 else v for v in t._modules[name](one).tolist()]
+                for name in (st["groups"] if st else ())}
 
 
 def collect(t, c=None) -> None:
-    """Frees the slots of adapters gone from peft (deleted, unloaded) whose coefficient is 0 (a
-    merged one stays in the weights, as in diffusers), and unloads them from the server; the
-    probe goes with the last slot. `c`: the coefficients, when the caller has them."""
+    """Frees the slots of adapters gone from peft (deleted, unloaded) whose coefficient is 0 in
+    every group (a merged one stays in the weights, as in diffusers), and unloads them and their
+    sub-adapters from the server. Once no adapter is left in peft it drops the probes that hold
+    no merged weight and are not disabled (a disabled layer keeps a later adapter disabled), so
+    the last probe goes with the last of the adapters; until then a probe left with no adapter
+    stays, as the LoRA layer it stands for stays in diffusers' model (where active_adapters and
+    get_adapter_name may read it). `c`: the coefficients, when the caller has them."""
     st = t.__dict__.get("_meshdit_lora")
-    c = _coefficients(t) if c is None else c
-    if st is None or c is None:
+    if st is None:
         return
+    c = _coefficients(t) if c is None else c
     live = set(getattr(t, "peft_config", None) or {})
     for slot, a in list(st["slots"].items()):
-        if a["name"] not in live and c[slot] == 0:
+        if a["name"] not in live and not any(v[slot] for v in c.values()):
             del st["slots"][slot]
+            for g in st["groups"].values():
+                g["slots"].discard(slot)
             if t._client is not None:
-                with contextlib.suppress(Exception):
-                    t._client.lora_unload(a["server"])
-    if not st["slots"] and not live:
-        del t._modules[PROBE]
+                for name in (a["server"], *a["subs"].values()):
+                    with contextlib.suppress(Exception):
+                        t._client.lora_unload(name)
+    for name in [] if live else list(st["groups"]):
+        layer = t._modules[name]  # a LoRA layer, or its base linear after unload_lora
+        if not (any(c[name]) or getattr(layer, "disable_adapters", False)):
+            del t._modules[name], st["groups"][name]
 
 
 def lora_value(t) -> str | None:
     """The forward's "lora": the server's start-up adapters and this drop-in's at their
-    coefficients, or None when it never loaded one (the server's start-up set)."""
+    coefficients, or None when it holds none (the server's start-up set). An adapter whose
+    groups have one coefficient goes whole; one whose groups differ (a fuse, a delete that
+    peft answers per layer) goes as its parts, the modules of each nonzero coefficient."""
     st = t.__dict__.get("_meshdit_lora")
-    if st is None or t._modules.get(PROBE) is None:
+    if st is None or not st["groups"]:
         return None
-    c = _coefficients(t)  # one read of the probe per forward
+    c = _coefficients(t)  # one read of the probes per forward
     collect(t, c)
-    if t._modules.get(PROBE) is None:  # the last adapter gone: the server's start-up set again
+    if not st["groups"]:  # the last adapter gone: the server's start-up set again
         return None
-    for slot, a in st["slots"].items():  # weight x scale within the server's bound
-        check_weight(c[slot], f"the coefficient of adapter '{a['name']}' (its set_adapters "
-                              f"weight times the forward's scale, and what fuse_lora merged)")
-    mine = [f"{a['server']}={c[slot]!r}" for slot, a in sorted(st["slots"].items()) if c[slot] != 0]
+    mine = []
+    for slot, a in sorted(st["slots"].items()):
+        parts, covered = {}, 0  # coefficient -> the groups of the adapter that apply it
+        for name, g in st["groups"].items():
+            if slot in g["slots"]:
+                parts.setdefault(c[name][slot], []).append(name)
+                covered += len(g["modules"])
+        if covered < len(a["modules"]):  # a group whose probe went: nothing of it is left there
+            parts.setdefault(0.0, [])
+        for v in parts:  # weight x scale within the server's bound
+            check_weight(v, f"the coefficient of adapter '{a['name']}' (its set_adapters "
+                            f"weight times the forward's scale, and what fuse_lora merged)")
+        if len(parts) == 1:
+            mine += [f"{a['server']}={v!r}" for v in parts if v != 0]
+            continue
+        for v, names in parts.items():
+            if v != 0:
+                mods = frozenset().union(*(st["groups"][n]["modules"] for n in names))
+                mine.append(f"{_sub(t, st, a, mods)}={v!r}")
     return ",".join(st["startup"] + mine)
 
 
+def _sub(t, st, a, mods) -> str:
+    """The server's name of adapter `a` on `mods` only, loaded at its first use (and kept until
+    the adapter's slot is freed)."""
+    name = a["subs"].get(mods)
+    if name is None:
+        name = f"{st['prefix']}{st['next']}"
+        st["next"] += 1
+        try:
+            t._client.lora_load(name, *_restricted(a, mods))
+        except ServerError as e:
+            raise ServerError(e.op, e.error.replace(name, f"{a['name']} (on {len(mods)} of its "
+                                                          f"modules)"), e.metadata) from None
+        a["subs"][mods] = name
+    return name
+
+
+def _restricted(a, mods):
+    """(metadata, tensors) of adapter `a` on the modules `mods`: their keys only (the server
+    refuses keys that map to no weight), at the scales they have in the whole adapter. The
+    metadata's r, lora_alpha and patterns give a module its scale by its own name, and name no
+    module the server must find, so the metadata goes as it is; '.alpha' keys are read together
+    (the most common alpha is lora_alpha, the others patterns that may match other modules: the
+    server's reading, diffusers' get_peft_kwargs), so those of a part could give other scales:
+    the part carries each module's alpha and rank as metadata instead, its patterns anchored to
+    the whole name (``^``, as diffusers anchors its rank patterns)."""
+    tensors = {k: v for k, v in a["tensors"].items() if k.rsplit(".lora_", 1)[0] in mods}
+    alphas = {k.removesuffix(".alpha"): _scalar(v) for k, v in a["tensors"].items()
+              if k.endswith(".alpha")}
+    if not alphas:
+        return a["meta"], tensors
+    order = list(dict.fromkeys(k.removesuffix(".alpha").rsplit(".lora_", 1)[0]
+                               for k in a["tensors"]))  # the modules in the server's key order
+    counts = [sum(alphas.get(o) == alphas[m] for o in order) if m in alphas else 0
+              for m in order]
+    common = alphas[order[counts.index(max(counts))]]
+    bare = {m: m.removeprefix("transformer.") for m in order}
+    patterns = [bare[m] for m in order if m in alphas and alphas[m] != common]
+    alpha, rank = {}, {}
+    for k, v in tensors.items():
+        m = k.rsplit(".lora_", 1)[0]
+        if k.endswith(("lora_A.weight", "lora_down.weight")):
+            hit = next((p for p in patterns if re.match(rf"(.*\.)?({p})$", bare[m])), None)
+            alpha["^" + re.escape(bare[m])] = common if hit is None else alphas[
+                "transformer." + hit]
+            rank["^" + re.escape(bare[m])] = v.shape[0]
+    cfg = {"r": next(iter(rank.values())), "lora_alpha": common, "rank_pattern": rank,
+           "alpha_pattern": alpha}
+    return {"format": "pt", "lora_adapter_metadata": json.dumps(
+        {f"transformer.{k}": v for k, v in cfg.items()})}, tensors
+
+
+def _scalar(r: _blob.Raw) -> float:
+    if r.dtype == "BF16":  # the upper half of a float32
+        return float((np.frombuffer(r.data, "<u2").astype("<u4") << 16).view("<f4")[0])
+    return float(np.frombuffer(r.data, _blob._NP[r.dtype])[0])
+
+
 def reload(t) -> None:
-    """Loads this drop-in's adapters again on a new server (after a relaunch: _resume)."""
+    """Loads this drop-in's adapters and their parts again on a new server (after a relaunch:
+    _resume)."""
     st = t.__dict__.get("_meshdit_lora")
     for a in (st or {}).get("slots", {}).values():
         t._client.lora_load(a["server"], a["meta"], a["tensors"])
+        for mods, name in a["subs"].items():
+            t._client.lora_load(name, *_restricted(a, mods))
 
 
 def release(t) -> None:
@@ -322,9 +482,9 @@ def release(t) -> None:
 
 
 def _unload_all(client, st) -> None:
-    for a in list(st["slots"].values()):
+    for name in [n for a in st["slots"].values() for n in (a["server"], *a["subs"].values())]:
         try:
-            client.lora_unload(a["server"], timeout=1.0)
+            client.lora_unload(name, timeout=1.0)
         except Exception:  # noqa: BLE001 - a server that is gone, or a closed client
             break
     st["slots"].clear()

@@ -1,11 +1,13 @@
 """diffusers' LoRA API on the drop-in, against diffusers + peft on the same weights.
 
-The drop-in keeps peft's own adapter state (meshdit/_lora.py: one peft layer, the probe) and
-each forward fuses on the mesh what that state says. So every call of diffusers' API is checked
-the only way that proves it: the same calls on diffusers' own transformer (with peft) and on the
-drop-in, a forward after each, the outputs within 1e-4 — a fixed sequence on one rank, tp=2 and
-tp=2 x ulysses=2, random sequences of every call (seeded), the four families' adapters, and a
-real FluxPipeline's ``load_lora_weights`` / ``set_adapters`` / ``fuse_lora`` / ``unfuse_lora`` /
+The drop-in keeps peft's own adapter state (meshdit/_lora.py: a peft layer, a probe, per group
+of the layers the adapters target) and each forward fuses on the mesh what that state says. So
+every call of diffusers' API is checked the only way that proves it: the same calls on
+diffusers' own transformer (with peft) and on the drop-in, a forward after each, the outputs
+within 1e-4 — a fixed sequence on one rank, tp=2 and tp=2 x ulysses=2, random sequences of
+every call (seeded), adapters on different layers (fused, disabled, deleted while others act:
+peft answers per layer), the four families' adapters, and a real FluxPipeline's
+``load_lora_weights`` / ``set_adapters`` / ``fuse_lora`` / ``unfuse_lora`` /
 ``unload_lora_weights``. Where no adapter acts the drop-in's output is its base output bit for
 bit; a LoRA on one layer changes it (negative control); a second client of the same server
 runs without the first one's adapters; bad adapters are refused naming what is wrong, and
@@ -58,6 +60,25 @@ def out(m, inputs, scale=None):
 @pytest.fixture(scope="module")
 def adapters():
     return flux_adapters()
+
+
+def part(adapter, keep):
+    """An adapter on the modules `keep` accepts only (its factors and alphas there), as a pipeline
+    hands over one trained on those layers."""
+    sd, alphas, meta = adapter
+    mod = lambda k: k.rsplit(".lora_", 1)[0].removesuffix(".alpha")  # noqa: E731
+    return ({k: v for k, v in sd.items() if keep(mod(k))},
+            {k: v for k, v in (alphas or {}).items() if keep(mod(k))}, meta)
+
+
+@pytest.fixture(scope="module")
+def layered(adapters):
+    """Adapters on different layers: the goldens' `a` (metadata, 28 modules) cut into its
+    attention layers and the others (disjoint), beside `b` (alphas as keys: 6 attention layers,
+    overlapping `attn` in part) and `k` (kohya: 16 layers of the first double block)."""
+    attn = lambda m: ".attn." in m  # noqa: E731
+    return {**adapters, "attn": part(adapters["a"], attn),
+            "mlp": part(adapters["a"], lambda m: not attn(m))}
 
 
 @pytest.fixture(scope="module")
@@ -191,10 +212,12 @@ def _random_op(rnd, m, names, op):
     return scale, None
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_random_sequences_match_diffusers(adapters, inputs, seed):
-    """Random sequences of every call (seeded), on both sides; after each, a forward within
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5, 6])
+def test_random_sequences_match_diffusers(layered, inputs, seed):
+    """Random sequences of every call (seeded), on both sides, over adapters on different layers
+    (disjoint, overlapping, nested: peft's state is per layer); after each, a forward within
     1e-4, the same active adapters and adapter list, and the same failures."""
+    adapters = layered
     rnd = random.Random(seed)
     ref = reference()
     with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny", tp=1 + seed % 2) as t:
@@ -219,6 +242,73 @@ def test_random_sequences_match_diffusers(adapters, inputs, seed):
                 getattr(ref, "peft_config", None) or {}), what
             if getattr(ref, "peft_config", None):
                 assert t.active_adapters() == ref.active_adapters(), what
+
+
+@pytest.mark.parametrize("x,y", [("attn", "mlp"), ("b", "attn"), ("k", "b")],
+                         ids=["disjoint", "overlapping", "alphas-inside"])
+def test_fusing_one_of_adapters_on_different_layers(layered, inputs, x, y):
+    """peft's state is per layer: a layer holds the adapters that target it, and one with an
+    adapter merged skips its unmerged ones. So after fuse_lora(adapter_names=[x]), y still acts
+    in the layers x does not reach (all of its layers when they are disjoint): the same calls on
+    diffusers and on the drop-in, within 1e-4 after each (the drop-in keeps a peft layer per
+    group of layers and sends an adapter whose groups differ as its parts)."""
+    ref = reference()
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny") as t:
+        base = out(t, inputs)
+        calls = [
+            ("load both", lambda m: (load(m, layered, x, "x"), load(m, layered, y, "y"))),
+            ("set_adapters both", lambda m: m.set_adapters(["x", "y"], [0.8, 1.3])),
+            ("fuse x of the two", lambda m: m.fuse_lora(adapter_names=["x"])),
+            ("disable_lora with x fused (peft unmerges it)", lambda m: m.disable_lora()),
+            ("enable_lora", lambda m: m.enable_lora()),
+            ("set_adapters y with x fused", lambda m: m.set_adapters(["y"], [-0.6])),
+            ("unfuse_lora", lambda m: m.unfuse_lora()),
+            ("x alone, fused", lambda m: (m.set_adapters(["x"]), m.fuse_lora(adapter_names=["x"]))),
+            ("then set_adapters y", lambda m: m.set_adapters(["y"])),
+            ("unfuse, fuse y scaled", lambda m: (m.unfuse_lora(), m.set_adapters(["x", "y"]),
+                                                 m.fuse_lora(0.7, adapter_names=["y"]))),
+            ("delete_adapters y (fused: it stays)", lambda m: m.delete_adapters("y")),
+            ("load y again beside fused y", lambda m: load(m, layered, y, "y2")),
+            ("unload_lora", lambda m: m.unload_lora()),
+        ]
+        for what, call in calls:
+            for m in (ref, t):
+                call(m)
+            for scale in (None, 0.5):
+                got = out(t, inputs, scale)
+                assert rel(got, out(ref, inputs, scale)) <= TOL, f"{what} (scale {scale})"
+            if what.startswith("disable_lora"):
+                assert np.array_equal(got, base), what
+            else:
+                assert rel(got, base) > 100 * TOL, f"{what}: the adapters did nothing"
+            if getattr(ref, "peft_config", None):
+                assert t.active_adapters() == ref.active_adapters(), what
+        assert not hasattr(t, "peft_config")
+
+
+def test_deleting_the_only_active_adapter_activates_one_per_layer(layered, inputs):
+    """delete_adapters of the only active adapter makes each peft layer activate the first
+    (sorted) adapter it holds: `p` in the attention layers, `q` in the others here (both from
+    then on), and active_adapters() answers from the model's first LoRA layer; the drop-in gives
+    diffusers' output and answer after each call."""
+    ref = reference()
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny", tp=2) as t:
+        calls = [
+            ("load p, q and r over both", lambda m: [load(m, layered, src, name) for src, name
+                                                    in (("attn", "p"), ("mlp", "q"), ("a", "r"))]),
+            ("delete r, the only active one", lambda m: m.delete_adapters("r")),
+            ("set_adapters p and q", lambda m: m.set_adapters(["p", "q"], [0.5, 2.0])),
+            ("fuse p, delete p", lambda m: (m.fuse_lora(adapter_names=["p"]),
+                                            m.delete_adapters("p"))),
+            ("load r again: active alone", lambda m: load(m, layered, "a", "r")),
+            ("delete r, p fused and gone", lambda m: m.delete_adapters("r")),
+        ]
+        for what, call in calls:
+            for m in (ref, t):
+                call(m)
+            assert rel(out(t, inputs), out(ref, inputs)) <= TOL, what
+            assert t.active_adapters() == ref.active_adapters(), what
+            assert sorted(t.peft_config) == sorted(ref.peft_config), what
 
 
 @pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan"])
