@@ -363,7 +363,7 @@ def test_pyproject_declares_the_command_and_the_serve_extra():
         proj = tomllib.load(f)["project"]
     assert proj["scripts"]["meshdit"] == "meshdit.__main__:main"
     serve = " ".join(proj["optional-dependencies"]["serve"])
-    for pkg in ("fastapi", "uvicorn", "imageio-ffmpeg", "pillow", "diffusers"):
+    for pkg in ("fastapi", "uvicorn", "imageio-ffmpeg", "pillow", "diffusers", "peft"):
         assert pkg in serve
 
 
