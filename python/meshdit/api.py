@@ -724,11 +724,21 @@ def create_app(svc: Service, api_key: str | None = None):
         return JSONResponse(ApiError(500, line, type="server_error", code="internal_error").body(),
                             status_code=500)
 
-    @app.middleware("http")
-    async def _query(request, call_next):  # no query parameter is skipped unread
+    def _refusal(request: HTTPRequest):
+        """The key first (nothing else is said to a client without it), then no query parameter
+        skipped unread: the answer that stops the request, or None."""
         path = request.url.path
-        if path == "/health":  # a health checker's cache-busting query: nothing to read there
-            return await call_next(request)
+        if path == "/health":  # no key; a health checker's cache-busting query is not read
+            return None
+        if api_key is not None:
+            scheme, _, got = request.headers.get("authorization", "").partition(" ")
+            # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    got.strip().encode("utf-8", "surrogateescape"), api_key.encode()):
+                return JSONResponse(ApiError(401, "missing or wrong API key: send "
+                                                  "'Authorization: Bearer KEY'",
+                                             code="invalid_api_key").body(), status_code=401,
+                                    headers={"www-authenticate": "Bearer"})
         allowed = ({"variant"} if path.startswith("/v1/videos/") and path.endswith("/content")
                    else {"after", "limit", "order"} if path == "/v1/videos" and
                    request.method == "GET" else set())
@@ -740,20 +750,24 @@ def create_app(svc: Service, api_key: str | None = None):
                 return JSONResponse(ApiError(400, f"{why} '{_clip(k)}' for {request.method} "
                                                   f"{_clip(path)}", param=_clip(k),
                                              code=code).body(), status_code=400)
-        return await call_next(request)
+        return None
 
-    @app.middleware("http")
-    async def _auth(request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            scheme, _, got = request.headers.get("authorization", "").partition(" ")
-            # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    got.strip().encode("utf-8", "surrogateescape"), api_key.encode()):
-                return JSONResponse(ApiError(401, "missing or wrong API key: send "
-                                                  "'Authorization: Bearer KEY'",
-                                             code="invalid_api_key").body(), status_code=401,
-                                    headers={"www-authenticate": "Bearer"})
-        return await call_next(request)
+    class _Gate:
+        """_refusal as a plain ASGI middleware: Starlette's BaseHTTPMiddleware (what
+        @app.middleware makes) wraps each request in a task of its own, whose cancellation at a
+        forced shutdown (a second SIGINT) was logged as a 27-line CancelledError traceback."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                refused = _refusal(HTTPRequest(scope))
+                if refused is not None:
+                    return await refused(scope, receive, send)
+            return await self.inner(scope, receive, send)
+
+    app.add_middleware(_Gate)
 
     def model_object() -> dict:
         e = svc.engine
@@ -807,6 +821,11 @@ def create_app(svc: Service, api_key: str | None = None):
                 if not job.done and gone.done() and not gone.cancelled() and gone.result():
                     svc.cancel(job)
                     return Response(status_code=499)
+        except asyncio.CancelledError:  # uvicorn's forced exit (a second signal): answered,
+            svc.cancel(job)  # not logged as a traceback and a 500
+            return JSONResponse(ApiError(503, f"job {job.id} was cancelled: the service is "
+                                              f"shutting down", code="shutting_down",
+                                         type="server_error").body(), status_code=503)
         finally:
             gone.cancel()
         return _image_response(job)
