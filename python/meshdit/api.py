@@ -366,13 +366,15 @@ class Service:
 
     def healthy(self) -> tuple[bool, str]:
         """(ok, why): not ok once the mesh is gone for good (no resume to start it again)."""
-        t = self.engine.transformer if self.engine else None
-        if t is None or t._client is None:
-            return False, "the mesh is gone and could not be started again"
-        server = getattr(t, "_server", None)  # None: attached to a server this did not start
-        why = server._alive() if server is not None else None
-        if why and getattr(t, "resumes", None) is None:  # with resume, the next job relaunches it
-            return False, f"the mesh is gone ({why}) (--no-resume: it is not started again)"
+        ts = getattr(self.engine, "transformers", None) or [
+            getattr(self.engine, "transformer", None)]  # (Wan 2.2 A14B: two meshes)
+        for t in ts:
+            if t is None or t._client is None:
+                return False, "the mesh is gone and could not be started again"
+            server = getattr(t, "_server", None)  # None: attached to a server this did not start
+            why = server._alive() if server is not None else None
+            if why and getattr(t, "resumes", None) is None:  # with resume, a job relaunches it
+                return False, f"the mesh is gone ({why}) (--no-resume: it is not started again)"
         return True, "ok"
 
 
@@ -787,7 +789,8 @@ def create_app(svc: Service, api_key: str | None = None):
         body = {"status": "ok" if ok else "error", "model": svc.model_name,
                 "queue": len(svc._queue), "running": svc.running.id if svc.running else None,
                 "completed": svc.completed,
-                "resumes": len(getattr(svc.engine.transformer, "resumes", []) or [])}
+                "resumes": sum(len(getattr(t, "resumes", []) or []) for t in
+                               getattr(svc.engine, "transformers", [svc.engine.transformer]))}
         if not ok:
             body["error"] = why
         return JSONResponse(body, status_code=200 if ok else 503)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import inspect
 import json
@@ -167,9 +168,11 @@ def read_model_index(root: str) -> dict:
         raise MeshditError(f"meshdit: {root}: pipeline class '{name}' is not one meshdit "
                            f"generates with ({', '.join(PIPELINES)})")
     for key, val in index.items():
-        if key.startswith("transformer") and key != "transformer" and val and val[0] is not None:
+        if key.startswith("transformer") and key != "transformer" and val and val[0] is not None \
+                and not (key == "transformer_2" and name == "WanPipeline"):
             raise MeshditError(f"meshdit: {root}: the pipeline has a second transformer "
-                               f"('{key}', Wan 2.2 A14B style), which meshdit generate does not run yet")
+                               f"('{key}'), which meshdit runs for WanPipeline only (Wan 2.2 "
+                               f"A14B's transformer_2)")
     if not os.path.isdir(os.path.join(root, "transformer")):
         raise MeshditError(f"meshdit: {root} has no transformer/ folder")
     return index
@@ -233,21 +236,34 @@ class Engine:
         self.transformer = meshdit.Transformer.from_pretrained(
             os.path.join(self.root, "transformer"), resume=resume,
             **{k: v for k, v in mesh.items() if v is not None})
+        self.transformer_2 = None  # Wan 2.2 A14B's low-noise expert: a mesh of its own
         try:
             self.load_seconds = {"transformer": time.perf_counter() - t0}
             log(plan_line(self.transformer.info) +
                 f"; loaded in {self.load_seconds['transformer']:.2f} s")
+            if (self.index.get("transformer_2") or [None])[0] is not None:
+                t2 = time.perf_counter()
+                log(f"loading transformer_2 (the low-noise expert) on {world} more "
+                    f"rank{'s' if world > 1 else ''} ...")
+                self.transformer_2 = meshdit.Transformer.from_pretrained(
+                    os.path.join(self.root, "transformer_2"), resume=resume,
+                    **{k: v for k, v in mesh.items() if v is not None})
+                self.load_seconds["transformer_2"] = time.perf_counter() - t2
+                log(plan_line(self.transformer_2.info) +
+                    f"; loaded in {self.load_seconds['transformer_2']:.2f} s")
             t1 = time.perf_counter()
-            others = [k for k, v in self.index.items()
-                      if not k.startswith("_") and k != "transformer" and v and v[0] is not None]
+            others = [k for k, v in self.index.items() if not k.startswith("_")  # components
+                      and k not in ("transformer", "transformer_2") and isinstance(v, list)
+                      and v and v[0] is not None]  # (boundary_ratio: 0.875 is a setting)
             log(f"loading {', '.join(others)} in this process ({pipeline_device}, {pipeline_dtype}) ...")
             cls = getattr(diffusers, self.class_name)
             level = dlog.get_verbosity()
             dlog.set_verbosity_error()  # "Expected types for transformer", accelerate's advice
             _quiet_loading_bars()
+            extra = {"transformer_2": self.transformer_2} if self.transformer_2 else {}
             try:
                 self.pipe = cls.from_pretrained(self.root, transformer=self.transformer,
-                                                dtype=_torch_dtype(pipeline_dtype))
+                                                dtype=_torch_dtype(pipeline_dtype), **extra)
             finally:
                 dlog.set_verbosity(level)
             self.pipe.set_progress_bar_config(disable=True)
@@ -258,11 +274,12 @@ class Engine:
             self.loras = self._load_loras(loras)
             self.cache = None
             if cache is not None:
-                self.transformer.enable_cache(cache)
+                for t in self.transformers:  # each expert its own hook, as a diffusers user does
+                    t.enable_cache(copy.deepcopy(cache))
                 self.cache = self.transformer._cache_spec
                 log(f"step cache: {self.cache}")
         except BaseException:
-            self.transformer.close()
+            self.close()
             raise
         self._sig = inspect.signature(type(self.pipe).__call__).parameters
         self.defaults = self._defaults()
@@ -298,6 +315,9 @@ class Engine:
         `pipe.load_lora_weights(f, adapter_name=n); pipe.set_adapters(names, weights)` does."""
         if not loras:
             return []
+        if self.transformer_2 is not None:
+            raise MeshditError("meshdit: --lora with a second transformer (Wan 2.2 A14B) is not "
+                               "supported yet: each expert takes its own LoRA file")
         if not hasattr(self.pipe, "load_lora_weights"):
             raise MeshditError(f"meshdit: --lora: {self.class_name} has no LoRA loader")
         names, out = [], []
@@ -535,13 +555,15 @@ class Engine:
                     x0["x0"] = sample.to(torch.float32) - sigma * model_output.to(torch.float32)
                     return out
                 sched.step = step
-            resumes_before = len(getattr(t, "resumes", []))
+            ts = self.transformers
+            resumes_before = [len(getattr(x, "resumes", [])) for x in ts]
 
             def listener(rec):  # the step redone: the one after those done
                 emit("resume", step=len(step_seconds) + 1, **rec)
-            listeners = getattr(t, "resume_listeners", None)  # only with resume on
-            if listeners is not None:
-                listeners.append(listener)
+            listeners = [x.resume_listeners for x in ts
+                         if getattr(x, "resume_listeners", None) is not None]  # resume on
+            for each in listeners:
+                each.append(listener)
             hook = t.register_forward_pre_hook(pre_hook)
             emit("start", steps=r.steps, seeds=[r.seed + k for k in range(r.n)],
                  pipeline_kwargs=kw)
@@ -552,12 +574,13 @@ class Engine:
                                callback_on_step_end=on_step)
             finally:
                 hook.remove()
-                if listeners is not None:
-                    listeners.remove(listener)
+                for each in listeners:
+                    each.remove(listener)
                 if r.preview_every:
                     del sched.step  # the class's method again
             seconds = time.perf_counter() - t0
-            resumes = list(getattr(t, "resumes", [])[resumes_before:])
+            resumes = [rec for x, n in zip(ts, resumes_before)
+                       for rec in getattr(x, "resumes", [])[n:]]
         if self.kind == "video":
             import numpy as np
             frames = np.asarray(out.frames[0], dtype=np.float32)
@@ -608,8 +631,14 @@ class Engine:
                 return [v[0] for v in frames]
         raise RequestError("preview_every", f"no preview for {self.class_name}")
 
+    @property
+    def transformers(self) -> list:
+        """The pipeline's drop-ins: the transformer, and Wan 2.2 A14B's transformer_2."""
+        return [t for t in (self.transformer, self.transformer_2) if t is not None]
+
     def close(self) -> None:
-        self.transformer.close()
+        for t in self.transformers:
+            t.close()
 
 
 def plan_line(info: dict) -> str:

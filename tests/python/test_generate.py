@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tomllib
 
+import numpy as np
 import pytest
 import torch
 
@@ -199,6 +200,46 @@ def test_engine_lora_weights_per_request(flux_root, tmp_path):
             assert err.value.param == "lora"
     finally:
         e.close()
+
+
+def test_wan22_a14b_runs_both_experts_as_diffusers_does(tmp_path):
+    """A WanPipeline with transformer_2 (Wan 2.2 A14B's low-noise expert): each expert on a mesh
+    of its own, the frames equal diffusers' own pipeline's with both experts; a step cache goes
+    on both. Control: the frames differ from transformer alone (the second expert ran)."""
+    import wan_pipeline
+    from diffusers import WanPipeline
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    root = str(tmp_path / "wan22")
+    wan_pipeline.build_a14b(root, seed=0, boundary_ratio=0.6)
+    r = mg.Request(prompt=wan_pipeline.PROMPT, negative_prompt=wan_pipeline.NEGATIVE_PROMPT, steps=4,
+                   width=48, height=32, frames=5, seed=7, max_sequence_length=wan_pipeline.TXT_LEN)
+    ref = WanPipeline.from_pretrained(root, torch_dtype=torch.float32)
+    lines, got = [], []
+    for cache in (None, FirstBlockCacheConfig(threshold=0.2)):
+        e = mg.Engine(root, ulysses=2, log=lines.append, cache=cache)
+        try:
+            assert e.transformer_2 is not None and len(e.transformers) == 2
+            res = e.run(r)
+        finally:
+            e.close()
+        for t in (ref.transformer, ref.transformer_2):
+            if cache is not None and not t.is_cache_enabled:
+                t.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+        kw = {k: v for k, v in res.pipeline_kwargs.items() if k != "output_type"}
+        with torch.inference_mode():
+            want = ref(**kw, generator=torch.Generator("cpu").manual_seed(7), output_type="np").frames[0]
+        err = float(np.abs(res.frames - want).max())
+        assert err < 1e-4, (cache, err)
+        got.append(res.frames)
+    assert float(np.abs(got[0] - got[1]).max()) > 1e-3  # the cache skipped steps
+    assert any(ln.startswith("loading transformer_2") for ln in lines), lines
+    one = WanPipeline.from_pretrained(root, torch_dtype=torch.float32)
+    one.transformer_2, one.config.boundary_ratio = None, None  # the high-noise expert alone
+    one.register_to_config(boundary_ratio=None)
+    with torch.inference_mode():
+        alone = one(**kw, generator=torch.Generator("cpu").manual_seed(7), output_type="np").frames[0]
+    assert float(np.abs(alone - want).max()) > 1e-2
 
 
 def test_hub_id_from_the_local_cache(flux_root, tmp_path, monkeypatch):

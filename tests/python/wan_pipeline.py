@@ -120,6 +120,27 @@ def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> N
     pipe.save_pretrained(root, safe_serialization=True)
 
 
+def build_a14b(root: str, seed: int = 0, boundary_ratio: float = 0.875) -> None:
+    """Like build, with Wan 2.2 A14B's second expert: transformer_2 (other weights) runs the
+    steps below boundary_ratio x 1000 (the low-noise ones), transformer the others."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    gen = torch.Generator("cpu").manual_seed(seed + 12345)
+    tokenizer = t5_tokenizer(_WORDS)
+    experts = []
+    for k in range(2):
+        torch.manual_seed(seed + 100 * k)
+        t = WanTransformer3DModel(**TRANSFORMER_CONFIG).eval()
+        _perturb_constants(t, gen)
+        experts.append(t)
+    vae, text_encoder, scheduler = _components(seed, gen, tokenizer)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=experts[0], transformer_2=experts[1],
+                       boundary_ratio=boundary_ratio, expand_timesteps=False)
+    os.makedirs(root, exist_ok=True)
+    pipe.save_pretrained(root, safe_serialization=True)
+
+
 def _components(seed, gen, tokenizer):
     """The VAE, the UMT5 text encoder and the scheduler of both pipelines, drawn from seed and gen."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
