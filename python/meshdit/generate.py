@@ -275,7 +275,11 @@ class Engine:
             self.cache = None
             if cache is not None:
                 for t in self.transformers:  # each expert its own hook, as a diffusers user does
-                    t.enable_cache(copy.deepcopy(cache))
+                    try:
+                        t.enable_cache(copy.deepcopy(cache))
+                    except (ValueError, NotImplementedError) as e:  # this family does not run it
+                        why = str(e).removeprefix("meshdit: ")
+                        raise MeshditError(f"meshdit: --cache: {why}") from None
                 self.cache = self.transformer._cache_spec
                 log(f"step cache: {self.cache}")
         except BaseException:
@@ -293,8 +297,9 @@ class Engine:
             if name not in names:
                 raise RequestError("lora", f"lora: no adapter '{str(name)[:60]}' "
                                            f"(loaded: {', '.join(names) or 'none, see --lora'})")
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) \
-                    or abs(w) > MAX_SCALE:
+            # (abs() first: math.isfinite of a 400-digit int raises OverflowError)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or abs(w) > MAX_SCALE \
+                    or not math.isfinite(w):
                 raise RequestError("lora", f"lora: the weight of '{name}' must be a finite "
                                            f"number of magnitude at most {MAX_SCALE:g}")
 
@@ -811,7 +816,8 @@ def cache_config(spec: str):
         from .transformer import _cache_spec
         _cache_spec(config)  # what the drop-in will refuse, refused before anything loads
     except (ValueError, TypeError, NotImplementedError) as e:
-        raise MeshditError(f"meshdit: --cache {spec}: {' '.join(str(e).split())}") from None
+        why = " ".join(str(e).split()).removeprefix("meshdit: ")
+        raise MeshditError(f"meshdit: --cache {spec}: {why}") from None
     return config
 
 

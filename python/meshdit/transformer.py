@@ -407,6 +407,11 @@ class Transformer(ModelMixin, PeftAdapterMixin):
         arithmetic; another diffusers cache config raises NotImplementedError naming it. The
         config is read now: one changed later is refused at the next forward (`_cache_meta`)."""
         spec = _cache_spec(config)  # a refused call below must leave the active spec as it is
+        kind = spec.split(":")[0]
+        if self.family not in CACHE_FAMILIES[kind]:
+            raise NotImplementedError(f"meshdit: {type(config).__name__} is not implemented for "
+                                      f"{self.class_name} (meshdit runs it on "
+                                      f"{', '.join(CACHE_FAMILIES[kind])})")
         if self.is_cache_enabled:
             raise ValueError(f"Caching has already been enabled with {type(self._cache_config)}. "
                              "To apply a new caching technique, please disable the existing one "
@@ -846,6 +851,33 @@ def _whole(config, field: str) -> int:
                               f"implemented (meshdit takes whole numbers)")
 
 
+# the server's bounds on a cache spec's values (src/models/cache.c, mdt_cache_spec_parse): a
+# value outside them is refused when the config is enabled, not by every forward after it
+_STEPS_MAX, _RATIOS_MAX, _TAYLOR_ORDERS = 1 << 20, 1024, 4
+# the caches each family's forward runs (its mdt_cache_begin call): another fails every forward
+CACHE_FAMILIES = {"first_block": ("flux", "qwenimage", "wan"), "mag": ("flux", "qwenimage", "wan"),
+                  "taylorseer": ("flux", "qwenimage"), "text_kv": ("wan",)}
+
+
+def _within(config, field: str, lo: int, hi: int) -> int:
+    v = _whole(config, field)
+    if not lo <= v <= hi:
+        raise ValueError(f"meshdit: {type(config).__name__}.{field}={v} is not in [{lo}, {hi}]")
+    return v
+
+
+def _at_least(config, field: str, lo: float) -> float:
+    v = getattr(config, field)
+    try:
+        x = float(v)
+    except (TypeError, ValueError, OverflowError):
+        x = math.nan
+    if isinstance(v, bool) or not (math.isfinite(x) and x >= lo):
+        raise ValueError(f"meshdit: {type(config).__name__}.{field} must be a finite number "
+                         f">= {lo:g}, got {v!r}")
+    return x
+
+
 def _cache_spec(config) -> str:
     """The server's --cache text for a diffusers cache config: FirstBlockCacheConfig,
     MagCacheConfig, TaylorSeerCacheConfig or TextKVCacheConfig with the fields diffusers gives
@@ -876,10 +908,13 @@ def _cache_spec(config) -> str:
                                       "implemented: calibrate with diffusers' own transformer, "
                                       "then pass its mag_ratios")
         ratios = torch.as_tensor(config.mag_ratios, dtype=torch.float32).reshape(-1).tolist()
-        return (f"mag:threshold={float(config.threshold)!r},"
-                f"max_skip_steps={_whole(config, 'max_skip_steps')},"
-                f"retention_ratio={float(config.retention_ratio)!r},"
-                f"num_inference_steps={_whole(config, 'num_inference_steps')},"
+        if not 1 <= len(ratios) <= _RATIOS_MAX or not all(math.isfinite(r) for r in ratios):
+            raise ValueError(f"meshdit: MagCacheConfig.mag_ratios must be 1 to {_RATIOS_MAX} "
+                             f"finite numbers, got {len(ratios)} ({ratios[:4]}...)")
+        return (f"mag:threshold={_at_least(config, 'threshold', 0.0)!r},"
+                f"max_skip_steps={_within(config, 'max_skip_steps', 0, _STEPS_MAX)},"
+                f"retention_ratio={_at_least(config, 'retention_ratio', 0.0)!r},"
+                f"num_inference_steps={_within(config, 'num_inference_steps', 1, _RATIOS_MAX)},"
                 f"mag_ratios={'/'.join(repr(float(r)) for r in ratios)}")
     if isinstance(config, hooks.TaylorSeerCacheConfig):
         fields = {f.name for f in dataclasses.fields(config)}
@@ -899,11 +934,13 @@ def _cache_spec(config) -> str:
             raise NotImplementedError(f"meshdit: TaylorSeerCacheConfig.taylor_factors_dtype={dt} "
                                       f"is not implemented (bfloat16 or float32)")
         after = config.disable_cache_after_step
-        return (f"taylorseer:cache_interval={_whole(config, 'cache_interval')},"
-                f"disable_cache_before_step={_whole(config, 'disable_cache_before_step')},"
+        steps = (-_STEPS_MAX, _STEPS_MAX)
+        return (f"taylorseer:cache_interval={_within(config, 'cache_interval', 1, _STEPS_MAX)},"
+                f"disable_cache_before_step="
+                f"{_within(config, 'disable_cache_before_step', *steps)},"
                 f"disable_cache_after_step="
-                f"{'none' if after is None else _whole(config, 'disable_cache_after_step')},"
-                f"max_order={_whole(config, 'max_order')},"
+                f"{'none' if after is None else _within(config, 'disable_cache_after_step', *steps)},"
+                f"max_order={_within(config, 'max_order', 0, _TAYLOR_ORDERS)},"
                 f"taylor_factors_dtype={'bfloat16' if dt == torch.bfloat16 else 'float32'}")
     if isinstance(config, hooks.TextKVCacheConfig):
         return "text_kv"  # exact: Wan's cross-attention K/V kept across the steps

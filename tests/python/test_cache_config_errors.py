@@ -180,3 +180,28 @@ def test_a_config_changed_after_enable_cache_is_refused(t, make, field, value):
     setattr(config, field, value)
     t.enable_cache(config)  # enabled again: the changed config runs
     call(t, 0)
+
+
+# ---- 4. what the server refuses, refused by enable_cache, not by every forward after it ------
+@pytest.mark.parametrize("make,why", [
+    (lambda: TaylorSeerCacheConfig(cache_interval=0), r"cache_interval=0 is not in \[1, "),
+    (lambda: TaylorSeerCacheConfig(max_order=9), r"max_order=9 is not in \[0, 4\]"),
+    (lambda: TaylorSeerCacheConfig(disable_cache_before_step=-(1 << 21)), "is not in"),
+    (lambda: MagCacheConfig(mag_ratios=[float("nan"), 1.0]), "finite numbers"),
+    (lambda: MagCacheConfig(mag_ratios=[1.0, 0.9], retention_ratio=-1.0), "retention_ratio"),
+    (lambda: MagCacheConfig(mag_ratios=[1.0, 0.9], max_skip_steps=-1), "max_skip_steps=-1"),
+])
+def test_values_the_server_refuses_are_refused_at_enable_cache(t, make, why):
+    with pytest.raises(ValueError, match=why):
+        t.enable_cache(make())
+    assert not t.is_cache_enabled and not t.sent  # nothing enabled, nothing sent
+
+
+def test_a_cache_the_family_does_not_run_is_refused_at_enable_cache(t):
+    """text_kv is Wan's (its cross-attention): on Flux every forward failed after it."""
+    from diffusers.hooks import TextKVCacheConfig
+    with pytest.raises(NotImplementedError, match="TextKVCacheConfig is not implemented for "
+                                                  "FluxTransformer2DModel"):
+        t.enable_cache(TextKVCacheConfig())
+    assert not t.is_cache_enabled
+    call(t, 0)  # the transformer goes on, uncached
