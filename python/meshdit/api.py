@@ -34,14 +34,16 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from .client import ServerError
-from .generate import (MAX_SCALE, SIZE_RE, Cancelled, Request, RequestError, _Parser,
+from .client import MeshditError, ServerError
+from .generate import (MAX_INPUT_IMAGES, MAX_SCALE, SIZE_RE, Cancelled, Request, RequestError,
+                       _Parser, read_image,
                        add_engine_options, check_engine_args, engine_from_args, image_bytes,
                        plan_line, video_bytes)
 
@@ -60,6 +62,7 @@ class Limits:
     body_timeout: int = 60  # seconds a body may take, plus one per body_min_rate bytes come
     body_min_rate: int = 16384  # bytes a second that extend a body's deadline (mod_reqtimeout)
     max_prompt_chars: int = 16384  # a prompt's (and negative prompt's) characters
+    max_upload_bytes: int = 32 << 20  # an edit's body (its images); other bodies: 1 MiB
 
 
 class ApiError(Exception):
@@ -474,6 +477,7 @@ def _parse_size(text: str | None) -> tuple[int | None, int | None]:
 IMAGE_FIELDS = {"prompt", "model", "n", "size", "response_format", "output_format", "stream",
                 "negative_prompt", "steps", "guidance", "true_cfg", "seed",
                 "max_sequence_length", "preview_every", "lora"}
+EDIT_FIELDS = IMAGE_FIELDS | {"strength"}  # and the files: image (image[]), mask
 VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "negative_prompt", "steps", "guidance",
                 "seed", "frames", "fps", "max_sequence_length", "preview_every", "lora"}
 
@@ -513,33 +517,39 @@ def _engine_check(svc: Service, req: Request) -> Request:
         raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
 
 
-def image_job(svc: Service, body: dict) -> tuple[Job, bool]:
-    _check_keys(body, IMAGE_FIELDS, "POST /v1/images/generations")
-    _check_model(svc, body, False)
+def image_job(svc: Service, body: dict, form: bool = False, images: list | None = None,
+              mask=None) -> tuple[Job, bool]:
+    """A generation (JSON), or an edit (`images`, maybe `mask`: a multipart form's files)."""
+    edit = images is not None
+    _check_keys(body, EDIT_FIELDS if edit else IMAGE_FIELDS,
+                f"POST /v1/images/{'edits' if edit else 'generations'}")
+    _check_model(svc, body, form)
     if svc.engine.kind != "image":
         raise ApiError(400, f"this service runs {svc.engine.class_name}, which makes videos: "
                             f"use POST /v1/videos", code="wrong_endpoint")
-    c = _common(body, False, svc.limits)
+    c = _common(body, form, svc.limits)
     if c["prompt"] is None:
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
-    rf = _field(body, "response_format", str, False, "b64_json")
+    rf = _field(body, "response_format", str, form, "b64_json")
     if rf != "b64_json":
         raise ApiError(400, f"response_format '{rf}': meshdit answers with b64_json only (it "
                             f"keeps no files to link to)", param="response_format",
                        code="unsupported_value")
-    fmt = _field(body, "output_format", str, False, "png")
+    fmt = _field(body, "output_format", str, form, "png")
     if fmt not in ("png", "jpeg", "webp"):
         raise ApiError(400, f"output_format '{fmt}': png, jpeg or webp", param="output_format",
                        code="unsupported_value")
-    n = _field(body, "n", int, False, 1)
+    n = _field(body, "n", int, form, 1)
     if not 1 <= n <= svc.limits.max_n:
         raise ApiError(400, f"n {n}: must be 1 to {svc.limits.max_n} (--max-n)", param="n",
                        code="invalid_value")
-    size = _field(body, "size", str, False)
+    size = _field(body, "size", str, form)
     w, h = _parse_size(size)
     req = _engine_check(svc, Request(width=w, height=h, n=n,
-                                     true_cfg=_field(body, "true_cfg", float, False), **c))
-    stream = _field(body, "stream", bool, False, False)
+                                     true_cfg=_field(body, "true_cfg", float, form),
+                                     images=images, mask=mask,
+                                     strength=_field(body, "strength", float, form), **c))
+    stream = _field(body, "stream", bool, form, False)
     return Job("image", req, fmt, f"{req.width}x{req.height}"), stream
 
 
@@ -597,7 +607,7 @@ def _gone() -> ApiError:
                     code="client_disconnected")
 
 
-async def _read_bounded(request, limits: Limits) -> bytes:
+async def _read_bounded(request, limits: Limits, most: int = MAX_BODY) -> bytes:
     """The whole body, refused (413) past MAX_BODY whether its length is announced or not, and
     (408) when it has not all arrived body_timeout seconds after the headers plus a second for
     every body_min_rate bytes that came (Apache mod_reqtimeout's body=T,MinRate=R): a client
@@ -605,8 +615,8 @@ async def _read_bounded(request, limits: Limits) -> bytes:
     good, and a slow link at the minimum rate or more gets a body of any allowed size through."""
     timeout, min_rate = limits.body_timeout, limits.body_min_rate
     size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY:
-        raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {MAX_BODY:,}",
+    if size is not None and size.isdigit() and int(size) > most:
+        raise ApiError(413, f"the body is {int(size):,} bytes, over the limit of {most:,}",
                        code="body_too_large")
     chunks, got = [], 0
     loop = asyncio.get_running_loop()
@@ -624,8 +634,8 @@ async def _read_bounded(request, limits: Limits) -> bytes:
                                     f"per {min_rate:g} bytes (--body-timeout, --body-min-rate; "
                                     f"{got:,} bytes came)", code="body_timeout") from None
             got += len(chunk)
-            if got > MAX_BODY:
-                raise ApiError(413, f"the body is over the limit of {MAX_BODY:,} bytes",
+            if got > most:
+                raise ApiError(413, f"the body is over the limit of {most:,} bytes",
                                code="body_too_large")
             chunks.append(chunk)
     except ClientDisconnect:
@@ -659,6 +669,65 @@ async def _read_json(request, limits: Limits) -> dict:
     return body
 
 
+def _form_text(body: dict, k: str, v: str, raw: bytes, ctype: str) -> None:
+    """A form's text field into body: once, and valid UTF-8."""
+    if k in body:
+        raise ApiError(400, f"'{_clip(k)}' given twice", param=_clip(k), code="invalid_value")
+    # bytes that are not UTF-8: the urlencoded parser replaces them (and the client sent no
+    # U+FFFD), the multipart one reads them as Latin-1 (the UTF-8 text is not there)
+    replaced = "\ufffd" in k + v and b"\xef\xbf\xbd" not in raw and b"%EF%BF%BD" not in raw.upper()
+    if replaced or (ctype.startswith("multipart/") and v.encode("utf-8", "replace") not in raw):
+        raise ApiError(400, f"'{_clip(k)}': not valid UTF-8", param=_clip(k), code="invalid_value")
+    body[k] = v
+
+
+async def _read_edit(request, limits: Limits) -> tuple[dict, list, Any]:
+    """OpenAI's edit request: a multipart form with the input image(s) as files (`image`, or
+    `image[]` repeated, as the openai client sends a list), an optional `mask` file (its
+    transparent pixels are the area to edit) and the text fields. The body may be up to
+    --max-upload-bytes. (body, images, mask) as PIL images; 400 naming what is not one."""
+    ctype = request.headers.get("content-type", "")
+    if not ctype.startswith("multipart/form-data"):
+        raise ApiError(400, "POST /v1/images/edits takes multipart/form-data with the image as a "
+                            "file (as OpenAI's)", code="invalid_content_type")
+    raw = await _read_bounded(request, limits, limits.max_upload_bytes)
+
+    async def replay():
+        return {"type": "http.request", "body": raw, "more_body": False}
+    form = await HTTPRequest(request.scope, receive=replay).form(
+        max_files=MAX_INPUT_IMAGES + 2, max_fields=64)
+    body, images, mask = {}, [], None
+    for k, v in form.multi_items():
+        if k in ("image", "image[]", "mask"):
+            if isinstance(v, str):
+                raise ApiError(400, f"'{k}' must be a file (a multipart upload)", param=k,
+                               code="invalid_type")
+            if k == "mask" and mask is not None:
+                raise ApiError(400, "'mask' given twice", param="mask", code="invalid_value")
+            if k != "mask" and len(images) == MAX_INPUT_IMAGES:
+                raise ApiError(400, f"more than {MAX_INPUT_IMAGES} input images", param="image",
+                               code="invalid_value")
+            try:
+                pic = read_image(await v.read(), "L" if k == "mask" else "RGB",
+                                 f"'{k}' {_clip(v.filename or '', 40)!r}")
+            except MeshditError as e:
+                raise ApiError(400, str(e).removeprefix("meshdit: "), param=k.rstrip("[]"),
+                               code="invalid_image") from None
+            if k == "mask":
+                mask = pic
+            else:
+                images.append(pic)
+        elif not isinstance(v, str):
+            raise ApiError(400, f"'{_clip(k)}': a file where text is expected (files: image, "
+                                f"image[], mask)", param=_clip(k), code="unsupported_parameter")
+        else:
+            _form_text(body, k, v, raw, ctype)
+    if not images:
+        raise ApiError(400, "'image' is required: the picture to edit, as a file", param="image",
+                       code="missing_required_parameter")
+    return body, images, mask
+
+
 async def _read_body(request, limits: Limits) -> tuple[dict, bool]:
     """JSON, or a multipart / urlencoded form (what OpenAI's client sends to /v1/videos)."""
     ctype = request.headers.get("content-type", "")
@@ -678,17 +747,7 @@ async def _read_body(request, limits: Limits) -> tuple[dict, bool]:
             if not isinstance(v, str):
                 raise ApiError(400, f"'{k}': file uploads are not supported", param=k,
                                code="unsupported_parameter")
-            if k in body:
-                raise ApiError(400, f"'{_clip(k)}' given twice", param=_clip(k),
-                               code="invalid_value")
-            # bytes that are not UTF-8: the urlencoded parser replaces them (and the client sent
-            # no U+FFFD), the multipart one reads them as Latin-1 (the UTF-8 text is not there)
-            replaced = "\ufffd" in k + v and b"\xef\xbf\xbd" not in raw \
-                and b"%EF%BF%BD" not in raw.upper()
-            if replaced or (ctype.startswith("multipart/") and v.encode("utf-8", "replace") not in raw):
-                raise ApiError(400, f"'{_clip(k)}': not valid UTF-8", param=_clip(k),
-                               code="invalid_value")
-            body[k] = v
+            _form_text(body, k, v, raw, ctype)
         return body, True
     return await _read_json(request, limits), False
 
@@ -807,10 +866,20 @@ def create_app(svc: Service, api_key: str | None = None):
         return model_object()
 
     # -- images ----------------------------------------------------------------------------------
+    @app.post("/v1/images/edits")
+    async def edits(request: HTTPRequest):
+        body, pics, mask = await _read_edit(request, svc.limits)
+        job, stream = image_job(svc, body, form=True, images=pics, mask=mask)
+        return await _answer(request, job, stream)
+
     @app.post("/v1/images/generations")
     async def images(request: HTTPRequest):
         body = await _read_json(request, svc.limits)
         job, stream = image_job(svc, body)
+        return await _answer(request, job, stream)
+
+    async def _answer(request, job: Job, stream: bool):
+        """An image job submitted and answered: streamed, or once it is done."""
         svc.submit(job)
         if stream:
             return StreamingResponse(_image_stream(job), media_type="text/event-stream",

@@ -34,6 +34,9 @@ from .client import MeshditError
 # the pipeline's arguments (see _guidance_kwargs and docs/service.md).
 PIPELINES = {
     "FluxPipeline": "image",
+    "FluxKontextPipeline": "image",  # edits: an input image (FLUX.1 Kontext)
+    "FluxImg2ImgPipeline": "image",  # edits: an input image and a strength
+    "FluxInpaintPipeline": "image",  # edits: an input image, a mask and a strength
     "Flux2Pipeline": "image",
     "Flux2KleinPipeline": "image",
     "QwenImagePipeline": "image",
@@ -47,7 +50,10 @@ MAX_SCALE = 1e6
 # text tokens a pipeline accepts: diffusers' FluxPipeline refuses more than 512 and
 # QwenImagePipeline more than 1024; the others (Flux.2, Wan, MiniMax-H3) enforce none, so only a
 # bound against a prompt padded to an absurd length (memory), far above their 512 default
-MAX_SEQUENCE_LENGTH = {"FluxPipeline": 512, "QwenImagePipeline": 1024}
+# FLUX.1's pipelines: one transformer, one latent packing, FluxPipeline's guidance arguments
+FLUX1 = ("FluxPipeline", "FluxKontextPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
+MAX_SEQUENCE_LENGTH = {**{n: 512 for n in FLUX1}, "QwenImagePipeline": 1024}
+MAX_INPUT_IMAGES = 4  # input images of one request (Flux.2 [klein]'s references)
 MAX_SEQUENCE_LENGTH_OTHERS = 8192
 SIZE_RE = re.compile(r"([0-9]+)x([0-9]+)")  # WIDTHxHEIGHT, ASCII digits only
 
@@ -110,6 +116,9 @@ class Request:
     max_sequence_length: int | None = None
     preview_every: int = 0  # 0: no previews
     loras: dict | None = None  # {adapter name: weight} of those loaded (--lora); None: theirs
+    images: list | None = None  # input images (PIL) of an edit pipeline; None: none
+    mask: Any = None  # FluxInpaintPipeline's mask (PIL, white: repaint)
+    strength: float | None = None  # img2img / inpaint: how far from the input image
 
 
 @dataclasses.dataclass
@@ -288,6 +297,42 @@ class Engine:
         self._sig = inspect.signature(type(self.pipe).__call__).parameters
         self.defaults = self._defaults()
 
+    def _check_inputs(self, r: Request, max_pixels: int | None) -> None:
+        """An edit's input images, mask and strength, for the pipelines that take them; each
+        refused naming it where the pipeline would fail or ignore it. strength gets the
+        pipeline's default (explicit in the call)."""
+        sig, name = self._sig, self.class_name
+        if r.images is not None:
+            if "image" not in sig:
+                raise RequestError("image", f"{name} takes no input image (an edit pipeline "
+                                            f"does: {', '.join(FLUX1[1:])}, Flux2KleinPipeline)")
+            if not r.images or len(r.images) > (MAX_INPUT_IMAGES if name == "Flux2KleinPipeline"
+                                                else 1):
+                raise RequestError("image", f"{len(r.images)} input images: {name} takes "
+                                            + ("1 to " + str(MAX_INPUT_IMAGES)
+                                               if name == "Flux2KleinPipeline" else "one"))
+            for im in r.images + ([r.mask] if r.mask is not None else []):
+                if max_pixels and im.size[0] * im.size[1] > 4 * max_pixels:
+                    raise RequestError("image", f"an input image of {im.size[0]}x{im.size[1]} is "
+                                                f"over 4 x the pixel limit ({4 * max_pixels:,})")
+        elif name in ("FluxImg2ImgPipeline", "FluxInpaintPipeline"):
+            raise RequestError("image", f"{name} needs an input image")
+        if r.mask is not None and "mask_image" not in sig:
+            raise RequestError("mask", f"{name} takes no mask (FluxInpaintPipeline does)")
+        if r.mask is None and "mask_image" in sig:
+            raise RequestError("mask", f"{name} needs a mask (white: the area to repaint)")
+        if r.mask is not None and r.mask.size != r.images[0].size:
+            raise RequestError("mask", f"the mask is {r.mask.size[0]}x{r.mask.size[1]}, the image "
+                                       f"{r.images[0].size[0]}x{r.images[0].size[1]}")
+        if "strength" in sig:
+            r.strength = sig["strength"].default if r.strength is None else r.strength
+            if isinstance(r.strength, bool) or not isinstance(r.strength, (int, float)) \
+                    or not 0 < r.strength <= 1:
+                raise RequestError("strength", f"strength {r.strength!r}: must be in (0, 1]")
+        elif r.strength is not None:
+            raise RequestError("strength", f"{name} takes no strength (an img2img or inpaint "
+                                           f"pipeline does)")
+
     def _check_loras(self, want) -> None:
         """A request's adapter weights: names of the loaded adapters, finite numbers."""
         if not isinstance(want, dict):
@@ -375,7 +420,11 @@ class Engine:
         if r.negative_prompt is not None and not isinstance(r.negative_prompt, str):
             raise RequestError("negative_prompt", "negative_prompt must be a string")
         check_values(r, self.class_name)
+        self._check_inputs(r, max_pixels)
         r.steps = d["steps"] if r.steps is None else r.steps
+        if r.images and r.width is None and r.height is None:  # the input image's size
+            w, h = r.images[0].size  # (rounded down to the pipeline's multiple, as diffusers does)
+            r.width, r.height = (max(d["multiple"], v - v % d["multiple"]) for v in (w, h))
         r.width = d["width"] if r.width is None else r.width
         r.height = d["height"] if r.height is None else r.height
         r.max_sequence_length = (d["max_sequence_length"] if r.max_sequence_length is None
@@ -448,10 +497,10 @@ class Engine:
 
         def default(arg):
             return self._sig[arg].default
-        if cfg is not None and not (name == "FluxPipeline" and embeds):
+        if cfg is not None and not (name in FLUX1 and embeds):
             raise RequestError("true_cfg", f"true_cfg applies to a guidance-distilled FluxPipeline "
                                            f"only; for {name} use guidance")
-        if name == "FluxPipeline" and embeds:  # FLUX.1-dev: embedded guidance, true CFG optional
+        if name in FLUX1 and embeds:  # FLUX.1-dev: embedded guidance, true CFG optional
             kw = {"guidance_scale": default("guidance_scale") if g is None else g}
             if cfg is not None:
                 if cfg <= 1:
@@ -461,7 +510,7 @@ class Engine:
                 raise RequestError("negative_prompt", "this FluxPipeline is guidance-distilled: a "
                                    "negative prompt needs true CFG (true_cfg > 1) as well")
             return kw
-        if name in ("FluxPipeline", "QwenImagePipeline"):  # true CFG: true_cfg_scale + negative
+        if name in FLUX1 + ("QwenImagePipeline",):  # true CFG: true_cfg_scale + negative
             scale = default("true_cfg_scale") if g is None else g
             if scale > 1:
                 return {"true_cfg_scale": scale, "negative_prompt": neg or ""}
@@ -501,6 +550,14 @@ class Engine:
         else:
             kw["num_images_per_prompt"] = r.n
             kw["output_type"] = "pil"
+        if r.images:
+            kw["image"] = r.images if len(r.images) > 1 else r.images[0]
+        if "max_area" in self._sig:  # Kontext scales its output to max_area (default 1024^2)
+            kw["max_area"] = r.width * r.height  # whatever height and width say: these ones
+        if r.mask is not None:
+            kw["mask_image"] = r.mask
+        if r.strength is not None:
+            kw["strength"] = r.strength
         return kw
 
     # -- one generation ---------------------------------------------------------------------------
@@ -571,7 +628,7 @@ class Engine:
                 each.append(listener)
             hook = t.register_forward_pre_hook(pre_hook)
             emit("start", steps=r.steps, seeds=[r.seed + k for k in range(r.n)],
-                 pipeline_kwargs=kw)
+                 pipeline_kwargs=described(kw))
             t0 = time.perf_counter()
             try:
                 with torch.inference_mode():
@@ -594,7 +651,7 @@ class Engine:
             frames, images = None, list(out.images)
         return Result(kind=self.kind, images=images, frames=frames, fps=r.fps,
                       seeds=[r.seed + k for k in range(r.n)], width=r.width, height=r.height,
-                      steps=r.steps, pipeline_kwargs=kw, seconds=seconds,
+                      steps=r.steps, pipeline_kwargs=described(kw), seconds=seconds,
                       step_seconds=step_seconds, resumes=resumes, loras=lora_weights)
 
     # -- previews: the predicted final image, decoded as the pipeline decodes its result --------
@@ -606,7 +663,7 @@ class Engine:
         vae = pipe.vae
         lat = x0.to(vae.dtype)
         with torch.inference_mode():
-            if self.class_name == "FluxPipeline":
+            if self.class_name in FLUX1:
                 lat = pipe._unpack_latents(lat, r.height, r.width, pipe.vae_scale_factor)
                 lat = lat / vae.config.scaling_factor + vae.config.shift_factor
                 img = vae.decode(lat, return_dict=False)[0]
@@ -644,6 +701,48 @@ class Engine:
     def close(self) -> None:
         for t in self.transformers:
             t.close()
+
+
+def read_image(source, mode: str, name: str = "--image"):
+    """An input image (a path or bytes) decoded whole, as a PIL image in `mode` ("RGB"; "L" for
+    a mask); MeshditError naming it for what PIL cannot read (another format, a truncated file,
+    a decompression bomb)."""
+    import io
+    import warnings
+
+    from PIL import Image
+    shown = source if isinstance(source, str) else f"{name} ({len(source):,} bytes)"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(source if isinstance(source, str) else io.BytesIO(source))
+            img.load()
+    except Image.UnidentifiedImageError:
+        raise MeshditError(f"meshdit: {shown}: not an image (PNG, JPEG, WebP, ...: what PIL "
+                           f"reads)") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
+            Image.DecompressionBombError) as e:
+        raise MeshditError(f"meshdit: {shown}: not an image PIL reads "
+                           f"({' '.join(str(e).split())[:120]})") from None
+    if mode == "L" and (img.mode in ("RGBA", "LA", "PA") or
+                        (img.mode == "P" and "transparency" in img.info)):
+        # OpenAI's mask: the transparent pixels are the area to edit (white for diffusers)
+        alpha = img.convert("RGBA").getchannel("A")
+        return alpha.point(lambda v: 255 if v == 0 else 0)
+    return img.convert(mode)
+
+
+def described(kw: dict) -> dict:
+    """The pipeline's arguments with each input image as its text ('image 64x48 RGB'): what is
+    printed and reported (JSON) of a call."""
+    def one(v):
+        if isinstance(v, (list, tuple)):
+            return [one(x) for x in v]
+        size = getattr(v, "size", None)
+        if hasattr(v, "mode") and isinstance(size, tuple):  # a PIL image
+            return f"image {size[0]}x{size[1]} {v.mode}"
+        return v
+    return {k: one(v) for k, v in kw.items()}
 
 
 def plan_line(info: dict) -> str:
@@ -897,6 +996,15 @@ def main_generate(argv: list[str]) -> int:
     ap.add_argument("--max-sequence-length", type=int, help="text tokens (default: the pipeline's)")
     ap.add_argument("--out", help="FILE.png (image pipelines) or FILE.mp4 (video pipelines); "
                                   "default meshdit-SEED.png / .mp4")
+    ap.add_argument("--image", action="append", metavar="FILE",
+                    help="an input image of an edit pipeline (FluxKontextPipeline, "
+                         "FluxImg2ImgPipeline, FluxInpaintPipeline; Flux2KleinPipeline takes up "
+                         "to 4): repeatable")
+    ap.add_argument("--mask", metavar="FILE",
+                    help="FluxInpaintPipeline's mask (white: the area to repaint)")
+    ap.add_argument("--strength", type=float,
+                    help="img2img / inpaint: how far from the input image, in (0, 1] "
+                         "(default: the pipeline's)")
     a = ap.parse_args(argv)
     if a.out is not None and not a.out.lower().endswith((".png", ".mp4")):
         ap.error(f"--out '{a.out}': must end in .png or .mp4")
@@ -909,10 +1017,16 @@ def main_generate(argv: list[str]) -> int:
     if not os.access(where, os.W_OK | os.X_OK):
         ap.error(f"--out: cannot write in {where}")
     w, h = a.size if a.size else (None, None)
+    try:
+        images = [read_image(f, "RGB") for f in a.image] if a.image else None
+        mask = read_image(a.mask, "L") if a.mask else None
+    except MeshditError as e:
+        ap.error(str(e).removeprefix("meshdit: "))
     req = Request(prompt=a.prompt, negative_prompt=a.negative_prompt, steps=a.steps,
                   guidance=a.guidance, true_cfg=a.true_cfg, width=w, height=h,
                   frames=a.frames, fps=16 if a.fps is None else a.fps, seed=a.seed,
-                  max_sequence_length=a.max_sequence_length)
+                  max_sequence_length=a.max_sequence_length, images=images, mask=mask,
+                  strength=a.strength)
 
     def refused(e: RequestError) -> int:
         print(f"meshdit: error: --{(e.param or 'request').replace('_', '-')}: {e}", file=sys.stderr)
@@ -949,7 +1063,7 @@ def main_generate(argv: list[str]) -> int:
         except RequestError as e:
             return refused(e)
         kw = engine.pipeline_kwargs(req)
-        shown = {k: v for k, v in kw.items() if k not in ("prompt", "output_type")}
+        shown = {k: v for k, v in described(kw).items() if k not in ("prompt", "output_type")}
         print(f"{req.width}x{req.height}" + (f", {req.frames} frames" if req.frames else "") +
               f", seed {req.seed}; {engine.class_name}(" +
               ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")", flush=True)

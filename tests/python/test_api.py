@@ -655,6 +655,69 @@ def test_a_killed_rank_and_then_sigterm(flux_root, service, client, tmp_path):
     assert not [p for p in ranks if os.path.exists(f"/proc/{p}")], "a rank outlived the service"
 
 
+def test_image_edits_with_a_mask_equal_diffusers_inpaint(flux_root, service, tmp_path):
+    """POST /v1/images/edits (the openai client's images.edit): the image and OpenAI's mask
+    (transparent: the area to edit) as files to a FluxInpaintPipeline service give diffusers'
+    own inpainting of that image and mask (white: repaint). Refusals name the file or field; a
+    service whose pipeline takes no image says so."""
+    import io
+
+    import diffusers
+    from PIL import Image
+    root = tmp_path / "inpaint"
+    shutil.copytree(flux_root, root)
+    index = json.loads((root / "model_index.json").read_text())
+    (root / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxInpaintPipeline"}))
+    img = Image.fromarray((np.random.RandomState(0).rand(48, 80, 3) * 255).astype(np.uint8))
+    rgba = Image.new("RGBA", (80, 48), (0, 0, 0, 255))
+    rgba.paste((0, 0, 0, 0), (0, 0, 40, 48))  # the left half transparent: edit it
+    files = {}
+    for name, pic in (("image", img), ("mask", rgba)):
+        b = io.BytesIO()
+        pic.save(b, "PNG")
+        files[name] = (f"{name}.png", b.getvalue(), "image/png")
+    api = Api(str(root))
+    try:
+        c = openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        r = c.images.edit(image=files["image"], mask=files["mask"], prompt="a red cube",
+                          extra_body={"steps": 2, "seed": 3, "strength": "0.8",
+                                      "max_sequence_length": str(TXT)})
+        got = png_pixels(r.data[0].b64_json)
+        kw = r.model_extra["meshdit"]["pipeline_kwargs"]
+        assert kw["image"] == "image 80x48 RGB" and kw["mask_image"] == "image 80x48 L", kw
+        assert r.size == "80x48" and kw["strength"] == 0.8
+        for body, kw2, code, msg in [
+                ({"prompt": "x"}, dict(json={"prompt": "x"}), 400, "multipart/form-data"),
+                (None, dict(files={"image": ("a.png", b"not a png", "image/png")},
+                            data={"prompt": "x"}), 400, "'image' 'a.png' (9 bytes): not an image"),
+                (None, dict(files={"mask": files["mask"]}, data={"prompt": "x"}), 400,
+                 "'image' is required"),
+                (None, dict(files={"image": files["image"]}, data={"prompt": "x"}), 400,
+                 "FluxInpaintPipeline needs a mask"),
+                (None, dict(files=files, data={"prompt": "x", "strength": "2"}), 400,
+                 "strength 2.0: must be in (0, 1]")]:
+            e = httpx.post(f"{api.url}/v1/images/edits", timeout=60, **kw2)
+            assert e.status_code == code and msg in e.json()["error"]["message"], e.text
+    finally:
+        assert api.stop() == 0, api.log()
+    ref = diffusers.FluxInpaintPipeline.from_pretrained(str(root), torch_dtype=torch.float32)
+    def inpainted(left_white):
+        m = Image.new("L", (80, 48), 0 if left_white else 255)
+        m.paste(255 if left_white else 0, (0, 0, 40, 48))
+        with torch.inference_mode():
+            return pil_pixels(ref(prompt="a red cube", image=img, mask_image=m, strength=0.8,
+                                  height=48, width=80, num_inference_steps=2, guidance_scale=7.0,
+                                  max_sequence_length=TXT, output_type="pil",
+                                  generator=torch.Generator("cpu").manual_seed(3)).images[0])
+    want = inpainted(True)  # OpenAI's transparent half is diffusers' white half
+    assert levels(got, want) <= 1, levels(got, want)
+    assert levels(got, inpainted(False)) > 8  # the other half: another picture
+    r = httpx.post(f"{service.url}/v1/images/edits", files={"image": files["image"]},
+                   data={"prompt": "x", "size": "64x64"}, headers={"authorization": f"Bearer {KEY}"},
+                   timeout=60)
+    assert r.status_code == 400 and "FluxPipeline takes no input image" in r.text, r.text
+
+
 def test_over_memory_is_400_and_a_lost_mesh_is_503_without_resume(flux_root, tmp_path):
     """A request the mesh cannot hold (--max-memory) is the request's failure: 400, which the
     openai client does not retry (it retried the 500 three times). With --no-resume a lost rank

@@ -521,7 +521,7 @@ def test_pyproject_and_readme_agree_with_the_imports():
     pkg = os.path.join(ROOT, "python")
     with open(os.path.join(pkg, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
-    dist = {"zmq": "pyzmq", "starlette": "fastapi"}  # import name -> distribution name
+    dist = {"zmq": "pyzmq", "starlette": "fastapi", "PIL": "pillow"}  # import -> distribution
     name = lambda req: re.split(r"[<>=!~ \[]", req, maxsplit=1)[0]  # noqa: E731
     required = {name(r) for r in project["dependencies"]}
     extra = {name(r) for r in project["optional-dependencies"]["diffusers"]}

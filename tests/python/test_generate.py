@@ -1,7 +1,9 @@
 """`meshdit generate` and the engine under it, and the `meshdit` command (generate/api here,
 every other command handed to the C binary, whose finder skips this command). Tiny pipelines
 built locally (tests/python/*_pipeline.py), 2-5 steps, 64x64."""
+import dataclasses
 import inspect
+import json
 import os
 import shutil
 import subprocess
@@ -247,6 +249,56 @@ def test_wan22_a14b_runs_both_experts_as_diffusers_does(tmp_path):
     with torch.inference_mode():
         alone = one(**kw, generator=torch.Generator("cpu").manual_seed(7), output_type="np").frames[0]
     assert float(np.abs(alone - want).max()) > 1e-2
+
+
+def _as_pipeline(flux_root, tmp_path, cls):
+    """flux_root's components under another FLUX.1 pipeline class (they share every one)."""
+    root = tmp_path / cls
+    shutil.copytree(flux_root, root)
+    with open(root / "model_index.json") as f:
+        index = json.load(f)
+    with open(root / "model_index.json", "w") as f:
+        json.dump({**index, "_class_name": cls}, f)
+    return str(root)
+
+
+@pytest.mark.parametrize("cls", ["FluxKontextPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"])
+def test_edit_pipelines_equal_diffusers(flux_root, tmp_path, cls):
+    """An input image (and the inpaint mask, strength): the engine's image is the one diffusers'
+    own pipeline makes with the same call; another input image makes another picture."""
+    import diffusers
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    img = Image.fromarray((rng.rand(48, 80, 3) * 255).astype(np.uint8))
+    other = Image.new("RGB", (80, 48), (255, 255, 0))  # (random noise of another seed looks alike)
+    mask = Image.fromarray(((rng.rand(48, 80) > 0.5) * 255).astype(np.uint8))
+    root = _as_pipeline(flux_root, tmp_path, cls)
+    e = mg.Engine(root, tp=1, log=lambda line: None)
+    try:
+        r = mg.Request(prompt="a red cube", steps=3, seed=5, max_sequence_length=TXT, images=[img],
+                       mask=mask if cls == "FluxInpaintPipeline" else None)
+        seen = []
+        e.transformer.register_forward_pre_hook(
+            lambda m, a, kw: seen.append(kw["hidden_states"].shape[1]), with_kwargs=True)
+        res = e.run(r)
+        assert (res.width, res.height) == (80, 48)  # the input image's size
+        # Kontext: the image's tokens travel with the 15 of the picture (Img2Img and Inpaint
+        # start from the image's latents instead)
+        assert (min(seen) > 15) == (cls == "FluxKontextPipeline"), seen
+        kw = e.pipeline_kwargs(e.check(r))
+        assert res.pipeline_kwargs["image"] == "image 80x48 RGB"
+        res2 = e.run(dataclasses.replace(r, images=[other]))
+    finally:
+        e.close()
+    ref = getattr(diffusers, cls).from_pretrained(root, torch_dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    want = diffusers_image(ref, 5, **{k: v for k, v in kw.items() if k != "output_type"})
+    got = pil_pixels(res.images[0])
+    assert got.shape == want.shape == (48, 80, 3)
+    assert levels(got, want) <= 1, levels(got, want)
+    # another input image, another picture (Kontext's weak here: a tiny random transformer)
+    assert levels(pil_pixels(res2.images[0]), got) > (2 if cls == "FluxKontextPipeline" else 8)
 
 
 def test_hub_id_from_the_local_cache(flux_root, tmp_path, monkeypatch):
