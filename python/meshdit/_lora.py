@@ -130,7 +130,9 @@ def family_lora_state_dict(family: str, path_or_dict, **kwargs):
 # forward sends those coefficients as its "lora" set and the server fuses W0 + sum c_i s_i B_i A_i
 # (s_i the adapter's own alpha / r per module) before it runs, unless that set is fused already;
 # an adapter whose groups have different coefficients goes as sub-adapters, one per coefficient,
-# each its factors on those groups' modules only.
+# each its factors on those groups' modules only (those of this forward and the previous one stay
+# loaded: _prune). A probe stays as long as diffusers keeps the LoRA layers it stands for, that
+# is until unload_lora (collect).
 PROBE = "meshdit_probe"  # no "lora" in a probe's name: diffusers' unload_lora skips such modules
 SLOTS = 16  # adapters one drop-in holds at once (loaded, or merged and still in the weights)
 
@@ -162,7 +164,7 @@ def _state(t) -> dict:
         # client can name, fuse or unload them
         # groups: {probe's name: {"modules": its modules, "slots": its adapters' slots}}
         st = {"prefix": f"py{secrets.token_hex(16)}-", "next": 0, "slots": {},
-              "startup": startup, "groups": {}, "probes": 0}
+              "startup": startup, "groups": {}, "probes": 0, "fused": set()}
         t.__dict__["_meshdit_lora"] = st
         if t._server is None:  # a shared server (connect): its adapters go with this object
             import weakref
@@ -348,11 +350,14 @@ def _coefficients(t) -> dict[str, list[float]]:
 def collect(t, c=None) -> None:
     """Frees the slots of adapters gone from peft (deleted, unloaded) whose coefficient is 0 in
     every group (a merged one stays in the weights, as in diffusers), and unloads them and their
-    sub-adapters from the server. Once no adapter is left in peft it drops the probes that hold
-    no merged weight and are not disabled (a disabled layer keeps a later adapter disabled), so
-    the last probe goes with the last of the adapters; until then a probe left with no adapter
-    stays, as the LoRA layer it stands for stays in diffusers' model (where active_adapters and
-    get_adapter_name may read it). `c`: the coefficients, when the caller has them."""
+    sub-adapters from the server. A probe stays exactly as long as the layers it stands for are
+    diffusers' LoRA layers: delete_adapters leaves them in the model, holding nothing (their
+    disabled flag, active adapters and merges still count for a later adapter, and
+    active_adapters reads them), and only unload_lora (recurse_remove_peft_layers) makes them
+    the base layers again. So a probe goes once it is no peft LoRA layer any more (its base
+    linear, after unload_lora) and holds no merged weight: then those layers are the model's
+    plain ones, as a fresh probe stands for them. `c`: the coefficients, when the caller has
+    them."""
     st = t.__dict__.get("_meshdit_lora")
     if st is None:
         return
@@ -367,9 +372,11 @@ def collect(t, c=None) -> None:
                 for name in (a["server"], *a["subs"].values()):
                     with contextlib.suppress(Exception):
                         t._client.lora_unload(name)
-    for name in [] if live else list(st["groups"]):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name in list(st["groups"]):
         layer = t._modules[name]  # a LoRA layer, or its base linear after unload_lora
-        if not (any(c[name]) or getattr(layer, "disable_adapters", False)):
+        if not (isinstance(layer, BaseTunerLayer) or any(c[name])):
             del t._modules[name], st["groups"][name]
 
 
@@ -377,15 +384,16 @@ def lora_value(t) -> str | None:
     """The forward's "lora": the server's start-up adapters and this drop-in's at their
     coefficients, or None when it holds none (the server's start-up set). An adapter whose
     groups have one coefficient goes whole; one whose groups differ (a fuse, a delete that
-    peft answers per layer) goes as its parts, the modules of each nonzero coefficient."""
+    peft answers per layer) goes as its parts, the modules of each nonzero coefficient (`_sub`:
+    the parts of this forward and of the previous one stay loaded, the others are unloaded)."""
     st = t.__dict__.get("_meshdit_lora")
     if st is None or not st["groups"]:
         return None
     c = _coefficients(t)  # one read of the probes per forward
     collect(t, c)
-    if not st["groups"]:  # the last adapter gone: the server's start-up set again
+    if not st["groups"]:  # no LoRA layer and nothing merged left: the start-up set again
         return None
-    mine = []
+    plan = []  # (adapter, the modules of its part or None for the whole, coefficient)
     for slot, a in sorted(st["slots"].items()):
         parts, covered = {}, 0  # coefficient -> the groups of the adapter that apply it
         for name, g in st["groups"].items():
@@ -398,18 +406,41 @@ def lora_value(t) -> str | None:
             check_weight(v, f"the coefficient of adapter '{a['name']}' (its set_adapters "
                             f"weight times the forward's scale, and what fuse_lora merged)")
         if len(parts) == 1:
-            mine += [f"{a['server']}={v!r}" for v in parts if v != 0]
+            plan += [(a, None, v) for v in parts if v != 0]
             continue
-        for v, names in parts.items():
-            if v != 0:
-                mods = frozenset().union(*(st["groups"][n]["modules"] for n in names))
-                mine.append(f"{_sub(t, st, a, mods)}={v!r}")
+        plan += [(a, frozenset().union(*(st["groups"][n]["modules"] for n in names)), v)
+                 for v, names in parts.items() if v != 0]
+    _prune(t, st, {(a["server"], mods) for a, mods, _ in plan if mods is not None})
+    mine = [f"{a['server'] if mods is None else _sub(t, st, a, mods)}={v!r}"
+            for a, mods, v in plan]
+    # the parts the server fuses with this forward: kept through the next one (_prune)
+    st["fused"] = {a["subs"][mods] for a, mods, _ in plan if mods is not None}
     return ",".join(st["startup"] + mine)
 
 
+def _prune(t, st, need) -> None:
+    """Unloads the parts (sub-adapters) that neither this forward (`need`: (adapter's server
+    name, modules)) nor the previous one uses, so that what a drop-in holds on the server stays
+    bounded (its adapters, and the parts of two forwards) however many different parts a loop
+    of fuses makes. The previous forward's parts are fused on the server now: unloading one
+    takes it out of the fused weights (a fuse of its own), so they wait for the next forward.
+    A part gone is gone from `reload` and `release` too."""
+    keep = st.setdefault("fused", set())
+    for a in st["slots"].values():
+        for mods, name in list(a["subs"].items()):
+            if (a["server"], mods) in need or name in keep:
+                continue
+            try:
+                t._client.lora_unload(name)
+            except ServerError:  # the server answered: it does not hold it (any more)
+                pass
+            del a["subs"][mods]
+
+
 def _sub(t, st, a, mods) -> str:
-    """The server's name of adapter `a` on `mods` only, loaded at its first use (and kept until
-    the adapter's slot is freed)."""
+    """The server's name of adapter `a` on `mods` only, loaded at its first use (and kept while
+    a forward uses it, or the next one: _prune). A refusal (the server's 64-adapter limit, all
+    clients together, say) is one line naming the user's adapter and the part."""
     name = a["subs"].get(mods)
     if name is None:
         name = f"{st['prefix']}{st['next']}"
@@ -417,8 +448,15 @@ def _sub(t, st, a, mods) -> str:
         try:
             t._client.lora_load(name, *_restricted(a, mods))
         except ServerError as e:
-            raise ServerError(e.op, e.error.replace(name, f"{a['name']} (on {len(mods)} of its "
-                                                          f"modules)"), e.metadata) from None
+            err = e.error.replace(name, repr(a["name"])).removeprefix(f"{e.op}: ")
+            held = len(st["slots"]) + sum(len(b["subs"]) for b in st["slots"].values())
+            hint = (f" (this drop-in holds {held} of them: delete_adapters() or unload_lora() "
+                    f"frees its own)" if "adapters are loaded" in err else "")
+            raise ServerError(e.op, f"adapter '{a['name']}' on {len(mods)} of its "
+                              f"{len(a['modules'])} modules (the part of it that acts at one "
+                              f"coefficient, as fuse_lora or delete_adapters left it acting on "
+                              f"some of its layers only, which the server loads as an adapter "
+                              f"of its own) was refused: {err}{hint}", e.metadata) from None
         a["subs"][mods] = name
     return name
 

@@ -6,7 +6,9 @@ every call of diffusers' API is checked the only way that proves it: the same ca
 diffusers' own transformer (with peft) and on the drop-in, a forward after each, the outputs
 within 1e-4 — a fixed sequence on one rank, tp=2 and tp=2 x ulysses=2, random sequences of
 every call (seeded), adapters on different layers (fused, disabled, deleted while others act:
-peft answers per layer), the four families' adapters, and a real FluxPipeline's
+peft answers per layer), layers emptied by delete_adapters and disabled, which keep a later
+adapter disabled until unload_lora, a loop of fuses of different subsets (the server's adapter
+count bounded), the four families' adapters, and a real FluxPipeline's
 ``load_lora_weights`` / ``set_adapters`` / ``fuse_lora`` / ``unfuse_lora`` /
 ``unload_lora_weights``. Where no adapter acts the drop-in's output is its base output bit for
 bit; a LoRA on one layer changes it (negative control); a second client of the same server
@@ -311,6 +313,134 @@ def test_deleting_the_only_active_adapter_activates_one_per_layer(layered, input
             assert sorted(t.peft_config) == sorted(ref.peft_config), what
 
 
+def _lora_layers(m) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    return any(isinstance(x, BaseTunerLayer) for x in m.modules())
+
+
+def _answer(call):
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - both sides must fail alike
+        return type(e)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["1rank", "tp2"])
+def test_layers_left_empty_stay_until_unload_lora(layered, inputs, tp):
+    """diffusers' delete_adapters leaves an adapter's LoRA layers in the model (holding nothing)
+    and disable_lora marks them disabled; an adapter injected into a disabled layer does not act
+    there. Only unload_lora takes the layers out. So the drop-in keeps a probe exactly as long as
+    diffusers keeps the layers it stands for, also once every adapter is deleted: the same
+    calls on both, within 1e-4 after each, the same active_adapters() answer, and a LoRA layer
+    in the drop-in exactly when diffusers' model has one (after unload_lora: none, the drop-in
+    module-free; a new adapter then gets fresh layers)."""
+    ref = reference()
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny", tp=tp) as t:
+        base = out(t, inputs)
+        calls = [
+            ("load a as x1", lambda m: load(m, layered, "a", "x1")),
+            ("delete x1, the last adapter: its layers stay", lambda m: m.delete_adapters("x1")),
+            ("disable_lora marks those empty layers", lambda m: m.disable_lora()),
+            ("load attn into the disabled layers: it does not act",
+             lambda m: load(m, layered, "attn", "x2")),
+            ("enable_lora", lambda m: m.enable_lora()),
+            ("delete x2", lambda m: m.delete_adapters("x2")),
+            ("load b, delete it, load k", lambda m: (load(m, layered, "b", "x3"),
+                                                     m.delete_adapters("x3"),
+                                                     load(m, layered, "k", "x4"))),
+            ("disable_lora, delete k", lambda m: (m.disable_lora(), m.delete_adapters("x4"))),
+            ("load a: disabled in every layer it reaches",
+             lambda m: load(m, layered, "a", "x5")),
+            ("set_adapters x5 while disabled", lambda m: m.set_adapters(["x5"], [0.5])),
+            ("enable_lora", lambda m: m.enable_lora()),
+            ("delete x5, disable", lambda m: (m.delete_adapters("x5"), m.disable_lora())),
+            ("unload_lora: the layers go", lambda m: m.unload_lora()),
+            ("load attn into fresh layers: it acts", lambda m: load(m, layered, "attn", "x6")),
+            ("fuse, unload: the merged weights stay",
+             lambda m: (m.fuse_lora(adapter_names=["x6"]), m.unload_lora())),
+            ("load mlp beside what unload kept", lambda m: load(m, layered, "mlp", "x7")),
+        ]
+        for what, call in calls:
+            for m in (ref, t):
+                call(m)
+            for scale in (None, 0.5):
+                got = out(t, inputs, scale)
+                assert rel(got, out(ref, inputs, scale)) <= TOL, f"{what} (scale {scale})"
+            assert sorted(getattr(t, "peft_config", None) or {}) == sorted(
+                getattr(ref, "peft_config", None) or {}), what
+            assert _answer(t.active_adapters) == _answer(ref.active_adapters), what
+            assert _lora_layers(t) == _lora_layers(ref), what
+            if what.startswith("unload_lora"):
+                assert list(t.modules()) == [t], what  # nothing merged: no probe left
+                assert np.array_equal(got, base), what
+        for m in (ref, t):
+            m.unload_lora()
+        assert rel(out(t, inputs), out(ref, inputs)) <= TOL
+        assert len(list(t.modules())) == 2  # the probe of the layers that keep x6's merge
+
+
+def test_fusing_subsets_keeps_the_servers_adapters_bounded(adapters, inputs):
+    """fuse_lora(adapter_names=SUBSET) of adapters on single layers inside a larger one makes
+    the larger one act in the layers no fused adapter holds: the drop-in sends it as a part on
+    those modules, a sub-adapter on the server, one per distinct subset. It keeps only the parts
+    of this forward and of the one before (fused on the server now), so after every forward of a
+    loop over subsets the server holds the drop-in's adapters plus at most two parts, and every
+    forward is diffusers' within 1e-4. When the server refuses a part (its 64-adapter limit, all
+    clients together) the error is one line naming the user's adapter, and the drop-in works
+    again once there is room."""
+    sd, alphas, meta = adapters["a"]
+    mods = sorted({k.rsplit(".lora_", 1)[0] for k in sd})[:6]
+    singles = {f"s{i}": part(adapters["a"], lambda x, m=m: x == m) for i, m in enumerate(mods)}
+    assert all(s[0] for s in singles.values())
+    pool = {**adapters, **singles}
+    names = ["A", *singles]
+    ref = reference()
+    with meshdit.Transformer.from_pretrained(f"{DATA}/flux_tiny") as t:
+        loaded = lambda: int(t._client.info()["adapters_loaded"])  # noqa: E731
+        for m in (ref, t):
+            load(m, pool, "a", "A")
+            for s in singles:
+                load(m, pool, s, s)
+        assert loaded() == len(names)
+        rnd = random.Random(0)
+        most = 0
+        for it in range(12):
+            subset = sorted(rnd.sample(sorted(singles), rnd.randint(1, 3)))
+            for m in (ref, t):
+                m.unfuse_lora()
+                m.set_adapters(names, [1.0] + [0.5] * len(singles))
+                m.fuse_lora(adapter_names=subset)
+            for scale in (None, 0.5):
+                assert rel(out(t, inputs, scale), out(ref, inputs, scale)) <= TOL, (it, subset)
+                most = max(most, loaded())
+                assert loaded() <= len(names) + 2, (it, subset, loaded())
+        assert most > len(names)  # the loop did send parts
+        # the server's limit reached (by another client, say) while a part is needed
+        st = t.__dict__["_meshdit_lora"]
+        fill = [f"other{i}" for i in range(64 - loaded())]
+        small = pool["s0"]
+        from meshdit._lora import adapter_parts
+        for name in fill:
+            t._client.lora_load(name, *adapter_parts(*small))
+        for m in (ref, t):
+            m.unfuse_lora()
+            m.fuse_lora(adapter_names=["s0", "s1", "s2", "s3"])  # a subset the loop never drew
+        with pytest.raises(ServerError) as e:
+            out(t, inputs)
+        msg = str(e.value)
+        assert "\n" not in msg and "adapter 'A'" in msg and "64 adapters" in msg, msg
+        assert st["prefix"] not in msg and "lora_load: lora_load" not in msg, msg
+        for name in fill:
+            t._client.lora_unload(name)
+        assert rel(out(t, inputs), out(ref, inputs)) <= TOL
+        assert loaded() <= len(names) + 2
+        for m in (ref, t):
+            m.unfuse_lora()
+            m.unload_lora()
+        assert rel(out(t, inputs), out(ref, inputs)) <= TOL
+        assert loaded() == 0 and list(t.modules()) == [t]
+
+
 @pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan"])
 def test_every_family_through_load_lora_adapter(tmp_path, family):
     """The goldens' two adapters per family through the drop-in's load_lora_adapter and
@@ -490,5 +620,9 @@ def test_threads_and_hostile_values(adapters, inputs):
         out(t, inputs, 0.7)
         t.unfuse_lora()
         t.delete_adapters("k")
+        assert np.array_equal(out(t, inputs), base)
+        assert t._client.info()["adapters_loaded"] == "0"  # no residue kept "k" on the server
+        assert _lora_layers(t)  # its layer stays, holding nothing, as in diffusers
+        t.unload_lora()
         assert np.array_equal(out(t, inputs), base)
         assert list(t.modules()) == [t]
