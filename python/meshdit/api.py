@@ -681,22 +681,36 @@ def _form_text(body: dict, k: str, v: str, raw: bytes, ctype: str) -> None:
     body[k] = v
 
 
+def _whole_multipart(ctype: str, raw: bytes) -> None:
+    """A multipart body that ends before its closing boundary is refused: the parser takes it,
+    and drops the part that was cut off (a strength, the image) without a word."""
+    m = re.search(r"boundary=(?:\"([^\"]+)\"|([^;\s]+))", ctype, re.I)
+    end = b"--" + (m.group(1) or m.group(2)).encode("latin-1") + b"--" if m else None
+    if end is None or not raw.rstrip(b"\r\n").endswith(end):
+        raise ApiError(400, "the multipart body is incomplete: it does not end with its closing "
+                            "boundary", code="invalid_multipart")
+
+
 async def _read_edit(request, limits: Limits) -> tuple[dict, list, Any]:
     """OpenAI's edit request: a multipart form with the input image(s) as files (`image`, or
     `image[]` repeated, as the openai client sends a list), an optional `mask` file (its
     transparent pixels are the area to edit) and the text fields. The body may be up to
     --max-upload-bytes. (body, images, mask) as PIL images; 400 naming what is not one."""
     ctype = request.headers.get("content-type", "")
-    if not ctype.startswith("multipart/form-data"):
+    if not ctype.lower().startswith("multipart/form-data"):
         raise ApiError(400, "POST /v1/images/edits takes multipart/form-data with the image as a "
                             "file (as OpenAI's)", code="invalid_content_type")
     raw = await _read_bounded(request, limits, limits.max_upload_bytes)
+    _whole_multipart(ctype, raw)
 
     async def replay():
         return {"type": "http.request", "body": raw, "more_body": False}
     form = await HTTPRequest(request.scope, receive=replay).form(
         max_files=MAX_INPUT_IMAGES + 2, max_fields=64)
     body, images, mask = {}, [], None
+    if sum(k in ("image", "image[]") for k in form.keys()) > MAX_INPUT_IMAGES:  # before decoding
+        raise ApiError(400, f"more than {MAX_INPUT_IMAGES} input images", param="image",
+                       code="invalid_value")
     for k, v in form.multi_items():
         if k in ("image", "image[]", "mask"):
             if isinstance(v, str):
@@ -707,9 +721,10 @@ async def _read_edit(request, limits: Limits) -> tuple[dict, list, Any]:
             if k != "mask" and len(images) == MAX_INPUT_IMAGES:
                 raise ApiError(400, f"more than {MAX_INPUT_IMAGES} input images", param="image",
                                code="invalid_value")
-            try:
-                pic = read_image(await v.read(), "L" if k == "mask" else "RGB",
-                                 f"'{k}' {_clip(v.filename or '', 40)!r}")
+            try:  # decoded away from the event loop, its size checked before
+                pic = await asyncio.get_running_loop().run_in_executor(
+                    None, read_image, await v.read(), "L" if k == "mask" else "RGB",
+                    f"'{k}' {_clip(v.filename or '', 40)!r}", 4 * limits.max_pixels)
             except MeshditError as e:
                 raise ApiError(400, str(e).removeprefix("meshdit: "), param=k.rstrip("[]"),
                                code="invalid_image") from None
@@ -733,6 +748,8 @@ async def _read_body(request, limits: Limits) -> tuple[dict, bool]:
     ctype = request.headers.get("content-type", "")
     if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         raw = await _read_bounded(request, limits)  # a chunked form too: at most MAX_BODY
+        if ctype.startswith("multipart/form-data"):
+            _whole_multipart(ctype, raw)
         if ctype.startswith("application/x-www-form-urlencoded") and not raw.isascii():
             raise ApiError(400, "a urlencoded form must be ASCII (other bytes percent-encoded as "
                                 "UTF-8)", code="invalid_value")
@@ -931,6 +948,7 @@ def create_app(svc: Service, api_key: str | None = None):
         meshdit's own (queued, started, progress, resumed) in between."""
         seen, finished = 0, False
         partials = collections.Counter()  # previews sent so far, per image of the batch
+        kind = "image_edit" if job.request.images else "image_generation"  # OpenAI's names
         try:
             while True:
                 await job.wait_events(seen, 15.0)
@@ -943,7 +961,7 @@ def create_app(svc: Service, api_key: str | None = None):
                     if t == "preview" and ev["b64_json"] is None:
                         continue  # the job had finished before this stream sent it
                     if t == "preview":
-                        yield _sse({"type": "image_generation.partial_image", "id": job.id,
+                        yield _sse({"type": f"{kind}.partial_image", "id": job.id,
                                     "b64_json": ev["b64_json"], "created_at": ev["created_at"],
                                     "size": job.size_text, "output_format": "png",
                                     "background": "opaque", "quality": "auto",
@@ -953,7 +971,7 @@ def create_app(svc: Service, api_key: str | None = None):
                         partials[ev["image_index"]] += 1
                     elif t == "completed":
                         for k, (b, s) in enumerate(zip(job.outputs, job.seeds)):
-                            yield _sse({"type": "image_generation.completed", "id": job.id,
+                            yield _sse({"type": f"{kind}.completed", "id": job.id,
                                         "b64_json": base64.b64encode(b).decode(),
                                         "created_at": ev["created_at"], "size": job.size_text,
                                         "output_format": job.format, "background": "opaque",
@@ -964,11 +982,11 @@ def create_app(svc: Service, api_key: str | None = None):
                         return
                     elif t in ("failed", "cancelled"):
                         finished = True
-                        yield _sse({**_job_error(job).body(), "type": f"image_generation.{t}",
+                        yield _sse({**_job_error(job).body(), "type": f"{kind}.{t}",
                                     "id": job.id})
                         return
                     else:
-                        yield _sse({**ev, "type": f"image_generation.{t}"})
+                        yield _sse({**ev, "type": f"{kind}.{t}"})
         finally:
             if not finished:  # the client left: its job is not wanted any more
                 svc.cancel(job)

@@ -317,6 +317,11 @@ class Engine:
                                                 f"over 4 x the pixel limit ({4 * max_pixels:,})")
         elif name in ("FluxImg2ImgPipeline", "FluxInpaintPipeline"):
             raise RequestError("image", f"{name} needs an input image")
+        if r.n > 1 and name in ("FluxImg2ImgPipeline", "FluxInpaintPipeline"):
+            # diffusers encodes the image once and samples its latent with the first generator
+            # only: image k of a batch is not the image of seed + k, as a report would say
+            raise RequestError("n", f"n {r.n}: {name} makes one image a request here (its "
+                                    f"batch draws every image's start from the first seed)")
         if r.mask is not None and "mask_image" not in sig:
             raise RequestError("mask", f"{name} takes no mask (FluxInpaintPipeline does)")
         if r.mask is None and "mask_image" in sig:
@@ -424,6 +429,9 @@ class Engine:
         r.steps = d["steps"] if r.steps is None else r.steps
         if r.images and r.width is None and r.height is None:  # the input image's size
             w, h = r.images[0].size  # (rounded down to the pipeline's multiple, as diffusers does)
+            if max_pixels and w * h > max_pixels:  # a photo over the limit: scaled down to it
+                f = math.sqrt(max_pixels / (w * h))
+                w, h = int(w * f), int(h * f)
             r.width, r.height = (max(d["multiple"], v - v % d["multiple"]) for v in (w, h))
         r.width = d["width"] if r.width is None else r.width
         r.height = d["height"] if r.height is None else r.height
@@ -703,32 +711,42 @@ class Engine:
             t.close()
 
 
-def read_image(source, mode: str, name: str = "--image"):
-    """An input image (a path or bytes) decoded whole, as a PIL image in `mode` ("RGB"; "L" for
-    a mask); MeshditError naming it for what PIL cannot read (another format, a truncated file,
-    a decompression bomb)."""
+def read_image(source, mode: str, name: str = "--image", max_pixels: int | None = None):
+    """An input image (a path or bytes) decoded whole, as diffusers' load_image reads a file
+    (its EXIF orientation applied), in `mode` ("RGB"; "L" for a mask); MeshditError naming it
+    for what PIL cannot read (another format, a truncated file, a decompression bomb) and, before
+    decoding, for more than `max_pixels` pixels."""
     import io
     import warnings
 
-    from PIL import Image
+    from PIL import Image, ImageOps
     shown = source if isinstance(source, str) else f"{name} ({len(source):,} bytes)"
+    if isinstance(source, str) and not os.path.isfile(source):
+        raise MeshditError(f"meshdit: {shown}: no such file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(source if isinstance(source, str) else io.BytesIO(source))
+            if max_pixels and img.size[0] * img.size[1] > max_pixels:  # before it is decoded
+                raise MeshditError(f"meshdit: {shown}: {img.size[0]}x{img.size[1]} is over the "
+                                   f"{max_pixels:,} pixels an input image may have")
             img.load()
+            img = ImageOps.exif_transpose(img)
     except Image.UnidentifiedImageError:
         raise MeshditError(f"meshdit: {shown}: not an image (PNG, JPEG, WebP, ...: what PIL "
                            f"reads)") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
-            Image.DecompressionBombError) as e:
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
+        raise MeshditError(f"meshdit: {shown}: over PIL's limit on an image's pixels "
+                           f"({Image.MAX_IMAGE_PIXELS:,})") from None
+    except (OSError, ValueError, SyntaxError) as e:
         raise MeshditError(f"meshdit: {shown}: not an image PIL reads "
                            f"({' '.join(str(e).split())[:120]})") from None
-    if mode == "L" and (img.mode in ("RGBA", "LA", "PA") or
-                        (img.mode == "P" and "transparency" in img.info)):
-        # OpenAI's mask: the transparent pixels are the area to edit (white for diffusers)
+    if mode == "L" and ("A" in img.getbands() or (img.mode == "P" and "transparency" in img.info)):
         alpha = img.convert("RGBA").getchannel("A")
-        return alpha.point(lambda v: 255 if v == 0 else 0)
+        if mode == "L" and alpha.getextrema()[0] < 255:
+            # OpenAI's mask: the transparent pixels are the area to edit (white for diffusers);
+            # an opaque one is read as diffusers reads a mask (white repaints)
+            return alpha.point(lambda v: 255 if v == 0 else 0)
     return img.convert(mode)
 
 

@@ -683,6 +683,11 @@ def test_image_edits_with_a_mask_equal_diffusers_inpaint(flux_root, service, tmp
                           extra_body={"steps": 2, "seed": 3, "strength": "0.8",
                                       "max_sequence_length": str(TXT)})
         got = png_pixels(r.data[0].b64_json)
+        with httpx.stream("POST", f"{api.url}/v1/images/edits", files=files, timeout=120,
+                          data={"prompt": "a red cube", "steps": "2", "seed": "3", "stream": "true",
+                                "strength": "0.8", "max_sequence_length": str(TXT)}) as s:
+            events = [n for n, _ in sse(s)]
+        assert events[-1] == "image_edit.completed" and "image_edit.started" in events, events
         kw = r.model_extra["meshdit"]["pipeline_kwargs"]
         assert kw["image"] == "image 80x48 RGB" and kw["mask_image"] == "image 80x48 L", kw
         assert r.size == "80x48" and kw["strength"] == 0.8
@@ -695,7 +700,12 @@ def test_image_edits_with_a_mask_equal_diffusers_inpaint(flux_root, service, tmp
                 (None, dict(files={"image": files["image"]}, data={"prompt": "x"}), 400,
                  "FluxInpaintPipeline needs a mask"),
                 (None, dict(files=files, data={"prompt": "x", "strength": "2"}), 400,
-                 "strength 2.0: must be in (0, 1]")]:
+                 "strength 2.0: must be in (0, 1]"),
+                (None, dict(content=b"--b\r\nContent-Disposition: form-data; name=\"prompt\""
+                                    b"\r\n\r\nx\r\n--b\r\nContent-Disposition: form-data; "
+                                    b"name=\"strength\"\r\n\r\n1.0",  # no closing boundary
+                            headers={"content-type": "multipart/form-data; boundary=b"}), 400,
+                 "the multipart body is incomplete")]:
             e = httpx.post(f"{api.url}/v1/images/edits", timeout=60, **kw2)
             assert e.status_code == code and msg in e.json()["error"]["message"], e.text
     finally:

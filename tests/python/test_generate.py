@@ -262,6 +262,31 @@ def _as_pipeline(flux_root, tmp_path, cls):
     return str(root)
 
 
+def test_read_image_as_diffusers_reads_a_file(tmp_path):
+    """read_image: the EXIF orientation applied (diffusers' load_image does); a mask with
+    transparent pixels read as OpenAI's (transparent: edit, made white), an opaque RGBA mask as
+    diffusers' (white repaints); a size over the limit refused before it is decoded."""
+    from PIL import Image
+    left = Image.new("L", (80, 48), 0)
+    left.paste(255, (0, 0, 40, 48))
+    opaque = Image.merge("RGBA", [left, left, left, Image.new("L", (80, 48), 255)])
+    openai_mask = Image.new("RGBA", (80, 48), (0, 0, 0, 255))
+    openai_mask.paste((0, 0, 0, 0), (0, 0, 40, 48))
+    for pic, name in ((opaque, "opaque.png"), (openai_mask, "openai.png")):
+        pic.save(tmp_path / name)
+        got = mg.read_image(str(tmp_path / name), "L")
+        assert np.array_equal(np.asarray(got), np.asarray(left)), name  # left half white
+    photo = Image.new("RGB", (48, 80), (10, 200, 30))  # stored 48x80, shown 80x48 (EXIF 6)
+    exif = photo.getexif()
+    exif[0x0112] = 6
+    photo.save(tmp_path / "rot.jpg", exif=exif)
+    assert mg.read_image(str(tmp_path / "rot.jpg"), "RGB").size == (80, 48)
+    with pytest.raises(meshdit.MeshditError, match="80x48 is over the 1,000 pixels"):
+        mg.read_image((tmp_path / "openai.png").read_bytes(), "RGB", "'image'", max_pixels=1000)
+    with pytest.raises(meshdit.MeshditError, match="nothing.png: no such file"):
+        mg.read_image(str(tmp_path / "nothing.png"), "RGB")
+
+
 @pytest.mark.parametrize("cls", ["FluxKontextPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"])
 def test_edit_pipelines_equal_diffusers(flux_root, tmp_path, cls):
     """An input image (and the inpaint mask, strength): the engine's image is the one diffusers'
@@ -289,6 +314,12 @@ def test_edit_pipelines_equal_diffusers(flux_root, tmp_path, cls):
         kw = e.pipeline_kwargs(e.check(r))
         assert res.pipeline_kwargs["image"] == "image 80x48 RGB"
         res2 = e.run(dataclasses.replace(r, images=[other]))
+        if cls != "FluxKontextPipeline":  # a batch draws every start from the first seed
+            with pytest.raises(mg.RequestError, match="makes one image a request"):
+                e.check(dataclasses.replace(r, n=2))
+        big = dataclasses.replace(r, images=[img.resize((800, 480))],  # over the limit: scaled
+                                  mask=r.mask and r.mask.resize((800, 480)))
+        assert (lambda c: (c.width, c.height))(e.check(big, max_pixels=100_000)) == (400, 240)
     finally:
         e.close()
     ref = getattr(diffusers, cls).from_pretrained(root, torch_dtype=torch.float32)
