@@ -246,6 +246,17 @@ def test_random_sequences_match_diffusers(layered, inputs, seed):
                 assert t.active_adapters() == ref.active_adapters(), what
 
 
+def _both(ref, t, inputs, what, call):
+    """`call` on diffusers' transformer and on the drop-in; their outputs agree without a scale
+    and at 0.5. Returns the drop-in's output at 0.5."""
+    for m in (ref, t):
+        call(m)
+    for scale in (None, 0.5):
+        got = out(t, inputs, scale)
+        assert rel(got, out(ref, inputs, scale)) <= TOL, f"{what} (scale {scale})"
+    return got
+
+
 @pytest.mark.parametrize("x,y", [("attn", "mlp"), ("b", "attn"), ("k", "b")],
                          ids=["disjoint", "overlapping", "alphas-inside"])
 def test_fusing_one_of_adapters_on_different_layers(layered, inputs, x, y):
@@ -274,11 +285,7 @@ def test_fusing_one_of_adapters_on_different_layers(layered, inputs, x, y):
             ("unload_lora", lambda m: m.unload_lora()),
         ]
         for what, call in calls:
-            for m in (ref, t):
-                call(m)
-            for scale in (None, 0.5):
-                got = out(t, inputs, scale)
-                assert rel(got, out(ref, inputs, scale)) <= TOL, f"{what} (scale {scale})"
+            got = _both(ref, t, inputs, what, call)
             if what.startswith("disable_lora"):
                 assert np.array_equal(got, base), what
             else:
@@ -361,11 +368,7 @@ def test_layers_left_empty_stay_until_unload_lora(layered, inputs, tp):
             ("load mlp beside what unload kept", lambda m: load(m, layered, "mlp", "x7")),
         ]
         for what, call in calls:
-            for m in (ref, t):
-                call(m)
-            for scale in (None, 0.5):
-                got = out(t, inputs, scale)
-                assert rel(got, out(ref, inputs, scale)) <= TOL, f"{what} (scale {scale})"
+            got = _both(ref, t, inputs, what, call)
             assert sorted(getattr(t, "peft_config", None) or {}) == sorted(
                 getattr(ref, "peft_config", None) or {}), what
             assert _answer(t.active_adapters) == _answer(ref.active_adapters), what
