@@ -222,6 +222,7 @@ class Engine:
     def __init__(self, model: str, *, pipeline_device: str = "cpu",
                  pipeline_dtype: str = "float32", log: Callable[[str], None] = print,
                  resume: bool | dict = True, loras: list[tuple[str, float]] = (),
+                 loras_2: list[tuple[str, float]] = (),
                  cache=None, **mesh):
         import diffusers
         import torch
@@ -280,7 +281,7 @@ class Engine:
             self.device = torch.device(pipeline_device)
             self.load_seconds["pipeline"] = time.perf_counter() - t1
             log(f"pipeline ready in {self.load_seconds['pipeline']:.2f} s")
-            self.loras = self._load_loras(loras)
+            self.loras = self._load_loras(loras, loras_2)
             self.cache = None
             if cache is not None:
                 for t in self.transformers:  # each expert its own hook, as a diffusers user does
@@ -364,34 +365,41 @@ class Engine:
         self.pipe.set_adapters(names, weights)
         return dict(zip(names, weights))
 
-    def _load_loras(self, loras) -> list[dict]:
+    def _load_loras(self, loras, loras_2=()) -> list[dict]:
         """Each (file, weight) through the pipeline's own LoRA loader, under a name of its own
         (the file's stem), then set_adapters with the weights: what a diffusers user's
-        `pipe.load_lora_weights(f, adapter_name=n); pipe.set_adapters(names, weights)` does."""
-        if not loras:
+        `pipe.load_lora_weights(f, adapter_name=n); pipe.set_adapters(names, weights)` does.
+        `loras_2` go into Wan 2.2 A14B's transformer_2 (`load_into_transformer_2=True`: the
+        low-noise expert's file of a pair), `loras` into the transformer."""
+        if not loras and not loras_2:
             return []
-        if self.transformer_2 is not None:
-            raise MeshditError("meshdit: --lora with a second transformer (Wan 2.2 A14B) is not "
-                               "supported yet: each expert takes its own LoRA file")
+        if loras_2 and self.transformer_2 is None:
+            raise MeshditError(f"meshdit: --lora-2: {self.class_name} here has no transformer_2 "
+                               f"(Wan 2.2 A14B's low-noise expert)")
         if not hasattr(self.pipe, "load_lora_weights"):
             raise MeshditError(f"meshdit: --lora: {self.class_name} has no LoRA loader")
         names, out = [], []
-        for path, weight in loras:
+        for path, weight, into_2 in [(p, w, False) for p, w in loras] + \
+                [(p, w, True) for p, w in loras_2]:
             stem = re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(
                 path.rstrip("/")))[0]) or "lora"
             name, k = stem, 2
             while name in names:
                 name, k = f"{stem}-{k}", k + 1
             t0 = time.perf_counter()
+            opt = "--lora-2" if into_2 else "--lora"
             try:
-                self.pipe.load_lora_weights(path, adapter_name=name)
+                self.pipe.load_lora_weights(path, adapter_name=name,
+                                            **({"load_into_transformer_2": True} if into_2 else {}))
             except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
-                raise MeshditError(f"meshdit: --lora {path}: {' '.join(str(e).split())}") from None
+                raise MeshditError(f"meshdit: {opt} {path}: {' '.join(str(e).split())}") from None
             names.append(name)
-            out.append({"name": name, "file": path, "weight": weight})
-            self.log(f"LoRA '{name}' from {path} (weight {weight:g}) loaded in "
-                     f"{time.perf_counter() - t0:.2f} s")
-        self.pipe.set_adapters(names, [w for _, w in loras])
+            out.append({"name": name, "file": path, "weight": weight,
+                        "transformer": "transformer_2" if into_2 else "transformer"})
+            self.log(f"LoRA '{name}' from {path} (weight {weight:g}"
+                     + (", into transformer_2" if into_2 else "") +
+                     f") loaded in {time.perf_counter() - t0:.2f} s")
+        self.pipe.set_adapters(names, [a["weight"] for a in out])
         return out
 
     # -- what the pipeline takes ------------------------------------------------------------------
@@ -867,6 +875,9 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",
                    help="a LoRA file (any format the pipeline's load_lora_weights reads) at a "
                         "weight (default 1); repeatable (docs/lora.md)")
+    g.add_argument("--lora-2", action="append", default=[], metavar="FILE[:WEIGHT]",
+                   help="a LoRA file for Wan 2.2 A14B's transformer_2 (the low-noise expert's "
+                        "file of a pair; diffusers' load_into_transformer_2=True): repeatable")
     g.add_argument("--cache", metavar="SPEC",
                    help="a step cache, as meshdit run's: first_block[:threshold=X], "
                         "mag:mag_ratios=A/B/...[,...], taylorseer[:...], text_kv (docs/cache.md)")
@@ -941,7 +952,7 @@ def cache_config(spec: str):
 def check_engine_args(ap, a) -> None:
     """The --lora and --cache values refused as usage errors (exit 2) before anything loads."""
     try:
-        for x in a.lora:
+        for x in a.lora + a.lora_2:
             lora_arg(x)
         if a.cache is not None:
             cache_config(a.cache)
@@ -953,13 +964,14 @@ def engine_from_args(a, log=print) -> Engine:
     for k in ("tp", "ring", "ulysses"):
         if getattr(a, k) < 1:
             raise MeshditError(f"meshdit: --{k} {getattr(a, k)}: must be >= 1")
-    loras = [lora_arg(x) for x in a.lora]
+    loras, loras_2 = [lora_arg(x) for x in a.lora], [lora_arg(x) for x in a.lora_2]
     cache = cache_config(a.cache) if a.cache is not None else None
     mesh = dict(cfg=a.cfg if a.cfg > 1 else None, tp=a.tp, ring=a.ring, ulysses=a.ulysses,
                 mesh_order=a.mesh_order, device=a.device, dtype=a.dtype, binary=a.binary,
                 launcher=a.launcher, step_timeout=a.step_timeout, max_memory=a.max_memory)
     return Engine(a.model, pipeline_device=a.pipeline_device, pipeline_dtype=a.pipeline_dtype,
-                  resume=not a.no_resume, log=log, loras=loras, cache=cache, **mesh)
+                  resume=not a.no_resume, log=log, loras=loras, loras_2=loras_2, cache=cache,
+                  **mesh)
 
 
 class StepBar:

@@ -195,7 +195,8 @@ def test_engine_lora_weights_per_request(flux_root, tmp_path):
         want[w] = diffusers_image(pipe, 3, **kw)
     e = mg.Engine(flux_root, tp=1, log=lambda line: None, loras=[(str(lora), 0.7)])
     try:
-        assert e.loras == [{"name": "style", "file": str(lora), "weight": 0.7}]
+        assert e.loras == [{"name": "style", "file": str(lora), "weight": 0.7,
+                            "transformer": "transformer"}]
         for loras, key in ((None, 0.7), ({"style": 0.3}, 0.3), ({}, "none"), (None, 0.7)):
             res = e.run(req(loras=loras))
             assert res.loras == {"style": 0.7 if key == 0.7 else 0.3 if key == 0.3 else 0.0}
@@ -330,6 +331,64 @@ def test_edit_pipelines_equal_diffusers(flux_root, tmp_path, cls):
     assert levels(got, want) <= 1, levels(got, want)
     # another input image, another picture (Kontext's weak here: a tiny random transformer)
     assert levels(pil_pixels(res2.images[0]), got) > (2 if cls == "FluxKontextPipeline" else 8)
+
+
+def _wan_lora(path, seed, targets):
+    """A peft LoRA of the tiny Wan transformer on `targets`, saved as WanPipeline saves one
+    (random B: it acts)."""
+    import wan_pipeline
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    torch.manual_seed(seed)
+    t = WanTransformer3DModel(**wan_pipeline.TRANSFORMER_CONFIG)
+    t.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():
+        for n, p in t.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    WanPipeline.save_lora_weights(str(path), transformer_lora_layers=get_peft_model_state_dict(t),
+                                  weight_name="lora.safetensors")
+    return str(path / "lora.safetensors")
+
+
+def test_wan22_a14b_takes_a_lora_for_each_expert(tmp_path):
+    """--lora goes into the transformer (the high-noise expert), --lora-2 into transformer_2
+    (diffusers' load_into_transformer_2=True): the frames equal diffusers' pipeline doing the same
+    loads and set_adapters; each file changes them. --lora-2 without a transformer_2 is refused."""
+    import wan_pipeline
+    from diffusers import WanPipeline
+
+    root = str(tmp_path / "wan22")
+    wan_pipeline.build_a14b(root, seed=0, boundary_ratio=0.6)
+    hi = _wan_lora(tmp_path / "hi", 1, ["to_q", "to_v", "ffn.net.2"])
+    lo = _wan_lora(tmp_path / "lo", 2, ["to_k", "to_out.0", "ffn.net.0.proj"])
+    r = mg.Request(prompt=wan_pipeline.PROMPT, negative_prompt=wan_pipeline.NEGATIVE_PROMPT, steps=4,
+                   width=48, height=32, frames=5, seed=7, max_sequence_length=wan_pipeline.TXT_LEN)
+    e = mg.Engine(root, tp=1, log=lambda line: None, loras=[(hi, 0.8)], loras_2=[(lo, 1.2)])
+    try:
+        assert [(a["name"], a["transformer"]) for a in e.loras] == [("lora", "transformer"),
+                                                                   ("lora-2", "transformer_2")]
+        cases = (None, {"lora": 0.8}, {"lora-2": 1.2})  # --lora's weights, each file alone
+        got = [e.run(dataclasses.replace(r, loras=w)).frames for w in cases]
+        kw = {k: v for k, v in e.run(r).pipeline_kwargs.items() if k != "output_type"}
+    finally:
+        e.close()
+    ref = WanPipeline.from_pretrained(root, torch_dtype=torch.float32)
+    ref.load_lora_weights(hi, adapter_name="lora")
+    ref.load_lora_weights(lo, adapter_name="lora-2", load_into_transformer_2=True)
+    for k, weights in enumerate(([0.8, 1.2], [0.8, 0.0], [0.0, 1.2])):
+        ref.set_adapters(["lora", "lora-2"], weights)
+        with torch.inference_mode():
+            want = ref(**kw, generator=torch.Generator("cpu").manual_seed(7), output_type="np").frames[0]
+        assert float(np.abs(got[k] - want).max()) < 1e-4, cases[k]
+    for k in (1, 2):  # each expert's file acts
+        assert float(np.abs(got[0] - got[k]).max()) > 1e-3, cases[k]
+    with pytest.raises(meshdit.MeshditError, match="--lora-2: WanPipeline here has no transformer_2"):
+        plain = str(tmp_path / "wan21")
+        wan_pipeline.build(plain, seed=0)
+        mg.Engine(plain, tp=1, log=lambda line: None, loras_2=[(lo, 1.0)])
 
 
 def test_hub_id_from_the_local_cache(flux_root, tmp_path, monkeypatch):
