@@ -886,7 +886,7 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-dtype", default="float32", help="float32 (default), bfloat16, float16")
 
 
-def lora_arg(text: str) -> tuple[str, float]:
+def lora_arg(text: str, opt: str = "--lora") -> tuple[str, float]:
     """FILE[:WEIGHT] -> (file, weight): the part after the last ':' is the weight when it is a
     number (a path may hold ':'); the file must exist. MeshditError naming the argument."""
     path, sep, w = text.rpartition(":")
@@ -895,10 +895,10 @@ def lora_arg(text: str) -> tuple[str, float]:
     else:
         path, weight = text, 1.0
     if not math.isfinite(weight) or abs(weight) > MAX_SCALE:
-        raise MeshditError(f"meshdit: --lora {text}: the weight must be a finite number of "
+        raise MeshditError(f"meshdit: {opt} {text}: the weight must be a finite number of "
                            f"magnitude at most {MAX_SCALE:g}")
     if not os.path.exists(path):
-        raise MeshditError(f"meshdit: --lora {text}: no file {path}")
+        raise MeshditError(f"meshdit: {opt} {text}: no file {path}")
     return path, weight
 
 
@@ -952,8 +952,8 @@ def cache_config(spec: str):
 def check_engine_args(ap, a) -> None:
     """The --lora and --cache values refused as usage errors (exit 2) before anything loads."""
     try:
-        for x in a.lora + a.lora_2:
-            lora_arg(x)
+        for opt, x in [("--lora", x) for x in a.lora] + [("--lora-2", x) for x in a.lora_2]:
+            lora_arg(x, opt)
         if a.cache is not None:
             cache_config(a.cache)
     except MeshditError as e:
@@ -964,7 +964,7 @@ def engine_from_args(a, log=print) -> Engine:
     for k in ("tp", "ring", "ulysses"):
         if getattr(a, k) < 1:
             raise MeshditError(f"meshdit: --{k} {getattr(a, k)}: must be >= 1")
-    loras, loras_2 = [lora_arg(x) for x in a.lora], [lora_arg(x) for x in a.lora_2]
+    loras, loras_2 = [lora_arg(x) for x in a.lora], [lora_arg(x, "--lora-2") for x in a.lora_2]
     cache = cache_config(a.cache) if a.cache is not None else None
     mesh = dict(cfg=a.cfg if a.cfg > 1 else None, tp=a.tp, ring=a.ring, ulysses=a.ulysses,
                 mesh_order=a.mesh_order, device=a.device, dtype=a.dtype, binary=a.binary,
@@ -1064,7 +1064,11 @@ def main_generate(argv: list[str]) -> int:
     try:
         a.model = resolve_model(a.model)  # before torch is imported: a missing model fails fast
         try:  # what needs no pipeline is refused before one is loaded
-            check_values(req, read_model_index(a.model)["_class_name"])
+            index = read_model_index(a.model)
+            check_values(req, index["_class_name"])
+            if a.lora_2 and not (index.get("transformer_2") or [None])[0]:
+                raise RequestError("lora_2", f"{index['_class_name']} here has no transformer_2 "
+                                             f"(Wan 2.2 A14B's low-noise expert)")
         except RequestError as e:
             return refused(e)
         engine = engine_from_args(a)

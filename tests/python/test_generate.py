@@ -141,6 +141,10 @@ def test_generate_refuses_in_one_line(flux_root, tmp_path):
              (["--model", flux_root, "--prompt", "x", "--cache", "first_block:thr=1"], 2,
               "'thr=1': no such field of FirstBlockCacheConfig"),
              (["--model", flux_root, "--prompt", "x", "--cache", "later"], 2, "unknown cache 'later'"),
+             (["--model", flux_root, "--prompt", "x", "--lora-2", "no.safetensors"], 2,
+              "--lora-2 no.safetensors: no file"),
+             (["--model", flux_root, "--prompt", "x", "--lora-2", __file__], 2,
+              "--lora-2: FluxPipeline here has no transformer_2"),
              # values the server refuses: refused here, not by every forward of the generation
              (["--model", flux_root, "--prompt", "x", "--cache", "taylorseer:cache_interval=0"], 2,
               "cache_interval=0 is not in [1, 1048576]"),
