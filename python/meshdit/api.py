@@ -369,9 +369,7 @@ class Service:
 
     def healthy(self) -> tuple[bool, str]:
         """(ok, why): not ok once the mesh is gone for good (no resume to start it again)."""
-        ts = getattr(self.engine, "transformers", None) or [
-            getattr(self.engine, "transformer", None)]  # (Wan 2.2 A14B: two meshes)
-        for t in ts:
+        for t in self.engine.transformers if self.engine else [None]:  # A14B: two meshes
             if t is None or t._client is None:
                 return False, "the mesh is gone and could not be started again"
             server = getattr(t, "_server", None)  # None: attached to a server this did not start
@@ -865,8 +863,8 @@ def create_app(svc: Service, api_key: str | None = None):
         body = {"status": "ok" if ok else "error", "model": svc.model_name,
                 "queue": len(svc._queue), "running": svc.running.id if svc.running else None,
                 "completed": svc.completed,
-                "resumes": sum(len(getattr(t, "resumes", []) or []) for t in
-                               getattr(svc.engine, "transformers", [svc.engine.transformer]))}
+                "resumes": sum(len(getattr(t, "resumes", []) or [])
+                               for t in svc.engine.transformers)}
         if not ok:
             body["error"] = why
         return JSONResponse(body, status_code=200 if ok else 503)

@@ -54,6 +54,7 @@ MAX_SCALE = 1e6
 FLUX1 = ("FluxPipeline", "FluxKontextPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
 MAX_SEQUENCE_LENGTH = {**{n: 512 for n in FLUX1}, "QwenImagePipeline": 1024}
 MAX_INPUT_IMAGES = 4  # input images of one request (Flux.2 [klein]'s references)
+FROM_IMAGE = ("FluxImg2ImgPipeline", "FluxInpaintPipeline")  # start from the image's latents
 MAX_SEQUENCE_LENGTH_OTHERS = 8192
 SIZE_RE = re.compile(r"([0-9]+)x([0-9]+)")  # WIDTHxHEIGHT, ASCII digits only
 
@@ -243,9 +244,9 @@ class Engine:
         log(f"loading the transformer on {world} rank{'s' if world > 1 else ''} "
             + (f"(cfg {layout['cfg']} x " if layout["cfg"] > 1 else "(")
             + f"tp {layout['tp']} x ring {layout['ring']} x ulysses {layout['ulysses']}) ...")
+        opts = {k: v for k, v in mesh.items() if v is not None}
         self.transformer = meshdit.Transformer.from_pretrained(
-            os.path.join(self.root, "transformer"), resume=resume,
-            **{k: v for k, v in mesh.items() if v is not None})
+            os.path.join(self.root, "transformer"), resume=resume, **opts)
         self.transformer_2 = None  # Wan 2.2 A14B's low-noise expert: a mesh of its own
         try:
             self.load_seconds = {"transformer": time.perf_counter() - t0}
@@ -256,8 +257,7 @@ class Engine:
                 log(f"loading transformer_2 (the low-noise expert) on {world} more "
                     f"rank{'s' if world > 1 else ''} ...")
                 self.transformer_2 = meshdit.Transformer.from_pretrained(
-                    os.path.join(self.root, "transformer_2"), resume=resume,
-                    **{k: v for k, v in mesh.items() if v is not None})
+                    os.path.join(self.root, "transformer_2"), resume=resume, **opts)
                 self.load_seconds["transformer_2"] = time.perf_counter() - t2
                 log(plan_line(self.transformer_2.info) +
                     f"; loaded in {self.load_seconds['transformer_2']:.2f} s")
@@ -316,9 +316,9 @@ class Engine:
                 if max_pixels and im.size[0] * im.size[1] > 4 * max_pixels:
                     raise RequestError("image", f"an input image of {im.size[0]}x{im.size[1]} is "
                                                 f"over 4 x the pixel limit ({4 * max_pixels:,})")
-        elif name in ("FluxImg2ImgPipeline", "FluxInpaintPipeline"):
+        elif name in FROM_IMAGE:
             raise RequestError("image", f"{name} needs an input image")
-        if r.n > 1 and name in ("FluxImg2ImgPipeline", "FluxInpaintPipeline"):
+        if r.n > 1 and name in FROM_IMAGE:
             # diffusers encodes the image once and samples its latent with the first generator
             # only: image k of a batch is not the image of seed + k, as a report would say
             raise RequestError("n", f"n {r.n}: {name} makes one image a request here (its "

@@ -891,11 +891,7 @@ def _cache_spec(config) -> str:
         if extra:
             raise NotImplementedError(f"meshdit: FirstBlockCacheConfig field(s) {extra} are not "
                                       f"implemented (meshdit takes threshold)")
-        t = float(config.threshold)
-        if not (t >= 0 and t != float("inf")):
-            raise ValueError(f"meshdit: FirstBlockCacheConfig.threshold must be a finite number "
-                             f">= 0, got {config.threshold!r}")
-        return f"first_block:threshold={t!r}"
+        return f"first_block:threshold={_at_least(config, 'threshold', 0.0)!r}"
     if isinstance(config, hooks.MagCacheConfig):
         fields = {f.name for f in dataclasses.fields(config)}
         extra = sorted(fields - {"threshold", "max_skip_steps", "retention_ratio",

@@ -357,6 +357,7 @@ class GatedEngine:
         self.created = time.time()
         self.transformer = type("T", (), {"info": {"family": "stub", "tp": "1"}, "_client": 1,
                                           "resumes": []})()
+        self.transformers = [self.transformer]
 
     def check(self, r, **limits):
         return dataclasses.replace(r, steps=r.steps or 2, width=r.width or 16, height=r.height or 16,
