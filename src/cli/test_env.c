@@ -8,6 +8,8 @@
  *                                     mid-load, "step": inside a forward, "stage": between two
  *                                     blocks), or dies by SIGKILL, or stops itself (SIGSTOP: a
  *                                     rank that hangs), raised here
+ *   MESHDIT_TEST_NAN=STAGE:ELEM       the output of block STAGE ("transformer_blocks.0") holds a
+ *                                     NaN at element ELEM of each rank's rows
  */
 #define _POSIX_C_SOURCE 200809L
 #include "cli/cli.h"
@@ -20,6 +22,7 @@
 static char g_fail[256]; /* MESHDIT_TEST_FAIL as given */
 static char g_fail_phase[16];
 static int g_fail_rank = -1, g_fail_kill, g_fail_stop;
+static char g_nan_stage[64]; /* MESHDIT_TEST_NAN's block */
 
 static mdt_status at_point(const char *phase, int world_rank) {
     if (strcmp(g_fail_phase, phase) != 0 || world_rank != g_fail_rank)
@@ -49,6 +52,10 @@ void cli_test_env_install(void) {
         g_fail_stop = strcmp(fail + n, ":stop") == 0;
         h.at_point = at_point;
     }
-    if (h.shard_index_world || h.skip_cp_split || h.cfg_same_branch || h.at_point)
+    const char *nan = getenv("MESHDIT_TEST_NAN");
+    long long elem = -1;
+    if (nan && sscanf(nan, "%63[a-z_.0-9]:%lld", g_nan_stage, &elem) == 2 && elem >= 0)
+        h.nan_stage = g_nan_stage, h.nan_elem = elem;
+    if (h.shard_index_world || h.skip_cp_split || h.cfg_same_branch || h.at_point || h.nan_stage)
         mdt_test_hooks_set(&h);
 }

@@ -301,16 +301,21 @@ static int names_rank(const char *msg) {
 
 /* The request is completed by MPI_Test, or deliberately abandoned when the job is being ended. */
 /* NOLINTBEGIN(clang-analyzer-optin.mpi.MPI-Checker) */
-static mdt_status agree(mdt_mesh *m, mdt_status local) {
+static mdt_status agree(mdt_mesh *m, mdt_status local, int64_t order) {
     if (!m || m->world_size == 1 || m->peers_stuck) /* stuck: the job is being ended */
         return local;
     m->agreements++;
     m->world_collectives++;
     if (local != MDT_OK)
         mdt_mesh_note_failure(m, local);
-    int mine = local == MDT_OK ? INT_MAX : m->world_rank, first = INT_MAX, done = 0;
+    /* the failure the ranks take: the lowest order, then the lowest rank */
+    const int64_t P = m->world_size;
+    const int64_t o = order < 0 ? 0 : order > INT32_MAX ? INT32_MAX : order;
+    int64_t mine = local == MDT_OK ? INT64_MAX : o * P + m->world_rank;
+    int64_t least = INT64_MAX;
+    int done = 0;
     MPI_Request rq;
-    if (MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, m->agree, &rq) != MPI_SUCCESS)
+    if (MPI_Iallreduce(&mine, &least, 1, MPI_INT64_T, MPI_MIN, m->agree, &rq) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "failure agreement: MPI_Iallreduce failed");
     /* A healthy rank waits as long as its peers need (a slow load is not a failure). A failed
      * rank waits a bounded time: peers blocked inside a step's collective never arrive, and
@@ -348,8 +353,9 @@ static mdt_status agree(mdt_mesh *m, mdt_status local) {
     }
     m->waiting = 0;
     mdt_mesh_poll_notes(m); /* rank 0: this agreement's notes are answered by it */
-    if (first == INT_MAX)
+    if (least == INT64_MAX)
         return MDT_OK;
+    const int first = (int)(least % P);
     struct {
         int code;
         char msg[1800];
@@ -368,8 +374,12 @@ static mdt_status agree(mdt_mesh *m, mdt_status local) {
 /* NOLINTEND(clang-analyzer-optin.mpi.MPI-Checker) */
 
 mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local) {
+    return mdt_mesh_agree_ordered(m, local, 0);
+}
+
+mdt_status mdt_mesh_agree_ordered(mdt_mesh *m, mdt_status local, int64_t order) {
     const double t0 = mdt_now();
-    const mdt_status s = agree(m, local);
+    const mdt_status s = agree(m, local, order);
     if (m && m->world_size > 1)
         m->wait_s[MDT_WAIT_WORLD] += mdt_now() - t0;
     return local != MDT_OK && s == MDT_OK ? local : s; /* never OK over a local failure */

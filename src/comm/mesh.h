@@ -142,6 +142,10 @@ mdt_status mdt_mesh_create_comm(MPI_Comm world, const mdt_layout *l, mdt_mesh **
  * left; m->agree_wait_s when longer) returns its own failure with m->peers_stuck set; the caller
  * must then end the job (MPI_Abort). Never MDT_OK when `local` is not. */
 mdt_status mdt_mesh_agree(mdt_mesh *m, mdt_status local);
+/* The same, where failures have an order (>= 0; mdt_mesh_agree's is 0 for all): the ranks take
+ * the message of the failure with the lowest order, of the lowest rank among those (a forward's
+ * earliest stage that went non-finite, whichever rank saw it). */
+mdt_status mdt_mesh_agree_ordered(mdt_mesh *m, mdt_status local, int64_t order);
 
 /* The communicator of a group. */
 MPI_Comm mdt_mesh_comm(const mdt_mesh *m, mdt_group g);

@@ -21,6 +21,11 @@ typedef struct mdt_test_hooks {
      * with the caller's world rank; a status other than MDT_OK makes the
      * library fail there as if the work had failed. NULL: no injection. */
     mdt_status (*at_point)(const char *phase, int world_rank);
+    /* a NaN written at element nan_elem of this rank's rows of the first output stream of the
+     * block `nan_stage` ("transformer_blocks.0"), after it ran, on every rank (rows that TP
+     * ranks hold alike stay alike): a block whose output went non-finite. NULL: none. */
+    const char *nan_stage;
+    int64_t nan_elem;
 } mdt_test_hooks;
 
 /* Installs `h` (copied; NULL removes every hook). Not thread-safe: set before any work. */

@@ -145,11 +145,12 @@ mdt_status mdt_dit_rmsnorm_tp(const mdt_dit *d, const float *x, float *y, int64_
 /* ---- the block loop ---- */
 /* One stream of a block's output: x [B, rows, width] (this rank's rows). */
 typedef struct mdt_stream {
-    const float *x;
+    float *x; /* written only by the test seam */
     int64_t rows, width;
 } mdt_stream;
 /* After block i of the stack `stack` ("transformer_blocks"): the arena back to mk (a block's
- * scratch is reused by the next) and the NaN guard "stack.i" over its n output streams. */
+ * scratch is reused by the next) and the NaN guard "stack.i" over its n output streams, each TP
+ * rank over its part of their rows (the TP group holds them alike). */
 void mdt_dit_block_done(const mdt_dit *d, mdt_arena_mark mk, const char *stack, int64_t i,
                         const mdt_stream *out, int n);
 /* The test seam (core/testhooks.h) at `phase` on this rank: a rank that fails mid-forward while

@@ -39,20 +39,30 @@ mdt_status mdt_model_sit_out(mdt_model *m, mdt_status local) {
     return st;
 }
 
-void mdt_guard_finite(mdt_model *m, const char *what, const float *x, int64_t n) {
-    if (m->nan_elem >= 0 || n <= 0 || mdt_backend_mem()) /* device rows: the outputs are checked */
-        return;
-    const int64_t bad = mdt_first_nonfinite(x, n);
+void mdt_guard_finite_part(mdt_model *m, const char *what, const float *x, int64_t rows,
+                           int64_t width, int parts, int part) {
+    m->guard_seq++;
+    if (m->nan_elem >= 0 || rows <= 0 || width <= 0 || mdt_backend_mem()) /* device rows: the */
+        return;                                                           /* outputs are checked */
+    if (parts < 1 || part < 0 || part >= parts) /* no part of its own: all of them */
+        parts = 1, part = 0;
+    const int64_t r0 = rows * part / parts, r1 = rows * (part + 1) / parts;
+    const int64_t bad = mdt_first_nonfinite(x + r0 * width, (r1 - r0) * width);
     if (bad < 0)
         return;
-    m->nan_elem = bad;
+    m->nan_elem = r0 * width + bad, m->nan_seq = m->guard_seq;
     snprintf(m->nan_stage, sizeof m->nan_stage, "%s", what);
+}
+
+void mdt_guard_finite(mdt_model *m, const char *what, const float *x, int64_t n) {
+    mdt_guard_finite_part(m, what, x, 1, n, 1, 0);
 }
 
 /* After the family's forward, this rank's own verdict on what it computed: the first stage that
  * went non-finite, else the first output holding a NaN or Inf (whatever the backend: outputs
- * are on the host). */
-static mdt_status check_finite(const mdt_model *m, const mdt_tensor_set *outputs) {
+ * are on the host); *order: where in the forward that was (the stage's guard, or after all) */
+static mdt_status check_finite(const mdt_model *m, const mdt_tensor_set *outputs, int64_t *order) {
+    *order = m->nan_elem >= 0 ? m->nan_seq : m->guard_seq + 1;
     if (m->nan_elem >= 0)
         return MDT_FAIL(MDT_E_NUMERIC,
                         "the output of %s went non-finite (NaN or Inf; first on rank %d at element "
@@ -106,7 +116,7 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
     const double t0 = mdt_now();
     m->arena.src = mdt_backend_mem();       /* activations where the weights are */
     m->harena.src = mdt_backend_host_mem(); /* page-locked staging for the uploads */
-    m->nan_elem = -1, m->nan_stage[0] = '\0';
+    m->nan_elem = -1, m->nan_stage[0] = '\0', m->guard_seq = m->nan_seq = 0;
     st = check_input_names(m, inputs);
     if (st == MDT_OK)
         st = mdt_arena_reset(&m->arena);
@@ -120,8 +130,9 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
         st = m->fam->forward(m, inputs, outputs);
     if (st == MDT_OK)
         st = mdt_backend_check(); /* a device failure surfaces here at the latest */
+    int64_t order = 0;            /* a failure before the checks: first */
     if (st == MDT_OK)
-        st = check_finite(m, outputs);
+        st = check_finite(m, outputs, &order);
     /* the deadline bounds each wait, and this rank waits here for the slowest peer's forward:
      * on a first forward (no longest_s yet) or on the longer of two cfg groups' parts that can
      * outlast the 60 s floor; so at least 10 x this forward, unless the caller set the bound */
@@ -131,7 +142,7 @@ mdt_status mdt_model_forward(mdt_model *m, const mdt_tensor_set *inputs, mdt_ten
     }
     if (st != MDT_OK && m->fail_label)
         st = mdt_fail_prefix(st, "%s", m->fail_label);
-    st = mdt_mesh_agree(mesh, st); /* agreed once, for the whole forward */
+    st = mdt_mesh_agree_ordered(mesh, st, order); /* agreed once, for the whole forward */
     const double secs = mdt_now() - t0;
     m->longest_s = secs > m->longest_s ? secs : m->longest_s;
     mdt_mesh_set_deadline(mesh, 0); /* what follows waits as long as it takes */

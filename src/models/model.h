@@ -56,7 +56,11 @@ struct mdt_model {
      * it first, before the ranks agree, so every rank's message names it */
     const char *fail_label;
     char nan_stage[48];
-    int64_t nan_elem;            /* -1: none */
+    int64_t nan_elem; /* -1: none */
+    /* the guards run so far in this forward (the same count on every rank: every rank runs the
+     * same stages) and the count when nan_stage went non-finite: the ranks agree on the
+     * earliest stage, whichever rank saw it */
+    int64_t guard_seq, nan_seq;
     struct mdt_lora_state *lora; /* LoRA adapters and what they did to the shards (lora.h) */
     struct mdt_cache *cache;     /* borrowed: the step cache of the next forwards (cache.h) */
 };
@@ -77,6 +81,11 @@ mdt_status mdt_model_check_layout(const mdt_model *m, int T, int R, int U);
  * with the other ranks once at the end of the forward. Activations in device memory are not
  * scanned here (the outputs are, on the host). */
 void mdt_guard_finite(mdt_model *m, const char *what, const float *x, int64_t n);
+/* The same over rows x[0:rows, 0:width] that every one of `parts` ranks holds alike (the TP
+ * group's replicated rows): this rank scans its part `part` only (rows part*rows/parts up to
+ * the next part's start), and reports an element as an index into the whole rows. */
+void mdt_guard_finite_part(mdt_model *m, const char *what, const float *x, int64_t rows,
+                           int64_t width, int parts, int part);
 
 /* No silent degrade: what one forward on this rank must have done under its layout. */
 typedef struct mdt_promise {

@@ -443,6 +443,18 @@ expect_error extreme-weight-tp 1 "output of x_embedder went non-finite" -- "$MPI
 expect_error extreme-weight-tp-steps 1 "^meshdit: error: step 1 of 2: rank 0: the output of x_embedder" -- \
     "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$T/hot" --inputs "$DATA/flux_tiny/inputs.safetensors" \
     --out "$T/out.safetensors" --tp 2 --steps 2
+# a block's output non-finite in TP rank 1's part of its replicated rows only (the test seam puts
+# a NaN in the last image row of transformer_blocks.0; the next block's attention spreads it to
+# every row): each TP rank scans its part, so rank 0 first sees it a block later, and the ranks
+# must still name the earliest stage and element, as one rank does (negative control: the
+# lowest failing rank's message would name single_transformer_blocks.0)
+for lay in "1:480:" "2:480:--tp 2" "4:200:--tp 2 --ring 2"; do
+    IFS=: read -r n e args <<<"$lay"
+    MESHDIT_TEST_NAN=transformer_blocks.0:$e expect_error "nan-part-$n" 1 \
+        "the output of transformer_blocks.0 went non-finite" "at element $e of its rows" -- \
+        "$MPIEXEC" -n "$n" "$BIN" run --checkpoint "$DATA/flux_tiny" --inputs \
+        "$DATA/flux_tiny/inputs.safetensors" --out "$T/out.safetensors" $args
+done
 # the step watchdog: SIGSTOP one rank of four mid-run; the job ends within the bound plus the
 # grace period with exactly one error line naming that rank, and the waiting ranks sleep (each
 # uses < 30% of a core while it waits) instead of spinning
