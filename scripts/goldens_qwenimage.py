@@ -155,3 +155,26 @@ def qwenimage_cases(out_dir):
     write_qwen_case(out_dir, "qwenimage_frames", m, inputs,
                     "no mask; img_shapes (2, 2, 3) then (1, 3, 3): frame positions and a second "
                     "image; out_channels null; 2 heads x 8, 1 block")
+
+    # 5. Qwen-Image-Edit-2511's zero_cond_t: the condition images' rows modulated at timestep 0.
+    #    Batch 2 (two timesteps), the output grid 3 x 4 then two condition images 2 x 3 and 1 x 2
+    #    (12 + 6 + 2 rows: under CP the boundary falls inside a rank's chunk), a padded mask,
+    #    4 heads x 8, 2 blocks.
+    torch.manual_seed(14)
+    gen = torch.Generator().manual_seed(14)
+    cfg = dict(patch_size=2, in_channels=8, out_channels=2, num_layers=2, attention_head_dim=8,
+               num_attention_heads=4, joint_attention_dim=12, axes_dims_rope=(2, 2, 4),
+               zero_cond_t=True)
+    m = QwenImageTransformer2DModel(**cfg).eval()
+    _perturb_norms(m, gen)
+    inputs = {
+        "hidden_states": torch.randn(2, 20, 8, generator=gen),
+        "encoder_hidden_states": torch.randn(2, 6, 12, generator=gen),
+        "encoder_hidden_states_mask": torch.tensor([[1, 1, 1, 1, 1, 0]] * 2, dtype=torch.long),
+        "timestep": torch.tensor([0.8, 0.35]),
+        "img_shapes": _shapes(2, [[1, 3, 4], [1, 2, 3], [1, 1, 2]]),
+    }
+    write_qwen_case(out_dir, "qwenimage_edit2511", m, inputs,
+                    "zero_cond_t (Qwen-Image-Edit-2511): condition images modulated at timestep "
+                    "0; batch 2, output 3 x 4 then condition images 2 x 3 and 1 x 2, padded mask, "
+                    "4 heads x 8, 2 blocks")

@@ -229,8 +229,10 @@ static mdt_status double_block(const flux_run *run, const mdt_dit *d, const flux
     MDT_TRY(mdt_dit_adaln(d, &blk->norm1, mod));      // [B, 6C]
     MDT_TRY(mdt_dit_adaln(d, &blk->norm1_ctx, cmod)); // [B, 6C]
     MDT_TRY(mdt_joint_attention(d, &blk->attn, mod, cmod, k_eps, &run->in->rope, run->hd, &r));
-    const mdt_joint_ff ffx = {x, r.si, mod, k_eps, r.nx, hb, r.tmp};
-    const mdt_joint_ff ffc = {c, r.st, cmod, k_eps, r.nc, hb, r.tmp};
+    const mdt_joint_ff ffx = {
+        .x = x, .n = r.si, .mod = mod, .eps = k_eps, .nbuf = r.nx, .hbuf = hb, .ybuf = r.tmp};
+    const mdt_joint_ff ffc = {
+        .x = c, .n = r.st, .mod = cmod, .eps = k_eps, .nbuf = r.nc, .hbuf = hb, .ybuf = r.tmp};
     MDT_TRY(mdt_joint_ff_gelu(d, &blk->ff0, &blk->ff2, &ffx)); // ff
     return mdt_joint_ff_gelu(d, &blk->ffc0, &blk->ffc2, &ffc); // ff_context
 }

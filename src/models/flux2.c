@@ -325,8 +325,10 @@ static mdt_status double_block(const f2_run *run, const mdt_dit *d, const f2_dou
         return MDT_E_NOMEM;
     const float eps = (float)f->eps;
     MDT_TRY(mdt_joint_attention(d, &blk->attn, mi, mt, eps, &in->rope, run->hd, &r));
-    const mdt_joint_ff ffx = {x, r.si, mi, eps, r.nx, hb, r.tmp};
-    const mdt_joint_ff ffc = {c, r.st, mt, eps, r.nc, hb, r.tmp};
+    const mdt_joint_ff ffx = {
+        .x = x, .n = r.si, .mod = mi, .eps = eps, .nbuf = r.nx, .hbuf = hb, .ybuf = r.tmp};
+    const mdt_joint_ff ffc = {
+        .x = c, .n = r.st, .mod = mt, .eps = eps, .nbuf = r.nc, .hbuf = hb, .ybuf = r.tmp};
     MDT_TRY(ff_residual(d, &blk->ff_in, &blk->ff_out, &ffx, sb)); // ff
     return ff_residual(d, &blk->ffc_in, &blk->ffc_out, &ffc, sb); // ff_context
 }

@@ -41,6 +41,11 @@ typedef struct mdt_joint_rows {
     float *nx, *nc, *tmp, *ao;
     struct mdt_cache *ts; /* TaylorSeer (models/cache.h): the outputs' factors, or NULL */
     int64_t slot;         /* its slots: the image output's, the text one's is slot + 1 */
+    /* Qwen-Image-Edit-2511's zero_cond_t: image rows from `split` on (this rank's rows of the
+     * condition images) are modulated by mi0 [B, 6C] (the table of timestep 0) instead of mi;
+     * mi0 NULL: every image row by mi */
+    const float *mi0;
+    int64_t split;
 } mdt_joint_rows;
 
 /* ---- weights ---- */
@@ -104,6 +109,8 @@ typedef struct mdt_joint_ff {
     const float *mod;          /* its modulation [B, 6C]: the second (shift, scale, gate) */
     float eps;                 /* the LayerNorm's */
     float *nbuf, *hbuf, *ybuf; /* scratch [B n, C], [B n, M/T], [B n, C] */
+    const float *mod0;         /* rows from `split` on modulated by mod0 (mdt_joint_rows.mi0) */
+    int64_t split;
 } mdt_joint_ff;
 /* x += gate * net.2(GELU_tanh(net.0(LN(x) (1 + scale) + shift))), net.0 = l0, net.2 = l2. */
 mdt_status mdt_joint_ff_gelu(const mdt_dit *d, const mdt_lin *l0, const mdt_lin *l2,

@@ -23,8 +23,10 @@
  * masks differ run one pass each. Refused: `guidance` (diffusers 0.42.1 fails with it),
  * `txt_seq_lens` (removed in 0.42.1), `additional_t_cond` and `controlnet_block_samples`;
  * attention_kwargs carries only a LoRA scale in diffusers (no tensor, nothing to encode). The
- * configs zero_cond_t, use_additional_t_cond and use_layer3d_rope (Qwen-Image-Edit-2511 and
- * Layered variants) are refused; the real Qwen-Image config has all three false.
+ * configs use_additional_t_cond and use_layer3d_rope (Qwen-Image-Layered) are refused.
+ * zero_cond_t (Qwen-Image-Edit-2511): the timestep embedding of t and of 0 t; each element's
+ * image rows past its first image (the condition images) are modulated by the 0 table in both
+ * halves of every block (diffusers' modulate_index), the text stream and norm_out by the t one.
  *
  * TP: diffusers' _tp_plan (q/k/v and added q/k/v colwise, to_out.0 / to_add_out rowwise,
  * img_mlp / txt_mlp net.0.proj colwise, net.2 rowwise), plus img_mod.1, txt_mod.1 and
@@ -53,6 +55,7 @@ typedef struct qwen_block {
 
 typedef struct qwen {
     int64_t patch, in_ch, out_ch, layers, head_dim, heads, joint_dim, axes[3];
+    int zero_cond_t; /* Qwen-Image-Edit-2511: condition images modulated at timestep 0 */
     int64_t inner, mlp_hidden;
     mdt_lin t_lin1, t_lin2, img_in, txt_in, norm_out, proj_out;
     const float *txt_norm;
@@ -108,8 +111,7 @@ static void qwen_dims(const void *impl, mdt_model_dims *d) {
 
 static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     qwen *f = impl;
-    static const char *const variants[] = {"zero_cond_t", "use_additional_t_cond",
-                                           "use_layer3d_rope"};
+    static const char *const variants[] = {"use_additional_t_cond", "use_layer3d_rope"};
     int nax = 4;
     int64_t *const ints[] = {&f->patch,    &f->in_ch, &f->layers,
                              &f->head_dim, &f->heads, &f->joint_dim};
@@ -122,14 +124,15 @@ static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     MDT_TRY(mdt_cfg_int(cfg, "out_channels", 0, oc_given ? 0 : 16, &f->out_ch));
     if (f->out_ch == 0)
         f->out_ch = f->in_ch;
-    for (int i = 0; i < 3; i++) {
+    MDT_TRY(mdt_cfg_bool(cfg, "zero_cond_t", 0, &f->zero_cond_t));
+    for (int i = 0; i < 2; i++) {
         int on;
         MDT_TRY(mdt_cfg_bool(cfg, variants[i], 0, &on));
         if (on)
             return MDT_FAIL(MDT_E_UNSUPPORTED,
-                            "config.json: %s = true is not supported (a Qwen-Image-Edit-2511 / "
-                            "Layered variant; meshdit runs the config with zero_cond_t, "
-                            "use_additional_t_cond and use_layer3d_rope false)",
+                            "config.json: %s = true is not supported (a Qwen-Image-Layered "
+                            "variant; meshdit runs the config with use_additional_t_cond and "
+                            "use_layer3d_rope false)",
                             variants[i]);
     }
     MDT_TRY(mdt_cfg_int_array(cfg, "axes_dims_rope", f->axes, &nax));
@@ -182,7 +185,8 @@ typedef struct qwen_in {
     const uint8_t *mask;   /* [B, St]: 1 = attended text token; NULL = no mask */
     float *img_pos;        /* [Si, 3]: (frame, row, column) rotary positions */
     int64_t txt_pos0;      /* text token j sits at txt_pos0 + j on every axis */
-    const float *e256;     /* [B, 256] timestep sinusoids (backend memory) */
+    int64_t n0;            /* rows of an element's first image (img_shapes[b][0]) */
+    const float *e256;     /* [B, 256] timestep sinusoids, then (zero_cond_t) [B, 256] of 0 */
 } qwen_in;
 
 /* e [n, 256] = [cos, sin] of ((t f_i) x 1000), f_i = exp(-ln(1e4) i / 128) in float32 math:
@@ -264,6 +268,7 @@ static mdt_status read_img_shapes(const mdt_tensor_set *in, qwen_in *x, mdt_aren
                         "table of %d positions",
                         (long long)x->St, (long long)top, QWEN_ROPE_POS);
     x->txt_pos0 = top;
+    x->n0 = v[0] * v[1] * v[2];
     float *pos = x->img_pos = mdt_arena_floats(ha, 3 * x->Si); // [Si, 3] host
     if (!pos)
         return MDT_E_NOMEM;
@@ -296,11 +301,22 @@ static mdt_status qwen_read(const qwen *f, mdt_dit *d, const mdt_tensor_set *in,
     MDT_TRY(mdt_input_f32_batch(in, "timestep", 1, (int64_t[]){B}, d->ha, &ts)); /* or [1] */
     MDT_TRY(read_mask(in, x, d->ha));
     MDT_TRY(read_img_shapes(in, x, d->ha));
-    float *e256 = mdt_arena_floats(d->ha, B * 256); // [B, 256] host
+    /* zero_cond_t: diffusers' timestep = cat(t, 0 t), the condition images' rows modulated by
+     * the second half of the embedding */
+    const int64_t Bc = f->zero_cond_t ? 2 * B : B;
+    float *e256 = mdt_arena_floats(d->ha, Bc * 256); // [Bc, 256] host
     if (!e256)
         return MDT_E_NOMEM;
     timestep_embed(ts, B, e256);
-    x->e256 = mdt_k_upload(d->ar, e256, sizeof(float) * (size_t)(B * 256));
+    if (f->zero_cond_t) {
+        float *t0 = mdt_arena_floats(d->ha, B); // [B] host: t x 0, as diffusers (NaN stays NaN)
+        if (!t0)
+            return MDT_E_NOMEM;
+        for (int64_t b = 0; b < B; b++)
+            t0[b] = ts[b] * 0.0f;
+        timestep_embed(t0, B, e256 + B * 256);
+    }
+    x->e256 = mdt_k_upload(d->ar, e256, sizeof(float) * (size_t)(Bc * 256));
     return x->e256 ? MDT_OK : MDT_E_NOMEM;
 }
 
@@ -334,26 +350,49 @@ static mdt_status rope_table(const qwen *f, const mdt_dit *d, const qwen_in *x, 
     return MDT_OK;
 }
 
+/* zero_cond_t's second modulation: condi [2B, C] the conditioning of timestep t then of 0 per
+ * element; this rank's image rows from `split` on are the condition images'. */
+typedef struct qwen_zero {
+    const float *condi;
+    int64_t split;
+} qwen_zero;
+
 /* QwenImageTransformerBlock: image x [B, si, C] and text c [B, st, C], joint attention. */
 static mdt_status double_block(const qwen_block *blk, const mdt_dit *d, const mdt_rope *rope,
                                const mdt_heads *h, int64_t si, int64_t st, float *x, float *c,
-                               int64_t i) {
+                               int64_t i, const qwen_zero *z) {
     const int64_t C = blk->attn.to_out.out, B = d->B;
     /* TaylorSeer's slots: block i's image and text attention outputs */
     mdt_joint_rows r = {
         .x = x, .c = c, .si = si, .st = st, .ts = mdt_cache_taylor_of(d), .slot = 2 * i};
-    float *mod = mdt_arena_floats(d->ar, B * 6 * C);  // [B, 6C] image
-    float *cmod = mdt_arena_floats(d->ar, B * 6 * C); // [B, 6C] text
+    float *mod = mdt_arena_floats(d->ar, B * (z ? 12 : 6) * C); // [B or 2B, 6C] image
+    float *cmod = mdt_arena_floats(d->ar, B * 6 * C);           // [B, 6C] text
     if (!mod || !cmod || mdt_joint_rows_alloc(d, C, blk->attn.img.q.out_local, &r) != MDT_OK)
         return MDT_E_NOMEM;
     float *hb = mdt_arena_floats(d->ar, B * (si + st) * blk->img_ff0.out_local); // [B*n, 4C/T]
     if (!hb)
         return MDT_E_NOMEM;
-    MDT_TRY(mdt_dit_adaln(d, &blk->img_mod, mod));  // [B, 6C]
+    if (z) { /* img_mod of both timesteps in one product: [t rows | 0 rows] */
+        mdt_dit dz = *d;
+        dz.cond = z->condi, dz.cond_rows = 2 * B;
+        MDT_TRY(mdt_dit_adaln(&dz, &blk->img_mod, mod)); // [2B, 6C]
+        r.mi0 = mod + B * 6 * C, r.split = z->split;
+    } else {
+        MDT_TRY(mdt_dit_adaln(d, &blk->img_mod, mod)); // [B, 6C]
+    }
     MDT_TRY(mdt_dit_adaln(d, &blk->txt_mod, cmod)); // [B, 6C]
     MDT_TRY(mdt_joint_attention(d, &blk->attn, mod, cmod, k_eps, rope, h, &r));
-    const mdt_joint_ff ffx = {x, si, mod, k_eps, r.nx, hb, r.tmp};
-    const mdt_joint_ff ffc = {c, st, cmod, k_eps, r.nc, hb, r.tmp};
+    const mdt_joint_ff ffx = {.x = x,
+                              .n = si,
+                              .mod = mod,
+                              .eps = k_eps,
+                              .nbuf = r.nx,
+                              .hbuf = hb,
+                              .ybuf = r.tmp,
+                              .mod0 = r.mi0,
+                              .split = r.split};
+    const mdt_joint_ff ffc = {
+        .x = c, .n = st, .mod = cmod, .eps = k_eps, .nbuf = r.nc, .hbuf = hb, .ybuf = r.tmp};
     MDT_TRY(mdt_joint_ff_gelu(d, &blk->img_ff0, &blk->img_ff2, &ffx)); // img_mlp
     return mdt_joint_ff_gelu(d, &blk->txt_ff0, &blk->txt_ff2, &ffc);   // txt_mlp
 }
@@ -393,6 +432,16 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     mdt_heads hd;
     MDT_TRY(rope_table(f, d, x, keep + s0t, st, s0i, si, &rope));
     d->B = n, d->cond = cond + b0 * C, d->cond_rows = n, d->cond_width = C;
+    qwen_zero zero = {NULL, 0}; /* zero_cond_t: this pass's [t | 0] rows; its first image rows */
+    if (f->zero_cond_t) {
+        float *condi = mdt_arena_floats(ar, 2 * n * C); // [2n, C]
+        if (!condi)
+            return MDT_E_NOMEM;
+        mdt_k()->copy2d(condi, 0, cond + b0 * C, 0, 1, n * C);
+        mdt_k()->copy2d(condi + n * C, 0, cond + (x->B + b0) * C, 0, 1, n * C);
+        zero.condi = condi;
+        zero.split = x->n0 - s0i < 0 ? 0 : x->n0 - s0i; /* the global rows s0i.. are here */
+    }
     const float *hs_d = mdt_k_upload(ar, hs, sizeof(float) * (size_t)(n * si * f->in_ch));
     const float *ehs_d = mdt_k_upload(ar, ehs, sizeof(float) * (size_t)(n * st * J));
     float *tn = mdt_arena_floats(ar, n * st * J); // [n, St/P, J] txt_norm(text)
@@ -419,7 +468,8 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     MDT_TRY(mdt_cache_pre(cache, d, &img, &x0, &skip)); /* MagCache may skip every block */
     for (int64_t i = 0; i < f->layers && !skip; i++) {  /* a block's scratch is reused */
         const mdt_arena_mark bk = mdt_arena_mark_get(ar);
-        MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c, i));
+        MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c, i,
+                             f->zero_cond_t ? &zero : NULL));
         mdt_dit_block_done(d, bk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
                            2);
         ran++;
@@ -464,16 +514,16 @@ static mdt_status qwen_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     mdt_dit_begin(&d, m, f->heads, f->head_dim);
     MDT_TRY(qwen_read(f, &d, in, &x));
     mdt_counters_get()->prep_s += mdt_now() - t_prep;
-    const int64_t B = x.B, C = f->inner, St = x.St;
-    float *h1 = mdt_arena_floats(d.ar, B * C);                         // [B, C]
-    float *cond = mdt_arena_floats(d.ar, B * C);                       // [B, C] SiLU(temb)
+    const int64_t B = x.B, C = f->inner, St = x.St, Bc = f->zero_cond_t ? 2 * B : B;
+    float *h1 = mdt_arena_floats(d.ar, Bc * C);   // [Bc, C]
+    float *cond = mdt_arena_floats(d.ar, Bc * C); // [Bc, C] SiLU(temb): t, then (zero_cond_t) 0
     int64_t *keep = (int64_t *)(void *)mdt_arena_floats(d.ha, 2 * St); // [St] host
     if (!h1 || !cond || !keep)
         return MDT_E_NOMEM;
     /* temb = TimestepEmbedding(Timesteps(t)); every modulation reads SiLU(temb) */
-    mdt_dit_mlp2(&f->t_lin1, &f->t_lin2, x.e256, B, h1, cond); // [B, C]
-    mdt_k()->silu(cond, B * C);
-    mdt_guard_finite(d.m, "time_text_embed", cond, B * C);
+    mdt_dit_mlp2(&f->t_lin1, &f->t_lin2, x.e256, Bc, h1, cond); // [Bc, C]
+    mdt_k()->silu(cond, Bc * C);
+    mdt_guard_finite(d.m, "time_text_embed", cond, Bc * C);
     MDT_TRY(
         mdt_tensor_set_add(out, "sample", MDT_F32, 3, (int64_t[]){B, x.Si, f->proj_out.out}, &o));
     /* one pass for the batch when every element attends the same text tokens, else one each */

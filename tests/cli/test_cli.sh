@@ -53,6 +53,13 @@ run_case "$DATA/flux_tiny" "$DATA/flux_tiny/expected_steps2.safetensors" --steps
 if "$BIN" compare "$DATA/flux_tiny/expected.safetensors" "$DATA/flux_tiny/expected_steps2.safetensors" >/dev/null; then
     bad "compare accepted different tensors"
 else ok; fi
+# negative control of Qwen-Image-Edit-2511's zero_cond_t: the same weights with it false miss the
+# golden (the condition images' rows modulated at timestep t, not 0)
+cp -r "$DATA/qwenimage_edit2511" "$T/zc" && sed -i 's/"zero_cond_t": true/"zero_cond_t": false/' "$T/zc/config.json"
+if grep -q '"zero_cond_t": false' "$T/zc/config.json" &&
+   "$BIN" run --checkpoint "$T/zc" --inputs "$T/zc/inputs.safetensors" --out "$T/zc.safetensors" --quiet &&
+   ! "$BIN" compare "$T/zc.safetensors" "$T/zc/expected.safetensors" --tol 1e-3 >/dev/null; then ok
+else bad "zero_cond_t made no difference"; fi
 
 # ---- the sampler's inputs as diffusers pipelines pass them ----
 # `--steps` takes a latent in any float dtype (converted to f32 once: the result is the f32 run on
