@@ -23,7 +23,8 @@ Sizes (Qwen/Qwen-Image layout, scaled down):
   64 x 96 pixels -> 8 x 12 latents -> 4 x 6 = 24 packed image tokens (img_shapes (1, 4, 6)).
 * text_encoder: ``Qwen2_5_VLForConditionalGeneration``, text model hidden 32 (= joint_attention_dim),
   2 layers, 2 heads x 16 (1 KV head), mrope_section (2, 3, 3); a 1-block vision tower of width 16
-  (never run: the pipeline is text-only). The pipeline reads ``hidden_states[-1]``.
+  (not run by this text-only pipeline; qwenimage_edit_pipeline.py runs it). The pipeline reads
+  ``hidden_states[-1]``.
 * scheduler: ``FlowMatchEulerDiscreteScheduler`` with Qwen/Qwen-Image's config (dynamic exponential
   shift 0.5..0.9 over 256..8192 tokens, shift_terminal 0.02).
 
@@ -80,12 +81,12 @@ _WORDS = [" a", " an", " on", " in", " with", " under", " photo", " red", " gree
           " sky", " blurry", " low", " quality", "a", "blurry"]
 
 
-def _make_tokenizer():
-    """Qwen2Tokenizer over a local byte-level BPE: byte symbols, one left-to-right merge chain per word,
-    Qwen's specials (pad = eos = unk = <|endoftext|>)."""
+def _make_tokenizer(words=None):
+    """Qwen2Tokenizer over a local byte-level BPE: byte symbols, one left-to-right merge chain per word
+    (default: this template's words and _WORDS), Qwen's specials (pad = eos = unk = <|endoftext|>)."""
     from transformers import Qwen2Tokenizer
 
-    vocab, merges = bpe_vocab(_TEMPLATE_WORDS + _WORDS, _SPECIALS)
+    vocab, merges = bpe_vocab(_TEMPLATE_WORDS + _WORDS if words is None else words, _SPECIALS)
     return Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=_SPECIALS[1:],
                           model_max_length=32768)
 
@@ -118,16 +119,10 @@ def _make_text_encoder(tokenizer, seed):
     return model
 
 
-def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> None:
-    """Write a complete, deterministic (for a seed) tiny QwenImagePipeline under root.
-    transformer_config overrides QwenImageTransformer2DModel arguments (keep in_channels,
-    out_channels, patch_size and joint_attention_dim)."""
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
-
-    gen = torch.Generator("cpu").manual_seed(seed + 12345)
-
-    tokenizer = _make_tokenizer()
+def _make_transformer(seed, gen, overrides=None):
+    """The tiny QwenImageTransformer2DModel (module docstring), `overrides` on top of its arguments;
+    constant parameters perturbed from `gen`."""
+    from diffusers import QwenImageTransformer2DModel
 
     torch.manual_seed(seed)
     transformer = QwenImageTransformer2DModel(**{**dict(
@@ -140,10 +135,16 @@ def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> N
         joint_attention_dim=TEXT_DIM,
         guidance_embeds=False,
         axes_dims_rope=AXES_DIMS_ROPE,
-    ), **(transformer_config or {})}).eval()
+    ), **(overrides or {})}).eval()
     _perturb_constants(transformer, gen)
+    return transformer
 
-    torch.manual_seed(seed + 1)
+
+def _make_vae(seed, gen):
+    """The tiny AutoencoderKLQwenImage (spatial factor 8); latents_mean/std and perturbations from `gen`."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(seed)
     vae = AutoencoderKLQwenImage(
         base_dim=16,
         z_dim=Z_DIM,
@@ -156,11 +157,14 @@ def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> N
         latents_std=[round(float(v), 4) for v in 1.0 + torch.rand(Z_DIM, generator=gen)],
     ).eval()
     _perturb_constants(vae, gen)
+    return vae
 
-    text_encoder = _make_text_encoder(tokenizer, seed + 2)
 
-    # Qwen/Qwen-Image's scheduler config.
-    scheduler = FlowMatchEulerDiscreteScheduler(
+def _make_scheduler():
+    """Qwen/Qwen-Image's scheduler config."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
         shift=1.0,
         use_dynamic_shifting=True,
@@ -171,6 +175,21 @@ def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> N
         shift_terminal=0.02,
         time_shift_type="exponential",
     )
+
+
+def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> None:
+    """Write a complete, deterministic (for a seed) tiny QwenImagePipeline under root.
+    transformer_config overrides QwenImageTransformer2DModel arguments (keep in_channels,
+    out_channels, patch_size and joint_attention_dim)."""
+    from diffusers import QwenImagePipeline
+
+    gen = torch.Generator("cpu").manual_seed(seed + 12345)
+
+    tokenizer = _make_tokenizer()
+    transformer = _make_transformer(seed, gen, transformer_config)
+    vae = _make_vae(seed + 1, gen)
+    text_encoder = _make_text_encoder(tokenizer, seed + 2)
+    scheduler = _make_scheduler()
 
     pipe = QwenImagePipeline(
         scheduler=scheduler,

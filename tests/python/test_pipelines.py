@@ -278,3 +278,70 @@ def test_h3_latent_output(layout, tmp_path_factory):
         print(f"h3 {layout} latent {k}: max rel diff {rel(got[k], ref[k]):.2e}")
         assert rel(got[k], ref[k]) <= TOL
         assert rel(other[k], ref[k]) > 100 * TOL
+
+
+# ---- Qwen-Image-Edit-2511: QwenImageEditPlusPipeline editing two reference images with a
+# zero_cond_t transformer (the condition images' rows, after img_shapes' first entry, modulated at
+# timestep 0); the vision tower of the text encoder reads the images, the VAE encodes them ----
+EDIT_LAYOUTS = [dict(), dict(ring=2), dict(ulysses=2), dict(tp=2), dict(tp=2, ulysses=2)]
+
+
+@pytest.fixture(scope="module")
+def qwen_edit(tmp_path_factory):
+    """The pipeline built once; diffusers' image for seed 5 (and the transformer inputs of its 4
+    calls), for seed 6, and for seed 5 with the same weights and zero_cond_t set False."""
+    import qwenimage_edit_pipeline as qe
+
+    root = str(tmp_path_factory.mktemp("qwenimage_edit_pipe"))
+    qe.build(root, seed=0)
+    pipe = qe.load(root)
+    calls, hook = qe.img_shapes_hook(pipe.transformer)
+    ref = qe.generate(pipe, seed=5)
+    hook.remove()
+    other = qe.generate(pipe, seed=6)
+    no_zero_cond = qe.generate(qe.load(root, transformer=qe.load_transformer(root, zero_cond_t=False)), seed=5)
+    return root, ref, calls, other, no_zero_cond
+
+
+def test_qwenimage_edit_pipeline_controls(qwen_edit):
+    """diffusers' transformer gets the condition images' rows after the output's (img_shapes with
+    3 entries), and each comparison below can fail: another seed differs, and so does the same
+    pipeline with zero_cond_t set False."""
+    import qwenimage_edit_pipeline as qe
+
+    root, ref, calls, other, no_zero_cond = qwen_edit
+    with open(f"{root}/transformer/config.json") as f:
+        assert '"zero_cond_t": true' in f.read()
+    want = [[(1, 4, 4), (1, 4, 6), (1, 6, 4)]]  # the 64 x 64 output, then the 96 x 64 and 64 x 96 images
+    assert qe.expected_img_shapes() == want
+    assert len(calls) == 4  # 2 steps x (prompt, negative prompt)
+    for c in calls:
+        assert c["img_shapes"] == want
+        assert c["hidden_states"] == (1, 16 + 24 + 24, 16)
+    assert ref.shape == (1, qe.HEIGHT, qe.WIDTH, 3)
+    print(f"qwenimage edit: rel diff other seed {rel(other, ref):.2e}, zero_cond_t False {rel(no_zero_cond, ref):.2e}")
+    assert rel(other, ref) > 100 * TOL  # the comparison can fail
+    assert rel(no_zero_cond, ref) > 100 * TOL  # zero_cond_t matters
+
+
+@pytest.mark.parametrize("layout", EDIT_LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
+def test_qwenimage_edit_pipeline(qwen_edit, layout):
+    import warnings
+
+    import qwenimage_edit_pipeline as qe
+
+    root, ref, ref_calls, _, _ = qwen_edit
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
+        assert isinstance(t, meshdit.QwenImageTransformer)
+        assert t.config.zero_cond_t is True
+        calls, hook = qe.img_shapes_hook(t)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = qe.generate(qe.load(root, transformer=t), seed=5)
+        hook.remove()
+        assert t.stats["forwards"] == 4  # every transformer call ran on the mesh
+    assert calls == ref_calls  # the drop-in got what diffusers' model got (3 img_shapes entries)
+    assert not [str(w.message) for w in caught if "meshdit" in str(w.message)]
+    assert got.shape == ref.shape
+    print(f"qwenimage edit {layout}: max rel diff {rel(got, ref):.2e}")
+    assert rel(got, ref) <= TOL
