@@ -40,6 +40,8 @@ PIPELINES = {
     "Flux2Pipeline": "image",
     "Flux2KleinPipeline": "image",
     "QwenImagePipeline": "image",
+    "QwenImageEditPipeline": "image",  # edits: an input image (Qwen-Image-Edit)
+    "QwenImageEditPlusPipeline": "image",  # edits: 1 to 4 input images (Qwen-Image-Edit-2509/2511)
     "WanPipeline": "video",
 }
 
@@ -52,8 +54,12 @@ MAX_SCALE = 1e6
 # bound against a prompt padded to an absurd length (memory), far above their 512 default
 # FLUX.1's pipelines: one transformer, one latent packing, FluxPipeline's guidance arguments
 FLUX1 = ("FluxPipeline", "FluxKontextPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
-MAX_SEQUENCE_LENGTH = {**{n: 512 for n in FLUX1}, "QwenImagePipeline": 1024}
-MAX_INPUT_IMAGES = 4  # input images of one request (Flux.2 [klein]'s references)
+# Qwen-Image's pipelines: one transformer, one latent packing, true CFG (true_cfg_scale)
+QWEN = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+MAX_SEQUENCE_LENGTH = {**{n: 512 for n in FLUX1}, **{n: 1024 for n in QWEN}}
+MAX_INPUT_IMAGES = 4  # input images of one request (Flux.2 [klein]'s, Qwen-Image-Edit-2509's)
+MULTI_IMAGE = ("Flux2KleinPipeline", "QwenImageEditPlusPipeline")  # take a list of images
+NEEDS_IMAGE = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")  # edit models: an image
 FROM_IMAGE = ("FluxImg2ImgPipeline", "FluxInpaintPipeline")  # start from the image's latents
 MAX_SEQUENCE_LENGTH_OTHERS = 8192
 SIZE_RE = re.compile(r"([0-9]+)x([0-9]+)")  # WIDTHxHEIGHT, ASCII digits only
@@ -306,17 +312,17 @@ class Engine:
         if r.images is not None:
             if "image" not in sig:
                 raise RequestError("image", f"{name} takes no input image (an edit pipeline "
-                                            f"does: {', '.join(FLUX1[1:])}, Flux2KleinPipeline)")
-            if not r.images or len(r.images) > (MAX_INPUT_IMAGES if name == "Flux2KleinPipeline"
-                                                else 1):
+                                            f"does: {', '.join(FLUX1[1:] + QWEN[1:])}, "
+                                            f"Flux2KleinPipeline)")
+            if not r.images or len(r.images) > (MAX_INPUT_IMAGES if name in MULTI_IMAGE else 1):
                 raise RequestError("image", f"{len(r.images)} input images: {name} takes "
                                             + ("1 to " + str(MAX_INPUT_IMAGES)
-                                               if name == "Flux2KleinPipeline" else "one"))
+                                               if name in MULTI_IMAGE else "one"))
             for im in r.images + ([r.mask] if r.mask is not None else []):
                 if max_pixels and im.size[0] * im.size[1] > 4 * max_pixels:
                     raise RequestError("image", f"an input image of {im.size[0]}x{im.size[1]} is "
                                                 f"over 4 x the pixel limit ({4 * max_pixels:,})")
-        elif name in FROM_IMAGE:
+        elif name in FROM_IMAGE + NEEDS_IMAGE:
             raise RequestError("image", f"{name} needs an input image")
         if r.n > 1 and name in FROM_IMAGE:
             # diffusers encodes the image once and samples its latent with the first generator
@@ -436,7 +442,9 @@ class Engine:
         self._check_inputs(r, max_pixels)
         r.steps = d["steps"] if r.steps is None else r.steps
         if r.images and r.width is None and r.height is None:  # the input image's size
-            w, h = r.images[0].size  # (rounded down to the pipeline's multiple, as diffusers does)
+            # (rounded down to the pipeline's multiple, as diffusers does; Qwen-Image-Edit-2509
+            # takes the aspect of the last image, which is the one whose size is kept here)
+            w, h = r.images[-1 if self.class_name == "QwenImageEditPlusPipeline" else 0].size
             if max_pixels and w * h > max_pixels:  # a photo over the limit: scaled down to it
                 f = math.sqrt(max_pixels / (w * h))
                 w, h = int(w * f), int(h * f)
@@ -526,7 +534,7 @@ class Engine:
                 raise RequestError("negative_prompt", "this FluxPipeline is guidance-distilled: a "
                                    "negative prompt needs true CFG (true_cfg > 1) as well")
             return kw
-        if name in FLUX1 + ("QwenImagePipeline",):  # true CFG: true_cfg_scale + negative
+        if name in FLUX1 + QWEN:  # true CFG: true_cfg_scale + negative
             scale = default("true_cfg_scale") if g is None else g
             if scale > 1:
                 return {"true_cfg_scale": scale, "negative_prompt": neg or ""}
@@ -684,7 +692,7 @@ class Engine:
                 lat = lat / vae.config.scaling_factor + vae.config.shift_factor
                 img = vae.decode(lat, return_dict=False)[0]
                 return pipe.image_processor.postprocess(img, output_type="pil")
-            if self.class_name == "QwenImagePipeline":
+            if self.class_name in QWEN:  # the latents being denoised (an edit's are apart)
                 lat = pipe._unpack_latents(lat, r.height, r.width, pipe.vae_scale_factor)
                 mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
                 std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
@@ -1028,8 +1036,9 @@ def main_generate(argv: list[str]) -> int:
                                   "default meshdit-SEED.png / .mp4")
     ap.add_argument("--image", action="append", metavar="FILE",
                     help="an input image of an edit pipeline (FluxKontextPipeline, "
-                         "FluxImg2ImgPipeline, FluxInpaintPipeline; Flux2KleinPipeline takes up "
-                         "to 4): repeatable")
+                         "FluxImg2ImgPipeline, FluxInpaintPipeline, QwenImageEditPipeline; "
+                         "Flux2KleinPipeline and QwenImageEditPlusPipeline take up to 4): "
+                         "repeatable")
     ap.add_argument("--mask", metavar="FILE",
                     help="FluxInpaintPipeline's mask (white: the area to repaint)")
     ap.add_argument("--strength", type=float,

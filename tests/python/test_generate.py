@@ -337,6 +337,68 @@ def test_edit_pipelines_equal_diffusers(flux_root, tmp_path, cls):
     assert levels(pil_pixels(res2.images[0]), got) > (2 if cls == "FluxKontextPipeline" else 8)
 
 
+
+@pytest.mark.parametrize("cls", ["QwenImageEditPlusPipeline", "QwenImageEditPipeline"])
+def test_qwen_edit_equals_diffusers(tmp_path, cls):
+    """Qwen-Image-Edit's pipelines (the transformer Qwen-Image-Edit-2511's, zero_cond_t) on
+    ulysses2: the engine's image is the one diffusers' own pipeline makes with the same call; an
+    image is required (the Plus pipeline takes 1 to 4, the other one), and without a size the
+    image diffusers takes the aspect from (the Plus pipeline's last) gives it."""
+    import json
+    from unittest import mock
+
+    import qwenimage_edit_pipeline as qe
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit_module
+    from PIL import Image
+
+    root = str(tmp_path / "qwen_edit")
+    qe.build(root, seed=0)
+    with open(f"{root}/model_index.json") as f:
+        index = json.load(f)
+    index["_class_name"] = cls  # the same components
+    with open(f"{root}/model_index.json", "w") as f:
+        json.dump(index, f)
+    plus = cls == "QwenImageEditPlusPipeline"
+    imgs = qe.reference_images() if plus else qe.reference_images()[:1]  # 96x64, then 64x96
+    # the tiny pipeline's condition image areas (QwenImageEditPipeline sizes its image to a
+    # megapixel with this function; the Plus pipeline's are module constants)
+    dims = edit_module.calculate_dimensions
+    with qe.condition_areas(), mock.patch.object(
+            edit_module, "calculate_dimensions", lambda area, ratio: dims(qe.VAE_AREA, ratio)):
+        e = mg.Engine(root, ulysses=2, log=lambda line: None)
+        try:
+            r = mg.Request(prompt=qe.PROMPT, negative_prompt=qe.NEGATIVE_PROMPT,
+                           guidance=qe.TRUE_CFG_SCALE, steps=2, seed=5, images=imgs, width=64,
+                           height=64)
+            seen = []
+            e.transformer.register_forward_pre_hook(
+                lambda m, a, kw: seen.append(kw["img_shapes"]), with_kwargs=True)
+            res = e.run(r)
+            assert seen and all(len(s[0]) == 1 + len(imgs) for s in seen), seen
+            kw = e.pipeline_kwargs(e.check(r))
+            assert kw["true_cfg_scale"] == qe.TRUE_CFG_SCALE
+            assert kw["image"] == (imgs if plus else imgs[0])
+            yellow = Image.new("RGB", (96, 64), (255, 255, 0))
+            res2 = e.run(dataclasses.replace(r, images=imgs[:1] if plus else [yellow]))
+            with pytest.raises(mg.RequestError, match="needs an input image"):
+                e.check(dataclasses.replace(r, images=None))
+            many = qe.reference_images() * 3
+            with pytest.raises(mg.RequestError, match="5 input images: .* takes 1 to 4" if plus
+                               else "2 input images: .* takes one"):
+                e.check(dataclasses.replace(r, images=many[:5] if plus else many[:2]))
+            c = e.check(dataclasses.replace(r, width=None, height=None))
+            assert (c.width, c.height) == ((64, 96) if plus else (96, 64))
+        finally:
+            e.close()
+        ref = getattr(__import__("diffusers"), cls).from_pretrained(root, torch_dtype=torch.float32)
+        ref.set_progress_bar_config(disable=True)
+        want = diffusers_image(ref, 5, **{k: v for k, v in kw.items() if k != "output_type"})
+    got = pil_pixels(res.images[0])
+    assert got.shape == want.shape == (64, 64, 3)
+    assert levels(got, want) <= 1, levels(got, want)
+    print(f"{cls}: other input images: {levels(pil_pixels(res2.images[0]), got)} levels")
+    assert levels(pil_pixels(res2.images[0]), got) > 8  # other input images, another picture
+
 def _wan_lora(path, seed, targets):
     """A peft LoRA of the tiny Wan transformer on `targets`, saved as WanPipeline saves one
     (random B: it acts)."""
