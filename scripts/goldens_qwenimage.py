@@ -31,14 +31,18 @@ def to_diffusers(inputs):
 
 
 def _euler(model, inputs, steps):
-    """Flow-matching Euler over sigmas 1 -> 0, as `meshdit run --steps N` does."""
+    """Flow-matching Euler over sigmas 1 -> 0, as `meshdit run --steps N` does: the rows of the
+    first image of img_shapes only; the rows after it (an edit's condition images, which
+    Qwen-Image-Edit's pipelines append to the latents) stay as given, as the pipelines keep them."""
     x = inputs["hidden_states"].clone()
+    n0 = int(torch.prod(inputs["img_shapes"][0][0]))
     for i in range(steps):
         sig, nxt = 1.0 - i / steps, 1.0 - (i + 1) / steps
         kw = to_diffusers(inputs)
         kw["hidden_states"] = x
         kw["timestep"] = torch.full((x.shape[0],), sig, dtype=torch.float32)
-        x = x + (nxt - sig) * model(**kw, return_dict=False)[0]
+        v = model(**kw, return_dict=False)[0]
+        x[:, :n0] = x[:, :n0] + (nxt - sig) * v[:, :n0]
     return x
 
 
@@ -177,4 +181,5 @@ def qwenimage_cases(out_dir):
     write_qwen_case(out_dir, "qwenimage_edit2511", m, inputs,
                     "zero_cond_t (Qwen-Image-Edit-2511): condition images modulated at timestep "
                     "0; batch 2, output 3 x 4 then condition images 2 x 3 and 1 x 2, padded mask, "
-                    "4 heads x 8, 2 blocks")
+                    "4 heads x 8, 2 blocks; expected_steps2 = 2-step Euler of the first image's "
+                    "rows, the condition rows kept", steps=2)

@@ -135,13 +135,15 @@ typedef struct mdt_family {
      * splits, as for Flux; Wan's latent is [B, C, F, H, W]; MiniMax-H3 adds its AdaLN table's
      * rows, 3 per timestep). */
     int64_t (*token_rows)(const void *impl, const mdt_tensor_set *in);
-    /* With a per-token timestep (dim >= 2), the latent elements whose token's timestep is 0:
-     * conditioning the sampler keeps as given (Wan 2.2 TI2V's clean first frame, which its
-     * pipeline puts back before every forward and at the end). keep [numel(latent)] is zeroed
-     * by the caller; the hook sets 1 for each such element, or leaves it all 0 where the shapes
-     * do not match (the forward then refuses them). NULL: none. */
-    void (*clean_elements)(const void *impl, const mdt_tensor *latent, const mdt_tensor *timestep,
-                           unsigned char *keep);
+    /* The latent elements that are conditioning, which the sampler keeps as given: Wan 2.2
+     * TI2V's clean first frame (a per-token timestep's zeros, which its pipeline puts back before
+     * every forward and at the end); Qwen-Image-Edit's condition images (the rows after
+     * img_shapes' first image, which its pipeline appends to the latents and never steps).
+     * keep [numel(latent)] is zeroed by the caller; the hook sets 1 for each such element, or
+     * leaves it all 0 where the shapes do not match (the forward then refuses them). `in`: the
+     * forward's inputs. NULL: none. */
+    void (*clean_elements)(const void *impl, const mdt_tensor_set *in, const mdt_tensor *latent,
+                           const mdt_tensor *timestep, unsigned char *keep);
     const char *output; /* forward output (Flux: sample) */
     void (*dims)(const void *impl, mdt_model_dims *d);
     /* The inputs a forward of this configuration takes, NULL-terminated: any other name is

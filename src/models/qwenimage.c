@@ -573,7 +573,44 @@ static mdt_status qwen_make_inputs(const void *impl, const mdt_inputs_params *p,
     return MDT_OK;
 }
 
+/* The rows of hidden_states [B, Si, in] after each element's first image (img_shapes int64 or
+ * int32 [B, n, 3] or [B, 3]): an edit's condition images, which Qwen-Image-Edit's pipelines append
+ * to the latents being denoised and never step. Shapes that do not cover Si keep nothing (the
+ * forward refuses them). */
+static void qwen_clean_elements(const void *impl, const mdt_tensor_set *in,
+                                const mdt_tensor *latent, const mdt_tensor *timestep,
+                                unsigned char *keep) {
+    const mdt_tensor *s = mdt_tensor_set_get(in, "img_shapes");
+    (void)impl, (void)timestep;
+    if (!s || latent->ndim != 3 || (s->dtype != MDT_I64 && s->dtype != MDT_I32) ||
+        (s->ndim != 2 && s->ndim != 3) || s->shape[s->ndim - 1] != 3 || mdt_tensor_numel(s) < 3)
+        return;
+    const int64_t B = latent->shape[0], Si = latent->shape[1], C = latent->shape[2];
+    const int64_t n = s->ndim == 3 ? s->shape[1] : 1;
+    int64_t rows = 0, n0 = 0;
+    for (int64_t i = 0; i < n; i++) { /* element 0's images (the forward checks the others) */
+        int64_t r = 1;
+        for (int k = 0; k < 3; k++) {
+            const int64_t v = s->dtype == MDT_I64 ? ((const int64_t *)s->data)[3 * i + k]
+                                                  : ((const int32_t *)s->data)[3 * i + k];
+            if (v < 1 || v > MDT_MAX_DIM)
+                return;
+            r *= v;
+            if (r > Si)
+                return;
+        }
+        n0 = i == 0 ? r : n0;
+        rows += r;
+        if (rows > Si)
+            return;
+    }
+    if (rows != Si)
+        return;
+    for (int64_t b = 0; b < B; b++) /* rows [n0, Si) of every element */
+        memset(keep + (b * Si + n0) * C, 1, (size_t)((Si - n0) * C));
+}
+
 /* QwenImagePipeline's true CFG rescales the combined prediction to the conditional one's norm */
 const mdt_family mdt_family_qwenimage = {
     MDT_FAMILY_FIELDS(qwen, "qwenimage", "QwenImageTransformer2DModel", k_qwen_cp_plan, "sample"),
-    .cfg_rule = MDT_CFG_RESCALED};
+    .clean_elements = qwen_clean_elements, .cfg_rule = MDT_CFG_RESCALED};

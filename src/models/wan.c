@@ -651,9 +651,10 @@ static int64_t wan_token_rows(const void *impl, const mdt_tensor_set *in) {
 
 /* The elements of latent [B, C, F, H, W] whose patch token has timestep 0 in timestep [B, S] or
  * [1, S] (S = the patch grid, f-major): Wan 2.2 TI2V's conditioning frame. */
-static void wan_clean_elements(const void *impl, const mdt_tensor *latent,
+static void wan_clean_elements(const void *impl, const mdt_tensor_set *in, const mdt_tensor *latent,
                                const mdt_tensor *timestep, unsigned char *keep) {
     const wan *f = impl;
+    (void)in;
     if (latent->ndim != 5 || timestep->ndim != 2 || timestep->dtype != MDT_F32 ||
         (timestep->shape[0] != latent->shape[0] && timestep->shape[0] != 1))
         return; /* [B, S], or [1, S]: every sample's (docs/models.md) */

@@ -167,11 +167,12 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             return cs;
         }
     }
-    /* a per-token timestep's clean tokens (timestep 0): their latent elements stay as given,
-     * as the pipeline puts the condition back before each forward and at the end */
+    /* conditioning in the latent (a per-token timestep's clean tokens, an edit's condition
+     * images): its elements stay as given, as the pipeline puts the condition back before each
+     * forward or never steps it */
     unsigned char *keep = NULL;
     float *x0 = NULL;
-    if (tst && tst->ndim >= 2 && fam->clean_elements) {
+    if (tst && fam->clean_elements) {
         const int64_t n = mdt_tensor_numel(lat);
         keep = calloc((size_t)n + 1, 1);
         x0 = malloc(sizeof(float) * (size_t)n + 1);
@@ -179,7 +180,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             free(keep), free(x0), free(times);
             return MDT_FAIL(MDT_E_NOMEM, "out of memory");
         }
-        fam->clean_elements(m->impl, lat, tst, keep);
+        fam->clean_elements(m->impl, in, lat, tst, keep);
         memcpy(x0, lat->data, sizeof(float) * (size_t)n);
     }
     /* guidance's two branches, or the cfg axis splitting the batch; every rank reads the same
