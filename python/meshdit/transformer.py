@@ -1179,17 +1179,35 @@ class Flux2Transformer(Transformer):
         return Flux2Transformer2DModelOutput(sample=out["sample"])
 
 
-def _img_shapes(img_shapes, batch: int):
+def _first_rows(entry) -> int | None:
+    """The rows of an img_shapes entry's first image (frames x height x width); None if unreadable."""
+    first = entry[0] if isinstance(entry, list) and entry else entry
+    try:
+        return int(first[0]) * int(first[1]) * int(first[2])
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+def _img_shapes(img_shapes, batch: int, zero_cond_t: bool = False):
     """diffusers' `img_shapes` as meshdit's int64 [B, n, 3] tensor (docs/models.md, Qwen-Image),
     read as diffusers' QwenEmbedRope reads it: a list is one entry per prompt (pipelines pass
     one per prompt, not per image) and only its first entry counts (diffusers warns when the
     others differ; so does this); that entry is one (frames, height, width) or a list of them
-    (an image and its reference images), in patches. A tensor goes as it is."""
+    (an image and its reference images), in patches. A tensor goes as it is. With zero_cond_t
+    (Qwen-Image-Edit-2511) diffusers reads every entry's first image for the rows it modulates
+    at timestep 0: entries whose first images differ in rows are refused (one entry for all
+    elements here)."""
     if img_shapes is None or isinstance(img_shapes, torch.Tensor):
         return img_shapes
     if isinstance(img_shapes, list) and not img_shapes:
         raise ValueError("meshdit: img_shapes is an empty list")
     first = img_shapes[0] if isinstance(img_shapes, list) else img_shapes
+    if zero_cond_t and isinstance(img_shapes, list) and \
+            len({_first_rows(s) for s in img_shapes}) > 1:
+        raise ValueError(f"meshdit: img_shapes {img_shapes}: with zero_cond_t the rows of each "
+                         f"entry's first image are the ones modulated at timestep t, and they "
+                         f"differ across the batch; meshdit runs one entry for every element: "
+                         f"send elements whose first images differ as separate batches")
     if isinstance(img_shapes, list) and any(s != first for s in img_shapes[1:]):
         warnings.warn(f"meshdit: img_shapes {img_shapes} differ across the batch: as diffusers' "
                       f"QwenEmbedRope, the first entry {first} gives every element's positions",
@@ -1228,7 +1246,8 @@ class QwenImageTransformer(Transformer):
                          "encoder_hidden_states": encoder_hidden_states,
                          "encoder_hidden_states_mask": encoder_hidden_states_mask,
                          "timestep": timestep,
-                         "img_shapes": _img_shapes(img_shapes, hidden_states.shape[0])},
+                         "img_shapes": _img_shapes(img_shapes, hidden_states.shape[0],
+                                                   bool(self.config.get("zero_cond_t", False)))},
                         like=hidden_states)
         if not return_dict:
             return (out["sample"],)

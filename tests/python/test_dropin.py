@@ -568,3 +568,30 @@ def test_img_shapes_as_diffusers_reads_them(ckpt, forms):
             else:
                 got = t(**x, img_shapes=form).sample.numpy()
             assert got.shape == ref.shape and rel(got, ref) <= TOL, form
+
+
+def test_img_shapes_zero_cond_t():
+    """Qwen-Image-Edit-2511 (zero_cond_t): diffusers modulates each element's rows past its own
+    first image at timestep 0. Entries whose condition images differ but whose first images have
+    the same rows equal diffusers (with the warning); entries whose first images differ in rows
+    are refused in one line (meshdit runs one entry for all elements; diffusers would modulate
+    them differently: the control shows it)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    path = os.path.join(ROOT, "tests", "data", "qwenimage_edit2511")
+    x = {k: torch.from_numpy(v) for k, v in load_file(os.path.join(path, "inputs.safetensors")).items()}
+    x.pop("img_shapes")
+    a = [(1, 3, 4), (1, 2, 3), (1, 1, 2)]  # the golden's: 12 rows, then 6 + 2 condition rows
+    same_first = [(1, 3, 4), (1, 1, 2), (1, 2, 3)]
+    other_first = [(1, 2, 3), (1, 3, 4), (1, 1, 2)]  # 6 rows first: another split
+    theirs = QwenImageTransformer2DModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        ref = theirs(**x, img_shapes=[a, same_first]).sample.numpy()
+        split = theirs(**x, img_shapes=[a, other_first]).sample.numpy()
+    assert rel(split, ref) > 100 * TOL  # diffusers' per-element split matters
+    with meshdit.Transformer.from_pretrained(path) as t:
+        with pytest.warns(UserWarning, match="first entry"):
+            got = t(**x, img_shapes=[a, same_first]).sample.numpy()
+        assert rel(got, ref) <= TOL
+        with pytest.raises(ValueError, match="zero_cond_t .* differ across the batch"):
+            t(**x, img_shapes=[a, other_first])
