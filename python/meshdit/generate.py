@@ -62,6 +62,9 @@ MULTI_IMAGE = ("Flux2KleinPipeline", "QwenImageEditPlusPipeline")  # take a list
 NEEDS_IMAGE = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")  # edit models: an image
 FROM_IMAGE = ("FluxImg2ImgPipeline", "FluxInpaintPipeline")  # start from the image's latents
 MAX_SEQUENCE_LENGTH_OTHERS = 8192
+# the largest width or height taken: 4x a 4096-pixel side; far beyond, the schedulers' shift of
+# the token count overflows (math range error) before any memory check
+MAX_SIDE = 16384
 SIZE_RE = re.compile(r"([0-9]+)x([0-9]+)")  # WIDTHxHEIGHT, ASCII digits only
 
 
@@ -304,6 +307,27 @@ class Engine:
         self._sig = inspect.signature(type(self.pipe).__call__).parameters
         self.defaults = self._defaults()
 
+    def _check_aspects(self, images: list) -> None:
+        """Qwen-Image-Edit's pipelines resize each input image to fixed pixel areas at its aspect
+        (their module's calculate_dimensions, sides rounded to 32): an image so elongated that a
+        side rounds to 0 fails inside diffusers ("height and width must be > 0"), after the mesh
+        started; refused here naming it, with the pipeline's own function and areas."""
+        mod = sys.modules.get(type(self.pipe).__module__)
+        dims = getattr(mod, "calculate_dimensions", None)
+        if dims is None or self.class_name not in QWEN:
+            return
+        areas = [a for a in (getattr(mod, n, None) for n in ("CONDITION_IMAGE_SIZE", "VAE_IMAGE_SIZE"))
+                 if isinstance(a, int)] or [1024 * 1024]
+        for k, im in enumerate(images if self.class_name in MULTI_IMAGE else images[:1]):
+            w, h = im.size
+            for area in areas:
+                cw, ch = dims(area, w / h)[:2]
+                if cw < 1 or ch < 1:
+                    raise RequestError("image", f"input image {k + 1} is {w}x{h}: "
+                                                f"{self.class_name} resizes it to {area:,} pixels at "
+                                                f"its aspect, which leaves a side of 0 (too "
+                                                f"elongated)")
+
     def _check_inputs(self, r: Request, max_pixels: int | None) -> None:
         """An edit's input images, mask and strength, for the pipelines that take them; each
         refused naming it where the pipeline would fail or ignore it. strength gets the
@@ -322,6 +346,9 @@ class Engine:
                 if max_pixels and im.size[0] * im.size[1] > 4 * max_pixels:
                     raise RequestError("image", f"an input image of {im.size[0]}x{im.size[1]} is "
                                                 f"over 4 x the pixel limit ({4 * max_pixels:,})")
+            # an image given as a PIL object in any mode is read as a file is (load_image: RGB)
+            r.images = [im if im.mode == "RGB" else im.convert("RGB") for im in r.images]
+            self._check_aspects(r.images)
         elif name in FROM_IMAGE + NEEDS_IMAGE:
             raise RequestError("image", f"{name} needs an input image")
         if r.n > 1 and name in FROM_IMAGE:
@@ -465,6 +492,8 @@ class Engine:
             if v < m or v % m:
                 raise RequestError("size", f"{name} {v}: {self.class_name} needs a positive "
                                            f"multiple of {m}")
+            if v > MAX_SIDE:
+                raise RequestError("size", f"{name} {v}: at most {MAX_SIDE}")
         if max_pixels and r.width * r.height > max_pixels:
             raise RequestError("size", f"size {r.width}x{r.height} is {r.width * r.height:,} "
                                        f"pixels, over the limit of {max_pixels:,}")

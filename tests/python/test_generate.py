@@ -388,6 +388,17 @@ def test_qwen_edit_equals_diffusers(tmp_path, cls):
                 e.check(dataclasses.replace(r, images=many[:5] if plus else many[:2]))
             c = e.check(dataclasses.replace(r, width=None, height=None))
             assert (c.width, c.height) == ((64, 96) if plus else (96, 64))
+            # an image so elongated that the pipeline's resize gives it a side of 0 (diffusers
+            # fails with "height and width must be > 0" after the mesh started)
+            thin = Image.new("RGB", (800, 8), (0, 0, 255))
+            with pytest.raises(mg.RequestError, match="input image 1 is 800x8: .*too elongated"):
+                e.check(dataclasses.replace(r, images=[thin] + imgs[1:]))
+            # a PIL image in another mode is read as load_image reads a file: RGB
+            rgba = e.check(dataclasses.replace(r, images=[im.convert("RGBA") for im in imgs]))
+            assert [im.mode for im in rgba.images] == ["RGB"] * len(imgs)
+            assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(rgba.images, imgs))
+            with pytest.raises(mg.RequestError, match="width 16400: at most 16384"):
+                e.check(dataclasses.replace(r, width=16400))
         finally:
             e.close()
         ref = getattr(__import__("diffusers"), cls).from_pretrained(root, torch_dtype=torch.float32)
