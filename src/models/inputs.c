@@ -104,6 +104,19 @@ mdt_status mdt_input_f32_view(const mdt_tensor_set *in, const char *name, int nd
     return MDT_OK;
 }
 
+int mdt_input_int_at(const mdt_tensor *t, int64_t i, int64_t *v) {
+    switch (t->dtype) {
+    case MDT_I64: *v = ((const int64_t *)t->data)[i]; return 1;
+    case MDT_I32: *v = ((const int32_t *)t->data)[i]; return 1;
+    case MDT_I16: *v = ((const int16_t *)t->data)[i]; return 1;
+    case MDT_I8:
+        *v = (int64_t)(int)((const int8_t *)t->data)[i]; /* NOLINT(bugprone-signed-char-misuse) */
+        return 1;
+    case MDT_U8: *v = ((const uint8_t *)t->data)[i]; return 1;
+    default: return 0;
+    }
+}
+
 mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
                          int64_t lo, int64_t hi, mdt_arena *a, int64_t **out) {
     const mdt_tensor *t;
@@ -113,18 +126,9 @@ mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, c
     if (!v)
         return MDT_E_NOMEM;
     for (int64_t i = 0; i < n; i++) {
-        switch (t->dtype) {
-        case MDT_I64: v[i] = ((const int64_t *)t->data)[i]; break;
-        case MDT_I32: v[i] = ((const int32_t *)t->data)[i]; break;
-        case MDT_I16: v[i] = ((const int16_t *)t->data)[i]; break;
-        case MDT_I8:
-            v[i] = (int64_t)(int)((const int8_t *)t->data)[i];
-            break; /* NOLINT(bugprone-signed-char-misuse) */
-        case MDT_U8: v[i] = ((const uint8_t *)t->data)[i]; break;
-        default:
+        if (!mdt_input_int_at(t, i, &v[i]))
             return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' has dtype %s, expected integers",
                             name, mdt_dtype_name(t->dtype));
-        }
         if (v[i] < lo || v[i] >= hi)
             return MDT_FAIL(MDT_E_INVALID,
                             "inputs: tensor '%s' element %lld is %lld, outside [%lld, %lld)", name,

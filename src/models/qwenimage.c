@@ -573,28 +573,26 @@ static mdt_status qwen_make_inputs(const void *impl, const mdt_inputs_params *p,
     return MDT_OK;
 }
 
-/* The rows of hidden_states [B, Si, in] after each element's first image (img_shapes int64 or
- * int32 [B, n, 3] or [B, 3]): an edit's condition images, which Qwen-Image-Edit's pipelines append
- * to the latents being denoised and never step. Shapes that do not cover Si keep nothing (the
- * forward refuses them). */
+/* The rows of hidden_states [B, Si, in] after each element's first image (img_shapes [B, n, 3] or
+ * [B, 3], any integer dtype, as the forward reads it): the condition images Qwen-Image-Edit's
+ * pipelines append to the latents being denoised and never step (diffusers' Qwen-Image pipelines
+ * put nothing else after the first image). Shapes the forward would refuse keep nothing. */
 static void qwen_clean_elements(const void *impl, const mdt_tensor_set *in,
                                 const mdt_tensor *latent, const mdt_tensor *timestep,
                                 unsigned char *keep) {
     const mdt_tensor *s = mdt_tensor_set_get(in, "img_shapes");
     (void)impl, (void)timestep;
-    if (!s || latent->ndim != 3 || (s->dtype != MDT_I64 && s->dtype != MDT_I32) ||
-        (s->ndim != 2 && s->ndim != 3) || s->shape[s->ndim - 1] != 3 || mdt_tensor_numel(s) < 3)
+    if (!s || latent->ndim != 3 || (s->ndim != 2 && s->ndim != 3) || s->shape[s->ndim - 1] != 3 ||
+        mdt_tensor_numel(s) < 3)
         return;
     const int64_t B = latent->shape[0], Si = latent->shape[1], C = latent->shape[2];
     const int64_t n = s->ndim == 3 ? s->shape[1] : 1;
     int64_t rows = 0, n0 = 0;
     for (int64_t i = 0; i < n; i++) { /* element 0's images (the forward checks the others) */
-        int64_t r = 1;
+        int64_t r = 1, v;
         for (int k = 0; k < 3; k++) {
-            const int64_t v = s->dtype == MDT_I64 ? ((const int64_t *)s->data)[3 * i + k]
-                                                  : ((const int32_t *)s->data)[3 * i + k];
-            if (v < 1 || v > MDT_MAX_DIM)
-                return;
+            if (!mdt_input_int_at(s, 3 * i + k, &v) || v < 1 || v >= MDT_MAX_DIM)
+                return; /* the forward's bounds (mdt_input_i64) */
             r *= v;
             if (r > Si)
                 return;

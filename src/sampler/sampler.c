@@ -182,6 +182,10 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         }
         fam->clean_elements(m->impl, in, lat, tst, keep);
         memcpy(x0, lat->data, sizeof(float) * (size_t)n);
+        if (!memchr(keep, 1, (size_t)n)) { /* no conditioning in this latent */
+            free(keep), free(x0);
+            keep = NULL, x0 = NULL;
+        }
     }
     /* guidance's two branches, or the cfg axis splitting the batch; every rank reads the same
      * inputs, so every rank reaches the same verdict */

@@ -83,6 +83,10 @@ same_run "--steps with a BF16 latent" "$DATA/flux_tiny" "$T/lat_bf16.st" "$T/lat
 same_run "--steps with an I64 timestep" "$DATA/wan_tiny" "$DATA/wan_tiny/inputs.safetensors" \
     "$T/wan_tf32.st" --steps 2
 "$ST_EDIT" "$DATA/flux_tiny/inputs.safetensors" "$T/both.st" hidden_states=BF16 timestep=I64
+# img_shapes in any integer dtype the forward reads: the edit's condition rows kept alike
+"$ST_EDIT" "$DATA/qwenimage_edit2511/inputs.safetensors" "$T/qe_i16.st" img_shapes=I16
+same_run "--steps with I16 img_shapes" "$DATA/qwenimage_edit2511" "$T/qe_i16.st" \
+    "$DATA/qwenimage_edit2511/inputs.safetensors" --steps 2
 same_run "--steps with a BF16 latent and an I64 timestep" "$DATA/flux_tiny" "$T/both.st" \
     "$T/lat_f32.st" --steps 2
 # a one-element timestep (and guidance) with batch 2 is every sample's, as diffusers' forwards
