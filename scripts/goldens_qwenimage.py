@@ -162,8 +162,8 @@ def qwenimage_cases(out_dir):
 
     # 5. Qwen-Image-Edit-2511's zero_cond_t: the condition images' rows modulated at timestep 0.
     #    Batch 2 (two timesteps), the output grid 3 x 4 then two condition images 2 x 3 and 1 x 2
-    #    (12 + 6 + 2 rows: under CP the boundary falls inside a rank's chunk), a padded mask,
-    #    4 heads x 8, 2 blocks.
+    #    (12 + 6 + 2 rows: under CP the boundary falls inside a rank's chunk), padded masks that
+    #    differ per element (a pass each), 4 heads x 8, 2 blocks.
     torch.manual_seed(14)
     gen = torch.Generator().manual_seed(14)
     cfg = dict(patch_size=2, in_channels=8, out_channels=2, num_layers=2, attention_head_dim=8,
@@ -174,12 +174,14 @@ def qwenimage_cases(out_dir):
     inputs = {
         "hidden_states": torch.randn(2, 20, 8, generator=gen),
         "encoder_hidden_states": torch.randn(2, 6, 12, generator=gen),
-        "encoder_hidden_states_mask": torch.tensor([[1, 1, 1, 1, 1, 0]] * 2, dtype=torch.long),
+        # masks differing per element: one pass each (the second starts at batch row 1)
+        "encoder_hidden_states_mask": torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1]],
+                                                   dtype=torch.long),
         "timestep": torch.tensor([0.8, 0.35]),
         "img_shapes": _shapes(2, [[1, 3, 4], [1, 2, 3], [1, 1, 2]]),
     }
     write_qwen_case(out_dir, "qwenimage_edit2511", m, inputs,
                     "zero_cond_t (Qwen-Image-Edit-2511): condition images modulated at timestep "
-                    "0; batch 2, output 3 x 4 then condition images 2 x 3 and 1 x 2, padded mask, "
+                    "0; batch 2, output 3 x 4 then condition images 2 x 3 and 1 x 2, masks per element, "
                     "4 heads x 8, 2 blocks; expected_steps2 = 2-step Euler of the first image's "
                     "rows, the condition rows kept", steps=2)
