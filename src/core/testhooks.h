@@ -23,7 +23,8 @@ typedef struct mdt_test_hooks {
     mdt_status (*at_point)(const char *phase, int world_rank);
     /* a NaN written at element nan_elem of this rank's rows of the first output stream of the
      * block `nan_stage` ("transformer_blocks.0"), after it ran, on every rank (rows that TP
-     * ranks hold alike stay alike): a block whose output went non-finite. NULL: none. */
+     * ranks hold alike stay alike): a block whose output went non-finite. Host activations
+     * only (the CPU backend; device rows are not guarded per stage). NULL: none. */
     const char *nan_stage;
     int64_t nan_elem;
 } mdt_test_hooks;

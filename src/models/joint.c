@@ -141,13 +141,15 @@ mdt_status mdt_joint_rows_alloc(const mdt_dit *d, int64_t C, int64_t Cl, mdt_joi
     return r->nx && r->nc && r->tmp && r->ao ? MDT_OK : MDT_E_NOMEM;
 }
 
-/* y = LN(x)(1 + scale) + shift over the n rows of one element's stream [n, C]: rows [0, k) by
- * the table m [6C], rows [k, n) by m0 (zero_cond_t's; k = n without it); `at` picks the half of
- * the table: 0 (attention) or 3C (feed-forward), scale after shift. */
+/* The rows of an element's n that the first table modulates: `split` clamped to [0, n], or all
+ * n without a second table m0. */
 static int64_t first_rows(const float *m0, int64_t split, int64_t n) {
     return m0 && split < n ? (split > 0 ? split : 0) : n;
 }
 
+/* y = LN(x)(1 + scale) + shift over the n rows of one element's stream [n, C]: rows [0, k) by
+ * the table m [6C], rows [k, n) by m0 (zero_cond_t's; k = n without it); `at` picks the half of
+ * the table: 0 (attention) or 3C (feed-forward), scale after shift. */
 static void modulate(const float *x, float *y, int64_t n, int64_t C, float eps, const float *m,
                      const float *m0, int64_t split, int64_t at) {
     const int64_t k = first_rows(m0, split, n);

@@ -57,9 +57,10 @@ struct mdt_model {
     const char *fail_label;
     char nan_stage[48];
     int64_t nan_elem; /* -1: none */
-    /* the guards run so far in this forward (the same count on every rank: every rank runs the
-     * same stages) and the count when nan_stage went non-finite: the ranks agree on the
-     * earliest stage, whichever rank saw it */
+    /* the guards run so far in this forward (the same count on every rank of a cfg group: they
+     * run the same stages; the two branches of cfg 2 may differ, e.g. a cache skipping blocks in
+     * one) and the count when nan_stage went non-finite: the ranks agree on the earliest stage,
+     * whichever rank saw it */
     int64_t guard_seq, nan_seq;
     struct mdt_lora_state *lora; /* LoRA adapters and what they did to the shards (lora.h) */
     struct mdt_cache *cache;     /* borrowed: the step cache of the next forwards (cache.h) */
