@@ -163,14 +163,8 @@ def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> N
         transformer=transformer,
     )
     # The pipeline drops the first prompt_template_encode_start_idx (64) hidden states: its template's
-    # system prefix, 64 tokens in Qwen2's vocabulary. Our merges must give the same count.
-    prefix = pipe.prompt_template_encode.split("{}")[0]
-    n_prefix = len(tokenizer(prefix).input_ids)
-    if n_prefix != pipe.prompt_template_encode_start_idx:
-        raise RuntimeError(f"the template's system prefix is {n_prefix} tokens, the pipeline drops "
-                           f"{pipe.prompt_template_encode_start_idx}")
-    os.makedirs(root, exist_ok=True)
-    pipe.save_pretrained(root, safe_serialization=True)
+    # system prefix, 64 tokens in Qwen2's vocabulary.
+    _qi._check_prefix_and_save(pipe, tokenizer, root)
 
 
 def load(root: str, transformer=None):

@@ -199,7 +199,13 @@ def build(root: str, seed: int = 0, transformer_config: dict | None = None) -> N
         transformer=transformer,
     )
     # The pipeline drops the first prompt_template_encode_start_idx (34) hidden states: the system prefix of
-    # its template, 34 tokens in Qwen2's vocabulary. Our merges must give the same count.
+    # its template, 34 tokens in Qwen2's vocabulary.
+    _check_prefix_and_save(pipe, tokenizer, root)
+
+
+def _check_prefix_and_save(pipe, tokenizer, root):
+    """Check that the tokenizer's merges give the template's system prefix exactly the
+    prompt_template_encode_start_idx tokens the pipeline drops; save the pipeline under root."""
     prefix = pipe.prompt_template_encode.split("{}")[0]
     n_prefix = len(tokenizer(prefix).input_ids)
     if n_prefix != pipe.prompt_template_encode_start_idx:
