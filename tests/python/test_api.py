@@ -729,6 +729,63 @@ def test_image_edits_with_a_mask_equal_diffusers_inpaint(flux_root, service, tmp
     assert r.status_code == 400 and "FluxPipeline takes no input image" in r.text, r.text
 
 
+def test_image_edits_qwen_edit_plus_equal_diffusers(tmp_path):
+    """POST /v1/images/edits with two image files (image[]) to a QwenImageEditPlusPipeline
+    service on ulysses2 (Qwen-Image-Edit-2511's zero_cond_t transformer) gives diffusers' own
+    pipeline's edit of those images; a request without an image and an image so elongated that
+    the pipeline's resize leaves it a side of 0 are 400s naming 'image' (the latter was a 500)."""
+    import io
+
+    import qwenimage_edit_pipeline as qe
+    import service_util
+    from PIL import Image
+    root = str(tmp_path / "qwen_edit")
+    qe.build(root, seed=0)
+    imgs = qe.reference_images()
+    files = []
+    for k, pic in enumerate(imgs):
+        b = io.BytesIO()
+        pic.save(b, "PNG")
+        files.append(("image[]", (f"ref{k}.png", b.getvalue(), "image/png")))
+    # the api process imports the tiny pipeline's processor module (model_index.json names it)
+    # and sizes the condition images as the test pipeline does, before it loads the pipeline
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import qwenimage_edit_pipeline as qe\n"
+        "from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as m\n"
+        "m.CONDITION_IMAGE_SIZE, m.VAE_IMAGE_SIZE = qe.CONDITION_AREA, qe.VAE_AREA\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([str(site), here, service_util.PYTHON_DIR])
+    api = Api(root, "--ulysses", "2", env={"PYTHONPATH": path})
+    form = {"prompt": qe.PROMPT, "negative_prompt": qe.NEGATIVE_PROMPT, "size": "64x64",
+            "guidance": str(qe.TRUE_CFG_SCALE), "steps": "2", "seed": "5"}
+    try:
+        r = httpx.post(f"{api.url}/v1/images/edits", files=files, data=form, timeout=300)
+        assert r.status_code == 200, r.text
+        got = png_pixels(r.json()["data"][0]["b64_json"])
+        kw = r.json()["meshdit"]["pipeline_kwargs"]
+        assert kw["image"] == ["image 96x64 RGB", "image 64x96 RGB"], kw
+        b = io.BytesIO()
+        Image.new("RGB", (800, 8), (0, 0, 255)).save(b, "PNG")
+        e = httpx.post(f"{api.url}/v1/images/edits", data=form, timeout=60,
+                       files=[("mask", ("m.png", b.getvalue(), "image/png"))])  # no image
+        assert e.status_code == 400 and "'image' is required" in e.text, e.text
+        e = httpx.post(f"{api.url}/v1/images/edits", data=form, timeout=60,
+                       files=[("image[]", ("thin.png", b.getvalue(), "image/png"))])
+        assert e.status_code == 400 and "too elongated" in e.text, e.text
+        assert e.json()["error"]["param"] == "image", e.text
+    finally:
+        assert api.stop() == 0, api.log()
+    with qe.condition_areas():
+        ref = qe.load(root)
+        with torch.inference_mode():
+            want = pil_pixels(ref(image=imgs, prompt=qe.PROMPT, negative_prompt=qe.NEGATIVE_PROMPT,
+                                  true_cfg_scale=qe.TRUE_CFG_SCALE, height=64, width=64,
+                                  num_inference_steps=2, max_sequence_length=512, output_type="pil",
+                                  generator=torch.Generator("cpu").manual_seed(5)).images[0])
+    assert levels(got, want) <= 1, levels(got, want)
+
 def test_over_memory_is_400_and_a_lost_mesh_is_503_without_resume(flux_root, tmp_path):
     """A request the mesh cannot hold (--max-memory) is the request's failure: 400, which the
     openai client does not retry (it retried the 500 three times). With --no-resume a lost rank
