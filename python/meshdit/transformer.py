@@ -1087,6 +1087,28 @@ def _refuse_offload_hook(self, hook):  # accelerate's add_hook_to_module: module
 # and stopped every later forward with a bare StopIteration: refused where the hook is set
 Transformer._hf_hook = property(_offload_hook, _refuse_offload_hook)
 
+# the block lists of diffusers' transformers, which run on the mesh here: code that reaches into
+# them (Flux2KleinKVPipeline sets KV-cache attention processors on every block when it is built)
+# got torch's bare "'Flux2Transformer' object has no attribute 'transformer_blocks'"
+_BLOCK_LISTS = frozenset({"transformer_blocks", "single_transformer_blocks", "blocks", "layers"})
+_module_getattr = torch.nn.Module.__getattr__
+
+
+def _getattr(self, name):
+    try:
+        return _module_getattr(self, name)
+    except AttributeError:
+        if name not in _BLOCK_LISTS:
+            raise
+    # still an AttributeError, so hasattr() and getattr(t, name, default) read it as absent
+    raise AttributeError(f"meshdit: {type(self).__name__} has no '{name}': the transformer's "
+                         f"blocks run on the mesh, not in this process; code that reaches into "
+                         f"them (attention processors, per-block hooks, Flux2KleinKVPipeline's "
+                         f"KV cache) is not supported") from None
+
+
+Transformer.__getattr__ = _getattr
+
 
 class FluxTransformer(Transformer):
     """Stands in for diffusers' FluxTransformer2DModel."""

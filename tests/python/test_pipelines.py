@@ -155,6 +155,22 @@ def flux2_ref(flux2_root):
             "other": flux2_pipeline.generate(pipe, seed=12, image=image)}
 
 
+def test_pipeline_reaching_into_the_blocks_is_told_why(flux2_root):
+    """Flux2KleinKVPipeline sets KV-cache attention processors on every block of its transformer
+    when it is built; the blocks run on the mesh, so that is an AttributeError saying so (it was
+    torch's bare "'Flux2Transformer' object has no attribute 'transformer_blocks'"), and hasattr()
+    still reads the blocks as absent."""
+    import diffusers
+    from pipeline_util import load_pipeline
+    with meshdit.Transformer.from_pretrained(f"{flux2_root}/transformer") as t:
+        with pytest.raises(AttributeError, match="meshdit: Flux2Transformer has no "
+                                                 "'transformer_blocks': .* KV cache"):
+            load_pipeline(diffusers.Flux2KleinKVPipeline, flux2_root, t)
+        assert not hasattr(t, "transformer_blocks") and not hasattr(t, "single_transformer_blocks")
+        with pytest.raises(AttributeError, match="'no_such_thing'") as e:
+            t.no_such_thing  # noqa: B018 (any other name: torch's own message)
+        assert "meshdit" not in str(e.value)
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
 def test_flux2_pipeline(flux2_root, flux2_ref, layout):
     import flux2_pipeline
