@@ -148,8 +148,8 @@ static int64_t first_rows(const float *m0, int64_t split, int64_t n) {
 }
 
 /* y = LN(x)(1 + scale) + shift over the n rows of one element's stream [n, C]: rows [0, k) by
- * the table m [6C], rows [k, n) by m0 (zero_cond_t's; k = n without it); `at` picks the half of
- * the table: 0 (attention) or 3C (feed-forward), scale after shift. */
+ * the tables m [B, 6C], rows [k, n) by m0 (zero_cond_t's; k = n without it); `at` is the shift's
+ * offset: the element's table (b 6C) plus 0 (attention) or 3C (feed-forward), scale after it. */
 static void modulate(const float *x, float *y, int64_t n, int64_t C, float eps, const float *m,
                      const float *m0, int64_t split, int64_t at) {
     const int64_t k = first_rows(m0, split, n);
@@ -159,8 +159,8 @@ static void modulate(const float *x, float *y, int64_t n, int64_t C, float eps, 
                                     m0 + at + C); // [n - k, C]
 }
 
-/* x += gate * y over the n rows of one element's stream, the gate at `at` (2C or 5C) of m for
- * rows [0, k) and of m0 after them, as modulate() splits them. */
+/* x += gate * y over the n rows of one element's stream, the gate at `at` (b 6C plus 2C or 5C)
+ * of m for rows [0, k) and of m0 after them, as modulate() splits them. */
 static void gate(float *x, const float *y, int64_t n, int64_t C, const float *m, const float *m0,
                  int64_t split, int64_t at) {
     const int64_t k = first_rows(m0, split, n);
@@ -179,8 +179,8 @@ mdt_status mdt_joint_attention(const mdt_dit *d, const mdt_joint_attn *w, const 
     const int predict = mdt_cache_predicts(r->ts);
     const float *mi0 = r->mi0;
     for (int64_t b = 0; b < B && !predict; b++) {
-        modulate(r->x + b * si * C, r->nx + b * si * C, si, C, eps, mi + b * 6 * C,
-                 mi0 ? mi0 + b * 6 * C : NULL, r->split, 0); // [si, C]
+        modulate(r->x + b * si * C, r->nx + b * si * C, si, C, eps, mi, mi0, r->split,
+                 b * 6 * C); // [si, C]
         mdt_k()->layernorm_modulate(r->c + b * st * C, r->nc + b * st * C, st, C, eps,
                                     mt + b * 6 * C, mt + b * 6 * C + C); // [st, C]
     }
@@ -193,9 +193,8 @@ mdt_status mdt_joint_attention(const mdt_dit *d, const mdt_joint_attn *w, const 
         if (!predict)
             MDT_TRY(mdt_dit_row_linear(d, &w->to_out, r->ao + (b * S + st) * Cl, Cl, r->tmp, si));
         if (r->ts)
-            MDT_TRY(mdt_cache_taylor(r->ts, d, r->slot, b, r->tmp, si, C, C)); // [si, C]
-        gate(r->x + b * si * C, r->tmp, si, C, mi + b * 6 * C, mi0 ? mi0 + b * 6 * C : NULL,
-             r->split, 2 * C);
+            MDT_TRY(mdt_cache_taylor(r->ts, d, r->slot, b, r->tmp, si, C, C));        // [si, C]
+        gate(r->x + b * si * C, r->tmp, si, C, mi, mi0, r->split, b * 6 * C + 2 * C); // [si, C]
         if (!predict)
             MDT_TRY(mdt_dit_row_linear(d, &w->to_add_out, r->ao + b * S * Cl, Cl, r->tmp, st));
         if (r->ts)
@@ -210,14 +209,14 @@ mdt_status mdt_joint_ff_gelu(const mdt_dit *d, const mdt_lin *l0, const mdt_lin 
     const int64_t C = l2->out, B = d->B, Ml = l0->out_local, n = f->n;
     const float *m0 = f->mod0;
     for (int64_t b = 0; b < B; b++)
-        modulate(f->x + b * n * C, f->nbuf + b * n * C, n, C, f->eps, f->mod + b * 6 * C,
-                 m0 ? m0 + b * 6 * C : NULL, f->split, 3 * C); // [n, C]
-    mdt_dit_linear(l0, f->nbuf, B * n, f->hbuf, Ml);           // [B*n, M/T]
+        modulate(f->x + b * n * C, f->nbuf + b * n * C, n, C, f->eps, f->mod, m0, f->split,
+                 b * 6 * C + 3 * C);                 // [n, C]
+    mdt_dit_linear(l0, f->nbuf, B * n, f->hbuf, Ml); // [B*n, M/T]
     mdt_k()->gelu_rows(f->hbuf, Ml, B * n, Ml);
     MDT_TRY(mdt_dit_row_linear(d, l2, f->hbuf, Ml, f->ybuf, B * n)); // [B*n, C]
     for (int64_t b = 0; b < B; b++)
-        gate(f->x + b * n * C, f->ybuf + b * n * C, n, C, f->mod + b * 6 * C,
-             m0 ? m0 + b * 6 * C : NULL, f->split, 5 * C); // [n, C]
+        gate(f->x + b * n * C, f->ybuf + b * n * C, n, C, f->mod, m0, f->split,
+             b * 6 * C + 5 * C); // [n, C]
     return MDT_OK;
 }
 
