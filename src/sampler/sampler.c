@@ -181,8 +181,9 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             return MDT_FAIL(MDT_E_NOMEM, "out of memory");
         }
         fam->clean_elements(m->impl, in, lat, tst, keep);
-        memcpy(x0, lat->data, sizeof(float) * (size_t)n);
-        if (!memchr(keep, 1, (size_t)n)) { /* no conditioning in this latent */
+        if (memchr(keep, 1, (size_t)n)) {
+            memcpy(x0, lat->data, sizeof(float) * (size_t)n);
+        } else { /* no conditioning in this latent */
             free(keep), free(x0);
             keep = NULL, x0 = NULL;
         }
