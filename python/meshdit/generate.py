@@ -318,7 +318,7 @@ class Engine:
             return
         areas = [a for a in (getattr(mod, n, None) for n in ("CONDITION_IMAGE_SIZE", "VAE_IMAGE_SIZE"))
                  if isinstance(a, int)] or [1024 * 1024]
-        for k, im in enumerate(images if self.class_name in MULTI_IMAGE else images[:1]):
+        for k, im in enumerate(images):  # (one for QwenImageEditPipeline: checked before)
             w, h = im.size
             for area in areas:
                 cw, ch = dims(area, w / h)[:2]
