@@ -22,8 +22,12 @@
  * RoPE position — the same result as diffusers' masked softmax, with less work. Elements whose
  * masks differ run one pass each. Refused: `guidance` (diffusers 0.42.1 fails with it),
  * `txt_seq_lens` (removed in 0.42.1), `additional_t_cond` and `controlnet_block_samples`;
- * attention_kwargs carries only a LoRA scale in diffusers (no tensor, nothing to encode). The
- * configs use_additional_t_cond and use_layer3d_rope (Qwen-Image-Layered) are refused.
+ * attention_kwargs carries only a LoRA scale in diffusers (no tensor, nothing to encode).
+ * Qwen-Image-Layered: use_additional_t_cond adds row `additional_t_cond[b]` (0 or 1; int [B] or
+ * [1], required) of time_text_embed.addition_t_embedding [2, C] to element b's temb (to both its
+ * t and 0 t rows under zero_cond_t, as diffusers' broadcast does for one element);
+ * use_layer3d_rope puts the last image of img_shapes (the pipeline's input image, one frame) at
+ * frame position -1 and the text from max(top, n - 1) on.
  * zero_cond_t (Qwen-Image-Edit-2511): the timestep embedding of t and of 0 t; each element's
  * image rows past its first image (the condition images) are modulated by the 0 table in both
  * halves of every block (diffusers' modulate_index), the text stream and norm_out by the t one.
@@ -56,9 +60,12 @@ typedef struct qwen_block {
 typedef struct qwen {
     int64_t patch, in_ch, out_ch, layers, head_dim, heads, joint_dim, axes[3];
     int zero_cond_t; /* Qwen-Image-Edit-2511: condition images modulated at timestep 0 */
+    int add_t_cond;  /* Qwen-Image-Layered: temb + addition_t_embedding[additional_t_cond] */
+    int layer3d;     /* Qwen-Image-Layered: the last image at frame position -1 */
     int64_t inner, mlp_hidden;
     mdt_lin t_lin1, t_lin2, img_in, txt_in, norm_out, proj_out;
     const float *txt_norm;
+    const float *add_t; /* [2, C] addition_t_embedding (add_t_cond) */
     qwen_block blk[QWEN_MAX_LAYERS];
 } qwen;
 
@@ -80,6 +87,9 @@ static mdt_status qwen_table(qwen *f, mdt_wtable *t) {
     MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin1, te, "linear_1", C, 256, rep, 1));
     MDT_TRY(mdt_wtable_add_linear(t, &f->t_lin2, te, "linear_2", C, C, rep, 1));
     MDT_TRY(mdt_wtable_add_vector(t, &f->txt_norm, "", "txt_norm.weight", f->joint_dim));
+    if (f->add_t_cond) /* an nn.Embedding(2, C): rows read whole, replicated */
+        MDT_TRY(mdt_wtable_add(t, "time_text_embed.addition_t_embedding.weight", 2, 2, C, rep,
+                               &f->add_t));
     mdt_wtable_rows(t, MDT_ROWS_ALL);
     MDT_TRY(mdt_wtable_add_linear(t, &f->img_in, "", "img_in", C, f->in_ch, rep, 1));
     MDT_TRY(mdt_dit_declare_text_embedder(t, &f->txt_in, "txt_in", C, f->joint_dim, 1));
@@ -111,7 +121,6 @@ static void qwen_dims(const void *impl, mdt_model_dims *d) {
 
 static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     qwen *f = impl;
-    static const char *const variants[] = {"use_additional_t_cond", "use_layer3d_rope"};
     int nax = 4;
     int64_t *const ints[] = {&f->patch,    &f->in_ch, &f->layers,
                              &f->head_dim, &f->heads, &f->joint_dim};
@@ -125,16 +134,8 @@ static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     if (f->out_ch == 0)
         f->out_ch = f->in_ch;
     MDT_TRY(mdt_cfg_bool(cfg, "zero_cond_t", 0, &f->zero_cond_t));
-    for (int i = 0; i < 2; i++) {
-        int on;
-        MDT_TRY(mdt_cfg_bool(cfg, variants[i], 0, &on));
-        if (on)
-            return MDT_FAIL(MDT_E_UNSUPPORTED,
-                            "config.json: %s = true is not supported (a Qwen-Image-Layered "
-                            "variant; meshdit runs the config with use_additional_t_cond and "
-                            "use_layer3d_rope false)",
-                            variants[i]);
-    }
+    MDT_TRY(mdt_cfg_bool(cfg, "use_additional_t_cond", 0, &f->add_t_cond));
+    MDT_TRY(mdt_cfg_bool(cfg, "use_layer3d_rope", 0, &f->layer3d));
     MDT_TRY(mdt_cfg_int_array(cfg, "axes_dims_rope", f->axes, &nax));
     if (nax == 0)
         f->axes[0] = 16, f->axes[1] = 56, f->axes[2] = 56, nax = 3;
@@ -158,17 +159,19 @@ static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
     return qwen_table(f, t);
 }
 
-/* QwenImageTransformer2DModel.forward's tensors (img_shapes as int64 [B, n, 3] or [B, 3]) */
+/* QwenImageTransformer2DModel.forward's tensors (img_shapes as int64 [B, n, 3] or [B, 3]);
+ * additional_t_cond only where the config uses it (diffusers ignores it otherwise) */
+#define QWEN_INPUTS                                                                                \
+    {"hidden_states", MDT_IN_BATCH}, {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},      \
+        {"encoder_hidden_states_mask", MDT_IN_BATCH | MDT_IN_BRANCH | MDT_IN_OPTIONAL},            \
+        {"timestep", MDT_IN_BATCH | MDT_IN_SHARED}, {                                              \
+        "img_shapes", MDT_IN_BATCH                                                                 \
+    }
 static const mdt_input_decl *qwen_inputs(const void *impl) {
-    static const mdt_input_decl k[] = {
-        {"hidden_states", MDT_IN_BATCH},
-        {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},
-        {"encoder_hidden_states_mask", MDT_IN_BATCH | MDT_IN_BRANCH | MDT_IN_OPTIONAL},
-        {"timestep", MDT_IN_BATCH | MDT_IN_SHARED},
-        {"img_shapes", MDT_IN_BATCH},
-        {NULL, 0}};
-    (void)impl;
-    return k;
+    static const mdt_input_decl k[] = {QWEN_INPUTS, {NULL, 0}};
+    static const mdt_input_decl k_layered[] = {
+        QWEN_INPUTS, {"additional_t_cond", MDT_IN_BATCH | MDT_IN_SHARED}, {NULL, 0}};
+    return ((const qwen *)impl)->add_t_cond ? k_layered : k;
 }
 
 static mdt_status qwen_check_layout(const void *impl, int T, int R, int U) {
@@ -187,6 +190,7 @@ typedef struct qwen_in {
     int64_t txt_pos0;      /* text token j sits at txt_pos0 + j on every axis */
     int64_t n0;            /* rows of an element's first image (img_shapes[b][0]) */
     const float *e256;     /* [B, 256] timestep sinusoids, then (zero_cond_t) [B, 256] of 0 */
+    const int64_t *add_t;  /* [B] additional_t_cond (use_additional_t_cond), else NULL */
 } qwen_in;
 
 /* e [n, 256] = [cos, sin] of ((t f_i) x 1000), f_i = exp(-ln(1e4) i / 128) in float32 math:
@@ -230,8 +234,10 @@ static mdt_status read_mask(const mdt_tensor_set *in, qwen_in *x, mdt_arena *ha)
 }
 
 /* img_shapes int64 [B, n, 3] or [B, 3]: every element's images (frames, height, width), equal
- * across the batch, covering exactly the Si image rows; the rotary positions of each row. */
-static mdt_status read_img_shapes(const mdt_tensor_set *in, qwen_in *x, mdt_arena *ha) {
+ * across the batch, covering exactly the Si image rows; the rotary positions of each row (image
+ * i's frames from i on; under use_layer3d_rope the last image, one frame, at frame -1). */
+static mdt_status read_img_shapes(const qwen *f, const mdt_tensor_set *in, qwen_in *x,
+                                  mdt_arena *ha) {
     const char *name = "img_shapes";
     const int is3 = mdt_input_dim(in, name, 2) >= 0;
     const int64_t n = is3 ? mdt_input_dim(in, name, 1) : 1, B = x->B;
@@ -247,6 +253,12 @@ static mdt_status read_img_shapes(const mdt_tensor_set *in, qwen_in *x, mdt_aren
                             name, (long long)b);
     for (int64_t i = 0; i < n; i++) {
         const int64_t F = v[3 * i], H = v[3 * i + 1], W = v[3 * i + 2];
+        if (f->layer3d && i == n - 1 && F != 1)
+            return MDT_FAIL(MDT_E_INVALID,
+                            "inputs: '%s' image %lld (the condition image of use_layer3d_rope, "
+                            "the last) has %lld frames; diffusers' QwenEmbedLayer3DRope places "
+                            "one frame there",
+                            name, (long long)i, (long long)F);
         if (i + F > QWEN_ROPE_POS || H > 2 * QWEN_ROPE_POS || W > 2 * QWEN_ROPE_POS)
             return MDT_FAIL(MDT_E_INVALID,
                             "inputs: '%s' image %lld is (%lld, %lld, %lld): diffusers' rotary "
@@ -257,6 +269,8 @@ static mdt_status read_img_shapes(const mdt_tensor_set *in, qwen_in *x, mdt_aren
         top = H / 2 > top ? H / 2 : top;
         top = W / 2 > top ? W / 2 : top;
     }
+    if (f->layer3d && n - 1 > top) /* diffusers: max(max_vid_index, layer_num) */
+        top = n - 1;
     if (rows != x->Si)
         return MDT_FAIL(MDT_E_INVALID,
                         "inputs: '%s' covers %lld image rows (frames x height x width summed) but "
@@ -275,24 +289,30 @@ static mdt_status read_img_shapes(const mdt_tensor_set *in, qwen_in *x, mdt_aren
     for (int64_t i = 0; i < n; i++) {
         const int64_t F = v[3 * i], H = v[3 * i + 1], W = v[3 * i + 2];
         for (int64_t s = 0; s < F * H * W; s++, pos += 3) { /* (frame, row, col) of row s */
-            const int64_t fr = i + s / (H * W), y = s / W % H - (H - H / 2),
-                          xc = s % W - (W - W / 2);
+            const int64_t fr = f->layer3d && i == n - 1 ? -1 : i + s / (H * W),
+                          y = s / W % H - (H - H / 2), xc = s % W - (W - W / 2);
             pos[0] = (float)fr, pos[1] = (float)y, pos[2] = (float)xc;
         }
     }
     return MDT_OK;
 }
 
+/* additional_t_cond, int [B] or [1] of 0 / 1 (nn.Embedding(2, C)'s rows): element b's row. */
+static mdt_status read_add_t_cond(const mdt_tensor_set *in, qwen_in *x, mdt_arena *ha) {
+    const char *name = "additional_t_cond";
+    const int64_t n = mdt_input_dim(in, name, 0);
+    int64_t *v;
+    MDT_TRY(mdt_input_i64(in, name, 1, (int64_t[]){n == 1 ? 1 : x->B}, 0, 2, ha, &v));
+    int64_t *r = (int64_t *)(void *)mdt_arena_floats(ha, 2 * x->B); // [B] host
+    if (!r)
+        return MDT_E_NOMEM;
+    for (int64_t b = 0; b < x->B; b++)
+        r[b] = v[n == 1 ? 0 : b];
+    x->add_t = r;
+    return MDT_OK;
+}
+
 static mdt_status qwen_read(const qwen *f, mdt_dit *d, const mdt_tensor_set *in, qwen_in *x) {
-    static const char *const refused[][2] = {
-        {"guidance", "diffusers 0.42.1's QwenImage forward fails with it"},
-        {"txt_seq_lens", "removed in diffusers 0.42.1; pad with encoder_hidden_states_mask"},
-        {"additional_t_cond", "it needs use_additional_t_cond, which is not supported"},
-        {"controlnet_block_samples", "ControlNet residuals are not supported"}};
-    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
-        if (mdt_tensor_set_get(in, refused[i][0]))
-            return MDT_FAIL(MDT_E_UNSUPPORTED, "inputs: '%s' is not accepted: %s", refused[i][0],
-                            refused[i][1]);
     mdt_joint_in s; /* whole: each pass of qwen_run cuts its own batch elements */
     float *ts;
     MDT_TRY(mdt_joint_read_streams(d, in, f->in_ch, f->joint_dim, 0, &s));
@@ -300,7 +320,9 @@ static mdt_status qwen_read(const qwen *f, mdt_dit *d, const mdt_tensor_set *in,
     *x = (qwen_in){.B = B, .Si = s.Si, .St = s.St, .hs = s.hs, .ehs = s.ehs};
     MDT_TRY(mdt_input_f32_batch(in, "timestep", 1, (int64_t[]){B}, d->ha, &ts)); /* or [1] */
     MDT_TRY(read_mask(in, x, d->ha));
-    MDT_TRY(read_img_shapes(in, x, d->ha));
+    MDT_TRY(read_img_shapes(f, in, x, d->ha));
+    if (f->add_t_cond)
+        MDT_TRY(read_add_t_cond(in, x, d->ha));
     /* zero_cond_t: diffusers' timestep = cat(t, 0 t), the condition images' rows modulated by
      * the second half of the embedding */
     const int64_t Bc = f->zero_cond_t ? 2 * B : B;
@@ -522,6 +544,8 @@ static mdt_status qwen_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
         return MDT_E_NOMEM;
     /* temb = TimestepEmbedding(Timesteps(t)); every modulation reads SiLU(temb) */
     mdt_dit_mlp2(&f->t_lin1, &f->t_lin2, x.e256, Bc, h1, cond); // [Bc, C]
+    for (int64_t r = 0; x.add_t && r < Bc; r++) /* + addition_t_embedding[additional_t_cond] */
+        mdt_k()->add_bias(cond + r * C, C, f->add_t + x.add_t[r % B] * C, 1, C); // [1, C]
     mdt_k()->silu(cond, Bc * C);
     mdt_guard_finite(d.m, "time_text_embed", cond, Bc * C);
     MDT_TRY(
@@ -576,12 +600,15 @@ static mdt_status qwen_make_inputs(const void *impl, const mdt_inputs_params *p,
 /* The rows of hidden_states [B, Si, in] after each element's first image (img_shapes [B, n, 3] or
  * [B, 3], any integer dtype, as the forward reads it): the condition images Qwen-Image-Edit's
  * pipelines append to the latents being denoised and never step (diffusers' Qwen-Image pipelines
- * put nothing else after the first image). Shapes the forward would refuse keep nothing. */
+ * put nothing else after the first image). Under use_layer3d_rope the last image only, when
+ * there are two or more: QwenImageLayeredPipeline steps every layer before its input image.
+ * Shapes the forward would refuse keep nothing. */
 static void qwen_clean_elements(const void *impl, const mdt_tensor_set *in,
                                 const mdt_tensor *latent, const mdt_tensor *timestep,
                                 unsigned char *keep) {
     const mdt_tensor *s = mdt_tensor_set_get(in, "img_shapes");
-    (void)impl, (void)timestep;
+    const int layer3d = ((const qwen *)impl)->layer3d;
+    (void)timestep;
     if (!s || latent->ndim != 3 || (s->ndim != 2 && s->ndim != 3) || s->shape[s->ndim - 1] != 3 ||
         mdt_tensor_numel(s) < 3)
         return;
@@ -597,12 +624,15 @@ static void qwen_clean_elements(const void *impl, const mdt_tensor_set *in,
             if (r > Si)
                 return;
         }
-        n0 = i == 0 ? r : n0;
+        if (layer3d ? i == n - 1 : i == 0) /* where the kept rows start */
+            n0 = layer3d ? rows : r;
         rows += r;
         if (rows > Si)
             return;
     }
     if (rows != Si)
+        return;
+    if (layer3d && n < 2)
         return;
     for (int64_t b = 0; b < B; b++) /* rows [n0, Si) of every element */
         memset(keep + (b * Si + n0) * C, 1, (size_t)((Si - n0) * C));

@@ -5,6 +5,7 @@
 set -u
 BIN=${BIN:-build/meshdit}
 DATA=${DATA:-tests/data}
+ST_EDIT=${ST_EDIT:-tests/cli/st-edit} # rewrites a safetensors file's tensors (tests/cli/st-edit)
 T=$(mktemp -d /tmp/mdt_cli_XXXXXX)
 trap 'rm -rf "$T"' EXIT
 pass=0 fail=0
@@ -63,12 +64,26 @@ if grep -q '"zero_cond_t": false' "$T/zc/config.json" &&
    "$BIN" run --checkpoint "$T/zc" --inputs "$T/zc/inputs.safetensors" --out "$T/zc.safetensors" --quiet &&
    ! "$BIN" compare "$T/zc.safetensors" "$T/zc/expected.safetensors" --tol 1e-3 >/dev/null; then ok
 else bad "zero_cond_t made no difference"; fi
+# Qwen-Image-Layered: every latent layer stepped, the input image (img_shapes' last) kept
+run_case "$DATA/qwenimage_layered" "$DATA/qwenimage_layered/expected_steps2.safetensors" --steps 2
+# negative controls: the same weights without use_layer3d_rope (the input image at frame 3, the
+# text from 2), and additional_t_cond [1, 1] for [1, 0], miss the golden
+QL=$DATA/qwenimage_layered
+cp -r "$QL" "$T/ql" && sed -i 's/"use_layer3d_rope": true/"use_layer3d_rope": false/' "$T/ql/config.json"
+if grep -q '"use_layer3d_rope": false' "$T/ql/config.json" &&
+   "$BIN" run --checkpoint "$T/ql" --inputs "$QL/inputs.safetensors" --out "$T/ql.safetensors" --quiet &&
+   ! "$BIN" compare "$T/ql.safetensors" "$QL/expected.safetensors" --tol 1e-3 >/dev/null; then ok
+else bad "use_layer3d_rope made no difference"; fi
+"$ST_EDIT" "$QL/inputs.safetensors" "$T/ql_rep.st" additional_t_cond@repeat
+"$ST_EDIT" "$QL/inputs.safetensors" "$T/ql_first.st" additional_t_cond@first
+if "$BIN" run --checkpoint "$QL" --inputs "$T/ql_rep.st" --out "$T/ql_rep.safetensors" --quiet &&
+   ! "$BIN" compare "$T/ql_rep.safetensors" "$QL/expected.safetensors" --tol 1e-3 >/dev/null; then ok
+else bad "additional_t_cond made no difference"; fi
 
 # ---- the sampler's inputs as diffusers pipelines pass them ----
 # `--steps` takes a latent in any float dtype (converted to f32 once: the result is the f32 run on
 # the same values) and a timestep in any number dtype (the sampler writes it each step): bf16
 # latents, and wan_tiny's int64 timestep (as diffusers' tester draws it)
-ST_EDIT=${ST_EDIT:-tests/cli/st-edit}
 same_run() { # same_run NAME CKPT INPUTS_A INPUTS_B [run args]: both runs succeed, identical bytes
     local name=$1 ck=$2 a=$3 b=$4; shift 4
     if "$BIN" run --checkpoint "$ck" --inputs "$a" --out "$T/sa.safetensors" --quiet "$@" 2>"$T/sa.err" &&
@@ -93,7 +108,8 @@ same_run "--steps with a BF16 latent and an I64 timestep" "$DATA/flux_tiny" "$T/
 # broadcast it (Flux, Flux.2, Qwen-Image, Wan; Wan's per-token [1, S] likewise): the same bytes as
 # the value repeated over the batch, one forward and under the sampler
 for c in "flux_guidance timestep guidance" "flux2_guidance timestep guidance" \
-         "qwenimage_bf16_sharded timestep" "wan_odd timestep" "wan_ti2v timestep"; do
+         "qwenimage_bf16_sharded timestep" "qwenimage_layered additional_t_cond" \
+         "wan_odd timestep" "wan_ti2v timestep"; do
     set -- $c
     d=$1; shift
     first=() rep=()
@@ -115,6 +131,20 @@ else bad "a [1] timestep matched the golden's two distinct timesteps"; fi
 "$ST_EDIT" "$DATA/flux_guidance/inputs.safetensors" "$T/three.st" guidance@grow
 expect_error timestep-batch 1 "tensor 'guidance' has shape \\[3\\], expected \\[2\\] or \\[1\\]" -- \
     "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$T/three.st" --out "$T/out.safetensors"
+# Qwen-Image-Layered's inputs: additional_t_cond is required, an embedding row (0 or 1), and
+# only for a config with use_additional_t_cond; the input image (the last) is one frame
+"$ST_EDIT" "$QL/inputs.safetensors" "$T/ql_none.st" additional_t_cond@drop
+expect_error layered-no-t-cond 1 "tensor 'additional_t_cond' is missing" -- \
+    "$BIN" run --checkpoint "$QL" --inputs "$T/ql_none.st" --out "$T/out.safetensors"
+"$ST_EDIT" "$QL/inputs.safetensors" "$T/ql_two.st" additional_t_cond@inc
+expect_error layered-t-cond-range 1 "'additional_t_cond' element 0 is 2, outside \\[0, 2)" -- \
+    "$BIN" run --checkpoint "$QL" --inputs "$T/ql_two.st" --out "$T/out.safetensors"
+"$ST_EDIT" "$QL/inputs.safetensors" "$T/ql_frames.st" img_shapes@inc
+expect_error layered-frames 1 "'img_shapes' image 3" "use_layer3d_rope" "has 2 frames" -- \
+    "$BIN" run --checkpoint "$QL" --inputs "$T/ql_frames.st" --out "$T/out.safetensors"
+expect_error layered-t-cond-unused 1 "unknown tensor 'additional_t_cond'" -- \
+    "$BIN" run --checkpoint "$DATA/qwenimage_edit2511" --inputs "$QL/inputs.safetensors" \
+    --out "$T/out.safetensors"
 "$ST_EDIT" "$DATA/flux_tiny/inputs.safetensors" "$T/int_latent.st" hidden_states=I64
 expect_error steps-integer-latent 1 "--steps" "'hidden_states'" "float" -- "$BIN" run --checkpoint \
     "$DATA/flux_tiny" --inputs "$T/int_latent.st" --out "$T/out.safetensors" --steps 2

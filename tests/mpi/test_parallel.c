@@ -417,15 +417,32 @@ int main(int argc, char **argv) {
     }
     if (mesh) {
         char d[512];
-        const char *cases[] = {"flux_guidance",     "flux_bf16_sharded", "flux_tiny",
-                               "h3_tiny",           "h3_heads8",         "flux2_tiny",
-                               "flux2_guidance",    "flux2_heads3",      "flux2_bf16_sharded",
-                               "qwenimage_tiny",    "qwenimage_mask",    "qwenimage_bf16_sharded",
-                               "qwenimage_frames",  "wan_tiny",          "wan_ti2v",
-                               "wan_odd",           "wan_i2v",           "wan_flf2v_bf16",
-                               "wan_ffn41",         "flux2_mlp95",       "h3_ffn45",
-                               "wan_i2v_txt20",     "wan_i2v_txt600",    "wan_flf2v_txt8",
-                               "qwenimage_edit2511"};
+        const char *cases[] = {"flux_guidance",
+                               "flux_bf16_sharded",
+                               "flux_tiny",
+                               "h3_tiny",
+                               "h3_heads8",
+                               "flux2_tiny",
+                               "flux2_guidance",
+                               "flux2_heads3",
+                               "flux2_bf16_sharded",
+                               "qwenimage_tiny",
+                               "qwenimage_mask",
+                               "qwenimage_bf16_sharded",
+                               "qwenimage_frames",
+                               "wan_tiny",
+                               "wan_ti2v",
+                               "wan_odd",
+                               "wan_i2v",
+                               "wan_flf2v_bf16",
+                               "wan_ffn41",
+                               "flux2_mlp95",
+                               "h3_ffn45",
+                               "wan_i2v_txt20",
+                               "wan_i2v_txt600",
+                               "wan_flf2v_txt8",
+                               "qwenimage_edit2511",
+                               "qwenimage_layered"};
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             snprintf(d, sizeof d, "%s/%s", data, cases[i]);
             char cfgp[600];
