@@ -20,10 +20,10 @@ mdt_status mdt_input_f32_batch(const mdt_tensor_set *in, const char *name, int n
  * checked in place, uploaded straight from the caller's buffer); other dtypes are converted. */
 mdt_status mdt_input_f32_view(const mdt_tensor_set *in, const char *name, int ndim,
                               const int64_t *shape, mdt_arena *a, const float **out);
-/* Integer index input (I64/I32/I16/I8/U8) with every value in [lo, hi), as int64 in the arena. */
 /* Element i of integer tensor t (I64, I32, I16, I8, U8) as int64 into *v: 1, or 0 for another
  * dtype (nothing written). */
 int mdt_input_int_at(const mdt_tensor *t, int64_t i, int64_t *v);
+/* Integer index input (I64/I32/I16/I8/U8) with every value in [lo, hi), as int64 in the arena. */
 mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
                          int64_t lo, int64_t hi, mdt_arena *a, int64_t **out);
 /* Dimension `dim` of input `name`, or -1 when absent. */
