@@ -1262,15 +1262,20 @@ class QwenImageTransformer(Transformer):
                 controlnet_block_samples=None, additional_t_cond=None,
                 return_dict: bool = True):
         _refuse(guidance=guidance, attention_kwargs=attention_kwargs,
-                controlnet_block_samples=controlnet_block_samples,
-                additional_t_cond=additional_t_cond)
-        out = self._run({"hidden_states": hidden_states,
-                         "encoder_hidden_states": encoder_hidden_states,
-                         "encoder_hidden_states_mask": encoder_hidden_states_mask,
-                         "timestep": timestep,
-                         "img_shapes": _img_shapes(img_shapes, hidden_states.shape[0],
-                                                   bool(self.config.get("zero_cond_t", False)))},
-                        like=hidden_states)
+                controlnet_block_samples=controlnet_block_samples)
+        inputs = {"hidden_states": hidden_states,
+                  "encoder_hidden_states": encoder_hidden_states,
+                  "encoder_hidden_states_mask": encoder_hidden_states_mask,
+                  "timestep": timestep,
+                  "img_shapes": _img_shapes(img_shapes, hidden_states.shape[0],
+                                            bool(self.config.get("zero_cond_t", False)))}
+        if self.config.get("use_additional_t_cond", False):
+            inputs["additional_t_cond"] = additional_t_cond  # Qwen-Image-Layered's is_rgb
+        elif additional_t_cond is not None:
+            raise ValueError("meshdit: 'additional_t_cond' is given but the checkpoint's config "
+                             "has use_additional_t_cond false, so it has no embedding for it "
+                             "(diffusers ignores it then; meshdit refuses to)")
+        out = self._run(inputs, like=hidden_states)
         if not return_dict:
             return (out["sample"],)
         return Transformer2DModelOutput(sample=out["sample"])

@@ -570,6 +570,40 @@ def test_img_shapes_as_diffusers_reads_them(ckpt, forms):
             assert got.shape == ref.shape and rel(got, ref) <= TOL, form
 
 
+@pytest.mark.parametrize("layout", [{}, {"ulysses": 2}, {"tp": 2, "ring": 2}])
+def test_qwen_image_layered(layout):
+    """Qwen-Image-Layered (use_additional_t_cond, use_layer3d_rope), called as
+    QwenImageLayeredPipeline calls it (img_shapes a list per prompt, additional_t_cond a long
+    tensor), equals diffusers' transformer on one rank and on layouts; a [1] additional_t_cond
+    is every element's, as diffusers broadcasts it. Controls: the other embedding row gives
+    another output; the argument is required, and refused by a config without it."""
+    from diffusers import QwenImageTransformer2DModel
+
+    path = os.path.join(ROOT, "tests", "data", "qwenimage_layered")
+    x = {k: torch.from_numpy(v) for k, v in load_file(os.path.join(path, "inputs.safetensors")).items()}
+    x.pop("img_shapes")
+    rgb = x.pop("additional_t_cond")
+    shapes = [[(1, 2, 3)] * 3 + [(1, 3, 4)]] * 2
+    theirs = QwenImageTransformer2DModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        ref = theirs(**x, img_shapes=shapes, additional_t_cond=rgb).sample.numpy()
+        one = theirs(**x, img_shapes=shapes, additional_t_cond=rgb[:1]).sample.numpy()
+    assert rel(one, ref) > 100 * TOL  # the embedding row matters
+    with meshdit.Transformer.from_pretrained(path, **layout) as t:
+        got = t(**x, img_shapes=shapes, additional_t_cond=rgb).sample.numpy()
+        assert rel(got, ref) <= TOL, layout
+        got = t(**x, img_shapes=shapes, additional_t_cond=rgb[:1]).sample.numpy()
+        assert rel(got, one) <= TOL, layout
+        if not layout:
+            with pytest.raises(RuntimeError, match="'additional_t_cond' is missing"):
+                t(**x, img_shapes=shapes)
+    if not layout:
+        with meshdit.Transformer.from_pretrained(
+                os.path.join(ROOT, "tests", "data", "qwenimage_edit2511")) as t:
+            with pytest.raises(ValueError, match="use_additional_t_cond false"):
+                t(**x, img_shapes=shapes, additional_t_cond=rgb)
+
+
 def test_img_shapes_zero_cond_t():
     """Qwen-Image-Edit-2511 (zero_cond_t): diffusers modulates each element's rows past its own
     first image at timestep 0. Entries whose condition images differ but whose first images have

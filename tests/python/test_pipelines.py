@@ -361,3 +361,61 @@ def test_qwenimage_edit_pipeline(qwen_edit, layout):
     assert got.shape == ref.shape
     print(f"qwenimage edit {layout}: max rel diff {rel(got, ref):.2e}")
     assert rel(got, ref) <= TOL
+
+
+# ---- Qwen-Image-Layered: QwenImageLayeredPipeline decomposing an RGBA image into layers with a
+# use_additional_t_cond + use_layer3d_rope transformer (the input image, img_shapes' last entry, at
+# frame -1 and never stepped; the pipeline's is_rgb row added to the timestep embedding) ----
+LAYERED_LAYOUTS = [dict(), dict(ulysses=2), dict(tp=2, ring=2)]
+
+
+@pytest.fixture(scope="module")
+def qwen_layered(tmp_path_factory):
+    """The pipeline built once; diffusers' layers for seed 5 (and its transformer calls' inputs), for
+    seed 6, for another input image, and for the same weights with use_layer3d_rope False."""
+    import qwenimage_layered_pipeline as ql
+
+    root = str(tmp_path_factory.mktemp("qwenimage_layered_pipe"))
+    ql.build(root, seed=0)
+    pipe = ql.load(root)
+    calls, hook = ql._qe.img_shapes_hook(pipe.transformer)
+    ref = ql.generate(pipe, seed=5)
+    hook.remove()
+    controls = {"seed 6": ql.generate(pipe, seed=6),
+                "another input image": ql.generate(pipe, seed=5, image=ql.input_image(seed=1)),
+                "use_layer3d_rope False": ql.generate(
+                    ql.load(root, transformer=ql.load_transformer(root, use_layer3d_rope=False)), seed=5)}
+    return root, ref, calls, controls
+
+
+def test_qwenimage_layered_pipeline_controls(qwen_layered):
+    """diffusers' transformer gets the layers' rows then the input image's (img_shapes with 3
+    entries at 640 px), and each comparison below can fail: another seed, another input image and
+    the same weights without use_layer3d_rope each give other layers."""
+    import qwenimage_layered_pipeline as ql
+
+    root, ref, calls, controls = qwen_layered
+    assert len(calls) == 4  # 2 steps x (prompt, negative prompt)
+    for c in calls:
+        assert c["img_shapes"] == [[(1, 40, 40)] * 3]  # 2 latent frames (LAYERS + 1), the input image
+        assert c["hidden_states"] == (1, 3 * 1600, 4 * ql.Z_DIM)
+    assert ref.shape == (ql.LAYERS, ql.RESOLUTION, ql.RESOLUTION, 4)
+    for name, other in controls.items():
+        print(f"qwenimage layered: rel diff {name} {rel(other, ref):.2e}")
+        assert rel(other, ref) > 100 * TOL, name
+
+
+@pytest.mark.parametrize("layout", LAYERED_LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
+def test_qwenimage_layered_pipeline(qwen_layered, layout):
+    import qwenimage_layered_pipeline as ql
+
+    root, ref, ref_calls, _ = qwen_layered
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
+        assert t.config.use_additional_t_cond is True and t.config.use_layer3d_rope is True
+        calls, hook = ql._qe.img_shapes_hook(t)
+        got = ql.generate(ql.load(root, transformer=t), seed=5)
+        hook.remove()
+        assert t.stats["forwards"] == 4  # every transformer call ran on the mesh
+    assert calls == ref_calls
+    print(f"qwenimage layered {layout}: max rel diff {rel(got, ref):.2e}")
+    assert got.shape == ref.shape and rel(got, ref) <= TOL
