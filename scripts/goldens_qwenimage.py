@@ -27,6 +27,8 @@ def _perturb_norms(model, gen):
 def to_diffusers(inputs):
     kw = dict(inputs)
     kw["img_shapes"] = [[tuple(int(v) for v in img) for img in el] for el in kw["img_shapes"]]
+    if "controlnet_block_samples" in kw:  # meshdit's [B, N, S_img, C]: diffusers' list of N
+        kw["controlnet_block_samples"] = list(kw["controlnet_block_samples"].unbind(1))
     return kw
 
 
@@ -222,3 +224,26 @@ def qwenimage_cases(out_dir):
                     "[1, 0]) and use_layer3d_rope (three 2 x 3 layers, then the 3 x 4 input image "
                     "at frame -1); shared padded mask, 4 heads x 8, 2 blocks; expected_steps2 = "
                     "2-step Euler of the layers, the input image kept", steps=2)
+
+    # 7. ControlNet residuals (QwenImageControlNetPipeline's controlnet_block_samples, stacked as
+    #    [B, N, S_img, C]): 3 blocks with 2 residuals (blocks 0, 1 read residual 0, block 2
+    #    residual 1); batch 2 with masks that differ (one pass each: each takes its own
+    #    element's residuals), a 3 x 5 grid, 4 heads x 8.
+    torch.manual_seed(16)
+    gen = torch.Generator().manual_seed(16)
+    cfg = dict(patch_size=2, in_channels=8, out_channels=2, num_layers=3, attention_head_dim=8,
+               num_attention_heads=4, joint_attention_dim=12, axes_dims_rope=(2, 2, 4))
+    m = QwenImageTransformer2DModel(**cfg).eval()
+    _perturb_norms(m, gen)
+    inputs = {
+        "hidden_states": torch.randn(2, 15, 8, generator=gen),
+        "encoder_hidden_states": torch.randn(2, 6, 12, generator=gen),
+        "encoder_hidden_states_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1, 0, 1, 1, 1, 1]],
+                                                   dtype=torch.long),
+        "timestep": torch.tensor([0.9, 0.45]),
+        "img_shapes": _shapes(2, [[1, 3, 5]]),
+        "controlnet_block_samples": 0.5 * torch.randn(2, 2, 15, 32, generator=gen),
+    }
+    write_qwen_case(out_dir, "qwenimage_controlnet", m, inputs,
+                    "ControlNet residuals: 3 blocks with 2 ([B, N, S_img, C]); batch 2 with masks "
+                    "per element (a pass each), a 3 x 5 grid, 4 heads x 8")

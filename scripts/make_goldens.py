@@ -67,8 +67,9 @@ ONLY = None
 
 
 def write_case(out_dir, name, model, inputs, note, dtype=None, max_shard_size=None, steps=0,
-               cls=FluxTransformer2DModel):
-    """Writes case `name` (returns its directory), or nothing when --only leaves it out (None)."""
+               cls=FluxTransformer2DModel, to_ref=dict):
+    """Writes case `name` (returns its directory), or nothing when --only leaves it out (None).
+    to_ref maps the saved inputs to diffusers' forward arguments (its lists, its flags)."""
     if ONLY is not None and name not in ONLY:
         return None
     d = os.path.join(out_dir, name)
@@ -83,7 +84,7 @@ def write_case(out_dir, name, model, inputs, note, dtype=None, max_shard_size=No
     # Reload exactly what was saved and run it in float32 (bf16 values upcast, not re-rounded).
     ref = cls.from_pretrained(d, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        outs = ref(**inputs, return_dict=False)
+        outs = ref(**to_ref(inputs), return_dict=False)
         expected = {"sample": outs[0].contiguous()}
         if cls is MiniMaxH3Transformer3DModel:
             expected["audio_sample"] = outs[1].contiguous()
@@ -99,6 +100,72 @@ def write_case(out_dir, name, model, inputs, note, dtype=None, max_shard_size=No
     files = sorted(os.listdir(d))
     print(f"{name}: {files}")
     return d
+
+
+def controlnet_to_diffusers(inputs):
+    """meshdit's ControlNet residuals [B, N, S_img, C] as diffusers' lists of N [B, S_img, C], and
+    controlnet_blocks_repeat as the bool the pipelines pass."""
+    kw = dict(inputs)
+    for k in ("controlnet_block_samples", "controlnet_single_block_samples"):
+        if k in kw:
+            kw[k] = list(kw[k].unbind(1))
+    if "controlnet_blocks_repeat" in kw:
+        kw["controlnet_blocks_repeat"] = bool(kw["controlnet_blocks_repeat"].item())
+    return kw
+
+
+def flux_controlnet_cases(out_dir):
+    # ControlNet residuals: N per stack as one tensor [B, N, S_img, C] (docs/models.md). 3 double
+    # blocks with 2 residuals (ceil(3/2) = 2: blocks 0, 1 read residual 0, block 2 residual 1)
+    # and 5 single blocks with 3 (0, 0, 1, 1, 2); guidance, batch 2, heads 4 x 8, 23 image and
+    # 7 text tokens (odd, so CP chunks differ); residuals at half the stream's scale.
+    torch.manual_seed(5)
+    gen = torch.Generator().manual_seed(5)
+    cfg = dict(patch_size=1, in_channels=8, num_layers=3, num_single_layers=5,
+               attention_head_dim=8, num_attention_heads=4, joint_attention_dim=24,
+               pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=[2, 2, 4])
+    m = FluxTransformer2DModel(**cfg).eval()
+    perturb_norms(m, gen)
+    txt_ids = torch.zeros(7, 3)
+    txt_ids[:, 0] = torch.arange(7, dtype=torch.float32)
+    inputs = {
+        "hidden_states": torch.randn(2, 23, 8, generator=gen),
+        "encoder_hidden_states": torch.randn(2, 7, 24, generator=gen),
+        "pooled_projections": torch.randn(2, 16, generator=gen),
+        "img_ids": grid_ids(23),
+        "txt_ids": txt_ids,
+        "timestep": torch.tensor([0.8, 0.4]),
+        "guidance": torch.tensor([3.5, 2.0]),
+        "controlnet_block_samples": 0.5 * torch.randn(2, 2, 23, 32, generator=gen),
+        "controlnet_single_block_samples": 0.5 * torch.randn(2, 3, 23, 32, generator=gen),
+    }
+    write_case(out_dir, "flux_controlnet", m, inputs,
+               "ControlNet residuals: 3 double blocks with 2, 5 single with 3 ([B, N, S_img, C]); "
+               "guidance, batch 2, heads 4 x 8, 23 image + 7 text tokens",
+               to_ref=controlnet_to_diffusers)
+    # XLabs' repeated residuals (controlnet_blocks_repeat): 3 double blocks read 0, 1, 0 of 2; no
+    # single-block residuals; batch 1, 2 heads x 16, 13 image + 5 text tokens.
+    torch.manual_seed(6)
+    gen = torch.Generator().manual_seed(6)
+    cfg = dict(patch_size=1, in_channels=4, num_layers=3, num_single_layers=1,
+               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
+               pooled_projection_dim=16, axes_dims_rope=[4, 4, 8])
+    m = FluxTransformer2DModel(**cfg).eval()
+    perturb_norms(m, gen)
+    inputs = {
+        "hidden_states": torch.randn(1, 13, 4, generator=gen),
+        "encoder_hidden_states": torch.randn(1, 5, 16, generator=gen),
+        "pooled_projections": torch.randn(1, 16, generator=gen),
+        "img_ids": grid_ids(13),
+        "txt_ids": torch.zeros(5, 3),
+        "timestep": torch.tensor([0.6]),
+        "controlnet_block_samples": 0.5 * torch.randn(1, 2, 13, 32, generator=gen),
+        "controlnet_blocks_repeat": torch.tensor([True]),
+    }
+    write_case(out_dir, "flux_controlnet_repeat", m, inputs,
+               "XLabs ControlNet residuals repeated (controlnet_blocks_repeat): 3 double blocks "
+               "read residuals 0, 1, 0 of 2; batch 1, heads 2 x 16, 13 image + 5 text tokens",
+               to_ref=controlnet_to_diffusers)
 
 
 def main():
@@ -180,6 +247,7 @@ def main():
         with open(os.path.join(d, "diffusion_pytorch_model.safetensors.index.json")) as fp:
             assert len(set(json.load(fp)["weight_map"].values())) == 2
 
+    flux_controlnet_cases(args.out)
     h3_cases(args.out)
     flux2_cases(args.out)
     if ONLY is None or any(c.startswith("qwenimage") for c in ONLY):

@@ -57,6 +57,12 @@ mdt_status mdt_cp_take(mdt_cp *cp, const char *name, const void *x, size_t esize
     return MDT_OK;
 }
 
+void mdt_cp_absent(mdt_cp *cp, const char *name) {
+    const int i = cp->plan ? find(cp->plan->split, cp->plan->nsplit, name) : -1;
+    if (i >= 0)
+        cp->taken |= 1u << i;
+}
+
 mdt_status mdt_cp_gather_rows(mdt_mesh *mesh, mdt_arena *ar, int P, int64_t B, int64_t S, int64_t O,
                               const float *loc, float *full) {
     if (P == 1) {

@@ -35,6 +35,10 @@ mdt_status mdt_cp_take(mdt_cp *cp, const char *name, const void *x, size_t esize
                        const int64_t *shape, mdt_arena *a, const void **local, int64_t *start,
                        int64_t *len);
 
+/* Counts optional split input `name` as taken: the forward was not given it, so there is
+ * nothing to split. */
+void mdt_cp_absent(mdt_cp *cp, const char *name);
+
 /* Gathers output `name` into the host tensor `out` [B, rows, O] the caller added: every chunk c
  * holds loc [B, n_c, O] (rows c of S, in the backend's memory); full [B, S, O] is built in `ar`
  * in chunk order; a plain gather copies it (rows = S), a `by` gather copies its rows idx[0:rows]

@@ -13,6 +13,7 @@
  * its text chunk then its image chunk; the output's image rows gathered.
  */
 #include "models/cache.h"
+#include "models/controlnet.h"
 #include "models/joint.h"
 
 #include "backend/backend.h"
@@ -161,13 +162,48 @@ static mdt_status flux_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
 
 /* ---- forward ---- */
 
+/* diffusers' Flux _cp_plan, and the ControlNet residuals [B, N, S_img, C] split with the image
+ * rows (controlnet.h) */
+static const mdt_cp_plan k_flux_cp_plan = {
+    .nsplit = 6,
+    .split = {{"hidden_states", 1, NULL},
+              {"encoder_hidden_states", 1, NULL},
+              {"img_ids", 0, NULL},
+              {"txt_ids", 0, NULL},
+              {"controlnet_block_samples", 2, NULL},
+              {"controlnet_single_block_samples", 2, NULL}},
+    .ngather = 1,
+    .gather = {{"sample", 1, NULL}},
+};
+
 /* A forward's inputs on this rank: read, checked, cut by the CP plan and uploaded. */
 typedef struct flux_in {
-    mdt_joint_in s;    /* the image and text streams, this rank's chunks */
-    const float *e256; /* [2, B, 256] timestep and guidance projections */
-    const float *pool; /* [B, pooled] */
-    mdt_rope rope;     /* [st + si, D] text rows first */
+    mdt_joint_in s;          /* the image and text streams, this rank's chunks */
+    const float *e256;       /* [2, B, 256] timestep and guidance projections */
+    const float *pool;       /* [B, pooled] */
+    mdt_rope rope;           /* [st + si, D] text rows first */
+    mdt_ctl ctl, ctl_single; /* ControlNet residuals after the double / single blocks */
 } flux_in;
+
+/* The ControlNet residuals of both stacks (controlnet.h), this rank's rows. */
+static mdt_status read_controlnet(const flux *f, mdt_dit *d, const mdt_tensor_set *in, flux_in *x) {
+    static const char *const names[] = {"controlnet_block_samples",
+                                        "controlnet_single_block_samples"};
+    mdt_ctl *c[] = {&x->ctl, &x->ctl_single};
+    int repeat;
+    MDT_TRY(mdt_ctl_read_flag(in, "controlnet_blocks_repeat", &repeat));
+    for (int k = 0; k < 2; k++) {
+        const float *v;
+        int64_t N;
+        MDT_TRY(mdt_ctl_read(d, in, names[k], x->s.Si, f->inner, &v, &N));
+        MDT_TRY(
+            mdt_ctl_take(d, names[k], v, 0, x->s.B, N, x->s.Si, f->inner, k == 0 && repeat, c[k]));
+    }
+    if (repeat && !x->ctl.r)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: 'controlnet_blocks_repeat' is set but there is no "
+                                       "'controlnet_block_samples' to repeat");
+    return MDT_OK;
+}
 
 static mdt_status flux_read(const flux *f, mdt_dit *d, const mdt_tensor_set *in, flux_in *x) {
     MDT_TRY(mdt_joint_read_streams(d, in, f->in_ch, f->joint_dim, 1, &x->s));
@@ -198,7 +234,9 @@ static mdt_status flux_read(const flux *f, mdt_dit *d, const mdt_tensor_set *in,
     x->s.ehs = mdt_k_upload(ar, x->s.ehs, sizeof(float) * (size_t)(B * x->s.st * f->joint_dim));
     x->e256 = mdt_k_upload(ar, e256, sizeof(float) * (size_t)(2 * B * 256));
     x->pool = mdt_k_upload(ar, pooled, sizeof(float) * (size_t)(B * f->pooled_dim));
-    return x->s.hs && x->s.ehs && x->e256 && x->pool ? MDT_OK : MDT_E_NOMEM;
+    if (!x->s.hs || !x->s.ehs || !x->e256 || !x->pool)
+        return MDT_E_NOMEM;
+    return read_controlnet(f, d, in, x);
 }
 
 /* What every block of one forward reads: the model, the inputs, the heads' scratch. */
@@ -317,6 +355,10 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
                             MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
                                 MDT_CACHE_BIT(MDT_CACHE_TAYLOR),
                             f->layers + f->single_layers, &cache));
+    if (cache && (x.ctl.r || x.ctl_single.r))
+        return MDT_FAIL(MDT_E_UNSUPPORTED,
+                        "cache: a step cache with ControlNet residuals is not supported (a "
+                        "skipped block would skip its residual); run the ControlNet without one");
     const mdt_cache_rows img = {xs, si, C, si * C}; /* the image stream: decides, is cached */
     float *x0;
     int64_t ran = 0;
@@ -324,6 +366,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     for (int64_t i = 0; i < f->layers && !skip; i++) {   /* double blocks: image and text */
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&run, &d, &f->dbl[i], xs, c, i));
+        mdt_ctl_add(&x.ctl, i, f->layers, xs, si * C); /* the ControlNet's residual */
         mdt_dit_block_done(&d, mk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
                            2);
         ran++;
@@ -336,6 +379,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     for (int64_t i = 0; i < f->single_layers && !skip; i++) { /* single blocks: the joint rows */
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(single_block(&run, &d, &f->sgl[i], h, i));
+        mdt_ctl_add(&x.ctl_single, i, f->single_layers, h + st * C, S * C); /* image rows */
         mdt_dit_block_done(&d, mk, "single_transformer_blocks", i, &(mdt_stream){h, S, C}, 1);
         ran++;
     }
@@ -357,7 +401,10 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
 #define FLUX_INPUTS                                                                                \
     {"hidden_states", MDT_IN_BATCH}, {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},      \
         {"pooled_projections", MDT_IN_BATCH | MDT_IN_BRANCH},                                      \
-        {"timestep", MDT_IN_BATCH | MDT_IN_SHARED}, {"img_ids", 0}, {                              \
+        {"controlnet_block_samples", MDT_IN_BATCH | MDT_IN_OPTIONAL},                              \
+        {"controlnet_single_block_samples", MDT_IN_BATCH | MDT_IN_OPTIONAL},                       \
+        {"controlnet_blocks_repeat", MDT_IN_OPTIONAL}, {"timestep", MDT_IN_BATCH | MDT_IN_SHARED}, \
+        {"img_ids", 0}, {                                                                          \
         "txt_ids", MDT_IN_BRANCH                                                                   \
     }
 static const mdt_input_decl *flux_inputs(const void *impl) {
@@ -397,4 +444,4 @@ static mdt_status flux_make_inputs(const void *impl, const mdt_inputs_params *p,
 }
 
 const mdt_family mdt_family_flux =
-    MDT_FAMILY(flux, "flux", "FluxTransformer2DModel", mdt_joint_cp_plan, "sample");
+    MDT_FAMILY(flux, "flux", "FluxTransformer2DModel", k_flux_cp_plan, "sample");

@@ -21,8 +21,9 @@
  * output): the forward drops the masked text rows before the split, each kept row keeping its
  * RoPE position — the same result as diffusers' masked softmax, with less work. Elements whose
  * masks differ run one pass each. Refused: `guidance` (diffusers 0.42.1 fails with it),
- * `txt_seq_lens` (removed in 0.42.1), `additional_t_cond` and `controlnet_block_samples`;
- * attention_kwargs carries only a LoRA scale in diffusers (no tensor, nothing to encode).
+ * `txt_seq_lens` (removed in 0.42.1); attention_kwargs carries only a LoRA scale in diffusers
+ * (no tensor, nothing to encode). `controlnet_block_samples` [B, N, Si, C] (controlnet.h): residual
+ * i / ceil(L / N) added to the image rows after block i.
  * Qwen-Image-Layered: use_additional_t_cond adds row `additional_t_cond[b]` (0 or 1; int [B] or
  * [1], required) of time_text_embed.addition_t_embedding [2, C] to element b's temb (to both its
  * t and 0 t rows under zero_cond_t, as diffusers' broadcast does for one element);
@@ -41,6 +42,7 @@
  * `sample` gathered on dim 1 after proj_out.
  */
 #include "models/cache.h"
+#include "models/controlnet.h"
 #include "models/joint.h"
 
 #include "backend/backend.h"
@@ -70,8 +72,10 @@ typedef struct qwen {
 } qwen;
 
 static const mdt_cp_plan k_qwen_cp_plan = {
-    .nsplit = 2,
-    .split = {{"hidden_states", 1, NULL}, {"encoder_hidden_states", 1, NULL}},
+    .nsplit = 3,
+    .split = {{"hidden_states", 1, NULL},
+              {"encoder_hidden_states", 1, NULL},
+              {"controlnet_block_samples", 2, NULL}},
     .ngather = 1,
     .gather = {{"sample", 1, NULL}},
 };
@@ -164,6 +168,7 @@ static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
 #define QWEN_INPUTS                                                                                \
     {"hidden_states", MDT_IN_BATCH}, {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},      \
         {"encoder_hidden_states_mask", MDT_IN_BATCH | MDT_IN_BRANCH | MDT_IN_OPTIONAL},            \
+        {"controlnet_block_samples", MDT_IN_BATCH | MDT_IN_OPTIONAL},                              \
         {"timestep", MDT_IN_BATCH | MDT_IN_SHARED}, {                                              \
         "img_shapes", MDT_IN_BATCH                                                                 \
     }
@@ -191,6 +196,8 @@ typedef struct qwen_in {
     int64_t n0;            /* rows of an element's first image (img_shapes[b][0]) */
     const float *e256;     /* [B, 256] timestep sinusoids, then (zero_cond_t) [B, 256] of 0 */
     const int64_t *add_t;  /* [B] additional_t_cond (use_additional_t_cond), else NULL */
+    const float *ctl;      /* host [B, N, Si, C] ControlNet residuals (controlnet.h), or NULL */
+    int64_t ctl_n;         /* their N */
 } qwen_in;
 
 /* e [n, 256] = [cos, sin] of ((t f_i) x 1000), f_i = exp(-ln(1e4) i / 128) in float32 math:
@@ -323,6 +330,7 @@ static mdt_status qwen_read(const qwen *f, mdt_dit *d, const mdt_tensor_set *in,
     MDT_TRY(read_img_shapes(f, in, x, d->ha));
     if (f->add_t_cond)
         MDT_TRY(read_add_t_cond(in, x, d->ha));
+    MDT_TRY(mdt_ctl_read(d, in, "controlnet_block_samples", x->Si, f->inner, &x->ctl, &x->ctl_n));
     /* zero_cond_t: diffusers' timestep = cat(t, 0 t), the condition images' rows modulated by
      * the second half of the embedding */
     const int64_t Bc = f->zero_cond_t ? 2 * B : B;
@@ -452,7 +460,9 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
                         &s0t, &st));
     mdt_rope rope;
     mdt_heads hd;
+    mdt_ctl ctl;
     MDT_TRY(rope_table(f, d, x, keep + s0t, st, s0i, si, &rope));
+    MDT_TRY(mdt_ctl_take(d, "controlnet_block_samples", x->ctl, b0, n, x->ctl_n, Si, C, 0, &ctl));
     d->B = n, d->cond = cond + b0 * C, d->cond_rows = n, d->cond_width = C;
     qwen_zero zero = {NULL, 0}; /* zero_cond_t: this pass's [t | 0] rows; its first image rows */
     if (f->zero_cond_t) {
@@ -492,6 +502,7 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
         const mdt_arena_mark bk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c, i,
                              f->zero_cond_t ? &zero : NULL));
+        mdt_ctl_add(&ctl, i, f->layers, xs, si * C); /* the ControlNet's residual */
         mdt_dit_block_done(d, bk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
                            2);
         ran++;
@@ -559,6 +570,10 @@ static mdt_status qwen_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
                             MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
                                 MDT_CACHE_BIT(MDT_CACHE_TAYLOR),
                             f->layers, &cache));
+    if (cache && x.ctl)
+        return MDT_FAIL(MDT_E_UNSUPPORTED,
+                        "cache: a step cache with ControlNet residuals is not supported (a "
+                        "skipped block would skip its residual); run the ControlNet without one");
     if (cache && !same && B > 1)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "cache: the batch's elements attend different text tokens "

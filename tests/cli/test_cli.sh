@@ -131,6 +131,31 @@ else bad "a [1] timestep matched the golden's two distinct timesteps"; fi
 "$ST_EDIT" "$DATA/flux_guidance/inputs.safetensors" "$T/three.st" guidance@grow
 expect_error timestep-batch 1 "tensor 'guidance' has shape \\[3\\], expected \\[2\\] or \\[1\\]" -- \
     "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$T/three.st" --out "$T/out.safetensors"
+# ControlNet residuals ([B, N, S_img, C] per stack): the goldens above equal diffusers; negative
+# controls: without the single-block residuals, without XLabs' repeat flag (blocks read 0, 1, 0 of
+# the 2 residuals, not 0, 0, 1), and with element 1 given element 0's residuals (Qwen-Image runs
+# the two elements, whose masks differ, in a pass each) each miss the golden
+FC=$DATA/flux_controlnet FR=$DATA/flux_controlnet_repeat QC=$DATA/qwenimage_controlnet
+misses() { # misses NAME CKPT INPUTS: the run succeeds and misses the checkpoint's golden
+    if "$BIN" run --checkpoint "$2" --inputs "$3" --out "$T/miss.safetensors" --quiet &&
+       ! "$BIN" compare "$T/miss.safetensors" "$2/expected.safetensors" --tol 1e-3 >/dev/null; then ok
+    else bad "$1 made no difference"; fi
+}
+"$ST_EDIT" "$FC/inputs.safetensors" "$T/fc_nosingle.st" controlnet_single_block_samples@drop
+misses "controlnet_single_block_samples" "$FC" "$T/fc_nosingle.st"
+"$ST_EDIT" "$FR/inputs.safetensors" "$T/fr_norepeat.st" controlnet_blocks_repeat@drop
+misses "controlnet_blocks_repeat" "$FR" "$T/fr_norepeat.st"
+"$ST_EDIT" "$QC/inputs.safetensors" "$T/qc_rep.st" controlnet_block_samples@repeat
+misses "a Qwen pass's own residuals" "$QC" "$T/qc_rep.st"
+"$ST_EDIT" "$FR/inputs.safetensors" "$T/fr_flag.st" controlnet_block_samples@drop
+expect_error controlnet-repeat-alone 1 "'controlnet_blocks_repeat' is set but there is no" -- \
+    "$BIN" run --checkpoint "$FR" --inputs "$T/fr_flag.st" --out "$T/out.safetensors"
+"$ST_EDIT" "$FC/inputs.safetensors" "$T/fc_batch.st" controlnet_block_samples@grow
+expect_error controlnet-batch 1 "tensor 'controlnet_block_samples' has shape \\[3, 2, 23, 32\\], expected \\[2, 2, 23, 32\\]" -- \
+    "$BIN" run --checkpoint "$FC" --inputs "$T/fc_batch.st" --out "$T/out.safetensors"
+expect_error controlnet-cache 1 "a step cache with ControlNet residuals is not supported" -- \
+    "$BIN" run --checkpoint "$QC" --inputs "$QC/inputs.safetensors" --out "$T/out.safetensors" \
+    --steps 2 --cache first_block:threshold=0.05
 # Qwen-Image-Layered's inputs: additional_t_cond is required, an embedding row (0 or 1), and
 # only for a config with use_additional_t_cond; the input image (the last) is one frame
 "$ST_EDIT" "$QL/inputs.safetensors" "$T/ql_none.st" additional_t_cond@drop

@@ -442,7 +442,10 @@ int main(int argc, char **argv) {
                                "wan_i2v_txt600",
                                "wan_flf2v_txt8",
                                "qwenimage_edit2511",
-                               "qwenimage_layered"};
+                               "qwenimage_layered",
+                               "flux_controlnet",
+                               "flux_controlnet_repeat",
+                               "qwenimage_controlnet"};
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             snprintf(d, sizeof d, "%s/%s", data, cases[i]);
             char cfgp[600];

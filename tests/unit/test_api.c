@@ -102,8 +102,12 @@ static void test_info_and_plan(void) {
     if (!v)
         return;
     EXPECT(strcmp(mdt_model_info_family(v), "flux") == 0, "family");
-    EXPECT(mdt_model_info_cp_count(v, 0) == 4 && mdt_model_info_cp_count(v, 1) == 1, "cp plan");
+    /* the streams, the ids and the ControlNet residuals of both block stacks */
+    EXPECT(mdt_model_info_cp_count(v, 0) == 6 && mdt_model_info_cp_count(v, 1) == 1, "cp plan");
     int dim = -1;
+    EXPECT(strcmp(mdt_model_info_cp_entry(v, 0, 4, &dim, NULL), "controlnet_block_samples") == 0 &&
+               dim == 2,
+           "controlnet split");
     EXPECT(strcmp(mdt_model_info_cp_entry(v, 1, 0, &dim, NULL), "sample") == 0 && dim == 1,
            "gather");
     mdt_weight_info w;

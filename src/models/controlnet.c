@@ -1,0 +1,64 @@
+/*
+ * controlnet.c — see controlnet.h.
+ */
+#include "models/controlnet.h"
+
+mdt_status mdt_ctl_read(mdt_dit *d, const mdt_tensor_set *in, const char *name, int64_t Si,
+                        int64_t C, const float **x, int64_t *N) {
+    *x = NULL, *N = 0;
+    if (!mdt_tensor_set_get(in, name)) {
+        mdt_cp_absent(&d->cp, name);
+        return MDT_OK;
+    }
+    const int64_t n = mdt_input_dim(in, name, 1);
+    MDT_TRY(mdt_input_f32_view(in, name, 4, (int64_t[]){d->B, n, Si, C}, d->ha, x));
+    if (n < 1)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: tensor '%s' holds no residual (dim 1 is 0); leave it out for "
+                        "none",
+                        name);
+    *N = n;
+    return MDT_OK;
+}
+
+mdt_status mdt_ctl_read_flag(const mdt_tensor_set *in, const char *name, int *flag) {
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    int64_t v = 0;
+    *flag = 0;
+    if (!t)
+        return MDT_OK;
+    if (mdt_tensor_numel(t) != 1 || t->ndim > 1 ||
+        (t->dtype != MDT_BOOL && !mdt_input_int_at(t, 0, &v)))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: tensor '%s' must be one BOOL or integer element (0 or 1)", name);
+    if (t->dtype == MDT_BOOL)
+        v = ((const uint8_t *)t->data)[0] != 0;
+    if (v != 0 && v != 1)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' is %lld; it is a flag, 0 or 1", name,
+                        (long long)v);
+    *flag = (int)v;
+    return MDT_OK;
+}
+
+mdt_status mdt_ctl_take(mdt_dit *d, const char *name, const float *x, int64_t b0, int64_t n,
+                        int64_t N, int64_t Si, int64_t C, int repeat, mdt_ctl *c) {
+    const void *loc;
+    int64_t s0, si;
+    *c = (mdt_ctl){.n = n, .N = N, .C = C, .repeat = repeat};
+    if (!x)
+        return MDT_OK;
+    MDT_TRY(mdt_cp_take(&d->cp, name, x + b0 * N * Si * C, sizeof(float), 4,
+                        (int64_t[]){n, N, Si, C}, d->ha, &loc, &s0, &si));
+    c->si = si;
+    c->r = mdt_k_upload(d->ar, loc, sizeof(float) * (size_t)(n * N * si * C)); // [n, N, si, C]
+    return c->r ? MDT_OK : MDT_E_NOMEM;
+}
+
+void mdt_ctl_add(const mdt_ctl *c, int64_t i, int64_t L, float *x, int64_t ld) {
+    if (!c->r)
+        return;
+    const int64_t every = (L + c->N - 1) / c->N; /* diffusers: ceil(L / N) */
+    const int64_t k = c->repeat ? i % c->N : i / every, rows = c->si * c->C;
+    for (int64_t e = 0; e < c->n; e++)
+        mdt_k()->add(x + e * ld, c->r + (e * c->N + k) * rows, rows); // [si, C]
+}
