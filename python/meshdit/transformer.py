@@ -5,8 +5,9 @@ lives on the mesh. The object stands in for the family's diffusers model: it is 
 ``ModelMixin`` (so ``FluxPipeline.from_pretrained(DIR, transformer=t)`` accepts it), has
 ``.config`` (the checkpoint's config.json, attribute access as diffusers' FrozenDict), ``.dtype``,
 ``.device``, ``cache_context(name)``, and ``forward``/``__call__`` with the family's diffusers
-argument names and return types. Arguments meshdit does not implement (ControlNet residuals,
-IP-adapter inputs) raise ``NotImplementedError``; nothing is silently ignored. diffusers' LoRA
+argument names and return types. ControlNet residuals go to the mesh (stacked, docs/models.md);
+arguments meshdit does not implement (IP-adapter inputs) raise ``NotImplementedError``; nothing
+is silently ignored. diffusers' LoRA
 API (``pipe.load_lora_weights``, ``set_adapters``, ``fuse_lora``, the attention kwargs' ``scale``,
 ...) works: the adapters are fused on the mesh (meshdit/_lora.py, docs/lora.md).
 
@@ -102,9 +103,42 @@ def _refuse(**args) -> None:
         what = (", ".join(f"{k}={x!r}" if k == "scale" else repr(k) for k, x in sorted(v.items()))
                 if isinstance(v, dict) else "a value")
         raise NotImplementedError(
-            f"meshdit: '{name}' with {what} is not supported (ControlNet residuals, IP-adapter "
-            f"inputs and KV caches are not implemented); meshdit runs the checkpoint's own "
-            f"weights and the adapters loaded on it on the inputs it is given")
+            f"meshdit: '{name}' with {what} is not supported (IP-adapter inputs and KV caches "
+            f"are not implemented); meshdit runs the checkpoint's own weights and the adapters "
+            f"loaded on it on the inputs it is given")
+
+
+def _controlnet(samples, name: str):
+    """A ControlNet's residuals as diffusers passes them (a list of N tensors [B, S_img, C], or a
+    tensor [N, B, S_img, C], which diffusers indexes alike) as meshdit's one tensor
+    [B, N, S_img, C] (docs/models.md); None stays None."""
+    if samples is None:
+        return None
+    if isinstance(samples, torch.Tensor):
+        if samples.ndim != 4:
+            raise ValueError(f"meshdit: '{name}' as a tensor must be [N, B, S_img, C] (diffusers "
+                             f"indexes its first dim), not {list(samples.shape)}")
+        return samples.transpose(0, 1).contiguous()
+    if not isinstance(samples, (list, tuple)) or not samples or \
+            not all(isinstance(t, torch.Tensor) for t in samples):
+        raise ValueError(f"meshdit: '{name}' must be a non-empty list of tensors [B, S_img, C] "
+                         f"(one per residual), got {type(samples).__name__}"
+                         f"{' (empty)' if isinstance(samples, (list, tuple)) and not samples else ''}")
+    shapes = {tuple(t.shape) for t in samples}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 3:
+        raise ValueError(f"meshdit: '{name}': every residual must be [B, S_img, C] of one shape, "
+                         f"got {sorted(list(s) for s in shapes)}")
+    return torch.stack([t.detach() for t in samples], dim=1)
+
+
+def _controlnet_inputs(block, single=None, repeat=False) -> dict:
+    """The ControlNet arguments of a forward as meshdit's inputs (docs/models.md)."""
+    out = {"controlnet_block_samples": _controlnet(block, "controlnet_block_samples")}
+    if single is not None:
+        out["controlnet_single_block_samples"] = _controlnet(single, "controlnet_single_block_samples")
+    if repeat:  # XLabs' ControlNets: residual i mod N after block i
+        out["controlnet_blocks_repeat"] = torch.tensor([1], dtype=torch.int64)
+    return out
 
 
 # ---- the checkpoint: a Hub id from the local cache, the files meshdit reads --------------------
@@ -1114,7 +1148,8 @@ class FluxTransformer(Transformer):
     """Stands in for diffusers' FluxTransformer2DModel."""
 
     family, class_name = "flux", "FluxTransformer2DModel"
-    per_step = frozenset({"hidden_states", "timestep"})
+    per_step = frozenset({"hidden_states", "timestep", "controlnet_block_samples",
+                          "controlnet_single_block_samples"})
 
     @_eager
     @_locked
@@ -1125,17 +1160,17 @@ class FluxTransformer(Transformer):
                 guidance: torch.Tensor = None, joint_attention_kwargs: dict | None = None,
                 controlnet_block_samples=None, controlnet_single_block_samples=None,
                 return_dict: bool = True, controlnet_blocks_repeat: bool = False):
-        _refuse(joint_attention_kwargs=joint_attention_kwargs,
-                controlnet_block_samples=controlnet_block_samples,
-                controlnet_single_block_samples=controlnet_single_block_samples,
-                controlnet_blocks_repeat=controlnet_blocks_repeat)
+        _refuse(joint_attention_kwargs=joint_attention_kwargs)
         if guidance is not None and not self.config.get("guidance_embeds", False):
             raise ValueError("meshdit: 'guidance' was given, but this FluxTransformer2DModel has "
                              "no guidance embedding (config guidance_embeds is false)")
         out = self._run({"hidden_states": hidden_states,
                          "encoder_hidden_states": encoder_hidden_states,
                          "pooled_projections": pooled_projections, "timestep": timestep,
-                         "img_ids": img_ids, "txt_ids": txt_ids, "guidance": guidance},
+                         "img_ids": img_ids, "txt_ids": txt_ids, "guidance": guidance,
+                         **_controlnet_inputs(controlnet_block_samples,
+                                              controlnet_single_block_samples,
+                                              bool(controlnet_blocks_repeat))},
                         like=hidden_states)
         if not return_dict:
             return (out["sample"],)
@@ -1250,7 +1285,7 @@ class QwenImageTransformer(Transformer):
     [B, n, 3] tensor, `encoder_hidden_states_mask` as it is."""
 
     family, class_name = "qwenimage", "QwenImageTransformer2DModel"
-    per_step = frozenset({"hidden_states", "timestep"})
+    per_step = frozenset({"hidden_states", "timestep", "controlnet_block_samples"})
 
     @_eager
     @_locked
@@ -1261,9 +1296,9 @@ class QwenImageTransformer(Transformer):
                 guidance: torch.Tensor = None, attention_kwargs: dict | None = None,
                 controlnet_block_samples=None, additional_t_cond=None,
                 return_dict: bool = True):
-        _refuse(guidance=guidance, attention_kwargs=attention_kwargs,
-                controlnet_block_samples=controlnet_block_samples)
-        inputs = {"hidden_states": hidden_states,
+        _refuse(guidance=guidance, attention_kwargs=attention_kwargs)
+        inputs = {**_controlnet_inputs(controlnet_block_samples),
+                  "hidden_states": hidden_states,
                   "encoder_hidden_states": encoder_hidden_states,
                   "encoder_hidden_states_mask": encoder_hidden_states_mask,
                   "timestep": timestep,

@@ -604,6 +604,42 @@ def test_qwen_image_layered(layout):
                 t(**x, img_shapes=shapes, additional_t_cond=rgb)
 
 
+@pytest.mark.parametrize("case", ["flux_controlnet", "flux_controlnet_repeat", "qwenimage_controlnet"])
+def test_controlnet_residuals(case):
+    """ControlNet residuals as the pipelines pass them (lists of [B, S_img, C], XLabs' repeat flag,
+    Qwen-Image's padded masks) and as a tensor [N, B, S_img, C] (diffusers indexes either) equal
+    diffusers' transformer; malformed ones are refused in one line naming the argument."""
+    import diffusers
+
+    path = os.path.join(ROOT, "tests", "data", case)
+    x = {k: torch.from_numpy(v) for k, v in load_file(os.path.join(path, "inputs.safetensors")).items()}
+    for k in ("controlnet_block_samples", "controlnet_single_block_samples"):
+        if k in x:
+            x[k] = list(x[k].unbind(1))
+    if "controlnet_blocks_repeat" in x:
+        x["controlnet_blocks_repeat"] = bool(x["controlnet_blocks_repeat"].item())
+    if "img_shapes" in x:
+        x["img_shapes"] = [[tuple(int(v) for v in img) for img in el] for el in x["img_shapes"]]
+    cls = diffusers.QwenImageTransformer2DModel if case.startswith("qwen") else diffusers.FluxTransformer2DModel
+    theirs = cls.from_pretrained(path).eval()
+    with torch.no_grad():
+        ref = theirs(**x).sample.numpy()
+        plain = theirs(**{k: v for k, v in x.items() if not k.startswith("controlnet")}).sample.numpy()
+    assert rel(plain, ref) > 100 * TOL  # the residuals matter
+    with meshdit.Transformer.from_pretrained(path, ulysses=2) as t:
+        assert rel(t(**x).sample.numpy(), ref) <= TOL
+        as_tensor = dict(x, controlnet_block_samples=torch.stack(x["controlnet_block_samples"]))
+        assert rel(t(**as_tensor).sample.numpy(), ref) <= TOL
+        with pytest.raises(ValueError, match="'controlnet_block_samples' must be a non-empty list"):
+            t(**dict(x, controlnet_block_samples=[]))
+        short = [r[:, :-1] for r in x["controlnet_block_samples"]]
+        with pytest.raises(meshdit.ServerError, match="tensor 'controlnet_block_samples' has shape"):
+            t(**dict(x, controlnet_block_samples=short))
+        mixed = [x["controlnet_block_samples"][0], x["controlnet_block_samples"][0][:, :-1]]
+        with pytest.raises(ValueError, match="every residual must be \\[B, S_img, C\\] of one shape"):
+            t(**dict(x, controlnet_block_samples=mixed))
+
+
 def test_img_shapes_zero_cond_t():
     """Qwen-Image-Edit-2511 (zero_cond_t): diffusers modulates each element's rows past its own
     first image at timestep 0. Entries whose condition images differ but whose first images have

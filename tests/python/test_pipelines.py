@@ -419,3 +419,46 @@ def test_qwenimage_layered_pipeline(qwen_layered, layout):
     assert calls == ref_calls
     print(f"qwenimage layered {layout}: max rel diff {rel(got, ref):.2e}")
     assert got.shape == ref.shape and rel(got, ref) <= TOL
+
+
+# ---- ControlNet: FluxControlNetPipeline and QwenImageControlNetPipeline, the ControlNet in the
+# pipeline's process and its residuals sent to the mesh each step; true CFG reads them in both
+# branches (Qwen-Image: two prompts whose masks differ, a pass each on the mesh) ----
+CONTROLNET_LAYOUTS = [dict(), dict(ulysses=2), dict(tp=2), dict(tp=2, ring=2)]
+
+
+@pytest.fixture(scope="module", params=["flux", "qwenimage"])
+def controlnet_pipe(request, tmp_path_factory):
+    """(family, root, diffusers' image for seed 3, the controls: conditioning scale 0 (no
+    residuals), another control image)."""
+    import controlnet_pipeline as cp
+
+    fam = request.param
+    root = str(tmp_path_factory.mktemp(f"controlnet_{fam}"))
+    cp.build(root, fam, seed=0)
+    pipe = cp.load(root, fam)
+    ref = cp.generate(pipe, fam, seed=3)
+    controls = {"no residuals": cp.generate(pipe, fam, seed=3, scale=0.0),
+                "another control image": cp.generate(pipe, fam, seed=3, image=cp.control_image(seed=1))}
+    return fam, root, ref, controls
+
+
+def test_controlnet_pipeline_controls(controlnet_pipe):
+    """Each comparison below can fail: without the residuals, or with another control image, the
+    pipeline gives another image."""
+    fam, _, ref, controls = controlnet_pipe
+    for name, other in controls.items():
+        print(f"{fam} controlnet: rel diff {name} {rel(other, ref):.2e}")
+        assert rel(other, ref) > 100 * TOL, name
+
+
+@pytest.mark.parametrize("layout", CONTROLNET_LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "1rank")
+def test_controlnet_pipeline(controlnet_pipe, layout):
+    import controlnet_pipeline as cp
+
+    fam, root, ref, _ = controlnet_pipe
+    with meshdit.Transformer.from_pretrained(f"{root}/transformer", **layout) as t:
+        got = cp.generate(cp.load(root, fam, transformer=t), fam, seed=3)
+        assert t.stats["forwards"] == 4  # 2 steps x 2 branches, every call on the mesh
+    print(f"{fam} controlnet {layout}: max rel diff {rel(got, ref):.2e}")
+    assert got.shape == ref.shape and rel(got, ref) <= TOL
