@@ -24,9 +24,9 @@
  * `txt_seq_lens` (removed in 0.42.1); attention_kwargs carries only a LoRA scale in diffusers
  * (no tensor, nothing to encode). `controlnet_block_samples` [B, N, Si, C] (controlnet.h): residual
  * i / ceil(L / N) added to the image rows after block i.
- * Qwen-Image-Layered: use_additional_t_cond adds row `additional_t_cond[b]` (0 or 1; int [B] or
- * [1], required) of time_text_embed.addition_t_embedding [2, C] to element b's temb (to both its
- * t and 0 t rows under zero_cond_t, as diffusers' broadcast does for one element);
+ * Qwen-Image-Layered: use_additional_t_cond adds row `additional_t_cond[b]` (0 or 1; int [B], or
+ * [1] or 0-d for the batch; required) of time_text_embed.addition_t_embedding [2, C] to element
+ * b's temb (under zero_cond_t one value only, added to the t and 0 t rows: diffusers' broadcast);
  * use_layer3d_rope puts the last image of img_shapes (the pipeline's input image, one frame) at
  * frame position -1 and the text from max(top, n - 1) on.
  * zero_cond_t (Qwen-Image-Edit-2511): the timestep embedding of t and of 0 t; each element's
@@ -304,12 +304,22 @@ static mdt_status read_img_shapes(const qwen *f, const mdt_tensor_set *in, qwen_
     return MDT_OK;
 }
 
-/* additional_t_cond, int [B] or [1] of 0 / 1 (nn.Embedding(2, C)'s rows): element b's row. */
-static mdt_status read_add_t_cond(const mdt_tensor_set *in, qwen_in *x, mdt_arena *ha) {
+/* additional_t_cond, int [B], [1] or [] of 0 / 1 (nn.Embedding(2, C)'s rows): element b's row
+ * (one value: every element's, as diffusers broadcasts it). */
+static mdt_status read_add_t_cond(const qwen *f, const mdt_tensor_set *in, qwen_in *x,
+                                  mdt_arena *ha) {
     const char *name = "additional_t_cond";
-    const int64_t n = mdt_input_dim(in, name, 0);
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    const int scalar = t && t->ndim == 0;
+    const int64_t n = scalar ? 1 : mdt_input_dim(in, name, 0);
     int64_t *v;
-    MDT_TRY(mdt_input_i64(in, name, 1, (int64_t[]){n == 1 ? 1 : x->B}, 0, 2, ha, &v));
+    MDT_TRY(mdt_input_i64(in, name, scalar ? 0 : 1, (int64_t[]){n == 1 ? 1 : x->B}, 0, 2, ha, &v));
+    if (f->zero_cond_t && n != 1)
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: '%s' holds %lld values, one per element, with zero_cond_t: "
+                        "diffusers adds it to the 2 x %lld rows of the t and 0 embeddings and "
+                        "fails; give one value for the batch ([1])",
+                        name, (long long)n, (long long)x->B);
     int64_t *r = (int64_t *)(void *)mdt_arena_floats(ha, 2 * x->B); // [B] host
     if (!r)
         return MDT_E_NOMEM;
@@ -329,7 +339,7 @@ static mdt_status qwen_read(const qwen *f, mdt_dit *d, const mdt_tensor_set *in,
     MDT_TRY(read_mask(in, x, d->ha));
     MDT_TRY(read_img_shapes(f, in, x, d->ha));
     if (f->add_t_cond)
-        MDT_TRY(read_add_t_cond(in, x, d->ha));
+        MDT_TRY(read_add_t_cond(f, in, x, d->ha));
     MDT_TRY(mdt_ctl_read(d, in, "controlnet_block_samples", x->Si, f->inner, &x->ctl, &x->ctl_n));
     /* zero_cond_t: diffusers' timestep = cat(t, 0 t), the condition images' rows modulated by
      * the second half of the embedding */
@@ -586,16 +596,23 @@ static mdt_status qwen_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     return mdt_dit_end(&d, &p);
 }
 
-/* ---- random inputs: one (1, h, w) image per element, the most square grid of S_img ---- */
+/* The most square (1, h, w) grid of n rows: h the largest divisor of n up to sqrt(n). */
+static void square_grid(int64_t n, int64_t *s) {
+    int64_t h = 1;
+    for (int64_t k = 2; k * k <= n; k++)
+        h = n % k == 0 ? k : h;
+    s[0] = 1, s[1] = h, s[2] = n / h;
+}
+
+/* ---- random inputs: one (1, h, w) image per element, the most square grid of S_img; under
+ * use_layer3d_rope a layer and the input image (half the rows each, the pipeline's form), and
+ * additional_t_cond 0 (the pipeline's is_rgb) under use_additional_t_cond ---- */
 static mdt_status qwen_make_inputs(const void *impl, const mdt_inputs_params *p, mdt_rng *rng,
                                    mdt_tensor_set *out) {
     const qwen *f = impl;
     const int64_t B = p->batch, Si = p->img_tokens > 0 ? p->img_tokens : 16;
-    const int64_t St = p->txt_tokens > 0 ? p->txt_tokens : 8;
-    int64_t h = 1;
-    mdt_tensor *mask, *shapes;
-    for (int64_t k = 2; k * k <= Si; k++) /* the largest divisor up to sqrt(S_img) */
-        h = Si % k == 0 ? k : h;
+    const int64_t St = p->txt_tokens > 0 ? p->txt_tokens : 8, n = f->layer3d && Si >= 2 ? 2 : 1;
+    mdt_tensor *mask, *shapes, *add_t;
     MDT_TRY(mdt_inputs_add_normal(out, "hidden_states", 3, (int64_t[]){B, Si, f->in_ch}, rng));
     MDT_TRY(mdt_inputs_add_normal(out, "encoder_hidden_states", 3, (int64_t[]){B, St, f->joint_dim},
                                   rng));
@@ -604,11 +621,17 @@ static mdt_status qwen_make_inputs(const void *impl, const mdt_inputs_params *p,
     for (int64_t i = 0; i < B * St; i++)
         ((int64_t *)mask->data)[i] = 1;
     MDT_TRY(mdt_inputs_add_const(out, "timestep", B, p->timestep, NULL));
-    MDT_TRY(mdt_tensor_set_add(out, "img_shapes", MDT_I64, 3, (int64_t[]){B, 1, 3}, &shapes));
+    MDT_TRY(mdt_tensor_set_add(out, "img_shapes", MDT_I64, 3, (int64_t[]){B, n, 3}, &shapes));
     for (int64_t b = 0; b < B; b++) {
-        int64_t *s = (int64_t *)shapes->data + 3 * b;
-        s[0] = 1, s[1] = h, s[2] = Si / h;
+        int64_t *s = (int64_t *)shapes->data + 3 * n * b;
+        square_grid(Si - Si / 2 * (n - 1), s); /* the layer (or the one image) */
+        if (n == 2)
+            square_grid(Si / 2, s + 3); /* the input image */
     }
+    if (!f->add_t_cond)
+        return MDT_OK;
+    MDT_TRY(mdt_tensor_set_add(out, "additional_t_cond", MDT_I64, 1, (int64_t[]){B}, &add_t));
+    memset(add_t->data, 0, sizeof(int64_t) * (size_t)B);
     return MDT_OK;
 }
 

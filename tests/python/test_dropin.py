@@ -594,6 +594,8 @@ def test_qwen_image_layered(layout):
         assert rel(got, ref) <= TOL, layout
         got = t(**x, img_shapes=shapes, additional_t_cond=rgb[:1]).sample.numpy()
         assert rel(got, one) <= TOL, layout
+        got = t(**x, img_shapes=shapes, additional_t_cond=rgb[0]).sample.numpy()  # 0-d, broadcast
+        assert rel(got, one) <= TOL, layout
         if not layout:
             with pytest.raises(RuntimeError, match="'additional_t_cond' is missing"):
                 t(**x, img_shapes=shapes)
