@@ -107,8 +107,10 @@ static mdt_run_inputs run_inputs_of(const mdt_model *m, const mdt_tensor_set *in
     const mdt_tensor *lat = mdt_tensor_set_get(in, m->fam->latent_input);
     r.batch = lat && lat->ndim >= 1 ? lat->shape[0] : 1;
     r.latent_f32 = lat ? mdt_tensor_numel(lat) * 4 : 0;
-    for (int i = 0; i < mdt_tensor_set_count(in); i++)
-        r.input_bytes += mdt_tensor_nbytes(mdt_tensor_set_at(in, i, &(const char *){NULL}));
+    for (int i = 0; i < mdt_tensor_set_count(in); i++) { /* and a forward's f32 copy of any other */
+        const mdt_tensor *t = mdt_tensor_set_at(in, i, &(const char *){NULL});
+        r.input_bytes += mdt_tensor_nbytes(t) + (t->dtype != MDT_F32 ? 4 * mdt_tensor_numel(t) : 0);
+    }
     int64_t rows1 = 0, rows0 = 0;
     const mdt_cp_plan *cp = m->fam->cp_plan;
     for (int i = 0; cp && i < cp->nsplit; i++) {

@@ -153,6 +153,48 @@ static void estimate(void) {
     cJSON_Delete(cfg);
 }
 
+/* The least limit mdt_check_forward_memory passes for a forward of `in` (binary search). */
+static int64_t forward_need(const mdt_model *m, const mdt_tensor_set *in) {
+    int64_t lo = 0, hi = (int64_t)1 << 40;
+    while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (mdt_check_forward_memory(m, in, mid, 0) == MDT_OK)
+            hi = mid;
+        else
+            lo = mid;
+    }
+    mdt_error_clear();
+    return hi;
+}
+
+/* An input in another dtype than f32 costs its bytes and the f32 copy the forward converts it to
+ * (bf16 ControlNet residuals: 3x their file size in all, not 1x). */
+static void converted_inputs(void) {
+    const mdt_family *fam = mdt_family_by_name("flux");
+    cJSON *cfg = cJSON_Parse(mdt_family_preset(fam, "tiny"));
+    mdt_model *m = NULL;
+    mdt_tensor_set *f32 = NULL, *bf16 = NULL;
+    mdt_tensor *t;
+    enum { N = 1 << 20 };
+    EXPECT_OK(mdt_model_describe(cfg, &m));
+    EXPECT_OK(mdt_tensor_set_create(&f32));
+    EXPECT_OK(mdt_tensor_set_create(&bf16));
+    if (m && f32 && bf16 &&
+        mdt_tensor_set_add(f32, "controlnet_block_samples", MDT_F32, 1, (int64_t[]){N}, &t) ==
+            MDT_OK &&
+        mdt_tensor_set_add(bf16, "controlnet_block_samples", MDT_BF16, 1, (int64_t[]){N}, &t) ==
+            MDT_OK) {
+        const int64_t a = forward_need(m, f32), b = forward_need(m, bf16);
+        EXPECT(b - a == 2 * N,
+               "bf16 input: %lld bytes more than f32, wanted %d (2 + 4 - 4 a value)",
+               (long long)(b - a), 2 * N);
+    }
+    mdt_tensor_set_free(f32);
+    mdt_tensor_set_free(bf16);
+    mdt_model_free(m);
+    cJSON_Delete(cfg);
+}
+
 /* The activation arena across steps: the same step again gets the same blocks and allocates
  * nothing (before, the second step's chunk was a fresh one, every page of it faulted again), and
  * steps whose shapes keep growing are bounded: after each reset the arena holds at most twice
@@ -231,6 +273,7 @@ int main(void) {
     arena_steps();
     available();
     estimate();
+    converted_inputs();
     char cmd[512];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (g_root[0] && system(cmd) != 0)
