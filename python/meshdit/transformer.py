@@ -119,11 +119,14 @@ def _controlnet(samples, name: str):
             raise ValueError(f"meshdit: '{name}' as a tensor must be [N, B, S_img, C] (diffusers "
                              f"indexes its first dim), not {list(samples.shape)}")
         return samples.transpose(0, 1).contiguous()
-    if not isinstance(samples, (list, tuple)) or not samples or \
-            not all(isinstance(t, torch.Tensor) for t in samples):
+    if not isinstance(samples, (list, tuple)) or not samples:
         raise ValueError(f"meshdit: '{name}' must be a non-empty list of tensors [B, S_img, C] "
                          f"(one per residual), got {type(samples).__name__}"
-                         f"{' (empty)' if isinstance(samples, (list, tuple)) and not samples else ''}")
+                         f"{' (empty)' if isinstance(samples, (list, tuple)) else ''}")
+    for k, t in enumerate(samples):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"meshdit: '{name}'[{k}] is {type(t).__name__}, not a tensor "
+                             f"[B, S_img, C]")
     shapes = {tuple(t.shape) for t in samples}
     if len(shapes) != 1 or len(next(iter(shapes))) != 3:
         raise ValueError(f"meshdit: '{name}': every residual must be [B, S_img, C] of one shape, "
@@ -136,8 +139,8 @@ def _controlnet_inputs(block, single=None, repeat=False) -> dict:
     out = {"controlnet_block_samples": _controlnet(block, "controlnet_block_samples")}
     if single is not None:
         out["controlnet_single_block_samples"] = _controlnet(single, "controlnet_single_block_samples")
-    if repeat:  # XLabs' ControlNets: residual i mod N after block i
-        out["controlnet_blocks_repeat"] = torch.tensor([1], dtype=torch.int64)
+    if repeat and block is not None:  # XLabs': residual i mod N after block i (diffusers reads
+        out["controlnet_blocks_repeat"] = torch.tensor([1], dtype=torch.int64)  # it only then)
     return out
 
 

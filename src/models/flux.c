@@ -190,14 +190,14 @@ static mdt_status read_controlnet(const flux *f, mdt_dit *d, const mdt_tensor_se
     static const char *const names[] = {"controlnet_block_samples",
                                         "controlnet_single_block_samples"};
     mdt_ctl *c[] = {&x->ctl, &x->ctl_single};
-    int repeat;
+    int repeat, shared;
     MDT_TRY(mdt_ctl_read_flag(in, "controlnet_blocks_repeat", &repeat));
     for (int k = 0; k < 2; k++) {
         const float *v;
         int64_t N;
-        MDT_TRY(mdt_ctl_read(d, in, names[k], x->s.Si, f->inner, &v, &N));
-        MDT_TRY(
-            mdt_ctl_take(d, names[k], v, 0, x->s.B, N, x->s.Si, f->inner, k == 0 && repeat, c[k]));
+        MDT_TRY(mdt_ctl_read(d, in, names[k], x->s.Si, f->inner, &v, &N, &shared));
+        MDT_TRY(mdt_ctl_take(d, names[k], v, 0, x->s.B, N, x->s.Si, f->inner, k == 0 && repeat,
+                             shared, c[k]));
     }
     if (repeat && !x->ctl.r)
         return MDT_FAIL(MDT_E_INVALID, "inputs: 'controlnet_blocks_repeat' is set but there is no "
@@ -401,8 +401,8 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
 #define FLUX_INPUTS                                                                                \
     {"hidden_states", MDT_IN_BATCH}, {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},      \
         {"pooled_projections", MDT_IN_BATCH | MDT_IN_BRANCH},                                      \
-        {"controlnet_block_samples", MDT_IN_BATCH | MDT_IN_OPTIONAL},                              \
-        {"controlnet_single_block_samples", MDT_IN_BATCH | MDT_IN_OPTIONAL},                       \
+        {"controlnet_block_samples", MDT_IN_BATCH | MDT_IN_SHARED | MDT_IN_OPTIONAL},              \
+        {"controlnet_single_block_samples", MDT_IN_BATCH | MDT_IN_SHARED | MDT_IN_OPTIONAL},       \
         {"controlnet_blocks_repeat", MDT_IN_OPTIONAL}, {"timestep", MDT_IN_BATCH | MDT_IN_SHARED}, \
         {"img_ids", 0}, {                                                                          \
         "txt_ids", MDT_IN_BRANCH                                                                   \

@@ -168,7 +168,7 @@ static mdt_status qwen_configure(void *impl, const cJSON *cfg, mdt_wtable *t) {
 #define QWEN_INPUTS                                                                                \
     {"hidden_states", MDT_IN_BATCH}, {"encoder_hidden_states", MDT_IN_BATCH | MDT_IN_BRANCH},      \
         {"encoder_hidden_states_mask", MDT_IN_BATCH | MDT_IN_BRANCH | MDT_IN_OPTIONAL},            \
-        {"controlnet_block_samples", MDT_IN_BATCH | MDT_IN_OPTIONAL},                              \
+        {"controlnet_block_samples", MDT_IN_BATCH | MDT_IN_SHARED | MDT_IN_OPTIONAL},              \
         {"timestep", MDT_IN_BATCH | MDT_IN_SHARED}, {                                              \
         "img_shapes", MDT_IN_BATCH                                                                 \
     }
@@ -196,8 +196,9 @@ typedef struct qwen_in {
     int64_t n0;            /* rows of an element's first image (img_shapes[b][0]) */
     const float *e256;     /* [B, 256] timestep sinusoids, then (zero_cond_t) [B, 256] of 0 */
     const int64_t *add_t;  /* [B] additional_t_cond (use_additional_t_cond), else NULL */
-    const float *ctl;      /* host [B, N, Si, C] ControlNet residuals (controlnet.h), or NULL */
+    const float *ctl;      /* host [B or 1, N, Si, C] ControlNet residuals, or NULL */
     int64_t ctl_n;         /* their N */
+    int ctl_shared;        /* one element's residuals for the batch (controlnet.h) */
 } qwen_in;
 
 /* e [n, 256] = [cos, sin] of ((t f_i) x 1000), f_i = exp(-ln(1e4) i / 128) in float32 math:
@@ -340,7 +341,8 @@ static mdt_status qwen_read(const qwen *f, mdt_dit *d, const mdt_tensor_set *in,
     MDT_TRY(read_img_shapes(f, in, x, d->ha));
     if (f->add_t_cond)
         MDT_TRY(read_add_t_cond(f, in, x, d->ha));
-    MDT_TRY(mdt_ctl_read(d, in, "controlnet_block_samples", x->Si, f->inner, &x->ctl, &x->ctl_n));
+    MDT_TRY(mdt_ctl_read(d, in, "controlnet_block_samples", x->Si, f->inner, &x->ctl, &x->ctl_n,
+                         &x->ctl_shared));
     /* zero_cond_t: diffusers' timestep = cat(t, 0 t), the condition images' rows modulated by
      * the second half of the embedding */
     const int64_t Bc = f->zero_cond_t ? 2 * B : B;
@@ -472,7 +474,8 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
     mdt_heads hd;
     mdt_ctl ctl;
     MDT_TRY(rope_table(f, d, x, keep + s0t, st, s0i, si, &rope));
-    MDT_TRY(mdt_ctl_take(d, "controlnet_block_samples", x->ctl, b0, n, x->ctl_n, Si, C, 0, &ctl));
+    MDT_TRY(mdt_ctl_take(d, "controlnet_block_samples", x->ctl, b0, n, x->ctl_n, Si, C, 0,
+                         x->ctl_shared, &ctl));
     d->B = n, d->cond = cond + b0 * C, d->cond_rows = n, d->cond_width = C;
     qwen_zero zero = {NULL, 0}; /* zero_cond_t: this pass's [t | 0] rows; its first image rows */
     if (f->zero_cond_t) {

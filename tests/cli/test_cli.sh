@@ -109,6 +109,8 @@ same_run "--steps with a BF16 latent and an I64 timestep" "$DATA/flux_tiny" "$T/
 # the value repeated over the batch, one forward and under the sampler
 for c in "flux_guidance timestep guidance" "flux2_guidance timestep guidance" \
          "qwenimage_bf16_sharded timestep" "qwenimage_layered additional_t_cond" \
+         "qwenimage_controlnet controlnet_block_samples" \
+         "flux_controlnet controlnet_block_samples controlnet_single_block_samples" \
          "wan_odd timestep" "wan_ti2v timestep"; do
     set -- $c
     d=$1; shift

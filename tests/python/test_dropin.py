@@ -640,6 +640,16 @@ def test_controlnet_residuals(case):
         mixed = [x["controlnet_block_samples"][0], x["controlnet_block_samples"][0][:, :-1]]
         with pytest.raises(ValueError, match="every residual must be \\[B, S_img, C\\] of one shape"):
             t(**dict(x, controlnet_block_samples=mixed))
+        with pytest.raises(ValueError, match=r"'controlnet_block_samples'\[1\] is NoneType"):
+            t(**dict(x, controlnet_block_samples=[x["controlnet_block_samples"][0], None]))
+        # element 0's residuals for the whole batch, as diffusers broadcasts [1, S_img, C]
+        first = {k: [r[:1] for r in v] if k.endswith("samples") else v for k, v in x.items()}
+        with torch.no_grad():
+            want = theirs(**first).sample.numpy()
+        assert rel(t(**first).sample.numpy(), want) <= TOL
+        if x.get("controlnet_blocks_repeat"):  # read only with block residuals, as in diffusers
+            bare = {k: v for k, v in x.items() if not k.startswith("controlnet")}
+            assert rel(t(**bare, controlnet_blocks_repeat=True).sample.numpy(), plain) <= TOL
 
 
 def test_img_shapes_zero_cond_t():
