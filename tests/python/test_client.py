@@ -143,13 +143,20 @@ def test_in_place_change_is_sent_again(flux_tp2):
     assert not torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kw", [{"joint_attention_kwargs": {"scale": 0.5, "other": 1}},
-                                {"controlnet_block_samples": [torch.zeros(1)]},
-                                {"controlnet_blocks_repeat": True}])
-def test_unsupported_arguments_raise(flux_tp2, kw):
+def test_unsupported_arguments_raise(flux_tp2):
     args = tensors(os.path.join(FLUX, "inputs.safetensors"))
     with pytest.raises(NotImplementedError, match="not supported"):
-        flux_tp2(**args, **kw)
+        flux_tp2(**args, joint_attention_kwargs={"scale": 0.5, "other": 1})
+
+
+def test_controlnet_arguments(flux_tp2):
+    """ControlNet residuals go to the mesh (test_dropin checks them against diffusers): a residual
+    that is not [B, S_img, C] is refused in one line; the repeat flag without residuals is
+    ignored, as diffusers ignores it."""
+    args = tensors(os.path.join(FLUX, "inputs.safetensors"))
+    with pytest.raises(ValueError, match="every residual must be \\[B, S_img, C\\]"):
+        flux_tp2(**args, controlnet_block_samples=[torch.zeros(1)])
+    assert torch.equal(flux_tp2(**args, controlnet_blocks_repeat=True).sample, flux_tp2(**args).sample)
 
 
 def test_error_reply_then_still_serving(flux_tp2):
