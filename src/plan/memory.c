@@ -46,6 +46,8 @@ mdt_run_memory mdt_run_memory_at(const mdt_model *m, int T, int R, int U,
     if (!in->device_acts) {
         double a = mdt_act_bytes(m, T, R, U, in->batch, in->rows, 4.0) + (double)in->input_bytes +
                    3.0 * (double)in->latent_f32 + 2.0 * 1048576.0;
+        if (R * U > 1) /* this CP rank's chunk of each split input */
+            a += (double)in->split_f32 / (double)(R * U);
         if (in->bf16) /* the panel a bf16 weight is widened into, at most 64 MiB */
             a += fmin(4.0 * widest, 64.0 * 1048576.0);
         r.activations = (int64_t)a;
@@ -107,14 +109,18 @@ static mdt_run_inputs run_inputs_of(const mdt_model *m, const mdt_tensor_set *in
     const mdt_tensor *lat = mdt_tensor_set_get(in, m->fam->latent_input);
     r.batch = lat && lat->ndim >= 1 ? lat->shape[0] : 1;
     r.latent_f32 = lat ? mdt_tensor_numel(lat) * 4 : 0;
-    for (int i = 0; i < mdt_tensor_set_count(in); i++) { /* and a forward's f32 copy of any other */
+    for (int i = 0; i < mdt_tensor_set_count(in); i++) { /* and the forward's converted copy */
         const mdt_tensor *t = mdt_tensor_set_at(in, i, &(const char *){NULL});
-        r.input_bytes += mdt_tensor_nbytes(t) + (t->dtype != MDT_F32 ? 4 * mdt_tensor_numel(t) : 0);
+        const int integer = t->dtype == MDT_I64 || t->dtype == MDT_I32 || t->dtype == MDT_I16 ||
+                            t->dtype == MDT_I8 || t->dtype == MDT_U8;
+        const int64_t per = t->dtype == MDT_F32 ? 0 : integer ? 8 : 4; /* bytes a copied value */
+        r.input_bytes += mdt_tensor_nbytes(t) + per * mdt_tensor_numel(t);
     }
     int64_t rows1 = 0, rows0 = 0;
     const mdt_cp_plan *cp = m->fam->cp_plan;
     for (int i = 0; cp && i < cp->nsplit; i++) {
         const mdt_tensor *t = mdt_tensor_set_get(in, cp->split[i].input);
+        r.split_f32 += t ? 4 * mdt_tensor_numel(t) : 0;
         if (t && cp->split[i].dim == 1 && t->ndim >= 2)
             rows1 += t->shape[1];
         else if (t && cp->split[i].dim == 0 && t->ndim >= 1 && t->shape[0] > rows0)

@@ -32,8 +32,10 @@ typedef struct mdt_run_memory {
 /* The inputs of a run as the estimate sees them. */
 typedef struct mdt_run_inputs {
     int64_t batch, rows; /* sequences and token rows per sequence (all streams) */
-    int64_t input_bytes; /* every input tensor, and the f32 copy a forward makes of one in another
-                            dtype */
+    int64_t input_bytes; /* every input tensor, and the copy a forward converts one in another
+                            dtype than f32 to (f32, or int64 for integers) */
+    int64_t split_f32;   /* the f32 bytes of the inputs the CP plan cuts: each CP rank copies its
+                            1 / (R U) chunk of them */
     int64_t latent_f32;  /* bytes of the latent input in f32 (the output has its shape) */
     int bf16;            /* linear weights held in bf16 */
     int device_acts;     /* activations live on a GPU: not counted */

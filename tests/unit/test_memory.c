@@ -188,6 +188,19 @@ static void converted_inputs(void) {
         EXPECT(b - a == 2 * N,
                "bf16 input: %lld bytes more than f32, wanted %d (2 + 4 - 4 a value)",
                (long long)(b - a), 2 * N);
+        /* under CP each rank also copies its chunk of the inputs the plan cuts */
+        const mdt_run_inputs none = {.batch = 1, .rows = 64},
+                             cut = {.batch = 1, .rows = 64, .split_f32 = 4 * N};
+        const int64_t u2 = mdt_run_memory_at(m, 1, 1, 2, &cut).activations -
+                           mdt_run_memory_at(m, 1, 1, 2, &none).activations;
+        const int64_t ru4 = mdt_run_memory_at(m, 1, 2, 2, &cut).activations -
+                            mdt_run_memory_at(m, 1, 2, 2, &none).activations;
+        const int64_t one = mdt_run_memory_at(m, 1, 1, 1, &cut).activations -
+                            mdt_run_memory_at(m, 1, 1, 1, &none).activations;
+        EXPECT(u2 == 2 * N && ru4 == N && one == 0,
+               "a split input's chunk: %lld on ulysses2, %lld on ring2 x ulysses2, %lld on one "
+               "rank (wanted 1/2, 1/4 of %d and 0)",
+               (long long)u2, (long long)ru4, (long long)one, 4 * N);
     }
     mdt_tensor_set_free(f32);
     mdt_tensor_set_free(bf16);
