@@ -9,8 +9,8 @@
 #include <string.h>
 
 int mdt_input_shared_by_batch(const mdt_input_decl *d, const mdt_tensor *t, int64_t B) {
-    return d && (d->flags & MDT_IN_BATCH) && (d->flags & MDT_IN_SHARED) && t->ndim >= 1 &&
-           t->shape[0] == 1 && B > 1;
+    return d && (d->flags & MDT_IN_BATCH) && (d->flags & MDT_IN_SHARED) &&
+           (t->ndim == 0 || t->shape[0] == 1) && B > 1; /* [1, ...], or one value (0-d) */
 }
 
 int64_t mdt_model_batch_of(const mdt_model *m, const mdt_tensor_set *in) {

@@ -126,8 +126,8 @@ double mdt_model_step_bound(const mdt_model *m);
 const mdt_input_decl *mdt_model_input(const mdt_model *m, const char *name);
 
 /* ---- batch.c: a forward's inputs cut by batch rows (the cfg axis' split) ---- */
-/* 1 when t, input d of a batch of B > 1, is one value for every sample (dim 0 of 1, where the
- * family broadcasts it: a timestep [1] beside a latent [B, ...]). */
+/* 1 when t, input d of a batch of B > 1, is one value for every sample (dim 0 of 1, or 0-d, where
+ * the family broadcasts it: a timestep [1] beside a latent [B, ...]). */
 int mdt_input_shared_by_batch(const mdt_input_decl *d, const mdt_tensor *t, int64_t B);
 /* The batch B >= 2 of `in` when its rows can be cut: the latent input's dim 0, which every
  * batched input of the family has in dim 0 (or 1 where it may be shared); 0 otherwise. */

@@ -75,7 +75,6 @@ if grep -q '"use_layer3d_rope": false' "$T/ql/config.json" &&
    ! "$BIN" compare "$T/ql.safetensors" "$QL/expected.safetensors" --tol 1e-3 >/dev/null; then ok
 else bad "use_layer3d_rope made no difference"; fi
 "$ST_EDIT" "$QL/inputs.safetensors" "$T/ql_rep.st" additional_t_cond@repeat
-"$ST_EDIT" "$QL/inputs.safetensors" "$T/ql_first.st" additional_t_cond@first
 if "$BIN" run --checkpoint "$QL" --inputs "$T/ql_rep.st" --out "$T/ql_rep.safetensors" --quiet &&
    ! "$BIN" compare "$T/ql_rep.safetensors" "$QL/expected.safetensors" --tol 1e-3 >/dev/null; then ok
 else bad "additional_t_cond made no difference"; fi
@@ -129,6 +128,15 @@ same_run "--steps with a [1] timestep and guidance, batch 2" "$DATA/flux_guidanc
 if "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$T/one.st" --out "$T/sa.safetensors" --quiet &&
    ! "$BIN" compare "$T/sa.safetensors" "$DATA/flux_guidance/expected.safetensors" >/dev/null; then ok
 else bad "a [1] timestep matched the golden's two distinct timesteps"; fi
+# a 0-d additional_t_cond is every element's, as diffusers broadcasts it: the same bytes as [1],
+# on one rank and where the cfg axis splits the batch between its halves
+"$ST_EDIT" "$QL/inputs.safetensors" "$T/ql_0d.st" additional_t_cond@scalar
+"$ST_EDIT" "$QL/inputs.safetensors" "$T/ql_1.st" additional_t_cond@first
+same_run "qwenimage_layered: a 0-d additional_t_cond" "$QL" "$T/ql_0d.st" "$T/ql_1.st"
+if "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$QL" --inputs "$T/ql_0d.st" --out "$T/c0.st" --quiet --cfg 2 &&
+   "$MPIEXEC" -n 2 "$BIN" run --checkpoint "$QL" --inputs "$T/ql_1.st" --out "$T/c1.st" --quiet --cfg 2 &&
+   cmp -s "$T/c0.st" "$T/c1.st"; then ok
+else bad "a 0-d additional_t_cond under --cfg 2"; fi
 # a per-sample input of another length is refused, naming both shapes it may have
 "$ST_EDIT" "$DATA/flux_guidance/inputs.safetensors" "$T/three.st" guidance@grow
 expect_error timestep-batch 1 "tensor 'guidance' has shape \\[3\\], expected \\[2\\] or \\[1\\]" -- \
