@@ -476,6 +476,10 @@ static double flops_now(void) {
     return s;
 }
 
+int mdt_cache_on(const mdt_dit *d) {
+    return d->m->cache && d->m->cache->spec.kind != MDT_CACHE_OFF;
+}
+
 mdt_status mdt_cache_begin(const mdt_dit *d, int supported, int64_t blocks, mdt_cache **out) {
     mdt_cache *c = d->m->cache;
     *out = NULL;

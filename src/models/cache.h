@@ -177,6 +177,9 @@ void mdt_cache_rollback(mdt_cache *c);
 
 /* ---- what a family's forward calls (the model's cache: mdt_dit's m->cache) ---- */
 
+/* 1 when the model has a step cache on (mdt_cache_begin would return it): a forward refuses what
+ * a cache cannot take before it begins, so that the cache's state is untouched. */
+int mdt_cache_on(const struct mdt_dit *d);
 /* The model's cache for this forward, or NULL when none is on. MDT_E_UNSUPPORTED naming the
  * family when `supported` (MDT_CACHE_BIT of each kind the family runs) lacks the cache's kind,
  * MDT_E_INVALID when no branch was selected. TaylorSeer: its schedule decides here. */

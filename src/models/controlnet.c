@@ -3,8 +3,10 @@
  */
 #include "models/controlnet.h"
 
-mdt_status mdt_ctl_read(mdt_dit *d, const mdt_tensor_set *in, const char *name, int64_t Si,
-                        int64_t C, const float **x, int64_t *N, int *shared) {
+#include "models/cache.h"
+
+mdt_status mdt_controlnet_read(mdt_dit *d, const mdt_tensor_set *in, const char *name, int64_t Si,
+                               int64_t C, const float **x, int64_t *N, int *shared) {
     *x = NULL, *N = 0, *shared = 0;
     if (!mdt_tensor_set_get(in, name)) {
         mdt_cp_absent(&d->cp, name);
@@ -22,31 +24,13 @@ mdt_status mdt_ctl_read(mdt_dit *d, const mdt_tensor_set *in, const char *name, 
     return MDT_OK;
 }
 
-mdt_status mdt_ctl_read_flag(const mdt_tensor_set *in, const char *name, int *flag) {
-    const mdt_tensor *t = mdt_tensor_set_get(in, name);
-    int64_t v = 0;
-    *flag = 0;
-    if (!t)
-        return MDT_OK;
-    if (mdt_tensor_numel(t) != 1 || t->ndim > 1 ||
-        (t->dtype != MDT_BOOL && !mdt_input_int_at(t, 0, &v)))
-        return MDT_FAIL(MDT_E_INVALID,
-                        "inputs: tensor '%s' must be one BOOL or integer element (0 or 1)", name);
-    if (t->dtype == MDT_BOOL)
-        v = ((const uint8_t *)t->data)[0] != 0;
-    if (v != 0 && v != 1)
-        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' is %lld; it is a flag, 0 or 1", name,
-                        (long long)v);
-    *flag = (int)v;
-    return MDT_OK;
-}
-
-mdt_status mdt_ctl_take(mdt_dit *d, const char *name, const float *x, int64_t b0, int64_t n,
-                        int64_t N, int64_t Si, int64_t C, int repeat, int shared, mdt_ctl *c) {
+mdt_status mdt_controlnet_take(mdt_dit *d, const char *name, const float *x, int64_t b0, int64_t n,
+                               int64_t N, int64_t Si, int64_t C, int repeat, int shared,
+                               mdt_controlnet *c) {
     const void *loc;
     int64_t s0, si;
     const int64_t ne = shared ? 1 : n; /* the elements held */
-    *c = (mdt_ctl){.n = n, .N = N, .C = C, .repeat = repeat, .shared = shared};
+    *c = (mdt_controlnet){.n = n, .N = N, .C = C, .repeat = repeat, .shared = shared};
     if (!x)
         return MDT_OK;
     MDT_TRY(mdt_cp_take(&d->cp, name, x + (shared ? 0 : b0) * N * Si * C, sizeof(float), 4,
@@ -56,7 +40,15 @@ mdt_status mdt_ctl_take(mdt_dit *d, const char *name, const float *x, int64_t b0
     return c->r ? MDT_OK : MDT_E_NOMEM;
 }
 
-void mdt_ctl_add(const mdt_ctl *c, int64_t i, int64_t L, float *x, int64_t ld) {
+mdt_status mdt_controlnet_check_cache(const mdt_dit *d, int have) {
+    if (have && mdt_cache_on(d))
+        return MDT_FAIL(MDT_E_UNSUPPORTED,
+                        "cache: a step cache with ControlNet residuals is not supported (a "
+                        "skipped block would skip its residual); run the ControlNet without one");
+    return MDT_OK;
+}
+
+void mdt_controlnet_add(const mdt_controlnet *c, int64_t i, int64_t L, float *x, int64_t ld) {
     if (!c->r)
         return;
     const int64_t every = (L + c->N - 1) / c->N; /* diffusers: ceil(L / N) */

@@ -9,8 +9,9 @@
  * TP: q/k/v and the MLP input colwise, to_out and the MLP output rowwise, the single blocks'
  * proj_out packed rowwise over [attention | MLP], the AdaLN projections and the context
  * embedder replicated-input rowwise, the other embedders and the final projection replicated. CP:
- * image and text tokens (and their ids) split into P chunks each; the joint sequence of a rank is
- * its text chunk then its image chunk; the output's image rows gathered.
+ * image and text tokens (and their ids) split into P chunks each, ControlNet residuals with the
+ * image rows (controlnet.h); the joint sequence of a rank is its text chunk then its image chunk;
+ * the output's image rows gathered.
  */
 #include "models/cache.h"
 #include "models/controlnet.h"
@@ -178,26 +179,26 @@ static const mdt_cp_plan k_flux_cp_plan = {
 
 /* A forward's inputs on this rank: read, checked, cut by the CP plan and uploaded. */
 typedef struct flux_in {
-    mdt_joint_in s;          /* the image and text streams, this rank's chunks */
-    const float *e256;       /* [2, B, 256] timestep and guidance projections */
-    const float *pool;       /* [B, pooled] */
-    mdt_rope rope;           /* [st + si, D] text rows first */
-    mdt_ctl ctl, ctl_single; /* ControlNet residuals after the double / single blocks */
+    mdt_joint_in s;                 /* the image and text streams, this rank's chunks */
+    const float *e256;              /* [2, B, 256] timestep and guidance projections */
+    const float *pool;              /* [B, pooled] */
+    mdt_rope rope;                  /* [st + si, D] text rows first */
+    mdt_controlnet ctl, ctl_single; /* ControlNet residuals after the double / single blocks */
 } flux_in;
 
 /* The ControlNet residuals of both stacks (controlnet.h), this rank's rows. */
 static mdt_status read_controlnet(const flux *f, mdt_dit *d, const mdt_tensor_set *in, flux_in *x) {
     static const char *const names[] = {"controlnet_block_samples",
                                         "controlnet_single_block_samples"};
-    mdt_ctl *c[] = {&x->ctl, &x->ctl_single};
+    mdt_controlnet *c[] = {&x->ctl, &x->ctl_single};
     int repeat, shared;
-    MDT_TRY(mdt_ctl_read_flag(in, "controlnet_blocks_repeat", &repeat));
+    MDT_TRY(mdt_input_flag(in, "controlnet_blocks_repeat", &repeat));
     for (int k = 0; k < 2; k++) {
         const float *v;
         int64_t N;
-        MDT_TRY(mdt_ctl_read(d, in, names[k], x->s.Si, f->inner, &v, &N, &shared));
-        MDT_TRY(mdt_ctl_take(d, names[k], v, 0, x->s.B, N, x->s.Si, f->inner, k == 0 && repeat,
-                             shared, c[k]));
+        MDT_TRY(mdt_controlnet_read(d, in, names[k], x->s.Si, f->inner, &v, &N, &shared));
+        MDT_TRY(mdt_controlnet_take(d, names[k], v, 0, x->s.B, N, x->s.Si, f->inner,
+                                    k == 0 && repeat, shared, c[k]));
     }
     if (repeat && !x->ctl.r)
         return MDT_FAIL(MDT_E_INVALID, "inputs: 'controlnet_blocks_repeat' is set but there is no "
@@ -351,14 +352,12 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     /* the step cache (cache.h): the image stream's residual over block 0 decides */
     mdt_cache *cache;
     int skip = 0;
+    MDT_TRY(
+        mdt_controlnet_check_cache(&d, x.ctl.r || x.ctl_single.r)); /* before the cache begins */
     MDT_TRY(mdt_cache_begin(&d,
                             MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
                                 MDT_CACHE_BIT(MDT_CACHE_TAYLOR),
                             f->layers + f->single_layers, &cache));
-    if (cache && (x.ctl.r || x.ctl_single.r))
-        return MDT_FAIL(MDT_E_UNSUPPORTED,
-                        "cache: a step cache with ControlNet residuals is not supported (a "
-                        "skipped block would skip its residual); run the ControlNet without one");
     const mdt_cache_rows img = {xs, si, C, si * C}; /* the image stream: decides, is cached */
     float *x0;
     int64_t ran = 0;
@@ -366,7 +365,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     for (int64_t i = 0; i < f->layers && !skip; i++) {   /* double blocks: image and text */
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&run, &d, &f->dbl[i], xs, c, i));
-        mdt_ctl_add(&x.ctl, i, f->layers, xs, si * C); /* the ControlNet's residual */
+        mdt_controlnet_add(&x.ctl, i, f->layers, xs, si * C); /* the ControlNet's residual */
         mdt_dit_block_done(&d, mk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
                            2);
         ran++;
@@ -379,7 +378,7 @@ static mdt_status flux_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     for (int64_t i = 0; i < f->single_layers && !skip; i++) { /* single blocks: the joint rows */
         const mdt_arena_mark mk = mdt_arena_mark_get(ar);
         MDT_TRY(single_block(&run, &d, &f->sgl[i], h, i));
-        mdt_ctl_add(&x.ctl_single, i, f->single_layers, h + st * C, S * C); /* image rows */
+        mdt_controlnet_add(&x.ctl_single, i, f->single_layers, h + st * C, S * C); /* image rows */
         mdt_dit_block_done(&d, mk, "single_transformer_blocks", i, &(mdt_stream){h, S, C}, 1);
         ran++;
     }

@@ -138,6 +138,25 @@ mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, c
     return MDT_OK;
 }
 
+mdt_status mdt_input_flag(const mdt_tensor_set *in, const char *name, int *flag) {
+    const mdt_tensor *t = mdt_tensor_set_get(in, name);
+    int64_t v = 0;
+    *flag = 0;
+    if (!t)
+        return MDT_OK;
+    if (mdt_tensor_numel(t) != 1 || t->ndim > 1 ||
+        (t->dtype != MDT_BOOL && !mdt_input_int_at(t, 0, &v)))
+        return MDT_FAIL(MDT_E_INVALID,
+                        "inputs: tensor '%s' must be one BOOL or integer element (0 or 1)", name);
+    if (t->dtype == MDT_BOOL)
+        v = ((const uint8_t *)t->data)[0] != 0;
+    if (v != 0 && v != 1)
+        return MDT_FAIL(MDT_E_INVALID, "inputs: tensor '%s' is %lld; it is a flag, 0 or 1", name,
+                        (long long)v);
+    *flag = (int)v;
+    return MDT_OK;
+}
+
 int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim) {
     const mdt_tensor *t = mdt_tensor_set_get(in, name);
     return t && t->ndim > dim ? t->shape[dim] : -1;

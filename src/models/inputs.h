@@ -26,6 +26,8 @@ int mdt_input_int_at(const mdt_tensor *t, int64_t i, int64_t *v);
 /* Integer index input (I64/I32/I16/I8/U8) with every value in [lo, hi), as int64 in the arena. */
 mdt_status mdt_input_i64(const mdt_tensor_set *in, const char *name, int ndim, const int64_t *shape,
                          int64_t lo, int64_t hi, mdt_arena *a, int64_t **out);
+/* Optional flag `name`: one BOOL or integer element (0-d or [1]), 0 or 1; absent: 0. */
+mdt_status mdt_input_flag(const mdt_tensor_set *in, const char *name, int *flag);
 /* Dimension `dim` of input `name`, or -1 when absent. */
 int64_t mdt_input_dim(const mdt_tensor_set *in, const char *name, int dim);
 

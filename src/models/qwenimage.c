@@ -38,8 +38,8 @@
  * norm_out.linear and txt_in as replicated-input rowwise (diffusers keeps them replicated);
  * img_in, txt_norm and proj_out replicated. CP: diffusers' _cp_plan: hidden_states and (the kept
  * rows of) encoder_hidden_states split on dim 1 into P chunks each, the rotary rows with them (each
- * rank builds its own), the joint sequence of a rank is its text chunk then its image chunk;
- * `sample` gathered on dim 1 after proj_out.
+ * rank builds its own), ControlNet residuals on dim 2 with the image rows; the joint sequence of a
+ * rank is its text chunk then its image chunk; `sample` gathered on dim 1 after proj_out.
  */
 #include "models/cache.h"
 #include "models/controlnet.h"
@@ -341,8 +341,8 @@ static mdt_status qwen_read(const qwen *f, mdt_dit *d, const mdt_tensor_set *in,
     MDT_TRY(read_img_shapes(f, in, x, d->ha));
     if (f->add_t_cond)
         MDT_TRY(read_add_t_cond(f, in, x, d->ha));
-    MDT_TRY(mdt_ctl_read(d, in, "controlnet_block_samples", x->Si, f->inner, &x->ctl, &x->ctl_n,
-                         &x->ctl_shared));
+    MDT_TRY(mdt_controlnet_read(d, in, "controlnet_block_samples", x->Si, f->inner, &x->ctl,
+                                &x->ctl_n, &x->ctl_shared));
     /* zero_cond_t: diffusers' timestep = cat(t, 0 t), the condition images' rows modulated by
      * the second half of the embedding */
     const int64_t Bc = f->zero_cond_t ? 2 * B : B;
@@ -472,10 +472,10 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
                         &s0t, &st));
     mdt_rope rope;
     mdt_heads hd;
-    mdt_ctl ctl;
+    mdt_controlnet ctl;
     MDT_TRY(rope_table(f, d, x, keep + s0t, st, s0i, si, &rope));
-    MDT_TRY(mdt_ctl_take(d, "controlnet_block_samples", x->ctl, b0, n, x->ctl_n, Si, C, 0,
-                         x->ctl_shared, &ctl));
+    MDT_TRY(mdt_controlnet_take(d, "controlnet_block_samples", x->ctl, b0, n, x->ctl_n, Si, C, 0,
+                                x->ctl_shared, &ctl));
     d->B = n, d->cond = cond + b0 * C, d->cond_rows = n, d->cond_width = C;
     qwen_zero zero = {NULL, 0}; /* zero_cond_t: this pass's [t | 0] rows; its first image rows */
     if (f->zero_cond_t) {
@@ -515,7 +515,7 @@ static mdt_status qwen_run(const qwen *f, mdt_dit *d, const qwen_in *x, const fl
         const mdt_arena_mark bk = mdt_arena_mark_get(ar);
         MDT_TRY(double_block(&f->blk[i], d, &rope, &hd, si, st, xs, c, i,
                              f->zero_cond_t ? &zero : NULL));
-        mdt_ctl_add(&ctl, i, f->layers, xs, si * C); /* the ControlNet's residual */
+        mdt_controlnet_add(&ctl, i, f->layers, xs, si * C); /* the ControlNet's residual */
         mdt_dit_block_done(d, bk, "transformer_blocks", i, (mdt_stream[]){{xs, si, C}, {c, st, C}},
                            2);
         ran++;
@@ -578,20 +578,17 @@ static mdt_status qwen_forward(mdt_model *m, const mdt_tensor_set *in, mdt_tenso
     int same = 1;
     for (int64_t b = 1; x.mask && b < B; b++)
         same = same && memcmp(x.mask, x.mask + b * St, (size_t)St) == 0;
-    mdt_cache *cache;
-    MDT_TRY(mdt_cache_begin(&d,
-                            MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
-                                MDT_CACHE_BIT(MDT_CACHE_TAYLOR),
-                            f->layers, &cache));
-    if (cache && x.ctl)
-        return MDT_FAIL(MDT_E_UNSUPPORTED,
-                        "cache: a step cache with ControlNet residuals is not supported (a "
-                        "skipped block would skip its residual); run the ControlNet without one");
-    if (cache && !same && B > 1)
+    mdt_cache *cache; /* refused before the cache begins, which leaves its state as it was */
+    MDT_TRY(mdt_controlnet_check_cache(&d, x.ctl != NULL));
+    if (mdt_cache_on(&d) && !same && B > 1)
         return MDT_FAIL(MDT_E_UNSUPPORTED,
                         "cache: the batch's elements attend different text tokens "
                         "(encoder_hidden_states_mask), so they run in separate passes, but the "
                         "cache decides once over the whole batch: send them one per forward");
+    MDT_TRY(mdt_cache_begin(&d,
+                            MDT_CACHE_BIT(MDT_CACHE_FIRST_BLOCK) | MDT_CACHE_BIT(MDT_CACHE_MAG) |
+                                MDT_CACHE_BIT(MDT_CACHE_TAYLOR),
+                            f->layers, &cache));
     for (int64_t b0 = 0, n = same ? B : 1; b0 < B; b0 += n) {
         const qwen_pass pass = {b0, n, keep, kept_tokens(&x, b0, keep), cache};
         MDT_TRY(qwen_run(f, &d, &x, cond, &pass, o, &p));
