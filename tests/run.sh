@@ -89,6 +89,8 @@ run timeout 600 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_lora" tests/data 2 1 1
 run timeout 600 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_lora" tests/data 2 1 2
 run env MESHDIT_TEST_DTYPE=bf16 timeout 600 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_lora" tests/data 2 1 1
 run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_failures" tests/data
+# the hypervisor's steal per rank and per forward in the run report (a fake proc/stat per rank)
+run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_steal" tests/data
 run timeout 300 "$MPIEXEC" -n 4 "$BUILD/tests/mpi/test_staging"
 run timeout 300 "$MPIEXEC" -n 2 "$BUILD/tests/mpi/test_ring"
 for p in 2 3 4; do run timeout 300 "$MPIEXEC" -n $p "$BUILD/tests/mpi/test_allreduce"; done

@@ -27,6 +27,9 @@ typedef struct mdt_test_hooks {
      * only (the CPU backend; device rows are not guarded per stage). NULL: none. */
     const char *nan_stage;
     int64_t nan_elem;
+    /* the tree whose proc/stat the run statistics read each forward's steal from (with
+     * at_point("step") writing it: a hypervisor that steals a known time). NULL: this system */
+    const char *proc_root;
 } mdt_test_hooks;
 
 /* Installs `h` (copied; NULL removes every hook). Not thread-safe: set before any work. */

@@ -75,6 +75,10 @@ static void add_rank(cJSON *ranks, const mdt_rank_facts *rf) {
         cJSON_AddNumberToObject(
             ws, k == MDT_WAIT_WORLD ? "agreement" : mdt_coll_kind_name((mdt_coll_kind)k),
             rf->wait_s[k]);
+    if (rf->steal_s >= 0) /* the hypervisor's, from this rank's vCPU (null: not known) */
+        cJSON_AddNumberToObject(rk, "steal_seconds_last_step", rf->steal_s);
+    else
+        cJSON_AddNullToObject(rk, "steal_seconds_last_step");
 }
 
 /* The step cache's decisions: the spec, then per forward its branch, the statistic, the blocks
@@ -147,6 +151,12 @@ mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, doubl
     cJSON *each = cJSON_AddArrayToObject(r, "step_seconds"); /* rank 0's, in order: the spread */
     for (int i = 0; each && s->step_s && i < s->steps; i++)
         cJSON_AddItemToArray(each, cJSON_CreateNumber(s->step_s[i]));
+    /* per forward the most seconds the hypervisor took from any rank's vCPU (/proc/stat's
+     * steal, 10 ms ticks; null: not known): a step slowed by a shared host, not by the mesh */
+    cJSON *stl = cJSON_AddArrayToObject(r, "steal_seconds");
+    for (int i = 0; stl && s->steal_s && i < s->steps; i++)
+        cJSON_AddItemToArray(stl, s->steal_s[i] >= 0 ? cJSON_CreateNumber(s->steal_s[i])
+                                                     : cJSON_CreateNull());
     mdt_lora_report(m, r); /* the adapters fused into the weights */
     if (s->cache)
         add_cache(r, s->cache);

@@ -16,12 +16,16 @@ typedef struct mdt_rank_facts {
     int64_t coll[MDT_COLL_KIND_COUNT]; /* bytes sent per collective kind */
     double wait_s[MDT_WAIT_BUCKETS];   /* seconds blocked in them and the world's agreements */
     double step_s;                     /* the wall time of the step these facts are of */
+    double steal_s; /* the hypervisor's steal from this rank's vCPU in that step (-1: unknown) */
 } mdt_rank_facts;
 
 struct mdt_run_stats {
     int steps, sampled;
     double step_median_s;
-    double *step_s;          /* [steps] this rank's wall seconds of each forward, in order */
+    double *step_s;          /* [2, steps] this rank's wall seconds of each forward, in order,
+                              * then steal_s's row (one allocation) */
+    double *steal_s;         /* [steps] per forward the most steal any rank's vCPU saw (rank 0;
+                              * elsewhere its own), -1 unknown (core/steal.h) */
     int nranks;              /* entries of facts: the world on rank 0, else 1 */
     mdt_rank_facts *facts;   /* [nranks] */
     struct mdt_cache *cache; /* the run's step cache and its decisions (NULL: none) */

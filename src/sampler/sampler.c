@@ -4,6 +4,8 @@
  * statistics gathered to world rank 0.
  */
 #define _POSIX_C_SOURCE 200809L
+#include "core/steal.h"
+#include "core/testhooks.h"
 #include "io/checkpoint.h"
 #include "models/cache.h"
 #include "sampler/branches.h"
@@ -29,7 +31,7 @@ static long max_rss_kib(void) {
 /* This rank's facts of the last step, gathered to world rank 0. Collective over the world. */
 static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, const int64_t *coll,
                                const int64_t *group, int64_t world_colls, const double *wait,
-                               double step_s, mdt_run_stats *s) {
+                               double step_s, double *steal, int nsteps, mdt_run_stats *s) {
     mdt_mesh *mesh = m->mesh;
     mdt_rank_facts mine = {0};
     const int64_t heads = mdt_model_dims_of(m).heads;
@@ -69,6 +71,7 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     memcpy(mine.coll, coll, sizeof mine.coll);
     memcpy(mine.wait_s, wait, sizeof mine.wait_s);
     mine.step_s = step_s;
+    mine.steal_s = steal[nsteps - 1];
     const int world = mesh ? mesh->world_size : 1;
     s->facts = calloc((size_t)world, sizeof *s->facts);
     /* every rank learns whether all could allocate before any enters the gather */
@@ -78,6 +81,11 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
         return MDT_FAIL(MDT_E_MPI, "run statistics: MPI_Gather failed");
     s->nranks = mine.pub.rank == 0 ? world : 1;
     s->facts[0] = mine; /* rank 0's own; elsewhere the only entry */
+    /* per forward the most any rank lost to the hypervisor: the step waits for the slowest
+     * (-1, unknown, loses to any reading) */
+    if (mesh && MPI_Reduce(mine.pub.rank == 0 ? MPI_IN_PLACE : steal, steal, nsteps, MPI_DOUBLE,
+                           MPI_MAX, 0, mesh->world) != MPI_SUCCESS)
+        return MDT_FAIL(MDT_E_MPI, "run statistics: MPI_Reduce failed");
     return MDT_OK;
 }
 
@@ -134,7 +142,10 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         return MDT_FAIL(MDT_E_INVALID, "sample: steps %d, repeat %d", steps, p->repeat);
     if (mdt_tensor_set_count(outputs) != 0)
         return MDT_FAIL(MDT_E_INVALID, "sample: the outputs set must be empty");
-    double *times = calloc((size_t)nsteps, sizeof(double));
+    /* [2, nsteps]: each forward's wall seconds, then the seconds the hypervisor took from this
+     * rank's vCPU during it (-1: unknown; read only for the statistics) */
+    double *times = calloc(2 * (size_t)nsteps, sizeof(double));
+    double *steal = times ? times + nsteps : NULL;
     mdt_counters per = {0};
     int64_t coll[MDT_COLL_KIND_COUNT] = {0}, group[MDT_GROUP_COUNT] = {0}, world_colls = 0;
     double wait[MDT_WAIT_BUCKETS] = {0}; /* the last step's blocked seconds */
@@ -243,6 +254,13 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             w0 = mesh->world_collectives;
         }
         mdt_counters_reset();
+        /* the vCPU's steal around the forward (a few microseconds a read; the CPUs past
+         * MDT_STEAL_CPUS read as unknown) */
+        enum { MDT_STEAL_CPUS = 512 };
+        double sv0[MDT_STEAL_CPUS], sv1[MDT_STEAL_CPUS];
+        const int cpu0 = stats ? mdt_cpu_current() : -1;
+        const char *proc = mdt_test_hooks_get()->proc_root; /* the test seam, else "" */
+        const int n0 = stats ? mdt_cpu_steal_all(proc ? proc : "", sv0, MDT_STEAL_CPUS) : 0;
         /* no barrier first: the previous forward's agreement (or the load's) left every rank
          * together */
         double ts = mdt_now();
@@ -259,6 +277,12 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             st = mdt_model_forward(m, in, direct ? outputs : res); /* guarded, watched, agreed */
         }
         times[i] = mdt_now() - ts;
+        steal[i] = -1.0;
+        if (stats) {
+            const int cpu1 = mdt_cpu_current(),
+                      n1 = mdt_cpu_steal_all(proc ? proc : "", sv1, MDT_STEAL_CPUS);
+            steal[i] = mdt_cpu_steal_delta(cpu0, sv0, n0, cpu1, sv1, n1);
+        }
         per = *mdt_counters_get();
         for (int k = 0; mesh && k < MDT_WAIT_BUCKETS; k++)
             wait[k] = mesh->wait_s[k] - ws0[k];
@@ -330,6 +354,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     s->steps = nsteps, s->sampled = steps > 0;
     const double last_s = times[nsteps - 1]; /* the step the other counters are of */
     s->step_s = times;                       /* in order; the median sorts a copy */
+    s->steal_s = steal;                      /* the second row of the same allocation */
     double *sorted = malloc((size_t)nsteps * sizeof *sorted);
     if (!sorted) {
         mdt_run_stats_free(s);
@@ -342,7 +367,8 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         mdt_run_stats_free(s);
         return st;
     }
-    if ((st = gather_stats(m, &per, coll, group, world_colls, wait, last_s, s)) != MDT_OK) {
+    if ((st = gather_stats(m, &per, coll, group, world_colls, wait, last_s, steal, nsteps, s)) !=
+        MDT_OK) {
         mdt_run_stats_free(s);
         return st;
     }

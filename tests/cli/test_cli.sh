@@ -490,6 +490,14 @@ if "$BIN" run --checkpoint "$DATA/flux_guidance" --inputs "$DATA/flux_guidance/i
        for (i = 1; i <= 3; i++) { if (!(v[i] > 0)) exit 1; below += (v[i] + 0 < med); above += (v[i] + 0 > med) }
        exit !(below == 1 && above == 1) }'; then ok
 else bad "--repeat 3 report: step_seconds: $(grep -A4 '"step_seconds' "$T/cp3.json")"; fi
+# ... and beside them the hypervisor's steal per forward: three readings, each a number of
+# seconds (>= 0) where /proc/stat is readable, else null (tests/mpi/test_steal: the values)
+if tr -d ' \t\n' <"$T/cp3.json" | awk -v proc="$([ -r /proc/stat ] && echo 1)" '{
+       if (!match($0, /"steal_seconds":\[[^]]*\]/)) exit 1
+       n = split(substr($0, RSTART + 17, RLENGTH - 18), v, ",")
+       if (n != 3) exit 1
+       for (i = 1; i <= 3; i++) if (proc ? !(v[i] ~ /^[0-9.e+-]+$/ && v[i] + 0 >= 0) : v[i] != "null") exit 1 }'; then ok
+else bad "--repeat 3 report: steal_seconds: $(grep -A4 '"steal_seconds"' "$T/cp3.json")"; fi
 
 # --device cuda where no GPU can run it: one line saying why (no plugin in this build, or no
 # CUDA device), exit 1, nothing written. On a machine with a GPU scripts/gpu-check covers it.

@@ -1,0 +1,81 @@
+/*
+ * test_steal.c — the hypervisor's steal per vCPU read from a fake /proc/stat (the eighth
+ * number of each cpuN line, in USER_HZ ticks), offline and missing vCPUs, a file without
+ * them, and a forward's steal when its thread stayed on one CPU or moved.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "harness.h"
+#include "core/steal.h"
+
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static char g_root[256];
+
+static void put_stat(const char *text) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/proc", g_root);
+    mkdir(path, 0777);
+    snprintf(path, sizeof path, "%s/proc/stat", g_root);
+    FILE *fp = fopen(path, "w");
+    if (fp) {
+        fputs(text, fp);
+        fclose(fp);
+    }
+}
+
+static void reading(void) {
+    const double tick = 1.0 / (double)sysconf(_SC_CLK_TCK);
+    double v[8];
+    EXPECT(mdt_cpu_steal_all(g_root, v, 8) == 0, "no file: nothing known");
+    /* cpu2 offline (absent); the aggregate line and the lines after the CPUs are not vCPUs */
+    put_stat("cpu  10 0 5 100 0 0 0 700 0 0\n"
+             "cpu0 4 0 2 50 0 0 0 300 0 0\n"
+             "cpu1 6 0 3 50 0 0 0 400 0 0\n"
+             "cpu3 1 2 3 4 5 6 7 8 9 10\n"
+             "intr 12345 1 2 3\nctxt 99\n");
+    int n = mdt_cpu_steal_all(g_root, v, 8);
+    EXPECT(n == 4, "1 + the highest vCPU: %d", n);
+    EXPECT(v[0] == 300 * tick && v[1] == 400 * tick && v[2] == -1 && v[3] == 8 * tick,
+           "steal per vCPU: %g %g %g %g", v[0], v[1], v[2], v[3]);
+    EXPECT(v[4] == -1 && v[7] == -1, "past the file's vCPUs: unknown");
+    /* a cap below the vCPUs: only those that fit */
+    n = mdt_cpu_steal_all(g_root, v, 2);
+    EXPECT(n == 2 && v[1] == 400 * tick, "cap 2: %d", n);
+    /* a kernel without the steal column (fewer than eight numbers): not a reading */
+    put_stat("cpu  1 2 3 4\ncpu0 1 2 3 4 5 6 7\n");
+    EXPECT(mdt_cpu_steal_all(g_root, v, 8) == 0 && v[0] == -1, "no steal column");
+    put_stat("intr 1 2\n");
+    EXPECT(mdt_cpu_steal_all(g_root, v, 8) == 0, "no cpu lines");
+}
+
+static void delta(void) {
+    const double s0[3] = {1.0, 2.0, -1}, s1[3] = {1.25, 2.5, -1};
+    EXPECT(mdt_cpu_steal_delta(1, s0, 3, 1, s1, 3) == 0.5, "stayed on cpu1");
+    EXPECT(mdt_cpu_steal_delta(0, s0, 3, 1, s1, 3) == 0.75, "moved: both CPUs' steal");
+    EXPECT(mdt_cpu_steal_delta(2, s0, 3, 2, s1, 3) == -1, "an offline CPU: unknown");
+    EXPECT(mdt_cpu_steal_delta(-1, s0, 3, 0, s1, 3) == -1, "no CPU number: unknown");
+    EXPECT(mdt_cpu_steal_delta(0, s0, 0, 0, s1, 3) == -1, "no first reading: unknown");
+    EXPECT(mdt_cpu_steal_delta(1, s0, 3, 1, s1, 1) == -1, "past the second reading: unknown");
+    /* this system: a reading of the CPU this thread is on, never negative */
+    double a[512], b[512];
+    const int c = mdt_cpu_current(), na = mdt_cpu_steal_all("", a, 512);
+    const int nb = mdt_cpu_steal_all("", b, 512);
+    const double d = mdt_cpu_steal_delta(c, a, na, mdt_cpu_current(), b, nb);
+    EXPECT(access("/proc/stat", R_OK) != 0 || c < 0 || c >= 512 || d >= 0,
+           "this system's steal: cpu %d, %d vCPUs, %g", c, na, d);
+}
+
+int main(void) {
+    snprintf(g_root, sizeof g_root, "/tmp/mdt_steal_XXXXXX");
+    if (!mkdtemp(g_root))
+        g_root[0] = 0;
+    reading();
+    delta();
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
+    if (g_root[0] && system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", g_root);
+    TEST_END();
+}
