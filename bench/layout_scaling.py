@@ -8,7 +8,9 @@ the time outside them and the seconds blocked in each collective kind and in the
 (`wait_seconds_last_step`) are all of the report's last step, so they add up to its wall time
 (`last_step_seconds`); the rest outside kernels is copies, staging and dispatch. The kernel
 seconds of every rank (fastest / slowest) show ranks doing the same work at different speeds: what
-the faster waits for in the collectives. Benchmarks only
+the faster waits for in the collectives. Per forward, the report's steal (the most any rank's vCPU
+lost to the hypervisor) splits the forwards into those nothing was stolen from and the others, each
+with its scaling, and each run's steal per vCPU from /proc/stat is listed. Benchmarks only
 (never in make test); the standard library only (no torch).
 
 With --pack-compare every layout also runs with the linears' weights kept plain
@@ -27,16 +29,30 @@ build/meshdit and build/bench/bench_sgemm (`make bench`) and MPICH's mpiexec (MP
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sgemm_rate import sgemm_rate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_steal():
+    """Seconds the hypervisor ran something else while each vCPU wanted to run (/proc/stat's
+    steal column, per cpuN line), or None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            rows = [ln.split() for ln in f if re.match(r"cpu\d+ ", ln)]
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return [int(x[8]) / hz if len(x) > 8 else 0.0 for x in rows]
 
 
 def run_layout(a, env, tmp, t, r, u, tag, pack=None, binary=None):
@@ -50,7 +66,11 @@ def run_layout(a, env, tmp, t, r, u, tag, pack=None, binary=None):
         cmd = [a.mpiexec, "-n", str(n)] + cmd
     if pack:
         env = dict(env, MESHDIT_CPU_PACK=pack)
+    st0, w0 = cpu_steal(), time.monotonic()
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    st1, wall = cpu_steal(), time.monotonic() - w0
+    # the vCPUs' stolen seconds during the whole run (load and warm-up too), per vCPU
+    steal = [y - x for x, y in zip(st0, st1)] if st0 and st1 else None
     with open(report) as f:
         d = json.load(f)
     rk = d["ranks"][0]
@@ -58,7 +78,7 @@ def run_layout(a, env, tmp, t, r, u, tag, pack=None, binary=None):
     ks = [sum(x["kernel_seconds_per_step"].values()) for x in d["ranks"]]
     return (d["step_seconds_median"], rk["kernel_seconds_per_step"], rk["flops_per_step"],
             rk["last_step_seconds"], rk["wait_seconds_last_step"], (min(ks), max(ks)),
-            d.get("step_seconds", []))
+            d.get("step_seconds", []), steal, wall, d.get("steal_seconds", []))
 
 
 def main():
@@ -121,7 +141,7 @@ def main():
           "| speed-up per round |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for lay in layouts:
-        step, k, f, last, w, spread, _ = res[lay][-1]
+        step, k, f, last, w, spread = res[lay][-1][:6]
         rate = lambda c: f[c] / k[c] / 1e9 if k[c] > 0 else 0.0
         ups = " / ".join(f"{one[i] / x[0]:.2f}x" for i, x in enumerate(res[lay]))
         outside = last - sum(k.values())
@@ -147,6 +167,41 @@ def main():
         sc = "" if lay == (1, 1, 1) else "; best: " + " / ".join(
             f"{b / (min(x[6]) if x[6] else x[0]):.2f}x" for b, x in zip(best1, res[lay]))
         print(f"- tp{lay[0]} ring{lay[1]} ulysses{lay[2]}: {runs}{sc}")
+    # per forward the most any rank's vCPU lost to the hypervisor (the report's steal_seconds,
+    # 10 ms ticks): the scaling of the forwards nothing was stolen from against those with steal,
+    # each against one rank's median forward (warm-ups left out)
+    def fwd(x):
+        return list(zip(x[6][1:], (x[9] or [None] * len(x[6]))[1:]))
+    one_fwd = statistics.median(t for x in res[(1, 1, 1)] for t, _ in fwd(x))
+    print("\nper forward (warm-ups left out): the most steal any rank's vCPU saw, and the scaling "
+          f"against one rank's median forward ({one_fwd:.3f} s):")
+    print("| layout | forwards without steal: n, scaling median (range) | with steal: n, steal ms "
+          "median, scaling median (range) |")
+    print("|---|---|---|")
+    for lay in layouts:
+        if lay == (1, 1, 1):
+            continue
+        f = [(t, st) for x in res[lay] for t, st in fwd(x) if st is not None]
+        cells = []
+        for sel in (lambda st: st == 0, lambda st: st > 0):
+            g = [(one_fwd / t, st) for t, st in f if sel(st)]
+            sc = [v for v, _ in g]
+            cells.append(f"{len(g)}" + (f", {1000 * statistics.median(st for _, st in g):.0f}"
+                                        if g and g[0][1] > 0 else "")
+                         + (f", {statistics.median(sc):.2f}x ({min(sc):.2f}–{max(sc):.2f}x)"
+                            if sc else ""))
+        print(f"| tp{lay[0]} ring{lay[1]} ulysses{lay[2]} | {cells[0]} | {cells[1]} |")
+    # the hypervisor's steal during each run, per vCPU: a 2-rank round below the others with
+    # steal on one vCPU lost that time to another guest, not to the mesh
+    print("\nsteal per run (/proc/stat, whole run incl. load and warm-up), ms per vCPU, and the "
+          "run's wall s:")
+    for lay in layouts:
+        cells = []
+        for x in res[lay]:
+            st = x[7]
+            cells.append(("/".join(f"{1000 * v:.0f}" for v in st) if st is not None else "n/a")
+                         + f" in {x[8]:.1f}")
+        print(f"- tp{lay[0]} ring{lay[1]} ulysses{lay[2]}: " + " \\| ".join(cells))
     if a.pack_compare or a.baseline:
         p1 = [x[0] for x in plain[(1, 1, 1)]]
         o, n = ("plain weights", "packed") if a.pack_compare else ("baseline", "this build")
