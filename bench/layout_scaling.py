@@ -10,7 +10,10 @@ the time outside them and the seconds blocked in each collective kind and in the
 seconds of every rank (fastest / slowest) show ranks doing the same work at different speeds: what
 the faster waits for in the collectives. Per forward, the report's steal (the most any rank's vCPU
 lost to the hypervisor) splits the forwards into those nothing was stolen from and the others, each
-with its scaling, and each run's steal per vCPU from /proc/stat is listed. Benchmarks only
+with its scaling, and each run's steal per vCPU from /proc/stat is listed. --pair runs, each round,
+two one-rank copies at once (no MPI between them): the same work per vCPU as one rank alone with
+both vCPUs busy, so 2 x alone / at once is what the host lets any 2-rank layout reach. Benchmarks
+only
 (never in make test); the standard library only (no torch).
 
 With --pack-compare every layout also runs with the linears' weights kept plain
@@ -22,7 +25,7 @@ sitting.
 
 usage: python3 bench/layout_scaling.py [--preset medium] [--rounds 2] [--repeat 3]
            [--layouts "2,1,1 1,1,2 1,2,1"] [--img-tokens 1024] [--txt-tokens 256]
-           [--pack-compare | --baseline /tmp/base/build/meshdit]
+           [--pack-compare | --baseline /tmp/base/build/meshdit] [--pair]
 Run with OPENBLAS_CORETYPE unset (the script unsets it) and one thread per rank; needs
 build/meshdit and build/bench/bench_sgemm (`make bench`) and MPICH's mpiexec (MPIEXEC overrides).
 """
@@ -81,6 +84,31 @@ def run_layout(a, env, tmp, t, r, u, tag, pack=None, binary=None):
             d.get("step_seconds", []), steal, wall, d.get("steal_seconds", []))
 
 
+def run_pair(a, env, tmp, tag):
+    """Two one-rank runs at once (no MPI between them): each copy's forwards (warm-ups left out)
+    and steal per forward. The same work per vCPU as one rank alone, both vCPUs busy: what the
+    host gives two busy vCPUs, the ceiling of any 2-rank layout here."""
+    procs, reports = [], []
+    for c in range(2):
+        rep = os.path.join(tmp, f"report_pair{c}_{tag}.json")
+        reports.append(rep)
+        cmd = [a.meshdit, "run", "--checkpoint", os.path.join(tmp, "ckpt"), "--inputs",
+               os.path.join(tmp, "in.safetensors"), "--out", os.path.join(tmp, f"out_pair{c}.st"),
+               "--repeat", str(a.repeat + 1), "--report", rep, "--quiet"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    for pr in procs:
+        _, err = pr.communicate()
+        if pr.returncode != 0:
+            raise SystemExit(f"pair run failed: {err.strip()}")
+    out = []
+    for rep in reports:
+        with open(rep) as f:
+            d = json.load(f)
+        out.append((d["step_seconds"][1:], (d.get("steal_seconds") or [])[1:]))
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="medium")
@@ -92,6 +120,8 @@ def main():
     p.add_argument("--pack-compare", action="store_true",
                    help="also run every layout with plain weights (MESHDIT_CPU_PACK=off)")
     p.add_argument("--baseline", help="another meshdit binary, alternating with --meshdit")
+    p.add_argument("--pair", action="store_true",
+                   help="each round also runs two one-rank copies at once: the host's ceiling")
     p.add_argument("--meshdit", default=os.path.join(ROOT, "build", "meshdit"))
     p.add_argument("--sgemm", default=os.path.join(ROOT, "build", "bench", "bench_sgemm"))
     p.add_argument("--mpiexec", default=os.environ.get("MPIEXEC") or
@@ -115,6 +145,7 @@ def main():
         sgemm, peak, _, _, _, cpu = sgemm_rate(a.sgemm, env)
         res = {lay: [] for lay in layouts}
         plain = {lay: [] for lay in layouts}
+        pairs = []
         for rnd in range(a.rounds):  # alternating: every layout once per round
             for lay in layouts:
                 if a.pack_compare or a.baseline:  # the other first in even rounds
@@ -128,6 +159,8 @@ def main():
                         (plain if v == "off" else res)[lay].append(x)
                 else:
                     res[lay].append(run_layout(a, env, tmp, *lay, rnd))
+                if a.pair and lay == (1, 1, 1):
+                    pairs.append(run_pair(a, env, tmp, rnd))
     print(f"Flux preset {a.preset}, {a.img_tokens} + {a.txt_tokens} tokens; cpu: {cpu}; "
           f"fma peak {peak} GFLOP/s, sgemm {sgemm} GFLOP/s; {a.rounds} rounds x {a.repeat} "
           f"forwards; rank 0's kernel seconds, last round")
@@ -191,6 +224,20 @@ def main():
                          + (f", {statistics.median(sc):.2f}x ({min(sc):.2f}–{max(sc):.2f}x)"
                             if sc else ""))
         print(f"| tp{lay[0]} ring{lay[1]} ulysses{lay[2]} | {cells[0]} | {cells[1]} |")
+    if pairs:
+        # per round: the copies' median forward against one rank alone in the same round; the
+        # 2-rank ceiling is 2 x alone / at once (each copy does one rank's whole work)
+        print("\ntwo one-rank copies at once (--pair), per round: median forward per copy, "
+              "one rank alone, the ceiling 2 x alone / at once, and the copies' steal ms median")
+        for rnd, pr in enumerate(pairs):
+            alone = statistics.median(res[(1, 1, 1)][rnd][6][1:])
+            meds = [statistics.median(t) for t, _ in pr]
+            st = [v for _, s in pr for v in s if v is not None]
+            print(f"- round {rnd}: " + " / ".join(f"{m:.3f}" for m in meds)
+                  + f" s; alone {alone:.3f} s; ceiling {2 * alone / max(meds):.2f}x; steal "
+                  + (f"{1000 * statistics.median(st):.0f} ms" if st else "n/a")
+                  + " per forward; forwards without steal "
+                  + f"{sum(1 for v in st if v == 0)} of {len(st)}")
     # the hypervisor's steal during each run, per vCPU: a 2-rank round below the others with
     # steal on one vCPU lost that time to another guest, not to the mesh
     print("\nsteal per run (/proc/stat, whole run incl. load and warm-up), ms per vCPU, and the "
