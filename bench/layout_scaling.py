@@ -79,9 +79,13 @@ def run_layout(a, env, tmp, t, r, u, tag, pack=None, binary=None):
     rk = d["ranks"][0]
     # every rank's kernel seconds: ranks doing the same work at different speeds (the spread)
     ks = [sum(x["kernel_seconds_per_step"].values()) for x in d["ranks"]]
+    # ... and each rank's vCPU's steal in that step: kernel seconds are wall seconds, so a rank
+    # the host stole from runs its kernels longer by about that much
+    sl = [x.get("steal_seconds_last_step") for x in d["ranks"]]
     return (d["step_seconds_median"], rk["kernel_seconds_per_step"], rk["flops_per_step"],
             rk["last_step_seconds"], rk["wait_seconds_last_step"], (min(ks), max(ks)),
-            d.get("step_seconds", []), steal, wall, d.get("steal_seconds", []))
+            d.get("step_seconds", []), steal, wall, d.get("steal_seconds", []),
+            list(zip(ks, sl)))
 
 
 def run_pair(a, env, tmp, tag):
@@ -171,8 +175,8 @@ def main():
     print("| layout | step s (median) | last step s | linear s (GFLOP/s) | attention s (GFLOP/s) "
           "| other s | outside kernels s | blocked: agreement / all-to-all / all-reduce / "
           "send-recv / all-gather s | rest outside s | kernel s per rank, fastest / slowest "
-          "| speed-up per round |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| steal s per rank (its kernel s) | speed-up per round |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for lay in layouts:
         step, k, f, last, w, spread = res[lay][-1][:6]
         rate = lambda c: f[c] / k[c] / 1e9 if k[c] > 0 else 0.0
@@ -184,7 +188,10 @@ def main():
         print(f"| tp{lay[0]} ring{lay[1]} ulysses{lay[2]} | {step:.3f} | {last:.3f} | "
               f"{k['linear']:.3f} ({rate('linear'):.1f}) | {k['attention']:.3f} "
               f"({rate('attention'):.1f}) | {k['other']:.3f} | {outside:.3f} | {parts} | "
-              f"{outside - blocked:.3f} | {spread[0]:.3f} / {spread[1]:.3f} | {ups} |")
+              f"{outside - blocked:.3f} | {spread[0]:.3f} / {spread[1]:.3f} | "
+              + ", ".join("?" if st is None else f"{st:.2f} ({kk:.3f})"
+                          for kk, st in res[lay][-1][10])
+              + f" | {ups} |")
     print("medians of the step per layout:",
           ", ".join(f"tp{t}r{r}u{u} {statistics.median(x[0] for x in res[(t, r, u)]):.3f}"
                     for t, r, u in layouts))
