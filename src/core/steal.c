@@ -57,8 +57,6 @@ double mdt_cpu_steal_delta(int c0, const double *s0, int n0, int c1, const doubl
     if (c0 < 0 || c1 < 0 || c0 >= n0 || c1 >= n1 || c0 >= n1 || c1 >= n0 || s0[c0] < 0 ||
         s1[c0] < 0 || s0[c1] < 0 || s1[c1] < 0)
         return -1.0;
-    double d = s1[c0] - s0[c0];
-    if (c1 != c0)
-        d += s1[c1] - s0[c1];
+    const double d0 = s1[c0] - s0[c0], d1 = s1[c1] - s0[c1], d = d0 > d1 ? d0 : d1;
     return d > 0 ? d : 0.0;
 }

@@ -18,9 +18,10 @@ int mdt_cpu_steal_all(const char *root, double *out, int cap);
 int mdt_cpu_current(void);
 
 /* The steal of a forward that began on CPU `c0` with `s0` (mdt_cpu_steal_all's vector, n0
- * entries) and ended on `c1` with `s1` (n1): the seconds taken from the CPU it ran on, summed
- * over both when the thread moved (a bound: what the move cost is not known). -1 when either
- * reading is missing. */
+ * entries) and ended on `c1` with `s1` (n1): the seconds taken from the CPU it ran on; when the
+ * thread moved, the larger of the two CPUs' (when it moved is not known, so an estimate: each
+ * CPU's count covers the whole forward, part of it spent on the other). -1 when either reading
+ * is missing. */
 double mdt_cpu_steal_delta(int c0, const double *s0, int n0, int c1, const double *s1, int n1);
 
 #endif /* MDT_CORE_STEAL_H */

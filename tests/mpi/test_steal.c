@@ -22,7 +22,8 @@
 static int g_rank, g_bump, g_forwards;
 static char g_root[256];
 
-/* proc/stat with every configured vCPU's steal at g_forwards * (rank + 1) * 25 ticks */
+/* proc/stat with every configured vCPU's steal at g_forwards * (rank + 1) * 25 ticks: the same
+ * on every CPU, so a rank the scheduler moves mid-forward reads the same steal */
 static void write_stat(int world_rank) {
     char path[512];
     snprintf(path, sizeof path, "%s/proc/stat", g_root);
