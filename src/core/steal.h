@@ -2,7 +2,9 @@
  * steal.h — the seconds a hypervisor ran something else while a vCPU of this guest wanted to
  * run (the steal column of /proc/stat's cpuN lines), and the CPU the calling thread is on: what
  * a run report puts beside each forward, so a slow step on a shared host is told from a slow
- * mesh. Linux; elsewhere nothing is known (-1, 0 CPUs). No MPI.
+ * mesh. Linux; elsewhere nothing is known (-1, 0 CPUs). No MPI; no allocation (a forward's
+ * statistics read it inside the step loop). Counts and seconds, not statuses: an unreadable file
+ * is an unknown reading, never an error.
  */
 #ifndef MDT_CORE_STEAL_H
 #define MDT_CORE_STEAL_H
@@ -12,16 +14,16 @@
  * Returns how many it filled (1 + the highest cpuN seen, at most cap), or 0 when the file
  * cannot be read or names no vCPU. `root` prefixes the path ("" for this system; a directory
  * tree in tests). */
-int mdt_cpu_steal_all(const char *root, double *out, int cap);
+int mdt_steal_read_all(const char *root, double *out, int cap);
 
 /* The CPU the calling thread runs on now, or -1 when the system cannot say. */
-int mdt_cpu_current(void);
+int mdt_steal_cpu_now(void);
 
-/* The steal of a forward that began on CPU `c0` with `s0` (mdt_cpu_steal_all's vector, n0
+/* The steal of a forward that began on CPU `c0` with `s0` (mdt_steal_read_all's vector, n0
  * entries) and ended on `c1` with `s1` (n1): the seconds taken from the CPU it ran on; when the
  * thread moved, the larger of the two CPUs' (when it moved is not known, so an estimate: each
  * CPU's count covers the whole forward, part of it spent on the other). -1 when either reading
  * is missing. */
-double mdt_cpu_steal_delta(int c0, const double *s0, int n0, int c1, const double *s1, int n1);
+double mdt_steal_delta(int c0, const double *s0, int n0, int c1, const double *s1, int n1);
 
 #endif /* MDT_CORE_STEAL_H */

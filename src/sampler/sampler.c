@@ -258,9 +258,9 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
          * MDT_STEAL_CPUS read as unknown) */
         enum { MDT_STEAL_CPUS = 512 };
         double sv0[MDT_STEAL_CPUS], sv1[MDT_STEAL_CPUS];
-        const int cpu0 = stats ? mdt_cpu_current() : -1;
+        const int cpu0 = stats ? mdt_steal_cpu_now() : -1;
         const char *proc = mdt_test_hooks_get()->proc_root; /* the test seam, else "" */
-        const int n0 = stats ? mdt_cpu_steal_all(proc ? proc : "", sv0, MDT_STEAL_CPUS) : 0;
+        const int n0 = stats ? mdt_steal_read_all(proc ? proc : "", sv0, MDT_STEAL_CPUS) : 0;
         /* no barrier first: the previous forward's agreement (or the load's) left every rank
          * together */
         double ts = mdt_now();
@@ -279,9 +279,9 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         times[i] = mdt_now() - ts;
         steal[i] = -1.0;
         if (stats) {
-            const int cpu1 = mdt_cpu_current(),
-                      n1 = mdt_cpu_steal_all(proc ? proc : "", sv1, MDT_STEAL_CPUS);
-            steal[i] = mdt_cpu_steal_delta(cpu0, sv0, n0, cpu1, sv1, n1);
+            const int cpu1 = mdt_steal_cpu_now(),
+                      n1 = mdt_steal_read_all(proc ? proc : "", sv1, MDT_STEAL_CPUS);
+            steal[i] = mdt_steal_delta(cpu0, sv0, n0, cpu1, sv1, n1);
         }
         per = *mdt_counters_get();
         for (int k = 0; mesh && k < MDT_WAIT_BUCKETS; k++)
