@@ -365,7 +365,8 @@ typedef struct mdt_run_stats mdt_run_stats;
  * With steps = 0, `repeat` forwards; the result is the last one's outputs. `outputs` (created by
  * the caller, empty) receives the result. Every output is checked finite (MDT_E_NUMERIC naming
  * the tensor and element otherwise; a latent that goes non-finite is named with its step). With
- * `stats` (optional), *stats receives the run statistics (gathered to world rank 0).
+ * `stats` (optional; every rank passes one or none: gathering them is collective), *stats
+ * receives the run statistics (gathered to world rank 0).
  * Collective over the model's mesh; every rank returns the same status, except when
  * mdt_mesh_peers_stuck is set afterwards (then the caller must end the job). */
 mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *inputs, const mdt_sample_params *p,

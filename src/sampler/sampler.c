@@ -83,7 +83,8 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     s->facts[0] = mine; /* rank 0's own; elsewhere the only entry */
     /* per forward the most any rank lost to the hypervisor: the step waits for the slowest
      * (-1, unknown, loses to any reading) */
-    if (mesh && MPI_Reduce(mine.pub.rank == 0 ? MPI_IN_PLACE : steal, steal, nsteps, MPI_DOUBLE,
+    const int root = mine.pub.rank == 0;
+    if (mesh && MPI_Reduce(root ? MPI_IN_PLACE : steal, root ? steal : NULL, nsteps, MPI_DOUBLE,
                            MPI_MAX, 0, mesh->world) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "run statistics: MPI_Reduce failed");
     return MDT_OK;
@@ -345,21 +346,19 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         return st;
     }
     mdt_run_stats *s = calloc(1, sizeof *s);
-    if (!s) {
+    double *sorted = malloc((size_t)nsteps * sizeof *sorted);
+    /* the statistics' collectives follow: every rank learns whether all could allocate */
+    if ((st = mdt_mesh_agree(
+             mesh, s && sorted ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory"))) != MDT_OK) {
         mdt_cache_free(cache);
-        free(times);
-        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
+        free(times), free(s), free(sorted);
+        return st;
     }
     s->cache = cache; /* its decisions go to the report */
     s->steps = nsteps, s->sampled = steps > 0;
     const double last_s = times[nsteps - 1]; /* the step the other counters are of */
     s->step_s = times;                       /* in order; the median sorts a copy */
     s->steal_s = steal;                      /* the second row of the same allocation */
-    double *sorted = malloc((size_t)nsteps * sizeof *sorted);
-    if (!sorted) {
-        mdt_run_stats_free(s);
-        return MDT_FAIL(MDT_E_NOMEM, "out of memory");
-    }
     memcpy(sorted, times, (size_t)nsteps * sizeof *sorted);
     s->step_median_s = mdt_median(sorted, nsteps);
     free(sorted);
