@@ -348,8 +348,8 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     mdt_run_stats *s = calloc(1, sizeof *s);
     double *sorted = malloc((size_t)nsteps * sizeof *sorted);
     /* the statistics' collectives follow: every rank learns whether all could allocate */
-    if ((st = mdt_mesh_agree(
-             mesh, s && sorted ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory"))) != MDT_OK) {
+    st = mdt_mesh_agree(mesh, s && sorted ? MDT_OK : MDT_FAIL(MDT_E_NOMEM, "out of memory"));
+    if (st != MDT_OK || !s || !sorted) {
         mdt_cache_free(cache);
         free(times), free(s), free(sorted);
         return st;

@@ -127,13 +127,5 @@ int main(int argc, char **argv) {
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_root);
     if (g_root[0] && system(cmd) != 0)
         fprintf(stderr, "could not remove %s\n", g_root);
-    int fails = t_fail, any = 0;
-    MPI_Allreduce(&fails, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    t_fail = any;
-    if (g_rank != 0)
-        t_pass = 0;
-    MPI_Finalize();
-    if (g_rank != 0)
-        return any ? 1 : 0;
-    TEST_END();
+    MPI_TEST_END(g_rank);
 }

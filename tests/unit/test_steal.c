@@ -10,6 +10,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -63,7 +64,7 @@ static void reading(void) {
     EXPECT(n == 300 && bad == 0 && many[300] == -1, "300 vCPUs: %d read, %d wrong", n, bad);
     /* a first line longer than the buffer (no cpu line is): nothing read, no overrun */
     big = malloc(9000);
-    memcpy(big, "cpu0", 4);
+    strcpy(big, "cpu0"); /* its NUL overwritten next */
     memset(big + 4, '7', 8990);
     memcpy(big + 8994, " 1 2\n", 6);
     put_stat(big);
