@@ -90,3 +90,17 @@ double mdt_steal_delta(int c0, const double *s0, int n0, int c1, const double *s
     const double d0 = s1[c0] - s0[c0], d1 = s1[c1] - s0[c1], d = d0 > d1 ? d0 : d1;
     return d > 0 ? d : 0.0;
 }
+
+void mdt_steal_mark_now(const char *root, mdt_steal_mark *mk) {
+    mk->cur = 0;
+    mk->cpu = mdt_steal_cpu_now();
+    mk->n = mdt_steal_read_all(root, mk->v[0], MDT_STEAL_CPUS);
+}
+
+double mdt_steal_since(const char *root, mdt_steal_mark *mk) {
+    const int nxt = 1 - mk->cur, cpu = mdt_steal_cpu_now();
+    const int n = mdt_steal_read_all(root, mk->v[nxt], MDT_STEAL_CPUS);
+    const double d = mdt_steal_delta(mk->cpu, mk->v[mk->cur], mk->n, cpu, mk->v[nxt], n);
+    mk->cur = nxt, mk->cpu = cpu, mk->n = n;
+    return d;
+}

@@ -26,4 +26,19 @@ int mdt_steal_cpu_now(void);
  * is missing. */
 double mdt_steal_delta(int c0, const double *s0, int n0, int c1, const double *s1, int n1);
 
+/* A reading to measure the next interval's steal from: the CPU and its vector, and a second
+ * vector for the next reading (the two swap, so each reading is taken once). */
+enum { MDT_STEAL_CPUS = 512 }; /* vCPUs past these read as unknown */
+typedef struct mdt_steal_mark {
+    int cpu, n, cur;             /* the CPU, mdt_steal_read_all's count, the row in v */
+    double v[2][MDT_STEAL_CPUS]; /* [2, MDT_STEAL_CPUS] */
+} mdt_steal_mark;
+
+/* Takes a reading into *mk (from `root`, as mdt_steal_read_all). */
+void mdt_steal_mark_now(const char *root, mdt_steal_mark *mk);
+
+/* The steal since *mk (mdt_steal_delta of the two readings; -1 unknown), and *mk becomes this
+ * reading: consecutive calls give consecutive intervals, one /proc/stat read each. */
+double mdt_steal_since(const char *root, mdt_steal_mark *mk);
+
 #endif /* MDT_CORE_STEAL_H */

@@ -19,6 +19,10 @@ int mdt_run_stats_sampled(const mdt_run_stats *s) { return s->sampled; }
 double mdt_run_stats_step_seconds(const mdt_run_stats *s) { return s->step_median_s; }
 int mdt_run_stats_rank_count(const mdt_run_stats *s) { return s->nranks; }
 
+double *mdt_run_stats_steal(const mdt_run_stats *s) {
+    return s->step_s ? s->step_s + s->steps : NULL;
+}
+
 const mdt_rank_stats *mdt_run_stats_rank(const mdt_run_stats *s, int i) {
     return i >= 0 && i < s->nranks ? &s->facts[i].pub : NULL;
 }
@@ -154,9 +158,10 @@ mdt_status mdt_run_report_json(const mdt_model *m, const mdt_run_stats *s, doubl
     /* per forward the most seconds the hypervisor took from any rank's vCPU (/proc/stat's
      * steal, 10 ms ticks; null: not known): a step slowed by a shared host, not by the mesh */
     cJSON *stl = cJSON_AddArrayToObject(r, "steal_seconds");
-    for (int i = 0; stl && s->steal_s && i < s->steps; i++)
-        cJSON_AddItemToArray(stl, s->steal_s[i] >= 0 ? cJSON_CreateNumber(s->steal_s[i])
-                                                     : cJSON_CreateNull());
+    const double *steal = mdt_run_stats_steal(s);
+    for (int i = 0; stl && steal && i < s->steps; i++)
+        cJSON_AddItemToArray(stl,
+                             steal[i] >= 0 ? cJSON_CreateNumber(steal[i]) : cJSON_CreateNull());
     mdt_lora_report(m, r); /* the adapters fused into the weights */
     if (s->cache)
         add_cache(r, s->cache);

@@ -23,12 +23,14 @@ struct mdt_run_stats {
     int steps, sampled;
     double step_median_s;
     double *step_s;          /* [2, steps] this rank's wall seconds of each forward, in order,
-                              * then steal_s's row (one allocation) */
-    double *steal_s;         /* [steps] per forward the most steal any rank's vCPU saw (rank 0;
-                              * elsewhere its own), -1 unknown (core/steal.h) */
+                              * then the steal row (mdt_run_stats_steal) */
     int nranks;              /* entries of facts: the world on rank 0, else 1 */
     mdt_rank_facts *facts;   /* [nranks] */
     struct mdt_cache *cache; /* the run's step cache and its decisions (NULL: none) */
 };
+
+/* [steps] per forward the most seconds the hypervisor took from any rank's vCPU (rank 0; elsewhere
+ * its own), -1 unknown (core/steal.h): step_s's second row. */
+double *mdt_run_stats_steal(const mdt_run_stats *s);
 
 #endif /* MDT_SAMPLER_RUN_STATS_H */

@@ -31,7 +31,7 @@ static long max_rss_kib(void) {
 /* This rank's facts of the last step, gathered to world rank 0. Collective over the world. */
 static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, const int64_t *coll,
                                const int64_t *group, int64_t world_colls, const double *wait,
-                               double step_s, double *steal, int nsteps, mdt_run_stats *s) {
+                               double step_s, mdt_run_stats *s) {
     mdt_mesh *mesh = m->mesh;
     mdt_rank_facts mine = {0};
     const int64_t heads = mdt_model_dims_of(m).heads;
@@ -71,7 +71,8 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     memcpy(mine.coll, coll, sizeof mine.coll);
     memcpy(mine.wait_s, wait, sizeof mine.wait_s);
     mine.step_s = step_s;
-    mine.steal_s = steal[nsteps - 1];
+    double *steal = mdt_run_stats_steal(s);
+    mine.steal_s = steal[s->steps - 1];
     const int world = mesh ? mesh->world_size : 1;
     s->facts = calloc((size_t)world, sizeof *s->facts);
     /* every rank learns whether all could allocate before any enters the gather */
@@ -84,7 +85,7 @@ static mdt_status gather_stats(const mdt_model *m, const mdt_counters *per, cons
     /* per forward the most any rank lost to the hypervisor: the step waits for the slowest
      * (-1, unknown, loses to any reading) */
     const int root = mine.pub.rank == 0;
-    if (mesh && MPI_Reduce(root ? MPI_IN_PLACE : steal, root ? steal : NULL, nsteps, MPI_DOUBLE,
+    if (mesh && MPI_Reduce(root ? MPI_IN_PLACE : steal, root ? steal : NULL, s->steps, MPI_DOUBLE,
                            MPI_MAX, 0, mesh->world) != MPI_SUCCESS)
         return MDT_FAIL(MDT_E_MPI, "run statistics: MPI_Reduce failed");
     return MDT_OK;
@@ -230,6 +231,14 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     const double saved_timeout = m->step_timeout;
     if (p->step_timeout > 0)
         mdt_model_set_step_timeout(m, p->step_timeout);
+    /* the vCPU's steal, read once a forward for the statistics (a few microseconds): forward i's
+     * counts from forward i-1's end, the sampler's update between them included */
+    const char *proc = mdt_test_hooks_get()->proc_root; /* the test seam */
+    if (!proc)
+        proc = "";
+    mdt_steal_mark mark;
+    if (stats)
+        mdt_steal_mark_now(proc, &mark);
     for (int i = 0; i < nsteps && st == MDT_OK; i++) {
         /* flow-matching Euler: sigma_i = 1 - i/N, x <- x + (sigma_{i+1} - sigma_i) v */
         double sig = 1.0 - (double)i / (double)nsteps, sig_next = 1.0 - (double)(i + 1) / nsteps;
@@ -255,13 +264,6 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             w0 = mesh->world_collectives;
         }
         mdt_counters_reset();
-        /* the vCPU's steal around the forward (a few microseconds a read; the CPUs past
-         * MDT_STEAL_CPUS read as unknown) */
-        enum { MDT_STEAL_CPUS = 512 };
-        double sv0[MDT_STEAL_CPUS], sv1[MDT_STEAL_CPUS];
-        const int cpu0 = stats ? mdt_steal_cpu_now() : -1;
-        const char *proc = mdt_test_hooks_get()->proc_root; /* the test seam, else "" */
-        const int n0 = stats ? mdt_steal_read_all(proc ? proc : "", sv0, MDT_STEAL_CPUS) : 0;
         /* no barrier first: the previous forward's agreement (or the load's) left every rank
          * together */
         double ts = mdt_now();
@@ -278,12 +280,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
             st = mdt_model_forward(m, in, direct ? outputs : res); /* guarded, watched, agreed */
         }
         times[i] = mdt_now() - ts;
-        steal[i] = -1.0;
-        if (stats) {
-            const int cpu1 = mdt_steal_cpu_now(),
-                      n1 = mdt_steal_read_all(proc ? proc : "", sv1, MDT_STEAL_CPUS);
-            steal[i] = mdt_steal_delta(cpu0, sv0, n0, cpu1, sv1, n1);
-        }
+        steal[i] = stats ? mdt_steal_since(proc, &mark) : -1.0;
         per = *mdt_counters_get();
         for (int k = 0; mesh && k < MDT_WAIT_BUCKETS; k++)
             wait[k] = mesh->wait_s[k] - ws0[k];
@@ -358,7 +355,6 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
     s->steps = nsteps, s->sampled = steps > 0;
     const double last_s = times[nsteps - 1]; /* the step the other counters are of */
     s->step_s = times;                       /* in order; the median sorts a copy */
-    s->steal_s = steal;                      /* the second row of the same allocation */
     memcpy(sorted, times, (size_t)nsteps * sizeof *sorted);
     s->step_median_s = mdt_median(sorted, nsteps);
     free(sorted);
@@ -366,8 +362,7 @@ mdt_status mdt_sample(mdt_model *m, mdt_tensor_set *in, const mdt_sample_params 
         mdt_run_stats_free(s);
         return st;
     }
-    if ((st = gather_stats(m, &per, coll, group, world_colls, wait, last_s, steal, nsteps, s)) !=
-        MDT_OK) {
+    if ((st = gather_stats(m, &per, coll, group, world_colls, wait, last_s, s)) != MDT_OK) {
         mdt_run_stats_free(s);
         return st;
     }

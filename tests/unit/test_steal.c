@@ -1,8 +1,9 @@
 /*
  * test_steal.c — the hypervisor's steal per vCPU read from a fake /proc/stat (the eighth
  * number of each cpuN line, in USER_HZ ticks), offline and missing vCPUs, a file without
- * them, lines spread over several reads and one longer than the buffer, and a forward's steal
- * when its thread stayed on one CPU or moved (the larger of the two).
+ * them, lines spread over several reads and one longer than the buffer, a forward's steal when
+ * its thread stayed on one CPU or moved (the larger of the two), and consecutive intervals from
+ * a mark.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "harness.h"
@@ -86,6 +87,29 @@ static void delta(void) {
     EXPECT(mdt_steal_delta(-1, s0, 3, 0, s1, 3) == -1, "no CPU number: unknown");
     EXPECT(mdt_steal_delta(0, s0, 0, 0, s1, 3) == -1, "no first reading: unknown");
     EXPECT(mdt_steal_delta(1, s0, 3, 1, s1, 1) == -1, "past the second reading: unknown");
+    /* a mark and consecutive intervals from it, one reading each (a fake file the same on every
+     * CPU, so the CPU this thread is on does not matter) */
+    const double tick = 1.0 / (double)sysconf(_SC_CLK_TCK);
+    char text[64 * MDT_STEAL_CPUS + 64];
+    long ncpu = sysconf(_SC_NPROCESSORS_CONF);
+    ncpu = ncpu < 1 ? 1 : ncpu > MDT_STEAL_CPUS ? MDT_STEAL_CPUS : ncpu;
+    static mdt_steal_mark mk; /* 8 KiB: off the stack */
+    const int ticks[3] = {100, 130, 130};
+    double got[2];
+    for (int k = 0; k < 3; k++) {
+        int w = 0;
+        for (long c = 0; c < ncpu; c++)
+            w += snprintf(text + w, sizeof text - (size_t)w, "cpu%ld 1 2 3 4 5 6 7 %d 0 0\n", c,
+                          ticks[k]);
+        put_stat(text);
+        if (k == 0)
+            mdt_steal_mark_now(g_root, &mk);
+        else
+            got[k - 1] = mdt_steal_since(g_root, &mk);
+    }
+    EXPECT(mdt_steal_cpu_now() < 0 || mdt_steal_cpu_now() >= ncpu ||
+               (fabs(got[0] - 30 * tick) < 1e-9 && got[1] == 0),
+           "consecutive intervals: %g then %g (30 ticks, then none)", got[0], got[1]);
     /* this system: a reading of the CPU this thread is on, never negative */
     double a[512], b[512];
     const int c = mdt_steal_cpu_now(), na = mdt_steal_read_all("", a, 512);
