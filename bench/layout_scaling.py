@@ -30,6 +30,7 @@ Run with OPENBLAS_CORETYPE unset (the script unsets it) and one thread per rank;
 build/meshdit and build/bench/bench_sgemm (`make bench`) and MPICH's mpiexec (MPIEXEC overrides).
 """
 import argparse
+import collections
 import json
 import os
 import re
@@ -58,13 +59,26 @@ def cpu_steal():
     return [int(x[8]) / hz if len(x) > 8 else 0.0 for x in rows]
 
 
+# one run's figures: the step median, rank 0's kernel seconds, FLOPs, last step and waits, the
+# ranks' kernel seconds (fastest, slowest), rank 0's forwards in order, each vCPU's steal over
+# the whole run (/proc/stat) and its wall seconds, the report's steal per forward, and per rank
+# (kernel seconds, steal) of the last step
+Run = collections.namedtuple("Run", "step kernel flops last wait spread forwards vcpu_steal wall "
+                                    "steal rank_steal")
+
+
+def run_cmd(a, tmp, name, binary=None):
+    """The `meshdit run` command of one timed run and its report's path."""
+    report = os.path.join(tmp, f"report_{name}.json")
+    return [binary or a.meshdit, "run", "--checkpoint", os.path.join(tmp, "ckpt"), "--inputs",
+            os.path.join(tmp, "in.safetensors"), "--out", os.path.join(tmp, f"out_{name}.st"),
+            "--repeat", str(a.repeat + 1), "--report", report, "--quiet"], report
+
+
 def run_layout(a, env, tmp, t, r, u, tag, pack=None, binary=None):
     n = t * r * u
-    report = os.path.join(tmp, f"report_{t}{r}{u}_{tag}.json")
-    cmd = [binary or a.meshdit, "run", "--checkpoint", os.path.join(tmp, "ckpt"), "--inputs",
-           os.path.join(tmp, "in.safetensors"), "--out", os.path.join(tmp, f"out_{t}{r}{u}.st"),
-           "--repeat", str(a.repeat + 1), "--tp", str(t), "--ring", str(r), "--ulysses", str(u),
-           "--report", report, "--quiet"]
+    cmd, report = run_cmd(a, tmp, f"{t}{r}{u}_{tag}", binary)
+    cmd += ["--tp", str(t), "--ring", str(r), "--ulysses", str(u)]
     if n > 1:
         cmd = [a.mpiexec, "-n", str(n)] + cmd
     if pack:
@@ -82,10 +96,10 @@ def run_layout(a, env, tmp, t, r, u, tag, pack=None, binary=None):
     # ... and each rank's vCPU's steal in that step: kernel seconds are wall seconds, so a rank
     # the host stole from runs its kernels longer by about that much
     sl = [x.get("steal_seconds_last_step") for x in d["ranks"]]
-    return (d["step_seconds_median"], rk["kernel_seconds_per_step"], rk["flops_per_step"],
-            rk["last_step_seconds"], rk["wait_seconds_last_step"], (min(ks), max(ks)),
-            d.get("step_seconds", []), steal, wall, d.get("steal_seconds", []),
-            list(zip(ks, sl)))
+    return Run(d["step_seconds_median"], rk["kernel_seconds_per_step"], rk["flops_per_step"],
+               rk["last_step_seconds"], rk["wait_seconds_last_step"], (min(ks), max(ks)),
+               d.get("step_seconds", []), steal, wall, d.get("steal_seconds", []),
+               list(zip(ks, sl)))
 
 
 def run_pair(a, env, tmp, tag):
@@ -94,11 +108,8 @@ def run_pair(a, env, tmp, tag):
     host gives two busy vCPUs, the ceiling of any 2-rank layout here."""
     procs, reports = [], []
     for c in range(2):
-        rep = os.path.join(tmp, f"report_pair{c}_{tag}.json")
+        cmd, rep = run_cmd(a, tmp, f"pair{c}_{tag}")
         reports.append(rep)
-        cmd = [a.meshdit, "run", "--checkpoint", os.path.join(tmp, "ckpt"), "--inputs",
-               os.path.join(tmp, "in.safetensors"), "--out", os.path.join(tmp, f"out_pair{c}.st"),
-               "--repeat", str(a.repeat + 1), "--report", rep, "--quiet"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))
     for pr in procs:
@@ -190,7 +201,7 @@ def main():
               f"({rate('attention'):.1f}) | {k['other']:.3f} | {outside:.3f} | {parts} | "
               f"{outside - blocked:.3f} | {spread[0]:.3f} / {spread[1]:.3f} | "
               + ", ".join("?" if st is None else f"{st:.2f} ({kk:.3f})"
-                          for kk, st in res[lay][-1][10])
+                          for kk, st in res[lay][-1].rank_steal)
               + f" | {ups} |")
     print("medians of the step per layout:",
           ", ".join(f"tp{t}r{r}u{u} {statistics.median(x[0] for x in res[(t, r, u)]):.3f}"
@@ -211,7 +222,7 @@ def main():
     # 10 ms ticks): the scaling of the forwards nothing was stolen from against those with steal,
     # each against one rank's median forward (warm-ups left out)
     def fwd(x):
-        return list(zip(x[6][1:], (x[9] or [None] * len(x[6]))[1:]))
+        return list(zip(x.forwards[1:], (x.steal or [None] * len(x.forwards))[1:]))
     one_fwd = statistics.median(t for x in res[(1, 1, 1)] for t, _ in fwd(x))
     print("\nper forward (warm-ups left out): the most steal any rank's vCPU saw, and the scaling "
           f"against one rank's median forward ({one_fwd:.3f} s):")
@@ -237,7 +248,7 @@ def main():
         print("\ntwo one-rank copies at once (--pair), per round: median forward per copy, "
               "one rank alone, the ceiling 2 x alone / at once, and the copies' steal ms median")
         for rnd, pr in enumerate(pairs):
-            alone = statistics.median(res[(1, 1, 1)][rnd][6][1:])
+            alone = statistics.median(res[(1, 1, 1)][rnd].forwards[1:])
             meds = [statistics.median(t) for t, _ in pr]
             st = [v for _, s in pr for v in s if v is not None]
             print(f"- round {rnd}: " + " / ".join(f"{m:.3f}" for m in meds)
@@ -252,9 +263,8 @@ def main():
     for lay in layouts:
         cells = []
         for x in res[lay]:
-            st = x[7]
-            cells.append(("/".join(f"{1000 * v:.0f}" for v in st) if st is not None else "n/a")
-                         + f" in {x[8]:.1f}")
+            cells.append(("/".join(f"{1000 * v:.0f}" for v in x.vcpu_steal)
+                          if x.vcpu_steal is not None else "n/a") + f" in {x.wall:.1f}")
         print(f"- tp{lay[0]} ring{lay[1]} ulysses{lay[2]}: " + " \\| ".join(cells))
     if a.pack_compare or a.baseline:
         p1 = [x[0] for x in plain[(1, 1, 1)]]
