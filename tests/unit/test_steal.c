@@ -95,7 +95,7 @@ static void delta(void) {
     ncpu = ncpu < 1 ? 1 : ncpu > MDT_STEAL_CPUS ? MDT_STEAL_CPUS : ncpu;
     static mdt_steal_mark mk; /* 8 KiB: off the stack */
     const int ticks[3] = {100, 130, 130};
-    double got[2];
+    double got[2] = {-1, -1};
     for (int k = 0; k < 3; k++) {
         int w = 0;
         for (long c = 0; c < ncpu; c++)
